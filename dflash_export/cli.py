@@ -1,0 +1,63 @@
+"""The `dflash-export` command line: one subcommand per pipeline step.
+
+Each command lives in its own module (cmd_*.py) and imports heavy libraries (torch, onnx,
+tensorrt) inside the function, so `generate` and `bench` run where torch is not installed.
+"""
+
+from __future__ import annotations
+
+import click
+
+from . import __version__
+from .runtime.errors import DFlashError
+
+
+class Group(click.Group):
+    """Turns every DFlashError into one line on stderr and exit status 2: never a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except DFlashError as e:
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(2)
+        except KeyboardInterrupt:
+            click.echo("error: interrupted", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="dflash-export")
+def cli() -> None:
+    """Export DFlash speculative decoding (a target LLM + its block-diffusion drafter) to
+    ONNX Runtime and TensorRT, check parity against PyTorch, and run it.
+
+    \b
+    Pipeline:
+      dflash-export export --target T --draft D --out OUT   trace to ONNX + manifest
+      dflash-export check OUT --target T --draft D          parity vs PyTorch
+      dflash-export generate OUT --prompt "..."             speculative decoding (ORT)
+      dflash-export bench OUT                               speedup vs plain decoding
+      dflash-export build OUT                               TensorRT engines
+    """
+
+
+def _register() -> None:
+    import importlib
+
+    for name in ("cmd_export", "cmd_run", "cmd_trt", "cmd_train"):
+        try:
+            mod = importlib.import_module(f".{name}", __package__)
+        except ModuleNotFoundError as e:
+            if e.name == f"{__package__}.{name}":
+                continue  # command module not written yet
+            raise
+        for command in getattr(mod, "COMMANDS", ()):
+            cli.add_command(command)
+
+
+_register()
+
+
+def main() -> None:
+    cli()

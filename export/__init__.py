@@ -1,0 +1,1 @@
+"""Turns models/ into artifacts that satisfy runtime/'s contract (ONNX, TensorRT)."""

@@ -1,0 +1,11 @@
+"""PyTorch reference modules (the export source) and the oracle generator."""
+
+from .config import DraftConfig, TargetConfig, default_target_layer_ids
+from .drafter import Drafter, draft_config_dict, new_drafter
+from .generate import Generation, KVCache, autoregressive_generate, speculative_generate
+from .target import Target
+
+__all__ = [
+    "DraftConfig", "TargetConfig", "default_target_layer_ids", "Drafter", "draft_config_dict", "new_drafter",
+    "Generation", "KVCache", "autoregressive_generate", "speculative_generate", "Target",
+]

@@ -1,0 +1,65 @@
+"""Reading and writing safetensors checkpoints, strictly: every tensor accounted for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..runtime.errors import DFlashError
+
+
+def load_state_dict(directory: str | Path, what: str) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory: one file, or shards listed by an index."""
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise DFlashError(f"{index}: malformed shard index ({e})") from None
+    else:
+        files = sorted(p.name for p in d.glob("*.safetensors"))
+    if not files:
+        raise DFlashError(f"{what} directory {d} has no *.safetensors weights (only safetensors checkpoints are read)")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = d / name
+        if not path.is_file():
+            raise DFlashError(f"{what} directory {d}: shard {name} listed in the index is missing")
+        try:
+            state.update(load_file(path))
+        except Exception as e:  # safetensors raises its own error types across versions
+            raise DFlashError(f"{path}: unreadable safetensors file ({e})") from None
+    return state
+
+
+def strict_load(model: nn.Module, state: dict[str, torch.Tensor], where: str, dtype: torch.dtype, tied: set[str] = frozenset()) -> None:
+    """Load into a meta-initialised module; refuse missing, extra or misshapen tensors."""
+    expected = {k: v.shape for k, v in model.state_dict().items() if k not in tied}
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    if extra:
+        more = f" (+{len(extra) - 3} more)" if len(extra) > 3 else ""
+        raise DFlashError(f"{where}: unsupported tensors {', '.join(extra[:3])}{more}; this variant is not implemented")
+    if missing:
+        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise DFlashError(f"{where}: missing tensors {', '.join(missing[:3])}{more}")
+    for k, shape in expected.items():
+        if tuple(state[k].shape) != tuple(shape):
+            raise DFlashError(f"{where}: tensor {k} has shape {list(state[k].shape)}, expected {list(shape)}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=False)
+    for name in tied:  # re-tie after assign replaced the parameter objects
+        mod_name, _, attr = name.rpartition(".")
+        src = model.get_submodule("model.embed_tokens").weight
+        setattr(model.get_submodule(mod_name), attr, src)
+
+
+def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path), metadata={"format": "pt"})

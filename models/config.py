@@ -1,0 +1,290 @@
+"""Configs of the checkpoints people actually have: Hugging Face targets and z-lab drafters.
+
+Parsing is strict: anything we do not implement is refused with one line that names it,
+so nothing is ever loaded half-way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..runtime.errors import DFlashError
+
+TARGET_ARCHS = {
+    # architecture -> (q/k/v bias default, per-head q/k RMSNorm)
+    "LlamaForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+DRAFT_ARCH = "DFlashDraftModel"
+
+
+@dataclass
+class Rope:
+    theta: float
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def inv_freq(self, head_dim: int) -> list[float]:
+        """Per-pair rotation frequencies, scaled as transformers' rope init functions do."""
+        import torch
+
+        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if self.kind == "linear":
+            inv = inv / self.factor
+        elif self.kind == "llama3":
+            low_wavelen = self.original_max_position / self.low_freq_factor
+            high_wavelen = self.original_max_position / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+            inv = torch.where(medium, smoothed, scaled)
+        return inv
+
+
+def parse_rope(cfg: dict, where: str) -> Rope:
+    """RoPE from `rope_theta` + `rope_scaling` (transformers 4) or `rope_parameters` (5)."""
+    params = cfg.get("rope_parameters") or {}
+    if isinstance(params, dict) and params and "rope_theta" not in params and all(isinstance(v, dict) for v in params.values()):
+        raise DFlashError(f"{where}: per-layer-type rope_parameters are not supported")
+    scaling = cfg.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise DFlashError(f"{where}: rope type {kind!r} is not supported (supported: default, linear, llama3)")
+    return Rope(
+        theta=float(theta),
+        kind=kind,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def read_config(directory: str | Path, what: str) -> dict:
+    d = Path(directory)
+    if not d.is_dir():
+        raise DFlashError(f"{what} directory {d} does not exist")
+    p = d / "config.json"
+    if not p.is_file():
+        raise DFlashError(f"{what} directory {d} has no config.json; pass a Hugging Face checkpoint directory")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"{p}: invalid JSON ({e})") from None
+
+
+def _req(cfg: dict, key: str, where: str):
+    if cfg.get(key) is None:
+        raise DFlashError(f"{where}: config.json lacks {key!r}")
+    return cfg[key]
+
+
+@dataclass
+class TargetConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: Rope
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 4096
+    eos_token_ids: list[int] = field(default_factory=list)
+    dtype: str = "float32"
+
+    @classmethod
+    def from_dict(cls, cfg: dict, where: str = "target") -> "TargetConfig":
+        cfg = {**cfg.get("text_config", {}), **cfg} if "text_config" in cfg and "hidden_size" not in cfg else cfg
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in TARGET_ARCHS:
+            raise DFlashError(
+                f"{where}: architecture {arch!r} is not supported (supported: {', '.join(TARGET_ARCHS)})"
+            )
+        if cfg.get("use_sliding_window") and arch != "LlamaForCausalLM":
+            raise DFlashError(f"{where}: sliding-window attention in the target is not supported")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise DFlashError(f"{where}: hidden_act {act!r} is not supported (only silu)")
+        bias_default, qk_norm = TARGET_ARCHS[arch]
+        heads = int(_req(cfg, "num_attention_heads", where))
+        hidden = int(_req(cfg, "hidden_size", where))
+        eos = cfg.get("eos_token_id")
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        attention_bias = bool(cfg.get("attention_bias", bias_default))
+        return cls(
+            architecture=arch,
+            vocab_size=int(_req(cfg, "vocab_size", where)),
+            hidden_size=hidden,
+            num_layers=int(_req(cfg, "num_hidden_layers", where)),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(_req(cfg, "intermediate_size", where)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=parse_rope(cfg, where),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias if arch != "Qwen2ForCausalLM" else True,
+            o_bias=attention_bias if arch == "LlamaForCausalLM" else False,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=qk_norm,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            eos_token_ids=eos,
+            dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        )
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "TargetConfig":
+        return cls.from_dict(read_config(directory, "target"), where=f"target {directory}")
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The z-lab rule: one layer -> the middle one; else spread evenly over [1, L-3]."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: Rope
+    target_layer_ids: list[int]
+    num_target_layers: int
+    block_size: int
+    mask_token_id: int | None
+    layer_types: list[str]
+    sliding_window: int | None
+    is_causal: bool | None  # None: sliding layers causal, full layers not (z-lab rule)
+    vocab_size: int | None = None
+    raw: dict = field(default_factory=dict, repr=False)  # the original config, saved back as is
+
+    @classmethod
+    def from_dict(cls, cfg: dict, where: str = "drafter") -> "DraftConfig":
+        archs = cfg.get("architectures") or [DRAFT_ARCH]
+        if archs[0] != DRAFT_ARCH:
+            raise DFlashError(
+                f"{where}: architecture {archs[0]!r} is not supported (only {DRAFT_ARCH}; "
+                "DFlash2 selectors and convolutions are not implemented)"
+            )
+        nested = cfg.get("dflash_config") or {}
+        unsupported = [k for k in ("selector_rank", "conv_kernel_size", "conv_group_size", "final_logit_softcapping",
+                                   "output_multiplier", "input_embedding_scale") if nested.get(k, cfg.get(k)) not in (None, 1.0)]
+        if unsupported:
+            raise DFlashError(f"{where}: DFlash2 features are not supported: {', '.join(unsupported)}")
+        if cfg.get("attention_bias"):
+            raise DFlashError(f"{where}: attention_bias=true is not supported in drafters")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise DFlashError(f"{where}: hidden_act {act!r} is not supported (only silu)")
+        layers = int(_req(cfg, "num_hidden_layers", where))
+        heads = int(_req(cfg, "num_attention_heads", where))
+        hidden = int(_req(cfg, "hidden_size", where))
+        num_target_layers = cfg.get("num_target_layers")
+        tap_ids = nested.get("target_layer_ids", cfg.get("target_layer_ids"))
+        if tap_ids is None:
+            if num_target_layers is None:
+                raise DFlashError(f"{where}: config has neither dflash_config.target_layer_ids nor num_target_layers")
+            tap_ids = default_target_layer_ids(int(num_target_layers), layers)
+        block = nested.get("block_size", cfg.get("block_size"))
+        if block is None:
+            raise DFlashError(f"{where}: config lacks block_size (top level or in dflash_config)")
+        mask = nested.get("mask_token_id", cfg.get("mask_token_id"))
+        layer_types = cfg.get("layer_types") or ["full_attention"] * layers
+        if len(layer_types) != layers:
+            raise DFlashError(f"{where}: layer_types has {len(layer_types)} entries for {layers} layers")
+        bad = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise DFlashError(f"{where}: layer type(s) {bad} are not supported")
+        window = cfg.get("sliding_window")
+        if "sliding_attention" in layer_types and not window:
+            raise DFlashError(f"{where}: sliding_attention layers need a sliding_window")
+        return cls(
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(_req(cfg, "intermediate_size", where)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=parse_rope(cfg, where),
+            target_layer_ids=[int(i) for i in tap_ids],
+            num_target_layers=int(num_target_layers) if num_target_layers is not None else -1,
+            block_size=int(block),
+            mask_token_id=None if mask is None else int(mask),
+            layer_types=list(layer_types),
+            sliding_window=int(window) if window else None,
+            is_causal=cfg.get("is_causal"),
+            vocab_size=cfg.get("vocab_size"),
+            raw=cfg,
+        )
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "DraftConfig":
+        return cls.from_dict(read_config(directory, "drafter"), where=f"drafter {directory}")
+
+    def layer_window(self, j: int) -> int | None:
+        return self.sliding_window if self.layer_types[j] == "sliding_attention" else None
+
+    def layer_causal(self, j: int) -> bool:
+        if self.is_causal is not None:
+            return bool(self.is_causal)
+        return self.layer_types[j] == "sliding_attention"
+
+    def check_fits(self, target: TargetConfig, where: str = "drafter") -> None:
+        """Refuse a drafter that cannot be attached to this target."""
+        if self.hidden_size != target.hidden_size:
+            raise DFlashError(
+                f"{where}: hidden_size {self.hidden_size} does not match the target's {target.hidden_size}; "
+                "this drafter was trained for another target"
+            )
+        if self.num_target_layers not in (-1, target.num_layers):
+            raise DFlashError(
+                f"{where}: num_target_layers {self.num_target_layers} does not match the target's "
+                f"{target.num_layers} layers; this drafter was trained for another target"
+            )
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            raise DFlashError(f"{where}: target_layer_ids {bad} are outside the target's {target.num_layers} layers")
+        if self.vocab_size not in (None, target.vocab_size):
+            raise DFlashError(
+                f"{where}: vocab_size {self.vocab_size} does not match the target's {target.vocab_size}"
+            )
+
+    def resolve_mask_token_id(self, override: int | None = None) -> int:
+        if override is not None:
+            return int(override)
+        if self.mask_token_id is None:
+            raise DFlashError(
+                "the drafter config has no mask_token_id (dflash_config.mask_token_id is null or absent); "
+                "pass --mask-token-id ID (the id of the tokenizer's mask token)"
+            )
+        return self.mask_token_id

@@ -1,0 +1,208 @@
+"""The DFlash drafter (z-lab `DFlashDraftModel` format), split the way it is deployed.
+
+Two pieces, each a pure function of its inputs:
+
+- `context_kv`: target taps of newly accepted positions -> `fc` -> `hidden_norm` -> per
+  drafter layer K/V (k_norm + RoPE at their true positions). Context features never pass
+  through the drafter's MLPs; the caller appends these K/V to its context cache.
+- `block`: the block `[anchor, MASK, ...]` embedded with the target's `embed_tokens`,
+  through every layer with queries from the block and keys/values from
+  `[context cache ; block]`, non-causal inside the block (sliding layers: see `_visible`).
+  The target's `lm_head` maps positions 1..K-1 to the draft logits.
+
+The drafter owns no embedding and no LM head: they are passed in from the target.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import DRAFT_ARCH, DraftConfig, TargetConfig
+from .layers import MLP, RMSNorm, apply_rope, attend, rope_cos_sin
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.h, self.hkv, self.d = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.h * self.d, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.hkv * self.d, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.hkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.h * self.d, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.d, c.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        b, s, _ = x.shape
+        k = apply_rope(self.k_norm(self.k_proj(x).view(b, s, self.hkv, self.d)), cos, sin)
+        return k, self.v_proj(x).view(b, s, self.hkv, self.d)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.self_attn = DraftAttention(c)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class Drafter(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.register_buffer("inv_freq", c.rope.inv_freq(c.head_dim), persistent=False)
+
+    def empty_kv(self, batch: int = 1) -> KV:
+        c = self.config
+        z = self.fc.weight.new_zeros(batch, 0, c.num_kv_heads, c.head_dim)
+        return [(z, z) for _ in range(c.num_layers)]
+
+    def context_kv(self, taps: torch.Tensor, ctx_position_ids: torch.Tensor) -> KV:
+        """taps [B,C,T*H] of accepted positions -> per layer (k, v) [B,C,Hkv,D] to append."""
+        ctx = self.hidden_norm(self.fc(taps))
+        cos, sin = rope_cos_sin(ctx_position_ids, self.inv_freq, ctx.dtype)
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
+    def _visible(self, j: int, p: int, k: int, device) -> torch.Tensor | None:
+        """Mask over [context (p) ; block (k)] for layer j, as z-lab's reference builds it.
+
+        Key index == position, because the context cache holds every position before the
+        anchor. Full-attention layers see everything (non-causal); sliding layers are causal
+        unless the config says `is_causal`, and see only keys within `sliding_window`.
+        """
+        window, causal = self.config.layer_window(j), self.config.layer_causal(j)
+        if window is None and not causal:
+            return None
+        q = p + torch.arange(k, device=device)[:, None]
+        t = torch.arange(p + k, device=device)[None, :]
+        visible = torch.ones(k, p + k, dtype=torch.bool, device=device)
+        if causal:
+            visible = visible & (t <= q)
+        if window is not None:
+            visible = visible & (q - t < window)
+            if not causal:
+                visible = visible & (t - q < window)
+        return visible
+
+    def block(self, block_emb: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV) -> torch.Tensor:
+        """Embedded block [B,K,H] over the context cache -> final hidden states [B,K,H]."""
+        x = block_emb
+        b, k, _ = x.shape
+        cos, sin = rope_cos_sin(block_position_ids, self.inv_freq, x.dtype)
+        p = past_ctx[0][0].shape[1]
+        for j, layer in enumerate(self.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = apply_rope(a.q_norm(a.q_proj(h).view(b, k, a.h, a.d)), cos, sin)
+            kb, vb = a.kv(h, cos, sin)
+            keys = torch.cat([past_ctx[j][0], kb], 1)
+            values = torch.cat([past_ctx[j][1], vb], 1)
+            x = x + a.o_proj(attend(q, keys, values, self._visible(j, p, k, x.device)))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def draft_logits(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV):
+        """Logits [B,K-1,V] (fp32) for the masked positions, with the target's embedding and head."""
+        hidden = self.block(target.embed(block_ids), block_position_ids, past_ctx)
+        return target.lm_head(hidden[:, 1:]).float()
+
+    # -- z-lab format -------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> "Drafter":
+        from .checkpoint import load_state_dict, strict_load
+
+        config = DraftConfig.load(directory)
+        with torch.device("meta"):
+            model = cls(config)
+        strict_load(model, load_state_dict(directory, "drafter"), f"drafter {directory}", dtype)
+        model.inv_freq = config.rope.inv_freq(config.head_dim)
+        return model.eval()
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write config.json + model.safetensors in the z-lab layout (loadable by z-lab's code)."""
+        from .checkpoint import save_state_dict
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(self.config.raw, indent=2) + "\n")
+        save_state_dict(self.state_dict(), d / "model.safetensors")
+
+
+def draft_config_dict(
+    target: TargetConfig,
+    num_layers: int = 1,
+    block_size: int = 16,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+) -> dict:
+    """A fresh drafter config in the z-lab layout, sized for `target` (training, tests)."""
+    if target_layer_ids is None:
+        from .config import default_target_layer_ids
+
+        target_layer_ids = default_target_layer_ids(target.num_layers, num_layers)
+    heads = num_heads or target.num_heads
+    cfg = {
+        "architectures": [DRAFT_ARCH],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "hidden_size": target.hidden_size,
+        "intermediate_size": intermediate_size or target.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": num_kv_heads or target.num_kv_heads,
+        "head_dim": head_dim or target.head_dim,
+        "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope.theta,
+        "rope_scaling": None,
+        "max_position_embeddings": target.max_position_embeddings,
+        "vocab_size": target.vocab_size,
+        "tie_word_embeddings": False,
+        "num_target_layers": target.num_layers,
+        "block_size": block_size,
+        "dflash_config": {"target_layer_ids": list(target_layer_ids), "mask_token_id": mask_token_id},
+        "layer_types": layer_types or ["full_attention"] * num_layers,
+        "sliding_window": sliding_window,
+        "use_sliding_window": sliding_window is not None,
+        "dtype": "float32",
+    }
+    r = target.rope
+    if r.kind != "default":  # the drafter rotates at the target's positions: same RoPE
+        cfg["rope_scaling"] = {
+            "rope_type": r.kind,
+            "factor": r.factor,
+            "low_freq_factor": r.low_freq_factor,
+            "high_freq_factor": r.high_freq_factor,
+            "original_max_position_embeddings": r.original_max_position,
+        }
+    return cfg
+
+
+def new_drafter(target: TargetConfig, **kwargs) -> Drafter:
+    """A randomly initialised drafter for `target` (std 0.02, norms at 1)."""
+    config = DraftConfig.from_dict(draft_config_dict(target, **kwargs))
+    model = Drafter(config)
+    for name, p in model.named_parameters():
+        if p.dim() > 1:
+            nn.init.normal_(p, std=0.02)
+    return model

@@ -1,0 +1,175 @@
+"""The reference speculative generator: the oracle every backend is compared with.
+
+Round structure (DESIGN.md section 1), with the z-lab reference's bookkeeping:
+prefill the prompt -> first token; then each round drafts a block [anchor, MASK...],
+verifies it in one target pass, accepts the longest matching prefix `a` plus the target's
+own choice at `a`, and keeps `a + 1` positions in the target cache (rollback = length).
+The tokens are the prefill token plus every round's `a + 1`:
+`len(tokens) == 1 + sum(acceptance_lengths)` (less when a stop token or the limit cuts).
+
+At temperature > 0 the target's choice at each verified position is a sample (one uniform
+per position from one numpy stream, `runtime.sampling.choose`), the drafts are the
+drafter's argmax, and acceptance compares them: every emitted token is a target sample
+given its prefix, so the output distribution is the target's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..runtime.errors import DFlashError
+from ..runtime.sampling import accept, check_sampling, choose
+
+
+class KVCache:
+    """Static sequence-major buffers [B, max_len, Hkv, D] per layer, written by index."""
+
+    def __init__(self, layers: int, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int = 1):
+        self.k = [torch.zeros(batch, max_len, kv_heads, head_dim, dtype=dtype) for _ in range(layers)]
+        self.v = [torch.zeros(batch, max_len, kv_heads, head_dim, dtype=dtype) for _ in range(layers)]
+        self.length = 0
+
+    def view(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zero-copy views of the valid prefix."""
+        return [(k[:, : self.length], v[:, : self.length]) for k, v in zip(self.k, self.v)]
+
+    def append(self, new: list[tuple[torch.Tensor, torch.Tensor]], n: int | None = None) -> None:
+        n = new[0][0].shape[1] if n is None else n
+        if self.length + n > self.k[0].shape[1]:
+            raise DFlashError(f"KV cache overflow: {self.length + n} positions > max context {self.k[0].shape[1]}")
+        for buf_k, buf_v, (k, v) in zip(self.k, self.v, new):
+            buf_k[:, self.length : self.length + n] = k[:, :n]
+            buf_v[:, self.length : self.length + n] = v[:, :n]
+        self.length += n
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    acceptance_lengths: list[int] = field(default_factory=list)
+    stopped: bool = False
+
+    @property
+    def tau(self) -> float:
+        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
+
+
+def _cache_for(model, max_len: int) -> KVCache:
+    c = model.config
+    layers = c.num_layers
+    w = next(model.parameters())
+    return KVCache(layers, max_len, c.num_kv_heads, c.head_dim, w.dtype)
+
+
+def _check_lengths(prompt: list[int], max_new_tokens: int, max_context: int | None, vocab: int) -> int:
+    if not prompt:
+        raise DFlashError("the prompt is empty; give at least one token")
+    if max_new_tokens < 1:
+        raise DFlashError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise DFlashError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    need = len(prompt) + max_new_tokens
+    if max_context is not None and need > max_context:
+        raise DFlashError(
+            f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {need} exceeds the max context "
+            f"{max_context}; shorten the prompt or lower --max-new-tokens"
+        )
+    return need
+
+
+def _stop_cut(emitted: list[int], stop: set[int]) -> tuple[list[int], bool]:
+    for i, t in enumerate(emitted):
+        if t in stop:
+            return emitted[: i + 1], True
+    return emitted, False
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target,
+    drafter,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    mask_token_id: int,
+    block_size: int | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_token_ids: tuple[int, ...] = (),
+    max_context: int | None = None,
+) -> Generation:
+    check_sampling(temperature, top_k, top_p)
+    k = block_size or drafter.config.block_size
+    max_length = _check_lengths(prompt, max_new_tokens, max_context, target.config.vocab_size)
+    rng = np.random.default_rng(seed)
+    stop = set(stop_token_ids)
+    n = len(prompt)
+    tcache, dcache = _cache_for(target, max_length), _cache_for(drafter, max_length)
+
+    ids = torch.tensor([prompt])
+    logits, taps, new = target(ids, torch.arange(n)[None], tcache.view())
+    tcache.append(new)
+    anchor = int(choose(logits[0, -1:].numpy(), rng, temperature, top_k, top_p)[0])
+    out, lengths, start = [anchor], [], n  # `start` = position of the anchor
+    ctx_taps, ctx_pos = taps, torch.arange(n)[None]
+    stopped = anchor in stop
+    while not stopped and start + 1 < max_length:
+        dcache.append(drafter.context_kv(ctx_taps, ctx_pos))
+        block = torch.tensor([[anchor] + [mask_token_id] * (k - 1)])
+        positions = torch.arange(start, start + k)[None]
+        drafts = drafter.draft_logits(target, block, positions, dcache.view())[0].argmax(-1).tolist()
+
+        s = min(k, max_length - start)  # verify no further than the generation can go
+        verify = torch.tensor([[anchor] + drafts[: s - 1]])
+        logits, taps, new = target(verify, positions[:, :s], tcache.view())
+        choice = choose(logits[0].numpy(), rng, temperature, top_k, top_p).tolist()
+        a = accept(drafts[: s - 1], choice[: s - 1])
+        emitted = (drafts[:a] + [choice[a]])[: max_length - start - 1]
+        emitted, stopped = _stop_cut(emitted, stop)
+        produced = len(emitted)
+
+        tcache.append(new, produced)  # anchor + accepted drafts; the new anchor is not cached yet
+        ctx_taps, ctx_pos = taps[:, :produced], positions[:, :produced]
+        out += emitted
+        lengths.append(produced)
+        start += produced
+        anchor = emitted[-1]
+    return Generation(out, lengths, stopped)
+
+
+@torch.inference_mode()
+def autoregressive_generate(
+    target,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_token_ids: tuple[int, ...] = (),
+    max_context: int | None = None,
+) -> Generation:
+    """Plain decoding of the target, one token per step, on the same static cache."""
+    check_sampling(temperature, top_k, top_p)
+    max_length = _check_lengths(prompt, max_new_tokens, max_context, target.config.vocab_size)
+    rng = np.random.default_rng(seed)
+    cache = _cache_for(target, max_length)
+    ids, pos = torch.tensor([prompt]), torch.arange(len(prompt))[None]
+    out: list[int] = []
+    while True:
+        logits, _, new = target(ids, pos, cache.view())
+        cache.append(new)
+        tok = int(choose(logits[0, -1:].numpy(), rng, temperature, top_k, top_p)[0])
+        out.append(tok)
+        if tok in stop_token_ids:
+            return Generation(out, [1] * (len(out) - 1), True)
+        if len(out) >= max_new_tokens:
+            return Generation(out, [1] * (len(out) - 1), False)
+        ids, pos = torch.tensor([[tok]]), torch.tensor([[cache.length]])

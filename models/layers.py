@@ -1,0 +1,67 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, SwiGLU, attention.
+
+Written with plain matmul/softmax (no fused SDPA) so the ONNX export is standard ai.onnx
+ops that every ORT provider and TensorRT's parser take, and so numerics match transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos/sin [B, S, D] for positions [B, S], computed in fp32 as transformers does."""
+    freqs = position_ids.float()[..., None] * inv_freq.float()
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, S, H, D] (sequence-major, as the KV cache), cos/sin [B, S, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+    """q [B,S,H,D], k/v [B,T,Hkv,D] (GQA), visible [S,T] bool or None -> [B,S,H*D]."""
+    b, s, h, d = q.shape
+    groups = h // k.shape[2]
+    q = q.transpose(1, 2)  # B H S D
+    k = k.transpose(1, 2)
+    v = v.transpose(1, 2)
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * (d**-0.5)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.matmul(probs, v)  # B H S D
+    return out.transpose(1, 2).reshape(b, s, h * d)

@@ -1,0 +1,122 @@
+"""The target decoder (Llama / Qwen2 / Qwen3 family) with feature taps.
+
+One forward serves prefill, 1-token steps and K-token verify: it takes the valid prefix
+of a sequence-major KV cache (`[B, P, Hkv, D]` per layer, P may be 0) and returns only the
+new positions' K/V. The caller (models/kvcache.py, or an exported graph's runtime) writes
+them into its static buffer by index. Module names follow transformers, so a Hugging Face
+state dict loads as is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import TargetConfig
+from .layers import MLP, RMSNorm, apply_rope, attend, rope_cos_sin
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class Attention(nn.Module):
+    def __init__(self, c: TargetConfig):
+        super().__init__()
+        self.h, self.hkv, self.d = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.h * self.d, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.hkv * self.d, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.hkv * self.d, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(self.h * self.d, c.hidden_size, bias=c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(self.d, c.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, c.rms_norm_eps)
+        self.qk_norm = c.qk_norm
+
+    def forward(self, x, cos, sin, past_k, past_v, visible):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.h, self.d)
+        k = self.k_proj(x).view(b, s, self.hkv, self.d)
+        v = self.v_proj(x).view(b, s, self.hkv, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend(q, torch.cat([past_k, k], 1), torch.cat([past_v, v], 1), visible)
+        return self.o_proj(out), k, v
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: TargetConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, c.mlp_bias)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, past_k, past_v, visible):
+        a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, past_k, past_v, visible)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
+
+class Body(nn.Module):
+    def __init__(self, c: TargetConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class Target(nn.Module):
+    def __init__(self, config: TargetConfig, tap_ids: list[int] = ()):
+        super().__init__()
+        self.config = config
+        self.tap_ids = list(tap_ids)
+        self.model = Body(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", config.rope.inv_freq(config.head_dim), persistent=False)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def empty_kv(self, batch: int = 1) -> KV:
+        c, w = self.config, self.model.embed_tokens.weight
+        z = w.new_zeros(batch, 0, c.num_kv_heads, c.head_dim)
+        return [(z, z) for _ in range(c.num_layers)]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: KV):
+        """-> logits [B,S,V] (fp32), taps [B,S,T*H], new K/V per layer [B,S,Hkv,D]."""
+        x = self.embed(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
+        s, p = input_ids.shape[1], past[0][0].shape[1]
+        # causal over [past; new]: new query i sits at index p + i
+        visible = torch.arange(p + s, device=x.device)[None, :] <= (p + torch.arange(s, device=x.device))[:, None]
+        outs, new = {}, []
+        for i, layer in enumerate(self.model.layers):
+            x, k, v = layer(x, cos, sin, past[i][0], past[i][1], visible)
+            new.append((k, v))
+            outs[i] = x  # tap i = raw output of decoder layer i (HF hidden_states[i + 1])
+        logits = self.lm_head(self.model.norm(x)).float()
+        taps = torch.cat([outs[i] for i in self.tap_ids], dim=-1) if self.tap_ids else x[..., :0]
+        return logits, taps, new
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, tap_ids: list[int] = (), dtype: torch.dtype = torch.float32):
+        from .checkpoint import load_state_dict, strict_load
+
+        config = TargetConfig.load(directory)
+        bad = [i for i in tap_ids if not 0 <= i < config.num_layers]
+        if bad:
+            from ..runtime.errors import DFlashError
+
+            raise DFlashError(f"tap layer ids {bad} are outside the target's {config.num_layers} layers")
+        with torch.device("meta"):
+            model = cls(config, tap_ids)
+        state = load_state_dict(directory, "target")
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        strict_load(model, state, f"target {directory}", dtype, tied={"lm_head.weight"} if config.tie_word_embeddings else set())
+        model.inv_freq = config.rope.inv_freq(config.head_dim)
+        return model.eval()

@@ -1,0 +1,1 @@
+"""The torch-free edge runtime: numpy + onnxruntime. Owns the artifact contract."""

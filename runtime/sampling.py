@@ -1,0 +1,65 @@
+"""Sampling rules shared by the PyTorch oracle and every runtime backend.
+
+Both sides call `choose` with float logits and the same `numpy.random.Generator`, so given
+equal logits they draw exactly the same tokens: one uniform per position, inverse CDF.
+Temperature 0 is argmax (first index on ties, like torch.argmax and ONNX ArgMax).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import DFlashError
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    if not temperature >= 0:
+        raise DFlashError(f"temperature must be >= 0 (got {temperature}); use 0 for greedy decoding")
+    if top_k < 0:
+        raise DFlashError(f"top-k must be >= 0 (got {top_k}); 0 disables it")
+    if not 0 < top_p <= 1:
+        raise DFlashError(f"top-p must be in (0, 1] (got {top_p}); 1 disables it")
+
+
+def probabilities(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """Row-wise sampling distribution [n, V] in float64 after temperature, top-k, top-p."""
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    z = z - z.max(axis=-1, keepdims=True)
+    if 0 < top_k < z.shape[-1]:
+        kth = np.partition(z, -top_k, axis=-1)[..., -top_k, None]
+        z = np.where(z < kth, -np.inf, z)
+    p = np.exp(z)
+    p /= p.sum(axis=-1, keepdims=True)
+    if top_p < 1.0:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, axis=-1)
+        keep_sorted = (np.cumsum(sorted_p, axis=-1) - sorted_p) < top_p  # always keeps the top token
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        p = np.where(keep, p, 0.0)
+        p /= p.sum(axis=-1, keepdims=True)
+    return p
+
+
+def choose(
+    logits: np.ndarray,
+    rng: np.random.Generator | None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> np.ndarray:
+    """The target's choice at each row of logits [n, V]: argmax, or one sample per row."""
+    logits = np.asarray(logits)
+    if temperature == 0:
+        return logits.argmax(axis=-1).astype(np.int64)
+    p = probabilities(logits, temperature, top_k, top_p)
+    u = rng.random(p.shape[0])
+    cdf = np.cumsum(p, axis=-1)
+    idx = (cdf < (u * cdf[:, -1])[:, None]).sum(axis=-1)
+    return np.minimum(idx, p.shape[-1] - 1).astype(np.int64)
+
+
+def accept(draft: np.ndarray, choice: np.ndarray) -> int:
+    """Length of the longest prefix where the drafts equal the target's choices."""
+    mismatch = np.nonzero(np.asarray(draft) != np.asarray(choice)[: len(draft)])[0]
+    return int(mismatch[0]) if len(mismatch) else len(draft)

@@ -1,0 +1,107 @@
+"""Tiny checkpoints in the real formats, built on the fly (no downloads, ever).
+
+Targets are saved by transformers' own `save_pretrained` (the Hugging Face format as
+people have it); drafters by our z-lab writer. Weights are random but not degenerate:
+a scaled init gives peaked logits so greedy decoding is stable against float noise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def make_target(
+    directory: str | Path,
+    arch: str = "qwen3",
+    seed: int = 0,
+    vocab: int = 101,
+    hidden: int = 64,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate: int = 112,
+    tie: bool | None = None,
+    llama3_rope: bool = True,
+    sharded: bool = False,
+    std: float = 0.08,
+) -> Path:
+    """Write a random HF checkpoint of `arch`; returns the directory."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        eos_token_id=vocab - 1,
+        bos_token_id=0,
+    )
+    if arch == "llama":
+        extra = {}
+        if llama3_rope:
+            extra["rope_scaling"] = {
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+            }
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=True if tie is None else tie,
+                                       rope_theta=500000.0, head_dim=head_dim or hidden // heads, **extra)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=bool(tie))
+        model = transformers.Qwen2ForCausalLM(cfg)
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=head_dim or 32, tie_word_embeddings=bool(tie))
+        model = transformers.Qwen3ForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, std)
+            elif "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.02)
+    directory = Path(directory)
+    model.eval().save_pretrained(directory, max_shard_size="20KB" if sharded else "10GB")
+    return directory
+
+
+def make_drafter(
+    directory: str | Path,
+    target_dir: str | Path,
+    layers: int = 1,
+    block_size: int = 4,
+    seed: int = 0,
+    mask_token_id: int | None = None,
+    **kwargs,
+) -> Path:
+    """Write a random z-lab-format drafter sized for the target at `target_dir`."""
+    from dflash_export.models import TargetConfig, new_drafter
+
+    torch.manual_seed(seed)
+    tc = TargetConfig.load(target_dir)
+    mask = tc.vocab_size - 2 if mask_token_id is None else mask_token_id
+    drafter = new_drafter(tc, num_layers=layers, block_size=block_size, mask_token_id=mask, **kwargs)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    drafter.save_pretrained(directory)
+    return Path(directory)
+
+
+def hf_model(directory: str | Path):
+    """transformers' own model for a tiny target directory (the reference implementation)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
