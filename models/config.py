@@ -146,8 +146,8 @@ class TargetConfig:
             rope=parse_rope(cfg, where),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=attention_bias if arch != "Qwen2ForCausalLM" else True,
-            o_bias=attention_bias if arch == "LlamaForCausalLM" else False,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            o_bias=attention_bias if arch != "Qwen2ForCausalLM" else False,  # Qwen3 biases o_proj too
+            mlp_bias=bool(cfg.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False,
             qk_norm=qk_norm,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             eos_token_ids=eos,
