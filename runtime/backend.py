@@ -10,6 +10,9 @@ State, all in positions of the one sequence being generated (batch 1):
     context_len   valid positions in the drafter's context KV cache; the loop keeps
                   context_len == target_len before every `draft_block`
     max_len       capacity of both caches (the manifest's max_context)
+    max_chunk     most positions one `target` call takes (>= block_size; prefill is
+                  cut into chunks of at most this many tokens)
+    has_drafter   False when loaded for plain decoding only (draft_* then unavailable)
 
 The buffers are allocated once, at load, sequence-major [1, max_len, Hkv, D] per layer.
 Each call sees the valid prefix in place (no copy of the cache, ever) and writes its new
@@ -44,6 +47,8 @@ class Backend(ABC):
 
     manifest: Manifest
     max_len: int
+    max_chunk: int
+    has_drafter: bool = True
     target_len: int = 0
     context_len: int = 0
     _pending: int = 0  # positions written by the last `target` call, not yet committed
@@ -58,7 +63,7 @@ class Backend(ABC):
         new K/V into slots [target_len, target_len+S) and keeps this call's taps
         ([S, taps*hidden], on the device for GPU backends) for `draft_context`. Does not
         move target_len: the caller `commit`s how many of the S positions are real.
-        Must raise DFlashError if target_len + S > max_len. Used for prefill (S up to the
+        Must raise DFlashError if target_len + S > max_len or S > max_chunk. Used for prefill (S up to the
         prefill chunk), verify (S <= block_size) and plain 1-token decoding.
         Implementations end with `self._pending = S`.
         """

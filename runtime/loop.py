@@ -1,0 +1,153 @@
+"""The speculative loop: backend-agnostic, the one place that decides what is accepted.
+
+Same bookkeeping as the PyTorch oracle (models/generate.py `speculative_generate`), so the
+two agree token for token and round for round: prefill -> first token from the last
+prompt position; each round drafts [anchor, MASK x (K-1)], verifies s = min(K, room)
+positions [anchor, drafts[:s-1]] in one target call, accepts the longest prefix where the
+drafts equal the target's choices, adds the target's choice after it, and keeps the
+`produced` positions (anchor + accepted) in both caches. Rollback is the backend's valid
+length. With `draft=False` the same loop is plain decoding (K = 1: no drafts, verify the
+anchor alone), the baseline every speedup is measured against.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backend import Backend
+from .errors import DFlashError
+from .sampling import accept, check_sampling, choose
+
+
+@dataclass
+class Generation:
+    tokens: list[int] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens emitted per round
+    stopped: bool = False  # ended on a stop token
+    prompt_len: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0  # draft_context + draft_block calls of the rounds
+    verify_s: float = 0.0  # target calls of the rounds
+    total_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
+
+    @property
+    def decode_s(self) -> float:
+        return self.total_s - self.prefill_s
+
+    @property
+    def host_s(self) -> float:
+        """Time in the rounds outside graph calls: sampling, acceptance, bookkeeping."""
+        return self.decode_s - self.draft_s - self.verify_s
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode rate: tokens the rounds produced over the rounds' wall time (prefill excluded)."""
+        n = len(self.tokens) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+def check_request(backend: Backend, prompt: list[int], max_new_tokens: int) -> int:
+    """The generation's final length, or a one-line error (same checks as the oracle)."""
+    m = backend.manifest
+    if len(prompt) == 0:
+        raise DFlashError("the prompt is empty; give at least one token")
+    if max_new_tokens < 1:
+        raise DFlashError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+    bad = [t for t in prompt if not 0 <= t < m.vocab_size]
+    if bad:
+        raise DFlashError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {m.vocab_size})")
+    need = len(prompt) + max_new_tokens
+    if need > m.max_context:
+        raise DFlashError(
+            f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {need} exceeds the exported max "
+            f"context {m.max_context}; shorten the prompt, lower --max-new-tokens or re-export with a larger --max-context"
+        )
+    return need
+
+
+def stream(
+    backend: Backend,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_token_ids: tuple[int, ...] | None = None,
+    draft: bool = True,
+    prefill_chunk: int = 256,
+    out: Generation | None = None,
+) -> Iterator[list[int]]:
+    """Yield the tokens of each round as it is accepted; statistics accumulate in `out`."""
+    check_sampling(temperature, top_k, top_p)
+    max_length = check_request(backend, prompt, max_new_tokens)
+    if draft and not getattr(backend, "has_drafter", True):
+        raise DFlashError("this backend was loaded without the drafter; use autoregressive mode (--no-draft)")
+    m, g = backend.manifest, out if out is not None else Generation()
+    stop = set(m.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    rng = np.random.default_rng(seed)
+    sample = temperature > 0
+    k = m.block_size if draft else 1
+    chunk = min(prefill_chunk, backend.max_chunk)
+    g.prompt_len, clock = len(prompt), time.perf_counter
+    t0 = clock()
+
+    backend.reset()
+    for i in range(0, len(prompt), chunk):
+        ids = prompt[i : i + chunk]
+        last = i + chunk >= len(prompt)
+        res = backend.target(np.asarray(ids, np.int64), want_logits=sample and last)
+        backend.commit(len(ids))
+        if draft:
+            backend.draft_context(len(ids))
+    anchor = int(choose(res.logits[-1:], rng, temperature, top_k, top_p)[0] if sample else res.next_ids[-1])
+    start, g.stopped = len(prompt), anchor in stop  # `start` = position of the anchor
+    g.tokens.append(anchor)
+    g.prefill_s = g.total_s = clock() - t0
+    yield [anchor]
+
+    while not g.stopped and start + 1 < max_length:
+        t1 = clock()
+        drafts = backend.draft_block(anchor).tolist() if draft else []
+        t2 = clock()
+        s = min(k, max_length - start)
+        res = backend.target(np.asarray([anchor] + drafts[: s - 1], np.int64), want_logits=sample)
+        t3 = clock()
+        choice = (choose(res.logits, rng, temperature, top_k, top_p) if sample else res.next_ids).tolist()
+        a = accept(drafts[: s - 1], choice[: s - 1])
+        emitted = (drafts[:a] + [choice[a]])[: max_length - start - 1]
+        for j, t in enumerate(emitted):
+            if t in stop:
+                emitted, g.stopped = emitted[: j + 1], True
+                break
+        produced = len(emitted)
+        backend.commit(produced)  # anchor + accepted drafts; the rest of the verify is rolled back
+        start += produced
+        anchor = emitted[-1]
+        t4 = clock()
+        if draft and not g.stopped and start + 1 < max_length:  # the next round needs their features
+            backend.draft_context(produced)
+        t5 = clock()
+        g.draft_s += (t2 - t1) + (t5 - t4)
+        g.verify_s += t3 - t2
+        g.tokens += emitted
+        g.acceptance_lengths.append(produced)
+        g.total_s += t5 - t1  # the consumer's time between rounds is not ours
+        yield emitted
+
+
+def generate(backend: Backend, prompt: list[int], max_new_tokens: int, **kwargs) -> Generation:
+    """Run `stream` to the end; see it for the arguments."""
+    g = Generation()
+    for _ in stream(backend, prompt, max_new_tokens, out=g, **kwargs):
+        pass
+    return g
