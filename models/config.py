@@ -130,6 +130,8 @@ class TargetConfig:
         bias_default, qk_norm = TARGET_ARCHS[arch]
         heads = int(_req(cfg, "num_attention_heads", where))
         hidden = int(_req(cfg, "hidden_size", where))
+        if heads % int(cfg.get("num_key_value_heads") or heads):
+            raise DFlashError(f"{where}: num_attention_heads must be divisible by num_key_value_heads")
         eos = cfg.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         attention_bias = bool(cfg.get("attention_bias", bias_default))
@@ -196,8 +198,10 @@ class DraftConfig:
                 "DFlash2 selectors and convolutions are not implemented)"
             )
         nested = cfg.get("dflash_config") or {}
-        unsupported = [k for k in ("selector_rank", "conv_kernel_size", "conv_group_size", "final_logit_softcapping",
-                                   "output_multiplier", "input_embedding_scale") if nested.get(k, cfg.get(k)) not in (None, 1.0)]
+        neutral = {"final_logit_softcapping": (None, 0, 0.0), "output_multiplier": (None, 1, 1.0),
+                   "input_embedding_scale": (None, 1, 1.0)}  # values z-lab's code treats as a no-op
+        unsupported = [k for k in ("selector_rank", "conv_kernel_size", "conv_group_size", *neutral)
+                       if nested.get(k, cfg.get(k)) not in neutral.get(k, (None,))]
         if unsupported:
             raise DFlashError(f"{where}: DFlash2 features are not supported: {', '.join(unsupported)}")
         if cfg.get("attention_bias"):
@@ -208,30 +212,36 @@ class DraftConfig:
         layers = int(_req(cfg, "num_hidden_layers", where))
         heads = int(_req(cfg, "num_attention_heads", where))
         hidden = int(_req(cfg, "hidden_size", where))
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if layers < 1 or heads % kv_heads:
+            raise DFlashError(f"{where}: needs >= 1 layer and num_attention_heads divisible by num_key_value_heads")
         num_target_layers = cfg.get("num_target_layers")
         tap_ids = nested.get("target_layer_ids", cfg.get("target_layer_ids"))
         if tap_ids is None:
             if num_target_layers is None:
                 raise DFlashError(f"{where}: config has neither dflash_config.target_layer_ids nor num_target_layers")
             tap_ids = default_target_layer_ids(int(num_target_layers), layers)
-        block = nested.get("block_size", cfg.get("block_size"))
-        if block is None:
-            raise DFlashError(f"{where}: config lacks block_size (top level or in dflash_config)")
+        block = nested.get("block_size", cfg.get("block_size", 16))  # z-lab's default
+        if int(block) < 1:
+            raise DFlashError(f"{where}: block_size must be >= 1 (got {block})")
         mask = nested.get("mask_token_id", cfg.get("mask_token_id"))
-        layer_types = cfg.get("layer_types") or ["full_attention"] * layers
+        # as transformers' Qwen3Config (which z-lab's drafter uses): no window unless
+        # use_sliding_window; without layer_types, layers >= max_window_layers slide
+        window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if window and i >= cfg.get("max_window_layers", 28) else "full_attention"
+            for i in range(layers)
+        ]
         if len(layer_types) != layers:
             raise DFlashError(f"{where}: layer_types has {len(layer_types)} entries for {layers} layers")
         bad = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if bad:
             raise DFlashError(f"{where}: layer type(s) {bad} are not supported")
-        window = cfg.get("sliding_window")
-        if "sliding_attention" in layer_types and not window:
-            raise DFlashError(f"{where}: sliding_attention layers need a sliding_window")
         return cls(
             hidden_size=hidden,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            num_kv_heads=kv_heads,
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             intermediate_size=int(_req(cfg, "intermediate_size", where)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),

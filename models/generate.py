@@ -105,8 +105,16 @@ def speculative_generate(
     max_context: int | None = None,
 ) -> Generation:
     check_sampling(temperature, top_k, top_p)
-    k = block_size or drafter.config.block_size
+    k = drafter.config.block_size if block_size is None else block_size
     max_length = _check_lengths(prompt, max_new_tokens, max_context, target.config.vocab_size)
+    drafter.config.check_fits(target.config)
+    if list(target.tap_ids) != list(drafter.config.target_layer_ids):
+        raise DFlashError(f"the target taps layers {list(target.tap_ids)} but the drafter reads "
+                          f"{drafter.config.target_layer_ids}; load the target with tap_ids=drafter.config.target_layer_ids")
+    if k < 1:
+        raise DFlashError(f"block size must be >= 1 (got {k})")
+    if not 0 <= mask_token_id < target.config.vocab_size:
+        raise DFlashError(f"mask_token_id {mask_token_id} is outside the vocabulary [0, {target.config.vocab_size})")
     rng = np.random.default_rng(seed)
     stop = set(stop_token_ids)
     n = len(prompt)
