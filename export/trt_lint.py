@@ -1,0 +1,254 @@
+"""Will TensorRT 10's ONNX parser take these graphs? Checked without TensorRT.
+
+Building an engine is the only full proof, and it needs TensorRT and a GPU. What can be
+checked from the ONNX files alone is checked here, before any build:
+
+- every operator is in onnx-tensorrt's support list for TensorRT 10.x (trt_ops.json, with
+  the release that added it), in the standard ONNX domain, within the supported opsets;
+- every tensor's data type is one the operator supports there (the Supported Types column,
+  applied to each node's inputs and to the outputs of type-creating ops such as Cast);
+- inputs the parser needs as build-time constants are constants (Reduce axes, ...);
+- every graph input dim is static or a named dynamic dim that a TensorRT optimization
+  profile covers (runtime/trt.py), and the drafter block graph's block dim is static K.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import onnx
+
+from ..runtime.contract import DRAFT_BLOCK, GRAPH_FILES, Manifest, load_manifest
+from ..runtime.errors import DFlashError
+from ..runtime.trt import axis_role, profiles, resolve_limits
+
+OPS_FILE = Path(__file__).with_name("trt_ops.json")
+MIN_VERSION = "10.0"  # lint for every 10.x unless told the exact version
+TYPE_NAMES = {
+    onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.FLOAT16: "FP16", onnx.TensorProto.BFLOAT16: "BF16",
+    onnx.TensorProto.INT32: "INT32", onnx.TensorProto.INT64: "INT64", onnx.TensorProto.INT8: "INT8",
+    onnx.TensorProto.UINT8: "UINT8", onnx.TensorProto.BOOL: "BOOL", onnx.TensorProto.DOUBLE: "DOUBLE",
+    onnx.TensorProto.INT4: "INT4", onnx.TensorProto.FLOAT8E4M3FN: "FP8",
+}
+if hasattr(onnx.TensorProto, "FLOAT4E2M1"):
+    TYPE_NAMES[onnx.TensorProto.FLOAT4E2M1] = "FP4"
+# ops whose outputs carry a type not taken from an input: their outputs are checked too
+TYPE_SOURCES = {"Constant", "ConstantOfShape", "Cast", "CastLike", "EyeLike", "RandomNormal", "RandomUniform",
+                "RandomNormalLike", "RandomUniformLike"}
+
+
+@dataclass
+class Finding:
+    graph: str
+    level: str  # "error" | "warning"
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.graph}: {self.level}: {self.message}"
+
+
+@lru_cache(maxsize=1)
+def support_list() -> dict:
+    return json.loads(OPS_FILE.read_text())
+
+
+def _ver(v: str) -> tuple[int, int]:
+    parts = (str(v).split(".") + ["0"])[:2]
+    return int(parts[0]), int(parts[1])
+
+
+def max_opset(trt_version: str) -> int:
+    """Highest opset documented for this release (the newest listed release not after it)."""
+    table = support_list()["opset_max"]
+    known = [r for r in table if _ver(r) <= _ver(trt_version)]
+    return table[max(known, key=_ver)] if known else table[min(table, key=_ver)]
+
+
+def _type_name(elem: int) -> str:
+    return TYPE_NAMES.get(elem, onnx.TensorProto.DataType.Name(elem) if elem else "UNKNOWN")
+
+
+def _nodes(graph: onnx.GraphProto):
+    """Every node, including those inside If/Loop/Scan bodies."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _nodes(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _nodes(g)
+
+
+def _types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every tensor name we can see (after ONNX shape inference)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # noqa: BLE001 - inference is best effort; declared types still count
+        inferred = model
+    out: dict[str, int] = {}
+
+    def visit(g: onnx.GraphProto) -> None:
+        for vi in list(g.input) + list(g.output) + list(g.value_info):
+            if vi.type.HasField("tensor_type"):
+                out[vi.name] = vi.type.tensor_type.elem_type
+        for init in g.initializer:
+            out[init.name] = init.data_type
+        for node in g.node:
+            if node.op_type == "Constant":
+                for a in node.attribute:
+                    if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
+                        out[node.output[0]] = a.t.data_type
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    visit(attr.g)
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    for sub in attr.graphs:
+                        visit(sub)
+
+    visit(inferred.graph)
+    return out
+
+
+def _constants(graph: onnx.GraphProto) -> set[str]:
+    names = {i.name for i in graph.initializer}
+    for node in _nodes(graph):
+        if node.op_type == "Constant":
+            names.update(node.output)
+    return names
+
+
+def lint_model(model: onnx.ModelProto, graph: str, manifest: Manifest | None = None,
+               trt_version: str = MIN_VERSION, limits=None) -> list[Finding]:
+    """All findings for one graph (`graph` is target / draft_context / draft_block)."""
+    sup = support_list()
+    ops, unsupported = sup["ops"], set(sup["unsupported"])
+    found: list[Finding] = []
+
+    def err(msg: str) -> None:
+        found.append(Finding(graph, "error", msg))
+
+    def warn(msg: str) -> None:
+        found.append(Finding(graph, "warning", msg))
+
+    # opsets and domains
+    hi = max_opset(trt_version)
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            if not sup["opset_min"] <= imp.version <= hi:
+                err(f"opset {imp.version} is outside TensorRT {trt_version}'s range {sup['opset_min']}..{hi}; "
+                    f"re-export with --opset {min(max(imp.version, sup['opset_min']), hi)}")
+
+    # operators, attributes, constant inputs
+    consts = _constants(model.graph)
+    types = _types(model)
+    seen_bad: set[str] = set()
+    for node in _nodes(model.graph):
+        op, where = node.op_type, f"node {node.name!r}" if node.name else "a node"
+        if node.domain not in ("", "ai.onnx"):
+            if op not in seen_bad:
+                err(f"operator {node.domain}::{op} ({where}) is not a standard ONNX operator; TensorRT's parser "
+                    "would need a plugin for it")
+                seen_bad.add(op)
+            continue
+        entry = ops.get(op)
+        if entry is None:
+            if op not in seen_bad:
+                why = "marked unsupported" if op in unsupported else "not listed"
+                err(f"operator {op} ({where}) is {why} in TensorRT 10's ONNX operator support list (trt_ops.json)")
+                seen_bad.add(op)
+            continue
+        if "since" in entry and _ver(entry["since"]) > _ver(trt_version):
+            if op not in seen_bad:
+                err(f"operator {op} ({where}) needs TensorRT >= {entry['since']} (linting for {trt_version})")
+                seen_bad.add(op)
+        for idx in entry.get("const_inputs", []):
+            if idx < len(node.input) and node.input[idx] and node.input[idx] not in consts:
+                err(f"operator {op} ({where}): input {idx} ({node.input[idx]!r}) must be a build-time constant for TensorRT")
+        for name, want in entry.get("attr_equals", {}).items():
+            for a in node.attribute:
+                if a.name == name:
+                    got = onnx.helper.get_attribute_value(a)
+                    got = got.decode() if isinstance(got, bytes) else got
+                    if got != want:
+                        err(f"operator {op} ({where}): attribute {name}={got!r} is unsupported (TensorRT needs {want!r})")
+        allowed = set(entry["types"])
+        checked = list(node.input) + (list(node.output) if op in TYPE_SOURCES else [])
+        for t in checked:
+            if not t or t not in types or not types[t]:
+                continue
+            tn = _type_name(types[t])
+            if tn == "DOUBLE":
+                warn(f"{t!r} ({op}, {where}) is DOUBLE: TensorRT casts it down to FP32")
+            elif tn not in allowed:
+                err(f"operator {op} ({where}) gets {tn} on {t!r}; TensorRT supports {op} on {', '.join(entry['types'])}")
+
+    # graph inputs: static dims, or named dynamic dims a profile covers
+    init_names = {i.name for i in model.graph.initializer}
+    covered = set()
+    if manifest is not None:
+        lim = limits or resolve_limits(manifest)
+        for p in profiles(lim).get(graph, []):
+            covered |= set(p.ranges)
+    spec = {t.name: t for t in manifest.graphs[graph].inputs} if manifest is not None else {}
+    for vi in model.graph.input:
+        if vi.name in init_names:
+            continue
+        tn = _type_name(vi.type.tensor_type.elem_type)
+        if tn not in sup["data_types"] or tn in sup["quantized_only_types"]:
+            err(f"input {vi.name} has type {tn}, which TensorRT cannot take as a network input")
+        dims = vi.type.tensor_type.shape.dim if vi.type.tensor_type.HasField("shape") else None
+        if dims is None:
+            err(f"input {vi.name} has no shape; TensorRT needs the rank and a profile for each dynamic dim")
+            continue
+        for axis, d in enumerate(dims):
+            role = axis_role(graph, vi.name, axis)
+            if d.HasField("dim_value") and d.dim_value > 0:
+                if graph == DRAFT_BLOCK and role is None and axis == 1 and manifest is not None \
+                        and vi.name.startswith("block_") and d.dim_value != manifest.block_size:
+                    err(f"input {vi.name} has block dim {d.dim_value} but the manifest's block_size is {manifest.block_size}")
+                continue
+            if not d.dim_param:
+                err(f"input {vi.name} axis {axis} is dynamic without a name; TensorRT profiles need static or named dims")
+            elif graph == DRAFT_BLOCK and vi.name.startswith("block_") and axis == 1:
+                err(f"input {vi.name}: the block dim must be static (K) in the drafter block graph, got {d.dim_param!r}")
+            elif role is None:
+                err(f"input {vi.name} axis {axis} is dynamic ({d.dim_param!r}) but no TensorRT profile covers that axis")
+            elif manifest is not None and role not in covered:
+                err(f"input {vi.name} axis {axis} ({d.dim_param!r}) has no range in the {graph} profiles")
+        if spec and vi.name not in spec:
+            err(f"input {vi.name} is not in the manifest's {graph} inputs; re-export the directory")
+    if spec:
+        names = {vi.name for vi in model.graph.input}
+        for n in spec:
+            if n not in names:
+                err(f"the manifest lists input {n} but {graph}.onnx has no such input; re-export the directory")
+    return found
+
+
+def lint_dir(out_dir: str | Path, manifest: Manifest | None = None, trt_version: str = MIN_VERSION,
+             limits=None) -> list[Finding]:
+    """Lint every graph of an exported directory (weights are not loaded)."""
+    out_dir = Path(out_dir)
+    manifest = manifest or load_manifest(out_dir)
+    found = []
+    for graph, spec in manifest.graphs.items():
+        path = out_dir / (spec.file or GRAPH_FILES[graph])
+        model = onnx.load(str(path), load_external_data=False)
+        found += lint_model(model, graph, manifest, trt_version, limits)
+    return found
+
+
+def check(out_dir: str | Path, manifest: Manifest | None = None, trt_version: str = MIN_VERSION,
+          limits=None) -> list[Finding]:
+    """lint_dir, raising one DFlashError that names the first errors; returns the warnings."""
+    found = lint_dir(out_dir, manifest, trt_version, limits)
+    errors = [f for f in found if f.level == "error"]
+    if errors:
+        more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+        raise DFlashError(f"TensorRT {trt_version} compatibility lint failed: "
+                          + "; ".join(str(e) for e in errors[:3]) + more)
+    return [f for f in found if f.level != "error"]
