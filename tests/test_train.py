@@ -1,0 +1,180 @@
+"""Drafter training: the loss weights, the context mask, the training forward vs inference,
+learning on a tiny target, the saved drafter, resume, and the CLI's one-line errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+from train_fixtures import SAMPLE, make_tokenized_target
+
+from dflash_export.cli import cli
+from dflash_export.models import Drafter, Target, TargetConfig, new_drafter
+from dflash_export.models import train as T
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = make_tokenized_target(root / "target")
+    (root / "data.txt").write_text(SAMPLE * 12)
+    return root, target
+
+
+def test_loss_weights_follow_formula():
+    w = T.loss_weights(16, 7.0)
+    assert w.shape == (15,)
+    for k in range(1, 16):
+        assert w[k - 1].item() == pytest.approx(math.exp(-(k - 1) / 7.0), rel=1e-6)
+    assert w[0] == 1.0 and torch.all(w[1:] < w[:-1])
+
+
+def test_context_mask_excludes_anchor_and_after():
+    anchors = torch.tensor([0, 3, 7])
+    vis = T.context_visible(anchors, context_len=10, block_size=4)[:, 0, 0]
+    assert vis.shape == (3, 14)
+    for i, a in enumerate(anchors.tolist()):
+        ctx = vis[i, :10]
+        assert ctx[:a].all(), "every position before the anchor is visible"
+        assert not ctx[a:].any(), "the anchor's own position and everything after it are hidden"
+        assert vis[i, 10:].all(), "the block sees all of itself (non-causal)"
+
+
+def test_training_forward_equals_inference(tiny):
+    """A block in the batched training forward gives the logits the inference path gives
+    with a context cache of exactly the positions before its anchor."""
+    _, target_dir = tiny
+    torch.manual_seed(0)
+    tc = TargetConfig.load(target_dir)
+    target = Target.from_pretrained(target_dir, tap_ids=[1, 2])
+    drafter = new_drafter(tc, num_layers=2, block_size=4, target_layer_ids=[1, 2], mask_token_id=1)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.1)
+    tokens = torch.randint(3, 100, (2, 20))
+    anchors, seq_index = torch.tensor([5, 11, 9]), torch.tensor([0, 0, 1])
+    with torch.no_grad():
+        pos = torch.arange(20)[None].expand(2, 20)
+        _, taps, _ = target(tokens, pos, target.empty_kv(2))
+        ctx = drafter.context_kv(taps, pos)
+        block, _, _ = T.block_batch(tokens, torch.tensor([20, 20]), seq_index, anchors, 4, 1)
+        got = T.block_logits(drafter, target, ctx, seq_index, block, anchors)
+        for i, (b, a) in enumerate(zip(seq_index.tolist(), anchors.tolist())):
+            cache = drafter.context_kv(taps[b : b + 1, :a], pos[:1, :a])  # positions < a only
+            want = drafter.draft_logits(target, block[i : i + 1], torch.arange(a, a + 4)[None], cache)
+            torch.testing.assert_close(got[i : i + 1], want, atol=1e-5, rtol=1e-5)
+        # and the anchor's own features would change the result: the mask matters
+        leak = drafter.context_kv(taps[:1, :6], pos[:1, :6])
+        leaked = drafter.draft_logits(target, block[:1], torch.arange(5, 9)[None], leak)
+        assert (leaked - got[:1]).abs().max() > 1e-4
+
+
+def test_training_reduces_weighted_loss(tiny):
+    _, target_dir = tiny
+    torch.manual_seed(0)
+    tc = TargetConfig.load(target_dir)
+    target = Target.from_pretrained(target_dir, tap_ids=[1, 2]).requires_grad_(False)
+    drafter = new_drafter(tc, num_layers=1, block_size=4, target_layer_ids=[1, 2], mask_token_id=1)
+    prompts = torch.randint(3, 100, (8, 6))
+    shard = T.continue_batch(target, prompts, 24)
+    assert shard.tokens.shape == (8, 30) and shard.start == 6
+    w = T.loss_weights(4, 4.0)
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.arange(8)
+    fixed = T.sample_anchors(shard, rows, 16, torch.Generator().manual_seed(1))
+
+    def held_loss():
+        with torch.no_grad():
+            return T.draft_step(target, drafter, shard.tokens, shard.length, *fixed, 4, 1, w)[0].item()
+
+    before = held_loss()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for _ in range(40):
+        si, an = T.sample_anchors(shard, rows, 16, gen)
+        assert (an >= shard.start - 1).all() and (an <= 28).all()
+        loss, _, _ = T.draft_step(target, drafter, shard.tokens, shard.length, si, an, 4, 1, w)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = held_loss()
+    assert after < 0.8 * before, (before, after)
+
+
+def _train(root, target, out, *extra):
+    args = ["train-draft", "--target", str(target), "--out", str(out), "--data", str(root / "data.txt"),
+            "--block-size", "4", "--layers", "1", "--target-layer-ids", "1,2", "--sequences", "32",
+            "--gen-tokens", "16", "--gen-batch", "8", "--batch", "4", "--anchors", "8", "--eval-tokens", "12",
+            "--threads", "1", *extra]
+    return CliRunner().invoke(cli, args)
+
+
+def test_cli_saves_zlab_drafter_and_resumes(tiny):
+    root, target = tiny
+    out = root / "draft"
+    r = _train(root, target, out, "--steps", "6")
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4
+    assert cfg["dflash_config"] == {"target_layer_ids": [1, 2], "mask_token_id": 1}
+    from safetensors.torch import load_file
+
+    names = set(load_file(out / "model.safetensors"))
+    assert "fc.weight" in names and "layers.0.self_attn.q_norm.weight" in names
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    d = Drafter.from_pretrained(out)  # round trip: save -> load -> save gives the same tensors
+    d.save_pretrained(root / "again")
+    a, b = load_file(out / "model.safetensors"), load_file(root / "again" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    log = json.loads((out / "training.json").read_text())
+    assert log["train_steps"] == 6 and log["final"]["real_tau"] >= 1.0
+    assert len(log["final"]["tf_acc"]) == 3
+
+    ck = torch.load(root / "draft.work" / "checkpoint.pt", weights_only=False)
+    assert ck["step"] == 6
+    r = _train(root, target, out, "--steps", "9", "--resume")
+    assert r.exit_code == 0, r.output
+    assert "resumed at step 6" in r.output
+    assert json.loads((out / "training.json").read_text())["train_steps"] == 9
+    ck2 = torch.load(root / "draft.work" / "checkpoint.pt", weights_only=False)
+    assert ck2["step"] == 9 and not torch.equal(ck["drafter"]["fc.weight"], ck2["drafter"]["fc.weight"])
+
+
+def test_bf16_save_loads_as_fp32(tiny):
+    root, target = tiny
+    out = root / "draft16"
+    r = _train(root, target, out, "--steps", "2", "--save-dtype", "bf16")
+    assert r.exit_code == 0, r.output
+    from safetensors.torch import load_file
+
+    assert load_file(out / "model.safetensors")["fc.weight"].dtype == torch.bfloat16
+    assert Drafter.from_pretrained(out).fc.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--target-layer-ids", "1,9"], "outside the target's 4 layers"),
+    (["--mask-token-id", "500"], "outside the target's vocabulary"),
+    ([], "exactly one of --steps"),
+])
+def test_cli_one_line_errors(tiny, extra, message):
+    root, target = tiny
+    steps = [] if not extra else ["--steps", "1"]
+    r = _train(root, target, root / "bad", *steps, *extra)
+    assert r.exit_code == 2
+    assert message in r.output and r.output.startswith("error: ") and r.output.count("\n") == 1
+    assert not (root / "bad").exists()
+
+
+def test_cli_refuses_target_without_tokenizer(tmp_path):
+    from tiny import make_target
+
+    t = make_target(tmp_path / "t")
+    (tmp_path / "d.txt").write_text(SAMPLE)
+    r = CliRunner().invoke(cli, ["train-draft", "--target", str(t), "--out", str(tmp_path / "o"),
+                                 "--data", str(tmp_path / "d.txt"), "--steps", "1"])
+    assert r.exit_code == 2 and "no tokenizer.json" in r.output
