@@ -30,7 +30,9 @@ Everything a runtime needs to know about an exported directory is here, in one p
 
 The drafter's context cache holds every position before the anchor, so `past_ctx` equals
 the anchor's position. Embedding and LM head are initializers with the same names in
-target.onnx and draft_block.onnx (`SHARED_INITIALIZERS`), stored once on disk.
+target.onnx and draft_block.onnx (`SHARED_INITIALIZERS`), stored once on disk in
+`shared.data` (external data; each graph's other weights are in `<graph>.data`). With tied
+embeddings both names are present and point at the same bytes of `shared.data`.
 """
 
 from __future__ import annotations
