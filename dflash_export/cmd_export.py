@@ -1,0 +1,131 @@
+"""`export` (target + drafter -> ONNX artifact directory) and `check` (parity vs PyTorch).
+
+torch, onnx and onnxruntime are imported inside the commands, so `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .runtime.errors import DFlashError
+
+
+@click.command()
+@click.option("--target", "target_dir", required=True, type=click.Path(path_type=Path),
+              help="Hugging Face target checkpoint directory (config.json + *.safetensors [+ tokenizer]).")
+@click.option("--draft", "draft_dir", required=True, type=click.Path(path_type=Path),
+              help="z-lab DFlash drafter directory (config.json + model.safetensors).")
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Directory to write.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
+              help="Weights and compute dtype; logits stay float32.")
+@click.option("--block-size", type=int, help="Static block size K of draft_block.onnx [default: the drafter's].")
+@click.option("--max-context", type=int, default=2048, show_default=True,
+              help="Longest prompt + generation the runtime will allocate caches for.")
+@click.option("--mask-token-id", type=int, help="Override the drafter's dflash_config.mask_token_id.")
+@click.option("--opset", type=int, help="ONNX opset [default: the exporter's].")
+@click.option("--force", is_flag=True, help="Replace a non-empty --out directory (only once the export succeeded).")
+@click.option("--quiet", is_flag=True, help="No progress display.")
+def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_token_id, opset, force, quiet):
+    """Trace a target and its DFlash drafter to ONNX: target.onnx, draft_context.onnx,
+    draft_block.onnx, their external weights (embedding and LM head stored once, in
+    shared.data), the tokenizer files and manifest.json with the sha256 of every file.
+
+    The export is atomic: it is written next to --out and renamed at the end, so a failed
+    or interrupted export leaves nothing behind. The graphs are validated (onnx.checker,
+    shape inference, standard-operator lint, ONNX Runtime load) before the rename.
+
+    \b
+    Examples:
+      dflash-export export --target Qwen3-8B --draft Qwen3-8B-DFlash --out art
+      dflash-export export --target t --draft d --out art --dtype fp16 --block-size 8
+      dflash-export export --target t --draft d --out art --force   # replace art
+    """
+    from .export.onnx import export_artifact
+
+    export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
+                    mask_token_id=mask_token_id, opset=opset, force=force, progress=not quiet)
+
+
+@click.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--target", "target_dir", type=click.Path(path_type=Path),
+              help="The target directory OUT was exported from (required).")
+@click.option("--draft", "draft_dir", type=click.Path(path_type=Path),
+              help="The drafter directory OUT was exported from (required).")
+@click.option("--prompts", type=int, default=20, show_default=True,
+              help="Random prompts decoded end to end (ONNX Runtime vs the PyTorch oracle); 0 skips.")
+@click.option("--max-new-tokens", type=int, default=24, show_default=True, help="Tokens per end-to-end prompt.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the random inputs and prompts.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@click.option("--save-polygraphy", type=click.Path(path_type=Path),
+              help="Write inputs and both sides' outputs as Polygraphy JSON into this directory.")
+def check(out, target_dir, draft_dir, prompts, max_new_tokens, seed, as_json, save_polygraphy):
+    """Check an exported directory OUT against the PyTorch modules it came from.
+
+    Runs every graph in ONNX Runtime (CPU) and in PyTorch on fresh random inputs: target
+    prefill (past 0), a 1-token step and a K-token verify on a past; the drafter's context
+    graph; the block graph with and without context. Prints max / mean / p99 absolute
+    error per output against the tolerance (fp32: 1e-4 on logits, taps and K/V; ids
+    exact). Then decodes --prompts random prompts greedily through the graphs and through
+    the PyTorch oracle: tokens and acceptance lengths must be identical.
+
+    fp16/bf16 exports report the statistics and top-1 agreement without failing on fp32
+    tolerances. Exit status 0 when everything passes, 1 otherwise (failing rows shown).
+
+    \b
+    Examples:
+      dflash-export check art --target Qwen3-8B --draft Qwen3-8B-DFlash
+      dflash-export check art --target t --draft d --prompts 50 --json
+      dflash-export check art --target t --draft d --save-polygraphy pg
+      polygraphy run art/target.onnx --onnxrt \\
+          --load-inputs pg/target.prefill_P0_S7.inputs.json \\
+          --load-outputs pg/target.prefill_P0_S7.outputs.json --atol 1e-4
+    """
+    from .export.check import run_check
+
+    if prompts < 0 or max_new_tokens < 1:
+        raise DFlashError("--prompts must be >= 0 and --max-new-tokens >= 1")
+    report = run_check(out, target_dir, draft_dir, prompts=prompts, max_new_tokens=max_new_tokens, seed=seed,
+                       save_polygraphy=save_polygraphy, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(report.to_json()))
+    else:
+        print_report(report)
+    sys.exit(0 if report.passed else 1)
+
+
+def print_report(report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 132))  # one row per output, unwrapped even when piped
+    table = Table(title=f"parity vs PyTorch ({report.dtype})", title_justify="left")
+    for col in ("graph", "case", "output", "max abs", "mean abs", "p99 abs", "tol", "top-1", ""):
+        table.add_column(col, justify="right" if col not in ("graph", "case", "output") else "left")
+    for r in report.rows:
+        table.add_row(r.graph, r.case, r.output, f"{r.max:.2e}", f"{r.mean:.2e}", f"{r.p99:.2e}",
+                      "-" if r.tol is None else f"{r.tol:g}", "-" if r.top1 is None else f"{r.top1:.4f}",
+                      "[green]ok" if r.passed else "[red]FAIL")
+    console.print(table)
+    e = report.end_to_end
+    if e:
+        console.print(f"end to end: {e['identical']}/{e['cases']} prompts token-identical to the PyTorch oracle, "
+                      f"{e['acceptance_identical']}/{e['cases']} with identical acceptance lengths; "
+                      f"tau {e['tau']:.2f}, acceptance histogram (1..K) {e['acceptance_histogram']}")
+        for f in e["failures"]:
+            console.print(f"[red]differs[/] at token {f['first_difference']} for prompt {f['prompt']}")
+    for note in report.notes:
+        console.print(f"note: {note}")
+    failing = [r for r in report.rows if not r.passed]
+    if failing:
+        console.print(f"[red]FAILED[/]: {len(failing)} row(s):")
+        for r in failing:
+            console.print(f"  {r.graph} {r.case} {r.output}: max abs {r.max:.3e} > tol {r.tol}")
+    console.print("[green]PASSED" if report.passed else "[red]FAILED")
+
+
+COMMANDS = [export, check]

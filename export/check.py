@@ -1,0 +1,237 @@
+"""`dflash-export check`: every exported graph against its PyTorch source, then end to end.
+
+Per graph and regime (target prefill at past 0, a 1-token step and a K-token verify on a
+real past; the drafter's context graph; the block graph with and without context), fresh
+random inputs go through both ONNX Runtime and the torch module the graph was traced
+from; each output gets max / mean / p99 absolute error against its tolerance. Then N
+random prompts are decoded greedily through the graphs (export/ort_loop.py) and through
+`models.speculative_generate`: tokens and acceptance lengths must be identical.
+
+fp32 passes at TOLERANCE on every float output (logits, taps, K/V) and exact ids (ties
+within the tolerance excepted). fp16/bf16 report the same statistics and top-1 agreement;
+they fail only on non-finite outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..runtime import contract as C
+from ..runtime.errors import DFlashError
+
+TOLERANCE = 1e-4  # fp32 absolute, on logits, taps and K/V alike
+ID_LOGITS = {"next_ids": "logits", "draft_ids": "draft_logits"}
+
+
+@dataclass
+class Row:
+    graph: str
+    case: str
+    output: str
+    max: float
+    mean: float
+    p99: float
+    tol: float | None  # None: reported, not enforced (fp16/bf16)
+    top1: float | None  # argmax agreement (logits) or id agreement (ids)
+    passed: bool
+
+
+@dataclass
+class Report:
+    dtype: str
+    rows: list[Row] = field(default_factory=list)
+    end_to_end: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        e2e = self.end_to_end
+        ok_e2e = not e2e or self.dtype != "fp32" or e2e["identical"] == e2e["cases"]
+        return bool(self.rows) and all(r.passed for r in self.rows) and ok_e2e
+
+    def to_json(self) -> dict:
+        graphs: dict = {}
+        for r in self.rows:
+            graphs.setdefault(r.graph, []).append({k: v for k, v in asdict(r).items() if k != "graph"})
+        return {"passed": self.passed, "dtype": self.dtype, "tolerance": TOLERANCE if self.dtype == "fp32" else None,
+                "graphs": graphs, "end_to_end": self.end_to_end, "notes": self.notes}
+
+
+def load_sources(root: Path, manifest: C.Manifest, target_dir, draft_dir):
+    """The PyTorch modules an artifact came from; refuse sources that do not match it."""
+    import torch
+
+    from ..models import Drafter, Target
+    from ..models.config import DraftConfig, TargetConfig
+    from .onnx import torch_dtype
+
+    if target_dir is None or draft_dir is None:
+        raise DFlashError("check compares against the PyTorch source: pass --target DIR --draft DIR (the directories given to export)")
+    tc, dc = TargetConfig.load(target_dir), DraftConfig.load(draft_dir)
+    mine = (tc.architecture, tc.vocab_size, tc.hidden_size, tc.num_layers, dc.num_layers, list(dc.target_layer_ids))
+    theirs = (manifest.architecture, manifest.vocab_size, manifest.hidden_size, manifest.target_layers,
+              manifest.draft_layers, manifest.target_layer_ids)
+    if mine != theirs:
+        raise DFlashError(f"--target/--draft do not match {root} (architecture, vocab, hidden, layers, taps: {mine} vs {theirs}); pass the directories it was exported from")
+    dtype = torch_dtype(manifest.dtype)
+    drafter = Drafter.from_pretrained(draft_dir, dtype)
+    target = Target.from_pretrained(target_dir, drafter.config.target_layer_ids, dtype)
+    torch.manual_seed(0)
+    return target, drafter
+
+
+def cases(target, drafter, m: C.Manifest, seed: int):
+    """(graph, case, torch module, inputs in graph order) for every regime that matters."""
+    import torch
+
+    from . import graphs as G
+
+    g = torch.Generator().manual_seed(seed)
+    K, P, S = m.block_size, 9, 7
+    ids = lambda n: torch.randint(0, m.vocab_size, (1, n), generator=g)  # noqa: E731
+    pos = lambda a, n: torch.arange(a, a + n)[None]  # noqa: E731
+    tg, cg, bg = G.TargetGraph(target), G.DraftContextGraph(drafter), G.DraftBlockGraph(drafter, target)
+    with torch.inference_mode():
+        _, taps, past = target(ids(P), pos(0, P), target.empty_kv())
+        ctx = drafter.context_kv(taps, pos(0, P))
+    flat = lambda kv: [t for pair in kv for t in pair]  # noqa: E731
+    block = lambda: torch.cat([ids(1), torch.full((1, K - 1), m.mask_token_id)], 1)  # noqa: E731
+    yield C.TARGET, f"prefill P=0 S={S}", tg, [ids(S), pos(0, S), *flat(target.empty_kv())]
+    yield C.TARGET, f"step P={P} S=1", tg, [ids(1), pos(P, 1), *flat(past)]
+    yield C.TARGET, f"verify P={P} S={K}", tg, [ids(K), pos(P, K), *flat(past)]
+    yield C.DRAFT_CONTEXT, f"C={P}", cg, [taps, pos(0, P)]
+    yield C.DRAFT_CONTEXT, "C=1", cg, [taps[:, -1:], pos(P - 1, 1)]
+    yield C.DRAFT_BLOCK, f"past_ctx=0 K={K}", bg, [block(), pos(0, K), *flat(drafter.empty_kv())]
+    yield C.DRAFT_BLOCK, f"past_ctx={P} K={K}", bg, [block(), pos(P, K), *flat(ctx)]
+
+
+def _np(t) -> np.ndarray:
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def compare(graph: str, case: str, names: list[str], got: list[np.ndarray], ref: list[np.ndarray], dtype: str) -> list[Row]:
+    strict = dtype == "fp32"
+    by_name = dict(zip(names, ref))
+    rows = []
+    for name, o, r in zip(names, got, ref):
+        if o.shape != r.shape:
+            rows.append(Row(graph, case, name, float("inf"), float("inf"), float("inf"), TOLERANCE if strict else None, None, False))
+            continue
+        if np.issubdtype(r.dtype, np.integer):
+            agree = o == r
+            logits = by_name.get(ID_LOGITS.get(name))
+            if logits is not None:  # a flip between two logits closer than the tolerance is not an error
+                top2 = np.sort(logits.astype(np.float64), -1)[..., -2:]
+                agree |= (top2[..., 1] - top2[..., 0]) <= TOLERANCE
+            top1 = float(np.mean(o == r)) if o.size else 1.0
+            rows.append(Row(graph, case, name, 0.0, 0.0, 0.0, 0.0 if strict else None, top1, bool(agree.all()) or not strict))
+            continue
+        err = np.abs(o.astype(np.float64) - r.astype(np.float64)).ravel()
+        finite = bool(np.isfinite(o.astype(np.float64)).all())
+        mx, mean, p99 = (float(err.max()), float(err.mean()), float(np.percentile(err, 99))) if err.size else (0.0,) * 3
+        top1 = None
+        if name in ID_LOGITS.values() and o.size:
+            top1 = float(np.mean(o.argmax(-1) == r.argmax(-1)))
+        passed = finite and (mx <= TOLERANCE if strict else True)
+        rows.append(Row(graph, case, name, mx, mean, p99, TOLERANCE if strict else None, top1, passed))
+    return rows
+
+
+def run_check(
+    root: str | Path,
+    target_dir,
+    draft_dir,
+    *,
+    prompts: int = 20,
+    max_new_tokens: int = 24,
+    seed: int = 0,
+    save_polygraphy: str | Path | None = None,
+    progress: bool = True,
+) -> Report:
+    import torch
+
+    from ..models import speculative_generate
+    from .onnx import Phases
+    from .ort_loop import Graphs
+
+    root = Path(root)
+    m = C.load_manifest(root, verify=True)
+    ui = Phases(progress)
+    report = Report(m.dtype)
+    with ui.phase("load", f"PyTorch source + ONNX Runtime sessions ({m.dtype})"):
+        target, drafter = load_sources(root, m, target_dir, draft_dir)
+        try:
+            graphs = Graphs(root, m)
+        except Exception as e:
+            if m.dtype == "bf16":
+                report.notes.append(f"not run: ONNX Runtime's CPU provider cannot run bf16 graphs ({str(e).splitlines()[0][:120]})")
+                return report
+            raise DFlashError(f"ONNX Runtime cannot load {root}: {str(e).splitlines()[0]}") from e
+    saved = []
+    with ui.phase("parity", "every graph in every regime vs PyTorch"):
+        for graph, case, module, inputs in cases(target, drafter, m, seed):
+            names_in = [t.name for t in m.graphs[graph].inputs]
+            names_out = [t.name for t in m.graphs[graph].outputs]
+            with torch.inference_mode():
+                ref = [_np(t) for t in module(*inputs)]
+            feeds = dict(zip(names_in, (_np(t) for t in inputs)))
+            got = graphs.sessions[graph].run(names_out, feeds)
+            report.rows += compare(graph, case, names_out, got, ref, m.dtype)
+            saved.append((graph, case, feeds, dict(zip(names_out, ref)), dict(zip(names_out, got))))
+    if save_polygraphy is not None:
+        with ui.phase("save", f"Polygraphy inputs/outputs to {save_polygraphy}"):
+            write_polygraphy(Path(save_polygraphy), saved)
+    if prompts > 0:
+        with ui.phase("generate", f"{prompts} prompts x {max_new_tokens} tokens, ORT vs speculative_generate"):
+            report.end_to_end = end_to_end(graphs, target, drafter, m, prompts, max_new_tokens, seed, speculative_generate)
+    return report
+
+
+def end_to_end(graphs, target, drafter, m: C.Manifest, prompts: int, max_new_tokens: int, seed: int, oracle) -> dict:
+    from .ort_loop import greedy_speculative
+
+    rng = np.random.default_rng(seed + 1)
+    identical, same_lengths, lengths, failures = 0, 0, [], []
+    for i in range(prompts):
+        n = int(rng.integers(2, 12))
+        n = min(n, m.max_context - max_new_tokens)
+        prompt = rng.integers(0, m.vocab_size, n).tolist()
+        tokens, acc = greedy_speculative(graphs, prompt, max_new_tokens)
+        ref = oracle(target, drafter, prompt, max_new_tokens, mask_token_id=m.mask_token_id, block_size=m.block_size)
+        identical += tokens == ref.tokens
+        same_lengths += acc == ref.acceptance_lengths
+        lengths += acc
+        if tokens != ref.tokens and len(failures) < 3:
+            first = next((j for j, (a, b) in enumerate(zip(tokens, ref.tokens)) if a != b), min(len(tokens), len(ref.tokens)))
+            failures.append({"prompt": prompt, "first_difference": first, "onnx": tokens, "pytorch": ref.tokens})
+    hist = np.bincount(lengths, minlength=m.block_size + 1)[1:].tolist() if lengths else []
+    return {"cases": prompts, "identical": identical, "acceptance_identical": same_lengths,
+            "max_new_tokens": max_new_tokens, "tau": float(np.mean(lengths)) if lengths else 0.0,
+            "acceptance_histogram": hist, "failures": failures}
+
+
+def write_polygraphy(directory: Path, saved) -> None:
+    """Per graph and regime: <graph>.<case>.inputs.json (a list of feed dicts, as
+    `polygraphy run --load-inputs` reads) and .outputs.json (RunResults with a `pytorch`
+    and an `onnxruntime` runner, for `--load-outputs`)."""
+    from polygraphy.comparator import RunResults
+    from polygraphy.comparator.struct import IterationResult
+    from polygraphy.json import save_json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for graph, case, feeds, ref, got in saved:
+        stem = f"{graph}.{case.replace(' ', '_').replace('=', '')}"
+        save_json([feeds], str(directory / f"{stem}.inputs.json"))
+        results = RunResults()
+        results.append(("pytorch", [IterationResult(ref, runner_name="pytorch")]))
+        results.append(("onnxruntime", [IterationResult(got, runner_name="onnxruntime")]))
+        results.save(str(directory / f"{stem}.outputs.json"))

@@ -1,0 +1,82 @@
+"""A minimal greedy speculative loop over the three exported graphs: numpy + plain sess.run.
+
+Deliberately independent of runtime/ (no IO binding, caches grown by concatenation): it
+checks the graphs against the PyTorch oracle (models.speculative_generate), not a runtime.
+Same round bookkeeping as the oracle, so tokens and acceptance lengths must match exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..runtime import contract as C
+from ..runtime.sampling import accept
+
+NP_DTYPE = {"float32": np.float32, "float16": np.float16}
+
+
+class Graphs:
+    """One ORT session per graph of an exported directory (CPU unless told otherwise)."""
+
+    def __init__(self, root: str | Path, manifest: C.Manifest, providers=("CPUExecutionProvider",)):
+        from .validate import ort_session
+
+        self.manifest = manifest
+        self.sessions = {g: ort_session(Path(root) / f, providers) for g, f in C.GRAPH_FILES.items()}
+        self.names = {g: [o.name for o in s.get_outputs()] for g, s in self.sessions.items()}
+
+    def run(self, graph: str, feeds: dict) -> dict[str, np.ndarray]:
+        return dict(zip(self.names[graph], self.sessions[graph].run(None, feeds)))
+
+
+def _empty(layers: int, heads: int, dim: int, dtype) -> list[np.ndarray]:
+    return [np.zeros((1, 0, heads, dim), dtype) for _ in range(2 * layers)]
+
+
+def greedy_speculative(g: Graphs, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """-> (tokens, acceptance lengths) at temperature 0 with no stop tokens."""
+    m = g.manifest
+    kv_dtype = NP_DTYPE[m.graphs[C.TARGET].inputs[2].dtype]
+    K, n = m.block_size, len(prompt)
+    max_length = n + max_new_tokens
+    tkv = _empty(m.target_layers, m.target_kv_heads, m.target_head_dim, kv_dtype)
+    dkv = _empty(m.draft_layers, m.draft_kv_heads, m.draft_head_dim, kv_dtype)
+
+    def target(ids: list[int], positions: np.ndarray):
+        feeds = {"input_ids": np.array([ids], np.int64), "position_ids": positions[None]}
+        for i in range(m.target_layers):
+            feeds[C.past_key(i)], feeds[C.past_value(i)] = tkv[2 * i], tkv[2 * i + 1]
+        out = g.run(C.TARGET, feeds)
+        new = [out[C.new_key(i) if h == 0 else C.new_value(i)] for i in range(m.target_layers) for h in (0, 1)]
+        return out["next_ids"][0].tolist(), out["taps"], new
+
+    next_ids, taps, new = target(prompt, np.arange(n))
+    tkv = [np.concatenate([a, b], 1) for a, b in zip(tkv, new)]
+    anchor, start = next_ids[-1], n
+    out, lengths = [anchor], []
+    ctx_taps, ctx_pos = taps, np.arange(n)
+    while start + 1 < max_length:
+        ctx = g.run(C.DRAFT_CONTEXT, {"taps": ctx_taps, "ctx_position_ids": ctx_pos[None]})
+        dkv = [np.concatenate([dkv[2 * j + h], ctx[C.ctx_key(j) if h == 0 else C.ctx_value(j)]], 1)
+               for j in range(m.draft_layers) for h in (0, 1)]
+        positions = np.arange(start, start + K)
+        feeds = {"block_ids": np.array([[anchor] + [m.mask_token_id] * (K - 1)], np.int64),
+                 "block_position_ids": positions[None]}
+        for j in range(m.draft_layers):
+            feeds[C.past_ctx_key(j)], feeds[C.past_ctx_value(j)] = dkv[2 * j], dkv[2 * j + 1]
+        drafts = g.run(C.DRAFT_BLOCK, feeds)["draft_ids"][0].tolist()
+
+        s = min(K, max_length - start)
+        choice, taps, new = target([anchor] + drafts[: s - 1], positions[:s])
+        a = accept(drafts[: s - 1], choice[: s - 1])
+        emitted = (drafts[:a] + [choice[a]])[: max_length - start - 1]
+        produced = len(emitted)
+        tkv = [np.concatenate([t, x[:, :produced]], 1) for t, x in zip(tkv, new)]
+        ctx_taps, ctx_pos = taps[:, :produced], positions[:produced]
+        out += emitted
+        lengths.append(produced)
+        start += produced
+        anchor = emitted[-1]
+    return out, lengths
