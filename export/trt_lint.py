@@ -113,12 +113,21 @@ def _types(model: onnx.ModelProto) -> dict[str, int]:
     return out
 
 
-def _constants(graph: onnx.GraphProto) -> set[str]:
-    names = {i.name for i in graph.initializer}
+def _constants(graph: onnx.GraphProto) -> tuple[set[str], set[str]]:
+    """(constants, foldable): initializers and Constant outputs; and tensors computed only
+    from constants (e.g. a Reshape of an initializer), which a constant-folding pass turns
+    into initializers but which TensorRT's parser may not take where it wants one."""
+    consts = {i.name for i in graph.initializer}
     for node in _nodes(graph):
         if node.op_type == "Constant":
-            names.update(node.output)
-    return names
+            consts.update(node.output)
+    foldable = set(consts)
+    for node in graph.node:  # ONNX nodes are topologically sorted
+        ins = [i for i in node.input if i]
+        if ins and all(i in foldable for i in ins) and not node.op_type.startswith("Random") \
+                and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            foldable.update(node.output)
+    return consts, foldable - consts
 
 
 def lint_model(model: onnx.ModelProto, graph: str, manifest: Manifest | None = None,
@@ -143,7 +152,8 @@ def lint_model(model: onnx.ModelProto, graph: str, manifest: Manifest | None = N
                     f"re-export with --opset {min(max(imp.version, sup['opset_min']), hi)}")
 
     # operators, attributes, constant inputs
-    consts = _constants(model.graph)
+    consts, foldable = _constants(model.graph)
+    folded_warned: set[str] = set()
     types = _types(model)
     seen_bad: set[str] = set()
     for node in _nodes(model.graph):
@@ -166,8 +176,17 @@ def lint_model(model: onnx.ModelProto, graph: str, manifest: Manifest | None = N
                 err(f"operator {op} ({where}) needs TensorRT >= {entry['since']} (linting for {trt_version})")
                 seen_bad.add(op)
         for idx in entry.get("const_inputs", []):
-            if idx < len(node.input) and node.input[idx] and node.input[idx] not in consts:
-                err(f"operator {op} ({where}): input {idx} ({node.input[idx]!r}) must be a build-time constant for TensorRT")
+            name = node.input[idx] if idx < len(node.input) else ""
+            if not name or name in consts:
+                continue
+            if name in foldable:
+                if op not in folded_warned:
+                    warn(f"operator {op}: input {idx} ({name!r}, {where}) is computed from constants, not stored as "
+                         "one; TensorRT's parser wants an initializer there: constant-fold the graph if the parse fails "
+                         "(e.g. polygraphy surgeon sanitize --fold-constants)")
+                    folded_warned.add(op)
+            else:
+                err(f"operator {op} ({where}): input {idx} ({name!r}) must be a build-time constant for TensorRT")
         for name, want in entry.get("attr_equals", {}).items():
             for a in node.attribute:
                 if a.name == name:
@@ -185,6 +204,7 @@ def lint_model(model: onnx.ModelProto, graph: str, manifest: Manifest | None = N
                 warn(f"{t!r} ({op}, {where}) is DOUBLE: TensorRT casts it down to FP32")
             elif tn not in allowed:
                 err(f"operator {op} ({where}) gets {tn} on {t!r}; TensorRT supports {op} on {', '.join(entry['types'])}")
+                break  # one type error per node is enough
 
     # graph inputs: static dims, or named dynamic dims a profile covers
     init_names = {i.name for i in model.graph.initializer}

@@ -127,7 +127,8 @@ def profiles(limits: Limits) -> dict[str, list[Profile]]:
                   1 prefill: seq in [1, max_prompt], past in [0, max_context - 1]
                     (covers chunked prefill and the 1-token steps of plain decoding)
     draft_context 0 context: ctx in [1, max(max_prompt, K)] (a prompt, or a round's a+1 <= K)
-    draft_block   0 block:   past_ctx in [1, max_context - K] (the anchor's position; K static)
+    draft_block   0 block:   past_ctx in [1, max_context - 1] (the anchor's position; K static;
+                    near the end the loop still drafts a full block and discards the overhang)
     opt is the middle of each range, except verify's seq (K) and ctx (K: the per-round size).
     """
     k, mc, mp = limits.block_size, limits.max_context, limits.max_prompt
@@ -143,7 +144,7 @@ def profiles(limits: Limits) -> dict[str, list[Profile]]:
             Profile("prefill", {BATCH: one, SEQ: rng(1, mp), PAST: rng(0, mc - 1)}),
         ],
         DRAFT_CONTEXT: [Profile("context", {BATCH: one, CTX: rng(1, cmax, min(k, cmax))})],
-        DRAFT_BLOCK: [Profile("block", {BATCH: one, PAST_CTX: rng(1, mc - k)})],
+        DRAFT_BLOCK: [Profile("block", {BATCH: one, PAST_CTX: rng(1, mc - 1)})],
     }
 
 
@@ -551,8 +552,8 @@ class TensorRTBackend(Backend):
         p = self.context_len
         if p < 1:
             raise DFlashError("internal: draft_block() before any context (prefill first)")
-        if p + k > self.max_len:
-            raise DFlashError(f"a block at position {p} runs past the engines' max context {self.max_len}")
+        if p >= self.max_len:
+            raise DFlashError(f"a block at position {p} is past the engines' max context {self.max_len}")
         self.h_bids[0] = int(anchor)
         self.h_bids[1:] = m.mask_token_id
         self.h_bpos[:] = np.arange(p, p + k)

@@ -1,0 +1,174 @@
+"""TensorRT 10 compatibility lint: hand-built bad graphs fail by name; real exports pass."""
+
+import json
+
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import TensorProto as T
+from onnx import helper
+
+from dflash_export.cli import cli
+from dflash_export.export.trt_lint import OPS_FILE, check, lint_model, max_opset, support_list
+from dflash_export.runtime.errors import DFlashError
+
+
+def model(nodes, inputs, outputs, inits=(), opset=17, domains=()):
+    g = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(inits))
+    imports = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, 1) for d in domains]
+    return helper.make_model(g, opset_imports=imports)
+
+
+def vi(name, elem, shape):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def errors(m, graph="target", **kw):
+    return [f.message for f in lint_model(m, graph, **kw) if f.level == "error"]
+
+
+IDS = vi("input_ids", T.INT64, ["batch", "seq"])
+
+
+def test_support_list_names_its_source():
+    d = json.loads(OPS_FILE.read_text())
+    assert d["source"]["repository"] == "https://github.com/onnx/onnx-tensorrt"
+    assert d["source"]["file"] == "docs/operators.md" and d["source"]["release"].startswith("10.")
+    assert d["tensorrt_major"] == 10
+    assert "MatMul" in d["ops"] and "Unique" in d["unsupported"] and "Unique" not in d["ops"]
+    assert max_opset("10.0") == 20 and max_opset("10.9.0.34") == 20 and max_opset("10.15.1") == 24
+
+
+def test_clean_graph_passes():
+    n = [helper.make_node("Cast", ["input_ids"], ["f"], to=T.FLOAT), helper.make_node("Relu", ["f"], ["y"])]
+    m = model(n, [IDS], [vi("y", T.FLOAT, ["batch", "seq"])])
+    assert errors(m) == []
+
+
+def test_unsupported_operator_is_named():
+    n = [helper.make_node("Unique", ["input_ids"], ["y"])]
+    m = model(n, [IDS], [vi("y", T.INT64, None)])
+    (msg,) = errors(m)
+    assert "operator Unique" in msg and "unsupported" in msg
+
+
+def test_unknown_and_custom_domain_operators():
+    n = [helper.make_node("FancyAttention", ["input_ids"], ["a"]),
+         helper.make_node("GroupQueryAttention", ["a"], ["y"], domain="com.microsoft")]
+    m = model(n, [IDS], [vi("y", T.INT64, None)], domains=["com.microsoft"])
+    errs = errors(m)
+    assert any("operator FancyAttention" in e and "not listed" in e for e in errs)
+    assert any("com.microsoft::GroupQueryAttention" in e and "plugin" in e for e in errs)
+
+
+def test_operator_added_later_in_10x():
+    x = vi("input_ids", T.FLOAT, ["batch", "seq"])
+    scale = helper.make_tensor("scale", T.FLOAT, [1], [1.0])
+    n = [helper.make_node("RMSNormalization", ["input_ids", "scale"], ["y"])]
+    m = model(n, [x], [vi("y", T.FLOAT, ["batch", "seq"])], inits=[scale], opset=23)
+    errs = errors(m, trt_version="10.0")
+    assert any("RMSNormalization" in e and ">= 10.15" in e for e in errs)
+    assert any("opset 23 is outside" in e for e in errs)
+    assert errors(m, trt_version="10.15.1") == []
+
+
+def test_unsupported_type_for_operator():
+    a = vi("input_ids", T.INT32, ["batch", "seq"])
+    w = helper.make_tensor("w", T.INT32, [1, 1], [2])
+    m = model([helper.make_node("MatMul", ["input_ids", "w"], ["y"])], [a], [vi("y", T.INT32, None)], inits=[w])
+    (msg,) = errors(m)
+    assert "MatMul" in msg and "INT32" in msg
+
+
+def test_axes_must_be_constant():
+    x = vi("input_ids", T.FLOAT, ["batch", "seq"])
+    axes = vi("axes", T.INT64, [1])
+    m = model([helper.make_node("ReduceSum", ["input_ids", "axes"], ["y"])], [x, axes], [vi("y", T.FLOAT, None)], opset=18)
+    assert any("ReduceSum" in e and "build-time constant" in e for e in errors(m))
+    shape = helper.make_tensor("shape", T.INT64, [1], [1])
+    a0 = helper.make_tensor("a0", T.INT64, [1, 1], [1])
+    folded = [helper.make_node("Reshape", ["a0", "shape"], ["ax"]), helper.make_node("ReduceSum", ["input_ids", "ax"], ["y"])]
+    m2 = model(folded, [x], [vi("y", T.FLOAT, None)], inits=[shape, a0], opset=18)
+    found = lint_model(m2, "target")
+    assert [f.level for f in found] == ["warning"] and "computed from constants" in found[0].message
+
+
+def test_shapes_tensorrt_cannot_profile():
+    unnamed = vi("input_ids", T.INT64, ["batch", None])
+    m = model([helper.make_node("Identity", ["input_ids"], ["y"])], [unnamed], [vi("y", T.INT64, None)])
+    assert any("dynamic without a name" in e for e in errors(m))
+    odd = vi("past_key.0", T.FLOAT, ["batch", "past", "heads", 16])  # a dynamic axis no profile covers
+    m = model([helper.make_node("Identity", ["past_key.0"], ["y"])], [odd], [vi("y", T.FLOAT, None)])
+    assert any("past_key.0 axis 2" in e and "no TensorRT profile" in e for e in errors(m))
+
+
+def test_block_dim_must_be_static_in_block_graph():
+    dyn = vi("block_ids", T.INT64, ["batch", "block"])
+    m = model([helper.make_node("Identity", ["block_ids"], ["y"])], [dyn], [vi("y", T.INT64, None)])
+    assert any("block dim must be static" in e for e in errors(m, "draft_block"))
+    static = vi("block_ids", T.INT64, ["batch", 4])
+    m = model([helper.make_node("Identity", ["block_ids"], ["y"])], [static], [vi("y", T.INT64, None)])
+    assert errors(m, "draft_block") == []
+
+
+# -- on real exports -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[("fp32", 4), ("fp16", 8)], ids=["fp32-k4", "fp16-k8"])
+def export(request, tmp_path_factory):
+    from tiny import make_drafter, make_target
+
+    from dflash_export.export.onnx import export_artifact
+
+    dtype, k = request.param
+    root = tmp_path_factory.mktemp(f"trt-{dtype}")
+    make_target(root / "t", layers=2, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64)
+    make_drafter(root / "d", root / "t", layers=1, block_size=k)
+    export_artifact(root / "t", root / "d", root / "out", dtype=dtype, max_context=64, progress=False)
+    return root / "out", dtype, k
+
+
+def test_lint_passes_on_exports(export):
+    out, dtype, k = export
+    warnings = check(out)  # raises with the offending operator's name on any error
+    assert all(w.level == "warning" for w in warnings)
+    block = onnx.load(str(out / "draft_block.onnx"), load_external_data=False)
+    dims = {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim] for i in block.graph.input}
+    assert dims["block_ids"][1] == k  # static block dim, checked by the lint too
+
+
+def test_lint_fails_when_export_gets_unsupported_op(export, tmp_path):
+    out, _, _ = export
+    m = onnx.load(str(out / "draft_context.onnx"), load_external_data=False)
+    node = next(n for n in m.graph.node if n.op_type == "MatMul")
+    node.op_type = "MatMulInteger"  # what a quantizer might leave behind
+    (bad,) = [f for f in lint_model(m, "draft_context") if f.level == "error"]
+    assert "operator MatMulInteger" in bad.message
+
+
+def test_build_dry_run_lints_and_prints_plan(export):
+    out, dtype, k = export
+    files = sorted(p.name for p in out.iterdir())
+    r = CliRunner().invoke(cli, ["build", str(out), "--dry-run", "--max-prompt", "16"])
+    assert r.exit_code == 0, r.output
+    assert "lint: every graph passes" in r.output
+    assert f"block {k}, max context 64, max prompt 16" in r.output
+    assert f"seq {k}..{k}" in r.output and "past_ctx 1..63" in r.output
+    assert sorted(p.name for p in out.iterdir()) == files  # nothing written
+    r = CliRunner().invoke(cli, ["build", str(out), "--dry-run", "--max-prompt", "100"])
+    assert r.exit_code == 2 and "error: --max-prompt 100" in r.output
+
+
+def test_check_raises_one_line_naming_the_operator(tmp_path):
+    from dflash_export.runtime.contract import GraphSpec, Manifest, TensorSpec
+
+    m = model([helper.make_node("Unique", ["input_ids"], ["y"])], [IDS], [vi("y", T.INT64, None)])
+    onnx.save(m, str(tmp_path / "target.onnx"))
+    man = Manifest(block_size=4, mask_token_id=0, target_layer_ids=[0], dtype="fp32", vocab_size=10, max_context=64,
+                   hidden_size=8, target_layers=0, target_kv_heads=1, target_head_dim=8, draft_layers=1,
+                   draft_kv_heads=1, draft_head_dim=8, architecture="qwen3", eos_token_ids=[1], opset=17,
+                   graphs={"target": GraphSpec("target.onnx", [TensorSpec("input_ids", "int64", ["batch", "seq"])], [])},
+                   tools={})
+    with pytest.raises(DFlashError) as e:
+        check(tmp_path, man)
+    assert "operator Unique" in str(e.value) and "\n" not in str(e.value)

@@ -1,0 +1,144 @@
+"""TensorRT build plan, profiles, ORT TensorRT-provider options, engine checks: no TensorRT needed."""
+
+import subprocess
+import sys
+
+import pytest
+
+from dflash_export.export.trt import build_plan, describe
+from dflash_export.runtime.contract import GraphSpec, Manifest, TensorSpec
+from dflash_export.runtime.errors import DFlashError
+from dflash_export.runtime.trt import (
+    ENGINE_FILES, Profile, check_engine_record, default_cache_dir, ort_trt_provider_options,
+)
+
+L, H, D, DL, DH, DD, TH, V = 2, 2, 16, 1, 2, 16, 96, 101
+
+
+def manifest(k: int = 4, max_context: int = 64, dtype: str = "fp32") -> Manifest:
+    """A manifest shaped like the exporter's (named dims batch/seq/past/ctx/past_ctx)."""
+    f = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[dtype]
+    t = lambda n, dt, s: TensorSpec(n, dt, s)  # noqa: E731
+    kv = lambda p, n, past, h, d: [t(f"{p}_{kind}.{i}", f, ["batch", past, h, d]) for i in range(n) for kind in ("key", "value")]  # noqa: E731
+    target = GraphSpec("target.onnx",
+                       [t("input_ids", "int64", ["batch", "seq"]), t("position_ids", "int64", ["batch", "seq"])] + kv("past", L, "past", H, D),
+                       [t("logits", "float32", ["batch", "seq", V]), t("next_ids", "int64", ["batch", "seq"])])
+    ctx = GraphSpec("draft_context.onnx", [t("taps", f, ["batch", "ctx", TH]), t("ctx_position_ids", "int64", ["batch", "ctx"])], [])
+    block = GraphSpec("draft_block.onnx",
+                      [t("block_ids", "int64", ["batch", k]), t("block_position_ids", "int64", ["batch", k])] + kv("past_ctx", DL, "past_ctx", DH, DD),
+                      [t("draft_ids", "int64", ["batch", k - 1])])
+    return Manifest(block_size=k, mask_token_id=V - 2, target_layer_ids=[0, 1, 1], dtype=dtype, vocab_size=V,
+                    max_context=max_context, hidden_size=32, target_layers=L, target_kv_heads=H, target_head_dim=D,
+                    draft_layers=DL, draft_kv_heads=DH, draft_head_dim=DD, architecture="qwen3", eos_token_ids=[V - 1],
+                    opset=20, graphs={"target": target, "draft_context": ctx, "draft_block": block}, tools={},
+                    files={"target.onnx": "ab" * 32})
+
+
+def shapes(plan, graph):
+    return {p["name"]: p["shapes"] for p in next(g for g in plan.graphs if g.graph == graph).profiles}
+
+
+@pytest.mark.parametrize("k,mc,mp", [(4, 64, None), (4, 256, 100), (16, 2048, None), (16, 2048, 512), (16, 48, 32)])
+def test_profiles_pinned(k, mc, mp):
+    plan = build_plan(manifest(k, mc), max_prompt=mp)
+    mp = mc // 2 if mp is None else mp
+    assert (plan.limits.block_size, plan.limits.max_context, plan.limits.max_prompt) == (k, mc, mp)
+    tgt = shapes(plan, "target")
+    assert list(tgt) == ["verify", "prefill"]  # profile 0 = verify, 1 = prefill: the backend relies on the order
+    # verify: seq exactly K, past 0 .. max_context - K
+    assert tgt["verify"]["input_ids"] == [[1, k], [1, k], [1, k]]
+    assert tgt["verify"]["past_key.0"] == [[1, 0, H, D], [1, (mc - k) // 2, H, D], [1, mc - k, H, D]]
+    # prefill: seq 1 .. max_prompt, past 0 .. max_context - 1 (chunked prefill, 1-token decoding)
+    assert tgt["prefill"]["position_ids"] == [[1, 1], [1, (1 + mp) // 2], [1, mp]]
+    assert tgt["prefill"]["past_value.1"] == [[1, 0, H, D], [1, (mc - 1) // 2, H, D], [1, mc - 1, H, D]]
+    # context: ctx 1 .. max(max_prompt, K), opt K (the per-round size)
+    ctx = shapes(plan, "draft_context")["context"]
+    assert ctx["taps"] == [[1, 1, TH], [1, min(k, max(mp, k)), TH], [1, max(mp, k), TH]]
+    # block: K static in every shape, past_ctx 1 .. max_context - 1
+    blk = shapes(plan, "draft_block")["block"]
+    assert blk["block_ids"] == [[1, k]] * 3
+    assert blk["past_ctx_key.0"] == [[1, 1, DH, DD], [1, mc // 2, DH, DD], [1, mc - 1, DH, DD]]
+    assert [g.engine for g in plan.graphs] == list(ENGINE_FILES.values())
+    assert f"max prompt {mp}" in describe(plan)
+
+
+@pytest.mark.parametrize("export,precision,strong,flags", [
+    ("fp32", None, True, []), ("fp32", "fp16", False, ["FP16"]), ("fp32", "bf16", False, ["BF16"]),
+    ("fp16", "fp16", True, []), ("bf16", None, True, []),
+])
+def test_precision_flags(export, precision, strong, flags):
+    plan = build_plan(manifest(dtype=export), precision=precision, workspace_gb=2)
+    assert (plan.precision, plan.strongly_typed, plan.builder_flags) == (precision or export, strong, flags)
+    assert plan.workspace_bytes == 2 << 30
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(max_context=128), "exceeds the export's max_context 64"),
+    (dict(max_context=4), "too small for block size 4"),
+    (dict(max_prompt=61), "between 1 and max_context - block_size = 60"),
+    (dict(max_prompt=0), "between 1 and"),
+    (dict(precision="fp32", export="fp16"), "exported in fp16"),
+    (dict(precision="fp16", export="bf16"), "exported in bf16"),
+    (dict(precision="int8"), "choose one of fp32, fp16, bf16"),
+    (dict(workspace_gb=0), "--workspace"),
+])
+def test_plan_refuses(kw, needle):
+    m = manifest(dtype=kw.pop("export", "fp32"))
+    with pytest.raises(DFlashError, match=needle.replace("(", r"\(")):
+        build_plan(m, **kw)
+
+
+def test_unprofiled_dim_is_refused():
+    m = manifest()
+    m.graphs["target"].inputs[2].shape = ["batch", "past", "heads", D]  # a dynamic head dim: no profile covers it
+    with pytest.raises(DFlashError, match="past_key.0 axis 2 is dynamic"):
+        build_plan(m)
+    with pytest.raises(DFlashError, match="no TensorRT profile covers"):
+        Profile("p", {"batch": (1, 1, 1)}).shapes(manifest().graphs["draft_context"], "draft_context")
+
+
+def test_plan_imports_no_tensorrt():
+    code = ("import sys; import dflash_export.export.trt, dflash_export.export.trt_lint, dflash_export.runtime.trt, "
+            "dflash_export.cmd_trt; assert 'tensorrt' not in sys.modules and 'cuda' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_ort_trt_provider_options(tmp_path):
+    m = manifest(k=4, max_context=64)
+    o = ort_trt_provider_options(m, "target", max_prompt=20, cache_dir=tmp_path)
+    # one profile per graph for ORT: union of verify and prefill, opt at the verify shape
+    assert o["trt_profile_min_shapes"] == "input_ids:1x1,position_ids:1x1," + ",".join(
+        f"past_{kind}.{i}:1x0x{H}x{D}" for i in range(L) for kind in ("key", "value"))
+    assert o["trt_profile_opt_shapes"].startswith(f"input_ids:1x4,position_ids:1x4,past_key.0:1x30x{H}x{D}")
+    assert o["trt_profile_max_shapes"].startswith(f"input_ids:1x20,position_ids:1x20,past_key.0:1x63x{H}x{D}")
+    assert o["trt_engine_cache_enable"] is True and o["trt_engine_cache_path"] == str(tmp_path)
+    assert o["trt_fp16_enable"] is False and "trt_bf16_enable" not in o
+    b = ort_trt_provider_options(m, "draft_block")
+    assert b["trt_profile_min_shapes"] == f"block_ids:1x4,block_position_ids:1x4,past_ctx_key.0:1x1x{DH}x{DD},past_ctx_value.0:1x1x{DH}x{DD}"
+    assert b["trt_profile_max_shapes"].endswith(f"past_ctx_value.0:1x63x{DH}x{DD}")
+    c = ort_trt_provider_options(m, "draft_context", precision="fp16")
+    assert c["trt_profile_max_shapes"] == f"taps:1x32x{TH},ctx_position_ids:1x32" and c["trt_fp16_enable"] is True
+    assert ort_trt_provider_options(m, "target", precision="bf16")["trt_bf16_enable"] is True
+    with pytest.raises(DFlashError, match="exported in fp16"):
+        ort_trt_provider_options(manifest(dtype="fp16"), "target", precision="fp32")
+
+
+def test_ort_cache_lives_outside_the_export(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path / "cache"))
+    m = manifest()
+    d = default_cache_dir(m)
+    assert d.parent == tmp_path / "cache" and len(d.name) == 16
+    m2 = manifest()
+    m2.files = {"target.onnx": "cd" * 32}  # another artifact gets another cache folder
+    assert default_cache_dir(m2) != d
+
+
+def test_engine_record_checks():
+    rec = {"tensorrt": "10.9.0.34", "compute_capability": "9.0", "gpu": "NVIDIA H100"}
+    check_engine_record(rec, "10.9.0.34", "9.0")
+    with pytest.raises(DFlashError, match="no TensorRT engines; build them first with `dflash-export build OUT`"):
+        check_engine_record(None, "10.9.0.34", "9.0")
+    with pytest.raises(DFlashError, match=r"built with TensorRT 10\.9\.0\.34 but this process has TensorRT 10\.13\.0"):
+        check_engine_record(rec, "10.13.0", "9.0")
+    with pytest.raises(DFlashError, match=r"compute capability 9\.0 \(NVIDIA H100\) but this GPU is 8\.9"):
+        check_engine_record(rec, "10.9.0.34", "8.9")
