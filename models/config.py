@@ -58,6 +58,8 @@ def parse_rope(cfg: dict, where: str) -> Rope:
     if isinstance(params, dict) and params and "rope_theta" not in params and all(isinstance(v, dict) for v in params.values()):
         raise DFlashError(f"{where}: per-layer-type rope_parameters are not supported")
     scaling = cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise DFlashError(f"{where}: rope_parameters / rope_scaling must be JSON objects")
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
@@ -81,9 +83,12 @@ def read_config(directory: str | Path, what: str) -> dict:
     if not p.is_file():
         raise DFlashError(f"{what} directory {d} has no config.json; pass a Hugging Face checkpoint directory")
     try:
-        return json.loads(p.read_text())
+        cfg = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise DFlashError(f"{p}: invalid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise DFlashError(f"{p}: expected a JSON object")
+    return cfg
 
 
 def _req(cfg: dict, key: str, where: str):

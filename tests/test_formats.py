@@ -341,8 +341,13 @@ def test_bad_config_values_are_one_line_errors(tmp_path):
         one_line(e)
     ok = DraftConfig.from_dict({**base, "dflash_config": {"target_layer_ids": [1], "final_logit_softcapping": 0}})
     assert ok.target_layer_ids == [1]
+    with pytest.raises(DFlashError, match=r"rope_parameters / rope_scaling must be JSON objects"):
+        DraftConfig.from_dict({**base, "rope_scaling": "llama3"})
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(DFlashError, match=r"invalid JSON"):
+        DraftConfig.load(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(DFlashError, match=r"expected a JSON object"):
         DraftConfig.load(tmp_path)
 
 
