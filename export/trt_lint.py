@@ -47,7 +47,7 @@ class Finding:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.graph}: {self.level}: {self.message}"
+        return f"{self.graph}: {self.message}"
 
 
 @lru_cache(maxsize=1)
@@ -181,9 +181,8 @@ def lint_model(model: onnx.ModelProto, graph: str, manifest: Manifest | None = N
                 continue
             if name in foldable:
                 if op not in folded_warned:
-                    warn(f"operator {op}: input {idx} ({name!r}, {where}) is computed from constants, not stored as "
-                         "one; TensorRT's parser wants an initializer there: constant-fold the graph if the parse fails "
-                         "(e.g. polygraphy surgeon sanitize --fold-constants)")
+                    warn(f"{op} input {idx} ({name!r}, {where}) is computed from constants, not an initializer as "
+                         "TensorRT's parser documents; if the parse rejects it, constant-fold the graphs first")
                     folded_warned.add(op)
             else:
                 err(f"operator {op} ({where}): input {idx} ({name!r}) must be a build-time constant for TensorRT")
