@@ -348,8 +348,8 @@ class TensorRTBackend(Backend):
     prompts in `bench`), not within one generation where each past length occurs once.
     """
 
-    def __init__(self, out_dir: str | Path, manifest: Manifest | None = None, *, cuda_graphs: bool = True,
-                 max_graphs: int = 512, device: int = 0):
+    def __init__(self, out_dir: str | Path, manifest: Manifest | None = None, *, drafter: bool = True,
+                 cuda_graphs: bool = True, max_graphs: int = 512, device: int = 0):
         trt, cudart = import_tensorrt()
         self.trt, self.cudart = trt, cudart
         self.out = Path(out_dir)
@@ -372,7 +372,9 @@ class TensorRTBackend(Backend):
 
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
-        self.eng = {g: self._load(g, len(rec["profiles"][g])) for g in (TARGET, DRAFT_CONTEXT, DRAFT_BLOCK)}
+        self.has_drafter = drafter
+        graphs = (TARGET, DRAFT_CONTEXT, DRAFT_BLOCK) if drafter else (TARGET,)
+        self.eng = {g: self._load(g, len(rec["profiles"][g])) for g in graphs}
 
         L, H, D = m.target_layers, m.target_kv_heads, m.target_head_dim
         dl, dh, dd = m.draft_layers, m.draft_kv_heads, m.draft_head_dim
@@ -380,8 +382,9 @@ class TensorRTBackend(Backend):
         self.drow = dh * dd * self.esize
         ms = max(self.max_prompt, self.k)
         self.kv = [(self._malloc(self.max_len * self.row), self._malloc(self.max_len * self.row)) for _ in range(L)]
-        self.ckv = [(self._malloc(self.max_len * self.drow), self._malloc(self.max_len * self.drow)) for _ in range(dl)]
-        taps_w = len(m.target_layer_ids) * m.hidden_size
+        self.ckv = [(self._malloc(self.max_len * self.drow), self._malloc(self.max_len * self.drow))
+                    for _ in range(dl if drafter else 0)]
+        taps_w = int({t.name: t for t in m.graphs[TARGET].outputs}["taps"].shape[-1])
         self.taps_row = taps_w * self.esize
         self.d_ids, self.d_pos = self._malloc(ms * 8), self._malloc(ms * 8)
         self.d_next, self.d_logits = self._malloc(ms * 8), self._malloc(ms * m.vocab_size * 4)
@@ -397,6 +400,22 @@ class TensorRTBackend(Backend):
         self.h_draft = np.zeros(self.k, np.int64)
         self._taps_n = 0
         self.gpu = gpu
+        self._check_io()
+
+    def _check_io(self) -> None:
+        """Every tensor this backend binds exists in the engine with the element size allocated for it."""
+        trt, m = self.trt, self.manifest
+        size = {trt.float32: 4, trt.float16: 2, trt.bfloat16: 2, trt.int64: 8, trt.int32: 4}
+        for graph, e in self.eng.items():
+            names = {e.engine.get_tensor_name(i) for i in range(e.engine.num_io_tensors)}
+            spec = m.graphs[graph]
+            for t in spec.inputs + spec.outputs:
+                if t.name not in names:
+                    raise DFlashError(f"{ENGINE_FILES[graph]} has no tensor {t.name}; rebuild the engines for this export")
+                got = size.get(e.engine.get_tensor_dtype(t.name))
+                if got != ITEMSIZE[t.dtype]:
+                    raise DFlashError(f"{ENGINE_FILES[graph]}: {t.name} is {e.engine.get_tensor_dtype(t.name)} in the "
+                                      f"engine but {t.dtype} in the manifest; rebuild the engines for this export")
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -532,7 +551,7 @@ class TensorRTBackend(Backend):
         self.h_cpos[:c] = np.arange(p, p + c)
         self._h2d(self.d_cpos, self.h_cpos[:c])
         dh, dd = m.draft_kv_heads, m.draft_head_dim
-        shapes = {"taps": (1, c, len(m.target_layer_ids) * m.hidden_size), "ctx_position_ids": (1, c)}
+        shapes = {"taps": (1, c, self.taps_row // self.esize), "ctx_position_ids": (1, c)}
         addrs = {"taps": self.d_taps, "ctx_position_ids": self.d_cpos}
         copies = []
         for j, (kb, vb) in enumerate(self.ckv):
