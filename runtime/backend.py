@@ -110,3 +110,17 @@ class Backend(ABC):
     def provider(self) -> str:
         """What runs the graphs, for reports ("onnxruntime:CPUExecutionProvider", "tensorrt")."""
         return type(self).__name__
+
+
+def open_backend(directory, backend: str = "ort", provider: str = "cpu", **kwargs) -> Backend:
+    """The named backend over an exported directory: "ort" (provider cpu | cuda | tensorrt) or
+    "trt" (TensorRT engines from `dflash-export build`). Each is imported only when asked for."""
+    if backend == "ort":
+        from .ort import OrtBackend
+
+        return OrtBackend(directory, provider, **kwargs)
+    if backend == "trt":
+        from .trt import TensorRTBackend
+
+        return TensorRTBackend(directory, **kwargs)
+    raise DFlashError(f"unknown backend {backend!r}; choose ort or trt")

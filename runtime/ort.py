@@ -24,7 +24,7 @@ from . import contract as C
 from .backend import Backend, TargetOut
 from .errors import DFlashError
 
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 ONNX_TYPE = {"float32": 1, "float16": 10, "bfloat16": 16, "int64": 7}  # TensorProto.DataType
 STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int64": np.int64}
 FROM_ONNX = {v: k for k, v in ONNX_TYPE.items()}
@@ -167,7 +167,7 @@ class OrtBackend(Backend):
         self.manifest = m = C.load_manifest(self.directory, verify=verify)
         self.max_len = m.max_context
         self.max_chunk = max(max_chunk, m.block_size)
-        self.device = "cuda" if self._provider == PROVIDERS["cuda"] else "cpu"
+        self.device = "cpu" if self._provider == PROVIDERS["cpu"] else "cuda"
         self.has_drafter = drafter
         self.trace: list | None = None  # set to [] to record every bound (name, ptr, shape)
 
@@ -221,7 +221,15 @@ class OrtBackend(Backend):
             for name, ov in self._shared_ov.items():
                 opts.add_initializer(name, ov)
         try:
-            return ort.InferenceSession(str(path), opts, providers=[self._provider])
+            providers = [self._provider]
+            if self._provider == PROVIDERS["tensorrt"]:  # explicit profiles + engine cache outside OUT (runtime/trt.py)
+                from .trt import ort_trt_provider_options
+
+                m = self.manifest
+                self.max_chunk = min(self.max_chunk, m.max_context - m.block_size)  # the profile's longest prefill
+                opts_trt = ort_trt_provider_options(m, graph, max_prompt=self.max_chunk)
+                providers = [(self._provider, opts_trt), PROVIDERS["cuda"]]
+            return ort.InferenceSession(str(path), opts, providers=providers)
         except Exception as e:  # ORT raises its own types; one line for the user
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise DFlashError(f"{path}: onnxruntime cannot load it ({first}); re-export the directory") from None
