@@ -63,7 +63,9 @@ def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @click.option("--save-polygraphy", type=click.Path(path_type=Path),
               help="Write inputs and both sides' outputs as Polygraphy JSON into this directory.")
-def check(out, target_dir, draft_dir, prompts, max_new_tokens, seed, as_json, save_polygraphy):
+@click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="ONNX Runtime execution provider for the exported side.")
+def check(out, target_dir, draft_dir, prompts, max_new_tokens, seed, as_json, save_polygraphy, provider):
     """Check an exported directory OUT against the PyTorch modules it came from.
 
     Runs every graph in ONNX Runtime (CPU) and in PyTorch on fresh random inputs: target
@@ -90,7 +92,7 @@ def check(out, target_dir, draft_dir, prompts, max_new_tokens, seed, as_json, sa
     if prompts < 0 or max_new_tokens < 1:
         raise DFlashError("--prompts must be >= 0 and --max-new-tokens >= 1")
     report = run_check(out, target_dir, draft_dir, prompts=prompts, max_new_tokens=max_new_tokens, seed=seed,
-                       save_polygraphy=save_polygraphy, progress=not as_json)
+                       save_polygraphy=save_polygraphy, provider=provider, progress=not as_json)
     if as_json:
         click.echo(json.dumps(report.to_json()))
     else:
@@ -106,8 +108,9 @@ def print_report(report) -> None:
     table = Table(title=f"parity vs PyTorch ({report.dtype})", title_justify="left")
     for col in ("graph", "case", "output", "max abs", "mean abs", "p99 abs", "tol", "top-1", ""):
         table.add_column(col, justify="right" if col not in ("graph", "case", "output") else "left")
+    num = lambda x: "-" if x is None else f"{x:.2e}"  # noqa: E731
     for r in report.rows:
-        table.add_row(r.graph, r.case, r.output, f"{r.max:.2e}", f"{r.mean:.2e}", f"{r.p99:.2e}",
+        table.add_row(r.graph, r.case, r.output, num(r.max), num(r.mean), num(r.p99),
                       "-" if r.tol is None else f"{r.tol:g}", "-" if r.top1 is None else f"{r.top1:.4f}",
                       "[green]ok" if r.passed else "[red]FAIL")
     console.print(table)
@@ -124,7 +127,8 @@ def print_report(report) -> None:
     if failing:
         console.print(f"[red]FAILED[/]: {len(failing)} row(s):")
         for r in failing:
-            console.print(f"  {r.graph} {r.case} {r.output}: max abs {r.max:.3e} > tol {r.tol}")
+            what = "ids differ" if r.max is None else f"max abs {r.max:.3e} > tol {r.tol}"
+            console.print(f"  {r.graph} {r.case} {r.output}: {what}")
     console.print("[green]PASSED" if report.passed else "[red]FAILED")
 
 

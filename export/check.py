@@ -31,9 +31,9 @@ class Row:
     graph: str
     case: str
     output: str
-    max: float
-    mean: float
-    p99: float
+    max: float | None  # None for id outputs (compared exactly)
+    mean: float | None
+    p99: float | None
     tol: float | None  # None: reported, not enforced (fp16/bf16)
     top1: float | None  # argmax agreement (logits) or id agreement (ids)
     passed: bool
@@ -133,7 +133,7 @@ def compare(graph: str, case: str, names: list[str], got: list[np.ndarray], ref:
                 top2 = np.sort(logits.astype(np.float64), -1)[..., -2:]
                 agree |= (top2[..., 1] - top2[..., 0]) <= TOLERANCE
             top1 = float(np.mean(o == r)) if o.size else 1.0
-            rows.append(Row(graph, case, name, 0.0, 0.0, 0.0, 0.0 if strict else None, top1, bool(agree.all()) or not strict))
+            rows.append(Row(graph, case, name, None, None, None, 0.0 if strict else None, top1, bool(agree.all()) or not strict))
             continue
         err = np.abs(o.astype(np.float64) - r.astype(np.float64)).ravel()
         finite = bool(np.isfinite(o.astype(np.float64)).all())
@@ -155,6 +155,7 @@ def run_check(
     max_new_tokens: int = 24,
     seed: int = 0,
     save_polygraphy: str | Path | None = None,
+    provider: str = "cpu",
     progress: bool = True,
 ) -> Report:
     import torch
@@ -170,10 +171,10 @@ def run_check(
     with ui.phase("load", f"PyTorch source + ONNX Runtime sessions ({m.dtype})"):
         target, drafter = load_sources(root, m, target_dir, draft_dir)
         try:
-            graphs = Graphs(root, m)
+            graphs = Graphs(root, m, [{"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}[provider]])
         except Exception as e:
-            if m.dtype == "bf16":
-                report.notes.append(f"not run: ONNX Runtime's CPU provider cannot run bf16 graphs ({str(e).splitlines()[0][:120]})")
+            if m.dtype == "bf16" and provider == "cpu":
+                report.notes.append(f"not run: ONNX Runtime's CPU provider cannot run bf16 graphs (try --provider cuda) ({str(e).splitlines()[0][:120]})")
                 return report
             raise DFlashError(f"ONNX Runtime cannot load {root}: {str(e).splitlines()[0]}") from e
     saved = []
@@ -223,15 +224,19 @@ def write_polygraphy(directory: Path, saved) -> None:
     """Per graph and regime: <graph>.<case>.inputs.json (a list of feed dicts, as
     `polygraphy run --load-inputs` reads) and .outputs.json (RunResults with a `pytorch`
     and an `onnxruntime` runner, for `--load-outputs`)."""
-    from polygraphy.comparator import RunResults
-    from polygraphy.comparator.struct import IterationResult
-    from polygraphy.json import save_json
+    import contextlib
+    import sys
 
-    directory.mkdir(parents=True, exist_ok=True)
-    for graph, case, feeds, ref, got in saved:
-        stem = f"{graph}.{case.replace(' ', '_').replace('=', '')}"
-        save_json([feeds], str(directory / f"{stem}.inputs.json"))
-        results = RunResults()
-        results.append(("pytorch", [IterationResult(ref, runner_name="pytorch")]))
-        results.append(("onnxruntime", [IterationResult(got, runner_name="onnxruntime")]))
-        results.save(str(directory / f"{stem}.outputs.json"))
+    with contextlib.redirect_stdout(sys.stderr):  # Polygraphy logs to stdout; keep --json's stdout clean
+        from polygraphy.comparator import RunResults
+        from polygraphy.comparator.struct import IterationResult
+        from polygraphy.json import save_json
+
+        directory.mkdir(parents=True, exist_ok=True)
+        for graph, case, feeds, ref, got in saved:
+            stem = f"{graph}.{case.replace(' ', '_').replace('=', '')}"
+            save_json([feeds], str(directory / f"{stem}.inputs.json"))
+            results = RunResults()
+            results.append(("pytorch", [IterationResult(ref, runner_name="pytorch")]))
+            results.append(("onnxruntime", [IterationResult(got, runner_name="onnxruntime")]))
+            results.save(str(directory / f"{stem}.outputs.json"))

@@ -1,0 +1,164 @@
+"""Export of a tiny Llama (tied embeddings, llama3 RoPE) with a 2-layer drafter, block 4.
+
+One artifact is exported per module and shared by every test; `check` is run through the
+CLI (parity per graph + 20 prompts end to end), the manifest, shared weights, op lint and
+tamper detection are checked on the files themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from tiny import make_drafter, make_target
+
+from dflash_export.cli import cli
+from dflash_export.export.onnx import SHARED_DATA, export_artifact
+from dflash_export.export.validate import lint
+from dflash_export.runtime import contract as C
+from dflash_export.runtime.errors import DFlashError
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama")
+    target = make_target(d / "target", "llama", layers=4, tie=True)
+    (target / "tokenizer.json").write_text('{"version": "1.0"}')  # travels as is
+    draft = make_drafter(d / "draft", target, layers=2, block_size=4)
+    out = d / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("replaced by --force")
+    manifest = export_artifact(target, draft, out, force=True, progress=False)
+    return d, target, draft, out, manifest
+
+
+def test_manifest_describes_the_files(art):
+    d, target, draft, out, manifest = art
+    m = C.load_manifest(out)  # verifies every sha256
+    assert m == manifest
+    assert not (out / "stale.txt").exists()
+    assert not [p for p in d.iterdir() if p.name.startswith(".out.")]  # no temporary left
+    assert (m.block_size, m.dtype, m.architecture, m.target_layers, m.draft_layers) == (4, "fp32", "LlamaForCausalLM", 4, 2)
+    assert m.mask_token_id == 99 and m.vocab_size == 101 and m.eos_token_ids == [100]
+    assert m.tokenizer and (out / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    assert set(m.files) == {p.name for p in out.iterdir()} - {C.MANIFEST}
+    assert {"torch", "onnx", "onnxruntime"} <= set(m.tools)
+    t = m.graphs[C.TARGET]
+    assert [x.name for x in t.inputs][:4] == ["input_ids", "position_ids", "past_key.0", "past_value.0"]
+    assert [x.name for x in t.outputs][:4] == ["logits", "next_ids", "taps", "new_key.0"]
+    spec = {x.name: x for x in t.inputs + t.outputs}
+    assert spec["past_key.3"].shape == ["batch", "past", 2, 16] and spec["past_key.3"].dtype == "float32"
+    assert spec["logits"].shape == ["batch", "seq", 101] and spec["next_ids"].dtype == "int64"
+    assert spec["taps"].shape == ["batch", "seq", 2 * 64]
+    b = m.graphs[C.DRAFT_BLOCK]
+    assert b.inputs[0].shape == ["batch", 4]  # static block
+    assert [(x.name, x.shape) for x in b.outputs] == [("draft_ids", ["batch", 3]), ("draft_logits", ["batch", 3, 101])]
+    ctx = m.graphs[C.DRAFT_CONTEXT]
+    assert [x.name for x in ctx.outputs] == ["ctx_key.0", "ctx_value.0", "ctx_key.1", "ctx_value.1"]
+    assert ctx.outputs[0].shape == ["batch", "ctx", 2, 16]
+
+
+def _externals(path: Path) -> dict[str, dict]:
+    model = onnx.load(str(path), load_external_data=False)
+    return {t.name: {e.key: e.value for e in t.external_data} for t in model.graph.initializer}
+
+
+def test_shared_weights_are_stored_once(art):
+    _, _, _, out, _ = art
+    target, block, ctx = (_externals(out / C.GRAPH_FILES[g]) for g in (C.TARGET, C.DRAFT_BLOCK, C.DRAFT_CONTEXT))
+    for name in C.SHARED_INITIALIZERS:
+        assert target[name] == block[name] and target[name]["location"] == SHARED_DATA
+    # tied embeddings: both names are the same bytes
+    assert target["embed_tokens.weight"] == target["lm_head.weight"]
+    assert (out / SHARED_DATA).stat().st_size == 101 * 64 * 4
+    assert not set(C.SHARED_INITIALIZERS) & set(ctx)
+    for graph, refs in (("target", target), ("draft_block", block), ("draft_context", ctx)):
+        assert all(r["location"] in (SHARED_DATA, f"{graph}.data") for r in refs.values())
+
+
+def test_graphs_are_standard_onnx(art):
+    out = art[3]
+    for f in C.GRAPH_FILES.values():
+        onnx.checker.check_model(str(out / f), full_check=True)
+        assert lint(onnx.load(str(out / f), load_external_data=False)) == []
+
+
+def test_lint_catches_custom_ops():
+    node = onnx.helper.make_node("FusedMatMul", ["a", "b"], ["c"], domain="com.microsoft")
+    graph = onnx.helper.make_graph([node], "g", [], [])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18),
+                                                         onnx.helper.make_opsetid("com.microsoft", 1)])
+    problems = lint(model)
+    assert any("com.microsoft::FusedMatMul" in p for p in problems) and any("opset import" in p for p in problems)
+
+
+def test_check_passes_and_tokens_match_the_oracle(art, tmp_path):
+    _, target, draft, out, _ = art
+    pg = tmp_path / "pg"
+    r = CliRunner().invoke(cli, ["check", str(out), "--target", str(target), "--draft", str(draft),
+                                 "--prompts", "20", "--max-new-tokens", "16", "--json", "--save-polygraphy", str(pg)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["passed"] is True
+    assert report["end_to_end"]["cases"] == 20 and report["end_to_end"]["identical"] == 20
+    assert report["end_to_end"]["acceptance_identical"] == 20
+    cases = {row["case"] for rows in report["graphs"].values() for row in rows}
+    assert {"prefill P=0 S=7", "step P=9 S=1", "verify P=9 S=4", "past_ctx=0 K=4", "past_ctx=9 K=4"} <= cases
+    logits = [row for row in report["graphs"]["target"] if row["output"] == "logits"]
+    assert all(0 <= row["max"] <= 1e-4 and row["tol"] == 1e-4 for row in logits)
+    # the saved files re-check with Polygraphy's own ORT runner
+    stem = pg / "target.step_P9_S1"
+    cmd = [str(Path(sys.executable).parent / "polygraphy"), "run", str(out / "target.onnx"), "--onnxrt",
+           "--load-inputs", f"{stem}.inputs.json", "--load-outputs", f"{stem}.outputs.json", "--atol", "1e-4", "--rtol", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "PASSED" in done.stdout + done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_check_fails_on_wrong_weights(art, tmp_path):
+    """A consistent artifact whose weights differ from its source: check must say FAILED, exit 1."""
+    _, target, draft, out, _ = art
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    data = np.fromfile(bad / "target.data", dtype=np.float32)
+    data[:64] += 0.5  # the first tensor: layer 0's q_proj
+    data.tofile(bad / "target.data")
+    m = C.load_manifest(bad, verify=False)
+    C.write_manifest(bad, m)
+    r = CliRunner().invoke(cli, ["check", str(bad), "--target", str(target), "--draft", str(draft), "--prompts", "2"])
+    assert r.exit_code == 1
+    assert "FAILED" in r.stdout and "target prefill P=0 S=7 logits: max abs" in r.stdout
+
+
+def test_tampering_is_detected(art, tmp_path):
+    _, target, draft, out, _ = art
+    bad = tmp_path / "tampered"
+    shutil.copytree(out, bad)
+    with open(bad / SHARED_DATA, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(DFlashError, match="shared.data does not match its sha256"):
+        C.load_manifest(bad)
+    r = CliRunner().invoke(cli, ["check", str(bad), "--target", str(target), "--draft", str(draft)])
+    assert r.exit_code == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+    extra = tmp_path / "extra"
+    shutil.copytree(out, extra)
+    (extra / "notes.txt").write_text("x")
+    with pytest.raises(DFlashError, match="notes.txt is not listed"):
+        C.load_manifest(extra)
+
+
+def test_check_requires_the_sources(art):
+    _, target, draft, out, _ = art
+    r = CliRunner().invoke(cli, ["check", str(out)])
+    assert r.exit_code == 2 and "pass --target DIR --draft DIR" in r.stderr
+    r = CliRunner().invoke(cli, ["check", str(out), "--target", str(target), "--draft", str(target)])
+    assert r.exit_code == 2 and r.stderr.startswith("error: ")
