@@ -305,7 +305,7 @@ def import_tensorrt():
 def cuda_check(result):
     """cuda-python calls return (err, *values): raise on error, return the values."""
     err, *vals = result if isinstance(result, tuple) else (result,)
-    if int(err) != 0:
+    if int(getattr(err, "value", err)) != 0:  # cudaError_t.cudaSuccess == 0
         raise DFlashError(f"CUDA error {err!r}; check the driver and that the GPU is visible (nvidia-smi)")
     return vals[0] if len(vals) == 1 else (tuple(vals) if vals else None)
 
@@ -483,11 +483,11 @@ class TensorRTBackend(Backend):
             return
         # Shapes/addresses were set and enqueued once above (TensorRT's own rule before a
         # capture): now record the same enqueue into a graph, replayed from the next call on.
-        mode = cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
+        mode = cudart.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal  # as in TensorRT's CUDA-graph example
         cuda_check(cudart.cudaStreamBeginCapture(self.stream, mode))
         ok = ctx.execute_async_v3(self.handle)
         err, graph = cudart.cudaStreamEndCapture(self.stream)
-        if not ok or int(err) != 0:
+        if not ok or int(getattr(err, "value", err)) != 0:
             e.capturable = False  # this engine cannot be captured: keep running it directly
             return
         e.graphs[gkey] = cuda_check(cudart.cudaGraphInstantiate(graph, 0))
