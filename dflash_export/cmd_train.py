@@ -115,6 +115,7 @@ def _save_drafter(drafter, out: Path, dtype: str) -> None:
 @click.option("--steps", default=0, help="train for N steps ...")
 @click.option("--minutes", default=0.0, help="... or for M minutes of training (generation not counted)")
 @click.option("--sequences", default=2048, show_default=True, help="continuations to generate (cached)")
+@click.option("--gen-minutes", default=0.0, help="stop generating new continuations after M minutes (0: all --sequences)")
 @click.option("--gen-tokens", default=256, show_default=True, help="new tokens per continuation")
 @click.option("--gen-batch", default=64, show_default=True, help="prompts per batched generation pass")
 @click.option("--sample-prefix", default=0, show_default=True, help="half the batches: sample this many tokens before the greedy part (diversity)")
@@ -129,7 +130,7 @@ def _save_drafter(drafter, out: Path, dtype: str) -> None:
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=0, help="torch threads (default: all cores)")
 def train_draft(target_dir, out, data, eval_prompts, block_size, layers, target_layer_ids, intermediate_size, gamma,
-                lr, batch, anchors, steps, minutes, sequences, gen_tokens, gen_batch, sample_prefix,
+                lr, batch, anchors, steps, minutes, sequences, gen_minutes, gen_tokens, gen_batch, sample_prefix,
                 prompt_max_tokens, mask_token_id, eval_every, eval_n, eval_tokens, save_dtype, work, resume, seed,
                 threads):
     """Train a DFlash drafter on the target's own continuations of --data; writes a z-lab drafter.
@@ -146,7 +147,7 @@ def train_draft(target_dir, out, data, eval_prompts, block_size, layers, target_
 
 
 def run_training(target_dir, out, data, eval_prompts, block_size, layers, target_layer_ids, intermediate_size, gamma,
-                 lr, batch, anchors, steps, minutes, sequences, gen_tokens, gen_batch, sample_prefix,
+                 lr, batch, anchors, steps, minutes, sequences, gen_minutes, gen_tokens, gen_batch, sample_prefix,
                  prompt_max_tokens, mask_token_id, eval_every, eval_n, eval_tokens, save_dtype, work, resume, seed,
                  threads, log=print) -> dict:
     import random
@@ -221,7 +222,8 @@ def run_training(target_dir, out, data, eval_prompts, block_size, layers, target
     t_gen = time.time()
     p, upd = gen_progress("generate", len(train_batches))
     with p:
-        shards = T.generate_shards(target, train_batches, gen_dir, gen_tokens, sample_prefix, stop, seed, upd)
+        shards = T.generate_shards(target, train_batches, gen_dir, gen_tokens, sample_prefix, stop, seed, upd,
+                                   seconds=gen_minutes * 60)
     p, upd = gen_progress("held-out", len(eval_batches))
     with p:
         eval_shards = T.generate_shards(target, eval_batches, eval_dir, gen_tokens, 0, stop, seed + 1, upd)
@@ -312,7 +314,7 @@ def run_training(target_dir, out, data, eval_prompts, block_size, layers, target
         "target": str(target_dir), "target_layer_ids": taps, "mask_token_id": mask_id, "block_size": block_size,
         "layers": layers, "gamma": gamma, "lr": lr, "batch": batch, "anchors": anchors,
         "drafter_params": sum(p.numel() for p in drafter.parameters()),
-        "sequences": gen_count, "gen_tokens": gen_tokens, "sample_prefix": sample_prefix,
+        "sequences": gen_count, "gen_tokens": gen_tokens, "gen_minutes": gen_minutes, "sample_prefix": sample_prefix,
         "generation_seconds": round(gen_seconds, 1), "train_steps": state.step,
         "train_minutes": round(state.elapsed / 60, 2), "supervised_tokens": state.tokens,
         "final": res, "log": state.log,
@@ -325,4 +327,115 @@ def run_training(target_dir, out, data, eval_prompts, block_size, layers, target
     return summary
 
 
-COMMANDS = [train_draft]
+# -- demo ----------------------------------------------------------------------------------
+
+DEMO = Path(__file__).resolve().parent.parent / "demo"
+
+
+def _demo_prompts(prompt: str | None, n: int) -> list[str]:
+    if prompt is not None:
+        return [prompt]
+    path = DEMO / "prompts.jsonl"
+    if not path.is_file():
+        raise DFlashError(f"{path} is missing; pass --prompt TEXT or restore the repository's demo/ folder")
+    return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()][:n]
+
+
+@click.command()
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="where to export (default: a temporary folder)")
+@click.option("--prompt", default=None, help="your own prompt (default: held-out prompts from demo/prompts.jsonl)")
+@click.option("--prompts", "n_prompts", default=3, show_default=True, help="how many held-out prompts")
+@click.option("--max-new-tokens", default=128, show_default=True)
+def demo(out, prompt, n_prompts, max_new_tokens):
+    """The shipped pair end to end, offline: export -> parity check -> streamed speculative
+    decoding on held-out prompts (ONNX Runtime, CPU) -> tau, tokens/s and speedup vs plain decoding.
+    """
+    import tempfile
+
+    from rich.console import Console
+    from rich.table import Table
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    console = Console()
+    target_dir, draft_dir = DEMO / "pair" / "target", DEMO / "pair" / "draft"
+    for d in (target_dir, draft_dir):
+        if not (d / "config.json").is_file():
+            raise DFlashError(f"the shipped pair is missing ({d}); restore demo/pair/ or rebuild it with demo/recipe.py")
+    texts = _demo_prompts(prompt, n_prompts)
+    root = Path(out) if out else Path(tempfile.mkdtemp(prefix="dflash-demo-"))
+    art = root / "artifact"
+    clock = time.perf_counter
+
+    console.rule("[bold]1. export (PyTorch -> ONNX, fp32)")
+    from .export.onnx import export_artifact
+
+    t0 = clock()
+    export_artifact(target_dir, draft_dir, art, dtype="fp32", max_context=1024, force=True)
+    t_export = clock() - t0
+
+    console.rule("[bold]2. parity check (ONNX Runtime vs PyTorch)")
+    from .cmd_export import print_report
+    from .export.check import run_check
+
+    t0 = clock()
+    report = run_check(art, target_dir, draft_dir, prompts=4, max_new_tokens=32)
+    print_report(report)
+    t_check = clock() - t0
+    if not report.passed:
+        raise DFlashError(f"the parity check failed for {art}; see the table above")
+
+    console.rule("[bold]3. speculative decoding (ONNX Runtime, CPU, greedy)")
+    from tokenizers import Tokenizer
+
+    from .runtime.loop import Generation, generate, stream
+    from .runtime.ort import OrtBackend
+
+    tok = Tokenizer.from_file(str(art / "tokenizer.json"))
+    backend = OrtBackend(art, "cpu")
+    warm = tok.encode(texts[0]).ids
+    generate(backend, warm, 16, draft=True)  # untimed warm-up of both paths
+    generate(backend, warm, 16, draft=False)
+    spec: list[Generation] = []
+    base: list[Generation] = []
+    t0 = clock()
+    for i, text in enumerate(texts):
+        ids = tok.encode(text).ids
+        room = backend.manifest.max_context - len(ids)
+        if room < 2:
+            raise DFlashError(f"prompt {i + 1} has {len(ids)} tokens; the demo export holds {backend.manifest.max_context}")
+        console.print(f"[dim]--- prompt {i + 1}/{len(texts)} ({len(ids)} tokens) ---[/]")
+        console.print(text.rstrip("\n")[-400:], style="dim", markup=False, highlight=False)
+        g = Generation()
+        for emitted in stream(backend, ids, min(max_new_tokens, room), out=g):
+            console.print(tok.decode(emitted), end="", style="bold green", markup=False, highlight=False, soft_wrap=True)
+        console.print()
+        spec.append(g)
+        base.append(generate(backend, ids, min(max_new_tokens, room), draft=False))
+    t_gen = clock() - t0
+
+    def rate(gs):
+        return sum(len(g.tokens) - 1 for g in gs) / max(sum(g.decode_s for g in gs), 1e-9)
+
+    lengths = [a for g in spec for a in g.acceptance_lengths]
+    tau = sum(lengths) / max(len(lengths), 1)
+    speedup = rate(spec) / max(rate(base), 1e-9)
+    same = all(s.tokens == b.tokens for s, b in zip(spec, base))
+    table = Table(title=f"demo: {len(texts)} held-out prompt(s) x {max_new_tokens} new tokens, block {backend.manifest.block_size}, "
+                  "ONNX Runtime CPU, greedy", title_justify="left")
+    table.add_column("")
+    table.add_column("speculative (DFlash)", justify="right")
+    table.add_column("plain decoding", justify="right")
+    table.add_row("tau (tokens per target call)", f"{tau:.2f}", "1.00")
+    table.add_row("tokens/s (decode)", f"{rate(spec):.0f}", f"{rate(base):.0f}")
+    table.add_row("speedup", f"{speedup:.2f}x", "1.00x")
+    for k in ("prefill", "draft", "verify", "host"):
+        table.add_row(f"time: {k} (s)", f"{sum(getattr(g, f'{k}_s') for g in spec):.3f}",
+                      f"{sum(getattr(g, f'{k}_s') for g in base):.3f}")
+    table.add_row("output identical to plain greedy", "yes" if same else "[red]NO", "")
+    console.print(table)
+    console.print(f"export {t_export:.0f}s, parity check {t_check:.0f}s, generation {t_gen:.0f}s; artifact in {art}")
+    if not same:
+        raise DFlashError("speculative output differs from plain greedy decoding: the lossless property is broken")
+
+
+COMMANDS = [train_draft, demo]

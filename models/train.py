@@ -31,7 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from ..runtime.errors import DFlashError
-from .generate import KVCache, speculative_generate
+from .generate import autoregressive_generate, speculative_generate
 from .layers import apply_rope, attend, rope_cos_sin
 
 # -- data ------------------------------------------------------------------------------
@@ -80,6 +80,40 @@ class Shard:
     length: torch.Tensor  # [B] valid length (cut after the first stop token)
 
 
+def _fast_forward(target, ids: torch.Tensor, pos: torch.Tensor, kc: list, vc: list, length: int) -> torch.Tensor:
+    """Target forward over new tokens, writing K/V in place into [B, Hkv, max_len, D] buffers.
+
+    Same math as `Target.forward` (last position's logits only), without re-concatenating
+    the cache or repeating K/V per query group at every step: batched generation is
+    memory-bound on those copies on CPU.
+    """
+    x = target.embed(ids)
+    b, s, _ = x.shape
+    cos, sin = rope_cos_sin(pos, target.inv_freq, x.dtype)
+    end = length + s
+    visible = torch.arange(end)[None, :] <= (length + torch.arange(s))[:, None]
+    for i, layer in enumerate(target.model.layers):
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = a.q_proj(h).view(b, s, a.h, a.d)
+        k = a.k_proj(h).view(b, s, a.hkv, a.d)
+        v = a.v_proj(h).view(b, s, a.hkv, a.d)
+        if a.qk_norm:
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kc[i][:, :, length:end] = k.transpose(1, 2)
+        vc[i][:, :, length:end] = v.transpose(1, 2)
+        g = a.h // a.hkv
+        qg = q.view(b, s, a.hkv, g, a.d).permute(0, 2, 3, 1, 4).reshape(b, a.hkv, g * s, a.d)
+        scores = qg @ kc[i][:, :, :end].transpose(2, 3) * (a.d**-0.5)  # [B, Hkv, G*S, end]
+        scores = scores.view(b, a.hkv, g, s, end).masked_fill(~visible, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores.float(), -1).to(x.dtype).view(b, a.hkv, g * s, end)
+        out = (probs @ vc[i][:, :, :end]).view(b, a.hkv, g, s, a.d).permute(0, 3, 1, 2, 4).reshape(b, s, a.h * a.d)
+        x = x + a.o_proj(out)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return target.lm_head(target.model.norm(x[:, -1])).float()
+
+
 @torch.inference_mode()
 def continue_batch(
     target,
@@ -89,33 +123,36 @@ def continue_batch(
     temperature: float = 1.0,
     stop_ids: tuple[int, ...] = (),
     generator: torch.Generator | None = None,
-    autocast: bool = True,
 ) -> Shard:
-    """Batched continuation [B, P] -> [B, P + new]: `sample_prefix` sampled tokens, then greedy."""
+    """Batched continuation [B, P] -> [B, P + new] in fp32: `sample_prefix` sampled tokens, then greedy.
+
+    fp32: the labels must be the greedy tokens the fp32 target picks at inference (bf16
+    flips near-ties, and was no faster here for batched 1-token steps).
+    """
     b, p = prompts.shape
     c = target.config
-    cache = KVCache(c.num_layers, p + new_tokens, c.num_kv_heads, c.head_dim, torch.float32, batch=b)
-    ids, pos = prompts, torch.arange(p)[None].expand(b, p)
+    total = p + new_tokens
+    kc = [torch.zeros(b, c.num_kv_heads, total, c.head_dim) for _ in range(c.num_layers)]
+    vc = [torch.zeros(b, c.num_kv_heads, total, c.head_dim) for _ in range(c.num_layers)]
+    ids, pos, length = prompts, torch.arange(p)[None].expand(b, p), 0
     out = [prompts]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        for i in range(new_tokens):
-            logits, _, new = target(ids, pos, cache.view())
-            cache.append(new)
-            last = logits[:, -1].float()
-            if i < sample_prefix:
-                ids = torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator)
-            else:
-                ids = last.argmax(-1, keepdim=True)
-            out.append(ids)
-            pos = torch.full((b, 1), cache.length, dtype=torch.long)
+    for i in range(new_tokens):
+        last = _fast_forward(target, ids, pos, kc, vc, length)
+        length += ids.shape[1]
+        if i < sample_prefix:
+            ids = torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator)
+        else:
+            ids = last.argmax(-1, keepdim=True)
+        out.append(ids)
+        pos = torch.full((b, 1), length, dtype=torch.long)
     tokens = torch.cat(out, 1)
-    length = torch.full((b,), tokens.shape[1], dtype=torch.long)
+    length_t = torch.full((b,), tokens.shape[1], dtype=torch.long)
     if stop_ids:
         gen = tokens[:, p:]
         hit = torch.isin(gen, torch.tensor(stop_ids))
         first = torch.where(hit.any(1), hit.float().argmax(1), torch.full((b,), gen.shape[1]))
-        length = torch.minimum(length, p + first + 1)
-    return Shard(tokens, p + sample_prefix, length)
+        length_t = torch.minimum(length_t, p + first + 1)
+    return Shard(tokens, p + sample_prefix, length_t)
 
 
 def target_fingerprint(target_dir: Path) -> str:
@@ -149,12 +186,21 @@ def generate_shards(
     stop_ids: tuple[int, ...],
     seed: int,
     progress=None,
+    seconds: float = 0.0,
 ) -> list[Shard]:
-    """One shard per prompt batch, each saved as it is made; existing shards are reused."""
+    """One shard per prompt batch, each saved as it is made; existing shards are reused.
+
+    With `seconds` > 0, stops making new shards once that much time has passed (at least one).
+    """
+    import time
+
     cache_dir.mkdir(parents=True, exist_ok=True)
     shards = []
+    t0 = time.time()
     for i, prompts in enumerate(batches):
         path = cache_dir / f"shard-{i:05d}.pt"
+        if seconds and shards and time.time() - t0 > seconds and not path.is_file():
+            break
         if path.is_file():
             d = torch.load(path)
             shards.append(Shard(d["tokens"], d["start"], d["length"]))
