@@ -1,0 +1,50 @@
+"""The benchmark model: small but not microscopic, random weights, exported once.
+
+Built with tests/tiny.py's writers (a real Hugging Face Qwen3 checkpoint and a z-lab
+drafter), then exported with export_artifact. Cached under DFLASH_BENCH_CACHE (default
+~/.cache/dflash-export/bench) by its parameters, so the benches can be rerun quickly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_MODEL = dict(arch="qwen3", layers=6, hidden=384, heads=6, kv_heads=2, head_dim=64, intermediate=1024,
+                   vocab=32000, draft_layers=2, block=16, max_context=2304)
+
+
+def bench_model(**overrides) -> tuple[Path, Path, Path]:
+    """(target_dir, draft_dir, exported_dir) of the benchmark pair."""
+    p = {**BENCH_MODEL, **overrides}
+    key = hashlib.sha256(json.dumps(p, sort_keys=True).encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("DFLASH_BENCH_CACHE", Path.home() / ".cache/dflash-export/bench"))
+    final = cache / f"{p['arch']}-L{p['layers']}-H{p['hidden']}-{key}"
+    if not (final / "out" / "manifest.json").is_file():
+        sys.path.insert(0, str(ROOT / "tests"))
+        from tiny import make_drafter, make_target
+
+        from dflash_export.export.onnx import export_artifact
+
+        tmp = cache / f".{final.name}.{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        make_target(tmp / "t", p["arch"], vocab=p["vocab"], hidden=p["hidden"], layers=p["layers"], heads=p["heads"],
+                    kv_heads=p["kv_heads"], head_dim=p["head_dim"], intermediate=p["intermediate"], std=0.04)
+        make_drafter(tmp / "d", tmp / "t", layers=p["draft_layers"], block_size=p["block"])
+        export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=p["max_context"], progress=True)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    return final / "t", final / "d", final / "out"
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab - 2, length).tolist() for _ in range(n)]

@@ -1,0 +1,278 @@
+"""`generate` and `bench`: run an exported directory with ONNX Runtime (torch-free).
+
+Only numpy, onnxruntime and tokenizers are imported here (matplotlib lazily for --plot),
+so both commands work on a machine without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import click
+import numpy as np
+
+from .runtime.errors import DFlashError
+from .runtime.sampling import check_sampling
+
+BUILTIN_PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The three laws of thermodynamics are",
+    "Question: A train travels 60 km in 45 minutes. What is its average speed in km/h?\nAnswer:",
+    "import numpy as np\n\ndef softmax(x):\n",
+    "Once upon a time, in a small village by the sea,",
+]
+
+
+def _tokenizer(out: Path):
+    path = out / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:
+        raise DFlashError(f"{path}: unreadable tokenizer ({str(e).splitlines()[0] if str(e) else e}); re-export") from None
+
+
+def _parse_ids(text: str, what: str) -> list[int]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise DFlashError(f"{what} must be comma-separated integers (got {text!r})") from None
+
+
+def _backend(out: str, provider: str, drafter: bool = True):
+    from .runtime.ort import OrtBackend
+
+    return OrtBackend(out, provider, drafter=drafter)
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+provider_option = click.option(
+    "--provider", default="cpu", show_default=True, help="ONNX Runtime execution provider: cpu | cuda."
+)
+
+
+@click.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--prompt", help="Prompt text (needs tokenizer.json in OUT).")
+@click.option("--prompt-ids", help="Prompt as comma-separated token ids (no tokenizer needed).")
+@click.option("--max-new-tokens", default=64, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 disables.")
+@click.option("--top-p", default=1.0, show_default=True, type=float, help="1 disables.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seeds the sampling stream (deterministic).")
+@click.option("--stop-ids", help="Comma-separated stop token ids (default: the manifest's eos_token_ids; '' for none).")
+@click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding of the target (the baseline).")
+@click.option("--stream", is_flag=True, help="Print tokens as each round is accepted.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with tokens and statistics.")
+@provider_option
+def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids, no_draft, stream, as_json, provider):
+    """Speculative decoding of a prompt with an exported directory OUT."""
+    from .runtime.loop import Generation
+    from .runtime.loop import stream as run
+
+    if (prompt is None) == (prompt_ids is None):
+        raise DFlashError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    if stream and as_json:
+        raise DFlashError("--stream and --json are exclusive: --json prints one object at the end")
+    check_sampling(temperature, top_k, top_p)
+    stop = None if stop_ids is None else tuple(_parse_ids(stop_ids, "--stop-ids"))
+    ids = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
+    backend = _backend(out, provider, drafter=not no_draft)
+    tok = _tokenizer(out)
+    if ids is None:
+        if tok is None:
+            raise DFlashError(f"{out} has no tokenizer.json, so --prompt cannot be tokenized; use --prompt-ids 1,2,3")
+        ids = tok.encode(prompt).ids
+
+    g = Generation()
+    shown = ""
+    for new in run(backend, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                   stop_token_ids=stop, draft=not no_draft, out=g):
+        if stream:
+            if tok is not None:
+                text = tok.decode(g.tokens)
+                click.echo(text[len(shown):], nl=False)
+                shown = text
+            else:
+                click.echo(" ".join(map(str, new)) + " ", nl=False)
+            sys.stdout.flush()
+    result = {
+        "tokens": g.tokens,
+        "acceptance_lengths": g.acceptance_lengths,
+        "tau": g.tau,
+        "tokens_per_second": g.tokens_per_second,
+        "prompt_tokens": len(ids),
+        "stopped": g.stopped,
+        "mode": "autoregressive" if no_draft else "speculative",
+        "provider": backend.provider,
+        "time_s": {"prefill": g.prefill_s, "draft": g.draft_s, "verify": g.verify_s, "host": g.host_s, "total": g.total_s},
+    }
+    if tok is not None:
+        result["text"] = tok.decode(g.tokens)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    if stream:
+        click.echo()
+    else:
+        click.echo(result.get("text", " ".join(map(str, g.tokens))))
+    click.echo(
+        f"{len(g.tokens)} tokens, tau {g.tau:.2f}, {g.tokens_per_second:.1f} tok/s (decode), "
+        f"prefill {g.prefill_s * 1e3:.1f} ms, draft {g.draft_s * 1e3:.1f} ms, verify {g.verify_s * 1e3:.1f} ms, "
+        f"host {g.host_s * 1e3:.1f} ms [{backend.provider}]",
+        err=True,
+    )
+
+
+# -- bench ---------------------------------------------------------------------------------
+
+
+def _bench_prompts(path: Path | None, tok, vocab: int, n_random: int = 5, length: int = 32) -> tuple[list[list[int]], str]:
+    if path is not None:
+        if not path.is_file():
+            raise DFlashError(f"--prompts {path}: no such file")
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        if not lines:
+            raise DFlashError(f"--prompts {path}: no prompts in it (one per line)")
+        prompts = []
+        for ln in lines:
+            if all(p.strip().isdigit() for p in ln.split(",")):
+                prompts.append(_parse_ids(ln, f"--prompts {path}"))
+            elif tok is None:
+                raise DFlashError(f"--prompts {path}: text prompts need tokenizer.json in the exported directory; "
+                                  "write comma-separated token ids instead")
+            else:
+                prompts.append(tok.encode(ln).ids)
+        return prompts, f"{len(prompts)} prompts from {path}"
+    if tok is not None:
+        return [tok.encode(p).ids for p in BUILTIN_PROMPTS], f"{len(BUILTIN_PROMPTS)} built-in text prompts"
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, vocab, length).tolist() for _ in range(n_random)]
+    return prompts, f"{n_random} random token prompts of {length} tokens (no tokenizer in the directory)"
+
+
+def run_bench(backend, prompts: list[list[int]], max_new_tokens: int, warmup: int = 1) -> dict:
+    """Speculative loop and plain decoding on the same prompts, same backend, same run."""
+    from .runtime.loop import generate as run
+
+    for p in prompts[:warmup]:
+        run(backend, p, max_new_tokens, draft=True)
+        run(backend, p, max_new_tokens, draft=False)
+    spec, base = [], []
+    for p in prompts:  # interleaved, so drifts in machine load hit both sides alike
+        spec.append(run(backend, p, max_new_tokens, draft=True))
+        base.append(run(backend, p, max_new_tokens, draft=False))
+
+    def rate(gs):
+        return sum(len(g.tokens) - 1 for g in gs) / sum(g.decode_s for g in gs)
+
+    def split(gs):
+        return {k: sum(getattr(g, f"{k}_s") for g in gs) for k in ("prefill", "draft", "verify", "host", "total")}
+
+    lengths = [a for g in spec for a in g.acceptance_lengths]
+    rounds, steps = len(lengths), sum(len(g.acceptance_lengths) for g in base)
+    tau = float(np.mean(lengths))
+    t_step = sum(g.verify_s for g in base) / steps
+    t_draft = sum(g.draft_s for g in spec) / rounds
+    t_verify = sum(g.verify_s for g in spec) / rounds
+    speedup = rate(spec) / rate(base)
+    ideal = tau * t_step / (t_draft + t_verify)
+    k = backend.manifest.block_size
+    return {
+        "provider": backend.provider,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "block_size": k,
+        "tau": tau,
+        "acceptance_histogram": {str(i): lengths.count(i) for i in range(1, k + 1)},
+        "tokens_per_second": {"speculative": rate(spec), "autoregressive": rate(base)},
+        "speedup": speedup,
+        "ms_per_call": {"step": t_step * 1e3, "draft": t_draft * 1e3, "verify": t_verify * 1e3},
+        "ideal_speedup": ideal,
+        "loop_efficiency": speedup / ideal,
+        "time_split_s": {"speculative": split(spec), "autoregressive": split(base)},
+        "lossless": all(s.tokens == b.tokens for s, b in zip(spec, base)),
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+
+
+def plot_bench(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise DFlashError("--plot needs matplotlib: pip install 'dflash-export[dev]' (or matplotlib)") from None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    hist = report["acceptance_histogram"]
+    ax1.bar([int(k) for k in hist], list(hist.values()), color="tab:blue")
+    ax1.set(title=f"acceptance length per round (tau {report['tau']:.2f})", xlabel="tokens per round", ylabel="rounds")
+    bottom = np.zeros(2)
+    modes = ["speculative", "autoregressive"]
+    for phase in ("prefill", "draft", "verify", "host"):
+        vals = np.array([report["time_split_s"][m][phase] for m in modes])
+        ax2.bar(modes, vals, bottom=bottom, label=phase)
+        bottom += vals
+    ax2.set(title=f"time split (speedup {report['speedup']:.2f}x)", ylabel="seconds")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+@click.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
+              help="One prompt per line: text (needs the tokenizer) or comma-separated token ids.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--warmup", default=1, show_default=True, type=int, help="Untimed runs before measuring.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@click.option("--plot", type=click.Path(path_type=Path), help="Write the acceptance histogram and time split (PNG).")
+@provider_option
+def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, provider):
+    """Speculative vs plain decoding of OUT on the same prompts: tau, tokens/s, speedup."""
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401  (fail before minutes of benchmarking)
+        except ImportError:
+            raise DFlashError("--plot needs matplotlib: pip install 'dflash-export[dev]' (or matplotlib)") from None
+    backend = _backend(out, provider)
+    prompts, source = _bench_prompts(prompts_file, _tokenizer(out), backend.manifest.vocab_size)
+    m = backend.manifest
+    room = m.max_context - max(len(p) for p in prompts)
+    if room < 1:
+        raise DFlashError(f"a prompt fills the exported max context {m.max_context}; use shorter prompts")
+    report = run_bench(backend, prompts, min(max_new_tokens, room), warmup)
+    report["prompt_source"] = source
+    if plot is not None:
+        plot_bench(report, plot)
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    r, t = report, report["tokens_per_second"]
+    click.echo(f"prompts: {source}; {r['max_new_tokens']} new tokens each; {r['provider']}")
+    click.echo(f"tau {r['tau']:.2f}  histogram {r['acceptance_histogram']}")
+    click.echo(f"speculative {t['speculative']:.1f} tok/s, autoregressive {t['autoregressive']:.1f} tok/s, "
+               f"speedup {r['speedup']:.2f}x")
+    c = r["ms_per_call"]
+    click.echo(f"calls: step {c['step']:.2f} ms, draft {c['draft']:.2f} ms, verify {c['verify']:.2f} ms -> "
+               f"ideal speedup {r['ideal_speedup']:.2f}x, loop efficiency {r['loop_efficiency']:.3f}")
+    for mode, s in r["time_split_s"].items():
+        click.echo(f"{mode}: " + ", ".join(f"{k} {v:.3f}s" for k, v in s.items()))
+    click.echo(f"lossless (speculative == autoregressive tokens): {r['lossless']}; peak RSS {r['peak_rss_mb']:.0f} MB")
+    if plot is not None:
+        click.echo(f"plot: {plot}")
+
+
+COMMANDS = [generate, bench]

@@ -1,0 +1,102 @@
+"""Exported tiny artifacts for the runtime tests, cached on disk by content.
+
+Tracing is the slow part (~30 s a pair on these machines), so each (target, drafter,
+export settings) case is exported once and kept under DFLASH_TEST_CACHE (default
+~/.cache/dflash-export/test-artifacts). The cache key hashes the exporter's and the
+reference models' source, tests/tiny.py, this file and the case's parameters: any change
+to what would be exported makes a new entry. load_manifest re-verifies every file hash.
+
+`bias` makes a target with real acceptance: every embedding gets +bias on one feature
+and one LM-head row reads it, so the target's greedy output turns repetitive and the
+(random) drafter, which shares that embedding and head, often guesses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Case:
+    arch: str = "qwen3"
+    layers: int = 2
+    draft_layers: int = 1
+    block: int = 4
+    bias: float = 0.0
+    tie: bool | None = None
+    seed: int = 0
+    max_context: int = 256
+    hidden: int = 64
+
+    @property
+    def name(self) -> str:
+        b = f"-bias{self.bias}" if self.bias else ""
+        return f"{self.arch}-L{self.layers}-D{self.draft_layers}-K{self.block}{b}"
+
+
+CASES = {
+    "qwen3": Case("qwen3", layers=3, draft_layers=2, block=8, bias=2.0),  # real acceptance
+    "llama": Case("llama", layers=2, draft_layers=1, block=4, tie=True),  # tied, llama3 rope
+    "qwen2": Case("qwen2", layers=3, draft_layers=3, block=16, bias=1.0, seed=1),
+    "qwen3-b16": Case("qwen3", layers=2, draft_layers=1, block=16, seed=2),
+}
+
+
+def _source_digest() -> str:
+    h = hashlib.sha256()
+    files = sorted((ROOT / "export").glob("*.py")) + sorted((ROOT / "models").glob("*.py"))
+    files += [ROOT / "runtime" / "contract.py", ROOT / "tests" / "tiny.py", Path(__file__)]
+    for f in files:
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _bias_target(directory: Path, bias: float, token: int = 7) -> None:
+    from tiny import hf_model
+    import torch
+
+    model = hf_model(directory)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] += bias
+        model.lm_head.weight[token, 0] += bias
+    model.save_pretrained(directory)
+
+
+@functools.lru_cache(maxsize=None)
+def artifact(case: Case) -> tuple[Path, Path, Path]:
+    """(target_dir, draft_dir, exported_dir) for `case`, exported once per content."""
+    from tiny import make_drafter, make_target
+
+    from dflash_export.export.onnx import export_artifact
+
+    cache = Path(os.environ.get("DFLASH_TEST_CACHE", Path.home() / ".cache/dflash-export/test-artifacts"))
+    key = hashlib.sha256((_source_digest() + json.dumps(asdict(case), sort_keys=True)).encode()).hexdigest()[:16]
+    final = cache / f"{case.name}-{key}"
+    if not (final / "out" / "manifest.json").is_file():
+        tmp = cache / f".{final.name}.{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        make_target(tmp / "t", case.arch, seed=case.seed, layers=case.layers, tie=case.tie, hidden=case.hidden)
+        if case.bias:
+            _bias_target(tmp / "t", case.bias)
+        make_drafter(tmp / "d", tmp / "t", layers=case.draft_layers, block_size=case.block, seed=case.seed)
+        export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=case.max_context, progress=False)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    return final / "t", final / "d", final / "out"
+
+
+def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of varied lengths (1 .. ~40 tokens) that avoid the eos id (vocab - 1)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab - 2, int(rng.integers(1, 40))).tolist() for _ in range(n)]

@@ -1,0 +1,230 @@
+"""The ORT backend and the speculative loop against the PyTorch oracle, on one exported pair.
+
+The pair (runtime_cases.CASES["qwen3"]) has a biased target, so the random drafter gets
+real acceptance: the round-by-round comparison with the oracle covers accepted drafts,
+rollback and bonus tokens, not only rejections.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+from runtime_cases import CASES, artifact, prompts
+
+from dflash_export.models import Drafter, Target, autoregressive_generate, speculative_generate
+from dflash_export.models.config import DraftConfig
+from dflash_export.runtime import contract as C
+from dflash_export.runtime.errors import DFlashError
+from dflash_export.runtime.loop import generate, stream
+from dflash_export.runtime.ort import OrtBackend, read_initializers, resolve_provider
+
+
+@pytest.fixture(scope="module")
+def pair():
+    tdir, ddir, out = artifact(CASES["qwen3"])
+    dc = DraftConfig.load(ddir)
+    target = Target.from_pretrained(tdir, dc.target_layer_ids)
+    drafter = Drafter.from_pretrained(ddir)
+    return target, drafter, out
+
+
+@pytest.fixture(scope="module")
+def backend(pair):
+    return OrtBackend(pair[2])
+
+
+def oracle(pair, backend, prompt, n, **kw):
+    m = backend.manifest
+    kw.setdefault("stop_token_ids", tuple(m.eos_token_ids))
+    return speculative_generate(pair[0], pair[1], prompt, n, mask_token_id=m.mask_token_id,
+                                block_size=m.block_size, max_context=m.max_context, **kw)
+
+
+def test_greedy_matches_oracle_round_for_round(pair, backend):
+    accepted_more_than_one = 0
+    for prompt in prompts(8, backend.manifest.vocab_size, seed=1):
+        g = generate(backend, prompt, 48)
+        o = oracle(pair, backend, prompt, 48)
+        assert g.tokens == o.tokens
+        assert g.acceptance_lengths == o.acceptance_lengths
+        assert g.stopped == o.stopped
+        assert len(g.tokens) == 1 + sum(g.acceptance_lengths)
+        accepted_more_than_one += sum(a > 1 for a in g.acceptance_lengths)
+    assert accepted_more_than_one > 0, "the biased pair should accept drafts somewhere"
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.8), (0.5, 5, 0.9)])
+def test_sampling_matches_oracle_stream(pair, backend, temperature, top_k, top_p):
+    for seed, prompt in enumerate(prompts(3, backend.manifest.vocab_size, seed=2)):
+        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        g = generate(backend, prompt, 32, **kw)
+        o = oracle(pair, backend, prompt, 32, **kw)
+        assert g.tokens == o.tokens and g.acceptance_lengths == o.acceptance_lengths
+        assert generate(backend, prompt, 32, **kw).tokens == g.tokens  # deterministic given the seed
+
+
+def test_autoregressive_mode_matches_oracle(pair, backend):
+    m = backend.manifest
+    for i, prompt in enumerate(prompts(3, m.vocab_size, seed=3)):
+        for kw in (dict(), dict(temperature=0.9, top_k=10, seed=i)):
+            g = generate(backend, prompt, 24, draft=False, **kw)
+            o = autoregressive_generate(pair[0], prompt, 24, stop_token_ids=tuple(m.eos_token_ids), **kw)
+            assert g.tokens == o.tokens
+            assert g.acceptance_lengths == [1] * (len(g.tokens) - 1)
+        assert generate(backend, prompt, 24, draft=False).tokens == generate(backend, prompt, 24).tokens
+
+
+def test_chunked_prefill_is_identical(backend):
+    prompt = prompts(1, backend.manifest.vocab_size, seed=4)[0] * 3  # ~a hundred tokens
+    whole = generate(backend, prompt, 30)
+    for chunk in (1, 7, 32):
+        g = generate(backend, prompt, 30, prefill_chunk=chunk)
+        assert g.tokens == whole.tokens and g.acceptance_lengths == whole.acceptance_lengths
+    sampled = [generate(backend, prompt, 20, temperature=1.0, seed=5, prefill_chunk=c).tokens for c in (5, 256)]
+    assert sampled[0] == sampled[1]
+
+
+def test_stop_tokens_and_limits(pair, backend):
+    prompt = prompts(1, backend.manifest.vocab_size, seed=6)[0]
+    free = generate(backend, prompt, 40, stop_token_ids=())
+    stop = free.tokens[5]
+    g = generate(backend, prompt, 40, stop_token_ids=(stop,))
+    assert g.stopped and g.tokens == free.tokens[: free.tokens.index(stop) + 1]
+    assert g.tokens == oracle(pair, backend, prompt, 40, stop_token_ids=(stop,)).tokens
+    for n in (1, 2, 9):  # the max_length cut inside a round
+        g = generate(backend, prompt, n, stop_token_ids=())
+        assert len(g.tokens) == n and g.tokens == free.tokens[:n]
+        assert g.acceptance_lengths == oracle(pair, backend, prompt, n, stop_token_ids=()).acceptance_lengths
+
+
+def test_generation_up_to_the_exported_context(pair, backend):
+    m = backend.manifest
+    prompt = prompts(1, m.vocab_size, seed=7)[0][:10]
+    n = m.max_context - len(prompt)
+    g = generate(backend, prompt, n, stop_token_ids=())
+    assert len(g.tokens) == n
+    assert g.tokens == oracle(pair, backend, prompt, n, stop_token_ids=()).tokens
+    with pytest.raises(DFlashError, match="exceeds the exported max context"):
+        generate(backend, prompt, n + 1)
+
+
+def test_stream_yields_rounds(backend):
+    prompt = prompts(1, backend.manifest.vocab_size, seed=8)[0]
+    g = generate(backend, prompt, 40)
+    chunks = list(stream(backend, prompt, 40))
+    assert [len(c) for c in chunks] == [1] + g.acceptance_lengths
+    assert sum(chunks, []) == g.tokens
+
+
+def test_statistics_add_up(backend):
+    g = generate(backend, prompts(1, backend.manifest.vocab_size, seed=9)[0], 40)
+    assert g.prefill_s > 0 and g.draft_s > 0 and g.verify_s > 0 and g.host_s >= 0
+    assert g.total_s == pytest.approx(g.prefill_s + g.draft_s + g.verify_s + g.host_s)
+    assert g.tau == pytest.approx(np.mean(g.acceptance_lengths)) and g.tokens_per_second > 0
+
+
+def test_caches_are_bound_in_place_never_copied(pair, backend):
+    """Every past_* input is the buffer's own start, every new_* output the slot after the
+    valid prefix; buffers keep their addresses; host allocations per round stay tiny."""
+    m = backend.manifest
+    bufs = {id(b): b.ctypes.data for b in backend.kv + backend.ctx}
+    prompt = prompts(1, m.vocab_size, seed=10)[0]
+    backend.trace = []
+    g = generate(backend, prompt, 60)
+    trace, backend.trace = backend.trace, None
+    assert {id(b): b.ctypes.data for b in backend.kv + backend.ctx} == bufs
+
+    kv_row = m.target_kv_heads * m.target_head_dim * 4
+    ctx_row = m.draft_kv_heads * m.draft_head_dim * 4
+    base = {**{n: backend.kv[2 * i + j].ctypes.data for i in range(m.target_layers)
+               for j, n in enumerate((C.past_key(i), C.past_value(i)))},
+            **{n: backend.ctx[2 * i + j].ctypes.data for i in range(m.draft_layers)
+               for j, n in enumerate((C.past_ctx_key(i), C.past_ctx_value(i)))}}
+    out_base = {C.new_key(i): base[C.past_key(i)] for i in range(m.target_layers)}
+    out_base |= {C.new_value(i): base[C.past_value(i)] for i in range(m.target_layers)}
+    out_base |= {C.ctx_key(j): base[C.past_ctx_key(j)] for j in range(m.draft_layers)}
+    out_base |= {C.ctx_value(j): base[C.past_ctx_value(j)] for j in range(m.draft_layers)}
+    calls = 0
+    for name, ptr, shape in trace:
+        if name in base:  # prefix view: starts at the buffer, P rows long
+            assert ptr == base[name]
+            calls += 1
+        elif name in out_base:  # written in place at the slot after the prefix
+            row = ctx_row if name.startswith("ctx_") else kv_row
+            assert (ptr - out_base[name]) % row == 0 and (ptr - out_base[name]) // row + shape[1] <= m.max_context
+    assert calls == 2 * m.target_layers * len(g.tokens[:-1] and [0] + g.acceptance_lengths) + \
+        2 * m.draft_layers * len(g.acceptance_lengths)
+
+    # what the buffers hold is exactly the target's K/V of the final sequence
+    seq = prompt + g.tokens[:-1]
+    with torch.no_grad():
+        _, _, new = pair[0](torch.tensor([seq]), torch.arange(len(seq))[None], pair[0].empty_kv())
+    for i, (k, v) in enumerate(new):
+        np.testing.assert_allclose(backend.kv[2 * i][0, : len(seq)], k[0].numpy(), atol=1e-4)
+        np.testing.assert_allclose(backend.kv[2 * i + 1][0, : len(seq)], v[0].numpy(), atol=1e-4)
+
+    # a round's host allocations do not depend on the context length (no cache copies)
+    cache_bytes = sum(b.nbytes for b in backend.kv)
+    tracemalloc.start()
+    rounds = stream(backend, prompt * 4, 80, stop_token_ids=())
+    next(rounds)
+    tracemalloc.reset_peak()
+    base_mem = tracemalloc.get_traced_memory()[0]
+    for _ in rounds:
+        pass
+    peak = tracemalloc.get_traced_memory()[1] - base_mem
+    tracemalloc.stop()
+    assert peak < min(64 * 1024, cache_bytes // 8), peak
+
+
+def test_shared_initializers_are_one_copy_used_by_both_graphs(pair):
+    _, _, out = pair
+    be = OrtBackend(out)
+    m = be.manifest
+    for name in C.SHARED_INITIALIZERS:
+        arr, _ = be._shared[name]
+        assert arr.shape[0] == m.vocab_size
+    prompt = [3, 4, 5, 6]
+    be.target(np.array(prompt))
+    be.commit(len(prompt))
+    be.draft_context(len(prompt))
+    assert not (be.draft_block(9) == 0).all()
+    # zero the one LM head in memory: both sessions now see all-zero logits -> argmax 0
+    be._shared["lm_head.weight"][0][:] = 0
+    assert (be.draft_block(9) == 0).all()
+    assert (be.target(np.array([9])).next_ids == 0).all()
+    # and the weights read without onnx equal what the exporter wrote (external data)
+    ref = read_initializers(out / m.graphs[C.DRAFT_BLOCK].file, C.SHARED_INITIALIZERS)
+    np.testing.assert_array_equal(ref["embed_tokens.weight"][0], be._shared["embed_tokens.weight"][0])
+
+
+def test_bad_requests(backend):
+    m = backend.manifest
+    with pytest.raises(DFlashError, match="empty"):
+        generate(backend, [], 5)
+    with pytest.raises(DFlashError, match="outside the vocabulary"):
+        generate(backend, [1, m.vocab_size], 5)
+    with pytest.raises(DFlashError, match="temperature"):
+        generate(backend, [1], 5, temperature=-1)
+    with pytest.raises(DFlashError, match="top-p"):
+        generate(backend, [1], 5, temperature=1, top_p=0)
+    with pytest.raises(DFlashError, match="max context"):
+        generate(backend, [1] * (m.max_context + 1), 1)
+    with pytest.raises(DFlashError, match="unknown provider 'tpu'; available: cpu"):
+        resolve_provider("tpu")
+
+
+def test_tampered_artifact_is_refused(pair, tmp_path):
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(pair[2], out)
+    data = out / "shared.data"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(DFlashError, match="does not match its sha256"):
+        OrtBackend(out)
