@@ -351,8 +351,10 @@ def export_artifact(
         )
         write_manifest_checked(tmp, manifest)
         commit(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt):
+            ui.console.print(f"[red]interrupted[/]: partial export removed, {out} unchanged")
         raise
     report(ui, out, time.perf_counter() - t0)
     return manifest

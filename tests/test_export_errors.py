@@ -1,0 +1,140 @@
+"""Bad input to `export`: one line `error: ...`, non-zero exit, nothing written.
+
+Each case runs the real CLI (click's CliRunner); only the interrupt and the late failure
+patch the exporter, to show that a run stopped half-way leaves no trace.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+from tiny import make_drafter, make_target
+
+from dflash_export.cli import cli
+from dflash_export.export import onnx as export_onnx
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpts")
+    small = dict(hidden=32, heads=4, kv_heads=2, intermediate=48, vocab=50)
+    make_target(d / "t2", "qwen2", layers=2, **small)
+    make_target(d / "t4", "qwen2", layers=4, **small)
+    make_target(d / "t64", "qwen2", layers=2, **{**small, "hidden": 64})
+    make_drafter(d / "d2", d / "t2", layers=1)
+    make_drafter(d / "d4", d / "t4", layers=1)
+    make_drafter(d / "d64", d / "t64", layers=1)
+    return d
+
+
+def run_export(d, target, draft, out="out", *extra):
+    return CliRunner().invoke(cli, ["export", "--target", str(d / target), "--draft", str(d / draft),
+                                    "--out", str(d / out), "--quiet", *extra])
+
+
+def assert_error(r, *words):
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def assert_nothing_written(d, out="out"):
+    assert not (d / out).exists()
+    assert not [p.name for p in d.iterdir() if p.name.startswith(f".{out}.")]
+
+
+def test_missing_directory(ckpts):
+    r = run_export(ckpts, "nope", "d2")
+    assert_error(r, "target directory", "does not exist")
+    assert_nothing_written(ckpts)
+
+
+def test_directory_without_config(ckpts, tmp_path):
+    (ckpts / "empty").mkdir(exist_ok=True)
+    assert_error(run_export(ckpts, "t2", "empty"), "no config.json")
+    assert_nothing_written(ckpts)
+
+
+def test_swapped_directories(ckpts):
+    assert_error(run_export(ckpts, "d2", "t2"), "DFlashDraftModel", "not supported")
+    assert_nothing_written(ckpts)
+
+
+def test_drafter_for_another_hidden_size(ckpts):
+    assert_error(run_export(ckpts, "t2", "d64"), "hidden_size 64", "another target")
+    assert_nothing_written(ckpts)
+
+
+def test_drafter_for_another_layer_count(ckpts):
+    assert_error(run_export(ckpts, "t2", "d4"), "num_target_layers 4", "2 layers")
+    assert_nothing_written(ckpts)
+
+
+def test_unsupported_architecture(ckpts):
+    bad = ckpts / "gpt2"
+    shutil.copytree(ckpts / "t2", bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert_error(run_export(ckpts, "gpt2", "d2"), "'GPT2LMHeadModel' is not supported")
+    assert_nothing_written(ckpts)
+
+
+def test_bad_options(ckpts):
+    assert_error(run_export(ckpts, "t2", "d2", "out", "--block-size", "1"), "block size 1")
+    assert_error(run_export(ckpts, "t2", "d2", "out", "--mask-token-id", "50"), "outside the target's vocabulary")
+    assert_error(run_export(ckpts, "t2", "d2", "out", "--max-context", "4"), "--max-context 4")
+    assert_nothing_written(ckpts)
+
+
+def test_existing_out_without_force(ckpts):
+    out = ckpts / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert_error(run_export(ckpts, "t2", "d2", "taken"), "not empty", "--force")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    (ckpts / "file").write_text("x")
+    assert_error(run_export(ckpts, "t2", "d2", "file"), "not a directory")
+
+
+def test_missing_weights_fail_late_and_clean_up(ckpts):
+    """The config is fine, the weights are not: the failure comes after the temp dir exists."""
+    bad = ckpts / "noweights"
+    bad.mkdir()
+    shutil.copy(ckpts / "t2" / "config.json", bad)
+    assert_error(run_export(ckpts, "noweights", "d2"), "no *.safetensors")
+    assert_nothing_written(ckpts)
+
+
+def test_interrupt_and_failure_leave_the_old_out_alone(ckpts, monkeypatch):
+    out = ckpts / "old"
+    out.mkdir()
+    (out / "keep.txt").write_text("previous export")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_onnx, "trace", interrupted)
+    r = run_export(ckpts, "t2", "d2", "old", "--force")
+    assert r.exit_code == 130 and "error: interrupted" in r.stderr
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".old.")]
+
+    def broken(*a, **k):
+        raise export_onnx.DFlashError("torch.onnx.export failed for TargetGraph: boom")
+
+    monkeypatch.setattr(export_onnx, "trace", broken)
+    assert_error(run_export(ckpts, "t2", "d2", "old", "--force"), "boom")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".old.")]
+
+
+def test_help_teaches():
+    for cmd in ("export", "check"):
+        r = CliRunner().invoke(cli, [cmd, "--help"])
+        assert r.exit_code == 0 and "Examples:" in r.output and "dflash-export " + cmd in r.output
