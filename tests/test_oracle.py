@@ -236,7 +236,7 @@ def _chi2_two_sample_p(a: np.ndarray, b: np.ndarray) -> float:
     b = np.append(b[~small], b[small].sum())
     tot = a + b
     keep = tot > 0
-    stat = float((((a - b) ** 2) / tot)[keep].sum())
+    stat = float(((a[keep] - b[keep]) ** 2 / tot[keep]).sum())
     df = int(keep.sum()) - 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
