@@ -356,3 +356,9 @@ def test_kv_cache_overflow_is_a_one_line_error():
     cache.append([(torch.zeros(1, 3, 2, 8), torch.zeros(1, 3, 2, 8))])
     with pytest.raises(DFlashError, match=r"KV cache overflow: 5 positions > max context 4"):
         cache.append([(torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8))])
+
+
+def test_target_tap_ids_outside_the_target_are_refused(tiny_target_dir):
+    with pytest.raises(DFlashError, match=r"tap layer ids \[8\] are outside the target's 8 layers") as e:
+        Target.from_pretrained(tiny_target_dir, tap_ids=[1, 8])
+    one_line(e)
