@@ -46,10 +46,12 @@ def _parse_ids(text: str, what: str) -> list[int]:
         raise DFlashError(f"{what} must be comma-separated integers (got {text!r})") from None
 
 
-def _backend(out: str, provider: str, drafter: bool = True):
-    from .runtime.ort import OrtBackend
+def _backend(out: str, provider: str, drafter: bool = True, backend: str = "ort"):
+    from .runtime.backend import open_backend
 
-    return OrtBackend(out, provider, drafter=drafter)
+    if backend == "trt":
+        return open_backend(out, "trt", drafter=drafter)
+    return open_backend(out, "ort", provider, drafter=drafter)
 
 
 def _peak_rss_mb() -> float:
@@ -57,7 +59,11 @@ def _peak_rss_mb() -> float:
 
 
 provider_option = click.option(
-    "--provider", default="cpu", show_default=True, help="ONNX Runtime execution provider: cpu | cuda."
+    "--provider", default="cpu", show_default=True, help="ONNX Runtime execution provider: cpu | cuda | tensorrt."
+)
+backend_option = click.option(
+    "--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
+    help="ort: ONNX Runtime (see --provider); trt: the TensorRT engines of `dflash-export build`.",
 )
 
 
@@ -75,7 +81,9 @@ provider_option = click.option(
 @click.option("--stream", is_flag=True, help="Print tokens as each round is accepted.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with tokens and statistics.")
 @provider_option
-def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids, no_draft, stream, as_json, provider):
+@backend_option
+def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids, no_draft, stream, as_json, provider,
+             backend):
     """Speculative decoding of a prompt with an exported directory OUT."""
     from .runtime.loop import Generation
     from .runtime.loop import stream as run
@@ -87,7 +95,7 @@ def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p,
     check_sampling(temperature, top_k, top_p)
     stop = None if stop_ids is None else tuple(_parse_ids(stop_ids, "--stop-ids"))
     ids = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
-    backend = _backend(out, provider, drafter=not no_draft)
+    backend = _backend(out, provider, drafter=not no_draft, backend=backend)
     tok = _tokenizer(out)
     if ids is None:
         if tok is None:
@@ -240,14 +248,15 @@ def plot_bench(report: dict, path: Path) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 @click.option("--plot", type=click.Path(path_type=Path), help="Write the acceptance histogram and time split (PNG).")
 @provider_option
-def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, provider):
+@backend_option
+def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, provider, backend):
     """Speculative vs plain decoding of OUT on the same prompts: tau, tokens/s, speedup."""
     if plot is not None:
         try:
             import matplotlib  # noqa: F401  (fail before minutes of benchmarking)
         except ImportError:
             raise DFlashError("--plot needs matplotlib: pip install 'dflash-export[dev]' (or matplotlib)") from None
-    backend = _backend(out, provider)
+    backend = _backend(out, provider, backend=backend)
     prompts, source = _bench_prompts(prompts_file, _tokenizer(out), backend.manifest.vocab_size)
     m = backend.manifest
     room = m.max_context - max(len(p) for p in prompts)
