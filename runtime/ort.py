@@ -9,7 +9,10 @@ copied and nothing grows with the context but attention itself.
 
 The shared initializers (embedding, LM head) are read once from target.onnx (inline or
 external data) and handed to both target and draft_block sessions with `add_initializer`:
-one copy in memory, used in place by both.
+one copy in memory, used in place by both. The embedding is read in place; the LM head
+feeds Transpose + MatMul, which ORT constant-folds and prepacks per session (one packed
+copy each, the fast path); `low_memory=True` turns both off so the one copy is all there
+is, at the price of slower GEMMs (README, Runtime).
 """
 
 from __future__ import annotations
@@ -161,6 +164,7 @@ class OrtBackend(Backend):
         threads: int | None = None,
         drafter: bool = True,
         verify: bool = True,
+        low_memory: bool = False,
     ):
         self.directory = Path(directory)
         self._provider = resolve_provider(provider)
@@ -169,6 +173,7 @@ class OrtBackend(Backend):
         self.max_chunk = max(max_chunk, m.block_size)
         self.device = "cpu" if self._provider == PROVIDERS["cpu"] else "cuda"
         self.has_drafter = drafter
+        self.low_memory = low_memory
         self.trace: list | None = None  # set to [] to record every bound (name, ptr, shape)
 
         # one copy of the shared weights, used in place by both sessions
@@ -220,6 +225,10 @@ class OrtBackend(Backend):
         if graph in (C.TARGET, C.DRAFT_BLOCK):
             for name, ov in self._shared_ov.items():
                 opts.add_initializer(name, ov)
+        kwargs = {}
+        if self.low_memory:  # no per-session transposed/prepacked LM head: one copy, slower GEMMs
+            opts.add_session_config_entry("session.disable_prepacking", "1")
+            kwargs["disabled_optimizers"] = ["ConstantFolding"]
         try:
             providers = [self._provider]
             if self._provider == PROVIDERS["tensorrt"]:  # explicit profiles + engine cache outside OUT (runtime/trt.py)
@@ -229,7 +238,7 @@ class OrtBackend(Backend):
                 self.max_chunk = min(self.max_chunk, m.max_context - m.block_size)  # the profile's longest prefill
                 opts_trt = ort_trt_provider_options(m, graph, max_prompt=self.max_chunk)
                 providers = [(self._provider, opts_trt), PROVIDERS["cuda"]]
-            return ort.InferenceSession(str(path), opts, providers=providers)
+            return ort.InferenceSession(str(path), opts, providers=providers, **kwargs)
         except Exception as e:  # ORT raises its own types; one line for the user
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise DFlashError(f"{path}: onnxruntime cannot load it ({first}); re-export the directory") from None

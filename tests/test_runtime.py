@@ -180,24 +180,37 @@ def test_caches_are_bound_in_place_never_copied(pair, backend):
     assert peak < min(64 * 1024, cache_bytes // 8), peak
 
 
+def _outputs(be):
+    be.reset()
+    res = be.target(np.array([3, 4, 5, 6]), want_logits=True)
+    logits = res.logits.copy()
+    be.commit(4)
+    be.draft_context(4)
+    be.draft_block(9)
+    return logits, be._draft_logits.copy()
+
+
 def test_shared_initializers_are_one_copy_used_by_both_graphs(pair):
+    """Both sessions read the arrays we loaded once: change them in memory, both graphs see it."""
     _, _, out = pair
-    be = OrtBackend(out)
-    m = be.manifest
-    for name in C.SHARED_INITIALIZERS:
-        arr, _ = be._shared[name]
-        assert arr.shape[0] == m.vocab_size
-    prompt = [3, 4, 5, 6]
-    be.target(np.array(prompt))
-    be.commit(len(prompt))
-    be.draft_context(len(prompt))
-    assert not (be.draft_block(9) == 0).all()
-    # zero the one LM head in memory: both sessions now see all-zero logits -> argmax 0
-    be._shared["lm_head.weight"][0][:] = 0
-    assert (be.draft_block(9) == 0).all()
-    assert (be.target(np.array([9])).next_ids == 0).all()
-    # and the weights read without onnx equal what the exporter wrote (external data)
-    ref = read_initializers(out / m.graphs[C.DRAFT_BLOCK].file, C.SHARED_INITIALIZERS)
+    for low_memory in (False, True):
+        be = OrtBackend(out, low_memory=low_memory)
+        emb = be._shared["embed_tokens.weight"][0]
+        before = _outputs(be)
+        saved = emb.copy()
+        emb *= 0.5
+        after = _outputs(be)
+        assert not np.array_equal(before[0], after[0]) and not np.array_equal(before[1], after[1])
+        emb[:] = saved
+        assert all(np.array_equal(x, y) for x, y in zip(before, _outputs(be)))
+        if low_memory:  # no folded/prepacked copy of the LM head either
+            be._shared["lm_head.weight"][0][:] = 0  # all-zero logits -> argmax 0 in both graphs
+            logits, drafts = _outputs(be)
+            assert (logits == 0).all() and (drafts == 0).all()
+            be._shared["lm_head.weight"][0][:] = read_initializers(
+                out / "target.onnx", ("lm_head.weight",))["lm_head.weight"][0]
+    # the weights read without onnx equal what the exporter wrote (external data)
+    ref = read_initializers(out / be.manifest.graphs[C.DRAFT_BLOCK].file, C.SHARED_INITIALIZERS)
     np.testing.assert_array_equal(ref["embed_tokens.weight"][0], be._shared["embed_tokens.weight"][0])
 
 
