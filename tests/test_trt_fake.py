@@ -115,3 +115,17 @@ def test_refusals(built):
     with pytest.raises(DFlashError, match="exceeds the engines' max context 64"):
         b.target(np.arange(K))
     b.close()
+
+
+def test_generate_and_bench_with_backend_trt(built):
+    import json
+
+    _, out, _ = built
+    args = ["generate", str(out), "--prompt-ids", "5,17,3,42,8", "--max-new-tokens", "20", "--json"]
+    trt_run = CliRunner().invoke(cli, args + ["--backend", "trt"])
+    ort_run = CliRunner().invoke(cli, args + ["--backend", "ort"])
+    assert trt_run.exit_code == 0 and ort_run.exit_code == 0, trt_run.output + ort_run.output
+    got, want = json.loads(trt_run.output), json.loads(ort_run.output)
+    assert got["tokens"] == want["tokens"] and got["provider"].startswith("tensorrt 10.99.0-fake")
+    b = CliRunner().invoke(cli, ["bench", str(out), "--backend", "trt", "--max-new-tokens", "8", "--warmup", "0", "--json"])
+    assert b.exit_code == 0, b.output
