@@ -1,0 +1,168 @@
+"""`dflash-export generate` and `bench`: outputs, a torch-free run, and every bad input as one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import string
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from runtime_cases import CASES, artifact
+
+from dflash_export.cli import cli
+from dflash_export.runtime import contract as C
+from dflash_export.runtime.loop import generate
+from dflash_export.runtime.ort import OrtBackend
+
+
+def char_tokenizer(path):
+    """A character-level tokenizer.json for the tiny 101-token vocabulary (99 chars, mask, eos)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(string.printable[:99])} | {"<mask>": 99, "<eos>": 100}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<mask>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(str(path))
+
+
+@pytest.fixture(scope="module")
+def out():
+    return artifact(CASES["qwen2"])[2]
+
+
+@pytest.fixture(scope="module")
+def with_tok(out, tmp_path_factory):
+    """The same artifact with a tokenizer added (and the manifest re-hashed, as export does)."""
+    d = tmp_path_factory.mktemp("tok") / "out"
+    shutil.copytree(out, d)
+    char_tokenizer(d / "tokenizer.json")
+    m = C.load_manifest(d, verify=False)
+    m.tokenizer = True
+    C.write_manifest(d, m)
+    return d
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_generate_json_matches_the_loop(out):
+    r = run("generate", out, "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "30", "--json")
+    assert r.exit_code == 0, r.output
+    j = json.loads(r.stdout)
+    g = generate(OrtBackend(out), [5, 6, 7, 8, 9], 30)
+    assert j["tokens"] == g.tokens and j["acceptance_lengths"] == g.acceptance_lengths
+    assert j["tau"] == pytest.approx(g.tau) and j["tokens_per_second"] > 0 and "text" not in j
+    r = run("generate", out, "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "30", "--json", "--no-draft")
+    assert json.loads(r.stdout)["tokens"] == g.tokens
+
+
+def test_generate_sampling_is_seeded(out):
+    args = ["generate", out, "--prompt-ids", "1,2,3", "--max-new-tokens", "20", "--temperature", "0.8",
+            "--top-k", "30", "--top-p", "0.9", "--json"]
+    a, b, c = (json.loads(run(*args, "--seed", s).stdout)["tokens"] for s in ("1", "1", "2"))
+    assert a == b and a != c
+    g = generate(OrtBackend(out), [1, 2, 3], 20, temperature=0.8, top_k=30, top_p=0.9, seed=1)
+    assert a == g.tokens
+
+
+def test_generate_text_and_stream(with_tok):
+    r = run("generate", with_tok, "--prompt", "def f(x):", "--max-new-tokens", "12", "--json")
+    assert r.exit_code == 0, r.output
+    j = json.loads(r.stdout)
+    ids = [string.printable.index(c) for c in "def f(x):"]
+    assert j["tokens"] == generate(OrtBackend(with_tok), ids, 12).tokens
+    assert isinstance(j["text"], str) and j["prompt_tokens"] == len(ids)
+    r = run("generate", with_tok, "--prompt", "def f(x):", "--max-new-tokens", "12", "--stream")
+    assert r.exit_code == 0 and r.stdout.strip() == j["text"].strip()
+    r = run("generate", with_tok, "--prompt-ids", "3,4", "--max-new-tokens", "5", "--stop-ids", "")
+    assert r.exit_code == 0 and "tau" in r.stderr
+
+
+def test_generate_without_torch(out):
+    """The edge path: generate in a process where importing torch (or onnx) fails."""
+    code = (
+        "import sys\n"
+        "for m in ('torch', 'onnx', 'onnxscript', 'transformers'): sys.modules[m] = None\n"
+        "from dflash_export.cli import cli\n"
+        f"cli(['generate', {str(out)!r}, '--prompt-ids', '5,6,7,8,9', '--max-new-tokens', '30', '--json'])\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ | {"PYTHONPATH": ""})
+    assert p.returncode == 0, p.stderr
+    with_torch = json.loads(run("generate", out, "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "30", "--json").stdout)
+    assert json.loads(p.stdout)["tokens"] == with_torch["tokens"]
+    # and nothing under runtime/ imports torch, onnx, models/ or export/
+    import ast
+    from pathlib import Path
+
+    for f in (Path(__file__).parents[1] / "runtime").glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for n in names:
+                assert n.split(".")[0] not in ("torch", "onnx") and not n.startswith(("models", "export")), (f, n)
+                if isinstance(node, ast.ImportFrom) and node.level > 1:
+                    assert False, (f, "relative import out of runtime/")
+
+
+def test_bench_json_and_plot(out, tmp_path):
+    png = tmp_path / "b.png"
+    r = run("bench", out, "--max-new-tokens", "24", "--json", "--plot", png, "--warmup", "0")
+    assert r.exit_code == 0, r.output
+    j = json.loads(r.stdout)
+    assert "random token prompts" in j["prompt_source"]
+    assert j["lossless"] is True
+    assert sum(j["acceptance_histogram"].values()) > 0 and j["tau"] >= 1
+    for k in ("speedup", "ideal_speedup", "loop_efficiency", "peak_rss_mb"):
+        assert j[k] > 0
+    assert j["loop_efficiency"] == pytest.approx(j["speedup"] / j["ideal_speedup"])
+    assert set(j["time_split_s"]["speculative"]) == {"prefill", "draft", "verify", "host", "total"}
+    assert png.stat().st_size > 1000
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("1,2,3\n4,5,6,7\n")
+    r = run("bench", out, "--prompts", prompts, "--max-new-tokens", "8", "--warmup", "0")
+    assert r.exit_code == 0 and "2 prompts from" in r.stdout and "loop efficiency" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--provider", "tpu"], "unknown provider 'tpu'; available: cpu"),
+        (["--prompt", "hello"], "no tokenizer.json"),
+        (["--prompt-ids", ""], "the prompt is empty"),
+        (["--prompt-ids", "1,x"], "comma-separated integers"),
+        (["--prompt-ids", "1,5000"], "outside the vocabulary"),
+        (["--prompt-ids", ",".join(["1"] * 300)], "exceeds the exported max context"),
+        (["--max-new-tokens", "1000"], "exceeds the exported max context"),
+        (["--temperature", "-0.5"], "temperature must be >= 0"),
+        (["--top-p", "0"], "top-p must be in (0, 1]"),
+        (["--top-p", "1.5"], "top-p must be in (0, 1]"),
+        (["--top-k", "-1"], "top-k must be >= 0"),
+        ([], "give exactly one of --prompt"),
+        (["--stream", "--json"], "exclusive"),
+    ],
+)
+def test_generate_bad_input_is_one_line(out, args, message):
+    if not any(a.startswith("--prompt") for a in args) and args != []:
+        args = ["--prompt-ids", "1,2"] + args
+    r = run("generate", out, *args)
+    assert r.exit_code == 2, r.output
+    assert r.stderr.startswith("error: ") and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_bad_artifacts_are_one_line(out, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    (bad / "draft_block.data").write_bytes(b"tampered")
+    for cmd in ("generate", "bench"):
+        r = run(cmd, bad, *(["--prompt-ids", "1,2"] if cmd == "generate" else []))
+        assert r.exit_code == 2 and "does not match its sha256" in r.stderr and r.stderr.count("\n") == 1
+    r = run("generate", tmp_path / "nothing", "--prompt-ids", "1")
+    assert r.exit_code == 2 and r.stderr.startswith("error: ")
+    r = run("bench", out, "--prompts", tmp_path / "missing.txt")
+    assert r.exit_code == 2 and "no such file" in r.stderr
