@@ -54,11 +54,13 @@ def check_graph(path: Path) -> None:
         raise DFlashError(f"{path.name} uses non-standard ONNX: {'; '.join(problems)}")
 
 
-def ort_session(path: Path, providers=("CPUExecutionProvider",)):
+def ort_session(path: Path, providers=("CPUExecutionProvider",), load_only: bool = False):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    if load_only:  # no prepacked weight copies: a load check should not double the memory
+        opts.add_session_config_entry("session.disable_prepacking", "1")
     return ort.InferenceSession(str(path), opts, providers=list(providers))
 
 
@@ -68,7 +70,7 @@ def validate_artifact(root: Path, dtype: str = "fp32") -> None:
         check_graph(root / f)
     for f in C.GRAPH_FILES.values():
         try:
-            sess = ort_session(root / f)
+            sess = ort_session(root / f, load_only=True)
         except Exception as e:
             if dtype == "bf16" and "NOT_IMPLEMENTED" in str(e):
                 continue  # ORT's CPU provider lacks bf16 kernels; GPU providers run these graphs

@@ -1,0 +1,141 @@
+"""Export a target whose weights exceed protobuf's 2 GB limit, then load it in ONNX Runtime.
+
+    OMP_WAIT_POLICY=PASSIVE nice -n 19 python bench/export_2gb.py --work /tmp/big2gb
+
+Three child processes, so each one's peak RSS is its own:
+1. write a random fp32 Qwen3 checkpoint straight with safetensors (one shard per tensor
+   group, no transformers model), plus a 1-layer drafter;
+2. `export_artifact` (load, trace, save, validate, manifest): time and peak RSS;
+3. ONNX Runtime: load the three graphs (shared.data read once per session) and run a
+   prefill, a draft block and a verify: time and peak RSS.
+The goal is an export whose peak RSS is at most 2.5x the weights' bytes. Prints one JSON
+object. Not part of the test suite (minutes, several GB of RAM and disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def make_checkpoint(work: Path, vocab: int, hidden: int, layers: int, inter: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from dflash_export.models import TargetConfig, new_drafter
+
+    heads, kv_heads, head_dim = hidden // 128, max(1, hidden // 256), 128
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "max_position_embeddings": 4096, "tie_word_embeddings": False, "eos_token_id": vocab - 1, "dtype": "float32",
+    }
+    t = work / "target"
+    t.mkdir(parents=True)
+    (t / "config.json").write_text(json.dumps(cfg, indent=2))
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g) * 0.02  # noqa: E731
+    weight_map = {}
+
+    def shard(name: str, tensors: dict) -> None:  # one tensor group at a time: small writer RSS
+        save_file(tensors, str(t / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in tensors})
+
+    shard("embed.safetensors", {"model.embed_tokens.weight": rand(vocab, hidden)})
+    shard("head.safetensors", {"lm_head.weight": rand(vocab, hidden), "model.norm.weight": torch.ones(hidden)})
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shard(f"layer{i}.safetensors", {
+            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+            p + "self_attn.q_norm.weight": torch.ones(head_dim), p + "self_attn.k_norm.weight": torch.ones(head_dim),
+            p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, inter),
+            p + "input_layernorm.weight": torch.ones(hidden), p + "post_attention_layernorm.weight": torch.ones(hidden),
+        })
+    (t / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    tc = TargetConfig.load(t)
+    new_drafter(tc, num_layers=1, block_size=16, mask_token_id=vocab - 2, target_layer_ids=[layers // 2],
+                intermediate_size=hidden * 2).save_pretrained(work / "draft")
+
+
+def do_export(work: Path) -> dict:
+    from dflash_export.export.onnx import export_artifact
+
+    t0 = time.perf_counter()
+    export_artifact(work / "target", work / "draft", work / "out", max_context=1024, force=True, progress=True)
+    return {"export_s": round(time.perf_counter() - t0, 1), "export_peak_rss": peak_rss_bytes()}
+
+
+def do_load(work: Path) -> dict:
+    import numpy as np
+
+    from dflash_export.export.ort_loop import Graphs, greedy_speculative
+    from dflash_export.runtime.contract import load_manifest
+
+    t0 = time.perf_counter()
+    m = load_manifest(work / "out")  # sha256 of every file
+    t1 = time.perf_counter()
+    graphs = Graphs(work / "out", m)
+    t2 = time.perf_counter()
+    tokens, lengths = greedy_speculative(graphs, list(np.arange(8) * 7 + 3), 8)
+    return {"verify_manifest_s": round(t1 - t0, 1), "ort_load_s": round(t2 - t1, 1),
+            "generate_8_tokens_s": round(time.perf_counter() - t2, 1), "ort_peak_rss": peak_rss_bytes(),
+            "tokens": [int(x) for x in tokens]}
+
+
+def child(step: str, work: Path, args) -> dict:
+    cmd = [sys.executable, __file__, "--step", step, "--work", str(work), "--vocab", str(args.vocab),
+           "--hidden", str(args.hidden), "--layers", str(args.layers), "--intermediate", str(args.intermediate)]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/dflash-export-2gb"))
+    ap.add_argument("--vocab", type=int, default=131072)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, default=6144)
+    ap.add_argument("--step", choices=["checkpoint", "export", "load"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.step == "checkpoint":
+        make_checkpoint(args.work, args.vocab, args.hidden, args.layers, args.intermediate)
+        print(json.dumps({}))
+        return
+    if args.step:
+        print(json.dumps(do_export(args.work) if args.step == "export" else do_load(args.work)))
+        return
+
+    import shutil
+
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    child("checkpoint", args.work, args)
+    weights = sum(p.stat().st_size for p in (args.work / "target").glob("*.safetensors"))
+    result = {"target_weight_bytes": weights, **child("export", args.work, args), **child("load", args.work, args)}
+    out = args.work / "out"
+    result["files"] = {p.name: p.stat().st_size for p in sorted(out.iterdir())}
+    result["export_peak_rss_over_weights"] = round(result["export_peak_rss"] / weights, 2)
+    result["ort_peak_rss_over_weights"] = round(result["ort_peak_rss"] / weights, 2)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
