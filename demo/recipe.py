@@ -1,8 +1,9 @@
 """Recipe for the shipped demo pair: rebuilds demo/pair/{target,draft} from scratch on CPU.
 
-    python demo/recipe.py all              # corpus -> tokenizer -> target -> prompts -> drafter
-    python demo/recipe.py target --minutes 20
-    python demo/recipe.py draft --minutes 25
+    python demo/recipe.py target --minutes 24 --snapshots 8 12 16   # tokenizer + target (snapshots)
+    python demo/recipe.py pair-target demo/work/target-16.0min      # the target we ship
+    python demo/recipe.py prompts                                   # training + held-out prompts
+    python demo/recipe.py draft --minutes 25                        # `dflash-export train-draft`
 
 The corpus exists offline wherever Python does: the standard library's own source files
 (test/ dirs and site-packages excluded). Every 12th file (sorted by path) is held out:
@@ -274,12 +275,31 @@ def prompts(args) -> None:
 # -- drafter ---------------------------------------------------------------------------
 
 
+# The options the shipped drafter was trained with (see demo/RESULTS.md).
+DRAFT_OPTIONS = ["--block-size", "16", "--layers", "1", "--target-layer-ids", "1,2,3,4", "--gamma", "7",
+                 "--lr", "2e-3", "--batch", "8", "--anchors", "48", "--sequences", "8000", "--gen-minutes", "12",
+                 "--gen-tokens", "160", "--gen-batch", "64", "--eval-every", "150", "--eval-n", "8",
+                 "--eval-tokens", "128", "--threads", "2", "--seed", "0"]
+
+
+def pair_target(args) -> None:
+    """Ship a trained target (a snapshot or the final one) as demo/pair/target."""
+    import shutil
+
+    src = Path(args.source)
+    dst = PAIR / "target"
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    print(f"{src} -> {dst}")
+
+
 def draft(args) -> None:
     """The drafter, through the project's own `dflash-export train-draft`."""
     target = Path(args.target) if args.target else PAIR / "target"
-    cmd = [sys.executable, "-m", "dflash_export.cli", "train-draft", "--target", str(target),
+    cmd = [sys.executable, "-c", "from dflash_export.cli import main; main()", "train-draft", "--target", str(target),
            "--out", str(PAIR / "draft"), "--data", str(WORK / "train_prompts.jsonl"),
-           "--eval-prompts", str(PROMPTS), "--minutes", str(args.minutes), *args.extra]
+           "--eval-prompts", str(PROMPTS), "--work", str(WORK / "draft"), "--minutes", str(args.minutes),
+           *DRAFT_OPTIONS, *args.extra]
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
 
@@ -301,12 +321,14 @@ def main() -> None:
     q.add_argument("--per-file", type=int, default=16)
     q.add_argument("--eval-prompts", type=int, default=24)
     q.add_argument("--seed", type=int, default=0)
+    c = sub.add_parser("pair-target")
+    c.add_argument("source", help="e.g. demo/work/target-16.0min")
     d = sub.add_parser("draft")
     d.add_argument("--target", default=None)
     d.add_argument("--minutes", type=float, default=25)
     d.add_argument("extra", nargs=argparse.REMAINDER, help="more train-draft options")
     args = p.parse_args()
-    {"target": train_target, "prompts": prompts, "draft": draft}[args.stage](args)
+    {"target": train_target, "prompts": prompts, "pair-target": pair_target, "draft": draft}[args.stage](args)
 
 
 if __name__ == "__main__":

@@ -346,7 +346,9 @@ def _demo_prompts(prompt: str | None, n: int) -> list[str]:
 @click.option("--prompt", default=None, help="your own prompt (default: held-out prompts from demo/prompts.jsonl)")
 @click.option("--prompts", "n_prompts", default=3, show_default=True, help="how many held-out prompts")
 @click.option("--max-new-tokens", default=128, show_default=True)
-def demo(out, prompt, n_prompts, max_new_tokens):
+@click.option("--pair", type=click.Path(path_type=Path), default=DEMO / "pair", show_default=False,
+              help="folder with target/ and draft/ (default: the shipped demo/pair)")
+def demo(out, prompt, n_prompts, max_new_tokens, pair):
     """The shipped pair end to end, offline: export -> parity check -> streamed speculative
     decoding on held-out prompts (ONNX Runtime, CPU) -> tau, tokens/s and speedup vs plain decoding.
     """
@@ -357,13 +359,14 @@ def demo(out, prompt, n_prompts, max_new_tokens):
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     console = Console()
-    target_dir, draft_dir = DEMO / "pair" / "target", DEMO / "pair" / "draft"
+    target_dir, draft_dir = Path(pair) / "target", Path(pair) / "draft"
     for d in (target_dir, draft_dir):
         if not (d / "config.json").is_file():
             raise DFlashError(f"the shipped pair is missing ({d}); restore demo/pair/ or rebuild it with demo/recipe.py")
     texts = _demo_prompts(prompt, n_prompts)
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="dflash-demo-"))
     art = root / "artifact"
+    root.mkdir(parents=True, exist_ok=True)
     clock = time.perf_counter
 
     console.rule("[bold]1. export (PyTorch -> ONNX, fp32)")

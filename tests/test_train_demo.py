@@ -1,0 +1,40 @@
+"""The `demo` command: refuses a missing pair in one line; on a tiny pair (slow) it exports,
+checks parity, decodes, and reports output identical to plain greedy decoding."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_export.cli import cli
+from dflash_export.cmd_train import default_taps, parse_layer_ids
+
+
+def test_layer_id_parsing_and_default_taps():
+    assert parse_layer_ids("1,3,4") == [1, 3, 4]
+    assert parse_layer_ids("1-3,5") == [1, 2, 3, 5]
+    assert parse_layer_ids(None) is None
+    assert default_taps(6) == [1, 2, 3, 4]
+    assert default_taps(36) == [1, 9, 18, 26, 34]
+    assert all(0 <= i < n for n in range(1, 40) for i in default_taps(n))
+
+
+def test_demo_refuses_missing_pair(tmp_path):
+    r = CliRunner().invoke(cli, ["demo", "--pair", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2
+    assert r.output.startswith("error: the shipped pair is missing") and r.output.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_demo_runs_on_tiny_pair(tmp_path):
+    from tiny import make_drafter
+    from train_fixtures import make_tokenized_target
+
+    make_tokenized_target(tmp_path / "pair" / "target")
+    make_drafter(tmp_path / "pair" / "draft", tmp_path / "pair" / "target", block_size=4, mask_token_id=1)
+    r = CliRunner().invoke(cli, ["demo", "--pair", str(tmp_path / "pair"), "--out", str(tmp_path / "o"),
+                                 "--prompt", "def f(x):\n", "--max-new-tokens", "16"])
+    assert r.exit_code == 0, r.output
+    assert "PASSED" in r.output and "output identical to plain greedy" in r.output
+    assert (tmp_path / "o" / "artifact" / "manifest.json").is_file()
