@@ -1,7 +1,8 @@
 """Qwen3 and Qwen2 targets at block size 16: exported through the CLI, then `check` (20 prompts).
 
-Qwen3 (q/k norms, untied) gets a 3-layer drafter trained at block 4 and is exported with
-`--block-size 16`; Qwen2 (q/k/v bias) a 1-layer drafter at block 16.
+Qwen3 (q/k norms, untied) gets a 3-layer drafter made for block 4, with a sliding-window
+layer (causal, window 5: a masked block graph), exported with `--block-size 16`; Qwen2
+(q/k/v bias) a 1-layer drafter at block 16.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from dflash_export.cli import cli
 from dflash_export.runtime import contract as C
 
 CASES = {
-    "qwen3": dict(target=dict(layers=3), draft=dict(layers=3, block_size=4, target_layer_ids=[0, 1, 2]), args=["--block-size", "16"]),
+    "qwen3": dict(target=dict(layers=3), args=["--block-size", "16"],
+                  draft=dict(layers=3, block_size=4, target_layer_ids=[0, 1, 2], sliding_window=5,
+                             layer_types=["full_attention", "sliding_attention", "full_attention"])),
     "qwen2": dict(target=dict(layers=2, hidden=32, heads=4, kv_heads=2), draft=dict(layers=1, block_size=16), args=[]),
 }
 
