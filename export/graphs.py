@@ -111,7 +111,7 @@ def target_inputs(target, block_size: int):
 
 
 def context_inputs(drafter, block_size: int):
-    c, n = drafter.config, _sizes(block_size)
+    n = _sizes(block_size)
     dtype = drafter.fc.weight.dtype
     b, ctx = n[BATCH], n[CTX]
     args = (torch.randn(b, ctx, drafter.fc.in_features).to(dtype), _positions(b, 3, ctx))
