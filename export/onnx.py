@@ -25,6 +25,7 @@ from ..runtime.errors import DFlashError
 DTYPES = ("fp32", "fp16", "bf16")
 SHARED_DATA = "shared.data"
 ALIGN = 4096  # external-data offsets of large tensors, so ORT can mmap them
+MIN_OPSET = 18
 
 
 def torch_dtype(dtype: str):
@@ -63,7 +64,7 @@ def check_out_dir(out: Path, force: bool) -> None:
         raise DFlashError(f"the parent directory of --out {out} does not exist; create it first")
 
 
-def plan(target_dir, draft_dir, block_size, mask_token_id, max_context):
+def plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset=None):
     """Read both configs and refuse any mismatch before loading a single weight."""
     from ..models.config import DraftConfig, TargetConfig
 
@@ -76,6 +77,8 @@ def plan(target_dir, draft_dir, block_size, mask_token_id, max_context):
     mask = dc.resolve_mask_token_id(mask_token_id)
     if not 0 <= mask < tc.vocab_size:
         raise DFlashError(f"mask token id {mask} is outside the target's vocabulary [0, {tc.vocab_size})")
+    if opset is not None and opset < MIN_OPSET:
+        raise DFlashError(f"--opset {opset} is not supported: torch's dynamo exporter writes opset {MIN_OPSET} or higher")
     if max_context <= k:
         raise DFlashError(f"--max-context {max_context} must exceed the block size {k}")
     return tc, dc, k, mask
@@ -89,9 +92,10 @@ def trace(module, args, dynamic_shapes, names, opset: int | None):
     import torch
 
     inputs, outputs = names
-    quiet = logging.getLogger("torch.onnx")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "onnxscript")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
             warnings.simplefilter("ignore")
@@ -103,8 +107,13 @@ def trace(module, args, dynamic_shapes, names, opset: int | None):
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise DFlashError(f"torch.onnx.export failed for {type(module).__name__}: {type(e).__name__}: {first}") from e
     finally:
-        quiet.setLevel(level)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
     model = prog.model
+    got = model.opset_imports.get("")
+    if opset is not None and got != opset:
+        raise DFlashError(f"--opset {opset}: the exporter could only produce opset {got} for this model; "
+                          "use --opset 18 or higher (or leave it out)")
     got_in = [v.name for v in model.graph.inputs]
     got_out = [v.name for v in model.graph.outputs]
     if got_in != inputs or got_out != outputs:
@@ -292,7 +301,7 @@ def export_artifact(
     target_dir, draft_dir, out = Path(target_dir), Path(draft_dir), Path(out_dir).absolute()
     tdtype = torch_dtype(dtype)
     check_out_dir(out, force)
-    tc, dc, k, mask = plan(target_dir, draft_dir, block_size, mask_token_id, max_context)
+    tc, dc, k, mask = plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset)
     ui = Phases(progress)
     t0 = time.perf_counter()
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"

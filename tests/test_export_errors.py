@@ -89,6 +89,7 @@ def test_bad_options(ckpts):
     assert_error(run_export(ckpts, "t2", "d2", "out", "--block-size", "1"), "block size 1")
     assert_error(run_export(ckpts, "t2", "d2", "out", "--mask-token-id", "50"), "outside the target's vocabulary")
     assert_error(run_export(ckpts, "t2", "d2", "out", "--max-context", "4"), "--max-context 4")
+    assert_error(run_export(ckpts, "t2", "d2", "out", "--opset", "12"), "--opset 12 is not supported")
     assert_nothing_written(ckpts)
 
 
