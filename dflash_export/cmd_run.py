@@ -46,12 +46,14 @@ def _parse_ids(text: str, what: str) -> list[int]:
         raise DFlashError(f"{what} must be comma-separated integers (got {text!r})") from None
 
 
-def _backend(out: str, provider: str, drafter: bool = True, backend: str = "ort"):
+def _backend(out: str, provider: str, drafter: bool = True, backend: str = "ort", threads: int | None = None):
     from .runtime.backend import open_backend
 
     if backend == "trt":
         return open_backend(out, "trt", drafter=drafter)
-    return open_backend(out, "ort", provider, drafter=drafter)
+    if threads is not None and threads < 1:
+        raise DFlashError(f"--threads must be >= 1 (got {threads})")
+    return open_backend(out, "ort", provider, drafter=drafter, threads=threads)
 
 
 def _peak_rss_mb() -> float:
@@ -60,6 +62,9 @@ def _peak_rss_mb() -> float:
 
 provider_option = click.option(
     "--provider", default="cpu", show_default=True, help="ONNX Runtime execution provider: cpu | cuda | tensorrt."
+)
+threads_option = click.option(
+    "--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: one per physical core)."
 )
 backend_option = click.option(
     "--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
@@ -82,8 +87,9 @@ backend_option = click.option(
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with tokens and statistics.")
 @provider_option
 @backend_option
+@threads_option
 def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids, no_draft, stream, as_json, provider,
-             backend):
+             backend, threads):
     """Speculative decoding of a prompt with an exported directory OUT."""
     from .runtime.loop import Generation
     from .runtime.loop import stream as run
@@ -95,7 +101,7 @@ def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p,
     check_sampling(temperature, top_k, top_p)
     stop = None if stop_ids is None else tuple(_parse_ids(stop_ids, "--stop-ids"))
     ids = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
-    backend = _backend(out, provider, drafter=not no_draft, backend=backend)
+    backend = _backend(out, provider, drafter=not no_draft, backend=backend, threads=threads)
     tok = _tokenizer(out)
     if ids is None:
         if tok is None:
@@ -249,14 +255,15 @@ def plot_bench(report: dict, path: Path) -> None:
 @click.option("--plot", type=click.Path(path_type=Path), help="Write the acceptance histogram and time split (PNG).")
 @provider_option
 @backend_option
-def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, provider, backend):
+@threads_option
+def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, provider, backend, threads):
     """Speculative vs plain decoding of OUT on the same prompts: tau, tokens/s, speedup."""
     if plot is not None:
         try:
             import matplotlib  # noqa: F401  (fail before minutes of benchmarking)
         except ImportError:
             raise DFlashError("--plot needs matplotlib: pip install 'dflash-export[dev]' (or matplotlib)") from None
-    backend = _backend(out, provider, backend=backend)
+    backend = _backend(out, provider, backend=backend, threads=threads)
     prompts, source = _bench_prompts(prompts_file, _tokenizer(out), backend.manifest.vocab_size)
     m = backend.manifest
     room = m.max_context - max(len(p) for p in prompts)
