@@ -51,6 +51,21 @@ def bench_model(name: str = "small") -> tuple[Path, Path, Path]:
     return final / "t", final / "d", final / "out"
 
 
+def export_pair(target_dir: str | Path, draft_dir: str | Path, max_context: int = 2304) -> Path:
+    """Export a given (e.g. trained) pair once; cached by the content of both directories."""
+    from dflash_export.runtime.contract import hash_files
+
+    key = hashlib.sha256(json.dumps([hash_files(Path(target_dir)), hash_files(Path(draft_dir)), max_context],
+                                    sort_keys=True).encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("DFLASH_BENCH_CACHE", Path.home() / ".cache/dflash-export/bench"))
+    out = cache / f"pair-{key}"
+    if not (out / "manifest.json").is_file():
+        from dflash_export.export.onnx import export_artifact
+
+        export_artifact(target_dir, draft_dir, out, max_context=max_context, progress=True, force=True)
+    return out
+
+
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     import numpy as np
 

@@ -22,7 +22,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from common import bench_model, random_prompts  # noqa: E402
+from common import bench_model, export_pair, random_prompts  # noqa: E402
 
 
 def main() -> None:
@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads for ORT and torch alike")
     ap.add_argument("--model", default="small", help="bench/common.py BENCH_MODELS: small | wide")
+    ap.add_argument("--pair", nargs=2, metavar=("TARGET", "DRAFT"), help="bench this (trained) pair instead")
+    ap.add_argument("--prompts-file", help="JSONL with a 'prompt' text field per line (needs the pair's tokenizer)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
@@ -44,7 +46,11 @@ def main() -> None:
     from dflash_export.runtime.ort import OrtBackend
 
     torch.set_num_threads(a.threads)
-    tdir, ddir, out = bench_model(a.model)
+    if a.pair:
+        tdir, ddir = map(Path, a.pair)
+        out = export_pair(tdir, ddir)
+    else:
+        tdir, ddir, out = bench_model(a.model)
     be = OrtBackend(out, threads=a.threads)
     m = be.manifest
     dc = DraftConfig.load(ddir)
@@ -68,7 +74,16 @@ def main() -> None:
                                max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
 
     runs = {"ort": ort_spec, "ort-ar": ort_ar, "torch-spec": torch_spec, "hf": hf_greedy}
-    prompts = random_prompts(a.prompts, a.prompt_len, m.vocab_size)
+    if a.prompts_file:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+        lines = [json.loads(x) for x in Path(a.prompts_file).read_text().splitlines() if x.strip()]
+        prompts = [tok.encode(x["prompt"]).ids for x in lines[: a.prompts]]
+        source = f"{len(prompts)} text prompts from {a.prompts_file}"
+    else:
+        prompts = random_prompts(a.prompts, a.prompt_len, m.vocab_size)
+        source = f"{a.prompts} random prompts x {a.prompt_len} tokens"
     for f in runs.values():  # warm up every path once
         f(prompts[0])
     wall = {k: 0.0 for k in runs}
@@ -86,8 +101,8 @@ def main() -> None:
     tps = {k: a.prompts * n / wall[k] for k in runs}
     report = {
         "model": f"{m.architecture} {m.target_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size}, "
-                 f"{m.draft_layers}-layer drafter, block {m.block_size} (random weights)",
-        "prompts": a.prompts, "prompt_len": a.prompt_len, "max_new_tokens": n,
+                 f"{m.draft_layers}-layer drafter, block {m.block_size} " + (f"(pair {tdir.name}, {ddir.name})" if a.pair else "(random weights)"),
+        "prompts": source, "max_new_tokens": n,
         "threads": {"ort": a.threads, "torch": torch.get_num_threads()},
         "tau": sum(taus) / len(taus),
         "tokens_per_second": tps,
@@ -100,7 +115,7 @@ def main() -> None:
         print(json.dumps(report))
         return
     print(report["model"])
-    print(f"{a.prompts} random prompts x {a.prompt_len} tokens, {n} new tokens, end to end, {a.threads} thread(s); "
+    print(f"{source}, {n} new tokens, end to end, {a.threads} thread(s); "
           f"tau {report['tau']:.2f}")
     for k, v in tps.items():
         print(f"  {k:<11} {v:8.1f} tok/s")

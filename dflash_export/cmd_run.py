@@ -158,6 +158,11 @@ def _bench_prompts(path: Path | None, tok, vocab: int, n_random: int = 5, length
         lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
         if not lines:
             raise DFlashError(f"--prompts {path}: no prompts in it (one per line)")
+        if path.suffix == ".jsonl":  # {"prompt": "..."} per line, as demo/prompts.jsonl
+            try:
+                lines = [json.loads(ln)["prompt"] for ln in lines]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise DFlashError(f"--prompts {path}: each JSONL line needs a \"prompt\" string") from None
         prompts = []
         for ln in lines:
             if all(p.strip().isdigit() for p in ln.split(",")):
@@ -248,7 +253,8 @@ def plot_bench(report: dict, path: Path) -> None:
 @click.command()
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
-              help="One prompt per line: text (needs the tokenizer) or comma-separated token ids.")
+              help="One prompt per line: text (needs the tokenizer) or comma-separated token ids; "
+                   "*.jsonl: a \"prompt\" field per line.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--warmup", default=1, show_default=True, type=int, help="Untimed runs before measuring.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")

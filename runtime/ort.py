@@ -85,9 +85,12 @@ def _fields(b: memoryview, start: int = 0, end: int | None = None):
         yield field, wire, v
 
 
-def read_initializers(model: Path, names: tuple[str, ...]) -> dict[str, tuple[np.ndarray, int]]:
-    """name -> (array with the raw bytes, onnx element type) for the named initializers."""
-    out: dict[str, tuple[np.ndarray, int]] = {}
+def read_initializers(
+    model: Path, names: tuple[str, ...], required: bool = True, load: bool = True
+) -> dict[str, tuple[np.ndarray, int] | None]:
+    """name -> (array with the raw bytes, onnx element type) for the named initializers
+    that the graph has (None for each instead when not `load`)."""
+    out: dict[str, tuple[np.ndarray, int] | None] = {}
     with open(model, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         b = memoryview(mm)
         try:
@@ -97,11 +100,11 @@ def read_initializers(model: Path, names: tuple[str, ...]) -> dict[str, tuple[np
                     continue
                 t = _tensor(b, *v)
                 if t["name"] in names:
-                    out[t["name"]] = _tensor_data(model, b, t)
+                    out[t["name"]] = _tensor_data(model, b, t) if load else None
         finally:
             b.release()
     missing = [n for n in names if n not in out]
-    if missing:
+    if missing and required:
         raise DFlashError(f"{model}: shared initializers {missing} not found; re-export the directory")
     return out
 
@@ -177,7 +180,8 @@ class OrtBackend(Backend):
         self.trace: list | None = None  # set to [] to record every bound (name, ptr, shape)
 
         # one copy of the shared weights, used in place by both sessions
-        self._shared = read_initializers(self.directory / m.graphs[C.TARGET].file, C.SHARED_INITIALIZERS)
+        # (an initializer the graph lacks is simply not shared: it costs memory, not correctness)
+        self._shared = read_initializers(self.directory / m.graphs[C.TARGET].file, C.SHARED_INITIALIZERS, False)
         self._shared_ov = {
             n: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a, t) for n, (a, t) in self._shared.items()
         }
@@ -223,8 +227,9 @@ class OrtBackend(Backend):
         opts.intra_op_num_threads = base.intra_op_num_threads
         path = self.directory / self.manifest.graphs[graph].file
         if graph in (C.TARGET, C.DRAFT_BLOCK):
-            for name, ov in self._shared_ov.items():
-                opts.add_initializer(name, ov)
+            has = read_initializers(path, tuple(self._shared_ov), required=False, load=False)
+            for name in has:
+                opts.add_initializer(name, self._shared_ov[name])
         kwargs = {}
         if self.low_memory:  # no per-session transposed/prepacked LM head: one copy, slower GEMMs
             opts.add_session_config_entry("session.disable_prepacking", "1")

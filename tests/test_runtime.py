@@ -195,6 +195,7 @@ def test_shared_initializers_are_one_copy_used_by_both_graphs(pair):
     _, _, out = pair
     for low_memory in (False, True):
         be = OrtBackend(out, low_memory=low_memory)
+        assert set(be._shared) == set(C.SHARED_INITIALIZERS), "the export must name both shared initializers"
         emb = be._shared["embed_tokens.weight"][0]
         before = _outputs(be)
         saved = emb.copy()
