@@ -130,6 +130,7 @@ def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p,
         "mode": "autoregressive" if no_draft else "speculative",
         "provider": backend.provider,
         "time_s": {"prefill": g.prefill_s, "draft": g.draft_s, "verify": g.verify_s, "host": g.host_s, "total": g.total_s},
+        "round_ms": [[round(x * 1e3, 3) for x in r] for r in g.round_s],  # [draft, verify, host] per round
     }
     if tok is not None:
         result["text"] = tok.decode(g.tokens)

@@ -33,6 +33,7 @@ class Generation:
     draft_s: float = 0.0  # draft_context + draft_block calls of the rounds
     verify_s: float = 0.0  # target calls of the rounds
     total_s: float = 0.0
+    round_s: list[tuple[float, float, float]] = field(default_factory=list)  # (draft, verify, host) per round
 
     @property
     def tau(self) -> float:
@@ -137,7 +138,8 @@ def stream(
         if draft and not g.stopped and start + 1 < max_length:  # the next round needs their features
             backend.draft_context(produced)
         t5 = clock()
-        g.draft_s += (t2 - t1) + (t5 - t4)
+        g.round_s.append(((t2 - t1) + (t5 - t4), t3 - t2, t4 - t3))
+        g.draft_s += g.round_s[-1][0]
         g.verify_s += t3 - t2
         g.tokens += emitted
         g.acceptance_lengths.append(produced)

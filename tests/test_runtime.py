@@ -123,6 +123,10 @@ def test_statistics_add_up(backend):
     g = generate(backend, prompts(1, backend.manifest.vocab_size, seed=9)[0], 40)
     assert g.prefill_s > 0 and g.draft_s > 0 and g.verify_s > 0 and g.host_s >= 0
     assert g.total_s == pytest.approx(g.prefill_s + g.draft_s + g.verify_s + g.host_s)
+    assert len(g.round_s) == len(g.acceptance_lengths)
+    assert sum(r[0] for r in g.round_s) == pytest.approx(g.draft_s)
+    assert sum(r[1] for r in g.round_s) == pytest.approx(g.verify_s)
+    assert sum(sum(r) for r in g.round_s) <= g.decode_s * (1 + 1e-9) and all(min(r) >= 0 for r in g.round_s)
     assert g.tau == pytest.approx(np.mean(g.acceptance_lengths)) and g.tokens_per_second > 0
 
 
