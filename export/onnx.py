@@ -26,6 +26,7 @@ DTYPES = ("fp32", "fp16", "bf16")
 SHARED_DATA = "shared.data"
 ALIGN = 4096  # external-data offsets of large tensors, so ORT can mmap them
 MIN_OPSET = 18
+INLINE_BELOW = 1024  # bytes: smaller initializers stay in the .onnx file
 
 
 def torch_dtype(dtype: str):
@@ -121,6 +122,25 @@ def trace(module, args, dynamic_shapes, names, opset: int | None):
     return model
 
 
+def fold_shape_constants(model) -> None:
+    """Fold computations on constants (shape and axes arithmetic) but never touch a weight.
+
+    The exporter leaves e.g. ReduceMean axes as Reshape(Constant, Constant); TensorRT's
+    parser wants such inputs as initializers. onnxscript's full optimizer would also fold
+    Transpose(weight) into new unnamed copies (for small weights only), which would break
+    the shared embedding/LM head names, so any node that reads an initializer is skipped.
+    """
+    from onnxscript import optimizer
+
+    weights = set(model.graph.initializers)
+
+    def should_fold(node):
+        return False if any(v is not None and v.name in weights for v in node.inputs) else None
+
+    optimizer.fold_constants(model, should_fold=should_fold)
+    optimizer.remove_unused_nodes(model)
+
+
 def rename_initializers(model, tied: bool) -> None:
     """Drop the wrapper prefix; the embedding and LM head get the SHARED_INITIALIZERS names.
 
@@ -153,7 +173,7 @@ def rename_initializers(model, tied: bool) -> None:
 
 
 class DataWriter:
-    """Moves every initializer into external data; SHARED_INITIALIZERS into shared.data, once.
+    """Moves initializers of 1 KiB and more into external data; SHARED_INITIALIZERS into shared.data, once.
 
     Tensors are streamed from their torch storage one at a time (no copy of the model),
     which keeps peak memory near the weights' size even above protobuf's 2 GB limit.
@@ -192,6 +212,8 @@ class DataWriter:
                 offset, length, dtype, shape = self.shared[key]
                 if (dtype, shape) != (t.dtype, tuple(t.shape)):
                     raise DFlashError(f"shared tensor {value.name} differs between graphs: {shape} vs {tuple(t.shape)}")
+            elif t.nbytes < INLINE_BELOW:
+                continue  # shape constants (axes, shapes) stay inline, where shape inference reads them
             else:
                 fname = f"{graph}.data"
                 offset, length = self._append(fname, t)
@@ -327,6 +349,7 @@ def export_artifact(
             writer = DataWriter(tmp)
             try:
                 for name, model in models.items():
+                    fold_shape_constants(model)
                     rename_initializers(model, tc.tie_word_embeddings)
                     writer.externalize(name, model, tc.tie_word_embeddings)
                     save_graph(model, tmp / C.GRAPH_FILES[name])
