@@ -68,7 +68,8 @@ def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_
 def check(out, target_dir, draft_dir, prompts, max_new_tokens, seed, as_json, save_polygraphy, provider):
     """Check an exported directory OUT against the PyTorch modules it came from.
 
-    Runs every graph in ONNX Runtime (CPU) and in PyTorch on fresh random inputs: target
+    Runs every graph in ONNX Runtime (--provider, CPU by default) and in PyTorch on
+    fresh random inputs: target
     prefill (past 0), a 1-token step and a K-token verify on a past; the drafter's context
     graph; the block graph with and without context. Prints max / mean / p99 absolute
     error per output against the tolerance (fp32: 1e-4 on logits, taps and K/V; ids
@@ -76,7 +77,8 @@ def check(out, target_dir, draft_dir, prompts, max_new_tokens, seed, as_json, sa
     the PyTorch oracle: tokens and acceptance lengths must be identical.
 
     fp16/bf16 exports report the statistics and top-1 agreement without failing on fp32
-    tolerances. Exit status 0 when everything passes, 1 otherwise (failing rows shown).
+    tolerances. Exit status 0 when everything passes, 1 otherwise (failing rows shown),
+    2 when OUT is not a valid export (its files must match the manifest's sha256).
 
     \b
     Examples:
@@ -85,7 +87,7 @@ def check(out, target_dir, draft_dir, prompts, max_new_tokens, seed, as_json, sa
       dflash-export check art --target t --draft d --save-polygraphy pg
       polygraphy run art/target.onnx --onnxrt \\
           --load-inputs pg/target.prefill_P0_S7.inputs.json \\
-          --load-outputs pg/target.prefill_P0_S7.outputs.json --atol 1e-4
+          --load-outputs pg/target.prefill_P0_S7.outputs.json --atol 1e-4 --rtol 0
     """
     from .export.check import run_check
 
