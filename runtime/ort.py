@@ -91,6 +91,7 @@ def read_initializers(
     """name -> (array with the raw bytes, onnx element type) for the named initializers
     that the graph has (None for each instead when not `load`)."""
     out: dict[str, tuple[np.ndarray, int] | None] = {}
+    seen: dict = {}  # storage location -> loaded array, so tied weights are read once
     with open(model, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         b = memoryview(mm)
         try:
@@ -100,7 +101,10 @@ def read_initializers(
                     continue
                 t = _tensor(b, *v)
                 if t["name"] in names:
-                    out[t["name"]] = _tensor_data(model, b, t) if load else None
+                    where = tuple(sorted(t["external"].items())) or t["raw"]  # tied weights: same bytes
+                    if load and where not in seen:
+                        seen[where] = _tensor_data(model, b, t)
+                    out[t["name"]] = seen.get(where) if load else None
         finally:
             b.release()
     missing = [n for n in names if n not in out]

@@ -246,3 +246,11 @@ def test_tampered_artifact_is_refused(pair, tmp_path):
     data.write_bytes(bytes(raw))
     with pytest.raises(DFlashError, match="does not match its sha256"):
         OrtBackend(out)
+
+
+def test_tied_embedding_and_head_are_read_once():
+    """A tied model stores both names at the same bytes of shared.data: one array serves both."""
+    _, _, out = artifact(CASES["llama"])
+    be = OrtBackend(out)
+    assert be._shared["embed_tokens.weight"][0] is be._shared["lm_head.weight"][0]
+    assert len(generate(be, [1, 2, 3], 8, stop_token_ids=()).tokens) == 8
