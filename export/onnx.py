@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import shutil
 import sys
 import time
@@ -38,7 +39,8 @@ def torch_dtype(dtype: str):
 
 
 class Phases:
-    """One status line per phase on stderr (rich), then its time; silent when disabled."""
+    """One status line per phase on stderr (rich), then its time and the process's peak RSS
+    so far (where memory goes on big models); silent when disabled."""
 
     def __init__(self, enabled: bool):
         from rich.console import Console
@@ -50,7 +52,8 @@ class Phases:
         t0 = time.perf_counter()
         with self.console.status(f"[bold]{name}[/] {what}"):
             yield
-        self.console.print(f"[green]done[/] {name:<9} {what} ({time.perf_counter() - t0:.1f} s)")
+        rss = human(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+        self.console.print(f"[green]done[/] {name:<9} {what} ({time.perf_counter() - t0:.1f} s, peak RSS {rss})")
 
 
 # -- checks before anything is written ---------------------------------------------------

@@ -59,8 +59,9 @@ def ort_session(path: Path, providers=("CPUExecutionProvider",), load_only: bool
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    if load_only:  # no prepacked weight copies: a load check should not double the memory
+    if load_only:  # no folded or prepacked weight copies: a load check should not double the memory
         opts.add_session_config_entry("session.disable_prepacking", "1")
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return ort.InferenceSession(str(path), opts, providers=list(providers))
 
 
