@@ -219,6 +219,7 @@ def train_target(args) -> None:
             log.append({"minutes": m, "step": step, "tokens": tokens, "held_out_loss": hl})
             print(f"snapshot {m} min: held-out loss {hl:.3f}", flush=True)
             save_target(model, cfg, tokdir, WORK / f"target-{m}min")
+            (WORK / f"target-{m}min-trainlog.json").write_text(json.dumps({"params": n_params, "log": log}, indent=2))
     hl = held_loss()
     el = time.time() - t0
     log.append({"minutes": round(el / 60, 1), "step": step, "tokens": tokens, "held_out_loss": hl})
