@@ -20,7 +20,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        # x / sqrt (not x * rsqrt): ONNX Runtime fuses this form into one SimplifiedLayerNormalization
+        x = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
 
@@ -52,16 +53,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
     """q [B,S,H,D], k/v [B,T,Hkv,D] (GQA), visible [S,T] bool or None -> [B,S,H*D]."""
     b, s, h, d = q.shape
-    groups = h // k.shape[2]
-    q = q.transpose(1, 2)  # B H S D
-    k = k.transpose(1, 2)
+    hkv = k.shape[2]
+    g = h // hkv
+    # GQA without repeating K/V: the g query heads of one KV head are stacked along the rows,
+    # so the exported graph never materialises g copies of the cache (per layer, per step)
+    q = q.reshape(b, s, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * s, d)  # B Hkv (g S) D
+    k = k.transpose(1, 2)  # B Hkv T D
     v = v.transpose(1, 2)
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(2, 3)) * (d**-0.5)
     if visible is not None:
-        scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+        scores = scores.masked_fill(~visible.repeat(g, 1), torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = torch.matmul(probs, v)  # B H S D
-    return out.transpose(1, 2).reshape(b, s, h * d)
+    out = torch.matmul(probs, v)  # B Hkv (g S) D
+    return out.reshape(b, hkv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h * d)
