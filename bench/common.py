@@ -2,7 +2,8 @@
 
 Built with tests/tiny.py's writers (a real Hugging Face Qwen3 checkpoint and a z-lab
 drafter), then exported with export_artifact. Cached under DFLASH_BENCH_CACHE (default
-~/.cache/dflash-export/bench) by its parameters, so the benches can be rerun quickly.
+~/.cache/dflash-export/bench) by its parameters and the exporter/model sources, so the
+benches can be rerun quickly.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def bench_model(name: str = "small") -> tuple[Path, Path, Path]:
     if name not in BENCH_MODELS:
         raise SystemExit(f"unknown bench model {name!r}; choose one of {', '.join(BENCH_MODELS)}")
     p = BENCH_MODELS[name]
-    key = hashlib.sha256(json.dumps(p, sort_keys=True).encode()).hexdigest()[:12]
+    key = hashlib.sha256((json.dumps(p, sort_keys=True) + source_digest()).encode()).hexdigest()[:12]
     cache = Path(os.environ.get("DFLASH_BENCH_CACHE", Path.home() / ".cache/dflash-export/bench"))
     final = cache / f"{p['arch']}-L{p['layers']}-H{p['hidden']}-{key}"
     if not (final / "out" / "manifest.json").is_file():
@@ -51,12 +52,20 @@ def bench_model(name: str = "small") -> tuple[Path, Path, Path]:
     return final / "t", final / "d", final / "out"
 
 
+def source_digest() -> str:
+    """Hash of what an export depends on (exporter + reference models): a change re-exports."""
+    h = hashlib.sha256()
+    for f in sorted((ROOT / "export").glob("*.py")) + sorted((ROOT / "models").glob("*.py")):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
 def export_pair(target_dir: str | Path, draft_dir: str | Path, max_context: int = 2304) -> Path:
     """Export a given (e.g. trained) pair once; cached by the content of both directories."""
     from dflash_export.runtime.contract import hash_files
 
-    key = hashlib.sha256(json.dumps([hash_files(Path(target_dir)), hash_files(Path(draft_dir)), max_context],
-                                    sort_keys=True).encode()).hexdigest()[:12]
+    key = hashlib.sha256(json.dumps([hash_files(Path(target_dir)), hash_files(Path(draft_dir)), max_context,
+                                     source_digest()], sort_keys=True).encode()).hexdigest()[:12]
     cache = Path(os.environ.get("DFLASH_BENCH_CACHE", Path.home() / ".cache/dflash-export/bench"))
     out = cache / f"pair-{key}"
     if not (out / "manifest.json").is_file():
