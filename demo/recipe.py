@@ -327,8 +327,10 @@ def main() -> None:
     d = sub.add_parser("draft")
     d.add_argument("--target", default=None)
     d.add_argument("--minutes", type=float, default=25)
-    d.add_argument("extra", nargs=argparse.REMAINDER, help="more train-draft options")
-    args = p.parse_args()
+    args, extra = p.parse_known_args()  # unknown options go to train-draft (draft stage only)
+    if extra and args.stage != "draft":
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     {"target": train_target, "prompts": prompts, "pair-target": pair_target, "draft": draft}[args.stage](args)
 
 
