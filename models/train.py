@@ -201,6 +201,7 @@ def generate_shards(
         path = cache_dir / f"shard-{i:05d}.pt"
         if seconds and shards and time.time() - t0 > seconds and not path.is_file():
             break
+        made = 0
         if path.is_file():
             d = torch.load(path)
             shards.append(Shard(d["tokens"], d["start"], d["length"]))
@@ -212,8 +213,9 @@ def generate_shards(
             torch.save({"tokens": s.tokens, "start": s.start, "length": s.length}, tmp)
             tmp.replace(path)
             shards.append(s)
+            made = int(s.tokens.shape[0] * new_tokens)
         if progress is not None:
-            progress(i + 1, len(batches), int(shards[-1].tokens.shape[0] * new_tokens))
+            progress(i + 1, len(batches), made)  # tokens/s counts generated tokens, not cache hits
     return shards
 
 
