@@ -51,7 +51,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
-    """q [B,S,H,D], k/v [B,T,Hkv,D] (GQA), visible [S,T] bool or None -> [B,S,H*D]."""
+    """q [B,S,H,D], k/v [B,T,Hkv,D] (GQA) -> [B,S,H*D].
+
+    visible: None, one mask [S,T] for the whole batch (inference, export), or one per batch
+    row [B,S,T] / [B,1,T] (training: many blocks, each over its own context prefix).
+    """
     b, s, h, d = q.shape
     hkv = k.shape[2]
     g = h // hkv
@@ -62,7 +66,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     v = v.transpose(1, 2)
     scores = torch.matmul(q, k.transpose(2, 3)) * (d**-0.5)
     if visible is not None:
-        scores = scores.masked_fill(~visible.repeat(g, 1), torch.finfo(scores.dtype).min)
+        if visible.dim() == 2:
+            m = visible.repeat(g, 1)  # rows ordered (g, s), like q
+        else:
+            m = visible[:, None]
+            m = m.repeat(1, 1, g, 1) if m.shape[2] > 1 else m
+        scores = scores.masked_fill(~m, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     out = torch.matmul(probs, v)  # B Hkv (g S) D
     return out.reshape(b, hkv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h * d)

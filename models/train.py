@@ -32,7 +32,7 @@ from torch.nn import functional as F
 
 from ..runtime.errors import DFlashError
 from .generate import autoregressive_generate, speculative_generate
-from .layers import apply_rope, rope_cos_sin
+from .layers import apply_rope, attend, rope_cos_sin
 
 # -- data ------------------------------------------------------------------------------
 
@@ -229,22 +229,10 @@ def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 def context_visible(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """[N, 1, 1, C+K] bool: context positions strictly before each anchor, and the whole block."""
+    """[N, 1, C+K] bool: context positions strictly before each anchor, and the whole block."""
     ctx = torch.arange(context_len)[None, :] < anchors[:, None]
     blk = torch.ones(len(anchors), block_size, dtype=torch.bool)
-    return torch.cat([ctx, blk], 1)[:, None, None, :]
-
-
-def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """q [N,K,H,D], k/v [N,T,Hkv,D], visible [N,1,1,T] (one mask per block) -> [N,K,H*D]."""
-    n, s, h, d = q.shape
-    g = h // k.shape[2]
-    k = k.transpose(1, 2).repeat_interleave(g, dim=1)  # N H T D
-    v = v.transpose(1, 2).repeat_interleave(g, dim=1)
-    scores = torch.matmul(q.transpose(1, 2), k.transpose(2, 3)) * (d**-0.5)
-    scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return torch.matmul(probs, v).transpose(1, 2).reshape(n, s, h * d)
+    return torch.cat([ctx, blk], 1)[:, None, :]
 
 
 def block_logits(drafter, target, ctx_kv, seq_index: torch.Tensor, block_ids: torch.Tensor,
@@ -266,7 +254,7 @@ def block_logits(drafter, target, ctx_kv, seq_index: torch.Tensor, block_ids: to
         kb, vb = a.kv(h, cos, sin)
         keys = torch.cat([ctx_kv[j][0][seq_index].to(kb.dtype), kb], 1)
         values = torch.cat([ctx_kv[j][1][seq_index].to(vb.dtype), vb], 1)
-        x = x + a.o_proj(_masked_attention(q, keys, values, visible))
+        x = x + a.o_proj(attend(q, keys, values, visible))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return target.lm_head(drafter.norm(x)[:, 1:]).float()
 

@@ -36,7 +36,7 @@ def test_loss_weights_follow_formula():
 
 def test_context_mask_excludes_anchor_and_after():
     anchors = torch.tensor([0, 3, 7])
-    vis = T.context_visible(anchors, context_len=10, block_size=4)[:, 0, 0]
+    vis = T.context_visible(anchors, context_len=10, block_size=4)[:, 0]
     assert vis.shape == (3, 14)
     for i, a in enumerate(anchors.tolist()):
         ctx = vis[i, :10]
