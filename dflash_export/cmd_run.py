@@ -273,9 +273,9 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, provider, ba
     backend = _backend(out, provider, backend=backend, threads=threads)
     prompts, source = _bench_prompts(prompts_file, _tokenizer(out), backend.manifest.vocab_size)
     m = backend.manifest
-    room = m.max_context - max(len(p) for p in prompts)
+    room = backend.max_len - max(len(p) for p in prompts)
     if room < 1:
-        raise DFlashError(f"a prompt fills the exported max context {m.max_context}; use shorter prompts")
+        raise DFlashError(f"a prompt fills the max context {backend.max_len}; use shorter prompts")
     report = run_bench(backend, prompts, min(max_new_tokens, room), warmup)
     report["prompt_source"] = source
     if plot is not None:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..runtime.errors import DFlashError
-from ..runtime.sampling import accept, check_sampling, choose
+from ..runtime.sampling import accept, check_request, check_sampling, choose, cut_at_stop
 
 
 class KVCache:
@@ -64,30 +64,6 @@ def _cache_for(model, max_len: int) -> KVCache:
     return KVCache(layers, max_len, c.num_kv_heads, c.head_dim, w.dtype)
 
 
-def _check_lengths(prompt: list[int], max_new_tokens: int, max_context: int | None, vocab: int) -> int:
-    if not prompt:
-        raise DFlashError("the prompt is empty; give at least one token")
-    if max_new_tokens < 1:
-        raise DFlashError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise DFlashError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    need = len(prompt) + max_new_tokens
-    if max_context is not None and need > max_context:
-        raise DFlashError(
-            f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {need} exceeds the max context "
-            f"{max_context}; shorten the prompt or lower --max-new-tokens"
-        )
-    return need
-
-
-def _stop_cut(emitted: list[int], stop: set[int]) -> tuple[list[int], bool]:
-    for i, t in enumerate(emitted):
-        if t in stop:
-            return emitted[: i + 1], True
-    return emitted, False
-
-
 @torch.inference_mode()
 def speculative_generate(
     target,
@@ -106,7 +82,7 @@ def speculative_generate(
 ) -> Generation:
     check_sampling(temperature, top_k, top_p)
     k = drafter.config.block_size if block_size is None else block_size
-    max_length = _check_lengths(prompt, max_new_tokens, max_context, target.config.vocab_size)
+    max_length = check_request(prompt, max_new_tokens, target.config.vocab_size, max_context)
     drafter.config.check_fits(target.config)
     if list(target.tap_ids) != list(drafter.config.target_layer_ids):
         raise DFlashError(f"the target taps layers {list(target.tap_ids)} but the drafter reads "
@@ -139,7 +115,7 @@ def speculative_generate(
         choice = choose(logits[0].numpy(), rng, temperature, top_k, top_p).tolist()
         a = accept(drafts[: s - 1], choice[: s - 1])
         emitted = (drafts[:a] + [choice[a]])[: max_length - start - 1]
-        emitted, stopped = _stop_cut(emitted, stop)
+        emitted, stopped = cut_at_stop(emitted, stop)
         produced = len(emitted)
 
         tcache.append(new, produced)  # anchor + accepted drafts; the new anchor is not cached yet
@@ -166,7 +142,7 @@ def autoregressive_generate(
 ) -> Generation:
     """Plain decoding of the target, one token per step, on the same static cache."""
     check_sampling(temperature, top_k, top_p)
-    max_length = _check_lengths(prompt, max_new_tokens, max_context, target.config.vocab_size)
+    max_length = check_request(prompt, max_new_tokens, target.config.vocab_size, max_context)
     rng = np.random.default_rng(seed)
     cache = _cache_for(target, max_length)
     ids, pos = torch.tensor([prompt]), torch.arange(len(prompt))[None]

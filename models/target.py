@@ -33,14 +33,18 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, c.rms_norm_eps)
         self.qk_norm = c.qk_norm
 
-    def forward(self, x, cos, sin, past_k, past_v, visible):
+    def qkv(self, x, cos, sin):
+        """Queries [B,S,H,D] and this step's keys/values [B,S,Hkv,D] (normed, rotated)."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.h, self.d)
         k = self.k_proj(x).view(b, s, self.hkv, self.d)
         v = self.v_proj(x).view(b, s, self.hkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, past_k, past_v, visible):
+        q, k, v = self.qkv(x, cos, sin)
         out = attend(q, torch.cat([past_k, k], 1), torch.cat([past_v, v], 1), visible)
         return self.o_proj(out), k, v
 

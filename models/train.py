@@ -94,13 +94,7 @@ def _fast_forward(target, ids: torch.Tensor, pos: torch.Tensor, kc: list, vc: li
     visible = torch.arange(end)[None, :] <= (length + torch.arange(s))[:, None]
     for i, layer in enumerate(target.model.layers):
         a = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = a.q_proj(h).view(b, s, a.h, a.d)
-        k = a.k_proj(h).view(b, s, a.hkv, a.d)
-        v = a.v_proj(h).view(b, s, a.hkv, a.d)
-        if a.qk_norm:
-            q, k = a.q_norm(q), a.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = a.qkv(layer.input_layernorm(x), cos, sin)
         kc[i][:, :, length:end] = k.transpose(1, 2)
         vc[i][:, :, length:end] = v.transpose(1, 2)
         g = a.h // a.hkv

@@ -20,7 +20,7 @@ import numpy as np
 
 from .backend import Backend
 from .errors import DFlashError
-from .sampling import accept, check_sampling, choose
+from .sampling import accept, check_request, check_sampling, choose, cut_at_stop
 
 
 @dataclass
@@ -55,25 +55,6 @@ class Generation:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
-def check_request(backend: Backend, prompt: list[int], max_new_tokens: int) -> int:
-    """The generation's final length, or a one-line error (same checks as the oracle)."""
-    m = backend.manifest
-    if len(prompt) == 0:
-        raise DFlashError("the prompt is empty; give at least one token")
-    if max_new_tokens < 1:
-        raise DFlashError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
-    bad = [t for t in prompt if not 0 <= t < m.vocab_size]
-    if bad:
-        raise DFlashError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {m.vocab_size})")
-    need = len(prompt) + max_new_tokens
-    if need > m.max_context:
-        raise DFlashError(
-            f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {need} exceeds the exported max "
-            f"context {m.max_context}; shorten the prompt, lower --max-new-tokens or re-export with a larger --max-context"
-        )
-    return need
-
-
 def stream(
     backend: Backend,
     prompt: list[int],
@@ -90,10 +71,11 @@ def stream(
 ) -> Iterator[list[int]]:
     """Yield the tokens of each round as it is accepted; statistics accumulate in `out`."""
     check_sampling(temperature, top_k, top_p)
-    max_length = check_request(backend, prompt, max_new_tokens)
+    m = backend.manifest
+    max_length = check_request(prompt, max_new_tokens, m.vocab_size, backend.max_len, "exported max context")
     if draft and not getattr(backend, "has_drafter", True):
         raise DFlashError("this backend was loaded without the drafter; use autoregressive mode (--no-draft)")
-    m, g = backend.manifest, out if out is not None else Generation()
+    g = out if out is not None else Generation()
     stop = set(m.eos_token_ids if stop_token_ids is None else stop_token_ids)
     rng = np.random.default_rng(seed)
     sample = temperature > 0
@@ -126,10 +108,7 @@ def stream(
         choice = (choose(res.logits, rng, temperature, top_k, top_p) if sample else res.next_ids).tolist()
         a = accept(drafts[: s - 1], choice[: s - 1])
         emitted = (drafts[:a] + [choice[a]])[: max_length - start - 1]
-        for j, t in enumerate(emitted):
-            if t in stop:
-                emitted, g.stopped = emitted[: j + 1], True
-                break
+        emitted, g.stopped = cut_at_stop(emitted, stop)
         produced = len(emitted)
         backend.commit(produced)  # anchor + accepted drafts; the rest of the verify is rolled back
         start += produced

@@ -1,4 +1,4 @@
-"""Sampling rules shared by the PyTorch oracle and every runtime backend.
+"""Sampling and request rules shared by the PyTorch oracle and every runtime backend.
 
 Both sides call `choose` with float logits and the same `numpy.random.Generator`, so given
 equal logits they draw exactly the same tokens: one uniform per position, inverse CDF.
@@ -63,3 +63,30 @@ def accept(draft: np.ndarray, choice: np.ndarray) -> int:
     """Length of the longest prefix where the drafts equal the target's choices."""
     mismatch = np.nonzero(np.asarray(draft) != np.asarray(choice)[: len(draft)])[0]
     return int(mismatch[0]) if len(mismatch) else len(draft)
+
+
+def check_request(prompt: list[int], max_new_tokens: int, vocab_size: int, max_context: int | None = None,
+                  what: str = "max context") -> int:
+    """The generation's final length (prompt + new tokens), or a one-line error."""
+    if len(prompt) == 0:
+        raise DFlashError("the prompt is empty; give at least one token")
+    if max_new_tokens < 1:
+        raise DFlashError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise DFlashError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    need = len(prompt) + max_new_tokens
+    if max_context is not None and need > max_context:
+        raise DFlashError(
+            f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {need} exceeds the {what} "
+            f"{max_context}; shorten the prompt, lower --max-new-tokens or export with a larger --max-context"
+        )
+    return need
+
+
+def cut_at_stop(emitted: list[int], stop: set[int]) -> tuple[list[int], bool]:
+    """Emitted tokens up to and including the first stop token, and whether one was hit."""
+    for i, t in enumerate(emitted):
+        if t in stop:
+            return emitted[: i + 1], True
+    return emitted, False
