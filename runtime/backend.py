@@ -116,7 +116,15 @@ def open_backend(directory, backend: str = "ort", provider: str = "cpu", **kwarg
     """The named backend over an exported directory: "ort" (provider cpu | cuda | tensorrt) or
     "trt" (TensorRT engines from `dflash-export build`). Each is imported only when asked for."""
     if backend == "ort":
-        from .ort import OrtBackend
+        try:
+            from .ort import OrtBackend
+        except ModuleNotFoundError as e:
+            if e.name != "onnxruntime":
+                raise
+            raise DFlashError(
+                'ONNX Runtime is not installed: pip install "dflash-export[cpu]" (or "dflash-export[gpu]" '
+                "for CUDA; the two are alternatives, never install both)"
+            ) from None
 
         return OrtBackend(directory, provider, **kwargs)
     if backend == "trt":

@@ -166,3 +166,19 @@ def test_bad_artifacts_are_one_line(out, tmp_path):
     assert r.exit_code == 2 and r.stderr.startswith("error: ")
     r = run("bench", out, "--prompts", tmp_path / "missing.txt")
     assert r.exit_code == 2 and "no such file" in r.stderr
+
+
+def test_missing_onnxruntime_is_one_line(monkeypatch, tmp_path):
+    """Base install without the cpu/gpu extra: a one-line hint naming both flavours, exit 2."""
+    import sys
+
+    from click.testing import CliRunner
+
+    from dflash_export.cli import cli
+
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    monkeypatch.delitem(sys.modules, "dflash_export.runtime.ort", raising=False)
+    r = CliRunner().invoke(cli, ["generate", str(tmp_path), "--prompt-ids", "1,2"])
+    assert r.exit_code == 2, r.output
+    assert 'pip install "dflash-export[cpu]"' in r.output and "[gpu]" in r.output
+    assert "Traceback" not in r.output
