@@ -4,7 +4,8 @@
     python demo/recipe.py pair-target demo/work/target-16.0min      # the target we ship
     python demo/recipe.py prompts                                   # training + held-out prompts
     python demo/recipe.py draft --minutes 25                        # `dflash-export train-draft`
-    python demo/recipe.py draft --minutes 38 --resume --gen-minutes 3 --eval-every 0  # 2nd run (shipped)
+    python demo/recipe.py draft --minutes 38 --resume --gen-minutes 3 --eval-every 0  # 2nd run
+    python demo/recipe.py draft --minutes 55 --resume --gen-minutes 3 --eval-every 0  # 3rd run (shipped)
 
 Extra options after `draft` go to train-draft (they override DRAFT_OPTIONS below).
 Budget and measured results: demo/RESULTS.md.
