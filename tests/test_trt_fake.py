@@ -23,14 +23,10 @@ PROMPTS = [[5, 17, 3, 42, 8], list(range(2, 22)), [7]]  # the second is longer t
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from tiny import make_drafter, make_target
-
-    from dflash_export.export.onnx import export_artifact
+    from tiny import export_tiny_pair
 
     root = tmp_path_factory.mktemp("trt-fake")
-    make_target(root / "t", layers=2, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64)
-    make_drafter(root / "d", root / "t", layers=1, block_size=K)
-    export_artifact(root / "t", root / "d", root / "out", max_context=MC, progress=False)
+    export_tiny_pair(root, K, MC)
     return root
 
 

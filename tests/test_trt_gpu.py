@@ -39,15 +39,12 @@ PROMPTS = [[5, 17, 3, 42, 8], [1] * 13, list(range(2, 26))]
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from tiny import make_drafter, make_target
+    from tiny import export_tiny_pair
 
     from dflash_export.cli import cli
-    from dflash_export.export.onnx import export_artifact
 
     root = tmp_path_factory.mktemp("trt-gpu")
-    make_target(root / "t", layers=2, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64)
-    make_drafter(root / "d", root / "t", layers=1, block_size=K)
-    export_artifact(root / "t", root / "d", root / "out", max_context=MAX_CONTEXT, progress=False)
+    export_tiny_pair(root, K, MAX_CONTEXT)
     r = CliRunner().invoke(cli, ["build", str(root / "out"), "--max-prompt", str(MAX_PROMPT),
                                  "--timing-cache", str(root / "timing.cache"), "--no-progress"])
     assert r.exit_code == 0, r.output

@@ -116,16 +116,10 @@ def test_block_dim_must_be_static_in_block_graph():
 
 @pytest.fixture(scope="module", params=[("fp32", 4), ("fp16", 8)], ids=["fp32-k4", "fp16-k8"])
 def export(request, tmp_path_factory):
-    from tiny import make_drafter, make_target
-
-    from dflash_export.export.onnx import export_artifact
+    from tiny import export_tiny_pair
 
     dtype, k = request.param
-    root = tmp_path_factory.mktemp(f"trt-{dtype}")
-    make_target(root / "t", layers=2, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64)
-    make_drafter(root / "d", root / "t", layers=1, block_size=k)
-    export_artifact(root / "t", root / "d", root / "out", dtype=dtype, max_context=64, progress=False)
-    return root / "out", dtype, k
+    return export_tiny_pair(tmp_path_factory.mktemp(f"trt-{dtype}"), k, 64, dtype), dtype, k
 
 
 def test_lint_passes_on_exports(export):
