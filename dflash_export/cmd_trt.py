@@ -17,13 +17,14 @@ from .runtime.errors import DFlashError
 @click.command("build")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
-              help="Engine precision (default: the export's dtype; fp16/bf16 from an fp32 export use builder flags).")
+              help="Must equal the export's dtype (the default): engines are strongly typed; for another "
+                   "precision re-export with `export --dtype`.")
 @click.option("--max-context", type=int, default=None, help="Longest sequence the engines accept (default: the export's).")
 @click.option("--max-prompt", type=int, default=None, help="Longest prefill chunk (default: max context / 2).")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
               help="Timing cache file reused across builds (default: ~/.cache/dflash-export/trt-timing.cache).")
 @click.option("--workspace", type=float, default=4.0, show_default=True, help="Builder workspace limit in GB.")
-@click.option("--dry-run", is_flag=True, help="Lint the graphs for TensorRT 10 and print the plan; build nothing (no TensorRT needed).")
+@click.option("--dry-run", is_flag=True, help="Lint the graphs for the supported TensorRT range and print the plan; build nothing (no TensorRT needed).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 def build(out: Path, precision, max_context, max_prompt, timing_cache, workspace, dry_run, no_progress) -> None:
     """Build TensorRT engines for OUT into OUT/engines and record them in its manifest.
@@ -32,24 +33,25 @@ def build(out: Path, precision, max_context, max_prompt, timing_cache, workspace
     target        profile 0 verify (seq = block size), profile 1 prefill (seq 1..max prompt)
     draft_context profile over the new-context length
     draft_block   block fixed at K, profile over the past-context length
-    Engines run only with the same TensorRT version on the same GPU architecture.
+    Engines are strongly typed (the export's dtype decides precision) and run only with the
+    same TensorRT version on the same GPU architecture.
     """
     if dry_run:
-        from .export.trt import build_plan, describe
-        from .export.trt_lint import check
+        from .export.trt_build import build_plan, describe
+        from .export.trt_lint import check, lint_range
         from .runtime.contract import load_manifest
 
         manifest = load_manifest(out)
         plan = build_plan(manifest, precision, max_context, max_prompt, workspace)
         for w in check(out, manifest, limits=plan.limits):
             click.echo(f"warning: {w}", err=True)
-        click.echo("lint: every graph passes the TensorRT 10.x checks (operators, types, shapes)")
+        click.echo(f"lint: every graph passes the TensorRT {lint_range()} checks (operators, types, shapes)")
         click.echo(describe(plan))
         return
-    from .runtime.trt import import_tensorrt
+    from .runtime.trt_backend import import_tensorrt
 
     import_tensorrt()  # fail fast, before touching OUT
-    from .export.trt import build_engines
+    from .export.trt_build import build_engines
 
     if workspace <= 0:
         raise DFlashError(f"--workspace {workspace}: give the builder's workspace in GB, > 0")

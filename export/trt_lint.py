@@ -1,15 +1,17 @@
-"""Will TensorRT 10's ONNX parser take these graphs? Checked without TensorRT.
+"""Will TensorRT's ONNX parser take these graphs? Checked without TensorRT, for 10.12 to 11.x.
 
 Building an engine is the only full proof, and it needs TensorRT and a GPU. What can be
 checked from the ONNX files alone is checked here, before any build:
 
-- every operator is in onnx-tensorrt's support list for TensorRT 10.x (trt_ops.json, with
-  the release that added it), in the standard ONNX domain, within the supported opsets;
+- every operator is in onnx-tensorrt's support list (trt_ops.json: the 11.5 GA list, with
+  the release that added each newer op), in the standard ONNX domain, within the opsets of
+  the TensorRT linted for (by default the oldest supported, 10.12: what passes there passes
+  on every supported release, as no 11.x release removed an operator);
 - every tensor's data type is one the operator supports there (the Supported Types column,
   applied to each node's inputs and to the outputs of type-creating ops such as Cast);
 - inputs the parser needs as build-time constants are constants (Reduce axes, ...);
 - every graph input dim is static or a named dynamic dim that a TensorRT optimization
-  profile covers (runtime/trt.py), and the drafter block graph's block dim is static K.
+  profile covers (runtime/trt_profiles.py), and the drafter block graph's block dim is static K.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ import onnx
 
 from ..runtime.contract import DRAFT_BLOCK, GRAPH_FILES, Manifest, load_manifest
 from ..runtime.errors import DFlashError
-from ..runtime.trt import axis_role, profiles, resolve_limits
+from ..runtime.trt_profiles import TRT_BELOW, TRT_MIN, axis_role, profiles, resolve_limits
 
 OPS_FILE = Path(__file__).with_name("trt_ops.json")
-MIN_VERSION = "10.0"  # lint for every 10.x unless told the exact version
+MIN_VERSION = ".".join(map(str, TRT_MIN))  # lint for the whole supported range unless told the exact version
 TYPE_NAMES = {
     onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.FLOAT16: "FP16", onnx.TensorProto.BFLOAT16: "BF16",
     onnx.TensorProto.INT32: "INT32", onnx.TensorProto.INT64: "INT64", onnx.TensorProto.INT8: "INT8",
@@ -48,6 +50,11 @@ class Finding:
 
     def __str__(self) -> str:
         return f"{self.graph}: {self.message}"
+
+
+def lint_range() -> str:
+    """The TensorRT releases the default lint speaks for, e.g. "10.12 to 11.x"."""
+    return f"{MIN_VERSION} to {TRT_BELOW[0] - 1}.x"
 
 
 @lru_cache(maxsize=1)
@@ -168,7 +175,7 @@ def lint_model(model: onnx.ModelProto, graph: str, manifest: Manifest | None = N
         if entry is None:
             if op not in seen_bad:
                 why = "marked unsupported" if op in unsupported else "not listed"
-                err(f"operator {op} ({where}) is {why} in TensorRT 10's ONNX operator support list (trt_ops.json)")
+                err(f"operator {op} ({where}) is {why} in TensorRT's ONNX operator support list (trt_ops.json)")
                 seen_bad.add(op)
             continue
         if "since" in entry and _ver(entry["since"]) > _ver(trt_version):

@@ -128,7 +128,7 @@ def open_backend(directory, backend: str = "ort", provider: str = "cpu", **kwarg
 
         return OrtBackend(directory, provider, **kwargs)
     if backend == "trt":
-        from .trt import TensorRTBackend
+        from .trt_backend import TensorRTBackend
 
         return TensorRTBackend(directory, **kwargs)
     raise DFlashError(f"unknown backend {backend!r}; choose ort or trt")

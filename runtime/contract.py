@@ -134,7 +134,7 @@ class Manifest:
     tools: dict[str, str]
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
     tokenizer: bool = False
-    engines: dict | None = None  # TensorRT build record (export/trt.py), absent until built
+    engines: dict | None = None  # TensorRT build record (export/trt_build.py), absent until built
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 

@@ -241,8 +241,8 @@ class OrtBackend(Backend):
             kwargs["disabled_optimizers"] = ["ConstantFolding"]
         try:
             providers = [self._provider]
-            if self._provider == PROVIDERS["tensorrt"]:  # explicit profiles + engine cache outside OUT (runtime/trt.py)
-                from .trt import ort_trt_provider_options
+            if self._provider == PROVIDERS["tensorrt"]:  # explicit profiles + engine cache outside OUT (runtime/trt_profiles.py)
+                from .trt_profiles import ort_trt_provider_options
 
                 m = self.manifest
                 self.max_chunk = min(self.max_chunk, m.max_context - m.block_size)  # the profile's longest prefill

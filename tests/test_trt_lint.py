@@ -1,4 +1,4 @@
-"""TensorRT 10 compatibility lint: hand-built bad graphs fail by name; real exports pass."""
+"""TensorRT compatibility lint (10.12 to 11.x): hand-built bad graphs fail by name; real exports pass."""
 
 import json
 
@@ -9,7 +9,7 @@ from onnx import TensorProto as T
 from onnx import helper
 
 from dflash_export.cli import cli
-from dflash_export.export.trt_lint import OPS_FILE, check, lint_model, max_opset, support_list
+from dflash_export.export.trt_lint import MIN_VERSION, OPS_FILE, check, lint_model, lint_range, max_opset, support_list
 from dflash_export.runtime.errors import DFlashError
 
 
@@ -33,10 +33,12 @@ IDS = vi("input_ids", T.INT64, ["batch", "seq"])
 def test_support_list_names_its_source():
     d = json.loads(OPS_FILE.read_text())
     assert d["source"]["repository"] == "https://github.com/onnx/onnx-tensorrt"
-    assert d["source"]["file"] == "docs/operators.md" and d["source"]["release"].startswith("10.")
-    assert d["tensorrt_major"] == 10
+    assert d["source"]["file"] == "docs/operators.md" and d["source"]["release"].startswith("11.5 GA")
     assert "MatMul" in d["ops"] and "Unique" in d["unsupported"] and "Unique" not in d["ops"]
-    assert max_opset("10.0") == 20 and max_opset("10.9.0.34") == 20 and max_opset("10.15.1") == 24
+    assert not set(d["ops"]) & set(d["unsupported"])
+    assert max_opset("10.12") == 20 and max_opset("10.15.1") == 24 and max_opset("11.0.0") == 24
+    assert max_opset("11.5.0") == 25 and max_opset("11.9") == 25
+    assert MIN_VERSION == "10.12" and lint_range() == "10.12 to 11.x"
 
 
 def test_clean_graph_passes():
@@ -59,6 +61,16 @@ def test_unknown_and_custom_domain_operators():
     errs = errors(m)
     assert any("operator FancyAttention" in e and "not listed" in e for e in errs)
     assert any("com.microsoft::GroupQueryAttention" in e and "plugin" in e for e in errs)
+
+
+def test_operators_added_in_11x():
+    x = vi("input_ids", T.FLOAT, ["batch", "seq"])
+    m = model([helper.make_node("Swish", ["input_ids"], ["y"])], [x], [vi("y", T.FLOAT, ["batch", "seq"])], opset=24)
+    assert any("Swish" in e and ">= 11.0" in e for e in errors(m))  # default: lint for the oldest supported (10.12)
+    assert any("opset 24 is outside TensorRT 10.12's range 9..20" in e for e in errors(m))
+    assert errors(m, trt_version="11.0.0") == []
+    m25 = model([helper.make_node("Relu", ["input_ids"], ["y"])], [x], [vi("y", T.FLOAT, None)], opset=25)
+    assert any("opset 25" in e for e in errors(m25, trt_version="11.4")) and errors(m25, trt_version="11.5.0") == []
 
 
 def test_operator_added_later_in_10x():
@@ -145,7 +157,7 @@ def test_build_dry_run_lints_and_prints_plan(export):
     files = sorted(p.name for p in out.iterdir())
     r = CliRunner().invoke(cli, ["build", str(out), "--dry-run", "--max-prompt", "16"])
     assert r.exit_code == 0, r.output
-    assert "lint: every graph passes" in r.output
+    assert "lint: every graph passes the TensorRT 10.12 to 11.x checks" in r.output
     assert f"block {k}, max context 64, max prompt 16" in r.output
     assert f"seq {k}..{k}" in r.output and "past_ctx 1..63" in r.output
     assert sorted(p.name for p in out.iterdir()) == files  # nothing written

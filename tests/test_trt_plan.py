@@ -5,11 +5,12 @@ import sys
 
 import pytest
 
-from dflash_export.export.trt import build_plan, describe
+from dflash_export.export.trt_build import build_plan, describe
 from dflash_export.runtime.contract import GraphSpec, Manifest, TensorSpec
 from dflash_export.runtime.errors import DFlashError
-from dflash_export.runtime.trt import (
-    ENGINE_FILES, Profile, check_engine_record, default_cache_dir, ort_trt_provider_options,
+from dflash_export.runtime.trt_profiles import (
+    ENGINE_FILES, Profile, check_engine_record, check_trt_version, default_cache_dir,
+    ort_trt_provider_options,
 )
 
 L, H, D, DL, DH, DD, TH, V = 2, 2, 16, 1, 2, 16, 96, 101
@@ -62,14 +63,29 @@ def test_profiles_pinned(k, mc, mp):
     assert f"max prompt {mp}" in describe(plan)
 
 
-@pytest.mark.parametrize("export,precision,strong,flags", [
-    ("fp32", None, True, []), ("fp32", "fp16", False, ["FP16"]), ("fp32", "bf16", False, ["BF16"]),
-    ("fp16", "fp16", True, []), ("bf16", None, True, []),
-])
-def test_precision_flags(export, precision, strong, flags):
-    plan = build_plan(manifest(dtype=export), precision=precision, workspace_gb=2)
-    assert (plan.precision, plan.strongly_typed, plan.builder_flags) == (precision or export, strong, flags)
-    assert plan.workspace_bytes == 2 << 30
+@pytest.mark.parametrize("export", ["fp32", "fp16", "bf16"])
+def test_precision_is_the_exports(export):
+    plan = build_plan(manifest(dtype=export), workspace_gb=2)
+    assert plan.precision == export and plan.workspace_bytes == 2 << 30
+    assert build_plan(manifest(dtype=export), precision=export).precision == export
+    assert f"precision {export} (strongly typed" in describe(plan)
+    for other in {"fp32", "fp16", "bf16"} - {export}:  # no weak typing: any other precision is a re-export
+        with pytest.raises(DFlashError, match=rf"--precision {other} but the graphs were exported in {export}; .*"
+                                              rf"re-export with `dflash-export export --dtype {other}`"):
+            build_plan(manifest(dtype=export), precision=other)
+        with pytest.raises(DFlashError, match=f"exported in {export}"):
+            ort_trt_provider_options(manifest(dtype=export), "target", precision=other)
+
+
+@pytest.mark.parametrize("version,ok", [("10.11.0.33", False), ("10.12.0.36", True), ("10.15.1", True),
+                                        ("11.0.0.114", True), ("11.5.0+fake", True), ("12.0.0", False),
+                                        ("9.3.0", False)])
+def test_supported_tensorrt_range(version, ok):
+    if ok:
+        check_trt_version(version)
+    else:
+        with pytest.raises(DFlashError, match=rf"TensorRT {version} is not supported: .* needs TensorRT >= 10\.12, < 12"):
+            check_trt_version(version)
 
 
 @pytest.mark.parametrize("kw,needle", [
@@ -77,8 +93,8 @@ def test_precision_flags(export, precision, strong, flags):
     (dict(max_context=4), "too small for block size 4"),
     (dict(max_prompt=61), "between 1 and max_context - block_size = 60"),
     (dict(max_prompt=0), "between 1 and"),
+    (dict(precision="fp16", export="fp32"), "exported in fp32"),
     (dict(precision="fp32", export="fp16"), "exported in fp16"),
-    (dict(precision="fp16", export="bf16"), "exported in bf16"),
     (dict(precision="int8"), "choose one of fp32, fp16, bf16"),
     (dict(workspace_gb=0), "--workspace"),
 ])
@@ -98,8 +114,9 @@ def test_unprofiled_dim_is_refused():
 
 
 def test_plan_imports_no_tensorrt():
-    code = ("import sys; import dflash_export.export.trt, dflash_export.export.trt_lint, dflash_export.runtime.trt, "
-            "dflash_export.cmd_trt; assert 'tensorrt' not in sys.modules and 'cuda' not in sys.modules")
+    code = ("import sys; import dflash_export.export.trt_build, dflash_export.export.trt_lint, "
+            "dflash_export.runtime.trt_profiles, dflash_export.runtime.trt_backend, dflash_export.cmd_trt; "
+            "assert not {'tensorrt', 'cuda', 'polygraphy'} & set(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -112,15 +129,12 @@ def test_ort_trt_provider_options(tmp_path):
     assert o["trt_profile_opt_shapes"].startswith(f"input_ids:1x4,position_ids:1x4,past_key.0:1x30x{H}x{D}")
     assert o["trt_profile_max_shapes"].startswith(f"input_ids:1x20,position_ids:1x20,past_key.0:1x63x{H}x{D}")
     assert o["trt_engine_cache_enable"] is True and o["trt_engine_cache_path"] == str(tmp_path)
-    assert o["trt_fp16_enable"] is False and "trt_bf16_enable" not in o
+    assert not any(k in o for k in ("trt_fp16_enable", "trt_bf16_enable", "trt_int8_enable"))  # weak typing: gone
     b = ort_trt_provider_options(m, "draft_block")
     assert b["trt_profile_min_shapes"] == f"block_ids:1x4,block_position_ids:1x4,past_ctx_key.0:1x1x{DH}x{DD},past_ctx_value.0:1x1x{DH}x{DD}"
     assert b["trt_profile_max_shapes"].endswith(f"past_ctx_value.0:1x63x{DH}x{DD}")
-    c = ort_trt_provider_options(m, "draft_context", precision="fp16")
-    assert c["trt_profile_max_shapes"] == f"taps:1x32x{TH},ctx_position_ids:1x32" and c["trt_fp16_enable"] is True
-    assert ort_trt_provider_options(m, "target", precision="bf16")["trt_bf16_enable"] is True
-    with pytest.raises(DFlashError, match="exported in fp16"):
-        ort_trt_provider_options(manifest(dtype="fp16"), "target", precision="fp32")
+    c = ort_trt_provider_options(manifest(dtype="fp16"), "draft_context", precision="fp16")
+    assert c["trt_profile_max_shapes"] == f"taps:1x32x{TH},ctx_position_ids:1x32"
 
 
 def test_ort_cache_lives_outside_the_export(tmp_path, monkeypatch):

@@ -1,11 +1,13 @@
 """A stand-in for the `tensorrt` and cuda-python modules, built on numpy + ONNX Runtime (CPU).
 
-It is NOT TensorRT. It lets the build and backend code in export/trt.py and runtime/trt.py
+It is NOT TensorRT. It lets the build and backend code in export/trt_build.py and runtime/trt_backend.py
 run here, where neither TensorRT nor a GPU exists, so that our own bookkeeping is tested:
 which profiles are declared, which shapes each call sets (refused outside the context's
 profile, as TensorRT does), which addresses are bound (refused unless 256-byte aligned),
-KV offsets, copies, CUDA-graph capture and replay. "Device memory" is host memory; an
-"engine" is a JSON record of the ONNX path and profiles, run by an ORT session.
+KV offsets and copies. It mirrors the TensorRT 11.x Python API (no weak-typing builder
+flags), enough of it that the real Polygraphy loaders run the build against it. "Device
+memory" is host memory; an "engine" is a JSON record of the ONNX path and profiles, run by
+an ORT session.
 """
 
 from __future__ import annotations
@@ -22,19 +24,12 @@ import onnxruntime as ort
 # -- cuda-python's runtime module --------------------------------------------------------
 
 _mem: dict[int, np.ndarray] = {}
-_capturing: dict[int, list] = {}  # stream -> recorded launches while capturing
-_graphs: dict[int, list] = {}
 
 
 class _Kind(IntEnum):
     cudaMemcpyHostToDevice = 1
     cudaMemcpyDeviceToHost = 2
     cudaMemcpyDeviceToDevice = 3
-
-
-class _Mode(IntEnum):
-    cudaStreamCaptureModeGlobal = 0
-    cudaStreamCaptureModeThreadLocal = 1
 
 
 class _Stream:
@@ -65,33 +60,14 @@ def _props(dev):
     return 0, types.SimpleNamespace(major=9, minor=0, name=b"Fake GPU (numpy)")
 
 
-def _end_capture(stream):
-    return 0, _capturing.pop(int(stream))
-
-
-def _instantiate(graph, flags):
-    gid = len(_graphs) + 1
-    _graphs[gid] = list(graph)
-    return 0, gid
-
-
-def _launch(gid, stream):
-    for fn in _graphs[gid]:
-        fn()
-    return (0,)
-
-
 cudart = types.SimpleNamespace(
-    cudaMemcpyKind=_Kind, cudaStreamCaptureMode=_Mode,
+    cudaMemcpyKind=_Kind,
     cudaGetDeviceCount=lambda: (0, 1), cudaGetDeviceProperties=_props, cudaSetDevice=lambda d: (0,),
     cudaStreamCreate=lambda: (0, _Stream()), cudaStreamDestroy=lambda s: (0,), cudaStreamSynchronize=lambda s: (0,),
     cudaMalloc=_malloc, cudaFree=lambda p: (_mem.pop(int(p), None), 0)[1:], cudaMemcpyAsync=_memcpy,
-    cudaStreamBeginCapture=lambda s, m: (_capturing.__setitem__(int(s), []), (0,))[1],
-    cudaStreamEndCapture=_end_capture, cudaGraphInstantiate=_instantiate, cudaGraphLaunch=_launch,
-    cudaGraphDestroy=lambda g: (0,), cudaGraphExecDestroy=lambda g: (0,),
 )
 
-# -- tensorrt ------------------------------------------------------------------------------
+# -- tensorrt (the 11.x Python API: no weak-typing builder flags) -------------------------
 
 
 class DataType:
@@ -106,26 +82,41 @@ float32, float16, bfloat16 = DataType("FLOAT", np.float32), DataType("HALF", np.
 int64, int32 = DataType("INT64", np.int64), DataType("INT32", np.int32)
 _FROM_ORT = {"tensor(float)": float32, "tensor(float16)": float16, "tensor(bfloat16)": bfloat16,
              "tensor(int64)": int64, "tensor(int32)": int32}
+_FROM_ONNX = {1: float32, 10: float16, 16: bfloat16, 7: int64, 6: int32}
 
 
-class Logger:
-    WARNING = 2
+class ILogger:
+    def __init__(self):
+        pass
+
+
+class Logger(ILogger):
+    INTERNAL_ERROR, ERROR, WARNING, INFO, VERBOSE = range(5)
 
     def __init__(self, level=None):
         self.level = level
 
 
+def init_libnvinfer_plugins(logger, namespace):
+    return True
+
+
 class NetworkDefinitionCreationFlag(IntEnum):
-    STRONGLY_TYPED = 5
+    STRONGLY_TYPED = 0  # 11.x: deprecated and ignored (always strongly typed)
 
 
 class MemoryPoolType(IntEnum):
     WORKSPACE = 0
 
 
-class BuilderFlag(IntEnum):
-    FP16 = 0
-    BF16 = 17
+class BuilderFlag(IntEnum):  # 11.x: FP16, BF16, INT8, FP8, INT4, FP4, *_PRECISION_CONSTRAINTS removed
+    DEBUG = 2
+    TF32 = 6
+
+
+class DeviceType(IntEnum):
+    GPU = 0
+    DLA = 1
 
 
 class IProgressMonitor:
@@ -136,9 +127,26 @@ class IProgressMonitor:
 builds: list[dict] = []  # every build_serialized_network call, for the tests to inspect
 
 
+class _Input:
+    def __init__(self, vi):
+        t = vi.type.tensor_type
+        self.name, self.dtype, self.is_shape_tensor = vi.name, _FROM_ONNX[t.elem_type], False
+        self.shape = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim)
+
+
 class _Network:
     def __init__(self, flags):
-        self.flags, self.path = flags, None
+        self.flags, self.path, self.inputs = flags, None, []
+
+    @property
+    def num_inputs(self):
+        return len(self.inputs)
+
+    def get_input(self, i):
+        return self.inputs[i]
+
+    def __iter__(self):  # the layers: this stand-in parses no ONNX nodes
+        return iter(())
 
 
 class OnnxParser:
@@ -146,8 +154,15 @@ class OnnxParser:
         self.network, self.num_errors = network, 0
 
     def parse_from_file(self, path):
+        import onnx
+
+        if not Path(path).is_file():
+            return False
+        model = onnx.load(path, load_external_data=False)
+        inits = {i.name for i in model.graph.initializer}
         self.network.path = path
-        return Path(path).is_file()
+        self.network.inputs = [_Input(vi) for vi in model.graph.input if vi.name not in inits]
+        return True
 
     def get_error(self, i):
         return "fake parse error"
@@ -157,28 +172,58 @@ class _Profile:
     def __init__(self):
         self.shapes = {}
 
-    def set_shape(self, name, lo, opt, hi):
-        assert all(a <= b <= c for a, b, c in zip(lo, opt, hi)), (name, lo, opt, hi)
-        self.shapes[name] = [list(lo), list(opt), list(hi)]
+    def set_shape(self, name, min, opt, max):
+        assert all(a <= b <= c for a, b, c in zip(min, opt, max)), (name, min, opt, max)
+        self.shapes[name] = [list(min), list(opt), list(max)]
+
+    def __bool__(self):
+        return bool(self.shapes)
+
+
+class _HostMemory(bytes):  # IHostMemory: a buffer, and a context manager in the Python API
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 class _TimingCache:
     def __init__(self, data):
-        self.data = bytes(data) + b"+"
+        self.data = bytes(data)
+
+    def combine(self, other, ignore_mismatch):
+        self.data = other.data + self.data[len(other.data):] if self.data.startswith(other.data) else other.data + self.data
+        return True
 
     def serialize(self):
-        return self.data
+        return _HostMemory(self.data)
 
 
 class _Config:
+    DLA_core, default_device_type = -1, DeviceType.GPU
+
     def __init__(self):
-        self.profiles, self.flags, self.pool, self.cache, self.progress_monitor = [], [], {}, None, None
+        self.profiles, self.flags, self.pool, self.cache, self.progress_monitor = [], set(), {}, None, None
+
+    @property
+    def num_optimization_profiles(self):
+        return len(self.profiles)
 
     def set_memory_pool_limit(self, pool, n):
         self.pool[int(pool)] = n
 
+    def get_memory_pool_limit(self, pool):
+        return self.pool.get(int(pool), 0)
+
     def set_flag(self, flag):
-        self.flags.append(flag.name)
+        self.flags.add(BuilderFlag(flag).name)
+
+    def clear_flag(self, flag):
+        self.flags.discard(BuilderFlag(flag).name)
+
+    def get_flag(self, flag):
+        return BuilderFlag(flag).name in self.flags
 
     def add_optimization_profile(self, p):
         self.profiles.append(p.shapes)
@@ -199,7 +244,7 @@ class Builder:
     def __init__(self, logger):
         pass
 
-    def create_network(self, flags):
+    def create_network(self, flags=0):
         return _Network(flags)
 
     def create_builder_config(self):
@@ -209,17 +254,21 @@ class Builder:
         return _Profile()
 
     def build_serialized_network(self, network, config):
+        for prof in config.profiles:  # TensorRT's rule: every dynamic input has a range in every profile
+            for inp in network.inputs:
+                lo, _, hi = prof[inp.name]
+                assert len(lo) == len(inp.shape) and all(d == -1 or a == d == b for d, a, b in zip(inp.shape, lo, hi))
         if config.progress_monitor is not None:
             m = config.progress_monitor
             m.phase_start("Building engine", None, 2)
             m.step_complete("Building engine", 0)
             m.step_complete("Building engine", 1)
             m.phase_finish("Building engine")
-        rec = {"onnx": str(network.path), "profiles": config.profiles, "flags": config.flags,
-               "strongly_typed": bool(network.flags & (1 << NetworkDefinitionCreationFlag.STRONGLY_TYPED)),
-               "workspace": config.pool.get(0)}
+        config.cache.data += b"+"  # this build's timings
+        rec = {"onnx": str(network.path), "profiles": config.profiles, "flags": sorted(config.flags),
+               "network_flags": network.flags, "workspace": config.pool.get(0)}
         builds.append(rec)
-        return json.dumps(rec).encode()
+        return _HostMemory(json.dumps(rec).encode())
 
 
 class Runtime:
@@ -257,7 +306,7 @@ def _view(addr, dtype, shape):
 
 
 class _Context:
-    runs = 0  # executed enqueues, all contexts (graph replays included)
+    runs = 0  # executed enqueues, all contexts
 
     def __init__(self, engine):
         self.e, self.profile, self.shapes, self.addrs = engine, 0, {}, {}
@@ -291,14 +340,11 @@ class _Context:
                 _view(addrs[n], v.dtype, v.shape)[...] = v
             _Context.runs += 1
 
-        if int(stream) in _capturing:
-            _capturing[int(stream)].append(run)
-        else:
-            run()
+        run()
         return True
 
 
-__version__ = "10.99.0-fake"
+__version__ = "11.5.0+fake"
 
 
 def install(monkeypatch) -> types.ModuleType:

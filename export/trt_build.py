@@ -1,17 +1,20 @@
 """TensorRT engines for an exported directory: a build plan (pure Python) and the build.
 
-`build_plan` turns a manifest plus the user's limits into everything the build needs:
-per graph the engine file and its optimization profiles with exact (min, opt, max)
-shapes, the precision and whether the network can be strongly typed. It imports no
-TensorRT and is unit-tested (tests/test_trt_plan.py).
+`build_plan` turns a manifest plus the user's limits into everything the build needs: per
+graph the engine file and its optimization profiles with exact (min, opt, max) shapes. It
+imports no TensorRT and is unit-tested (tests/test_trt_plan.py). Precision is the export's
+dtype (strongly typed networks only; TensorRT 11 has no other kind).
 
-`build_engines` runs the plan with the TensorRT 10 Python API (Builder, OnnxParser,
-optimization profiles, workspace limit, a timing cache reused across builds, a progress
-display), writes OUT/engines/*.engine and records them in the manifest.
+`build_engines` builds through Polygraphy's loaders: NetworkFromOnnxPath (the ONNX parser,
+external weights resolved next to the file), CreateConfig (profiles, workspace limit, the
+timing cache, a progress monitor), EngineBytesFromNetwork (build, and merge the timing cache
+back into its file under a lock) and SaveBytes. Written by hand, because Polygraphy does
+not do them: the profiles (runtime/trt_profiles.py), the all-or-nothing swap of
+OUT/engines, the manifest record, the rich progress bars and one-line errors.
 
-NOT EXECUTED IN DEVELOPMENT: `build_engines` needs `tensorrt` and an NVIDIA GPU, which the
-development machines do not have; it was written against the TensorRT 10 Python API
-documentation and runs only in the GPU-gated tests (tests/test_trt_gpu.py).
+NOT EXECUTED IN DEVELOPMENT against TensorRT: it needs `tensorrt` and an NVIDIA GPU, which
+the development machines do not have. Here it runs real Polygraphy against the stand-in
+in tests/trt_fake.py; on a GPU machine, tests/test_trt_gpu.py builds for real.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from pathlib import Path
 
 from ..runtime.contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, Manifest, load_manifest, write_manifest
 from ..runtime.errors import DFlashError
-from ..runtime.trt import (
-    ENGINE_DIR, ENGINE_FILES, PRECISIONS, Limits, check_precision, gpu_info, import_tensorrt, profile_record,
-    resolve_limits,
+from ..runtime.trt_backend import gpu_info, import_tensorrt
+from ..runtime.trt_profiles import (
+    ENGINE_DIR, ENGINE_FILES, Limits, check_precision, profile_record, resolve_limits, trt_version_tuple,
 )
 
 GRAPHS = (TARGET, DRAFT_CONTEXT, DRAFT_BLOCK)
@@ -43,9 +46,7 @@ class GraphPlan:
 
 @dataclass
 class BuildPlan:
-    precision: str
-    strongly_typed: bool  # network flag STRONGLY_TYPED: the ONNX types decide every layer's precision
-    builder_flags: list[str]  # BuilderFlag names to set (weakly typed fp32 export built in fp16/bf16)
+    precision: str  # always the export's dtype
     workspace_bytes: int
     limits: Limits
     graphs: list[GraphPlan] = field(default_factory=list)
@@ -60,19 +61,13 @@ def default_timing_cache() -> Path:
 def build_plan(manifest: Manifest, precision: str | None = None, max_context: int | None = None,
                max_prompt: int | None = None, workspace_gb: float = 4.0) -> BuildPlan:
     """The whole build decided from the manifest; raises DFlashError on impossible requests."""
-    precision = precision or manifest.dtype
-    if precision not in PRECISIONS:
-        raise DFlashError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
-    strongly = check_precision(manifest.dtype, precision)
+    precision = check_precision(manifest.dtype, precision)
     if not workspace_gb > 0:
         raise DFlashError(f"--workspace {workspace_gb}: give the builder's workspace in GB, > 0")
     limits = resolve_limits(manifest, max_context, max_prompt)
     record = profile_record(manifest, limits)
-    flags = [] if strongly else [precision.upper()]
     return BuildPlan(
         precision=precision,
-        strongly_typed=strongly,
-        builder_flags=flags,
         workspace_bytes=int(workspace_gb * (1 << 30)),
         limits=limits,
         graphs=[GraphPlan(g, manifest.graphs[g].file, ENGINE_FILES[g], record[g]) for g in GRAPHS],
@@ -83,7 +78,7 @@ def describe(plan: BuildPlan) -> str:
     """Human-readable plan (printed by `build --dry-run` and before a build)."""
     lim = plan.limits
     lines = [
-        f"precision {plan.precision} ({'strongly typed' if plan.strongly_typed else 'builder flags ' + ','.join(plan.builder_flags)}), "
+        f"precision {plan.precision} (strongly typed: the export's types), "
         f"block {lim.block_size}, max context {lim.max_context}, max prompt {lim.max_prompt}, "
         f"workspace {plan.workspace_bytes / (1 << 30):g} GB"
     ]
@@ -95,7 +90,7 @@ def describe(plan: BuildPlan) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# The build (needs TensorRT + GPU; not executed in development)
+# The build (needs TensorRT + GPU; not executed against TensorRT in development)
 # ---------------------------------------------------------------------------------------
 
 
@@ -131,32 +126,27 @@ def _progress_monitor(trt, console):
     return Monitor()
 
 
-def _build_one(trt, logger, out: Path, g: GraphPlan, plan: BuildPlan, cache_bytes: bytes, monitor) -> tuple[bytes, bytes]:
-    """Parse one ONNX graph, build its engine; returns (engine bytes, updated timing cache)."""
-    builder = trt.Builder(logger)
-    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if plan.strongly_typed else 0
-    network = builder.create_network(flags)
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(out / g.onnx)):  # resolves external weights next to the file
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise DFlashError(f"TensorRT's ONNX parser rejected {g.onnx}: {errors}")
-    config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, plan.workspace_bytes)
-    for flag in plan.builder_flags:
-        config.set_flag(getattr(trt.BuilderFlag, flag))
+def polygraphy_loaders(trt, out: Path, g: GraphPlan, plan: BuildPlan, timing_cache: Path, dest: Path, monitor=None):
+    """The Polygraphy loader chain that parses g.onnx, builds its engine and writes it to `dest`.
+
+    Calling the returned loader runs the build. The STRONGLY_TYPED network flag is set on
+    TensorRT 10.x only: there it is what makes the build honour the graph's types; 11.x
+    deprecated the flag (always strongly typed) and may drop it, and Polygraphy would then
+    fail on the missing attribute.
+    """
+    from polygraphy.backend.common import SaveBytes
+    from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, Profile
+
+    network = NetworkFromOnnxPath(str(out / g.onnx), strongly_typed=trt_version_tuple(trt.__version__) < (11, 0))
+    profiles = []
     for p in g.profiles:
-        prof = builder.create_optimization_profile()
+        prof = Profile()
         for name, (lo, opt, hi) in p["shapes"].items():
-            prof.set_shape(name, tuple(lo), tuple(opt), tuple(hi))
-        config.add_optimization_profile(prof)
-    cache = config.create_timing_cache(cache_bytes)
-    config.set_timing_cache(cache, ignore_mismatch=False)
-    if monitor is not None:
-        config.progress_monitor = monitor
-    blob = builder.build_serialized_network(network, config)
-    if blob is None:
-        raise DFlashError(f"TensorRT could not build an engine for {g.onnx} (see the TensorRT log above)")
-    return bytes(blob), bytes(config.get_timing_cache().serialize())
+            prof.add(name, min=tuple(lo), opt=tuple(opt), max=tuple(hi))
+        profiles.append(prof)
+    config = CreateConfig(profiles=profiles, memory_pool_limits={trt.MemoryPoolType.WORKSPACE: plan.workspace_bytes},
+                          load_timing_cache=str(timing_cache), progress_monitor=monitor)
+    return SaveBytes(EngineBytesFromNetwork(network, config, save_timing_cache=str(timing_cache)), str(dest))
 
 
 def build_engines(out_dir: str | Path, precision: str | None = None, max_context: int | None = None,
@@ -166,6 +156,11 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_context
     from .trt_lint import check as lint_check
 
     trt, cudart = import_tensorrt()  # first: without TensorRT nothing else happens
+    try:
+        from polygraphy.exception import PolygraphyException
+        from polygraphy.logger import G_LOGGER
+    except ImportError:
+        raise DFlashError('the TensorRT build needs polygraphy: pip install "dflash-export[trt]"') from None
     out = Path(out_dir)
     manifest = load_manifest(out)
     plan = build_plan(manifest, precision, max_context, max_prompt, workspace_gb)
@@ -174,14 +169,17 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_context
     except DFlashError as e:
         raise DFlashError(f"no usable NVIDIA GPU for the TensorRT build ({e})") from None
     if plan.precision == "bf16" and tuple(int(x) for x in cc.split(".")) < (8, 0):
-        raise DFlashError(f"bf16 engines need compute capability >= 8.0; this GPU ({gpu}) is {cc}: use --precision fp16")
+        raise DFlashError(f"bf16 engines need compute capability >= 8.0; this GPU ({gpu}) is {cc}: "
+                          "re-export with --dtype fp16")
     for w in lint_check(out, manifest, trt.__version__, plan.limits):
         echo(f"warning: {w}")
     echo(describe(plan))
 
     cache_path = Path(timing_cache) if timing_cache else default_timing_cache()
-    cache_bytes = cache_path.read_bytes() if cache_path.is_file() else b""
-    logger = trt.Logger(trt.Logger.WARNING)
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    if not cache_path.exists():
+        cache_path.write_bytes(b"")  # an empty cache is a valid start; spares Polygraphy's "not found" warning
+    G_LOGGER.colors = False  # else Polygraphy asks for the optional `colored` package
     console = None
     if progress:
         from rich.console import Console
@@ -193,19 +191,20 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_context
         for i, g in enumerate(plan.graphs, 1):
             t0 = time.perf_counter()
             monitor = _progress_monitor(trt, console) if progress else None
+            dest = staging / Path(g.engine).name
             if monitor is not None:
                 monitor.bars.start()
             try:
-                blob, cache_bytes = _build_one(trt, logger, out, g, plan, cache_bytes, monitor)
+                with G_LOGGER.verbosity(G_LOGGER.WARNING):  # Polygraphy's INFO lines would bury ours
+                    polygraphy_loaders(trt, out, g, plan, cache_path, dest, monitor)()
+            except PolygraphyException as e:
+                first = (str(e).strip().splitlines() or ["see the log above"])[0]
+                raise DFlashError(f"TensorRT could not build an engine for {g.onnx}: {first}") from None
             finally:
                 if monitor is not None:
                     monitor.bars.stop()
-            (staging / Path(g.engine).name).write_bytes(blob)
-            echo(f"[{i}/{len(plan.graphs)}] {g.engine}: {len(blob) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s")
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_path.with_suffix(".tmp")
-        tmp.write_bytes(cache_bytes)
-        os.replace(tmp, cache_path)
+            echo(f"[{i}/{len(plan.graphs)}] {g.engine}: {dest.stat().st_size / 2**20:.1f} MiB "
+                 f"in {time.perf_counter() - t0:.1f} s")
         # all engines built: swap them in, then re-hash so the manifest covers them
         final = out / ENGINE_DIR
         shutil.rmtree(final, ignore_errors=True)
@@ -218,7 +217,6 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_context
         "compute_capability": cc,
         "gpu": gpu,
         "precision": plan.precision,
-        "strongly_typed": plan.strongly_typed,
         "block_size": plan.limits.block_size,
         "max_context": plan.limits.max_context,
         "max_prompt": plan.limits.max_prompt,

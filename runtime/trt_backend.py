@@ -1,0 +1,331 @@
+"""The TensorRT backend: three engines on one CUDA stream over device KV buffers.
+
+`TensorRTBackend` implements the Backend interface (runtime/backend.py) with the name-based
+execution API that TensorRT 10 introduced and 11 keeps (set_input_shape, set_tensor_address,
+execute_async_v3) and cuda-python's runtime bindings for memory and the stream. Shapes and
+limits come from runtime/trt_profiles.py; this file only moves bytes and runs engines.
+
+NOT EXECUTED IN DEVELOPMENT: this needs `tensorrt`, `cuda-python` and an NVIDIA GPU, none of
+which the development machines have. It was checked against the TensorRT 11 Python API
+(and its 10.x -> 11.x removed-API list) by reading, and runs here only against the stand-in
+in tests/trt_fake.py (our bookkeeping, not TensorRT) and in the GPU-gated tests
+(tests/test_trt_gpu.py), which skip here.
+
+`tensorrt` and `cuda` are imported inside functions only: importing this module needs numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .backend import Backend, TargetOut
+from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, Manifest, load_manifest
+from .errors import DFlashError
+from .trt_profiles import ENGINE_FILES, check_engine_record, check_trt_version
+
+INSTALL_HINT = 'pip install "dflash-export[trt]" (or: pip install tensorrt cuda-python --extra-index-url https://pypi.nvidia.com)'
+DTYPE_OF_PRECISION = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
+
+
+def import_tensorrt():
+    """`tensorrt` and cuda-python's runtime module, or one DFlashError naming what is missing."""
+    missing = []
+    try:
+        import tensorrt as trt
+    except ImportError:
+        trt = None
+        missing.append("tensorrt")
+    try:
+        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6 (the `trt` extra's floor)
+    except ImportError:
+        cudart = None
+        missing.append("cuda-python")
+    if missing:
+        raise DFlashError(f"TensorRT support needs the Python package(s) {', '.join(missing)}; install with: {INSTALL_HINT}")
+    check_trt_version(trt.__version__)
+    return trt, cudart
+
+
+def cuda_check(result):
+    """cuda-python calls return (err, *values): raise on error, return the values."""
+    err, *vals = result if isinstance(result, tuple) else (result,)
+    if int(getattr(err, "value", err)) != 0:  # cudaError_t.cudaSuccess == 0
+        raise DFlashError(f"CUDA error {err!r}; check the driver and that the GPU is visible (nvidia-smi)")
+    return vals[0] if len(vals) == 1 else (tuple(vals) if vals else None)
+
+
+def gpu_info(cudart, device: int = 0) -> tuple[str, str]:
+    """(compute capability "major.minor", GPU name) of `device`."""
+    prop = cuda_check(cudart.cudaGetDeviceProperties(device))
+    name = prop.name.decode(errors="replace").rstrip("\x00") if isinstance(prop.name, bytes) else str(prop.name)
+    return f"{prop.major}.{prop.minor}", name
+
+
+# ---------------------------------------------------------------------------------------
+# The backend (NOT EXECUTED in development: no TensorRT, no GPU there)
+# ---------------------------------------------------------------------------------------
+
+ALIGN = 256  # bytes: device addresses handed to TensorRT are kept 256-byte aligned
+
+
+@dataclass
+class _Engine:
+    engine: object
+    contexts: list  # one execution context per optimization profile
+
+
+class TensorRTBackend(Backend):
+    """Runs the three engines on one CUDA stream over device KV buffers it owns.
+
+    KV buffers are sequence-major [1, max_len, Hkv, D] (as on ONNX Runtime): a call binds
+    the valid prefix in place with set_tensor_address (no copy) and the graph's new K/V
+    outputs are bound straight into the slots after it when that address is 256-byte
+    aligned; otherwise they land in a scratch buffer and only those S rows are copied.
+
+    No CUDA graphs: a graph bakes in shapes and addresses, and the past length changes on
+    every call, so within one generation no captured graph would ever be replayed.
+    """
+
+    def __init__(self, out_dir: str | Path, manifest: Manifest | None = None, *, drafter: bool = True,
+                 device: int = 0):
+        trt, cudart = import_tensorrt()
+        self.trt, self.cudart = trt, cudart
+        self.out = Path(out_dir)
+        self.manifest = m = manifest or load_manifest(self.out)
+        cc, gpu = gpu_info(cudart, device)
+        rec = m.engines
+        check_engine_record(rec, trt.__version__, cc)
+        self.record = rec
+        self.k = m.block_size
+        self.max_len = int(rec["max_context"])
+        self.max_prompt = int(rec["max_prompt"])
+        self.max_chunk = self.max_prompt  # longest `target` call other than verify; the loop chunks prefill by it
+        self.dtype = DTYPE_OF_PRECISION[m.dtype]
+        self.esize = ITEMSIZE[self.dtype]
+        cuda_check(cudart.cudaSetDevice(device))
+        self.stream = cuda_check(cudart.cudaStreamCreate())
+        self.handle = int(self.stream)  # TensorRT takes the raw cudaStream_t as an int
+        self._allocs: list[int] = []
+
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        self.has_drafter = drafter
+        graphs = (TARGET, DRAFT_CONTEXT, DRAFT_BLOCK) if drafter else (TARGET,)
+        self.eng = {g: self._load(g, len(rec["profiles"][g])) for g in graphs}
+
+        L, H, D = m.target_layers, m.target_kv_heads, m.target_head_dim
+        dl, dh, dd = m.draft_layers, m.draft_kv_heads, m.draft_head_dim
+        self.row = H * D * self.esize  # bytes per position of one target K or V buffer
+        self.drow = dh * dd * self.esize
+        ms = max(self.max_prompt, self.k)
+        self.kv = [(self._malloc(self.max_len * self.row), self._malloc(self.max_len * self.row)) for _ in range(L)]
+        self.ckv = [(self._malloc(self.max_len * self.drow), self._malloc(self.max_len * self.drow))
+                    for _ in range(dl if drafter else 0)]
+        taps_w = int({t.name: t for t in m.graphs[TARGET].outputs}["taps"].shape[-1])
+        self.taps_row = taps_w * self.esize
+        self.d_ids, self.d_pos = self._malloc(ms * 8), self._malloc(ms * 8)
+        self.d_next, self.d_logits = self._malloc(ms * 8), self._malloc(ms * m.vocab_size * 4)
+        self.d_taps = self._malloc(ms * self.taps_row)
+        self.d_cpos = self._malloc(ms * 8)
+        self.d_bids, self.d_bpos = self._malloc(self.k * 8), self._malloc(self.k * 8)
+        self.d_draft, self.d_dlogits = self._malloc(self.k * 8), self._malloc(self.k * m.vocab_size * 4)
+        self.d_scratch = [self._malloc(ms * max(self.row, self.drow)) for _ in range(2 * max(L, dl))]
+        self.h_ids, self.h_pos = np.zeros(ms, np.int64), np.zeros(ms, np.int64)
+        self.h_next, self.h_logits = np.zeros(ms, np.int64), np.zeros((ms, m.vocab_size), np.float32)
+        self.h_cpos = np.zeros(ms, np.int64)
+        self.h_bids, self.h_bpos = np.zeros(self.k, np.int64), np.zeros(self.k, np.int64)
+        self.h_draft = np.zeros(self.k, np.int64)
+        self._taps_n = 0
+        self.gpu = gpu
+        self._check_io()
+
+    def _check_io(self) -> None:
+        """Every tensor this backend binds exists in the engine with the element size allocated for it."""
+        trt, m = self.trt, self.manifest
+        size = {trt.float32: 4, trt.float16: 2, trt.bfloat16: 2, trt.int64: 8, trt.int32: 4}
+        for graph, e in self.eng.items():
+            names = {e.engine.get_tensor_name(i) for i in range(e.engine.num_io_tensors)}
+            spec = m.graphs[graph]
+            for t in spec.inputs + spec.outputs:
+                if t.name not in names:
+                    raise DFlashError(f"{ENGINE_FILES[graph]} has no tensor {t.name}; rebuild the engines for this export")
+                got = size.get(e.engine.get_tensor_dtype(t.name))
+                if got != ITEMSIZE[t.dtype]:
+                    raise DFlashError(f"{ENGINE_FILES[graph]}: {t.name} is {e.engine.get_tensor_dtype(t.name)} in the "
+                                      f"engine but {t.dtype} in the manifest; rebuild the engines for this export")
+
+    # -- setup ----------------------------------------------------------------------------
+
+    def _load(self, graph: str, nprof: int) -> _Engine:
+        path = self.out / ENGINE_FILES[graph]
+        engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
+        if engine is None:
+            raise DFlashError(f"{path}: TensorRT could not deserialize this engine; rebuild with `dflash-export build`")
+        contexts = []
+        for i in range(nprof):
+            ctx = engine.create_execution_context()
+            if i:
+                ctx.set_optimization_profile_async(i, self.handle)
+            contexts.append(ctx)
+        cuda_check(self.cudart.cudaStreamSynchronize(self.stream))
+        return _Engine(engine, contexts)
+
+    def _malloc(self, nbytes: int) -> int:
+        ptr = int(cuda_check(self.cudart.cudaMalloc(max(int(nbytes), ALIGN))))
+        self._allocs.append(ptr)
+        return ptr
+
+    # -- copies ---------------------------------------------------------------------------
+
+    def _h2d(self, dst: int, arr: np.ndarray) -> None:
+        kind = self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
+        cuda_check(self.cudart.cudaMemcpyAsync(dst, arr.ctypes.data, arr.nbytes, kind, self.stream))
+
+    def _d2h(self, arr: np.ndarray, src: int) -> None:
+        kind = self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        cuda_check(self.cudart.cudaMemcpyAsync(arr.ctypes.data, src, arr.nbytes, kind, self.stream))
+
+    def _d2d(self, dst: int, src: int, nbytes: int) -> None:
+        kind = self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        cuda_check(self.cudart.cudaMemcpyAsync(dst, src, nbytes, kind, self.stream))
+
+    def _sync(self) -> None:
+        cuda_check(self.cudart.cudaStreamSynchronize(self.stream))
+
+    # -- running one engine ---------------------------------------------------------------
+
+    def _bind(self, ctx, shapes: dict[str, tuple], addrs: dict[str, int]) -> None:
+        for name, shape in shapes.items():
+            if not ctx.set_input_shape(name, shape):
+                raise DFlashError(f"internal: TensorRT refused shape {shape} for {name}; rebuild the engines")
+        for name, ptr in addrs.items():
+            if not ctx.set_tensor_address(name, ptr):
+                raise DFlashError(f"internal: TensorRT refused the address of {name}")
+
+    def _run(self, e: _Engine, prof: int, shapes: dict, addrs: dict) -> None:
+        """Enqueue one engine call on the stream (execute_async_v3)."""
+        ctx = e.contexts[prof]
+        self._bind(ctx, shapes, addrs)
+        if not ctx.execute_async_v3(self.handle):
+            raise DFlashError("internal: TensorRT execute_async_v3 failed (see the TensorRT log above)")
+
+    def _out_addr(self, base: int, pos: int, row: int, scratch: int) -> tuple[int, bool]:
+        """Address for new rows at `pos` of a cache buffer: in place if aligned, else scratch."""
+        addr = base + pos * row
+        return (addr, True) if addr % ALIGN == 0 else (scratch, False)
+
+    # -- the Backend interface ------------------------------------------------------------
+
+    def target(self, ids: np.ndarray, want_logits: bool = False) -> TargetOut:
+        m, k = self.manifest, self.k
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        s, p = int(ids.size), self.target_len
+        if s < 1:
+            raise DFlashError("internal: target() needs at least one token")
+        if p + s > self.max_len:
+            raise DFlashError(f"sequence of {p + s} positions exceeds the engines' max context {self.max_len}; "
+                              "rebuild with a larger `dflash-export build --max-context` or shorten the request")
+        prof = 0 if s == k else 1
+        if prof == 1 and s > self.max_prompt:
+            raise DFlashError(f"a {s}-token chunk exceeds the engines' --max-prompt {self.max_prompt}; "
+                              "prefill in chunks of at most that many tokens or rebuild with a larger --max-prompt")
+        self.h_ids[:s] = ids
+        self.h_pos[:s] = np.arange(p, p + s)
+        self._h2d(self.d_ids, self.h_ids[:s])
+        self._h2d(self.d_pos, self.h_pos[:s])
+        H, D = m.target_kv_heads, m.target_head_dim
+        shapes = {"input_ids": (1, s), "position_ids": (1, s)}
+        addrs = {"input_ids": self.d_ids, "position_ids": self.d_pos, "logits": self.d_logits,
+                 "next_ids": self.d_next, "taps": self.d_taps}
+        copies = []
+        for i, (kb, vb) in enumerate(self.kv):
+            for nm, base, scr in ((f"key.{i}", kb, self.d_scratch[2 * i]), (f"value.{i}", vb, self.d_scratch[2 * i + 1])):
+                shapes[f"past_{nm}"] = (1, p, H, D)
+                addrs[f"past_{nm}"] = base
+                addr, inplace = self._out_addr(base, p, self.row, scr)
+                addrs[f"new_{nm}"] = addr
+                if not inplace:
+                    copies.append((base + p * self.row, scr, s * self.row))
+        self._run(self.eng[TARGET], prof, shapes, addrs)
+        for dst, src, n in copies:
+            self._d2d(dst, src, n)
+        self._d2h(self.h_next[:s], self.d_next)
+        if want_logits:
+            self._d2h(self.h_logits[:s], self.d_logits)
+        self._sync()
+        self._pending = s
+        self._taps_n = s
+        return TargetOut(next_ids=self.h_next[:s], logits=self.h_logits[:s] if want_logits else None)
+
+    def draft_context(self, n: int) -> None:
+        m = self.manifest
+        c, p = int(n), self.context_len
+        if not 0 < c <= self._taps_n:
+            raise DFlashError(f"internal: draft_context({c}) but the last target call kept {self._taps_n} taps")
+        if p + c > self.max_len:
+            raise DFlashError(f"drafter context of {p + c} positions exceeds the engines' max context {self.max_len}")
+        self.h_cpos[:c] = np.arange(p, p + c)
+        self._h2d(self.d_cpos, self.h_cpos[:c])
+        dh, dd = m.draft_kv_heads, m.draft_head_dim
+        shapes = {"taps": (1, c, self.taps_row // self.esize), "ctx_position_ids": (1, c)}
+        addrs = {"taps": self.d_taps, "ctx_position_ids": self.d_cpos}
+        copies = []
+        for j, (kb, vb) in enumerate(self.ckv):
+            for nm, base, scr in ((f"key.{j}", kb, self.d_scratch[2 * j]), (f"value.{j}", vb, self.d_scratch[2 * j + 1])):
+                addr, inplace = self._out_addr(base, p, self.drow, scr)
+                addrs[f"ctx_{nm}"] = addr
+                if not inplace:
+                    copies.append((base + p * self.drow, scr, c * self.drow))
+        self._run(self.eng[DRAFT_CONTEXT], 0, shapes, addrs)
+        for dst, src, nb in copies:
+            self._d2d(dst, src, nb)
+        self._sync()
+        self.context_len += c
+
+    def draft_block(self, anchor: int) -> np.ndarray:
+        m, k = self.manifest, self.k
+        p = self.context_len
+        if p < 1:
+            raise DFlashError("internal: draft_block() before any context (prefill first)")
+        if p >= self.max_len:
+            raise DFlashError(f"a block at position {p} is past the engines' max context {self.max_len}")
+        self.h_bids[0] = int(anchor)
+        self.h_bids[1:] = m.mask_token_id
+        self.h_bpos[:] = np.arange(p, p + k)
+        self._h2d(self.d_bids, self.h_bids)
+        self._h2d(self.d_bpos, self.h_bpos)
+        dh, dd = m.draft_kv_heads, m.draft_head_dim
+        shapes = {"block_ids": (1, k), "block_position_ids": (1, k)}
+        addrs = {"block_ids": self.d_bids, "block_position_ids": self.d_bpos,
+                 "draft_ids": self.d_draft, "draft_logits": self.d_dlogits}
+        for j, (kb, vb) in enumerate(self.ckv):
+            shapes[f"past_ctx_key.{j}"] = shapes[f"past_ctx_value.{j}"] = (1, p, dh, dd)
+            addrs[f"past_ctx_key.{j}"], addrs[f"past_ctx_value.{j}"] = kb, vb
+        self._run(self.eng[DRAFT_BLOCK], 0, shapes, addrs)
+        self._d2h(self.h_draft[: k - 1], self.d_draft)
+        self._sync()
+        return self.h_draft[: k - 1]
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        cudart = getattr(self, "cudart", None)
+        if cudart is None:
+            return
+        for e in getattr(self, "eng", {}).values():
+            e.contexts.clear()
+        self.eng = {}
+        for ptr in self._allocs:
+            cudart.cudaFree(ptr)
+        self._allocs = []
+        if getattr(self, "stream", None) is not None:
+            cudart.cudaStreamDestroy(self.stream)
+            self.stream = None
+
+    @property
+    def provider(self) -> str:
+        return f"tensorrt {self.trt.__version__} ({self.record.get('precision')}, {self.gpu})"
