@@ -38,7 +38,7 @@ def bench_model(name: str = "small") -> tuple[Path, Path, Path]:
         sys.path.insert(0, str(ROOT / "tests"))
         from tiny import make_drafter, make_target
 
-        from dflash_export.export.onnx import export_artifact
+        from dflash_export.export.artifact import export_artifact
 
         tmp = cache / f".{final.name}.{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -69,7 +69,7 @@ def export_pair(target_dir: str | Path, draft_dir: str | Path, max_context: int 
     cache = Path(os.environ.get("DFLASH_BENCH_CACHE", Path.home() / ".cache/dflash-export/bench"))
     out = cache / f"pair-{key}"
     if not (out / "manifest.json").is_file():
-        from dflash_export.export.onnx import export_artifact
+        from dflash_export.export.artifact import export_artifact
 
         export_artifact(target_dir, draft_dir, out, max_context=max_context, progress=True, force=True)
     return out

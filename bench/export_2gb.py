@@ -74,7 +74,7 @@ def make_checkpoint(work: Path, vocab: int, hidden: int, layers: int, inter: int
 
 
 def do_export(work: Path) -> dict:
-    from dflash_export.export.onnx import export_artifact
+    from dflash_export.export.artifact import export_artifact
 
     t0 = time.perf_counter()
     export_artifact(work / "target", work / "draft", work / "out", max_context=1024, force=True, progress=True)

@@ -44,7 +44,7 @@ def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_
       dflash-export export --target t --draft d --out art --dtype fp16 --block-size 8
       dflash-export export --target t --draft d --out art --force   # replace art
     """
-    from .export.onnx import export_artifact
+    from .export.artifact import export_artifact
 
     export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
                     mask_token_id=mask_token_id, opset=opset, force=force, progress=not quiet)

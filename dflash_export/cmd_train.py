@@ -374,7 +374,7 @@ def demo(out, prompt, n_prompts, max_new_tokens, threads, pair):
     clock = time.perf_counter
 
     console.rule("[bold]1. export (PyTorch -> ONNX, fp32)")
-    from .export.onnx import export_artifact
+    from .export.artifact import export_artifact
 
     t0 = clock()
     export_artifact(target_dir, draft_dir, art, dtype="fp32", max_context=1024, force=True)

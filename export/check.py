@@ -23,7 +23,6 @@ from ..runtime import contract as C
 from ..runtime.errors import DFlashError
 
 TOLERANCE = 1e-4  # fp32 absolute, on logits, taps and K/V alike
-ID_LOGITS = {"next_ids": "logits", "draft_ids": "draft_logits"}
 
 
 @dataclass
@@ -66,7 +65,7 @@ def load_sources(root: Path, manifest: C.Manifest, target_dir, draft_dir):
 
     from ..models import Drafter, Target
     from ..models.config import DraftConfig, TargetConfig
-    from .onnx import torch_dtype
+    from .artifact import torch_dtype
 
     if target_dir is None or draft_dir is None:
         raise DFlashError("check compares against the PyTorch source: pass --target DIR --draft DIR (the directories given to export)")
@@ -93,7 +92,7 @@ def cases(target, drafter, m: C.Manifest, seed: int):
     K, P, S = m.block_size, 9, 7
     ids = lambda n: torch.randint(0, m.vocab_size, (1, n), generator=g)  # noqa: E731
     pos = lambda a, n: torch.arange(a, a + n)[None]  # noqa: E731
-    tg, cg, bg = G.TargetGraph(target), G.DraftContextGraph(drafter), G.DraftBlockGraph(drafter, target)
+    tg, cg, bg = (G.wrapper(g, target, drafter) for g in (C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK))
     with torch.inference_mode():
         _, taps, past = target(ids(P), pos(0, P), target.empty_kv())
         ctx = drafter.context_kv(taps, pos(0, P))
@@ -128,7 +127,7 @@ def compare(graph: str, case: str, names: list[str], got: list[np.ndarray], ref:
             continue
         if np.issubdtype(r.dtype, np.integer):
             agree = o == r
-            logits = by_name.get(ID_LOGITS.get(name))
+            logits = by_name.get(C.ID_LOGITS.get(name))
             if logits is not None:  # a flip between two logits closer than the tolerance is not an error
                 top2 = np.sort(logits.astype(np.float64), -1)[..., -2:]
                 agree |= (top2[..., 1] - top2[..., 0]) <= TOLERANCE
@@ -139,7 +138,7 @@ def compare(graph: str, case: str, names: list[str], got: list[np.ndarray], ref:
         finite = bool(np.isfinite(o.astype(np.float64)).all())
         mx, mean, p99 = (float(err.max()), float(err.mean()), float(np.percentile(err, 99))) if err.size else (0.0,) * 3
         top1 = None
-        if name in ID_LOGITS.values() and o.size:
+        if name in C.ID_LOGITS.values() and o.size:
             top1 = float(np.mean(o.argmax(-1) == r.argmax(-1)))
         passed = finite and (mx <= TOLERANCE if strict else True)
         rows.append(Row(graph, case, name, mx, mean, p99, TOLERANCE if strict else None, top1, passed))
@@ -161,7 +160,7 @@ def run_check(
     import torch
 
     from ..models import speculative_generate
-    from .onnx import Phases
+    from .progress import Phases
     from .ort_loop import Graphs
 
     root = Path(root)
@@ -180,8 +179,7 @@ def run_check(
     saved = []
     with ui.phase("parity", "every graph in every regime vs PyTorch"):
         for graph, case, module, inputs in cases(target, drafter, m, seed):
-            names_in = [t.name for t in m.graphs[graph].inputs]
-            names_out = [t.name for t in m.graphs[graph].outputs]
+            names_in, names_out = C.names(graph, m)
             with torch.inference_mode():
                 ref = [_np(t) for t in module(*inputs)]
             feeds = dict(zip(names_in, (_np(t) for t in inputs)))

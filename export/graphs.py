@@ -1,7 +1,7 @@
 """The three exported graphs as flat-tensor torch modules over `models/`, with their tracing inputs.
 
-Each wrapper maps the contract's tensor names (runtime/contract.py) onto one call of the
-reference modules, so the ONNX graphs compute exactly what the PyTorch oracle computes.
+Each wrapper maps the contract's tensors (runtime/contract.py, in its order) onto one call
+of the reference modules, so the ONNX graphs compute exactly what the PyTorch oracle computes.
 Sample sizes for tracing are all >= 2 and pairwise distinct: torch.export specialises a
 dim of size 0 or 1 and may merge dims whose sample sizes coincide; the graphs are then
 checked at past length 0 and sequence length 1 after export (export/check.py).
@@ -14,7 +14,6 @@ from torch import nn
 
 from ..runtime import contract as C
 
-BATCH, SEQ, PAST, CTX, PAST_CTX = "batch", "seq", "past", "ctx", "past_ctx"
 
 
 def _pairs(flat: tuple) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -73,59 +72,41 @@ class DraftBlockGraph(nn.Module):
         return logits.argmax(-1), logits
 
 
-def target_names(layers: int) -> tuple[list[str], list[str]]:
-    kv_in = [n for i in range(layers) for n in (C.past_key(i), C.past_value(i))]
-    kv_out = [n for i in range(layers) for n in (C.new_key(i), C.new_value(i))]
-    return ["input_ids", "position_ids", *kv_in], ["logits", "next_ids", "taps", *kv_out]
-
-
-def context_names(layers: int) -> tuple[list[str], list[str]]:
-    return ["taps", "ctx_position_ids"], [n for j in range(layers) for n in (C.ctx_key(j), C.ctx_value(j))]
-
-
-def block_names(layers: int) -> tuple[list[str], list[str]]:
-    kv_in = [n for j in range(layers) for n in (C.past_ctx_key(j), C.past_ctx_value(j))]
-    return ["block_ids", "block_position_ids", *kv_in], ["draft_ids", "draft_logits"]
-
-
-def _sizes(block_size: int) -> dict[str, int]:
-    """Distinct tracing sizes >= 2 that also differ from the static block size."""
+def _sample_sizes(block_size: int) -> dict[str, int]:
+    """Distinct tracing sizes >= 2 for the dynamic roles, all different from the block size."""
     free = (n for n in range(2, 64) if n != block_size)
-    return {d: next(free) for d in (BATCH, SEQ, PAST, CTX, PAST_CTX)}
+    return {role: next(free) for role in C.DYNAMIC}
 
 
-def _positions(batch: int, start: int, n: int) -> torch.Tensor:
-    return torch.arange(start, start + n).expand(batch, n).contiguous()
+def trace_inputs(graph: str, m, dtype: torch.dtype):
+    """Sample inputs and torch.export dynamic shapes for the graph's wrapper, from the contract.
+
+    `m` is the manifest being written (sizes, mask token). Ids are random in the vocabulary
+    (block ids: [anchor, mask, ...]), positions continue after the sampled past.
+    """
+    n, static = _sample_sizes(m.block_size), C.sizes(m)
+    ins, _ = C.io(graph, m)
+    dims = {r: torch.export.Dim(r, min=0) if C.DYNAMIC[r] == 0 else torch.export.Dim(r) for r in C.DYNAMIC}
+    start = {C.TARGET: n[C.PAST], C.DRAFT_CONTEXT: 3, C.DRAFT_BLOCK: n[C.PAST_CTX]}[graph]
+    args, shapes = [], []
+    for t in ins:
+        size = [n[r] if r in C.DYNAMIC else static[r] for r in t.dims]
+        if t.dtype == C.MODEL:
+            x = torch.randn(size).to(dtype)
+        elif t.name.endswith("position_ids"):
+            x = torch.arange(start, start + size[1]).expand(*size).contiguous()
+        elif t.name == C.BLOCK_IDS:
+            x = torch.full(size, m.mask_token_id, dtype=torch.long)
+            x[:, 0] = torch.randint(0, m.vocab_size, (size[0],))
+        else:
+            x = torch.randint(0, m.vocab_size, size)
+        args.append(x)
+        shapes.append({axis: dims[r] for axis, r in enumerate(t.dims) if r in C.DYNAMIC})
+    fixed = sum(not t.per_layer for t in C.GRAPHS[graph].inputs)  # wrappers take the per-layer ones as *args
+    nested = (*shapes[:fixed], tuple(shapes[fixed:])) if fixed < len(shapes) else tuple(shapes)
+    return tuple(args), nested
 
 
-def target_inputs(target, block_size: int):
-    """Sample inputs and torch.export dynamic shapes for TargetGraph."""
-    c, n = target.config, _sizes(block_size)
-    dtype = target.model.embed_tokens.weight.dtype
-    b, s, p = n[BATCH], n[SEQ], n[PAST]
-    past = [torch.randn(b, p, c.num_kv_heads, c.head_dim).to(dtype) for _ in range(2 * c.num_layers)]
-    args = (torch.randint(0, c.vocab_size, (b, s)), _positions(b, p, s), *past)
-    B, S, P = torch.export.Dim(BATCH), torch.export.Dim(SEQ), torch.export.Dim(PAST, min=0)
-    shapes = ({0: B, 1: S}, {0: B, 1: S}, tuple({0: B, 1: P} for _ in past))
-    return args, shapes
-
-
-def context_inputs(drafter, block_size: int):
-    n = _sizes(block_size)
-    dtype = drafter.fc.weight.dtype
-    b, ctx = n[BATCH], n[CTX]
-    args = (torch.randn(b, ctx, drafter.fc.in_features).to(dtype), _positions(b, 3, ctx))
-    B, X = torch.export.Dim(BATCH), torch.export.Dim(CTX)
-    return args, ({0: B, 1: X}, {0: B, 1: X})
-
-
-def block_inputs(drafter, target, block_size: int, mask_token_id: int):
-    c, n = drafter.config, _sizes(block_size)
-    dtype = drafter.fc.weight.dtype
-    b, p = n[BATCH], n[PAST_CTX]
-    ids = torch.full((b, block_size), mask_token_id, dtype=torch.long)
-    ids[:, 0] = torch.randint(0, target.config.vocab_size, (b,))
-    past = [torch.randn(b, p, c.num_kv_heads, c.head_dim).to(dtype) for _ in range(2 * c.num_layers)]
-    args = (ids, _positions(b, p, block_size), *past)
-    B, P = torch.export.Dim(BATCH), torch.export.Dim(PAST_CTX, min=0)
-    return args, ({0: B}, {0: B}, tuple({0: B, 1: P} for _ in past))
+def wrapper(graph: str, target, drafter) -> nn.Module:
+    return {C.TARGET: lambda: TargetGraph(target), C.DRAFT_CONTEXT: lambda: DraftContextGraph(drafter),
+            C.DRAFT_BLOCK: lambda: DraftBlockGraph(drafter, target)}[graph]()

@@ -1,38 +1,24 @@
-"""The artifact contract between `export/` and `runtime/`: graph files, tensor names, manifest.
+"""The artifact contract between `export/` and `runtime/`: graphs, tensors, manifest.
 
-Everything a runtime needs to know about an exported directory is here, in one place.
+Everything a runtime needs to know about an exported directory is declared here, as
+data: `GRAPHS` lists, per graph, its ordered inputs and outputs with the role of every
+dim and the dtype. The exporter traces to these names and checks the graphs against
+them, the backends bind by them, the check and the lint read them; nothing else spells
+a tensor name or a dim table.
 
-    target.onnx         prefill and verify share one graph (dynamic S)
-      in   input_ids            [batch, seq]                    int64
-           position_ids         [batch, seq]                    int64
-           past_key.{i}         [batch, past, kv_heads, head_dim]   dtype   (i < target layers)
-           past_value.{i}       [batch, past, kv_heads, head_dim]   dtype
-      out  logits               [batch, seq, vocab]             float32
-           next_ids             [batch, seq]                    int64   (in-graph argmax)
-           taps                 [batch, seq, taps*hidden]       dtype   (decoder layer outputs,
-                                                                          target_layer_ids order)
-           new_key.{i}          [batch, seq, kv_heads, head_dim]   dtype   (only the new positions)
-           new_value.{i}        [batch, seq, kv_heads, head_dim]   dtype
+    target          prefill and verify share one graph (dynamic seq)
+    draft_context   projects newly accepted target taps into drafter K/V (dynamic ctx)
+    draft_block     one denoising pass over the block (static block size K)
 
-    draft_context.onnx  projects newly accepted target features into drafter K/V (dynamic C)
-      in   taps                 [batch, ctx, taps*hidden]       dtype
-           ctx_position_ids     [batch, ctx]                    int64
-      out  ctx_key.{j}          [batch, ctx, d_kv_heads, d_head_dim]  dtype  (j < drafter layers)
-           ctx_value.{j}        [batch, ctx, d_kv_heads, d_head_dim]  dtype
+Per-layer tensors are templates (`past_key.{i}`); `io(graph, m)` expands them in order
+k0 v0 k1 v1 ... for the manifest's layer counts. The drafter's context cache holds every
+position before the anchor, so `past_ctx` equals the anchor's position.
 
-    draft_block.onnx    one denoising pass over the block (static K)
-      in   block_ids            [batch, K]                      int64   ([anchor, mask, ..., mask])
-           block_position_ids   [batch, K]                      int64
-           past_ctx_key.{j}     [batch, past_ctx, d_kv_heads, d_head_dim]  dtype
-           past_ctx_value.{j}   [batch, past_ctx, d_kv_heads, d_head_dim]  dtype
-      out  draft_ids            [batch, K-1]                    int64   (in-graph argmax)
-           draft_logits         [batch, K-1, vocab]             float32
-
-The drafter's context cache holds every position before the anchor, so `past_ctx` equals
-the anchor's position. Embedding and LM head are initializers with the same names in
-target.onnx and draft_block.onnx (`SHARED_INITIALIZERS`), stored once on disk in
-`shared.data` (external data; each graph's other weights are in `<graph>.data`). With tied
-embeddings both names are present and point at the same bytes of `shared.data`.
+Weights stored once for several graphs live in `shared.data` and are listed in the
+manifest's `shared` table (file, offset, length, dtype, shape, graphs): the target's
+embedding and LM head (target + draft_block, as `SHARED_INITIALIZERS`; tied embeddings
+are two names over the same bytes) and the drafter weights both drafter graphs read
+(the K/V projections). Each graph's other weights are in `<graph>.data`.
 """
 
 from __future__ import annotations
@@ -46,13 +32,13 @@ from pathlib import Path
 from .errors import DFlashError
 
 FORMAT = "dflash-export"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the `shared` weight table; 1: shared weights found by parsing target.onnx
 MANIFEST = "manifest.json"
+SHARED_DATA = "shared.data"
 
 TARGET = "target"
 DRAFT_CONTEXT = "draft_context"
 DRAFT_BLOCK = "draft_block"
-GRAPH_FILES = {TARGET: "target.onnx", DRAFT_CONTEXT: "draft_context.onnx", DRAFT_BLOCK: "draft_block.onnx"}
 
 SHARED_INITIALIZERS = ("embed_tokens.weight", "lm_head.weight")
 TOKENIZER_FILES = (
@@ -65,37 +51,178 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 
+# -- dim roles ---------------------------------------------------------------------------
+# dynamic: sized per call (value: the smallest size a graph must take)
+BATCH, SEQ, PAST, CTX, PAST_CTX = "batch", "seq", "past", "ctx", "past_ctx"
+DYNAMIC = {BATCH: 1, SEQ: 1, PAST: 0, CTX: 1, PAST_CTX: 0}
+# static: fixed by the manifest (`sizes`)
+BLOCK, DRAFTS, VOCAB, TAPS_WIDTH = "block", "drafts", "vocab", "taps_width"
+KV_HEADS, HEAD_DIM, DRAFT_KV_HEADS, DRAFT_HEAD_DIM = "kv_heads", "head_dim", "draft_kv_heads", "draft_head_dim"
+
+# dtypes: numpy names, plus MODEL = the export's float dtype (manifest.dtype)
+INT64, FLOAT32, MODEL = "int64", "float32", "model"
+NUMPY_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+# -- tensor names --------------------------------------------------------------------------
+INPUT_IDS, POSITION_IDS, LOGITS, NEXT_IDS, TAPS = "input_ids", "position_ids", "logits", "next_ids", "taps"
+CTX_POSITION_IDS = "ctx_position_ids"
+BLOCK_IDS, BLOCK_POSITION_IDS, DRAFT_IDS, DRAFT_LOGITS = "block_ids", "block_position_ids", "draft_ids", "draft_logits"
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One graph input or output: `name` (a `{i}` template when `per_layer`), dim roles, dtype."""
+
+    name: str
+    dims: tuple[str, ...]
+    dtype: str
+    per_layer: bool = False
+
+    def at(self, i: int) -> "Tensor":
+        return Tensor(self.name.format(i=i), self.dims, self.dtype)
+
+
+@dataclass(frozen=True)
+class Graph:
+    file: str
+    layers: str  # the manifest field counting its per-layer tensors
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+
+
+def _kv(prefix: str, dims: tuple[str, ...]) -> tuple[Tensor, Tensor]:
+    return Tensor(f"{prefix}_key.{{i}}", dims, MODEL, True), Tensor(f"{prefix}_value.{{i}}", dims, MODEL, True)
+
+
+_TKV, _DKV = (KV_HEADS, HEAD_DIM), (DRAFT_KV_HEADS, DRAFT_HEAD_DIM)
+PAST_KV = _kv("past", (BATCH, PAST, *_TKV))  # the target cache's valid prefix
+NEW_KV = _kv("new", (BATCH, SEQ, *_TKV))  # only the new positions
+CTX_KV = _kv("ctx", (BATCH, CTX, *_DKV))  # drafter context K/V to append
+PAST_CTX_KV = _kv("past_ctx", (BATCH, PAST_CTX, *_DKV))  # the drafter context cache's valid prefix
+
+GRAPHS: dict[str, Graph] = {
+    TARGET: Graph(
+        "target.onnx", "target_layers",
+        inputs=(
+            Tensor(INPUT_IDS, (BATCH, SEQ), INT64),
+            Tensor(POSITION_IDS, (BATCH, SEQ), INT64),
+            *PAST_KV,
+        ),
+        outputs=(
+            Tensor(LOGITS, (BATCH, SEQ, VOCAB), FLOAT32),
+            Tensor(NEXT_IDS, (BATCH, SEQ), INT64),  # in-graph argmax
+            Tensor(TAPS, (BATCH, SEQ, TAPS_WIDTH), MODEL),  # decoder layer outputs, target_layer_ids order
+            *NEW_KV,
+        ),
+    ),
+    DRAFT_CONTEXT: Graph(
+        "draft_context.onnx", "draft_layers",
+        inputs=(Tensor(TAPS, (BATCH, CTX, TAPS_WIDTH), MODEL), Tensor(CTX_POSITION_IDS, (BATCH, CTX), INT64)),
+        outputs=CTX_KV,
+    ),
+    DRAFT_BLOCK: Graph(
+        "draft_block.onnx", "draft_layers",
+        inputs=(
+            Tensor(BLOCK_IDS, (BATCH, BLOCK), INT64),  # [anchor, mask, ..., mask]
+            Tensor(BLOCK_POSITION_IDS, (BATCH, BLOCK), INT64),
+            *PAST_CTX_KV,
+        ),
+        outputs=(Tensor(DRAFT_IDS, (BATCH, DRAFTS), INT64), Tensor(DRAFT_LOGITS, (BATCH, DRAFTS, VOCAB), FLOAT32)),
+    ),
+}
+GRAPH_FILES = {g: spec.file for g, spec in GRAPHS.items()}
+ID_LOGITS = {NEXT_IDS: LOGITS, DRAFT_IDS: DRAFT_LOGITS}  # each in-graph argmax and the logits it reads
+
+
+def _expand(tensors: tuple[Tensor, ...], layers: int) -> list[Tensor]:
+    """Templates in order: a run of per-layer tensors (k, v) repeats as k0 v0 k1 v1 ..."""
+    out, group = [], []
+    for t in (*tensors, None):
+        if t is not None and t.per_layer:
+            group.append(t)
+            continue
+        out += [g.at(i) for i in range(layers) for g in group]
+        group = []
+        if t is not None:
+            out.append(t)
+    return out
+
+
+def io(graph: str, m) -> tuple[list[Tensor], list[Tensor]]:
+    """(inputs, outputs) of `graph` for the manifest `m` (anything with its layer counts)."""
+    g = GRAPHS[graph]
+    n = getattr(m, g.layers)
+    return _expand(g.inputs, n), _expand(g.outputs, n)
+
+
+def names(graph: str, m) -> tuple[list[str], list[str]]:
+    ins, outs = io(graph, m)
+    return [t.name for t in ins], [t.name for t in outs]
+
+
+def tensor(graph: str, name: str, m) -> Tensor:
+    """The input or output of `graph` called `name` (a concrete name such as past_key.3)."""
+    ins, outs = io(graph, m)
+    for t in (*ins, *outs):
+        if t.name == name:
+            return t
+    raise DFlashError(f"{graph} has no tensor {name!r}; re-export the directory")
+
+
+def sizes(m) -> dict[str, int]:
+    """The static dim roles' sizes for a manifest (or anything with the same fields)."""
+    return {
+        BLOCK: m.block_size, DRAFTS: m.block_size - 1, VOCAB: m.vocab_size,
+        TAPS_WIDTH: len(m.target_layer_ids) * m.hidden_size,
+        KV_HEADS: m.target_kv_heads, HEAD_DIM: m.target_head_dim,
+        DRAFT_KV_HEADS: m.draft_kv_heads, DRAFT_HEAD_DIM: m.draft_head_dim,
+    }
+
+
+def shape(t: Tensor, m, **dynamic: int) -> tuple[int, ...]:
+    """Concrete shape of `t`: static roles from the manifest, dynamic ones from keywords."""
+    static = sizes(m)
+    return tuple(dynamic[r] if r in DYNAMIC else static[r] for r in t.dims)
+
+
+def dtype(t: Tensor, m) -> str:
+    """numpy dtype name of `t` in an export of dtype m.dtype ("fp32" | "fp16" | "bf16")."""
+    return NUMPY_DTYPE[m.dtype] if t.dtype == MODEL else t.dtype
+
 
 def past_key(i: int) -> str:
-    return f"past_key.{i}"
+    return PAST_KV[0].at(i).name
 
 
 def past_value(i: int) -> str:
-    return f"past_value.{i}"
+    return PAST_KV[1].at(i).name
 
 
 def new_key(i: int) -> str:
-    return f"new_key.{i}"
+    return NEW_KV[0].at(i).name
 
 
 def new_value(i: int) -> str:
-    return f"new_value.{i}"
+    return NEW_KV[1].at(i).name
 
 
 def ctx_key(j: int) -> str:
-    return f"ctx_key.{j}"
+    return CTX_KV[0].at(j).name
 
 
 def ctx_value(j: int) -> str:
-    return f"ctx_value.{j}"
+    return CTX_KV[1].at(j).name
 
 
 def past_ctx_key(j: int) -> str:
-    return f"past_ctx_key.{j}"
+    return PAST_CTX_KV[0].at(j).name
 
 
 def past_ctx_value(j: int) -> str:
-    return f"past_ctx_value.{j}"
+    return PAST_CTX_KV[1].at(j).name
+
+
+# -- the manifest ----------------------------------------------------------------------------
 
 
 @dataclass
@@ -107,9 +234,23 @@ class TensorSpec:
 
 @dataclass
 class GraphSpec:
+    """A graph's I/O as written in its ONNX file (named dynamic dims as strings)."""
+
     file: str
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
+
+
+@dataclass
+class SharedTensor:
+    """Where one weight stored once for several graphs lives: bytes [offset, offset+length) of `file`."""
+
+    file: str
+    offset: int
+    length: int
+    dtype: str  # numpy dtype name ("bfloat16": stored as 2-byte words)
+    shape: list[int]
+    graphs: list[str]  # the graphs holding an initializer of this name
 
 
 @dataclass
@@ -132,6 +273,7 @@ class Manifest:
     opset: int
     graphs: dict[str, GraphSpec]
     tools: dict[str, str]
+    shared: dict[str, SharedTensor] = field(default_factory=dict)  # initializer name -> its bytes
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
     tokenizer: bool = False
     engines: dict | None = None  # TensorRT build record (export/trt_build.py), absent until built
@@ -152,6 +294,7 @@ class Manifest:
             )
             for k, g in d["graphs"].items()
         }
+        d["shared"] = {k: SharedTensor(**t) for k, t in d.get("shared", {}).items()}
         return cls(**d)
 
 
@@ -194,10 +337,12 @@ def load_manifest(root: str | Path, verify: bool = True) -> Manifest:
         raise DFlashError(f"{path}: unreadable manifest ({e}); re-export the directory") from None
     if raw.get("format") != FORMAT:
         raise DFlashError(f"{path}: not a {FORMAT} manifest")
-    if raw.get("format_version") != FORMAT_VERSION:
+    version = raw.get("format_version")
+    if version != FORMAT_VERSION:
+        newer = isinstance(version, int) and version > FORMAT_VERSION
         raise DFlashError(
-            f"{path}: format version {raw.get('format_version')} but this runtime reads {FORMAT_VERSION}; "
-            "re-export with this version of dflash-export"
+            f"{path}: manifest format version {version!r}, but this dflash-export reads version {FORMAT_VERSION} only; "
+            + ("upgrade dflash-export to read it" if newer else "re-export the directory with this dflash-export")
         )
     try:
         manifest = Manifest.from_dict(raw)

@@ -7,9 +7,10 @@ the valid prefix of a cache as the `past_*` input, the slots right after it as t
 `new_*` / `ctx_*` output. ORT writes the new K/V straight into the cache; nothing is
 copied and nothing grows with the context but attention itself.
 
-The shared initializers (embedding, LM head) are read once from target.onnx (inline or
-external data) and handed to both target and draft_block sessions with `add_initializer`:
-one copy in memory, used in place by both. The embedding is read in place; the LM head
+The weights several graphs hold (embedding and LM head; the drafter's K/V projections)
+are memory-mapped once from shared.data, where the manifest's `shared` table says they
+are, and handed to every session whose graph holds them with `add_initializer`: one copy
+in memory, used in place by all. The embedding is read in place; the LM head
 feeds Transpose + MatMul, which ORT constant-folds and prepacks per session (one packed
 copy each, the fast path); `low_memory=True` turns both off so the one copy is all there
 is, at the price of slower GEMMs (README, Runtime).
@@ -17,7 +18,6 @@ is, at the price of slower GEMMs (README, Runtime).
 
 from __future__ import annotations
 
-import mmap
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +30,6 @@ from .errors import DFlashError
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 ONNX_TYPE = {"float32": 1, "float16": 10, "bfloat16": 16, "int64": 7}  # TensorProto.DataType
 STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int64": np.int64}
-FROM_ONNX = {v: k for k, v in ONNX_TYPE.items()}
 
 
 def available_providers() -> list[str]:
@@ -51,109 +50,33 @@ def resolve_provider(name: str) -> str:
     return PROVIDERS[name]
 
 
-# -- reading initializers without the onnx package (protobuf wire format) ----------------
+# -- shared weights, memory-mapped from the manifest's table ----------------------------
 
 
-def _varint(b: memoryview, i: int) -> tuple[int, int]:
-    shift = out = 0
-    while True:
-        x = b[i]
-        i += 1
-        out |= (x & 0x7F) << shift
-        if x < 0x80:
-            return out, i
-        shift += 7
-
-
-def _fields(b: memoryview, start: int = 0, end: int | None = None):
-    """(field number, wire type, value) of one protobuf message; LEN values as (offset, length)."""
-    i, end = start, len(b) if end is None else end
-    while i < end:
-        key, i = _varint(b, i)
-        field, wire = key >> 3, key & 7
-        if wire == 0:
-            v, i = _varint(b, i)
-        elif wire == 2:
-            n, i = _varint(b, i)
-            v, i = (i, n), i + n
-        elif wire == 1:
-            v, i = None, i + 8
-        elif wire == 5:
-            v, i = None, i + 4
-        else:
-            raise DFlashError(f"unsupported protobuf wire type {wire}; the graph file is corrupt")
-        yield field, wire, v
-
-
-def read_initializers(
-    model: Path, names: tuple[str, ...], required: bool = True, load: bool = True
-) -> dict[str, tuple[np.ndarray, int] | None]:
-    """name -> (array with the raw bytes, onnx element type) for the named initializers
-    that the graph has (None for each instead when not `load`)."""
-    out: dict[str, tuple[np.ndarray, int] | None] = {}
-    seen: dict = {}  # storage location -> loaded array, so tied weights are read once
-    with open(model, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        b = memoryview(mm)
-        try:
-            graph = next(v for fld, w, v in _fields(b) if fld == 7 and w == 2)  # ModelProto.graph
-            for fld, w, v in _fields(b, graph[0], graph[0] + graph[1]):
-                if fld != 5 or w != 2:  # GraphProto.initializer
-                    continue
-                t = _tensor(b, *v)
-                if t["name"] in names:
-                    where = tuple(sorted(t["external"].items())) or t["raw"]  # tied weights: same bytes
-                    if load and where not in seen:
-                        seen[where] = _tensor_data(model, b, t)
-                    out[t["name"]] = seen.get(where) if load else None
-        finally:
-            b.release()
-    missing = [n for n in names if n not in out]
-    if missing and required:
-        raise DFlashError(f"{model}: shared initializers {missing} not found; re-export the directory")
+def shared_weights(directory: Path, m: C.Manifest) -> dict[str, tuple[np.ndarray, int]]:
+    """name -> (array over its bytes in shared.data, onnx element type), one array per
+    distinct (file, offset): tied names share it. Mapped copy-on-write: the pages are the
+    file's (no copy at load); nothing is ever written back."""
+    maps: dict[str, np.memmap] = {}
+    seen: dict[tuple, np.ndarray] = {}
+    out = {}
+    for name, t in m.shared.items():
+        path = (directory / t.file).resolve()
+        if directory.resolve() not in path.parents:
+            raise DFlashError(f"{directory}: shared weight {name} points outside the directory ({t.file}); re-export it")
+        if t.dtype not in STORAGE:
+            raise DFlashError(f"{directory}: shared weight {name} has unsupported dtype {t.dtype}; re-export it")
+        mm = maps.get(t.file)
+        if mm is None:
+            mm = maps[t.file] = np.memmap(path, np.uint8, mode="c")
+        dtype = np.dtype(STORAGE[t.dtype])
+        if t.length != int(np.prod(t.shape)) * dtype.itemsize or t.offset + t.length > mm.size:
+            raise DFlashError(f"{directory}: shared weight {name} does not fit {t.file}; re-export the directory")
+        key = (t.file, t.offset)
+        if key not in seen:
+            seen[key] = mm[t.offset : t.offset + t.length].view(dtype).reshape(t.shape)
+        out[name] = (seen[key], ONNX_TYPE[t.dtype])
     return out
-
-
-def _tensor(b: memoryview, off: int, n: int) -> dict:
-    t = {"dims": [], "type": 0, "name": "", "raw": None, "external": {}}
-    for fld, w, v in _fields(b, off, off + n):
-        if fld == 1 and w == 0:
-            t["dims"].append(v)
-        elif fld == 1 and w == 2:  # packed dims
-            i, e = v[0], v[0] + v[1]
-            while i < e:
-                d, i = _varint(b, i)
-                t["dims"].append(d)
-        elif fld == 2:
-            t["type"] = v
-        elif fld == 8:
-            t["name"] = bytes(b[v[0] : v[0] + v[1]]).decode()
-        elif fld == 9:
-            t["raw"] = v
-        elif fld == 13:  # external_data: StringStringEntryProto {key=1, value=2}
-            kv = {f: bytes(b[x[0] : x[0] + x[1]]).decode() for f, _, x in _fields(b, v[0], v[0] + v[1])}
-            t["external"][kv.get(1)] = kv.get(2)
-    return t
-
-
-def _tensor_data(model: Path, b: memoryview, t: dict) -> tuple[np.ndarray, int]:
-    if t["type"] not in FROM_ONNX:
-        raise DFlashError(f"{model}: initializer {t['name']} has unsupported element type {t['type']}")
-    dtype = np.dtype(STORAGE[FROM_ONNX[t["type"]]])
-    count = int(np.prod(t["dims"])) if t["dims"] else 1
-    if t["raw"] is not None:
-        off, n = t["raw"]
-        data = np.frombuffer(bytes(b[off : off + n]), dtype=dtype)
-    elif "location" in t["external"]:
-        ext = t["external"]
-        path = (model.parent / ext["location"]).resolve()
-        if model.parent.resolve() not in path.parents:
-            raise DFlashError(f"{model}: external data {ext['location']} points outside the directory")
-        data = np.fromfile(path, dtype=dtype, count=count, offset=int(ext.get("offset", 0)))
-    else:
-        raise DFlashError(f"{model}: initializer {t['name']} has no raw or external data; re-export the directory")
-    if data.size != count:
-        raise DFlashError(f"{model}: initializer {t['name']} holds {data.size} values, expected {count}")
-    return data.reshape(t["dims"]), t["type"]
 
 
 # -- the backend -----------------------------------------------------------------------
@@ -184,9 +107,8 @@ class OrtBackend(Backend):
         self.trace: list | None = None  # set to [] to record every bound (name, ptr, shape)
         self._geom: dict[int, tuple] = {}  # id(buffer) -> (pointer, row bytes, device), see _bind
 
-        # one copy of the shared weights, used in place by both sessions
-        # (an initializer the graph lacks is simply not shared: it costs memory, not correctness)
-        self._shared = read_initializers(self.directory / m.graphs[C.TARGET].file, C.SHARED_INITIALIZERS, False)
+        # one copy of the shared weights, used in place by every session whose graph holds them
+        self._shared = shared_weights(self.directory, m)
         self._shared_ov = {
             n: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a, t) for n, (a, t) in self._shared.items()
         }
@@ -199,14 +121,19 @@ class OrtBackend(Backend):
             self.sessions[C.DRAFT_BLOCK] = self._session(C.DRAFT_BLOCK, opts)
         self._io = {k: s.io_binding() for k, s in self.sessions.items()}
 
-        tin = {t.name: t for t in m.graphs[C.TARGET].inputs}
-        tout = {t.name: t for t in m.graphs[C.TARGET].outputs}
-        self._kv_type = tin[C.past_key(0)].dtype
-        self._taps_type = tout["taps"].dtype
+        # every tensor a call binds, from the contract: (is output, dtype, shape with dynamic roles)
+        self._specs: dict[tuple[str, str], tuple[bool, str, list]] = {}
+        static = C.sizes(m)
+        for graph in self.sessions:
+            ins, outs = C.io(graph, m)
+            for output, tensors in ((False, ins), (True, outs)):
+                for t in tensors:
+                    dims = [d if d in C.DYNAMIC else static[d] for d in t.dims]
+                    self._specs[graph, t.name] = (output, C.dtype(t, m), dims)
+        kv_type = C.dtype(C.PAST_KV[0], m)
         L, Hkv, D = m.target_layers, m.target_kv_heads, m.target_head_dim
-        self.kv = [self._alloc((1, self.max_len, Hkv, D), self._kv_type) for _ in range(2 * L)]  # k0 v0 k1 v1 ...
-        taps_width = tout["taps"].shape[-1]
-        self.taps = self._alloc((1, self.max_chunk, taps_width), self._taps_type)
+        self.kv = [self._alloc((1, self.max_len, Hkv, D), kv_type) for _ in range(2 * L)]  # k0 v0 k1 v1 ...
+        self.taps = self._alloc((1, self.max_chunk, static[C.TAPS_WIDTH]), C.dtype(C.tensor(C.TARGET, C.TAPS, m), m))
         K, V = m.block_size, m.vocab_size
         self.logits = np.empty((1, K, V), np.float32)  # host: verify logits when sampling
         self.next_ids = np.empty((1, self.max_chunk), np.int64)
@@ -218,9 +145,7 @@ class OrtBackend(Backend):
             self._logits_scratch = self._alloc((1, K, V), "float32")
         if drafter:
             dL, dH, dD = m.draft_layers, m.draft_kv_heads, m.draft_head_dim
-            dtype = {t.name: t for t in m.graphs[C.DRAFT_CONTEXT].outputs}[C.ctx_key(0)].dtype
-            self._ctx_type = dtype
-            self.ctx = [self._alloc((1, self.max_len, dH, dD), dtype) for _ in range(2 * dL)]
+            self.ctx = [self._alloc((1, self.max_len, dH, dD), C.dtype(C.CTX_KV[0], m)) for _ in range(2 * dL)]
             self.block_ids = np.full((1, K), m.mask_token_id, np.int64)
             self.draft_ids = np.empty((1, K - 1), np.int64)
             self._draft_logits = self._alloc((1, K - 1, V), "float32")
@@ -231,9 +156,8 @@ class OrtBackend(Backend):
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = base.intra_op_num_threads
         path = self.directory / self.manifest.graphs[graph].file
-        if graph in (C.TARGET, C.DRAFT_BLOCK):
-            has = read_initializers(path, tuple(self._shared_ov), required=False, load=False)
-            for name in has:
+        for name, t in self.manifest.shared.items():
+            if graph in t.graphs:
                 opts.add_initializer(name, self._shared_ov[name])
         kwargs = {}
         if self.low_memory:  # no per-session transposed/prepacked LM head: one copy, slower GEMMs
@@ -272,15 +196,18 @@ class OrtBackend(Backend):
             g = self._geom[id(buf)] = (self._ptr(buf), row, ort.OrtDevice.make(device, 0)._get_c_device())
         return g
 
-    def _bind(self, io, output: bool, name: str, buf, dtype: str, shape: list, offset_rows: int = 0):
-        """Bind `shape` starting `offset_rows` rows (axis 1) into `buf`, in place.
+    def _bind(self, graph: str, name: str, buf, offset_rows: int = 0, **dynamic: int):
+        """Bind the contract's tensor `name` of `graph` to `buf`, `offset_rows` rows (axis 1)
+        in, in place; its shape from the contract with the dynamic roles given (batch 1).
 
         Calls the binding's C++ object directly: the Python wrapper costs ~8 us a call,
         which at 4 bindings per layer was several percent of a small model's step.
         """
+        output, dtype, dims = self._specs[graph, name]
+        shape = [d if isinstance(d, int) else 1 if d == C.BATCH else dynamic[d] for d in dims]
         base, row, device = self._geometry(buf, dtype)
         ptr = base + offset_rows * row
-        raw = io._iobinding
+        raw = self._io[graph]._iobinding
         (raw.bind_output if output else raw.bind_input)(name, device, ONNX_TYPE[dtype], shape, ptr)
         if self.trace is not None:
             self.trace.append((name, ptr, tuple(shape)))
@@ -292,68 +219,58 @@ class OrtBackend(Backend):
     # -- the interface -------------------------------------------------------------------
 
     def target(self, ids: np.ndarray, want_logits: bool = False) -> TargetOut:
-        m, P, S = self.manifest, self.target_len, len(ids)
+        m, P, S, g = self.manifest, self.target_len, len(ids), C.TARGET
         if not 1 <= S <= self.max_chunk:
             raise DFlashError(f"internal: target call with {S} tokens (1..{self.max_chunk})")
         if P + S > self.max_len:
             raise DFlashError(f"sequence of {P + S} positions exceeds the exported max context {self.max_len}")
-        L, Hkv, D = m.target_layers, m.target_kv_heads, m.target_head_dim
-        io = self._io[C.TARGET]
         self.ids[0, :S] = ids
-        self._bind(io, False, "input_ids", self.ids, "int64", [1, S])
-        self._bind(io, False, "position_ids", self.positions, "int64", [1, S], P)
-        for i in range(L):
+        self._bind(g, C.INPUT_IDS, self.ids, seq=S)
+        self._bind(g, C.POSITION_IDS, self.positions, P, seq=S)
+        for i in range(m.target_layers):
             k, v = self.kv[2 * i], self.kv[2 * i + 1]
-            self._bind(io, False, C.past_key(i), k, self._kv_type, [1, P, Hkv, D])
-            self._bind(io, False, C.past_value(i), v, self._kv_type, [1, P, Hkv, D])
-            self._bind(io, True, C.new_key(i), k, self._kv_type, [1, S, Hkv, D], P)
-            self._bind(io, True, C.new_value(i), v, self._kv_type, [1, S, Hkv, D], P)
-        self._bind(io, True, "taps", self.taps, self._taps_type, [1, S, self.taps_width])
-        self._bind(io, True, "next_ids", self.next_ids, "int64", [1, S])
+            self._bind(g, C.past_key(i), k, past=P)
+            self._bind(g, C.past_value(i), v, past=P)
+            self._bind(g, C.new_key(i), k, P, seq=S)
+            self._bind(g, C.new_value(i), v, P, seq=S)
+        self._bind(g, C.TAPS, self.taps, seq=S)
+        self._bind(g, C.NEXT_IDS, self.next_ids, seq=S)
+        io = self._io[g]
         big = S > m.block_size
         if big:  # prefill chunk: ORT allocates its logits (we only need the last row, if any)
-            io.bind_output("logits", "cpu" if want_logits else self.device)
+            io.bind_output(C.LOGITS, "cpu" if want_logits else self.device)
         else:
-            buf = self.logits if want_logits else self._logits_scratch
-            self._bind(io, True, "logits", buf, "float32", [1, S, m.vocab_size])
-        self.sessions[C.TARGET].run_with_iobinding(io)
+            self._bind(g, C.LOGITS, self.logits if want_logits else self._logits_scratch, seq=S)
+        self.sessions[g].run_with_iobinding(io)
         self._pending = S
         logits = None
         if want_logits:
             logits = io.get_outputs()[-1].numpy()[0] if big else self.logits[0, :S]
         return TargetOut(self.next_ids[0, :S], logits)
 
-    @property
-    def taps_width(self) -> int:
-        return self.taps.shape[-1] if isinstance(self.taps, np.ndarray) else self.taps.shape()[-1]
-
     def draft_context(self, n: int) -> None:
-        m, P = self.manifest, self.context_len
+        m, P, g = self.manifest, self.context_len, C.DRAFT_CONTEXT
         if not 0 < n <= self.max_chunk or P + n > self.max_len:
             raise DFlashError(f"internal: draft_context({n}) at {P} (max {self.max_len})")
-        io = self._io[C.DRAFT_CONTEXT]
-        self._bind(io, False, "taps", self.taps, self._taps_type, [1, n, self.taps_width])
-        self._bind(io, False, "ctx_position_ids", self.positions, "int64", [1, n], P)
-        dH, dD = m.draft_kv_heads, m.draft_head_dim
+        self._bind(g, C.TAPS, self.taps, ctx=n)
+        self._bind(g, C.CTX_POSITION_IDS, self.positions, P, ctx=n)
         for j in range(m.draft_layers):
-            self._bind(io, True, C.ctx_key(j), self.ctx[2 * j], self._ctx_type, [1, n, dH, dD], P)
-            self._bind(io, True, C.ctx_value(j), self.ctx[2 * j + 1], self._ctx_type, [1, n, dH, dD], P)
-        self.sessions[C.DRAFT_CONTEXT].run_with_iobinding(io)
+            self._bind(g, C.ctx_key(j), self.ctx[2 * j], P, ctx=n)
+            self._bind(g, C.ctx_value(j), self.ctx[2 * j + 1], P, ctx=n)
+        self.sessions[g].run_with_iobinding(self._io[g])
         self.context_len += n
 
     def draft_block(self, anchor: int) -> np.ndarray:
-        m, P, K = self.manifest, self.context_len, self.manifest.block_size
-        io = self._io[C.DRAFT_BLOCK]
+        m, P, g = self.manifest, self.context_len, C.DRAFT_BLOCK
         self.block_ids[0, 0] = anchor
-        self._bind(io, False, "block_ids", self.block_ids, "int64", [1, K])
-        self._bind(io, False, "block_position_ids", self.positions, "int64", [1, K], P)
-        dH, dD = m.draft_kv_heads, m.draft_head_dim
+        self._bind(g, C.BLOCK_IDS, self.block_ids)
+        self._bind(g, C.BLOCK_POSITION_IDS, self.positions, P)
         for j in range(m.draft_layers):
-            self._bind(io, False, C.past_ctx_key(j), self.ctx[2 * j], self._ctx_type, [1, P, dH, dD])
-            self._bind(io, False, C.past_ctx_value(j), self.ctx[2 * j + 1], self._ctx_type, [1, P, dH, dD])
-        self._bind(io, True, "draft_ids", self.draft_ids, "int64", [1, K - 1])
-        self._bind(io, True, "draft_logits", self._draft_logits, "float32", [1, K - 1, m.vocab_size])
-        self.sessions[C.DRAFT_BLOCK].run_with_iobinding(io)
+            self._bind(g, C.past_ctx_key(j), self.ctx[2 * j], past_ctx=P)
+            self._bind(g, C.past_ctx_value(j), self.ctx[2 * j + 1], past_ctx=P)
+        self._bind(g, C.DRAFT_IDS, self.draft_ids)
+        self._bind(g, C.DRAFT_LOGITS, self._draft_logits)
+        self.sessions[g].run_with_iobinding(self._io[g])
         return self.draft_ids[0]
 
     def close(self) -> None:

@@ -75,7 +75,7 @@ def artifact(case: Case) -> tuple[Path, Path, Path]:
     """(target_dir, draft_dir, exported_dir) for `case`, exported once per content."""
     from tiny import make_drafter, make_target
 
-    from dflash_export.export.onnx import export_artifact
+    from dflash_export.export.artifact import export_artifact
 
     cache = Path(os.environ.get("DFLASH_TEST_CACHE", Path.home() / ".cache/dflash-export/test-artifacts"))
     key = hashlib.sha256((_source_digest() + json.dumps(asdict(case), sort_keys=True)).encode()).hexdigest()[:16]

@@ -21,7 +21,8 @@ from tiny import make_drafter, make_target
 
 from dflash_export.cli import cli
 from dflash_export.export import trt_lint
-from dflash_export.export.onnx import SHARED_DATA, export_artifact
+from dflash_export.export.artifact import export_artifact
+from dflash_export.runtime.contract import SHARED_DATA
 from dflash_export.export.validate import lint
 from dflash_export.runtime import contract as C
 from dflash_export.runtime.errors import DFlashError
@@ -78,8 +79,22 @@ def test_shared_weights_are_stored_once(art):
         assert target[name] == block[name] and target[name]["location"] == SHARED_DATA
     # tied embeddings: both names are the same bytes
     assert target["embed_tokens.weight"] == target["lm_head.weight"]
-    assert (out / SHARED_DATA).stat().st_size == 101 * 64 * 4
     assert not set(C.SHARED_INITIALIZERS) & set(ctx)
+    # the manifest's table says where each is; the drafter's K/V projections serve both drafter graphs
+    m = C.load_manifest(out)
+    kv = {n for n in m.shared if n not in C.SHARED_INITIALIZERS}
+    assert kv == {f"layers.{j}.self_attn.{p}_proj.weight" for j in range(m.draft_layers) for p in "kv"}
+    for name, t in m.shared.items():
+        want = ["target", "draft_block"] if name in C.SHARED_INITIALIZERS else ["draft_context", "draft_block"]
+        assert t.graphs == want and t.file == SHARED_DATA
+        for graph in want:
+            ref = _externals(out / C.GRAPH_FILES[graph])[name]
+            assert (ref["location"], int(ref["offset"]), int(ref["length"])) == (SHARED_DATA, t.offset, t.length)
+    distinct = {(t.offset, t.length) for t in m.shared.values()}
+    assert len(distinct) == len(m.shared) - 1  # tied: two names, one copy
+    stored = sum(n for _, n in distinct)
+    assert stored == 101 * 64 * 4 + 2 * 2 * 2 * 16 * 64 * 4  # embedding + k/v of two drafter layers
+    assert stored <= (out / SHARED_DATA).stat().st_size < stored + 4096 * len(distinct)  # alignment only
     for graph, refs in (("target", target), ("draft_block", block), ("draft_context", ctx)):
         assert all(r["location"] in (SHARED_DATA, f"{graph}.data") for r in refs.values() if r)  # {}: inline, < 1 KiB
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from tiny import make_drafter, make_target
 
 from dflash_export.cli import cli
-from dflash_export.export import onnx as export_onnx
+from dflash_export.export import trace as export_trace
 
 
 @pytest.fixture(scope="module")
@@ -120,16 +120,16 @@ def test_interrupt_and_failure_leave_the_old_out_alone(ckpts, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(export_onnx, "trace", interrupted)
+    monkeypatch.setattr(export_trace, "trace", interrupted)
     r = run_export(ckpts, "t2", "d2", "old", "--force")
     assert r.exit_code == 130 and "error: interrupted" in r.stderr
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".old.")]
 
     def broken(*a, **k):
-        raise export_onnx.DFlashError("torch.onnx.export failed for TargetGraph: boom")
+        raise export_trace.DFlashError("torch.onnx.export failed for TargetGraph: boom")
 
-    monkeypatch.setattr(export_onnx, "trace", broken)
+    monkeypatch.setattr(export_trace, "trace", broken)
     assert_error(run_export(ckpts, "t2", "d2", "old", "--force"), "boom")
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".old.")]

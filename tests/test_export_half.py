@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from tiny import make_drafter, make_target
 
 from dflash_export.cli import cli
-from dflash_export.export.onnx import export_artifact
+from dflash_export.export.artifact import export_artifact
 from dflash_export.export.validate import lint
 from dflash_export.runtime import contract as C
 

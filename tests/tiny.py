@@ -109,7 +109,7 @@ def hf_model(directory: str | Path):
 
 def export_tiny_pair(root: str | Path, block_size: int, max_context: int, dtype: str = "fp32") -> Path:
     """A 2-layer, 32-wide target + 1-layer drafter under root/{t,d}, exported to root/out."""
-    from dflash_export.export.onnx import export_artifact
+    from dflash_export.export.artifact import export_artifact
 
     root = Path(root)
     make_target(root / "t", layers=2, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64)

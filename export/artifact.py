@@ -1,0 +1,196 @@
+"""Export a target + drafter pair to an ONNX artifact directory (runtime/contract.py).
+
+Phases: load (safetensors -> models/), trace (export/trace.py: torch.onnx.export, dynamo
+exporter, checked against the contract), save (export/save.py: external data, weights
+several graphs hold stored once in `shared.data`), validate (export/validate.py), then
+manifest.json with the sha256 of every file. Everything is written into a hidden
+sibling directory that is renamed onto `--out` only at the end, so a failed or interrupted
+export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from ..runtime import contract as C
+from ..runtime.errors import DFlashError
+from .progress import Phases, report
+
+DTYPES = ("fp32", "fp16", "bf16")
+MIN_OPSET = 18
+
+
+def torch_dtype(dtype: str):
+    import torch
+
+    if dtype not in DTYPES:
+        raise DFlashError(f"dtype {dtype!r} is not supported (choose one of {', '.join(DTYPES)})")
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+
+
+# -- checks before anything is written ---------------------------------------------------
+
+
+def check_out_dir(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise DFlashError(f"--out {out} exists and is not a directory; choose another path")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise DFlashError(f"--out {out} exists and is not empty; pass --force to replace it or choose another path")
+    if not out.parent.exists():
+        raise DFlashError(f"the parent directory of --out {out} does not exist; create it first")
+
+
+def plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset=None):
+    """Read both configs and refuse any mismatch before loading a single weight."""
+    from ..models.config import DraftConfig, TargetConfig
+
+    tc = TargetConfig.load(target_dir)
+    dc = DraftConfig.load(draft_dir)
+    dc.check_fits(tc, f"drafter {draft_dir}")
+    k = int(block_size or dc.block_size)
+    if k < 2:
+        raise DFlashError(f"block size {k} is too small; a block is [anchor, mask, ...] so it needs at least 2")
+    mask = dc.resolve_mask_token_id(mask_token_id)
+    if not 0 <= mask < tc.vocab_size:
+        raise DFlashError(f"mask token id {mask} is outside the target's vocabulary [0, {tc.vocab_size})")
+    if opset is not None and opset < MIN_OPSET:
+        raise DFlashError(f"--opset {opset} is not supported: torch's dynamo exporter writes opset {MIN_OPSET} or higher")
+    if max_context <= k:
+        raise DFlashError(f"--max-context {max_context} must exceed the block size {k}")
+    return tc, dc, k, mask
+
+
+# -- tracing ------------------------------------------------------------------------------
+
+
+# -- saving -------------------------------------------------------------------------------
+
+
+# -- manifest -----------------------------------------------------------------------------
+
+
+def tool_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": sys.version.split()[0]}
+    for pkg in ("dflash-export", "torch", "onnx", "onnxscript", "onnx-ir", "onnxruntime"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+def eos_ids(target_dir: Path, config_eos: list[int]) -> list[int]:
+    import json
+
+    ids = list(config_eos)
+    gen = Path(target_dir) / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except ValueError:
+            eos = None
+        for i in [eos] if isinstance(eos, int) else (eos or []):
+            if i not in ids:
+                ids.append(int(i))
+    return ids
+
+
+# -- the whole export ---------------------------------------------------------------------
+
+
+def export_artifact(
+    target_dir: str | Path,
+    draft_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str = "fp32",
+    block_size: int | None = None,
+    max_context: int = 2048,
+    mask_token_id: int | None = None,
+    opset: int | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> C.Manifest:
+    """Trace, save, validate and describe one artifact directory; atomic on failure."""
+    from .graphs import wrapper
+    from .save import DataWriter, copy_tokenizer, graph_spec, opset_of, save_graph, shared_names
+    from .trace import fold_shape_constants, rename_initializers, trace
+    from .validate import validate_artifact
+
+    target_dir, draft_dir, out = Path(target_dir), Path(draft_dir), Path(out_dir).absolute()
+    tdtype = torch_dtype(dtype)
+    check_out_dir(out, force)
+    tc, dc, k, mask = plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset)
+    manifest = C.Manifest(
+        block_size=k, mask_token_id=mask, target_layer_ids=list(dc.target_layer_ids), dtype=dtype,
+        vocab_size=tc.vocab_size, max_context=int(max_context), hidden_size=tc.hidden_size,
+        target_layers=tc.num_layers, target_kv_heads=tc.num_kv_heads, target_head_dim=tc.head_dim,
+        draft_layers=dc.num_layers, draft_kv_heads=dc.num_kv_heads, draft_head_dim=dc.head_dim,
+        architecture=tc.architecture, eos_token_ids=eos_ids(target_dir, tc.eos_token_ids),
+        opset=0, graphs={}, tools=tool_versions(),
+    )
+    ui = Phases(progress)
+    t0 = time.perf_counter()
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
+            from ..models import Drafter, Target
+
+            target = Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
+            drafter = Drafter.from_pretrained(draft_dir, tdtype)
+        with ui.phase("trace", f"3 graphs, block size {k} (torch.onnx dynamo)"):
+            models = {g: trace(g, wrapper(g, target, drafter), manifest, tdtype, opset) for g in C.GRAPHS}
+            for model in models.values():
+                fold_shape_constants(model)
+                rename_initializers(model, tc.tie_word_embeddings)
+        with ui.phase("save", "graphs + external data + tokenizer"):
+            writer = DataWriter(tmp, shared_names(models), tc.tie_word_embeddings)
+            try:
+                for name, model in models.items():
+                    writer.externalize(name, model)
+                    save_graph(model, tmp / C.GRAPH_FILES[name])
+            finally:
+                writer.close()
+            tokenizer = copy_tokenizer(target_dir, tmp)
+        manifest.shared = writer.shared
+        del models, target, drafter, writer
+        with ui.phase("validate", "onnx.checker, shape inference, op lint, ORT load"):
+            validate_artifact(tmp, dtype)
+        manifest.graphs = {name: graph_spec(tmp / f) for name, f in C.GRAPH_FILES.items()}
+        manifest.opset = opset_of(tmp / C.GRAPH_FILES[C.TARGET])
+        manifest.tokenizer = "tokenizer.json" in tokenizer or "tokenizer.model" in tokenizer
+        write_manifest_checked(tmp, manifest)
+        commit(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt):
+            ui.console.print(f"[red]interrupted[/]: partial export removed, {out} unchanged")
+        raise
+    report(ui, out, time.perf_counter() - t0)
+    return manifest
+
+
+def write_manifest_checked(root: Path, manifest: C.Manifest) -> None:
+    C.write_manifest(root, manifest)
+    C.load_manifest(root, verify=True)  # what a runtime will do: must pass before we publish
+
+
+def commit(tmp: Path, out: Path) -> None:
+    """Move the finished directory onto `out` (replacing an old one only now)."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+

@@ -1,0 +1,151 @@
+"""Saving: graphs with external data, weights stored once, the tokenizer, the graphs' I/O record.
+
+Initializers of 1 KiB and more go to external data aligned for mmap: one `<graph>.data`
+per graph, and `shared.data` for every weight that more than one graph holds (the
+embedding and LM head of target + draft_block, the drafter's K/V projections of both
+drafter graphs), written once and described in the manifest's `shared` table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+from ..runtime import contract as C
+from ..runtime.errors import DFlashError
+
+ALIGN = 4096  # external-data offsets of large tensors, so ORT can mmap them
+INLINE_BELOW = 1024  # bytes: smaller initializers stay in the .onnx file
+
+
+def shared_names(models: dict) -> dict[str, list[str]]:
+    """Weights to store once: name -> graphs, for every initializer of 1 KiB or more that
+    several graphs hold with the same name and the same bytes (the same parameter), and
+    the shared embedding / LM head."""
+    where: dict[str, list[str]] = {}
+    digest: dict[str, set] = {}
+    for graph, model in models.items():
+        for value in model.graph.initializers.values():
+            t = value.const_value
+            if t is not None and t.nbytes >= INLINE_BELOW:
+                where.setdefault(value.name, []).append(graph)
+                digest.setdefault(value.name, set()).add(_digest(t))
+    return {n: g for n, g in where.items()
+            if n in C.SHARED_INITIALIZERS or (len(g) > 1 and len(digest[n]) == 1)}
+
+
+def _digest(t) -> str:
+    import numpy as np
+
+    return hashlib.sha256(np.ascontiguousarray(t.numpy()).view(np.uint8)).hexdigest()
+
+
+class DataWriter:
+    """Moves initializers of 1 KiB and more into external data; weights several graphs hold
+    into shared.data, once (`shared`: name -> C.SharedTensor, the manifest's table).
+
+    Tensors are streamed from their torch storage one at a time (no copy of the model),
+    which keeps peak memory near the weights' size even above protobuf's 2 GB limit.
+    """
+
+    def __init__(self, root: Path, shared: dict[str, list[str]], tied: bool):
+        self.root = root
+        self.files: dict[str, object] = {}
+        self.share = shared  # name -> graphs holding it
+        self.tied = tied
+        self.shared: dict[str, C.SharedTensor] = {}
+
+    def _append(self, fname: str, tensor) -> tuple[int, int]:
+        f = self.files.get(fname)
+        if f is None:
+            f = self.files[fname] = open(self.root / fname, "wb")
+        nbytes = tensor.nbytes
+        pos = f.tell()
+        pad = (-pos) % (ALIGN if nbytes >= ALIGN else 64)
+        f.write(b"\0" * pad)
+        offset = f.tell()
+        tensor.tofile(f)
+        length = f.tell() - offset
+        if length != nbytes:
+            raise DFlashError(f"writing {tensor.name}: wrote {length} bytes, expected {nbytes}")
+        return offset, length
+
+    def _shared(self, name: str, t) -> C.SharedTensor:
+        embed, head = C.SHARED_INITIALIZERS
+        same = embed if self.tied and name == head else name  # tied: one tensor, two names
+        first = self.shared.get(same)
+        if first is None:
+            offset, length = self._append(C.SHARED_DATA, t)
+            first = C.SharedTensor(C.SHARED_DATA, offset, length, t.dtype.numpy().name, list(t.shape), [])
+            self.shared[same] = first
+        if (first.dtype, first.shape) != (t.dtype.numpy().name, list(t.shape)):
+            raise DFlashError(f"shared tensor {name} differs between graphs: {first.shape} vs {list(t.shape)}")
+        entry = self.shared.setdefault(name, C.SharedTensor(**{**vars(first), "graphs": []}))
+        return entry
+
+    def externalize(self, graph: str, model) -> None:
+        import onnx_ir as ir
+
+        for value in list(model.graph.initializers.values()):
+            t = value.const_value
+            if value.name in self.share:
+                entry = self._shared(value.name, t)
+                if graph not in entry.graphs:
+                    entry.graphs.append(graph)
+                fname, offset, length = entry.file, entry.offset, entry.length
+            elif t.nbytes < INLINE_BELOW:
+                continue  # shape constants (axes, shapes) stay inline, where shape inference reads them
+            else:
+                fname = f"{graph}.data"
+                offset, length = self._append(fname, t)
+            value.const_value = ir.ExternalTensor(
+                fname, offset, length, t.dtype, shape=t.shape, name=value.name, base_dir=self.root
+            )
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def save_graph(model, path: Path) -> None:
+    import onnx
+    import onnx_ir as ir
+
+    proto = ir.serde.serialize_model(model)  # initializers are external references: small
+    for node in proto.graph.node:  # the exporter's per-node stack traces: most of the file, no use
+        del node.metadata_props[:]
+        node.doc_string = ""
+    onnx.save_model(proto, str(path))
+
+
+def copy_tokenizer(target_dir: Path, out: Path) -> list[str]:
+    copied = []
+    for name in C.TOKENIZER_FILES:
+        src = Path(target_dir) / name
+        if src.is_file():
+            shutil.copyfile(src, out / name)
+            copied.append(name)
+    return copied
+
+
+def graph_spec(path: Path) -> C.GraphSpec:
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(path), load_external_data=False)
+
+    def spec(v) -> C.TensorSpec:
+        t = v.type.tensor_type
+        dims = [d.dim_param if d.dim_param else int(d.dim_value) for d in t.shape.dim]
+        name = helper.tensor_dtype_to_np_dtype(t.elem_type).name
+        return C.TensorSpec(v.name, name if name != "bfloat16" else "bfloat16", dims)
+
+    return C.GraphSpec(path.name, [spec(v) for v in model.graph.input], [spec(v) for v in model.graph.output])
+
+
+def opset_of(path: Path) -> int:
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))

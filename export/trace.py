@@ -1,0 +1,117 @@
+"""Tracing: the PyTorch graph wrappers -> ONNX IR with the contract's names, small IR passes.
+
+torch.onnx.export (dynamo) traces each wrapper of export/graphs.py on inputs built from the
+contract; the result is checked against runtime/contract.py, shape arithmetic is folded
+and the initializers get stable names (the shared embedding and LM head, module paths).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import warnings
+
+from ..runtime import contract as C
+from ..runtime.errors import DFlashError
+
+
+def trace(graph: str, module, m: C.Manifest, dtype, opset: int | None):
+    """torch.onnx.export (dynamo) of one graph's wrapper -> onnx_ir.Model checked against the contract."""
+    import torch
+
+    from .graphs import trace_inputs
+
+    args, dynamic_shapes = trace_inputs(graph, m, dtype)
+    inputs, outputs = C.names(graph, m)
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "onnxscript")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
+            warnings.simplefilter("ignore")
+            prog = torch.onnx.export(
+                module.eval(), args, dynamo=True, input_names=inputs, output_names=outputs,
+                dynamic_shapes=dynamic_shapes, opset_version=opset, optimize=False, verbose=False,
+            )
+    except Exception as e:  # the exporter raises many types; report one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise DFlashError(f"torch.onnx.export failed for {type(module).__name__}: {type(e).__name__}: {first}") from e
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+    model = prog.model
+    got = model.opset_imports.get("")
+    if opset is not None and got != opset:
+        raise DFlashError(f"--opset {opset}: the exporter could only produce opset {got} for this model; "
+                          "use --opset 18 or higher (or leave it out)")
+    check_io(graph, model, m)
+    return model
+
+
+def check_io(graph: str, model, m: C.Manifest) -> None:
+    """The traced graph's inputs and outputs are the contract's: names, order, dtypes, static
+    dims, and a named dynamic dim wherever the contract has a dynamic role."""
+    ins, outs = C.io(graph, m)
+    got = [v.name for v in (*model.graph.inputs, *model.graph.outputs)]
+    want = [t.name for t in (*ins, *outs)]
+    if got != want:
+        raise DFlashError(f"exported {graph} has I/O {got}, expected {want}")
+    static = C.sizes(m)
+    for v, t in zip((*model.graph.inputs, *model.graph.outputs), (*ins, *outs)):
+        dtype = v.dtype.numpy().name if v.dtype is not None else None
+        if dtype != C.dtype(t, m):
+            raise DFlashError(f"exported {graph}: {t.name} has dtype {dtype}, the contract says {C.dtype(t, m)}")
+        dims = list(v.shape) if v.shape is not None else []
+        for axis, (d, role) in enumerate(zip(dims, t.dims)):
+            ok = not isinstance(d, int) if role in C.DYNAMIC else d == static[role]
+            if len(dims) != len(t.dims) or not ok:
+                raise DFlashError(f"exported {graph}: {t.name} has shape {dims}, the contract says {list(t.dims)}")
+
+
+def fold_shape_constants(model) -> None:
+    """Fold computations on constants (shape and axes arithmetic) but never touch a weight.
+
+    The exporter leaves e.g. ReduceMean axes as Reshape(Constant, Constant); TensorRT's
+    parser wants such inputs as initializers. onnxscript's full optimizer would also fold
+    Transpose(weight) into new unnamed copies (for small weights only), which would break
+    the shared embedding/LM head names, so any node that reads an initializer is skipped.
+    """
+    from onnxscript import optimizer
+
+    weights = set(model.graph.initializers)
+
+    def should_fold(node):
+        return False if any(v is not None and v.name in weights for v in node.inputs) else None
+
+    optimizer.fold_constants(model, should_fold=should_fold)
+    optimizer.remove_unused_nodes(model)
+
+
+def rename_initializers(model, tied: bool) -> None:
+    """Drop the wrapper prefix; the embedding and LM head get the SHARED_INITIALIZERS names.
+
+    With tied embeddings torch.export keeps one parameter for both uses; it is split into
+    two initializers, `embed_tokens.weight` (read by Gather) and `lm_head.weight` (read by
+    the head's MatMul), that point at the same bytes of shared.data, so every graph that
+    holds the shared tensors holds both names.
+    """
+    import onnx_ir as ir
+
+    embed, head = C.SHARED_INITIALIZERS
+    for value in list(model.graph.initializers.values()):
+        prefix, _, rest = value.name.partition(".")
+        name = rest if prefix in ("target", "drafter", "shared") and rest else value.name
+        if name.endswith("embed_tokens.weight") or (tied and name.endswith("lm_head.weight")):
+            name = embed
+        elif name.endswith("lm_head.weight"):
+            name = head
+        value.name = name
+    if tied and embed in model.graph.initializers and head not in model.graph.initializers:
+        tied_value = model.graph.initializers[embed]
+        head_value = ir.Value(name=head, shape=tied_value.shape, type=tied_value.type, const_value=tied_value.const_value)
+        model.graph.register_initializer(head_value)
+        for node, i in list(tied_value.uses()):
+            if node.op_type != "Gather":
+                node.replace_input_with(i, head_value)
