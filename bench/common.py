@@ -1,6 +1,6 @@
 """The benchmark model: small but not microscopic, random weights, exported once.
 
-Built with tests/tiny.py's writers (a real Hugging Face Qwen3 checkpoint and a z-lab
+Built with dflash_export.testing's writers (a real Hugging Face Qwen3 checkpoint and a z-lab
 drafter), then exported with export_artifact. Cached under DFLASH_BENCH_CACHE (default
 ~/.cache/dflash-export/bench) by its parameters and the exporter/model sources, so the
 benches can be rerun quickly.
@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,10 +34,8 @@ def bench_model(name: str = "small") -> tuple[Path, Path, Path]:
     cache = Path(os.environ.get("DFLASH_BENCH_CACHE", Path.home() / ".cache/dflash-export/bench"))
     final = cache / f"{p['arch']}-L{p['layers']}-H{p['hidden']}-{key}"
     if not (final / "out" / "manifest.json").is_file():
-        sys.path.insert(0, str(ROOT / "tests"))
-        from tiny import make_drafter, make_target
-
         from dflash_export.export.artifact import export_artifact
+        from dflash_export.testing import make_drafter, make_target
 
         tmp = cache / f".{final.name}.{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)

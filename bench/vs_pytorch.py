@@ -21,7 +21,6 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import bench_model, export_pair, random_prompts  # noqa: E402
 
 
@@ -38,7 +37,7 @@ def main() -> None:
     a = ap.parse_args()
 
     import torch
-    from tiny import hf_model
+    from dflash_export.testing import hf_model
 
     from dflash_export.models import Drafter, Target, speculative_generate
     from dflash_export.models.config import DraftConfig

@@ -7,7 +7,6 @@ so both commands work on a machine without torch.
 from __future__ import annotations
 
 import json
-import resource
 import sys
 from pathlib import Path
 
@@ -54,10 +53,6 @@ def _backend(out: str, provider: str, drafter: bool = True, backend: str = "ort"
     if threads is not None and threads < 1:
         raise DFlashError(f"--threads must be >= 1 (got {threads})")
     return open_backend(out, "ort", provider, drafter=drafter, threads=threads)
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 provider_option = click.option(
@@ -181,51 +176,6 @@ def _bench_prompts(path: Path | None, tok, vocab: int, n_random: int = 5, length
     return prompts, f"{n_random} random token prompts of {length} tokens (no tokenizer in the directory)"
 
 
-def run_bench(backend, prompts: list[list[int]], max_new_tokens: int, warmup: int = 1) -> dict:
-    """Speculative loop and plain decoding on the same prompts, same backend, same run."""
-    from .runtime.loop import generate as run
-
-    for p in prompts[:warmup]:
-        run(backend, p, max_new_tokens, draft=True)
-        run(backend, p, max_new_tokens, draft=False)
-    spec, base = [], []
-    for p in prompts:  # interleaved, so drifts in machine load hit both sides alike
-        spec.append(run(backend, p, max_new_tokens, draft=True))
-        base.append(run(backend, p, max_new_tokens, draft=False))
-
-    def rate(gs):
-        return sum(len(g.tokens) - 1 for g in gs) / sum(g.decode_s for g in gs)
-
-    def split(gs):
-        return {k: sum(getattr(g, f"{k}_s") for g in gs) for k in ("prefill", "draft", "verify", "host", "total")}
-
-    lengths = [a for g in spec for a in g.acceptance_lengths]
-    rounds, steps = len(lengths), sum(len(g.acceptance_lengths) for g in base)
-    tau = float(np.mean(lengths))
-    t_step = sum(g.verify_s for g in base) / steps
-    t_draft = sum(g.draft_s for g in spec) / rounds
-    t_verify = sum(g.verify_s for g in spec) / rounds
-    speedup = rate(spec) / rate(base)
-    ideal = tau * t_step / (t_draft + t_verify)
-    k = backend.manifest.block_size
-    return {
-        "provider": backend.provider,
-        "prompts": len(prompts),
-        "max_new_tokens": max_new_tokens,
-        "block_size": k,
-        "tau": tau,
-        "acceptance_histogram": {str(i): lengths.count(i) for i in range(1, k + 1)},
-        "tokens_per_second": {"speculative": rate(spec), "autoregressive": rate(base)},
-        "speedup": speedup,
-        "ms_per_call": {"step": t_step * 1e3, "draft": t_draft * 1e3, "verify": t_verify * 1e3},
-        "ideal_speedup": ideal,
-        "loop_efficiency": speedup / ideal,
-        "time_split_s": {"speculative": split(spec), "autoregressive": split(base)},
-        "lossless": all(s.tokens == b.tokens for s, b in zip(spec, base)),
-        "peak_rss_mb": _peak_rss_mb(),
-    }
-
-
 def plot_bench(report: dict, path: Path) -> None:
     try:
         import matplotlib
@@ -272,10 +222,11 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, provider, ba
             raise DFlashError("--plot needs matplotlib: pip install 'dflash-export[dev]' (or matplotlib)") from None
     backend = _backend(out, provider, backend=backend, threads=threads)
     prompts, source = _bench_prompts(prompts_file, _tokenizer(out), backend.manifest.vocab_size)
-    m = backend.manifest
     room = backend.max_len - max(len(p) for p in prompts)
     if room < 1:
         raise DFlashError(f"a prompt fills the max context {backend.max_len}; use shorter prompts")
+    from .runtime.measure import run_bench
+
     report = run_bench(backend, prompts, min(max_new_tokens, room), warmup)
     report["prompt_source"] = source
     if plot is not None:

@@ -51,6 +51,22 @@ class Report:
         ok_e2e = not e2e or self.dtype != "fp32" or e2e["identical"] == e2e["cases"]
         return bool(self.rows) and all(r.passed for r in self.rows) and ok_e2e
 
+    def summary(self) -> str:
+        """One line: outputs checked, the worst error against its tolerance, prompts identical."""
+        floats = [r for r in self.rows if r.max is not None]
+        worst = max(floats, key=lambda r: r.max / r.tol if r.tol else r.max, default=None)
+        line = f"parity ({self.dtype}): {len(self.rows)} outputs checked"
+        if worst is not None:
+            tol = f"tolerance {worst.tol:g}" if worst.tol else "reported, not enforced"
+            line += f", worst error {worst.max:.1e} ({worst.graph} {worst.output}; {tol})"
+        ids = [r for r in self.rows if r.max is None]
+        if ids:
+            line += f", {sum(r.passed for r in ids)}/{len(ids)} id outputs equal"
+        e = self.end_to_end
+        if e:
+            line += f", {e['identical']}/{e['cases']} prompts token-identical to PyTorch"
+        return line + (": PASSED" if self.passed else ": FAILED")
+
     def to_json(self) -> dict:
         graphs: dict = {}
         for r in self.rows:

@@ -2,7 +2,8 @@
 
 from .config import DraftConfig, TargetConfig, default_target_layer_ids
 from .drafter import Drafter, draft_config_dict, new_drafter
-from .generate import Generation, KVCache, autoregressive_generate, speculative_generate
+from .generate import Generation, autoregressive_generate, speculative_generate
+from .kvcache import KVCache
 from .target import Target
 
 __all__ = [

@@ -22,28 +22,7 @@ import torch
 
 from ..runtime.errors import DFlashError
 from ..runtime.sampling import accept, check_request, check_sampling, choose, cut_at_stop
-
-
-class KVCache:
-    """Static sequence-major buffers [B, max_len, Hkv, D] per layer, written by index."""
-
-    def __init__(self, layers: int, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int = 1):
-        self.k = [torch.zeros(batch, max_len, kv_heads, head_dim, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros(batch, max_len, kv_heads, head_dim, dtype=dtype) for _ in range(layers)]
-        self.length = 0
-
-    def view(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Zero-copy views of the valid prefix."""
-        return [(k[:, : self.length], v[:, : self.length]) for k, v in zip(self.k, self.v)]
-
-    def append(self, new: list[tuple[torch.Tensor, torch.Tensor]], n: int | None = None) -> None:
-        n = new[0][0].shape[1] if n is None else n
-        if self.length + n > self.k[0].shape[1]:
-            raise DFlashError(f"KV cache overflow: {self.length + n} positions > max context {self.k[0].shape[1]}")
-        for buf_k, buf_v, (k, v) in zip(self.k, self.v, new):
-            buf_k[:, self.length : self.length + n] = k[:, :n]
-            buf_v[:, self.length : self.length + n] = v[:, :n]
-        self.length += n
+from .kvcache import KVCache
 
 
 @dataclass
@@ -55,13 +34,6 @@ class Generation:
     @property
     def tau(self) -> float:
         return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
-
-
-def _cache_for(model, max_len: int) -> KVCache:
-    c = model.config
-    layers = c.num_layers
-    w = next(model.parameters())
-    return KVCache(layers, max_len, c.num_kv_heads, c.head_dim, w.dtype)
 
 
 @torch.inference_mode()
@@ -94,11 +66,11 @@ def speculative_generate(
     rng = np.random.default_rng(seed)
     stop = set(stop_token_ids)
     n = len(prompt)
-    tcache, dcache = _cache_for(target, max_length), _cache_for(drafter, max_length)
+    tcache, dcache = KVCache.for_model(target, max_length), KVCache.for_model(drafter, max_length)
 
     ids = torch.tensor([prompt])
-    logits, taps, new = target(ids, torch.arange(n)[None], tcache.view())
-    tcache.append(new)
+    logits, taps, _ = target(ids, torch.arange(n)[None], tcache)
+    tcache.commit(n)
     anchor = int(choose(logits[0, -1:].numpy(), rng, temperature, top_k, top_p)[0])
     out, lengths, start = [anchor], [], n  # `start` = position of the anchor
     ctx_taps, ctx_pos = taps, torch.arange(n)[None]
@@ -111,14 +83,14 @@ def speculative_generate(
 
         s = min(k, max_length - start)  # verify no further than the generation can go
         verify = torch.tensor([[anchor] + drafts[: s - 1]])
-        logits, taps, new = target(verify, positions[:, :s], tcache.view())
+        logits, taps, _ = target(verify, positions[:, :s], tcache)
         choice = choose(logits[0].numpy(), rng, temperature, top_k, top_p).tolist()
         a = accept(drafts[: s - 1], choice[: s - 1])
         emitted = (drafts[:a] + [choice[a]])[: max_length - start - 1]
         emitted, stopped = cut_at_stop(emitted, stop)
         produced = len(emitted)
 
-        tcache.append(new, produced)  # anchor + accepted drafts; the new anchor is not cached yet
+        tcache.commit(produced)  # anchor + accepted drafts; the new anchor is not cached yet
         ctx_taps, ctx_pos = taps[:, :produced], positions[:, :produced]
         out += emitted
         lengths.append(produced)
@@ -144,12 +116,12 @@ def autoregressive_generate(
     check_sampling(temperature, top_k, top_p)
     max_length = check_request(prompt, max_new_tokens, target.config.vocab_size, max_context)
     rng = np.random.default_rng(seed)
-    cache = _cache_for(target, max_length)
+    cache = KVCache.for_model(target, max_length)
     ids, pos = torch.tensor([prompt]), torch.arange(len(prompt))[None]
     out: list[int] = []
     while True:
-        logits, _, new = target(ids, pos, cache.view())
-        cache.append(new)
+        logits, _, _ = target(ids, pos, cache)
+        cache.commit(ids.shape[1])
         tok = int(choose(logits[0, -1:].numpy(), rng, temperature, top_k, top_p)[0])
         out.append(tok)
         if tok in stop_token_ids:

@@ -1,9 +1,9 @@
 """The target decoder (Llama / Qwen2 / Qwen3 family) with feature taps.
 
 One forward serves prefill, 1-token steps and K-token verify: it takes the valid prefix
-of a sequence-major KV cache (`[B, P, Hkv, D]` per layer, P may be 0) and returns only the
-new positions' K/V. The caller (models/kvcache.py, or an exported graph's runtime) writes
-them into its static buffer by index. Module names follow transformers, so a Hugging Face
+of a sequence-major KV cache (`[B, P, Hkv, D]` per layer, P may be 0; the exported graph's
+form) and returns only the new positions' K/V for the runtime to write by index; or it
+takes a `KVCache` (models/kvcache.py) and writes them itself, by index, before attending. Module names follow transformers, so a Hugging Face
 state dict loads as is.
 """
 
@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 from .config import TargetConfig
+from .kvcache import KV, KVCache
 from .layers import MLP, RMSNorm, apply_rope, attend, rope_cos_sin
-
-KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class Attention(nn.Module):
@@ -43,9 +42,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, past_k, past_v, visible):
+    def forward(self, x, cos, sin, kv, visible):
+        """kv(k, v) -> all keys/values to attend to (the cache's update, or past + new)."""
         q, k, v = self.qkv(x, cos, sin)
-        out = attend(q, torch.cat([past_k, k], 1), torch.cat([past_v, v], 1), visible)
+        out = attend(q, *kv(k, v), visible)
         return self.o_proj(out), k, v
 
 
@@ -57,8 +57,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, past_k, past_v, visible):
-        a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, past_k, past_v, visible)
+    def forward(self, x, cos, sin, kv, visible):
+        a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, kv, visible)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
 
@@ -90,21 +90,33 @@ class Target(nn.Module):
         z = w.new_zeros(batch, 0, c.num_kv_heads, c.head_dim)
         return [(z, z) for _ in range(c.num_layers)]
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: KV):
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: KV | KVCache):
         """-> logits [B,S,V] (fp32), taps [B,S,T*H], new K/V per layer [B,S,Hkv,D]."""
+        x, taps, new = self.hidden(input_ids, position_ids, past)
+        return self.logits(x), taps, new
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(x)).float()
+
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: KV | KVCache):
+        """The decoder stack: last hidden state (before the final norm), taps, new K/V."""
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
-        s, p = input_ids.shape[1], past[0][0].shape[1]
+        cache = past if isinstance(past, KVCache) else None
+        s, p = input_ids.shape[1], cache.length if cache else past[0][0].shape[1]
         # causal over [past; new]: new query i sits at index p + i
         visible = torch.arange(p + s, device=x.device)[None, :] <= (p + torch.arange(s, device=x.device))[:, None]
         outs, new = {}, []
         for i, layer in enumerate(self.model.layers):
-            x, k, v = layer(x, cos, sin, past[i][0], past[i][1], visible)
+            if cache:
+                kv = lambda k, v, i=i: cache.update(i, k, v)  # noqa: E731
+            else:
+                kv = lambda k, v, i=i: (torch.cat([past[i][0], k], 1), torch.cat([past[i][1], v], 1))  # noqa: E731
+            x, k, v = layer(x, cos, sin, kv, visible)
             new.append((k, v))
             outs[i] = x  # tap i = raw output of decoder layer i (HF hidden_states[i + 1])
-        logits = self.lm_head(self.model.norm(x)).float()
         taps = torch.cat([outs[i] for i in self.tap_ids], dim=-1) if self.tap_ids else x[..., :0]
-        return logits, taps, new
+        return x, taps, new
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, tap_ids: list[int] = (), dtype: torch.dtype = torch.float32):

@@ -1,7 +1,7 @@
 """Training a DFlash drafter against a frozen target (the library behind `train-draft`).
 
-Data: prompts -> the target's own continuations (greedy; optionally a short sampled prefix
-first, for diversity), generated in batched passes and cached on disk in shards.
+Data: prompts -> the target's own continuations (models/train_data.py), cached in shards.
+`run_training` is the whole run behind the command, configured by one `TrainConfig`.
 
 One training step takes a few sequences of equal length and, for each:
 - runs the frozen target once to get its taps at every position;
@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
+import os
 import random
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,187 +32,11 @@ import torch
 from torch.nn import functional as F
 
 from ..runtime.errors import DFlashError
-from .generate import autoregressive_generate, speculative_generate
+from . import train_data as D
+from .generate import speculative_generate
 from .layers import apply_rope, attend, rope_cos_sin
-
-# -- data ------------------------------------------------------------------------------
-
-
-def read_prompts(paths: list[str | Path], chunk_chars: tuple[int, int] = (200, 600), seed: int = 0) -> list[str]:
-    """Prompts from JSONL files (`prompt` or `text` field) or plain text files (line-bounded chunks)."""
-    rng = random.Random(seed)
-    out: list[str] = []
-    for p in map(Path, paths):
-        if not p.is_file():
-            raise DFlashError(f"data file {p} does not exist")
-        text = p.read_text(encoding="utf-8", errors="replace")
-        if p.suffix == ".jsonl":
-            for n, line in enumerate(text.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    out.append(row["prompt"] if "prompt" in row else row["text"])
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise DFlashError(f"{p}:{n}: not a JSON object with a 'prompt' or 'text' field") from None
-        else:
-            lines = text.splitlines(keepends=True)
-            i = 0
-            while i < len(lines):
-                j, size, want = i, 0, rng.randint(*chunk_chars)
-                while j < len(lines) and size < want:
-                    size += len(lines[j])
-                    j += 1
-                if "".join(lines[i:j]).strip():
-                    out.append("".join(lines[i:j]))
-                i = j
-    out = [s for s in out if s.strip()]
-    if not out:
-        raise DFlashError(f"no prompts found in {', '.join(map(str, paths))}")
-    return out
-
-
-@dataclass
-class Shard:
-    """Sequences generated together: equal length, greedy from index `start` on."""
-
-    tokens: torch.Tensor  # [B, T] int64: prompt + continuation
-    start: int  # first greedy-generated position (anchors are >= start - 1)
-    length: torch.Tensor  # [B] valid length (cut after the first stop token)
-
-
-def _fast_forward(target, ids: torch.Tensor, pos: torch.Tensor, kc: list, vc: list, length: int) -> torch.Tensor:
-    """Target forward over new tokens, writing K/V in place into [B, Hkv, max_len, D] buffers.
-
-    Same math as `Target.forward` (last position's logits only), without re-concatenating
-    the cache or repeating K/V per query group at every step: batched generation is
-    memory-bound on those copies on CPU.
-    """
-    x = target.embed(ids)
-    b, s, _ = x.shape
-    cos, sin = rope_cos_sin(pos, target.inv_freq, x.dtype)
-    end = length + s
-    visible = torch.arange(end)[None, :] <= (length + torch.arange(s))[:, None]
-    for i, layer in enumerate(target.model.layers):
-        a = layer.self_attn
-        q, k, v = a.qkv(layer.input_layernorm(x), cos, sin)
-        kc[i][:, :, length:end] = k.transpose(1, 2)
-        vc[i][:, :, length:end] = v.transpose(1, 2)
-        g = a.h // a.hkv
-        qg = q.view(b, s, a.hkv, g, a.d).permute(0, 2, 3, 1, 4).reshape(b, a.hkv, g * s, a.d)
-        scores = qg @ kc[i][:, :, :end].transpose(2, 3) * (a.d**-0.5)  # [B, Hkv, G*S, end]
-        scores = scores.view(b, a.hkv, g, s, end).masked_fill(~visible, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores.float(), -1).to(x.dtype).view(b, a.hkv, g * s, end)
-        out = (probs @ vc[i][:, :, :end]).view(b, a.hkv, g, s, a.d).permute(0, 3, 1, 2, 4).reshape(b, s, a.h * a.d)
-        x = x + a.o_proj(out)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return target.lm_head(target.model.norm(x[:, -1])).float()
-
-
-@torch.inference_mode()
-def continue_batch(
-    target,
-    prompts: torch.Tensor,
-    new_tokens: int,
-    sample_prefix: int = 0,
-    temperature: float = 1.0,
-    stop_ids: tuple[int, ...] = (),
-    generator: torch.Generator | None = None,
-) -> Shard:
-    """Batched continuation [B, P] -> [B, P + new] in fp32: `sample_prefix` sampled tokens, then greedy.
-
-    fp32: the labels must be the greedy tokens the fp32 target picks at inference (bf16
-    flips near-ties, and was no faster here for batched 1-token steps).
-    """
-    b, p = prompts.shape
-    c = target.config
-    total = p + new_tokens
-    kc = [torch.zeros(b, c.num_kv_heads, total, c.head_dim) for _ in range(c.num_layers)]
-    vc = [torch.zeros(b, c.num_kv_heads, total, c.head_dim) for _ in range(c.num_layers)]
-    ids, pos, length = prompts, torch.arange(p)[None].expand(b, p), 0
-    out = [prompts]
-    for i in range(new_tokens):
-        last = _fast_forward(target, ids, pos, kc, vc, length)
-        length += ids.shape[1]
-        if i < sample_prefix:
-            ids = torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator)
-        else:
-            ids = last.argmax(-1, keepdim=True)
-        out.append(ids)
-        pos = torch.full((b, 1), length, dtype=torch.long)
-    tokens = torch.cat(out, 1)
-    length_t = torch.full((b,), tokens.shape[1], dtype=torch.long)
-    if stop_ids:
-        gen = tokens[:, p:]
-        hit = torch.isin(gen, torch.tensor(stop_ids))
-        first = torch.where(hit.any(1), hit.float().argmax(1), torch.full((b,), gen.shape[1]))
-        length_t = torch.minimum(length_t, p + first + 1)
-    return Shard(tokens, p + sample_prefix, length_t)
-
-
-def target_fingerprint(target_dir: Path) -> str:
-    """Changes when the target's weights or config change (cache key)."""
-    h = hashlib.sha256()
-    for f in sorted(target_dir.glob("*.safetensors")) + [target_dir / "config.json"]:
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
-
-
-def bucket_batches(prompt_ids: list[list[int]], batch: int, min_len: int, max_len: int, seed: int) -> list[torch.Tensor]:
-    """Group prompts of similar token length; cut each batch (from the left) to its shortest."""
-    rows = [ids[-max_len:] for ids in prompt_ids if len(ids) >= min_len]
-    rows.sort(key=len)
-    batches = []
-    for i in range(0, len(rows), batch):
-        group = rows[i : i + batch]
-        n = min(len(r) for r in group)
-        batches.append(torch.tensor([r[len(r) - n :] for r in group]))
-    random.Random(seed).shuffle(batches)
-    return batches
-
-
-def generate_shards(
-    target,
-    batches: list[torch.Tensor],
-    cache_dir: Path,
-    new_tokens: int,
-    sample_prefix: int,
-    stop_ids: tuple[int, ...],
-    seed: int,
-    progress=None,
-    seconds: float = 0.0,
-) -> list[Shard]:
-    """One shard per prompt batch, each saved as it is made; existing shards are reused.
-
-    With `seconds` > 0, stops making new shards once that much time has passed (at least one).
-    """
-    import time
-
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    shards = []
-    t0 = time.time()
-    for i, prompts in enumerate(batches):
-        path = cache_dir / f"shard-{i:05d}.pt"
-        if seconds and shards and time.time() - t0 > seconds and not path.is_file():
-            break
-        made = 0
-        if path.is_file():
-            d = torch.load(path)
-            shards.append(Shard(d["tokens"], d["start"], d["length"]))
-        else:
-            g = torch.Generator().manual_seed(seed * 100003 + i)
-            sp = sample_prefix if i % 2 else 0  # half the shards pure greedy, half sampled-then-greedy
-            s = continue_batch(target, prompts, new_tokens, sp, stop_ids=stop_ids, generator=g)
-            tmp = path.with_suffix(".tmp")
-            torch.save({"tokens": s.tokens, "start": s.start, "length": s.length}, tmp)
-            tmp.replace(path)
-            shards.append(s)
-            made = int(s.tokens.shape[0] * new_tokens)
-        if progress is not None:
-            progress(i + 1, len(batches), made)  # tokens/s counts generated tokens, not cache hits
-    return shards
-
+from .train_data import Shard
+from .train_state import Schedule, TrainState, load_checkpoint, save_checkpoint, save_drafter
 
 # -- the training forward --------------------------------------------------------------
 
@@ -348,49 +173,229 @@ def real_tau(target, drafter, prompts: list[list[int]], max_new_tokens: int, mas
             "per_prompt_tau": per_prompt, "accept_hist": hist}
 
 
-# -- schedule and checkpoints ----------------------------------------------------------
+# -- the whole run -----------------------------------------------------------------------
 
 
 @dataclass
-class Schedule:
-    """Linear warmup, then cosine to 10% over the budget (steps, or seconds when `steps` is 0)."""
+class TrainConfig:
+    """Everything `train-draft` takes (see its --help for each field's meaning)."""
 
-    lr: float
-    warmup: int = 50
-    steps: int = 0
-    seconds: float = 0.0
+    target_dir: Path
+    out: Path
+    data: list[Path]
+    steps: int = 0  # train for N steps ...
+    minutes: float = 0.0  # ... or for M minutes (generation not counted)
+    eval_prompts: Path | None = None
+    block_size: int = 16
+    layers: int = 1
+    target_layer_ids: list[int] | None = None  # default: D.default_taps
+    intermediate_size: int | None = None
+    gamma: float = 7.0
+    lr: float = 1e-3
+    batch: int = 8
+    anchors: int = 48
+    sequences: int = 2048
+    gen_minutes: float = 0.0
+    gen_tokens: int = 256
+    gen_batch: int = 64
+    sample_prefix: int = 0
+    prompt_max_tokens: int = 160
+    mask_token_id: int | None = None
+    eval_every: int = 0
+    eval_n: int = 8
+    eval_tokens: int = 128
+    save_dtype: str = "fp32"
+    work: Path | None = None
+    resume: bool = False
+    seed: int = 0
+    threads: int = 0
 
-    def fraction(self, step: int, elapsed: float) -> float:
-        return step / self.steps if self.steps else elapsed / max(self.seconds, 1e-9)
-
-    def __call__(self, step: int, elapsed: float) -> float:
-        f = min(self.fraction(step, elapsed), 1.0)
-        return self.lr * min(1.0, (step + 1) / self.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * f)))
-
-
-@dataclass
-class TrainState:
-    step: int = 0
-    elapsed: float = 0.0
-    tokens: int = 0
-    log: list = field(default_factory=list)
+    def check(self) -> None:
+        if (self.steps > 0) == (self.minutes > 0):
+            raise DFlashError("give exactly one of --steps N or --minutes M")
+        if self.block_size < 2:
+            raise DFlashError(f"--block-size must be >= 2 (got {self.block_size})")
 
 
-def save_checkpoint(path: Path, drafter, opt, state: TrainState, gen: torch.Generator) -> None:
-    """Everything to resume, written atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": state.step,
-                "elapsed": state.elapsed, "tokens": state.tokens, "log": state.log,
-                "gen": gen.get_state(), "config": drafter.config.raw}, tmp)
-    tmp.replace(path)
+def _hash(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def load_checkpoint(path: Path, drafter, opt, gen: torch.Generator) -> TrainState:
-    d = torch.load(path, weights_only=False)
-    if d["config"] != drafter.config.raw:
-        raise DFlashError(f"checkpoint {path} was made with another drafter config; drop --resume or use the same options")
-    drafter.load_state_dict(d["drafter"])
-    opt.load_state_dict(d["opt"])
-    gen.set_state(d["gen"])
-    return TrainState(d["step"], d["elapsed"], d["tokens"], d["log"])
+def _progress(console, name: str, total: int):
+    """A rich progress bar over generation batches with a tokens/s column, and its update."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    p = Progress(TextColumn(f"[bold]{name}"), BarColumn(), TextColumn("{task.completed}/{task.total} batches"),
+                 TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+    task = p.add_task(name, total=total, tps="-")
+    t0, made = time.time(), [0]
+
+    def update(i, n, new):
+        made[0] += new
+        p.update(task, completed=i, tps=f"{made[0] / max(time.time() - t0, 1e-9):.0f}")
+    return p, update
+
+
+def prepare_data(cfg: TrainConfig, target, tok, work: Path, stop: tuple, log, console):
+    """-> (training shards, held-out shards, held-out prompt ids, seconds spent generating)."""
+    texts = D.read_prompts(list(cfg.data), seed=cfg.seed)
+    random.Random(cfg.seed).shuffle(texts)
+    if cfg.eval_prompts:
+        eval_texts = D.read_prompts([cfg.eval_prompts], seed=cfg.seed)
+    else:
+        n_eval = max(4, len(texts) // 20)
+        if len(texts) <= n_eval:
+            raise DFlashError(f"only {len(texts)} prompts in --data; give more data or --eval-prompts")
+        texts, eval_texts = texts[n_eval:], texts[:n_eval]
+    ids = [e.ids for e in tok.encode_batch(texts[: cfg.sequences])]
+    eval_ids = [p for p in (e.ids[-cfg.prompt_max_tokens :] for e in tok.encode_batch(eval_texts)) if p]
+    if not eval_ids:
+        raise DFlashError("no non-empty held-out prompts")
+    train_batches = D.bucket_batches(ids, cfg.gen_batch, 8, cfg.prompt_max_tokens, cfg.seed)
+    eval_batches = D.bucket_batches(eval_ids, cfg.gen_batch, 1, cfg.prompt_max_tokens, cfg.seed)
+    fp = D.target_fingerprint(Path(cfg.target_dir))
+    gen_dir = work / f"gen-{_hash(fp, texts[: cfg.sequences], cfg.gen_tokens, cfg.gen_batch, cfg.sample_prefix, cfg.prompt_max_tokens, cfg.seed)}"
+    eval_dir = work / f"eval-{_hash(fp, eval_texts, cfg.gen_tokens, cfg.gen_batch, cfg.prompt_max_tokens)}"
+    log(f"data: {sum(len(b) for b in train_batches)} training prompts, {len(eval_ids)} held-out prompts; "
+        f"continuations cached in {work}")
+    t0 = time.time()
+    p, upd = _progress(console, "generate", len(train_batches))
+    with p:
+        shards = D.generate_shards(target, train_batches, gen_dir, cfg.gen_tokens, cfg.sample_prefix, stop, cfg.seed,
+                                   upd, seconds=cfg.gen_minutes * 60)
+    p, upd = _progress(console, "held-out", len(eval_batches))
+    with p:
+        eval_shards = D.generate_shards(target, eval_batches, eval_dir, cfg.gen_tokens, 0, stop, cfg.seed + 1, upd)
+    return shards, eval_shards, eval_ids, time.time() - t0
+
+
+def run_training(cfg: TrainConfig, log=print) -> dict:
+    """Train a drafter for the target on its own continuations; write OUT (z-lab) and
+    OUT/training.json; the final numbers come from the drafter reloaded from OUT."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from .config import DraftConfig, TargetConfig
+    from .drafter import Drafter, draft_config_dict, new_drafter
+    from .target import Target
+
+    cfg.check()
+    console = Console(stderr=True)
+    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    torch.manual_seed(cfg.seed)
+    target_dir, out = Path(cfg.target_dir), Path(cfg.out)
+    work = Path(cfg.work) if cfg.work else out.with_name(out.name + ".work")
+    k = cfg.block_size
+
+    # -- the target, and a drafter that fits it ---------------------------------------
+    tc = TargetConfig.load(target_dir)
+    taps = cfg.target_layer_ids or D.default_taps(tc.num_layers)
+    bad = [i for i in taps if not 0 <= i < tc.num_layers]
+    if bad:
+        raise DFlashError(f"--target-layer-ids {bad} are outside the target's {tc.num_layers} layers (0..{tc.num_layers - 1})")
+    tok = D.load_tokenizer(target_dir)
+    mask_id = D.resolve_mask_id(target_dir, tok, cfg.mask_token_id, tc.vocab_size)
+    target = Target.from_pretrained(target_dir, tap_ids=taps).requires_grad_(False)
+    shape = dict(num_layers=cfg.layers, block_size=k, target_layer_ids=taps, mask_token_id=mask_id,
+                 intermediate_size=cfg.intermediate_size)
+    DraftConfig.from_dict(draft_config_dict(tc, **shape)).check_fits(tc)
+    drafter = new_drafter(tc, **shape).train()
+    stop = tuple(tc.eos_token_ids)
+    log(f"target {target_dir}: {tc.num_layers} layers, hidden {tc.hidden_size}, taps {taps}, mask id {mask_id}")
+    shards, eval_shards, eval_ids, gen_seconds = prepare_data(cfg, target, tok, work, stop, log, console)
+    gen_count = sum(s.tokens.shape[0] for s in shards)
+    log(f"data ready: {gen_count} continuations x {cfg.gen_tokens} tokens in {gen_seconds:.0f}s (cached runs are instant)")
+
+    # -- training ----------------------------------------------------------------------
+    for p_ in drafter.parameters():
+        p_.requires_grad_(True)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = min(50, max(cfg.steps // 10, 1)) if cfg.steps else 50
+    sched = Schedule(cfg.lr, warmup=warmup, steps=cfg.steps, seconds=cfg.minutes * 60)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    ckpt = work / "checkpoint.pt"
+    state = TrainState()
+    if cfg.resume:
+        if not ckpt.is_file():
+            raise DFlashError(f"--resume: no checkpoint at {ckpt}; run without --resume first")
+        state = load_checkpoint(ckpt, drafter, opt, gen)
+        log(f"resumed at step {state.step} ({state.elapsed / 60:.1f} min trained)")
+    weights = loss_weights(k, cfg.gamma)
+
+    def evaluate(n_prompts: int, final: bool = False) -> dict:
+        drafter.eval()
+        d = Drafter.from_pretrained(out) if final else drafter
+        res = {"step": state.step, "minutes": round(state.elapsed / 60, 2)}
+        res.update(teacher_forced(target, d, eval_shards, k, mask_id, weights, seed=cfg.seed))
+        res.update(real_tau(target, d, eval_ids[:n_prompts], cfg.eval_tokens, mask_id, k, stop))
+        drafter.train()
+        return res
+
+    def done() -> bool:
+        return state.step >= cfg.steps if cfg.steps else state.elapsed >= cfg.minutes * 60
+
+    total = cfg.steps if cfg.steps else cfg.minutes * 60
+    cols = [TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.fields[step]}"),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TimeElapsedColumn(), TimeRemainingColumn()]
+    order: list[int] = []
+    t_last, loss_avg, last_print = time.time(), None, time.time()
+    with Progress(*cols, console=console) as prog:
+        task = prog.add_task("train", total=total, step=state.step, loss="-", tps="-")
+        while not done():
+            if not order:
+                order = torch.randperm(len(shards), generator=gen).tolist()
+            s = shards[order.pop()]
+            rows = torch.randperm(s.tokens.shape[0], generator=gen)[: cfg.batch]
+            seq_index, anc = sample_anchors(s, rows, cfg.anchors, gen)
+            if len(anc) == 0:
+                continue
+            for g in opt.param_groups:
+                g["lr"] = sched(state.step, state.elapsed)
+            loss, _, valid = draft_step(target, drafter, s.tokens[rows], s.length[rows], seq_index, anc, k, mask_id, weights)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            opt.step()
+            now = time.time()
+            state.elapsed += now - t_last
+            t_last = now
+            state.step += 1
+            state.tokens += int(valid.sum())
+            loss_avg = loss.item() if loss_avg is None else 0.95 * loss_avg + 0.05 * loss.item()
+            prog.update(task, completed=state.step if cfg.steps else min(state.elapsed, total), step=state.step,
+                        loss=f"{loss_avg:.3f}", tps=f"{state.tokens / max(state.elapsed, 1e-9):.0f}")
+            if now - last_print > 60:
+                last_print = now
+                log(f"step {state.step} {state.elapsed / 60:.1f}min loss {loss_avg:.3f} "
+                    f"lr {opt.param_groups[0]['lr']:.2e} {state.tokens / state.elapsed:.0f} tok/s")
+                state.log.append({"step": state.step, "minutes": round(state.elapsed / 60, 2), "loss": round(loss_avg, 4)})
+            if cfg.eval_every and state.step % cfg.eval_every == 0 and not done():
+                res = evaluate(cfg.eval_n)
+                state.log.append(res)
+                log(f"eval step {state.step}: real tau {res['real_tau']} (held-out, {cfg.eval_n} prompts), "
+                    f"teacher-forced tau {res['tf_tau']}")
+                save_checkpoint(ckpt, drafter, opt, state, gen)
+                save_drafter(drafter, out, cfg.save_dtype)
+                t_last = time.time()  # evaluation time is not training time
+    save_checkpoint(ckpt, drafter, opt, state, gen)
+    save_drafter(drafter, out, cfg.save_dtype)
+
+    # -- final: reload what was written and decode for real ----------------------------
+    res = evaluate(len(eval_ids), final=True)
+    state.log.append(res)
+    keep = ("block_size", "layers", "gamma", "lr", "batch", "anchors", "gen_tokens", "gen_minutes", "sample_prefix")
+    summary = {
+        "target": str(target_dir), "target_layer_ids": taps, "mask_token_id": mask_id,
+        **{f: v for f, v in asdict(cfg).items() if f in keep},
+        "drafter_params": sum(p.numel() for p in drafter.parameters()),
+        "sequences": gen_count, "generation_seconds": round(gen_seconds, 1), "train_steps": state.step,
+        "train_minutes": round(state.elapsed / 60, 2), "supervised_tokens": state.tokens,
+        "final": res, "log": state.log,
+    }
+    (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
+    log(f"done: {state.step} steps in {state.elapsed / 60:.1f} min; held-out real tau {res['real_tau']} "
+        f"({len(eval_ids)} prompts, {cfg.eval_tokens} new tokens, block {k}); "
+        f"teacher-forced tau {res['tf_tau']}; acc per position {res['tf_acc'][:6]}...")
+    log(f"wrote {out} (z-lab format) and {out / 'training.json'}")
+    return summary

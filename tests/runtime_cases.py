@@ -60,7 +60,7 @@ def _source_digest() -> str:
 
 
 def _bias_target(directory: Path, bias: float, token: int = 7) -> None:
-    from tiny import hf_model
+    from dflash_export.testing import hf_model
     import torch
 
     model = hf_model(directory)
@@ -73,7 +73,7 @@ def _bias_target(directory: Path, bias: float, token: int = 7) -> None:
 @functools.lru_cache(maxsize=None)
 def artifact(case: Case) -> tuple[Path, Path, Path]:
     """(target_dir, draft_dir, exported_dir) for `case`, exported once per content."""
-    from tiny import make_drafter, make_target
+    from dflash_export.testing import make_drafter, make_target
 
     from dflash_export.export.artifact import export_artifact
 

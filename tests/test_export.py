@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
-from tiny import make_drafter, make_target
+from dflash_export.testing import make_drafter, make_target
 
 from dflash_export.cli import cli
 from dflash_export.export import trt_lint

@@ -12,7 +12,7 @@ import json
 import onnx
 import pytest
 from click.testing import CliRunner
-from tiny import make_drafter, make_target
+from dflash_export.testing import make_drafter, make_target
 
 from dflash_export.cli import cli
 from dflash_export.export.artifact import export_artifact

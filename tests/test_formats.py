@@ -16,7 +16,7 @@ from dflash_export.models import (
 )
 from dflash_export.models.config import parse_rope
 from dflash_export.runtime.errors import DFlashError
-from tiny import make_target
+from dflash_export.testing import make_target
 
 FIXTURES = Path(__file__).parent / "fixtures" / "drafter-configs"
 SUPPORTED = ["qwen3-8b-dflash-b16.config.json", "qwen3.5-27b-dflash.config.json",

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from dflash_export.models import KVCache, Target, TargetConfig, new_drafter
-from tiny import make_target
+from dflash_export.models import KVCache, Target, new_drafter
+from dflash_export.testing import make_target
 
 TOL = 1e-4
 

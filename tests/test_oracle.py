@@ -14,7 +14,7 @@ import torch
 
 from dflash_export.models import Target, autoregressive_generate, new_drafter, speculative_generate
 from dflash_export.runtime.errors import DFlashError
-from tiny import hf_model, make_target
+from dflash_export.testing import hf_model, make_target
 
 ARCHS = ("llama", "qwen3", "qwen2")
 TAPS = {1: [2], 2: [0, 3], 3: [1, 2, 3]}  # drafter depth -> tapped target layers (4-layer targets)

@@ -14,6 +14,7 @@ from train_fixtures import SAMPLE, make_tokenized_target
 from dflash_export.cli import cli
 from dflash_export.models import Drafter, Target, TargetConfig, new_drafter
 from dflash_export.models import train as T
+from dflash_export.models import train_data as D
 
 torch.set_num_threads(1)
 
@@ -82,7 +83,7 @@ def test_training_reduces_weighted_loss(tiny):
     target = Target.from_pretrained(target_dir, tap_ids=[1, 2]).requires_grad_(False)
     drafter = new_drafter(tc, num_layers=1, block_size=4, target_layer_ids=[1, 2], mask_token_id=1)
     prompts = torch.randint(3, 100, (8, 6))
-    shard = T.continue_batch(target, prompts, 24)
+    shard = D.continue_batch(target, prompts, 24)
     assert shard.tokens.shape == (8, 30) and shard.start == 6
     w = T.loss_weights(4, 4.0)
     gen = torch.Generator().manual_seed(0)
@@ -171,7 +172,7 @@ def test_cli_one_line_errors(tiny, extra, message):
 
 
 def test_cli_refuses_target_without_tokenizer(tmp_path):
-    from tiny import make_target
+    from dflash_export.testing import make_target
 
     t = make_target(tmp_path / "t")
     (tmp_path / "d.txt").write_text(SAMPLE)

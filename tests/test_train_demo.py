@@ -7,7 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_export.cli import cli
-from dflash_export.cmd_train import default_taps, parse_layer_ids
+from dflash_export.cmd_train import parse_layer_ids
+from dflash_export.models.train_data import default_taps
 
 
 def test_layer_id_parsing_and_default_taps():
@@ -28,7 +29,7 @@ def test_demo_refuses_missing_pair(tmp_path):
 
 @pytest.mark.slow
 def test_demo_runs_on_tiny_pair(tmp_path):
-    from tiny import make_drafter
+    from dflash_export.testing import make_drafter
     from train_fixtures import make_tokenized_target
 
     make_tokenized_target(tmp_path / "pair" / "target")

@@ -23,7 +23,7 @@ PROMPTS = [[5, 17, 3, 42, 8], list(range(2, 22)), [7]]  # the second is longer t
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from tiny import export_tiny_pair
+    from dflash_export.testing import export_tiny_pair
 
     root = tmp_path_factory.mktemp("trt-fake")
     export_tiny_pair(root, K, MC)

@@ -36,7 +36,7 @@ PROMPTS = [[5, 17, 3, 42, 8], [1] * 13, list(range(2, 26))]
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from tiny import export_tiny_pair
+    from dflash_export.testing import export_tiny_pair
 
     from dflash_export.cli import cli
 

@@ -128,7 +128,7 @@ def test_block_dim_must_be_static_in_block_graph():
 
 @pytest.fixture(scope="module", params=[("fp32", 4), ("fp16", 8)], ids=["fp32-k4", "fp16-k8"])
 def export(request, tmp_path_factory):
-    from tiny import export_tiny_pair
+    from dflash_export.testing import export_tiny_pair
 
     dtype, k = request.param
     return export_tiny_pair(tmp_path_factory.mktemp(f"trt-{dtype}"), k, 64, dtype), dtype, k

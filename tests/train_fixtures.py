@@ -6,7 +6,7 @@ import json
 import string
 from pathlib import Path
 
-from tiny import make_target
+from dflash_export.testing import make_target
 
 
 def make_tokenized_target(directory: str | Path, vocab: int = 101, **kwargs) -> Path:

@@ -1,5 +1,8 @@
 """Tiny checkpoints in the real formats, built on the fly (no downloads, ever).
 
+Used by the tests and the benchmarks (`from dflash_export.testing import make_target`);
+needs the export and dev extras (torch, transformers).
+
 Targets are saved by transformers' own `save_pretrained` (the Hugging Face format as
 people have it); drafters by our z-lab writer. Weights are random but not degenerate:
 a scaled init gives peaked logits so greedy decoding is stable against float noise.
@@ -8,8 +11,6 @@ a scaled init gives peaked logits so greedy decoding is stable against float noi
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -31,6 +32,7 @@ def make_target(
     std: float = 0.08,
 ) -> Path:
     """Write a random HF checkpoint of `arch`; returns the directory."""
+    import torch
     import transformers
 
     torch.manual_seed(seed)
@@ -86,7 +88,9 @@ def make_drafter(
     **kwargs,
 ) -> Path:
     """Write a random z-lab-format drafter sized for the target at `target_dir`."""
-    from dflash_export.models import TargetConfig, new_drafter
+    import torch
+
+    from .models import TargetConfig, new_drafter
 
     torch.manual_seed(seed)
     tc = TargetConfig.load(target_dir)
@@ -102,6 +106,7 @@ def make_drafter(
 
 def hf_model(directory: str | Path):
     """transformers' own model for a tiny target directory (the reference implementation)."""
+    import torch
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
@@ -109,7 +114,7 @@ def hf_model(directory: str | Path):
 
 def export_tiny_pair(root: str | Path, block_size: int, max_context: int, dtype: str = "fp32") -> Path:
     """A 2-layer, 32-wide target + 1-layer drafter under root/{t,d}, exported to root/out."""
-    from dflash_export.export.artifact import export_artifact
+    from .export.artifact import export_artifact
 
     root = Path(root)
     make_target(root / "t", layers=2, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64)

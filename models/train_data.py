@@ -1,0 +1,201 @@
+"""Training data for a drafter: prompts -> the target's own continuations, cached in shards.
+
+The target continues each prompt greedily (optionally after a short sampled prefix, for
+diversity), in batched passes over a static KV cache (models/kvcache.py); every batch is
+saved as a shard on disk as soon as it is made, so an interrupted run resumes from there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..runtime.errors import DFlashError
+from .kvcache import KVCache
+
+
+def read_prompts(paths: list[str | Path], chunk_chars: tuple[int, int] = (200, 600), seed: int = 0) -> list[str]:
+    """Prompts from JSONL files (`prompt` or `text` field) or plain text files (line-bounded chunks)."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    for p in map(Path, paths):
+        if not p.is_file():
+            raise DFlashError(f"data file {p} does not exist")
+        text = p.read_text(encoding="utf-8", errors="replace")
+        if p.suffix == ".jsonl":
+            for n, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    out.append(row["prompt"] if "prompt" in row else row["text"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise DFlashError(f"{p}:{n}: not a JSON object with a 'prompt' or 'text' field") from None
+        else:
+            lines = text.splitlines(keepends=True)
+            i = 0
+            while i < len(lines):
+                j, size, want = i, 0, rng.randint(*chunk_chars)
+                while j < len(lines) and size < want:
+                    size += len(lines[j])
+                    j += 1
+                if "".join(lines[i:j]).strip():
+                    out.append("".join(lines[i:j]))
+                i = j
+    out = [s for s in out if s.strip()]
+    if not out:
+        raise DFlashError(f"no prompts found in {', '.join(map(str, paths))}")
+    return out
+
+
+@dataclass
+class Shard:
+    """Sequences generated together: equal length, greedy from index `start` on."""
+
+    tokens: torch.Tensor  # [B, T] int64: prompt + continuation
+    start: int  # first greedy-generated position (anchors are >= start - 1)
+    length: torch.Tensor  # [B] valid length (cut after the first stop token)
+
+
+@torch.inference_mode()
+def continue_batch(
+    target,
+    prompts: torch.Tensor,
+    new_tokens: int,
+    sample_prefix: int = 0,
+    temperature: float = 1.0,
+    stop_ids: tuple[int, ...] = (),
+    generator: torch.Generator | None = None,
+) -> Shard:
+    """Batched continuation [B, P] -> [B, P + new] in fp32: `sample_prefix` sampled tokens, then greedy.
+
+    fp32: the labels must be the greedy tokens the fp32 target picks at inference (bf16
+    flips near-ties, and was no faster here for batched 1-token steps).
+    """
+    b, p = prompts.shape
+    cache = KVCache.for_model(target, p + new_tokens, batch=b)
+    ids, pos = prompts, torch.arange(p)[None].expand(b, p)
+    out = [prompts]
+    for i in range(new_tokens):
+        x, _, _ = target.hidden(ids, pos, cache)
+        last = target.logits(x[:, -1])  # only the last position's logits: [B, V]
+        cache.commit(ids.shape[1])
+        length = cache.length
+        if i < sample_prefix:
+            ids = torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator)
+        else:
+            ids = last.argmax(-1, keepdim=True)
+        out.append(ids)
+        pos = torch.full((b, 1), length, dtype=torch.long)
+    tokens = torch.cat(out, 1)
+    length_t = torch.full((b,), tokens.shape[1], dtype=torch.long)
+    if stop_ids:
+        gen = tokens[:, p:]
+        hit = torch.isin(gen, torch.tensor(stop_ids))
+        first = torch.where(hit.any(1), hit.float().argmax(1), torch.full((b,), gen.shape[1]))
+        length_t = torch.minimum(length_t, p + first + 1)
+    return Shard(tokens, p + sample_prefix, length_t)
+
+
+def target_fingerprint(target_dir: Path) -> str:
+    """Changes when the target's weights or config change (cache key)."""
+    h = hashlib.sha256()
+    for f in sorted(target_dir.glob("*.safetensors")) + [target_dir / "config.json"]:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def bucket_batches(prompt_ids: list[list[int]], batch: int, min_len: int, max_len: int, seed: int) -> list[torch.Tensor]:
+    """Group prompts of similar token length; cut each batch (from the left) to its shortest."""
+    rows = [ids[-max_len:] for ids in prompt_ids if len(ids) >= min_len]
+    rows.sort(key=len)
+    batches = []
+    for i in range(0, len(rows), batch):
+        group = rows[i : i + batch]
+        n = min(len(r) for r in group)
+        batches.append(torch.tensor([r[len(r) - n :] for r in group]))
+    random.Random(seed).shuffle(batches)
+    return batches
+
+
+def generate_shards(
+    target,
+    batches: list[torch.Tensor],
+    cache_dir: Path,
+    new_tokens: int,
+    sample_prefix: int,
+    stop_ids: tuple[int, ...],
+    seed: int,
+    progress=None,
+    seconds: float = 0.0,
+) -> list[Shard]:
+    """One shard per prompt batch, each saved as it is made; existing shards are reused.
+
+    With `seconds` > 0, stops making new shards once that much time has passed (at least one).
+    """
+    import time
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    shards = []
+    t0 = time.time()
+    for i, prompts in enumerate(batches):
+        path = cache_dir / f"shard-{i:05d}.pt"
+        if seconds and shards and time.time() - t0 > seconds and not path.is_file():
+            break
+        made = 0
+        if path.is_file():
+            d = torch.load(path)
+            shards.append(Shard(d["tokens"], d["start"], d["length"]))
+        else:
+            g = torch.Generator().manual_seed(seed * 100003 + i)
+            sp = sample_prefix if i % 2 else 0  # half the shards pure greedy, half sampled-then-greedy
+            s = continue_batch(target, prompts, new_tokens, sp, stop_ids=stop_ids, generator=g)
+            tmp = path.with_suffix(".tmp")
+            torch.save({"tokens": s.tokens, "start": s.start, "length": s.length}, tmp)
+            tmp.replace(path)
+            shards.append(s)
+            made = int(s.tokens.shape[0] * new_tokens)
+        if progress is not None:
+            progress(i + 1, len(batches), made)  # tokens/s counts generated tokens, not cache hits
+    return shards
+
+
+def default_taps(num_layers: int) -> list[int]:
+    """Up to 5 layers spread over [1, L-2] (an early, some middle, a late one)."""
+    if num_layers < 3:
+        return list(range(num_layers))
+    hi = num_layers - 2
+    n = min(5, hi)
+    return sorted({round(1 + i * (hi - 1) / max(n - 1, 1)) for i in range(n)})
+
+
+def load_tokenizer(target_dir: Path):
+    from tokenizers import Tokenizer
+
+    path = target_dir / "tokenizer.json"
+    if not path.is_file():
+        raise DFlashError(f"target {target_dir} has no tokenizer.json; train-draft needs it to tokenize --data")
+    return Tokenizer.from_file(str(path))
+
+
+def resolve_mask_id(target_dir: Path, tok, override: int | None, vocab: int) -> int:
+    """--mask-token-id, else the tokenizer's mask token (tokenizer_config.json `mask_token`, or `<|mask|>`)."""
+    if override is None:
+        name = None
+        cfg = target_dir / "tokenizer_config.json"
+        if cfg.is_file():
+            m = json.loads(cfg.read_text()).get("mask_token")
+            name = m.get("content") if isinstance(m, dict) else m
+        override = tok.token_to_id(name or "<|mask|>")
+        if override is None:
+            raise DFlashError(f"target {target_dir}: the tokenizer has no mask token; pass --mask-token-id ID "
+                              "(a token id the target never produces, e.g. a reserved special token)")
+    if not 0 <= override < vocab:
+        raise DFlashError(f"mask token id {override} is outside the target's vocabulary [0, {vocab})")
+    return int(override)

@@ -1,0 +1,62 @@
+"""Speculative vs plain decoding, measured the same way everywhere (`bench`, `demo`, bench/).
+
+Both modes run on the same backend, prompt after prompt interleaved, so drifts in machine
+load hit both alike. Decode rate = new tokens after the first / decode seconds (prefill
+excluded); speedup = speculative rate / plain rate; ideal speedup = tau * plain step time
+/ (draft + verify time per round), the bound a zero-overhead loop would reach.
+"""
+
+from __future__ import annotations
+
+import resource
+
+import numpy as np
+
+from .loop import Generation, generate
+
+PHASES = ("prefill", "draft", "verify", "host", "total")
+
+
+def rate(gs: list[Generation]) -> float:
+    """Decode tokens per second over several generations (the prefill token not counted)."""
+    return sum(len(g.tokens) - 1 for g in gs) / max(sum(g.decode_s for g in gs), 1e-12)
+
+
+def summarize(spec: list[Generation], base: list[Generation], block_size: int) -> dict:
+    """The bench report of paired speculative / plain generations of the same prompts."""
+    lengths = [a for g in spec for a in g.acceptance_lengths]
+    rounds, steps = max(len(lengths), 1), max(sum(len(g.acceptance_lengths) for g in base), 1)
+    tau = float(np.mean(lengths)) if lengths else 0.0
+    t_step = sum(g.verify_s for g in base) / steps
+    t_draft = sum(g.draft_s for g in spec) / rounds
+    t_verify = sum(g.verify_s for g in spec) / rounds
+    speedup = rate(spec) / max(rate(base), 1e-12)
+    ideal = tau * t_step / max(t_draft + t_verify, 1e-12)
+    split = lambda gs: {k: sum(getattr(g, f"{k}_s") for g in gs) for k in PHASES}  # noqa: E731
+    return {
+        "prompts": len(spec),
+        "block_size": block_size,
+        "tau": tau,
+        "acceptance_histogram": {str(i): lengths.count(i) for i in range(1, block_size + 1)},
+        "tokens_per_second": {"speculative": rate(spec), "autoregressive": rate(base)},
+        "speedup": speedup,
+        "ms_per_call": {"step": t_step * 1e3, "draft": t_draft * 1e3, "verify": t_verify * 1e3},
+        "ideal_speedup": ideal,
+        "loop_efficiency": speedup / ideal if ideal else 0.0,
+        "time_split_s": {"speculative": split(spec), "autoregressive": split(base)},
+        "lossless": all(s.tokens == b.tokens for s, b in zip(spec, base)),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
+    }
+
+
+def run_bench(backend, prompts: list[list[int]], max_new_tokens: int, warmup: int = 1) -> dict:
+    """Speculative loop and plain decoding on the same prompts, same backend, same run."""
+    for p in prompts[:warmup]:
+        generate(backend, p, max_new_tokens, draft=True)
+        generate(backend, p, max_new_tokens, draft=False)
+    spec, base = [], []
+    for p in prompts:
+        spec.append(generate(backend, p, max_new_tokens, draft=True))
+        base.append(generate(backend, p, max_new_tokens, draft=False))
+    report = summarize(spec, base, backend.manifest.block_size)
+    return {"provider": backend.provider, "max_new_tokens": max_new_tokens, **report}
