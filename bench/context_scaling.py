@@ -58,11 +58,13 @@ def op_profile(out: Path, P: int, threads: int, runs: int = 20) -> dict[str, flo
     import numpy as np
     import onnxruntime as ort
 
+    from dflash_export.runtime import contract as C
+
     opts = ort.SessionOptions()
     opts.intra_op_num_threads, opts.enable_profiling = threads, True
     opts.profile_file_prefix = f"/tmp/dflash-context-{P}"
-    sess = ort.InferenceSession(str(out / "target.onnx"), opts, providers=["CPUExecutionProvider"])
-    feed = {"input_ids": np.array([[5]]), "position_ids": np.array([[P]])}
+    sess = ort.InferenceSession(str(out / C.GRAPH_FILES[C.TARGET]), opts, providers=["CPUExecutionProvider"])
+    feed = {C.INPUT_IDS: np.array([[5]]), C.POSITION_IDS: np.array([[P]])}
     for i in sess.get_inputs()[2:]:
         feed[i.name] = np.zeros((1, P, *i.shape[2:]), np.float32)
     for _ in range(runs):

@@ -31,7 +31,7 @@ from .runtime.errors import DFlashError
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_token_id, opset, force, quiet):
     """Trace a target and its DFlash drafter to ONNX: target.onnx, draft_context.onnx,
-    draft_block.onnx, their external weights (embedding and LM head stored once, in
+    draft_block.onnx, their external weights (weights several graphs hold stored once, in
     shared.data), the tokenizer files and manifest.json with the sha256 of every file.
 
     The export is atomic: it is written next to --out and renamed at the end, so a failed

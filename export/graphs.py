@@ -93,7 +93,7 @@ def trace_inputs(graph: str, m, dtype: torch.dtype):
         size = [n[r] if r in C.DYNAMIC else static[r] for r in t.dims]
         if t.dtype == C.MODEL:
             x = torch.randn(size).to(dtype)
-        elif t.name.endswith("position_ids"):
+        elif t.name in C.POSITIONS:
             x = torch.arange(start, start + size[1]).expand(*size).contiguous()
         elif t.name == C.BLOCK_IDS:
             x = torch.full(size, m.mask_token_id, dtype=torch.long)

@@ -67,6 +67,7 @@ NUMPY_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 INPUT_IDS, POSITION_IDS, LOGITS, NEXT_IDS, TAPS = "input_ids", "position_ids", "logits", "next_ids", "taps"
 CTX_POSITION_IDS = "ctx_position_ids"
 BLOCK_IDS, BLOCK_POSITION_IDS, DRAFT_IDS, DRAFT_LOGITS = "block_ids", "block_position_ids", "draft_ids", "draft_logits"
+POSITIONS = (POSITION_IDS, CTX_POSITION_IDS, BLOCK_POSITION_IDS)  # each graph's position input
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,22 @@ def tensor(graph: str, name: str, m) -> Tensor:
         if t.name == name:
             return t
     raise DFlashError(f"{graph} has no tensor {name!r}; re-export the directory")
+
+
+def find(graph: str, name: str) -> Tensor:
+    """The declared tensor (a template for per-layer ones) behind a concrete name; no manifest needed."""
+    g = GRAPHS[graph]
+    for t in (*g.inputs, *g.outputs):
+        prefix = t.name.split("{")[0]
+        if name == t.name or (t.per_layer and name.startswith(prefix) and name[len(prefix):].isdigit()):
+            return t
+    raise DFlashError(f"{graph} has no tensor {name!r}; re-export the directory")
+
+
+def role(graph: str, name: str, axis: int) -> str:
+    """The role of one axis of a graph tensor (e.g. role("target", "past_key.3", 1) == PAST);
+    dynamic when it is a key of DYNAMIC, else a static role that `sizes` gives."""
+    return find(graph, name).dims[axis]
 
 
 def sizes(m) -> dict[str, int]:

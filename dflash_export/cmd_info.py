@@ -1,0 +1,114 @@
+"""`dflash-export info OUT`: what an exported directory is, at a glance (torch-free).
+
+Reads the manifest (refusing a format version this dflash-export does not know), lists
+the pair, the export settings, every graph's inputs and outputs with the role of each dim
+(runtime/contract.py), the files and their sizes, and whether the files match their
+sha256 in the manifest (checked unless --no-verify).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import click
+
+from .runtime import contract as C
+from .runtime.errors import DFlashError
+
+
+def describe(out: Path, verify: bool = True) -> dict:
+    """The information `info` prints, as one JSON-ready dict."""
+    m = C.load_manifest(out, verify=False)
+    if not verify:
+        hashes = "not checked"
+    else:
+        try:
+            C.verify_files(out, m)
+            hashes = "verified"
+        except DFlashError as e:
+            hashes = f"MISMATCH: {e}"
+    graphs = {}
+    for g in C.GRAPHS:
+        ins, outs = C.io(g, m)
+        row = lambda t: {"name": t.name, "dims": list(t.dims), "shape": _shape(t, m), "dtype": C.dtype(t, m)}  # noqa: E731
+        graphs[g] = {"file": C.GRAPH_FILES[g], "inputs": [row(t) for t in ins], "outputs": [row(t) for t in outs]}
+    files = {rel: (out / rel).stat().st_size for rel in sorted(m.files) if (out / rel).is_file()}
+    return {
+        "directory": str(out),
+        "format": m.format, "format_version": m.format_version,
+        "target": {"architecture": m.architecture, "layers": m.target_layers, "hidden_size": m.hidden_size,
+                   "kv_heads": m.target_kv_heads, "head_dim": m.target_head_dim, "vocab_size": m.vocab_size},
+        "drafter": {"layers": m.draft_layers, "kv_heads": m.draft_kv_heads, "head_dim": m.draft_head_dim,
+                    "target_layer_ids": m.target_layer_ids, "mask_token_id": m.mask_token_id},
+        "dtype": m.dtype, "block_size": m.block_size, "max_context": m.max_context, "opset": m.opset,
+        "eos_token_ids": m.eos_token_ids, "tokenizer": m.tokenizer,
+        "graphs": graphs,
+        "shared": {n: asdict(t) for n, t in m.shared.items()},
+        "files": files, "total_bytes": sum(files.values()),
+        "hashes": hashes,
+        "engines": m.engines,
+        "tools": m.tools,
+    }
+
+
+def _shape(t: C.Tensor, m) -> list:
+    static = C.sizes(m)
+    return [r if r in C.DYNAMIC else static[r] for r in t.dims]
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+@click.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print everything as one JSON object.")
+@click.option("--no-verify", is_flag=True, help="Skip hashing the files (fast on big exports).")
+def info(out, as_json, no_verify):
+    """What OUT is: format version, target and drafter, dtype, block size, max context,
+    every graph's inputs and outputs, file sizes, and whether the hashes match."""
+    d = describe(out, verify=not no_verify)
+    if as_json:
+        click.echo(json.dumps(d, indent=1))
+    else:
+        print_info(d, out)
+    if d["hashes"].startswith("MISMATCH"):
+        raise DFlashError(d["hashes"][len("MISMATCH: "):])
+
+
+def print_info(d: dict, out: Path) -> None:
+    t, dr = d["target"], d["drafter"]
+    click.echo(f"{d['directory']}: {d['format']} format version {d['format_version']}")
+    click.echo(f"target   {t['architecture']}, {t['layers']} layers, hidden {t['hidden_size']}, "
+               f"{t['kv_heads']} kv heads x {t['head_dim']}, vocab {t['vocab_size']}")
+    click.echo(f"drafter  {dr['layers']} layer(s), {dr['kv_heads']} kv heads x {dr['head_dim']}, "
+               f"taps {dr['target_layer_ids']}, mask token {dr['mask_token_id']}")
+    click.echo(f"export   {d['dtype']}, block size {d['block_size']}, max context {d['max_context']}, opset {d['opset']}, "
+               f"eos {d['eos_token_ids']}, tokenizer {'yes' if d['tokenizer'] else 'no'}")
+    m = C.load_manifest(out, verify=False)
+    for g, graph in C.GRAPHS.items():
+        n = getattr(m, graph.layers)
+        click.echo(f"{graph.file}  ({len(d['graphs'][g]['inputs'])} inputs, {len(d['graphs'][g]['outputs'])} outputs)")
+        for kind, tensors in (("in", graph.inputs), ("out", graph.outputs)):
+            for t in tensors:
+                dims = ", ".join(str(x) for x in _shape(t, m))
+                each = f"  i < {n}" if t.per_layer else ""
+                click.echo(f"  {kind:<4} {t.name:<22} [{dims}] {C.dtype(t, m)}{each}")
+    shared = d["shared"]
+    if shared:
+        once = {(s["file"], s["offset"]): s["length"] for s in shared.values()}
+        click.echo(f"shared   {len(shared)} weight names stored once in {C.SHARED_DATA} ({_human(sum(once.values()))})")
+    click.echo("files    " + ", ".join(f"{k} {_human(v)}" for k, v in d["files"].items()))
+    click.echo(f"total    {_human(d['total_bytes'])}")
+    click.echo(f"hashes   {d['hashes']}")
+    if d["engines"]:
+        click.echo(f"engines  TensorRT build record present ({', '.join(sorted(d['engines']))})")
+
+
+COMMANDS = [info]

@@ -1,0 +1,67 @@
+"""`dflash-export info` and the manifest's format version: what an artifact is, at a glance,
+and a clear refusal of a format this version does not know."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+from runtime_cases import CASES, artifact
+
+from dflash_export.cli import cli
+from dflash_export.runtime import contract as C
+from dflash_export.runtime.errors import DFlashError
+from dflash_export.runtime.ort import OrtBackend
+
+
+@pytest.fixture(scope="module")
+def out():
+    return artifact(CASES["qwen3"])[2]
+
+
+def test_info_text_and_json(out):
+    r = CliRunner().invoke(cli, ["info", str(out)])
+    assert r.exit_code == 0, r.output
+    m = C.load_manifest(out)
+    assert f"format version {C.FORMAT_VERSION}" in r.output and "hashes   verified" in r.output
+    assert f"block size {m.block_size}, max context {m.max_context}" in r.output
+    for g in C.GRAPHS.values():
+        assert g.file in r.output
+    assert f"past_key.{{i}}           [batch, past, {m.target_kv_heads}, {m.target_head_dim}] float32  i < {m.target_layers}" in r.output
+
+    d = json.loads(CliRunner().invoke(cli, ["info", str(out), "--json", "--no-verify"]).output)
+    assert d["format_version"] == C.FORMAT_VERSION and d["hashes"] == "not checked"
+    assert d["dtype"] == m.dtype and d["block_size"] == m.block_size and d["drafter"]["layers"] == m.draft_layers
+    for g in C.GRAPHS:  # the contract's I/O, as the graph files have them
+        assert [t["name"] for t in d["graphs"][g]["inputs"]] == [t.name for t in m.graphs[g].inputs]
+        assert [t["name"] for t in d["graphs"][g]["outputs"]] == [t.name for t in m.graphs[g].outputs]
+        for t, spec in zip(d["graphs"][g]["inputs"] + d["graphs"][g]["outputs"], m.graphs[g].inputs + m.graphs[g].outputs):
+            assert t["shape"] == spec.shape and t["dtype"] == spec.dtype
+    assert d["total_bytes"] == sum((out / f).stat().st_size for f in m.files)
+
+
+def test_info_reports_a_hash_mismatch(out, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    with open(bad / "draft_block.data", "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 1]))
+    r = CliRunner().invoke(cli, ["info", str(bad)])
+    assert r.exit_code == 2 and "hashes   MISMATCH" in r.output
+    assert r.output.strip().splitlines()[-1].startswith("error: ") and "draft_block.data does not match" in r.output
+
+
+@pytest.mark.parametrize("version, hint", [(C.FORMAT_VERSION + 1, "upgrade dflash-export"), (1, "re-export"), ("x", "re-export")])
+def test_unknown_format_versions_are_refused_in_one_line(out, tmp_path, version, hint):
+    bad = tmp_path / "v"
+    shutil.copytree(out, bad)
+    raw = json.loads((bad / C.MANIFEST).read_text())
+    raw["format_version"] = version
+    (bad / C.MANIFEST).write_text(json.dumps(raw))
+    with pytest.raises(DFlashError, match=f"format version {version!r}.*reads version {C.FORMAT_VERSION} only.*{hint}"):
+        OrtBackend(bad)
+    r = CliRunner().invoke(cli, ["info", str(bad)])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and hint in r.output
