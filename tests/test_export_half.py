@@ -38,8 +38,11 @@ def test_half_export(ckpt, dtype, np_name, itemsize):
     assert t["logits"] == "float32" and t["next_ids"] == "int64"
     b = {x.name: x.dtype for x in m.graphs[C.DRAFT_BLOCK].outputs}
     assert b == {"draft_ids": "int64", "draft_logits": "float32"}
-    table = 101 * 32 * itemsize  # embedding, then the LM head at the next 4096-byte boundary
-    assert (out / "shared.data").stat().st_size == -(-table // 4096) * 4096 + table
+    # stored once, in the export dtype: embedding, LM head (untied) and the drafter's k/v projections
+    assert {t.dtype for t in m.shared.values()} == {np_name}
+    stored = sum(t.length for t in m.shared.values())
+    assert stored == (2 * 101 * 32 + 2 * (2 * 8) * 32) * itemsize
+    assert stored <= (out / "shared.data").stat().st_size < stored + 4096 * len(m.shared)
     for f in C.GRAPH_FILES.values():
         assert lint(onnx.load(str(out / f), load_external_data=False)) == []
 
