@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ARCHS = ("llama", "qwen2", "qwen3")
+HYBRID = ("qwen35", "qwen35-vl")  # Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration (hybrid)
 
 
 def make_target(
@@ -30,6 +31,7 @@ def make_target(
     llama3_rope: bool = True,
     sharded: bool = False,
     std: float = 0.08,
+    layer_types: list[str] | None = None,
 ) -> Path:
     """Write a random HF checkpoint of `arch`; returns the directory."""
     import torch
@@ -63,12 +65,20 @@ def make_target(
     elif arch == "qwen3":
         cfg = transformers.Qwen3Config(**common, head_dim=head_dim or 32, tie_word_embeddings=bool(tie))
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif arch in HYBRID:
+        model = _qwen35(arch, common, layer_types, head_dim or 16, bool(tie))
     else:
         raise ValueError(arch)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, std)
+            if name.endswith("A_log"):
+                p.uniform_(-2.0, 1.0)  # decays exp(-e^A softplus(.)): from slow to fast forgetting
+            elif name.endswith("dt_bias"):
+                p.uniform_(-1.0, 1.0)
+            elif p.dim() > 1:
+                p.normal_(0.0, std * (3.0 if "conv1d" in name else 1.0))
+            elif "norm" in name and arch in HYBRID and "linear_attn" not in name:
+                p.uniform_(-0.2, 0.2)  # (1 + w) norms
             elif "norm" in name:
                 p.uniform_(0.8, 1.2)
             else:
@@ -76,6 +86,26 @@ def make_target(
     directory = Path(directory)
     model.eval().save_pretrained(directory, max_shard_size="20KB" if sharded else "10GB")
     return directory
+
+
+def _qwen35(arch: str, common: dict, layer_types, head_dim: int, tie: bool):
+    """A tiny hybrid Qwen3.5 with transformers' own classes (partial rotary, gated attention, GDN)."""
+    import transformers
+
+    layers = common["num_hidden_layers"]
+    text = dict(
+        **common, head_dim=head_dim, tie_word_embeddings=tie,
+        layer_types=layer_types or ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                   "partial_rotary_factor": 0.5},
+    )
+    if arch == "qwen35":
+        return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text))
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=common["hidden_size"],
+                  patch_size=4, num_position_embeddings=16)
+    return transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie))
 
 
 def make_drafter(

@@ -18,7 +18,12 @@ TARGET_ARCHS = {
     "LlamaForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    # hybrid Qwen3.5 / 3.6 text model (models/qwen35.py): Gated DeltaNet + gated attention
+    "Qwen3_5ForCausalLM": (False, True),
+    "Qwen3_5ForConditionalGeneration": (False, True),
 }
+HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+MOE_ARCHS = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")
 DRAFT_ARCH = "DFlashDraftModel"
 
 
@@ -98,6 +103,21 @@ def _req(cfg: dict, key: str, where: str):
 
 
 @dataclass
+class LinearAttention:
+    """Gated DeltaNet dimensions of a hybrid target's `linear_attention` layers."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:  # channels of the short conv: q, k and v side by side
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+
+@dataclass
 class TargetConfig:
     architecture: str
     vocab_size: int
@@ -117,12 +137,35 @@ class TargetConfig:
     max_position_embeddings: int = 4096
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: str = "float32"
+    # hybrid targets only: per-layer "linear_attention" / "full_attention", GDN dims, the
+    # fraction of head_dim that RoPE rotates and the sigmoid output gate of attention
+    layer_types: list[str] = field(default_factory=list)
+    linear: LinearAttention | None = None
+    rotary_dim: int = 0
+    attn_output_gate: bool = False
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.layer_types)
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if not self.layer_types or self.layer_types[i] != "linear_attention"]
 
     @classmethod
     def from_dict(cls, cfg: dict, where: str = "target") -> "TargetConfig":
         cfg = {**cfg.get("text_config", {}), **cfg} if "text_config" in cfg and "hidden_size" not in cfg else cfg
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
+        if arch in MOE_ARCHS or (arch in HYBRID_ARCHS and cfg.get("num_experts")):
+            raise DFlashError(
+                f"{where}: {arch} is a mixture-of-experts model; MoE targets are not supported yet "
+                "(dense Qwen3.5 / 3.6 hybrids are)"
+            )
         if arch not in TARGET_ARCHS:
             raise DFlashError(
                 f"{where}: architecture {arch!r} is not supported (supported: {', '.join(TARGET_ARCHS)})"
@@ -159,11 +202,43 @@ class TargetConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             eos_token_ids=eos,
             dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+            **(_hybrid_fields(cfg, where) if arch in HYBRID_ARCHS else {}),
         )
 
     @classmethod
     def load(cls, directory: str | Path) -> "TargetConfig":
         return cls.from_dict(read_config(directory, "target"), where=f"target {directory}")
+
+
+def _hybrid_fields(cfg: dict, where: str) -> dict:
+    """Qwen3.5 text config: layer pattern, GDN dims, partial rotary, output gate (as transformers reads them)."""
+    layers = int(_req(cfg, "num_hidden_layers", where))
+    types = cfg.get("layer_types") or [
+        "linear_attention" if (i + 1) % int(cfg.get("full_attention_interval", 4)) else "full_attention"
+        for i in range(layers)
+    ]
+    if len(types) != layers:
+        raise DFlashError(f"{where}: layer_types has {len(types)} entries for {layers} layers")
+    bad = sorted(set(types) - {"linear_attention", "full_attention"})
+    if bad:
+        raise DFlashError(f"{where}: layer type(s) {bad} are not supported (linear_attention, full_attention)")
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    if not cfg.get("attn_output_gate", True):
+        raise DFlashError(f"{where}: attn_output_gate=false is not supported (every released Qwen3.5 gates attention)")
+    return dict(
+        layer_types=list(types),
+        linear=LinearAttention(
+            num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+            num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
+            key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+            value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+            conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        ),
+        rotary_dim=int(head_dim * factor),
+        attn_output_gate=True,
+    )
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

@@ -36,6 +36,11 @@ class Generation:
         return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
 
 
+def _target_cache(target, max_len: int):
+    """The target's cache: static K/V, or for hybrid targets K/V plus committed DeltaNet states."""
+    return target.new_cache(max_len) if hasattr(target, "new_cache") else KVCache.for_model(target, max_len)
+
+
 @torch.inference_mode()
 def speculative_generate(
     target,
@@ -66,7 +71,7 @@ def speculative_generate(
     rng = np.random.default_rng(seed)
     stop = set(stop_token_ids)
     n = len(prompt)
-    tcache, dcache = KVCache.for_model(target, max_length), KVCache.for_model(drafter, max_length)
+    tcache, dcache = _target_cache(target, max_length), KVCache.for_model(drafter, max_length)
 
     ids = torch.tensor([prompt])
     logits, taps, _ = target(ids, torch.arange(n)[None], tcache)
@@ -116,7 +121,7 @@ def autoregressive_generate(
     check_sampling(temperature, top_k, top_p)
     max_length = check_request(prompt, max_new_tokens, target.config.vocab_size, max_context)
     rng = np.random.default_rng(seed)
-    cache = KVCache.for_model(target, max_length)
+    cache = _target_cache(target, max_length)
     ids, pos = torch.tensor([prompt]), torch.arange(len(prompt))[None]
     out: list[int] = []
     while True:

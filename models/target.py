@@ -128,6 +128,10 @@ class Target(nn.Module):
             from ..runtime.errors import DFlashError
 
             raise DFlashError(f"tap layer ids {bad} are outside the target's {config.num_layers} layers")
+        if config.hybrid:  # Qwen3.5 / 3.6: Gated DeltaNet + gated attention
+            from .qwen35 import HybridTarget
+
+            return HybridTarget.from_pretrained(directory, tap_ids, dtype)
         with torch.device("meta"):
             model = cls(config, tap_ids)
         state = load_state_dict(directory, "target")

@@ -274,7 +274,8 @@ def _target_config(tiny_target_dir, tmp_path, edit) -> Path:
 def test_unsupported_target_architecture_is_refused(tiny_target_dir, tmp_path):
     d = _target_config(tiny_target_dir, tmp_path, lambda c: c.update(architectures=["MistralForCausalLM"]))
     with pytest.raises(DFlashError, match=r"architecture 'MistralForCausalLM' is not supported \(supported: "
-                                          r"LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM\)") as e:
+                                          r"LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3_5ForCausalLM, "
+                                          r"Qwen3_5ForConditionalGeneration\)") as e:
         Target.from_pretrained(d)
     one_line(e)
 
