@@ -45,7 +45,7 @@ def cli() -> None:
 def _register() -> None:
     import importlib
 
-    for name in ("cmd_export", "cmd_info", "cmd_run", "cmd_trt", "cmd_train", "cmd_demo"):
+    for name in ("cmd_export", "cmd_info", "cmd_run", "cmd_trt", "cmd_train", "cmd_demo", "cmd_serve"):
         try:
             mod = importlib.import_module(f".{name}", __package__)
         except ModuleNotFoundError as e:

@@ -103,6 +103,13 @@ class Backend(ABC):
         """Forget the sequence (both lengths to 0); buffers are kept for the next one."""
         self.target_len = self.context_len = self._pending = 0
 
+    def keep(self, n: int) -> None:
+        """Keep only the first n positions of both caches: a new sequence that starts with
+        the same n tokens as the last one (prompt reuse) prefills only what follows."""
+        if not 0 <= n <= self.target_len:
+            raise DFlashError(f"internal: keep({n}) but the target cache holds {self.target_len} positions")
+        self.target_len, self.context_len, self._pending = n, min(self.context_len, n), 0
+
     def close(self) -> None:
         """Release sessions/engines and device memory (optional)."""
 

@@ -29,6 +29,7 @@ class Generation:
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens emitted per round
     stopped: bool = False  # ended on a stop token
     prompt_len: int = 0
+    reused: int = 0  # prompt positions found in the caches (not prefilled)
     prefill_s: float = 0.0
     draft_s: float = 0.0  # draft_context + draft_block calls of the rounds
     verify_s: float = 0.0  # target calls of the rounds
@@ -67,9 +68,15 @@ def stream(
     stop_token_ids: tuple[int, ...] | None = None,
     draft: bool = True,
     prefill_chunk: int = 256,
+    reuse: int = 0,
     out: Generation | None = None,
 ) -> Iterator[list[int]]:
-    """Yield the tokens of each round as it is accepted; statistics accumulate in `out`."""
+    """Yield the tokens of each round as it is accepted; statistics accumulate in `out`.
+
+    `reuse`: the first `reuse` prompt tokens are already in the backend's caches (the
+    previous sequence started with them, as a server slot tracks); only the rest is
+    prefilled. At least the last prompt token is always run, for the first choice.
+    """
     check_sampling(temperature, top_k, top_p)
     m = backend.manifest
     max_length = check_request(prompt, max_new_tokens, m.vocab_size, backend.max_len, "exported max context")
@@ -81,11 +88,13 @@ def stream(
     sample = temperature > 0
     k = m.block_size if draft else 1
     chunk = min(prefill_chunk, backend.max_chunk)
-    g.prompt_len, clock = len(prompt), time.perf_counter
+    g.prompt_len, g.reused, clock = len(prompt), reuse, time.perf_counter
     t0 = clock()
 
-    backend.reset()
-    for i in range(0, len(prompt), chunk):
+    if not 0 <= reuse < len(prompt) or (draft and reuse > backend.context_len):
+        raise DFlashError(f"internal: reuse {reuse} of a {len(prompt)}-token prompt (drafter context {backend.context_len})")
+    backend.keep(reuse)
+    for i in range(reuse, len(prompt), chunk):
         ids = prompt[i : i + chunk]
         last = i + chunk >= len(prompt)
         res = backend.target(np.asarray(ids, np.int64), want_logits=sample and last)

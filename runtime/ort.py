@@ -18,6 +18,7 @@ is, at the price of slower GEMMs (README, Runtime).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +120,16 @@ class OrtBackend(Backend):
         if drafter:
             self.sessions[C.DRAFT_CONTEXT] = self._session(C.DRAFT_CONTEXT, opts)
             self.sessions[C.DRAFT_BLOCK] = self._session(C.DRAFT_BLOCK, opts)
+        self._alloc_state()
+
+    def _alloc_state(self) -> None:
+        """The per-sequence state: KV buffers, taps, ids and one IO binding per session.
+
+        Everything else (sessions, shared weights, manifest) is read-only after load, so
+        `fork` can hand it to another sequence.
+        """
+        m = self.manifest
+        self._geom = {}
         self._io = {k: s.io_binding() for k, s in self.sessions.items()}
 
         # every tensor a call binds, from the contract: (is output, dtype, shape with dynamic roles)
@@ -143,12 +154,22 @@ class OrtBackend(Backend):
             self._logits_scratch = self.logits  # logits not asked for still land somewhere preallocated
         else:
             self._logits_scratch = self._alloc((1, K, V), "float32")
-        if drafter:
+        if self.has_drafter:
             dL, dH, dD = m.draft_layers, m.draft_kv_heads, m.draft_head_dim
             self.ctx = [self._alloc((1, self.max_len, dH, dD), C.dtype(C.CTX_KV[0], m)) for _ in range(2 * dL)]
             self.block_ids = np.full((1, K), m.mask_token_id, np.int64)
             self.draft_ids = np.empty((1, K - 1), np.int64)
             self._draft_logits = self._alloc((1, K - 1, V), "float32")
+
+    def fork(self) -> "OrtBackend":
+        """Another sequence over the same sessions (one copy of the weights): its own KV
+        buffers, taps, ids and IO bindings, lengths at 0. A server slot per fork; ORT runs
+        one session from several threads, each on its own binding."""
+        other = copy.copy(self)
+        other.trace = None
+        other._alloc_state()
+        other.reset()
+        return other
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -274,5 +295,5 @@ class OrtBackend(Backend):
         return self.draft_ids[0]
 
     def close(self) -> None:
-        self.sessions.clear()
-        self._io.clear()
+        self.sessions = {}  # forks keep theirs: a session is freed with its last user
+        self._io = {}

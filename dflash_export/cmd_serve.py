@@ -1,0 +1,205 @@
+"""`dflash-export serve`: the OpenAI-compatible server (uvicorn over serve_app.create_app).
+
+The process binds its socket first (so `--port 0` can print the port it got), answers
+/health with 503 while the model loads in the background, prints the URL when ready, and
+on Ctrl-C / SIGTERM stops accepting, lets in-flight requests finish for up to
+--shutdown-timeout seconds, cancels the rest and exits 0. torch is never imported here:
+`--demo` exports the shipped pair in a child process (which needs the export extra).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import click
+
+from .runtime.errors import DFlashError
+
+DEMO_PAIR = Path(__file__).resolve().parent.parent / "demo" / "pair"
+DEMO_CONTEXT = 2048
+
+
+def _need_serve_extra() -> None:
+    missing = []
+    for mod in ("fastapi", "uvicorn", "pydantic", "prometheus_client", "jinja2"):
+        try:
+            __import__(mod)
+        except ImportError:
+            missing.append(mod)
+    if missing:
+        raise DFlashError(f"serve needs {', '.join(missing)}: pip install \"dflash-export[serve]\"")
+
+
+def demo_artifact(pair: Path = DEMO_PAIR) -> Path:
+    """The shipped demo pair exported once into ~/.cache/dflash-export/ (keyed by the pair's content)."""
+    files = sorted(p for p in pair.rglob("*") if p.is_file()) if pair.is_dir() else []
+    if not files:
+        raise DFlashError(f"the shipped demo pair is missing ({pair}); restore demo/pair/ or pass an exported directory")
+    h = hashlib.sha256(str(DEMO_CONTEXT).encode())
+    for p in files:
+        h.update(p.relative_to(pair).as_posix().encode() + hashlib.sha256(p.read_bytes()).digest())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-export"
+    out = cache / f"demo-{h.hexdigest()[:16]}"
+    if (out / "manifest.json").is_file():
+        return out
+    if not (_importable("torch") and _importable("onnx")):
+        raise DFlashError('--demo exports the shipped pair once, which needs the export extra: '
+                          'pip install "dflash-export[export]" (or serve an exported directory: dflash-export serve OUT)')
+    click.echo(f"exporting the demo pair once into {out} (needs torch; the server itself does not) ...", err=True)
+    cmd = [sys.executable, "-c", "from dflash_export.cli import main; main()", "export", "--target", str(pair / "target"),
+           "--draft", str(pair / "draft"), "--out", str(out), "--max-context", str(DEMO_CONTEXT), "--quiet", "--force"]
+    p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or ["no message"])[-1]
+        raise DFlashError(f"exporting the demo pair failed: {last}")
+    return out
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ValueError, ImportError):  # e.g. sys.modules[name] is None
+        return False
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise DFlashError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port (0: any free port)") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@click.command()
+@click.argument("out", required=False, type=click.Path(path_type=Path))
+@click.option("--demo", is_flag=True, help="Serve the shipped demo pair (exported once into ~/.cache/dflash-export/).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (other than loopback: set an API key).")
+@click.option("--port", default=8000, show_default=True, type=int, help="TCP port; 0 picks a free one (printed).")
+@click.option("--slots", default=1, show_default=True, type=int,
+              help="Concurrent generations; they share the weights, each owns its KV buffers.")
+@click.option("--max-queue", default=16, show_default=True, type=int,
+              help="Requests that may wait for a slot (FIFO); more get 429.")
+@click.option("--api-key", envvar="DFLASH_API_KEY", help="Require 'Authorization: Bearer KEY' (env: DFLASH_API_KEY).")
+@click.option("--api-key-file", type=click.Path(path_type=Path), help="Read the API key from this file.")
+@click.option("--model-name", help="The model id clients send [default: the directory's name].")
+@click.option("--max-tokens", "default_max_tokens", default=256, show_default=True, type=int,
+              help="max_tokens when a request omits it (capped by the room left in the context).")
+@click.option("--chat-template", type=click.Path(path_type=Path), help="Jinja chat template file (overrides the artifact's).")
+@click.option("--no-draft", is_flag=True, help="Load without the drafter: plain decoding only.")
+@click.option("--shutdown-timeout", default=10.0, show_default=True, type=float,
+              help="Seconds in-flight requests may finish after Ctrl-C / SIGTERM before they are cancelled.")
+@click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
+              help="ort: ONNX Runtime (see --provider); trt: the TensorRT engines of `dflash-export build` (--slots 1).")
+@click.option("--provider", default="cpu", show_default=True, help="ONNX Runtime execution provider: cpu | cuda | tensorrt.")
+@click.option("--threads", type=int, default=1, show_default=True,
+              help="ONNX Runtime intra-op threads per call (slots run calls in parallel; 1 is fastest on 2 vCPUs).")
+def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_name, default_max_tokens, chat_template,
+          no_draft, shutdown_timeout, backend, provider, threads):
+    """An OpenAI-compatible server over an exported directory OUT (or --demo):
+    /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize."""
+    from .runtime import contract as C
+
+    _need_serve_extra()
+    if (out is None) == (not demo):
+        raise DFlashError("give an exported directory OUT or --demo (not both)")
+    if api_key and api_key_file:
+        raise DFlashError("give --api-key or --api-key-file, not both")
+    if api_key_file is not None:
+        try:
+            api_key = api_key_file.read_text().strip()
+        except OSError as e:
+            raise DFlashError(f"--api-key-file {api_key_file}: {e.strerror}") from None
+        if not api_key:
+            raise DFlashError(f"--api-key-file {api_key_file} is empty")
+    for name, value, low in (("--slots", slots, 1), ("--max-queue", max_queue, 0), ("--max-tokens", default_max_tokens, 1),
+                             ("--threads", threads, 1)):
+        if value < low:
+            raise DFlashError(f"{name} must be >= {low} (got {value})")
+    if slots > 1 and backend != "ort":
+        raise DFlashError(f"--slots {slots} needs --backend ort (its slots share one copy of the weights)")
+    template = None
+    if chat_template is not None:
+        if not chat_template.is_file():
+            raise DFlashError(f"--chat-template {chat_template}: no such file")
+        template = chat_template.read_text()
+    directory = demo_artifact() if demo else out
+    C.load_manifest(directory, verify=False)  # a wrong folder is one line now, not after binding
+
+    import uvicorn
+
+    from .serve_app import ServeOptions, create_app
+
+    options = ServeOptions(Path(directory), model_name=model_name or ("dflash-demo" if demo else None), slots=slots,
+                           max_queue=max_queue, api_key=api_key, backend=backend, provider=provider, threads=threads,
+                           default_max_tokens=default_max_tokens, chat_template=template, speculative=not no_draft)
+    if not _is_loopback(host) and not api_key:
+        click.echo(f"warning: listening on {host} without an API key: anyone who can reach it can use it "
+                   "(set --api-key or DFLASH_API_KEY)", err=True)
+    sock = _bind(host, port)
+    port = sock.getsockname()[1]
+    app = create_app(options)
+    holder = app.state.holder
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # no re-raise of the signal after shutdown: exit 0
+            holder.draining = True
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+
+    server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout,
+                                   lifespan="on", access_log=False))
+    failed: list[str] = []
+
+    def announce():
+        holder.ready.wait()
+        if holder.error is not None:
+            failed.append(holder.error)
+            server.should_exit = True
+            return
+        e = holder.engine
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        mode = "speculative (DFlash)" if e.has_drafter else "plain decoding"
+        click.echo(f"dflash-export serve: ready at {url}  model {e.model!r}, {len(e.slots)} slot(s), "
+                   f"queue {max_queue}, {mode}, {e.slots[0].backend.provider}, context {e.max_len}")
+        auth = ' -H "Authorization: Bearer $DFLASH_API_KEY"' if api_key else ""
+        click.echo(f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
+                   f"-d '{{\"model\": \"{e.model}\", \"prompt\": \"def fib(n):\", \"max_tokens\": 32, \"temperature\": 0}}'")
+        sys.stdout.flush()
+
+    threading.Thread(target=announce, name="dflash-announce", daemon=True).start()
+    click.echo(f"dflash-export serve: listening on {host}:{port}, loading {directory} ...", err=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if failed:
+        raise DFlashError(failed[0])
+    click.echo("dflash-export serve: stopped", err=True)
+
+
+COMMANDS = [serve]

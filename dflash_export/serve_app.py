@@ -1,0 +1,583 @@
+"""The OpenAI-compatible HTTP app (FastAPI) over the engine: `create_app(options) -> ASGI app`.
+
+Model loading is separate from the process: the app starts answering at once (/health is
+503 until the engine is loaded in a background thread), or takes an engine loaded by the
+caller (`create_app(options, engine=...)`, e.g. one replica of a Ray Serve deployment).
+
+Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}` with its
+status; bad input is never a 500 and never a traceback. Every response carries
+`x-dflash-replica: HOST/PID/SLOT` (SLOT is `-` when no slot served it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import secrets
+import sys
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .runtime.errors import DFlashError
+from .serve_engine import Engine, Job, Params, QueueFull, Unavailable, load_engine, replica
+from .serve_text import TextStream
+
+REPLICA = "x-dflash-replica"
+OPEN_PATHS = ("/health", "/health/ready", "/metrics")  # no API key needed (as vLLM: /v1 and the rest need it)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               500: "server_error", 503: "service_unavailable"}
+
+
+@dataclass
+class ServeOptions:
+    directory: Path
+    model_name: str | None = None  # default: the directory's name
+    slots: int = 1
+    max_queue: int = 16
+    api_key: str | None = None
+    backend: str = "ort"
+    provider: str = "cpu"
+    threads: int | None = 1
+    default_max_tokens: int = 256
+    max_body_bytes: int = 4 << 20
+    chat_template: str | None = None  # template text overriding the artifact's
+    speculative: bool = True  # False: load without the drafter, plain decoding only
+
+    @property
+    def model(self) -> str:
+        return self.model_name or Path(self.directory).resolve().name
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+# -- request bodies ---------------------------------------------------------------------------
+
+Float = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class Common(BaseModel):
+    """The fields both endpoints read; unknown fields are ignored (as OpenAI clients send many)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict | None = None
+    speculative: bool = True  # extension: false runs plain decoding for this request
+    cache_prompt: bool = True  # extension (llama.cpp): reuse the slot's cached prefix
+
+
+class CompletionRequest(Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
+
+
+class ChatRequest(Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- the app --------------------------------------------------------------------------------------
+
+
+class Holder:
+    """The engine once loaded (or why it failed); `ready` is set either way."""
+
+    def __init__(self, engine: Engine | None = None):
+        self.engine, self.error = engine, None
+        self.ready = threading.Event()
+        self.draining = False
+        if engine is not None:
+            self.ready.set()
+
+    def load(self, options: ServeOptions) -> None:
+        try:
+            self.engine = load_engine(
+                options.directory, slots=options.slots, model=options.model, max_queue=options.max_queue,
+                backend=options.backend, provider=options.provider, threads=options.threads,
+                drafter=options.speculative, chat_template=options.chat_template)
+        except DFlashError as e:
+            self.error = str(e)
+        except Exception as e:  # a load failure is reported in one line by the command
+            self.error = f"loading failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+        finally:
+            self.ready.set()
+
+    def get(self) -> Engine:
+        if self.draining or (self.engine is not None and self.engine.stopping):
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        if self.engine is None:
+            raise ApiError(503, self.error or "the model is loading; retry shortly (GET /health is 200 when ready)",
+                           code="loading" if self.error is None else "load_failed")
+        return self.engine
+
+
+def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
+    """The ASGI app. Without `engine`, the app loads one from `options` when it starts (lifespan)."""
+    holder = Holder(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if holder.engine is None and holder.error is None:
+            threading.Thread(target=holder.load, args=(options,), name="dflash-load", daemon=True).start()
+        yield
+        holder.draining = True
+        if holder.engine is not None:
+            await asyncio.to_thread(holder.engine.close)
+
+    app = FastAPI(title="dflash-export serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.holder, app.state.options = holder, options
+    app.add_middleware(Guard, options=options)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return error_response(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        msg = {404: f"no route {request.method} {request.url.path}", 405: f"{request.method} is not allowed on "
+               f"{request.url.path}"}.get(e.status_code, str(e.detail))
+        return error_response(e.status_code, msg, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception):
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"dflash-export serve: internal error on {request.url.path}: {first}", file=sys.stderr)
+        return error_response(500, f"internal error: {first}")
+
+    @app.get("/health")
+    @app.get("/health/ready")
+    async def health():
+        engine = holder.get()
+        return {"status": "ok", "model": engine.model, "slots": len(engine.slots), "slots_idle": engine.idle_slots(),
+                "requests_waiting": len(engine.waiting)}
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        engine = holder.get()
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(holder.get())]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        engine = holder.get()
+        _check_model(engine, name)
+        return _model_card(engine)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        engine = holder.get()
+        body = await _parse(request, TokenizeRequest)
+        _check_model(engine, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.prompt is not None:
+            ids = engine.text.encode(body.prompt, body.add_special_tokens)
+        else:
+            ids = engine.text.encode(_render(engine, body.messages, body.add_generation_prompt), False)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        engine = holder.get()
+        body = await _parse(request, DetokenizeRequest)
+        _check_model(engine, body.model)
+        _check_ids(engine, body.tokens, "tokens")
+        return {"prompt": engine.text.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        engine = holder.get()
+        body = await _parse(request, CompletionRequest)
+        _check_common(engine, body)
+        for name, bad in (("logprobs", body.logprobs is not None), ("echo", body.echo), ("suffix", body.suffix),
+                          ("best_of", body.best_of not in (None, 1))):
+            if bad:
+                raise ApiError(400, f"{name} is not supported by this server", param=name, code="unsupported")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, f"one prompt per request (got {len(prompt)})", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = engine.text.encode(prompt)
+        else:
+            ids = list(prompt)
+            _check_ids(engine, ids, "prompt")
+        return await _generate(engine, request, body, ids, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        engine = holder.get()
+        body = await _parse(request, ChatRequest)
+        _check_common(engine, body)
+        if body.logprobs or body.top_logprobs:
+            raise ApiError(400, "logprobs is not supported by this server", param="logprobs", code="unsupported")
+        ids = engine.text.encode(_render(engine, body.messages, body.add_generation_prompt), False)
+        return await _generate(engine, request, body, ids, body.max_completion_tokens or body.max_tokens, chat=True)
+
+    async def _generate(engine: Engine, request: Request, body: Common, ids: list[int], max_tokens: int | None,
+                        chat: bool):
+        params = _params(engine, body, ids, max_tokens, options.default_max_tokens)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        job = Job(params, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                  text=TextStream(engine.text.decode, params.stop))
+        try:
+            engine.submit(job)
+        except QueueFull as e:
+            raise ApiError(429, str(e), code="queue_full") from None
+        except Unavailable as e:
+            raise ApiError(503, str(e), code="shutting_down") from None
+        watcher = asyncio.create_task(_watch_disconnect(request, engine, job))
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        created, name = int(time.time()), engine.model
+        try:
+            first = await events.get()  # the first round (headers wait for it) or the end
+        except BaseException:
+            watcher.cancel()
+            engine.cancel(job)
+            raise
+        if first[0] == "error" or (first[0] == "end" and first[1] == "cancelled"):
+            watcher.cancel()
+            raise ApiError(500 if first[0] == "error" else 503, first[1] if first[0] == "error" else "cancelled")
+        headers = {REPLICA: replica(job.slot)}
+
+        if not body.stream:
+            tokens, text, ev = [], [], first
+            try:
+                while ev[0] == "round":
+                    tokens += ev[1]
+                    text.append(ev[2])
+                    ev = await events.get()
+            finally:
+                watcher.cancel()
+                engine.cancel(job)
+            if ev[0] == "error":
+                raise ApiError(500, ev[1])
+            _, finish, g, tail = ev
+            text.append(tail)
+            choice = {"index": 0, "finish_reason": _finish(finish), "logprobs": None, "token_ids": g.tokens}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": "".join(text)}
+            else:
+                choice["text"] = "".join(text)
+            out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                   "model": name, "choices": [choice], "usage": _usage(g), "timings": _timings(engine, g, params)}
+            return JSONResponse(out, headers=headers)
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(delta: str | None, token_ids: list[int], finish: str | None, **extra) -> str:
+            if chat:
+                d = {} if delta is None else {"content": delta}
+                c = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None, "token_ids": token_ids}
+            else:
+                c = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None, "token_ids": token_ids}
+            obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                   "model": name, "choices": [c], **extra}
+            return f"data: {json.dumps(obj)}\n\n"
+
+        async def sse():
+            ev = first
+            try:
+                if chat:
+                    role = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                         "finish_reason": None, "logprobs": None}]}
+                    yield f"data: {json.dumps(role)}\n\n"
+                while ev[0] == "round":
+                    yield chunk(ev[2], ev[1], None)
+                    ev = await events.get()
+                if ev[0] == "error":
+                    yield f"data: {json.dumps({'error': {'message': ev[1], 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+                else:
+                    _, finish, g, tail = ev
+                    yield chunk(tail, [], _finish(finish), timings=_timings(engine, g, params))
+                    if include_usage:
+                        usage = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                 "created": created, "model": name, "choices": [], "usage": _usage(g)}
+                        yield f"data: {json.dumps(usage)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                watcher.cancel()
+                engine.cancel(job)
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers=headers | {"cache-control": "no-cache"})
+
+    return app
+
+
+async def _parse(request: Request, model: type[BaseModel]):
+    """The JSON body as `model` (whatever the Content-Type says, as curl -d sends form), or a 400."""
+    raw = await request.body()
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, a 5000-digit integer, deep nesting
+        raise ApiError(400, f"the body is not valid JSON ({e.__class__.__name__}: {str(e)[:120]})",
+                       code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"the body must be a JSON object (got {type(obj).__name__})", code="invalid_json")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) for x in err.get("loc", ())]
+        where = ".".join(loc) or "body"
+        raise ApiError(400, f"{where}: {err.get('msg', 'invalid')}", param=loc[0] if loc else None,
+                       code="invalid_value") from None
+
+
+async def _watch_disconnect(request: Request, engine: Engine, job: Job) -> None:
+    """Cancel the job when the client goes away (the body is already read: only disconnects arrive)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            engine.cancel(job)
+            return
+
+
+def _finish(reason: str) -> str:
+    return "length" if reason == "length" else "stop" if reason == "stop" else "abort"
+
+
+def _usage(g) -> dict:
+    return {"prompt_tokens": g.prompt_len, "completion_tokens": len(g.tokens),
+            "total_tokens": g.prompt_len + len(g.tokens), "prompt_tokens_details": {"cached_tokens": g.reused}}
+
+
+def _timings(engine: Engine, g, p: Params) -> dict:
+    """llama.cpp's keys (+ rounds, mean_acceptance_length, cache_n)."""
+    rounds = len(g.acceptance_lengths)
+    k = engine.manifest.block_size if p.speculative else 1
+    predicted_ms = g.decode_s * 1e3
+    return {"cache_n": g.reused, "prompt_n": g.prompt_len - g.reused, "prompt_ms": g.prefill_s * 1e3,
+            "predicted_n": len(g.tokens), "predicted_ms": predicted_ms,
+            "predicted_per_second": g.tokens_per_second,
+            "draft_n": rounds * (k - 1), "draft_n_accepted": sum(a - 1 for a in g.acceptance_lengths) if p.speculative else 0,
+            "rounds": rounds, "mean_acceptance_length": g.tau, "speculative": p.speculative}
+
+
+def _model_card(engine: Engine) -> dict:
+    return {"id": engine.model, "object": "model", "created": 0, "owned_by": "dflash-export",
+            "max_model_len": engine.max_len}
+
+
+def _check_model(engine: Engine, name: str | None) -> None:
+    if name is not None and name != engine.model:
+        raise ApiError(404, f"the model {name!r} does not exist; this server serves {engine.model!r}",
+                       param="model", code="model_not_found")
+
+
+def _check_ids(engine: Engine, ids: list[int], what: str) -> None:
+    v = engine.manifest.vocab_size
+    bad = [t for t in ids if not 0 <= t < v]
+    if bad:
+        raise ApiError(400, f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {v})", param=what)
+
+
+def _check_common(engine: Engine, body: Common) -> None:
+    _check_model(engine, body.model)
+    if body.n != 1:
+        raise ApiError(400, f"n must be 1 (got {body.n}): one completion per request", param="n", code="unsupported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise ApiError(400, f"{name} is not supported by this server (use 0 or omit it)", param=name,
+                           code="unsupported")
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias", code="unsupported")
+
+
+def _render(engine: Engine, messages: list[Message], add_generation_prompt: bool) -> str:
+    plain = []
+    for i, m in enumerate(messages):
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            if any(p.type != "text" or p.text is None for p in m.content):
+                raise ApiError(400, f"messages.{i}.content: only text parts are supported", param="messages")
+            d["content"] = "\n".join(p.text for p in m.content)
+        d.setdefault("content", "")
+        plain.append(d)
+    try:
+        return engine.text.render(plain, add_generation_prompt)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="messages") from None
+
+
+def _params(engine: Engine, body: Common, ids: list[int], max_tokens: int | None, default_max: int) -> Params:
+    """Validated generation parameters, or a 400 naming the field and the allowed range."""
+    if not ids:
+        raise ApiError(400, "the prompt is empty (0 tokens); give at least one token", param="prompt")
+    limit = engine.max_len
+    if len(ids) >= limit:
+        raise ApiError(400, f"the prompt has {len(ids)} tokens but the exported context holds {limit} "
+                            f"(prompt + at least 1 new token); shorten the prompt", param="prompt",
+                       code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = min(default_max, limit - len(ids))
+    elif max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be >= 1 (got {max_tokens})", param="max_tokens")
+    elif len(ids) + max_tokens > limit:
+        raise ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
+                            f"exceeds the exported context of {limit} tokens; lower max_tokens to at most "
+                            f"{limit - len(ids)}", param="max_tokens", code="context_length_exceeded")
+    t = 1.0 if body.temperature is None else body.temperature
+    if not 0 <= t <= 2:
+        raise ApiError(400, f"temperature must be in [0, 2] (got {t})", param="temperature")
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if not 0 < top_p <= 1:
+        raise ApiError(400, f"top_p must be in (0, 1] (got {top_p})", param="top_p")
+    top_k = 0 if body.top_k in (None, -1) else body.top_k
+    if top_k < 0:
+        raise ApiError(400, f"top_k must be >= 0, or -1 to disable (got {top_k})", param="top_k")
+    if body.seed is not None and not -(2**63) <= body.seed < 2**64:
+        raise ApiError(400, f"seed must fit in 64 bits (got {body.seed})", param="seed")
+    seed = secrets.randbits(63) if body.seed is None else body.seed % 2**64
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > 16 or any(len(s) > 256 for s in stop):
+        raise ApiError(400, "stop: at most 16 strings of at most 256 characters", param="stop")
+    stop_ids = list(body.stop_token_ids or [])
+    _check_ids(engine, stop_ids, "stop_token_ids")
+    if body.speculative and not engine.has_drafter:
+        raise ApiError(400, "this server was started without the drafter (--no-draft); send speculative: false",
+                       param="speculative")
+    if not all(map(math.isfinite, (t, top_p))):  # belt and braces: pydantic already refused NaN/inf
+        raise ApiError(400, "sampling values must be finite")
+    return Params(ids, max_tokens, t, top_k, top_p, seed, tuple(stop_ids), tuple(stop), body.speculative,
+                  body.cache_prompt)
+
+
+class Guard:
+    """Pure ASGI middleware: replica header on every response, API key, body size limit (413)."""
+
+    def __init__(self, app, options: ServeOptions):
+        self.app, self.options = app, options
+        self.key = options.api_key.encode() if options.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_replica(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == REPLICA.encode() for k, _ in headers):
+                    headers.append((REPLICA.encode(), replica().encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        if self.key is not None and scope.get("path") not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"")
+            token = given[7:] if given[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token.strip(), self.key):  # constant time
+                resp = error_response(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                                      code="invalid_api_key", headers={"www-authenticate": "Bearer"})
+                return await resp(scope, receive, send_with_replica)
+        limit = self.options.max_body_bytes
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            declared = -1
+        if declared < 0:
+            return await error_response(400, "invalid Content-Length header")(scope, receive, send_with_replica)
+        if declared > limit:
+            return await error_response(413, f"the body has {declared} bytes; the limit is {limit}",
+                                        code="request_too_large")(scope, receive, send_with_replica)
+        if scope.get("method") != "POST":
+            return await self.app(scope, receive, send_with_replica)
+        body, more = bytearray(), True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > limit:
+                return await error_response(413, f"the body is over the limit of {limit} bytes",
+                                            code="request_too_large")(scope, receive, send_with_replica)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send_with_replica)

@@ -1,0 +1,132 @@
+"""Text for the server: the artifact's tokenizer, its chat template, and streamed text.
+
+Chat templates are Jinja rendered in a sandbox, as transformers renders them
+(ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks, loop controls, `raise_exception`,
+`tojson`, `strftime_now`): a template is data from a model folder, never trusted code.
+
+`TextStream` turns the tokens of each accepted round into the text to send now. It decodes
+the whole completion every time (so merged tokens and byte-level pieces are joined as the
+tokenizer joins them) and holds back the tail that is an incomplete UTF-8 sequence (the
+decoder shows it as U+FFFD) or that may still be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from .runtime.errors import DFlashError
+
+
+class Text:
+    """Tokenizer + chat template of an exported directory (torch-free: `tokenizers`, `jinja2`)."""
+
+    def __init__(self, directory: Path, chat_template: str | None = None):
+        from tokenizers import Tokenizer
+
+        path = Path(directory) / "tokenizer.json"
+        if not path.is_file():
+            raise DFlashError(f"{directory} has no tokenizer.json; the server needs one to turn text into tokens")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:
+            raise DFlashError(f"{path}: unreadable tokenizer ({str(e).splitlines()[0] if str(e) else e}); re-export") from None
+        config = _read_json(Path(directory) / "tokenizer_config.json")
+        self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        if chat_template is None:
+            chat_template = config.get("chat_template")
+            if isinstance(chat_template, list):  # [{"name": "default", "template": ...}, ...]
+                named = {t.get("name"): t.get("template") for t in chat_template if isinstance(t, dict)}
+                chat_template = named.get("default")
+            jinja = Path(directory) / "chat_template.jinja"
+            if chat_template is None and jinja.is_file():
+                chat_template = jinja.read_text()
+        self.template = _compile(chat_template) if isinstance(chat_template, str) else None
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat as the model was trained to see it; ValueError with the template's message."""
+        import jinja2
+
+        if self.template is None:
+            raise ValueError("this model has no chat template (tokenizer_config.json has no \"chat_template\"); "
+                             "use /v1/completions, or start the server with --chat-template FILE")
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **{k: v for k, v in self.special.items() if v is not None})
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template refused these messages: {e}") from None
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DFlashError(f"{path}: unreadable ({e}); re-export the directory") from None
+    return d if isinstance(d, dict) else {}
+
+
+def _token_text(t) -> str | None:
+    return t.get("content") if isinstance(t, dict) else t if isinstance(t, str) else None
+
+
+def _compile(source: str):
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise DFlashError(f"the chat template does not compile (line {e.lineno}: {e.message})") from None
+
+
+class TextStream:
+    """Text deltas of a completion as its tokens arrive, cut at the first stop string."""
+
+    def __init__(self, decode, stop: list[str] | tuple[str, ...] = ()):
+        self.decode = decode
+        self.stop = [s for s in stop if s]
+        self.tokens: list[int] = []
+        self.text = ""  # the completion's text so far (cut at a stop string once one is found)
+        self.sent = 0  # characters of `text` already handed out
+        self.stopped = False  # a stop string was found
+
+    def push(self, tokens: list[int]) -> str:
+        """Add a round's tokens; return the text that is safe to send now."""
+        if self.stopped:
+            return ""
+        self.tokens += tokens
+        text = self.decode(self.tokens)
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped, self.text = True, text[: min(hits)]
+            return self._take(len(self.text))
+        self.text = text
+        end = len(text)
+        while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence so far
+            end -= 1
+        held = max((k for s in self.stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
+        return self._take(max(self.sent, end - held))
+
+    def finish(self) -> str:
+        """Whatever was held back, at the end of the completion."""
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        out, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return out

@@ -1,0 +1,475 @@
+"""`dflash-export serve`: a real server process on 127.0.0.1 (ephemeral port, torch made
+unimportable in it) driven by the official openai client and by raw HTTP; plus the pieces
+under it (slots sharing sessions, prompt reuse, streamed text) tested directly."""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from click.testing import CliRunner
+from runtime_cases import CASES, artifact, prompts
+from test_runtime_cli import char_tokenizer
+from tokenizers import Tokenizer
+
+from dflash_export.cli import cli
+from dflash_export.runtime import contract as C
+from dflash_export.runtime.loop import Generation, generate, stream
+from dflash_export.runtime.ort import OrtBackend
+from dflash_export.serve_engine import Engine, Job, Params
+from dflash_export.serve_text import Text, TextStream
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+NO_TORCH = "import sys\nfor m in ('torch', 'onnx', 'onnxscript', 'transformers'): sys.modules[m] = None\n"
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    """The qwen3 test pair (real acceptance), with a character tokenizer and a chat template."""
+    d = tmp_path_factory.mktemp("serve") / "tiny-chat"
+    shutil.copytree(artifact(CASES["qwen3"])[2], d)
+    char_tokenizer(d / "tokenizer.json")
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": TEMPLATE}))
+    m = C.load_manifest(d, verify=False)
+    m.tokenizer = True
+    C.write_manifest(d, m)
+    return d
+
+
+@pytest.fixture(scope="module")
+def offline(art):
+    """What `dflash-export generate` produces: the loop on a fresh backend (1 thread, as the server)."""
+    backend = OrtBackend(art, threads=1)
+    return lambda ids, n, **kw: generate(backend, ids, n, **kw)
+
+
+@pytest.fixture(scope="module")
+def tok(art):
+    return Tokenizer.from_file(str(art / "tokenizer.json"))
+
+
+def decode(tok, ids):
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+class Server:
+    """`dflash-export serve ... --port 0` in its own process, torch blocked; stopped by its pid."""
+
+    def __init__(self, art: Path, log: Path, *args):
+        code = NO_TORCH + "from dflash_export.cli import cli\ncli(sys.argv[1:])\n"
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, "serve", str(art), "--port", "0", *map(str, args)],
+            stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, env=os.environ | {"PYTHONPATH": ""})
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                self.kill()
+                raise AssertionError(f"server not ready in 90 s: {log.read_text()}")
+            if line is None:
+                raise AssertionError(f"server exited: {log.read_text()}")
+            if m := re.search(r"ready at http://127\.0\.0\.1:(\d+)", line):
+                self.port = int(m.group(1))
+                break
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.pid = self.proc.pid
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def client(self, key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def raw(self, method: str, path: str, body=None, headers: dict | None = None):
+        """(status, headers, parsed JSON or raw text) over a fresh connection."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        if isinstance(body, (dict, list)):
+            body = json.dumps(body)
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        data = r.read()
+        conn.close()
+        try:
+            return r.status, dict(r.getheaders()), json.loads(data)
+        except ValueError:
+            return r.status, dict(r.getheaders()), data.decode(errors="replace")
+
+    def metric(self, name: str) -> float:
+        text = self.raw("GET", "/metrics")[2]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+    def stop(self, timeout: float = 30) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(art, tmp_path_factory):
+    s = Server(art, tmp_path_factory.mktemp("log") / "serve.log", "--slots", 2, "--max-queue", 8)
+    yield s
+    try:
+        assert s.stop() == 0, s.log.read_text()
+    finally:
+        s.kill()
+
+
+def replica_ok(headers: dict, pid: int, slot: str = r"\d+") -> bool:
+    value = {k.lower(): v for k, v in headers.items()}.get("x-dflash-replica", "")
+    return re.fullmatch(rf"{re.escape(socket.gethostname())}/{pid}/{slot}", value) is not None
+
+
+# -- the server through the openai client ---------------------------------------------------------
+
+
+def test_completions_equal_generate(server, offline, tok):
+    client = server.client()
+    for text in ("def f(x):", "Hello, world", "0"):
+        ids = tok.encode(text).ids
+        want = offline(ids, 40)
+        r = client.completions.create(model="tiny-chat", prompt=text, max_tokens=40, temperature=0)
+        c = r.choices[0]
+        assert c.text == decode(tok, want.tokens) and c.model_extra["token_ids"] == want.tokens
+        assert c.finish_reason == ("stop" if want.stopped else "length")
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want.tokens))
+        t = r.model_extra["timings"]
+        assert t["rounds"] == len(want.acceptance_lengths) and t["mean_acceptance_length"] == pytest.approx(want.tau)
+        assert t["draft_n"] == 7 * t["rounds"] and t["draft_n_accepted"] == len(want.tokens) - 1 - t["rounds"]
+        # the same as token ids, streamed: chunks add up to the same text and tokens
+        chunks = list(client.completions.create(model="tiny-chat", prompt=ids, max_tokens=40, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
+        assert [t for ch in chunks if ch.choices for t in ch.choices[0].model_extra["token_ids"]] == want.tokens
+        assert chunks[-1].usage.completion_tokens == len(want.tokens) and chunks[-2].choices[0].finish_reason == c.finish_reason
+        # plain decoding on request: the same tokens, no drafts
+        r = client.completions.create(model="tiny-chat", prompt=text, max_tokens=40, temperature=0,
+                                      extra_body={"speculative": False})
+        assert r.choices[0].model_extra["token_ids"] == want.tokens
+        assert r.model_extra["timings"]["draft_n"] == 0 and r.model_extra["timings"]["rounds"] == len(want.tokens) - 1
+    raw = client.completions.with_raw_response.create(model="tiny-chat", prompt="x", max_tokens=2, temperature=0)
+    assert replica_ok(dict(raw.headers), server.pid)
+    assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+
+
+def test_sampling_is_seeded_and_stop_strings_never_leak(server, offline, tok):
+    """temperature > 0 with a seed draws what the loop draws; a stop string found across chunk
+    boundaries ends the text before it, streamed or not."""
+    client = server.client()
+    ids = tok.encode("abc").ids
+    want = offline(ids, 120, temperature=1.0, seed=0)
+    full = decode(tok, want.tokens)
+    r = client.completions.create(model="tiny-chat", prompt="abc", max_tokens=120, temperature=1.0, seed=0)
+    assert r.choices[0].model_extra["token_ids"] == want.tokens and r.choices[0].text == full
+    at = next(i for i in range(8, len(full) - 3) if full.find(full[i:i + 3]) == i and "<" not in full[:i + 3])
+    stop = full[at:at + 3]
+    for stream in (False, True):
+        kw = dict(model="tiny-chat", prompt="abc", max_tokens=120, temperature=1.0, seed=0, stop=[stop, "never!"])
+        if stream:
+            chunks = [ch for ch in client.completions.create(stream=True, **kw) if ch.choices]
+            pieces = [ch.choices[0].text for ch in chunks]
+            assert len([p for p in pieces if p]) > 2  # really streamed in pieces
+            text, finish = "".join(pieces), chunks[-1].choices[0].finish_reason
+            assert not any(stop[:2] in p for p in pieces)
+        else:
+            c = client.completions.create(**kw).choices[0]
+            text, finish = c.text, c.finish_reason
+        assert text == full[:at] and finish == "stop"
+
+
+def test_chat_and_prompt_reuse(server, offline, tok):
+    client = server.client()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    rendered = "<system>Be brief.\n<user>Hi there\n<assistant>"
+    ids = tok.encode(rendered, add_special_tokens=False).ids
+    assert server.raw("POST", "/tokenize", {"messages": msgs})[2]["tokens"] == ids
+    want = offline(ids, 30)
+    r = client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=30, temperature=0)
+    reply = r.choices[0].message.content
+    assert reply == decode(tok, want.tokens) and r.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="tiny-chat", messages=msgs, max_completion_tokens=30,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == reply
+    # turn 2 starts with turn 1: a slot still holds it, only the new part is prefilled
+    msgs2 = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": "More"}]
+    ids2 = tok.encode(f"<system>Be brief.\n<user>Hi there\n<assistant>{reply}\n<user>More\n<assistant>",
+                      add_special_tokens=False).ids
+    r2 = client.chat.completions.create(model="tiny-chat", messages=msgs2, max_tokens=30, temperature=0)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= len(ids) and r2.model_extra["timings"]["prompt_n"] == len(ids2) - cached
+    assert r2.choices[0].model_extra["token_ids"] == offline(ids2, 30).tokens
+    r3 = client.chat.completions.create(model="tiny-chat", messages=msgs2, max_tokens=30, temperature=0,
+                                        extra_body={"cache_prompt": False})
+    assert r3.usage.prompt_tokens_details.cached_tokens == 0 and r3.choices[0].message.content == r2.choices[0].message.content
+
+
+def test_load_48_requests_concurrency_8_over_2_slots(server, offline):
+    ps = prompts(48, 101, seed=5)
+    n = [12 + i % 20 for i in range(48)]
+    client = server.client()
+    before = server.metric("dflash:request_success_total")
+
+    def one(i):
+        r = client.completions.with_raw_response.create(model="tiny-chat", prompt=ps[i], max_tokens=n[i], temperature=0)
+        return r.parse().choices[0].model_extra["token_ids"], dict(r.headers)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(48)))
+    for i, (tokens, headers) in enumerate(results):
+        assert tokens == offline(ps[i], n[i]).tokens, i
+        assert replica_ok(headers, server.pid, "[01]")
+    assert {h["x-dflash-replica"][-1] for _, h in results} == {"0", "1"}  # both slots served
+    health = server.raw("GET", "/health")[2]
+    assert health["slots_idle"] == 2 and health["requests_waiting"] == 0
+    assert server.metric("dflash:request_success_total") - before == 48
+    assert server.metric("dflash:num_requests_running") == 0
+
+
+def test_disconnect_cancels_the_generation(server, offline, tok):
+    ids = tok.encode("zz").ids
+    n = 240
+    assert len(offline(ids, n, draft=False).tokens) == n  # runs the whole way unless cancelled
+    cancelled = server.metric('dflash:request_success_total{finished_reason="cancelled"')
+    generated = server.metric("dflash:generation_tokens_total")
+    body = json.dumps({"prompt": "zz", "max_tokens": n, "temperature": 0, "stream": True, "speculative": False})
+    s = socket.create_connection(("127.0.0.1", server.port))
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    assert b"data: " in s.recv(4096)
+    s.close()
+    deadline = time.monotonic() + 10
+    while server.metric('dflash:request_success_total{finished_reason="cancelled"') == cancelled:
+        assert time.monotonic() < deadline, "the generation was not cancelled"
+        time.sleep(0.05)
+    assert server.metric("dflash:generation_tokens_total") - generated < n
+    assert server.raw("GET", "/health")[2]["slots_idle"] == 2
+
+
+BAD = [  # (method, path, body, headers, status, words in the message)
+    ("POST", "/v1/completions", "{not json", {}, 400, "not valid JSON"),
+    ("POST", "/v1/completions", "[1, 2]", {}, 400, "JSON object"),
+    ("POST", "/v1/completions", b'{"prompt": "\xff"}', {}, 400, "not valid JSON"),
+    ("POST", "/v1/completions", "[" * 100000 + "]" * 100000, {}, 400, "not valid JSON"),
+    ("POST", "/v1/completions", '{"prompt": "a", "max_tokens": ' + "9" * 5000 + "}", {}, 400, "not valid JSON"),
+    ("POST", "/v1/completions", {"max_tokens": 5}, {}, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": 12}, {}, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": "a", "max_tokens": "5"}, {}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "a", "max_tokens": True}, {}, 400, "max_tokens"),
+    ("POST", "/v1/completions", '{"prompt": "a", "temperature": NaN}', {}, 400, "finite"),
+    ("POST", "/v1/completions", '{"prompt": "a", "top_p": Infinity}', {}, 400, "finite"),
+    ("POST", "/v1/completions", {"prompt": "a", "temperature": 5}, {}, 400, "[0, 2]"),
+    ("POST", "/v1/completions", {"prompt": "a", "temperature": -1}, {}, 400, "temperature"),
+    ("POST", "/v1/completions", {"prompt": "a", "top_p": 0}, {}, 400, "top_p"),
+    ("POST", "/v1/completions", {"prompt": "a", "top_k": -5}, {}, 400, "top_k"),
+    ("POST", "/v1/completions", {"prompt": "a", "max_tokens": 0}, {}, 400, ">= 1"),
+    ("POST", "/v1/completions", {"prompt": "a", "seed": 2**70}, {}, 400, "seed"),
+    ("POST", "/v1/completions", {"prompt": ""}, {}, 400, "empty"),
+    ("POST", "/v1/completions", {"prompt": []}, {}, 400, "empty"),
+    ("POST", "/v1/completions", {"prompt": [5, 101, -1]}, {}, 400, "[101, -1] are outside the vocabulary [0, 101)"),
+    ("POST", "/v1/completions", {"prompt": "abc", "max_tokens": 300}, {}, 400, "(3 tokens) + max_tokens (300) = 303 exceeds the exported context of 256"),
+    ("POST", "/v1/completions", {"prompt": "a" * 300}, {}, 400, "300 tokens"),
+    ("POST", "/v1/completions", {"prompt": "a", "n": 2}, {}, 400, "n must be 1"),
+    ("POST", "/v1/completions", {"prompt": "a", "logprobs": 1}, {}, 400, "not supported"),
+    ("POST", "/v1/completions", {"prompt": "a", "stop_token_ids": [500]}, {}, 400, "outside the vocabulary"),
+    ("POST", "/v1/completions", {"prompt": ["a", "b"]}, {}, 400, "one prompt"),
+    ("POST", "/v1/completions", {"prompt": "a", "model": "gpt-4"}, {}, 404, "does not exist"),
+    ("POST", "/v1/completions", "x" * (5 << 20), {}, 413, "limit"),
+    ("POST", "/v1/chat/completions", {"messages": []}, {}, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, {}, 400, "role"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, {}, 400, "text parts"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, {}, 400, "not supported"),
+    ("POST", "/detokenize", {"tokens": [1, 999]}, {}, 400, "outside the vocabulary"),
+    ("POST", "/tokenize", {}, {}, 400, "exactly one"),
+    ("GET", "/v1/completions", None, {}, 405, "not allowed"),
+    ("GET", "/v1/nothing", None, {}, 404, "no route"),
+    ("GET", "/v1/models/other", None, {}, 404, "does not exist"),
+    ("DELETE", "/health", None, {}, 405, "not allowed"),
+]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
+    assert len(BAD) >= 20
+    for method, path, body, headers, status, words in BAD:
+        got, h, j = server.raw(method, path, body, headers)
+        assert got == status and isinstance(j, dict), (path, body if len(str(body)) < 200 else "...", got, j)
+        e = j["error"]
+        assert set(e) == {"message", "type", "param", "code"} and words in e["message"], (body, e)
+        assert "Traceback" not in e["message"] and replica_ok(h, server.pid, "-")
+        assert server.raw("GET", "/health")[0] == 200
+    # unknown fields are ignored; curl's default form content type is read as JSON
+    got, _, j = server.raw("POST", "/v1/completions", {"prompt": "a", "max_tokens": 2, "temperature": 0, "frequency_penalty": 0,
+                                                       "whatever": {"x": 1}}, {"Content-Type": "application/x-www-form-urlencoded"})
+    assert got == 200 and j["usage"]["completion_tokens"] == 2
+
+
+def test_health_metrics_and_tokenize(server, tok):
+    got, h, j = server.raw("GET", "/health")
+    assert got == 200 and j["slots"] == 2 and replica_ok(h, server.pid, "-")
+    text = server.raw("GET", "/metrics")[2]
+    for name in ("dflash:spec_decode_num_drafts_total", "dflash:spec_decode_num_draft_tokens_total",
+                 "dflash:spec_decode_num_accepted_tokens_total", 'dflash:spec_decode_num_accepted_tokens_per_pos_total{',
+                 "dflash:num_requests_running", "dflash:num_requests_waiting", "dflash:prompt_tokens_total",
+                 "dflash:generation_tokens_total", "dflash:time_to_first_token_seconds_bucket",
+                 "dflash:e2e_request_latency_seconds_bucket"):
+        assert name in text, name
+    assert server.metric("dflash:spec_decode_num_accepted_tokens_total") <= server.metric(
+        "dflash:spec_decode_num_draft_tokens_total")
+    ids = server.raw("POST", "/tokenize", {"prompt": "def f"})[2]
+    assert ids["tokens"] == tok.encode("def f").ids and ids["max_model_len"] == 256
+    assert server.raw("POST", "/detokenize", {"tokens": ids["tokens"]})[2]["prompt"] == "def f"
+
+
+def test_api_key_queue_full_and_graceful_shutdown(art, tmp_path, offline, tok):
+    s = Server(art, tmp_path / "serve.log", "--slots", 1, "--max-queue", 0, "--api-key", "s3cret", "--no-draft")
+    try:
+        assert s.raw("GET", "/health")[0] == 200  # open, as /metrics
+        with pytest.raises(openai.AuthenticationError):
+            s.client("wrong").completions.create(model="tiny-chat", prompt="a", max_tokens=2)
+        got, h, j = s.raw("POST", "/v1/completions", {"prompt": "a"})
+        assert got == 401 and j["error"]["code"] == "invalid_api_key" and replica_ok(h, s.pid, "-")
+        client = s.client("s3cret")
+        assert client.completions.create(model="tiny-chat", prompt="a", max_tokens=2, temperature=0,
+                                         extra_body={"speculative": False}).usage.completion_tokens == 2
+        with pytest.raises(openai.BadRequestError, match="without the drafter"):
+            client.completions.create(model="tiny-chat", prompt="a", max_tokens=2)
+        # one slot, no queue: a second request while the first streams gets 429
+        ids = tok.encode("zz").ids
+        want = offline(ids, 240, draft=False)
+        stream = client.completions.create(model="tiny-chat", prompt="zz", max_tokens=240, temperature=0, stream=True,
+                                           extra_body={"speculative": False})
+        first = next(iter(stream))
+        with pytest.raises(openai.RateLimitError, match="retry later"):
+            client.completions.create(model="tiny-chat", prompt="b", max_tokens=2, extra_body={"speculative": False})
+        # SIGTERM while it streams: the stream still ends properly, the process exits 0
+        s.proc.send_signal(signal.SIGTERM)
+        rest = list(stream)
+        tokens = first.choices[0].model_extra["token_ids"] + [t for c in rest for t in c.choices[0].model_extra["token_ids"]]
+        assert tokens == want.tokens and rest[-1].choices[0].finish_reason == "length"
+        assert s.proc.wait(30) == 0, s.log.read_text()
+        assert "stopped" in s.log.read_text() and "Traceback" not in s.log.read_text()
+    finally:
+        s.kill()
+
+
+# -- the command's own checks -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, message", [
+    (["serve"], "give an exported directory OUT or --demo"),
+    (["serve", "/nonexistent/dir"], "not a directory"),
+    (["serve", "OUT", "--slots", "0"], "--slots must be >= 1"),
+    (["serve", "OUT", "--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["serve", "OUT", "--slots", "2", "--backend", "trt"], "needs --backend ort"),
+    (["serve", "OUT", "--api-key", "a", "--api-key-file", "f"], "not both"),
+    (["serve", "OUT", "--chat-template", "/nonexistent.jinja"], "no such file"),
+])
+def test_serve_bad_arguments_are_one_line(art, args, message):
+    r = CliRunner().invoke(cli, [str(art) if a == "OUT" else a for a in args])
+    assert r.exit_code == 2 and message in r.output and "Traceback" not in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_demo_without_the_export_extra_is_one_line(tmp_path):
+    code = NO_TORCH + "from dflash_export.cli import cli\ncli(['serve', '--demo'])\n"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=os.environ | {"XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": ""})
+    assert p.returncode == 2 and 'pip install "dflash-export[export]"' in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
+
+
+# -- the pieces: slots over one set of sessions, prompt reuse, cancellation, streamed text -----------
+
+
+def test_forks_share_sessions_and_interleave_losslessly(art, offline):
+    a = OrtBackend(art, threads=1)
+    b = a.fork()
+    assert all(a.sessions[k] is b.sessions[k] for k in a.sessions)
+    assert a.kv[0] is not b.kv[0] and a.kv[0].ctypes.data != b.kv[0].ctypes.data
+    ps = prompts(6, 101, seed=9)
+    for p, q in zip(ps[::2], ps[1::2]):  # two sequences advanced alternately, round by round
+        ga, gb = Generation(), Generation()
+        for _ in itertools.zip_longest(stream(a, p, 30, out=ga), stream(b, q, 30, out=gb)):
+            pass
+        assert ga.tokens == offline(p, 30).tokens and gb.tokens == offline(q, 30).tokens
+
+
+def test_prompt_reuse_prefills_only_the_new_part(art, offline):
+    backend = OrtBackend(art, threads=1)
+    for p in prompts(4, 101, seed=4):
+        g = generate(backend, p, 20)
+        longer = p + g.tokens[:-1] + [3, 4, 5]
+        reuse = min(backend.target_len, backend.context_len)
+        assert reuse > len(p) // 2
+        again = generate(backend, longer, 20, reuse=reuse)
+        assert again.tokens == offline(longer, 20).tokens and again.reused == reuse
+        with pytest.raises(Exception, match="internal: reuse"):
+            generate(backend, [1, 2], 5, reuse=2)
+
+
+def test_cancel_stops_within_one_round(art):
+    backend = OrtBackend(art, threads=1)
+    engine = Engine([backend, backend.fork()], Text(art), "m", max_queue=2)
+    try:
+        events: queue.Queue = queue.Queue()
+        job = Job(Params([5, 6, 7], 200, speculative=False), emit=events.put)
+
+        def emit(ev):
+            events.put(ev)
+            if ev[0] == "round":
+                engine.cancel(job)
+
+        job.emit = emit
+        engine.submit(job)
+        got = [events.get(timeout=30)]
+        while got[-1][0] != "end":
+            got.append(events.get(timeout=30))
+        assert [e[0] for e in got] in (["round", "end"], ["round", "round", "end"]) and got[-1][1] == "cancelled"
+        assert engine.idle_slots() == 2
+    finally:
+        engine.close()
+
+
+def test_text_stream_holds_back_broken_utf8_and_stop_strings():
+    tok = Tokenizer.from_file(str(ROOT / "demo/pair/target/tokenizer.json"))
+    dec = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    text = "naïve café 日本語 🙂 done"
+    ids = tok.encode(text).ids
+    assert any(dec(ids[:k]).endswith("\ufffd") for k in range(len(ids)))  # the case is exercised
+    ts = TextStream(dec)
+    deltas = [ts.push([i]) for i in ids] + [ts.finish()]
+    assert "".join(deltas) == dec(ids) == text and not any("\ufffd" in d for d in deltas)
+    for stop in ("日本", "🙂 d", "café 日", "e"):
+        ts = TextStream(dec, [stop, "not there"])
+        deltas = [ts.push([i]) for i in ids] + [ts.finish()]
+        assert "".join(deltas) == text[: text.index(stop)] and ts.stopped
+        assert not any(stop in "".join(deltas[: i + 1]) for i in range(len(deltas)))
+    ts = TextStream(dec, ["done!"])  # a stop string's prefix is held back, then released at the end
+    out = "".join(ts.push([i]) for i in ids)
+    assert out == text[: -len("done")] and ts.finish() == "done" and not ts.stopped
