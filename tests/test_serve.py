@@ -473,3 +473,37 @@ def test_text_stream_holds_back_broken_utf8_and_stop_strings():
     ts = TextStream(dec, ["done!"])  # a stop string's prefix is held back, then released at the end
     out = "".join(ts.push([i]) for i in ids)
     assert out == text[: -len("done")] and ts.finish() == "done" and not ts.stopped
+
+
+def test_health_is_503_until_the_engine_is_loaded(art):
+    """The app answers before the model is loaded (and the factory takes an engine loaded elsewhere)."""
+    import asyncio
+
+    from dflash_export.cmd_serve import _is_loopback
+    from dflash_export.serve_app import ServeOptions, create_app
+    from dflash_export.serve_engine import load_engine
+
+    async def get(app, path):
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        await app({"type": "http", "method": "GET", "path": path, "raw_path": path.encode(), "query_string": b"",
+                   "headers": [], "scheme": "http", "server": ("t", 80), "client": ("t", 1), "root_path": "",
+                   "http_version": "1.1", "asgi": {"version": "3.0"}}, receive, send)
+        return sent[0]["status"], json.loads(sent[1]["body"]), dict(sent[0]["headers"])
+
+    options = ServeOptions(art)
+    status, body, headers = asyncio.run(get(create_app(options), "/health"))  # lifespan not run: nothing loaded
+    assert status == 503 and body["error"]["code"] == "loading" and headers[b"x-dflash-replica"].endswith(b"/-")
+    engine = load_engine(art, slots=2, model="given")
+    try:
+        status, body, _ = asyncio.run(get(create_app(options, engine=engine), "/v1/models"))
+        assert status == 200 and body["data"][0]["id"] == "given"
+    finally:
+        engine.close()
+    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and not _is_loopback("0.0.0.0")
