@@ -39,9 +39,6 @@ class Text:
             if isinstance(chat_template, list):  # [{"name": "default", "template": ...}, ...]
                 named = {t.get("name"): t.get("template") for t in chat_template if isinstance(t, dict)}
                 chat_template = named.get("default")
-            jinja = Path(directory) / "chat_template.jinja"
-            if chat_template is None and jinja.is_file():
-                chat_template = jinja.read_text()
         self.template = _compile(chat_template) if isinstance(chat_template, str) else None
 
     def encode(self, text: str, special: bool = True) -> list[int]:
