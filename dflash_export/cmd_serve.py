@@ -22,7 +22,6 @@ import click
 
 from .runtime.errors import DFlashError
 
-DEMO_PAIR = Path(__file__).resolve().parent.parent / "demo" / "pair"
 DEMO_CONTEXT = 2048
 
 
@@ -37,8 +36,12 @@ def _need_serve_extra() -> None:
         raise DFlashError(f"serve needs {', '.join(missing)}: pip install \"dflash-export[serve]\"")
 
 
-def demo_artifact(pair: Path = DEMO_PAIR) -> Path:
+def demo_artifact(pair: Path | None = None) -> Path:
     """The shipped demo pair exported once into ~/.cache/dflash-export/ (keyed by the pair's content)."""
+    if pair is None:
+        from .cmd_demo import demo_dir  # package data; imports no torch
+
+        pair = demo_dir() / "pair"
     files = sorted(p for p in pair.rglob("*") if p.is_file()) if pair.is_dir() else []
     if not files:
         raise DFlashError(f"the shipped demo pair is missing ({pair}); restore demo/pair/ or pass an exported directory")
