@@ -164,8 +164,16 @@ def quantize(bins: Path, f32: Path, kind: str) -> Path:
 # -- llama.cpp: measurements -------------------------------------------------------------------
 
 
+def prompt_file(stem: Path, prompt: str) -> Path:
+    """`-f` files for llama.cpp: its -f drops one trailing newline, so write one extra; no escapes
+    (--no-escape everywhere). llama-tokenize reads its file verbatim: it gets the .raw twin."""
+    stem.with_suffix(".raw").write_text(prompt)
+    stem.with_suffix(".txt").write_text(prompt + "\n")
+    return stem.with_suffix(".txt")
+
+
 def llama_tokens(bins: Path, gguf: Path, prompt_file: Path) -> list[int]:
-    r = run([bins / "llama-tokenize", "-m", gguf, "-f", prompt_file, "--ids", "--log-disable"])
+    r = run([bins / "llama-tokenize", "-m", gguf, "-f", prompt_file.with_suffix(".raw"), "--ids", "--log-disable", "--no-escape"])
     return json.loads(r.out.strip().splitlines()[-1])
 
 
@@ -182,7 +190,7 @@ EVAL = re.compile(r"^\S+:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", re.M)  # 
 def llama_plain(bins: Path, gguf: Path, prompt_file: Path, n: int, threads: int, ctx: int) -> dict:
     """llama-completion, greedy: generated text, decode tok/s (its own eval timer), peak RSS."""
     r = run([bins / "llama-completion", "-m", gguf, "-f", prompt_file, "-n", n, "--temp", 0, "-t", threads, "-c", ctx,
-             "-no-cnv", "--no-display-prompt", "--simple-io"])
+             "-no-cnv", "--no-display-prompt", "--simple-io", "--no-escape"])
     ms, runs = map(float, EVAL.findall(r.err)[-1])
     text = r.out.removesuffix("\n").removesuffix(" [end of text]")
     return {"text": text, "tok_s": runs / ms * 1e3, "ms_per_token": ms / runs, "rss_mb": r.rss_mb}
@@ -193,11 +201,11 @@ def llama_dflash(bins: Path, tgt: Path, dft: Path, prompt_file: Path, prompt: st
     """llama-speculative-simple --spec-type draft-dflash, greedy: text, decode tok/s, tau, peak RSS."""
     r = run([bins / "llama-speculative-simple", "-m", tgt, "-md", dft, "--spec-type", "draft-dflash",
              "--spec-draft-n-max", n_max, "-f", prompt_file, "-n", n, "--temp", 0, "--top-k", 1, "-t", threads,
-             "-td", threads, "-c", ctx, "-cd", ctx])
+             "-td", threads, "-c", ctx, "--no-escape"])
     m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", r.err)
     n_pred, secs = int(m.group(1)), float(m.group(2))
     acc = int(re.search(r"n_accept\s*=\s*(\d+)", r.err).group(1))
-    text = r.out.strip("\n")
+    text = r.out.removeprefix("\n\n").removesuffix("\n\n")  # it prints "\n\n", prompt, output, "\n\n"
     text = text[len(prompt):] if text.startswith(prompt) else text
     return {"text": text, "tok_s": n_pred / secs, "tau": n_pred / max(1, n_pred - acc), "rss_mb": r.rss_mb}
 
@@ -209,24 +217,33 @@ def cli() -> list[str]:
     return [sys.executable, "-c", "from dflash_export.cli import main; main()"]
 
 
-def export_options() -> dict[str, list[str]]:
-    """Export variants this checkout supports: fp32 always, int8/int4 once `export --quantize` exists."""
+def quant_variants() -> dict[str, list[str]]:
+    """Our quantized formats this checkout supports: none, or int8/int4 once `export --quantize` exists
+    (with the LM head quantized too where the option exists: the issue's int4 goal is stated with it)."""
     helptext = run([*cli(), "export", "--help"]).out
-    variants = {"fp32": []}
-    if "--quantize" in helptext:
-        extra = [f for f in ("--quantize-lm-head",) if f in helptext]
-        variants |= {q: ["--quantize", q, *extra] for q in ("int8", "int4")}
-    return variants
+    if "--quantize" not in helptext:
+        return {}
+    extra = ["--quantize-lm-head"] if "--quantize-lm-head" in helptext else []
+    return {q: ["--quantize", q, *extra] for q in ("int8", "int4")}
 
 
-def export(target: Path, draft: Path, key: str, options: list[str], max_context: int) -> Path:
-    """`dflash-export export` through the CLI (picks up whatever options main has), cached by key."""
-    digest = hashlib.sha256(json.dumps([key, options, max_context, source_digest()]).encode()).hexdigest()[:12]
+def export(target: Path, draft: Path, key: str, max_context: int, quant: list[str] | None = None) -> Path:
+    """`dflash-export export` through the CLI (picks up whatever main has), cached by key and sources.
+    Quantized: `dflash-export quantize` of the fp32 export where that command exists, else `export --quantize`."""
+    fp32 = quant is None
+    digest = hashlib.sha256(json.dumps([key, quant or [], max_context, source_digest()]).encode()).hexdigest()[:12]
     out = CACHE / "ours" / f"{target.parent.name}-{digest}"
-    if not (out / "manifest.json").is_file():
-        print(f"exporting {target} {' '.join(options)}", file=sys.stderr)
+    if (out / "manifest.json").is_file():
+        return out
+    print(f"exporting {target} {' '.join(quant or [])}", file=sys.stderr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    if not fp32 and " quantize " in run([*cli(), "--help"]).out:
+        base = export(target, draft, key, max_context)
+        run([*cli(), "quantize", base, "--out", out, "--force", "--quiet", *quant], env=env, nice=True)
+    else:
         run([*cli(), "export", "--target", target, "--draft", draft, "--out", out, "--max-context", max_context,
-             "--force", "--quiet", *options], env=dict(os.environ, OMP_NUM_THREADS="2"), nice=True)
+             "--force", "--quiet", *(quant or [])], env=env, nice=True)
     return out
 
 
@@ -293,14 +310,11 @@ def compare_demo(src: Path, bins: Path, a) -> list[dict]:
     gdir = CACHE / "gguf" / "demo"
     tg, dg = convert(src, tdir, gdir / "target-f32.gguf"), convert(src, ddir, gdir / "draft-f32.gguf", tdir)
     key = hashlib.sha256((tdir / "model.safetensors").read_bytes() + (ddir / "model.safetensors").read_bytes())
-    out = export(tdir, ddir, key.hexdigest(), [], a.max_context)
+    out = export(tdir, ddir, key.hexdigest(), a.max_context)
     prompts = demo_prompts(a.prompts)
     tok = Tokenizer.from_file(str(tdir / "tokenizer.json"))
     work = Path(tempfile.mkdtemp(prefix="vs_llamacpp."))
-    pfiles = []
-    for i, p in enumerate(prompts):
-        (work / f"p{i}.txt").write_text(p)
-        pfiles.append(work / f"p{i}.txt")
+    pfiles = [prompt_file(work / f"p{i}", p) for i, p in enumerate(prompts)]
     (work / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     tok_same = all(llama_tokens(bins, tg, f) == tok.encode(p).ids for f, p in zip(pfiles, prompts))
     depth = round(sum(len(tok.encode(p).ids) for p in prompts) / len(prompts))
@@ -340,13 +354,12 @@ def compare_06b(src: Path, bins: Path, a) -> list[dict]:
     gdir = CACHE / "gguf" / f"qwen3-0.6b-L{a.layers}-{key}"
     f32 = convert(src, tdir, gdir / "target-f32.gguf")
     prompt = demo_prompts(1)[0]
-    pf = Path(tempfile.mkdtemp(prefix="vs_llamacpp.")) / "p.txt"
-    pf.write_text(prompt)
+    pf = prompt_file(Path(tempfile.mkdtemp(prefix="vs_llamacpp.")) / "p", prompt)
     depth = len(llama_tokens(bins, f32, pf))
     rows = []
-    for ours_fmt, opts in export_options().items():
+    for ours_fmt, opts in {"fp32": None, **quant_variants()}.items():
         gguf = f32 if ours_fmt == "fp32" else quantize(bins, f32, LLAMA_QUANT[ours_fmt])
-        out = export(tdir, ddir, key, opts, a.max_context)
+        out = export(tdir, ddir, key, a.max_context, opts)
         for t in a.threads:
             lb = llama_bench(bins, gguf, t, a.max_new_tokens, depth)
             lp = llama_plain(bins, gguf, pf, a.max_new_tokens, t, a.max_context)
@@ -358,7 +371,7 @@ def compare_06b(src: Path, bins: Path, a) -> list[dict]:
                           "bench_ms_per_token": lb["ms_per_token"], "rss_mb_plain": lp["rss_mb"],
                           "file_mb": gguf.stat().st_size / 1e6},
                 "ours": {"plain_tok_s": og["tokens_per_second"], "ms_per_call": {"step": og["ms_per_token"]},
-                         "rss_mb": og["rss_mb"], "file_mb": dir_mb(out), "options": opts},
+                         "rss_mb": og["rss_mb"], "file_mb": dir_mb(out), "options": opts or []},
             })
     shutil.rmtree(pf.parent)
     return rows
