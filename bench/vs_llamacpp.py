@@ -96,6 +96,16 @@ def run(cmd: list, env: dict | None = None, nice: bool = False) -> Run:
     return Run(out, err, ru.ru_maxrss / 1024, wall)
 
 
+def run_logged(cmd: list, pattern: str, tries: int = 3) -> Run:
+    """Run a llama.cpp tool until its stderr has `pattern`: its logger is an async thread, and seen here
+    under load, a process sometimes exits before the thread has written the last lines (perf, stats)."""
+    for _ in range(tries):
+        r = run(cmd)
+        if re.search(pattern, r.err):
+            return r
+    raise SystemExit(f"{Path(str(cmd[0])).name}: no {pattern!r} in its log after {tries} runs")
+
+
 # -- llama.cpp: source, build, conversion ------------------------------------------------------
 
 
@@ -122,10 +132,9 @@ def build_llamacpp(jobs: int = 2) -> tuple[Path, Path]:
     return src, bins
 
 
-def llama_commit(src: Path) -> str:
-    m = re.search(r'LLAMA_BUILD_COMMIT\s*"?([0-9a-f]{7,})', (CACHE / "build" / "CMakeCache.txt").read_text()
-                  if (CACHE / "build" / "CMakeCache.txt").is_file() else "")
-    return m.group(1) if m else "0c1e570 (per the sdist)"
+def llama_commit() -> str:
+    m = re.search(r"LLAMA_BUILD_COMMIT\s+([0-9a-f]{7,})", (CACHE / "build" / "llama-config.cmake").read_text())
+    return m.group(1) if m else "?"
 
 
 def converter_deps() -> Path:
@@ -184,13 +193,13 @@ def llama_bench(bins: Path, gguf: Path, threads: int, n: int, depth: int) -> dic
     return {"tok_s": tps, "ms_per_token": 1e3 / tps, "rss_mb": r.rss_mb}
 
 
-EVAL = re.compile(r"^\S+:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", re.M)  # not "prompt eval time"
+EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs")  # "prompt eval" counts tokens, not runs
 
 
 def llama_plain(bins: Path, gguf: Path, prompt_file: Path, n: int, threads: int, ctx: int) -> dict:
     """llama-completion, greedy: generated text, decode tok/s (its own eval timer), peak RSS."""
-    r = run([bins / "llama-completion", "-m", gguf, "-f", prompt_file, "-n", n, "--temp", 0, "-t", threads, "-c", ctx,
-             "-no-cnv", "--no-display-prompt", "--simple-io", "--no-escape"])
+    r = run_logged([bins / "llama-completion", "-m", gguf, "-f", prompt_file, "-n", n, "--temp", 0, "-t", threads, "-c", ctx,
+             "-no-cnv", "--no-display-prompt", "--simple-io", "--no-escape"], EVAL.pattern)
     ms, runs = map(float, EVAL.findall(r.err)[-1])
     text = r.out.removesuffix("\n").removesuffix(" [end of text]")
     return {"text": text, "tok_s": runs / ms * 1e3, "ms_per_token": ms / runs, "rss_mb": r.rss_mb}
@@ -199,15 +208,17 @@ def llama_plain(bins: Path, gguf: Path, prompt_file: Path, n: int, threads: int,
 def llama_dflash(bins: Path, tgt: Path, dft: Path, prompt_file: Path, prompt: str, n: int, threads: int, ctx: int,
                  n_max: int) -> dict:
     """llama-speculative-simple --spec-type draft-dflash, greedy: text, decode tok/s, tau, peak RSS."""
-    r = run([bins / "llama-speculative-simple", "-m", tgt, "-md", dft, "--spec-type", "draft-dflash",
+    r = run_logged([bins / "llama-speculative-simple", "-m", tgt, "-md", dft, "--spec-type", "draft-dflash",
              "--spec-draft-n-max", n_max, "-f", prompt_file, "-n", n, "--temp", 0, "--top-k", 1, "-t", threads,
-             "-td", threads, "-c", ctx, "--no-escape"])
+             "-td", threads, "-c", ctx, "--no-escape"], r"n_accept\s*=")
     m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", r.err)
     n_pred, secs = int(m.group(1)), float(m.group(2))
     acc = int(re.search(r"n_accept\s*=\s*(\d+)", r.err).group(1))
     text = r.out.removeprefix("\n\n").removesuffix("\n\n")  # it prints "\n\n", prompt, output, "\n\n"
     text = text[len(prompt):] if text.startswith(prompt) else text
-    return {"text": text, "tok_s": n_pred / secs, "tau": n_pred / max(1, n_pred - acc), "rss_mb": r.rss_mb}
+    rounds = max(1, n_pred - acc)  # each round yields its accepted drafts + 1
+    return {"text": text, "tok_s": n_pred / secs, "tau": n_pred / rounds, "ms_per_round": secs / rounds * 1e3,
+            "rss_mb": r.rss_mb}
 
 
 # -- ours --------------------------------------------------------------------------------------
@@ -333,6 +344,7 @@ def compare_demo(src: Path, bins: Path, a) -> list[dict]:
                 "bench_tok_s": lb["tok_s"], "plain_tok_s": mean([r["tok_s"] for r in plain]),
                 "plain_ms_per_token": mean([r["ms_per_token"] for r in plain]),
                 "dflash_tok_s": mean([r["tok_s"] for r in spec]), "dflash_tau": mean([r["tau"] for r in spec]),
+                "dflash_ms_per_round": mean([r["ms_per_round"] for r in spec]),
                 "rss_mb_plain": max(r["rss_mb"] for r in plain), "rss_mb_dflash": max(r["rss_mb"] for r in spec),
                 "file_mb": (tg.stat().st_size + dg.stat().st_size) / 1e6,
             },
@@ -449,7 +461,7 @@ def main() -> None:
     if "qwen3-0.6b" in models:
         rows += compare_06b(src, bins, a)
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
-    meta = {"llamacpp": f"{llama_commit(src)} (llama-cpp-python {VERSION} sdist)", "ours": head.strip(),
+    meta = {"llamacpp": f"{llama_commit()} (llama-cpp-python {VERSION} sdist)", "ours": head.strip(),
             "max_new_tokens": a.max_new_tokens, "threads": a.threads, "cpu_count": os.cpu_count()}
     gl = goals(rows)
     if a.json:
