@@ -262,7 +262,12 @@ def test_disconnect_cancels_the_generation(server, offline, tok):
     s = socket.create_connection(("127.0.0.1", server.port))
     s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
-    assert b"data: " in s.recv(4096)
+    s.settimeout(10)
+    got = b""
+    while b"data: " not in got:  # headers and the first event may arrive in separate reads
+        chunk = s.recv(4096)
+        assert chunk, f"the server closed the stream before any event: {got!r}"
+        got += chunk
     s.close()
     deadline = time.monotonic() + 10
     while server.metric('dflash:request_success_total{finished_reason="cancelled"') == cancelled:
