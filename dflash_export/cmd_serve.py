@@ -3,8 +3,9 @@
 The process binds its socket first (so `--port 0` can print the port it got), answers
 /health with 503 while the model loads in the background, prints the URL when ready, and
 on Ctrl-C / SIGTERM stops accepting, lets in-flight requests finish for up to
---shutdown-timeout seconds, cancels the rest and exits 0. torch is never imported here:
-`--demo` exports the shipped pair in a child process (which needs the export extra).
+--shutdown-timeout seconds, then cancels the rest (a stream ends with an error event, a
+waiting or non-streamed request gets a 503) and exits 0; a second Ctrl-C cancels at once.
+torch is never imported here: `--demo` exports the shipped pair in a child process (which needs the export extra).
 """
 
 from __future__ import annotations
@@ -167,14 +168,24 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
     app = create_app(options)
     holder = app.state.holder
 
+    def cancel_in_flight():  # the bound: streams then end with an error event, waiting requests get a 503
+        if holder.engine is not None:
+            holder.engine.cancel_all()
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # no re-raise of the signal after shutdown: exit 0
-            holder.draining = True
-            if self.should_exit:
+            if self.should_exit:  # a second Ctrl-C: now
                 self.force_exit = True
+                cancel_in_flight()
+            else:
+                holder.draining = True
+                timer = threading.Timer(shutdown_timeout, cancel_in_flight)
+                timer.daemon = True  # exiting earlier must not wait for it
+                timer.start()
             self.should_exit = True
 
-    server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout,
+    # uvicorn's own bound (it cuts connections mid-response) only backs ours up
+    server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout + 5,
                                    lifespan="on", access_log=False))
     failed: list[str] = []
 

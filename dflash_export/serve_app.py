@@ -34,6 +34,7 @@ from .serve_engine import Engine, Job, Params, QueueFull, Unavailable, load_engi
 from .serve_text import TextStream
 
 REPLICA = "x-dflash-replica"
+CANCELLED = "the server is shutting down: the generation was cancelled; retry"
 OPEN_PATHS = ("/health", "/health/ready", "/metrics")  # no API key needed (as vLLM: /v1 and the rest need it)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -61,9 +62,10 @@ class ServeOptions:
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -80,11 +82,12 @@ Float = Annotated[float, Field(allow_inf_nan=False)]
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    include_usage: bool = False
+    include_usage: bool | None = None
 
 
 class Common(BaseModel):
-    """The fields both endpoints read; unknown fields are ignored (as OpenAI clients send many)."""
+    """The fields both endpoints read; unknown fields are ignored (as OpenAI clients send many).
+    Every optional field may be null, meaning not given (OpenAI's API and LangChain send nulls)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
@@ -95,20 +98,20 @@ class Common(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int | None = None
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
     logit_bias: dict | None = None
-    speculative: bool = True  # extension: false runs plain decoding for this request
-    cache_prompt: bool = True  # extension (llama.cpp): reuse the slot's cached prefix
+    speculative: bool | None = None  # extension: false runs plain decoding for this request
+    cache_prompt: bool | None = None  # extension (llama.cpp): false: no reuse of the slot's cached prefix
 
 
 class CompletionRequest(Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -130,7 +133,10 @@ class ChatRequest(Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None
+    tools: list | None = None  # refused when not empty: no tool calling here
+    functions: list | None = None
+    response_format: dict | None = None  # refused unless {"type": "text"}
 
 
 class TokenizeRequest(BaseModel):
@@ -138,8 +144,8 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -202,7 +208,7 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
-        return error_response(e.status, e.message, e.param, e.code)
+        return error_response(e.status, e.message, e.param, e.code, e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
@@ -248,9 +254,9 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
         if body.prompt is not None:
-            ids = engine.text.encode(body.prompt, body.add_special_tokens)
+            ids = engine.text.encode(body.prompt, body.add_special_tokens is not False)
         else:
-            ids = engine.text.encode(_render(engine, body.messages, body.add_generation_prompt), False)
+            ids = engine.text.encode(_render(engine, body.messages, body.add_generation_prompt is not False), False)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_len}
 
     @app.post("/detokenize")
@@ -266,7 +272,7 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
         engine = holder.get()
         body = await _parse(request, CompletionRequest)
         _check_common(engine, body)
-        for name, bad in (("logprobs", body.logprobs is not None), ("echo", body.echo), ("suffix", body.suffix),
+        for name, bad in (("logprobs", body.logprobs is not None), ("echo", bool(body.echo)), ("suffix", body.suffix),
                           ("best_of", body.best_of not in (None, 1))):
             if bad:
                 raise ApiError(400, f"{name} is not supported by this server", param=name, code="unsupported")
@@ -289,19 +295,27 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
         _check_common(engine, body)
         if body.logprobs or body.top_logprobs:
             raise ApiError(400, "logprobs is not supported by this server", param="logprobs", code="unsupported")
-        ids = engine.text.encode(_render(engine, body.messages, body.add_generation_prompt), False)
-        return await _generate(engine, request, body, ids, body.max_completion_tokens or body.max_tokens, chat=True)
+        if body.tools or body.functions:
+            raise ApiError(400, "tool calling is not supported by this server", param="tools", code="unsupported")
+        if body.response_format and body.response_format.get("type") != "text":
+            raise ApiError(400, f"response_format {body.response_format.get('type')!r} is not supported by this server "
+                                "(only plain text)", param="response_format", code="unsupported")
+        ids = engine.text.encode(_render(engine, body.messages, body.add_generation_prompt is not False), False)
+        if body.max_completion_tokens is not None:
+            return await _generate(engine, request, body, ids, body.max_completion_tokens, chat=True,
+                                   max_param="max_completion_tokens")
+        return await _generate(engine, request, body, ids, body.max_tokens, chat=True)
 
     async def _generate(engine: Engine, request: Request, body: Common, ids: list[int], max_tokens: int | None,
-                        chat: bool):
-        params = _params(engine, body, ids, max_tokens, options.default_max_tokens)
+                        chat: bool, max_param: str = "max_tokens"):
+        params = _params(engine, body, ids, max_tokens, options.default_max_tokens, max_param)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         job = Job(params, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
                   text=TextStream(engine.text.decode, params.stop))
         try:
             engine.submit(job)
-        except QueueFull as e:
-            raise ApiError(429, str(e), code="queue_full") from None
+        except QueueFull as e:  # openai clients honour retry-after when they retry
+            raise ApiError(429, str(e), code="queue_full", headers={"retry-after": "1"}) from None
         except Unavailable as e:
             raise ApiError(503, str(e), code="shutting_down") from None
         watcher = asyncio.create_task(_watch_disconnect(request, engine, job))
@@ -313,9 +327,12 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
             watcher.cancel()
             engine.cancel(job)
             raise
-        if first[0] == "error" or (first[0] == "end" and first[1] == "cancelled"):
+        if first[0] == "error":
             watcher.cancel()
-            raise ApiError(500 if first[0] == "error" else 503, first[1] if first[0] == "error" else "cancelled")
+            raise ApiError(500, first[1])
+        if first[0] == "end" and first[1] == "cancelled":
+            watcher.cancel()
+            raise ApiError(503, CANCELLED, code="shutting_down")
         headers = {REPLICA: replica(job.slot)}
 
         if not body.stream:
@@ -330,6 +347,8 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
                 engine.cancel(job)
             if ev[0] == "error":
                 raise ApiError(500, ev[1])
+            if ev[1] == "cancelled":  # only a shutdown sees this: a disconnected client is gone
+                raise ApiError(503, CANCELLED, code="shutting_down")
             _, finish, g, tail = ev
             text.append(tail)
             choice = {"index": 0, "finish_reason": _finish(finish), "logprobs": None, "token_ids": g.tokens}
@@ -342,6 +361,7 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
             return JSONResponse(out, headers=headers)
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        usage_null = {"usage": None} if include_usage else {}  # as OpenAI: null on all but the usage chunk
 
         def chunk(delta: str | None, token_ids: list[int], finish: str | None, **extra) -> str:
             if chat:
@@ -350,7 +370,7 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
             else:
                 c = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None, "token_ids": token_ids}
             obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                   "model": name, "choices": [c], **extra}
+                   "model": name, "choices": [c], **usage_null, **extra}
             return f"data: {json.dumps(obj)}\n\n"
 
         async def sse():
@@ -359,16 +379,18 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
                 if chat:
                     role = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
                             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None, "logprobs": None}]}
+                                         "finish_reason": None, "logprobs": None}], **usage_null}
                     yield f"data: {json.dumps(role)}\n\n"
                 while ev[0] == "round":
                     yield chunk(ev[2], ev[1], None)
                     ev = await events.get()
-                if ev[0] == "error":
-                    yield f"data: {json.dumps({'error': {'message': ev[1], 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+                if ev[0] == "error" or ev[1] == "cancelled":  # the status is sent: an error event (openai raises it)
+                    err = {"message": ev[1], "type": "server_error", "param": None, "code": None} if ev[0] == "error" \
+                        else {"message": CANCELLED, "type": ERROR_TYPES[503], "param": None, "code": "shutting_down"}
+                    yield f"data: {json.dumps({'error': err})}\n\n"
                 else:
                     _, finish, g, tail = ev
-                    yield chunk(tail, [], _finish(finish), timings=_timings(engine, g, params))
+                    yield chunk(tail or None, [], _finish(finish), timings=_timings(engine, g, params))
                     if include_usage:
                         usage = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                  "created": created, "model": name, "choices": [], "usage": _usage(g)}
@@ -413,7 +435,7 @@ async def _watch_disconnect(request: Request, engine: Engine, job: Job) -> None:
 
 
 def _finish(reason: str) -> str:
-    return "length" if reason == "length" else "stop" if reason == "stop" else "abort"
+    return "length" if reason == "length" else "stop"
 
 
 def _usage(g) -> dict:
@@ -453,7 +475,7 @@ def _check_ids(engine: Engine, ids: list[int], what: str) -> None:
 
 def _check_common(engine: Engine, body: Common) -> None:
     _check_model(engine, body.model)
-    if body.n != 1:
+    if body.n not in (None, 1):
         raise ApiError(400, f"n must be 1 (got {body.n}): one completion per request", param="n", code="unsupported")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
@@ -479,7 +501,8 @@ def _render(engine: Engine, messages: list[Message], add_generation_prompt: bool
         raise ApiError(400, str(e), param="messages") from None
 
 
-def _params(engine: Engine, body: Common, ids: list[int], max_tokens: int | None, default_max: int) -> Params:
+def _params(engine: Engine, body: Common, ids: list[int], max_tokens: int | None, default_max: int,
+            max_param: str = "max_tokens") -> Params:
     """Validated generation parameters, or a 400 naming the field and the allowed range."""
     if not ids:
         raise ApiError(400, "the prompt is empty (0 tokens); give at least one token", param="prompt")
@@ -491,11 +514,11 @@ def _params(engine: Engine, body: Common, ids: list[int], max_tokens: int | None
     if max_tokens is None:
         max_tokens = min(default_max, limit - len(ids))
     elif max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be >= 1 (got {max_tokens})", param="max_tokens")
+        raise ApiError(400, f"{max_param} must be >= 1 (got {max_tokens})", param=max_param)
     elif len(ids) + max_tokens > limit:
-        raise ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
-                            f"exceeds the exported context of {limit} tokens; lower max_tokens to at most "
-                            f"{limit - len(ids)}", param="max_tokens", code="context_length_exceeded")
+        raise ApiError(400, f"prompt ({len(ids)} tokens) + {max_param} ({max_tokens}) = {len(ids) + max_tokens} "
+                            f"exceeds the exported context of {limit} tokens; lower {max_param} to at most "
+                            f"{limit - len(ids)}", param=max_param, code="context_length_exceeded")
     t = 1.0 if body.temperature is None else body.temperature
     if not 0 <= t <= 2:
         raise ApiError(400, f"temperature must be in [0, 2] (got {t})", param="temperature")
@@ -513,13 +536,14 @@ def _params(engine: Engine, body: Common, ids: list[int], max_tokens: int | None
         raise ApiError(400, "stop: at most 16 strings of at most 256 characters", param="stop")
     stop_ids = list(body.stop_token_ids or [])
     _check_ids(engine, stop_ids, "stop_token_ids")
-    if body.speculative and not engine.has_drafter:
+    speculative = body.speculative is not False
+    if speculative and not engine.has_drafter:
         raise ApiError(400, "this server was started without the drafter (--no-draft); send speculative: false",
                        param="speculative")
     if not all(map(math.isfinite, (t, top_p))):  # belt and braces: pydantic already refused NaN/inf
         raise ApiError(400, "sampling values must be finite")
-    return Params(ids, max_tokens, t, top_k, top_p, seed, tuple(stop_ids), tuple(stop), body.speculative,
-                  body.cache_prompt)
+    return Params(ids, max_tokens, t, top_k, top_p, seed, tuple(stop_ids), tuple(stop), speculative,
+                  body.cache_prompt is not False)
 
 
 class Guard:

@@ -181,13 +181,17 @@ class Engine:
                 self._gauges()
                 job.emit(("end", "cancelled", None, ""))
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Refuse new work, cancel what is queued or running, wait for the slots (bounded)."""
+    def cancel_all(self) -> None:
+        """Refuse new work and cancel what is queued or running (the end of a graceful shutdown)."""
         with self.lock:
             self.stopping = True
             jobs = list(self.waiting) + [s.job for s in self.slots if s.job is not None]
         for j in jobs:
             self.cancel(j)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Refuse new work, cancel what is queued or running, wait for the slots (bounded)."""
+        self.cancel_all()
         for s in self.slots:
             s.wake.set()
         end = time.monotonic() + timeout
