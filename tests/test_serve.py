@@ -4,6 +4,7 @@ under it (slots sharing sessions, prompt reuse, streamed text) tested directly."
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import itertools
 import json
@@ -31,6 +32,7 @@ from dflash_export.cli import cli
 from dflash_export.runtime import contract as C
 from dflash_export.runtime.loop import Generation, generate, stream
 from dflash_export.runtime.ort import OrtBackend
+from dflash_export.serve_app import ServeOptions, create_app
 from dflash_export.serve_engine import Engine, Job, Params
 from dflash_export.serve_text import Text, TextStream
 
@@ -577,35 +579,118 @@ def test_text_stream_holds_back_broken_utf8_and_stop_strings():
     assert out == text[: -len("done")] and ts.finish() == "done" and not ts.stopped
 
 
+def _scope(method: str, path: str, body: bytes = b"") -> dict:
+    return {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
+            "headers": [(b"content-length", str(len(body)).encode())], "scheme": "http", "server": ("t", 80),
+            "client": ("t", 1), "root_path": "", "http_version": "1.1", "asgi": {"version": "3.0"}}
+
+
+async def _call(app, method: str, path: str, body: bytes = b"", disconnect=None):
+    """One request straight into the ASGI app: (status, JSON body, headers). After the body, receive()
+    blocks until the asyncio.Event `disconnect` is set, then reports the client gone."""
+    sent, first = [], True
+
+    async def receive():
+        nonlocal first
+        if first:
+            first = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        if disconnect is None:
+            await asyncio.Event().wait()  # never: the client stays
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    await app(_scope(method, path, body), receive, send)
+    return sent[0]["status"], json.loads(sent[1]["body"]), dict(sent[0]["headers"])
+
+
 def test_health_is_503_until_the_engine_is_loaded(art):
     """The app answers before the model is loaded (and the factory takes an engine loaded elsewhere)."""
-    import asyncio
-
     from dflash_export.cmd_serve import _is_loopback
-    from dflash_export.serve_app import ServeOptions, create_app
     from dflash_export.serve_engine import load_engine
 
-    async def get(app, path):
-        sent = []
-
-        async def receive():
-            return {"type": "http.request", "body": b"", "more_body": False}
-
-        async def send(message):
-            sent.append(message)
-
-        await app({"type": "http", "method": "GET", "path": path, "raw_path": path.encode(), "query_string": b"",
-                   "headers": [], "scheme": "http", "server": ("t", 80), "client": ("t", 1), "root_path": "",
-                   "http_version": "1.1", "asgi": {"version": "3.0"}}, receive, send)
-        return sent[0]["status"], json.loads(sent[1]["body"]), dict(sent[0]["headers"])
-
     options = ServeOptions(art)
-    status, body, headers = asyncio.run(get(create_app(options), "/health"))  # lifespan not run: nothing loaded
+    status, body, headers = asyncio.run(_call(create_app(options), "GET", "/health"))  # lifespan not run: not loaded
     assert status == 503 and body["error"]["code"] == "loading" and headers[b"x-dflash-replica"].endswith(b"/-")
     engine = load_engine(art, slots=2, model="given")
     try:
-        status, body, _ = asyncio.run(get(create_app(options, engine=engine), "/v1/models"))
+        status, body, _ = asyncio.run(_call(create_app(options, engine=engine), "GET", "/v1/models"))
         assert status == 200 and body["data"][0]["id"] == "given"
     finally:
         engine.close()
     assert _is_loopback("127.0.0.1") and _is_loopback("::1") and not _is_loopback("0.0.0.0")
+
+
+class Gated:
+    """A backend whose target calls after the first wait for `gate`: a generation held mid-way."""
+
+    def __init__(self, backend):
+        self.backend, self.gate, self.calls = backend, threading.Event(), 0
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def target(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls > 1:
+            assert self.gate.wait(60), "the gate was never opened"
+        return self.backend.target(*args, **kwargs)
+
+
+def test_disconnect_cancels_a_non_streamed_request(art):
+    """No response is being streamed, so only the app's own watch on the connection can notice."""
+    gated = Gated(OrtBackend(art, threads=1))
+    engine = Engine([gated], Text(art), "m", max_queue=2)
+    app = create_app(ServeOptions(art), engine=engine)
+    n = 200
+    body = json.dumps({"prompt": "zz", "max_tokens": n, "temperature": 0, "speculative": False}).encode()
+
+    async def run():
+        gone = asyncio.Event()
+        request = asyncio.create_task(_call(app, "POST", "/v1/completions", body, disconnect=gone))
+        for _ in range(6000):  # the job is in its slot, held at its first round
+            if gated.calls >= 2 or request.done():
+                break
+            await asyncio.sleep(0.01)
+        assert gated.calls >= 2 and engine.slots[0].job is not None
+        job = engine.slots[0].job
+        gone.set()
+        for _ in range(6000):
+            if job.cancelled.is_set():
+                break
+            await asyncio.sleep(0.01)
+        assert job.cancelled.is_set(), "the disconnect did not cancel the job"
+        gated.gate.set()
+        return await asyncio.wait_for(request, 60)
+
+    try:
+        status, _, _ = asyncio.run(run())
+        assert status == 503  # nobody reads it
+        cancelled = engine.metrics.registry.get_sample_value("dflash:request_success_total",
+                                                             {"model_name": "m", "finished_reason": "cancelled"})
+        assert cancelled == 1
+        assert gated.calls <= 3  # prefill, the held round, at most one more
+        deadline = time.monotonic() + 30
+        while engine.idle_slots() != 1:
+            assert time.monotonic() < deadline, "the slot was not freed"
+            time.sleep(0.01)
+    finally:
+        gated.gate.set()
+        engine.close()
+
+
+def test_chat_templates_are_sandboxed(tmp_path):
+    char_tokenizer(tmp_path / "tokenizer.json")
+    for template, words in (("{{ messages.__class__.__mro__[1].__subclasses__() }}", "refused"),
+                            ("{{ raise_exception('only user turns') }}", "only user turns"),
+                            ("{% for m in messages %}{{ m.content | tojson }}{% endfor %}", None)):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+        text = Text(tmp_path)
+        if words is None:
+            assert text.render([{"role": "user", "content": "a\"b"}]) == '"a\\"b"'
+        else:
+            with pytest.raises(ValueError, match=words):
+                text.render([{"role": "user", "content": "x"}])
