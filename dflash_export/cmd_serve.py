@@ -37,22 +37,35 @@ def _need_serve_extra() -> None:
         raise DFlashError(f"serve needs {', '.join(missing)}: pip install \"dflash-export[serve]\"")
 
 
+def demo_cache_dir(pair: Path) -> Path:
+    """Where the demo pair's export lives: keyed by the pair's content, the context and the artifact format."""
+    from .runtime import contract as C
+
+    files = sorted(p for p in pair.rglob("*") if p.is_file()) if pair.is_dir() else []
+    if not files:
+        raise DFlashError(f"the shipped demo pair is missing ({pair}); restore demo/pair/ or pass an exported directory")
+    h = hashlib.sha256(f"{DEMO_CONTEXT}/{C.FORMAT_VERSION}".encode())  # a new artifact format: a new export
+    for p in files:
+        h.update(p.relative_to(pair).as_posix().encode() + hashlib.sha256(p.read_bytes()).digest())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-export"
+    return cache / f"demo-{h.hexdigest()[:16]}"
+
+
 def demo_artifact(pair: Path | None = None) -> Path:
-    """The shipped demo pair exported once into ~/.cache/dflash-export/ (keyed by the pair's content)."""
+    """The shipped demo pair exported once into ~/.cache/dflash-export/ (again when this version cannot read it)."""
+    from .runtime import contract as C
+
     if pair is None:
         from .cmd_demo import demo_dir  # package data; imports no torch
 
         pair = demo_dir() / "pair"
-    files = sorted(p for p in pair.rglob("*") if p.is_file()) if pair.is_dir() else []
-    if not files:
-        raise DFlashError(f"the shipped demo pair is missing ({pair}); restore demo/pair/ or pass an exported directory")
-    h = hashlib.sha256(str(DEMO_CONTEXT).encode())
-    for p in files:
-        h.update(p.relative_to(pair).as_posix().encode() + hashlib.sha256(p.read_bytes()).digest())
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-export"
-    out = cache / f"demo-{h.hexdigest()[:16]}"
+    out = demo_cache_dir(pair)
     if (out / "manifest.json").is_file():
-        return out
+        try:
+            C.load_manifest(out, verify=False)
+            return out
+        except DFlashError:  # unreadable by this version: export it again (--force)
+            pass
     if not (_importable("torch") and _importable("onnx")):
         raise DFlashError('--demo exports the shipped pair once, which needs the export extra: '
                           'pip install "dflash-export[export]" (or serve an exported directory: dflash-export serve OUT)')
