@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/serve.py                       # demo pair, writes bench/serve.json
     .venv/bin/python bench/serve.py --artifact OUT --prompts 8 --max-tokens 64
+    .venv/bin/python bench/serve.py --only-overhead --repeats 6   # just the HTTP-overhead figure, more passes
 
 Measures, with real server processes on 127.0.0.1 and streamed requests (raw HTTP, SSE):
 - TTFT, inter-chunk latency (one chunk per accepted round) and TPOT, p50/p99, and aggregate
@@ -103,8 +104,11 @@ def main() -> None:
     ap.add_argument("--artifact", type=Path, help="exported directory [default: the demo pair, exported once]")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "serve.json")
+    ap.add_argument("--out", type=Path, help="[default: bench/serve.json, or bench/serve_overhead.json]")
+    ap.add_argument("--repeats", type=int, default=2, help="passes over the prompts for the HTTP overhead")
+    ap.add_argument("--only-overhead", action="store_true", help="measure only the HTTP overhead (1 slot)")
     a = ap.parse_args()
+    a.out = a.out or ROOT / "bench" / ("serve_overhead.json" if a.only_overhead else "serve.json")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     sys.path.insert(0, str(ROOT))
     from dflash_export.cmd_serve import demo_artifact
@@ -125,10 +129,10 @@ def main() -> None:
     generate(backend, ids[0], 8)
     want = {sp: [generate(backend, x, a.max_tokens, draft=sp).tokens for x in ids] for sp in (True, False)}
 
-    for slots in (1, 2):
+    for slots in (1,) if a.only_overhead else (1, 2):
         s = Server(art, "--slots", slots)
         try:
-            for sp in (True, False):
+            for sp in () if a.only_overhead else (True, False):
                 load(s, prompts[:2], 8, 2, sp)  # warm-up
                 for conc in (1, 2, 4):
                     r = load(s, prompts, a.max_tokens, conc, sp)
@@ -140,21 +144,29 @@ def main() -> None:
                           f"{r['inter_chunk_ms']['p50']:.1f} p99 {r['inter_chunk_ms']['p99']:.1f} ms, TPOT p50 "
                           f"{r['tpot_ms']['p50']:.2f} ms, lossless {r['lossless']}", flush=True)
             if slots == 1:  # HTTP overhead at concurrency 1, interleaved with the in-process loop
+                load(s, prompts[:2], 8, 1, True)  # warm-up
                 http_t = inproc_t = 0.0
                 n_http = n_in = 0
-                for _ in range(2):
+                passes = []  # overhead % of each pass: the spread says how much the noise weighs
+                for _ in range(a.repeats):
+                    pass_http = pass_in = 0.0
                     for p, x in zip(prompts, ids):
                         r = s.post("/v1/completions", {"prompt": p, "max_tokens": a.max_tokens, "temperature": 0,
                                                        "cache_prompt": False})
-                        http_t, n_http = http_t + r["total"], n_http + len(r["tokens"])
+                        pass_http, n_http = pass_http + r["total"], n_http + len(r["tokens"])
                         t0 = time.perf_counter()
                         g = generate(backend, x, a.max_tokens)
-                        inproc_t, n_in = inproc_t + time.perf_counter() - t0, n_in + len(g.tokens)
+                        pass_in, n_in = pass_in + time.perf_counter() - t0, n_in + len(g.tokens)
+                    passes.append(100 * (1 - pass_in / pass_http))  # same tokens both ways: a time ratio
+                    http_t, inproc_t = http_t + pass_http, inproc_t + pass_in
                 http_rate, in_rate = n_http / http_t, n_in / inproc_t
                 report["http_overhead"] = {"http_tokens_per_s": http_rate, "in_process_tokens_per_s": in_rate,
-                                           "overhead_pct": 100 * (1 - http_rate / in_rate)}
+                                           "overhead_pct": 100 * (1 - http_rate / in_rate), "passes_pct": passes}
                 print(f"HTTP overhead at concurrency 1: {http_rate:.0f} vs {in_rate:.0f} tok/s in process "
-                      f"({report['http_overhead']['overhead_pct']:.1f}%)", flush=True)
+                      f"({report['http_overhead']['overhead_pct']:.1f}%; passes "
+                      f"{', '.join(f'{x:.1f}' for x in passes)}%)", flush=True)
+                if a.only_overhead:
+                    continue
                 # prompt reuse: a second turn extending the first
                 saved = {True: [], False: []}
                 for p in prompts:
@@ -172,6 +184,10 @@ def main() -> None:
         finally:
             s.stop()
 
+    if a.only_overhead:
+        a.out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {a.out}")
+        return
     # memory: 1 vs 4 slots, after every slot served one request
     m = backend.manifest
     kv = 2 * m.target_layers * m.max_context * m.target_kv_heads * m.target_head_dim * 4
