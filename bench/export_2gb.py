@@ -29,18 +29,20 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def make_checkpoint(work: Path, vocab: int, hidden: int, layers: int, inter: int) -> None:
+def make_checkpoint(work: Path, vocab: int, hidden: int, layers: int, inter: int, heads: int | None = None,
+                    kv_heads: int | None = None, tie: bool = False) -> None:
+    """Random fp32 Qwen3 target (head_dim 128) + 1-layer drafter under work/target, work/draft."""
     import torch
     from safetensors.torch import save_file
 
     from dflash_export.models import TargetConfig, new_drafter
 
-    heads, kv_heads, head_dim = hidden // 128, max(1, hidden // 256), 128
+    heads, kv_heads, head_dim = heads or hidden // 128, kv_heads or max(1, hidden // 256), 128
     cfg = {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab, "hidden_size": hidden,
         "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
         "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-        "max_position_embeddings": 4096, "tie_word_embeddings": False, "eos_token_id": vocab - 1, "dtype": "float32",
+        "max_position_embeddings": 4096, "tie_word_embeddings": tie, "eos_token_id": vocab - 1, "dtype": "float32",
     }
     t = work / "target"
     t.mkdir(parents=True)
@@ -54,7 +56,8 @@ def make_checkpoint(work: Path, vocab: int, hidden: int, layers: int, inter: int
         weight_map.update({k: name for k in tensors})
 
     shard("embed.safetensors", {"model.embed_tokens.weight": rand(vocab, hidden)})
-    shard("head.safetensors", {"lm_head.weight": rand(vocab, hidden), "model.norm.weight": torch.ones(hidden)})
+    head = {} if tie else {"lm_head.weight": rand(vocab, hidden)}
+    shard("head.safetensors", {**head, "model.norm.weight": torch.ones(hidden)})
     for i in range(layers):
         p = f"model.layers.{i}."
         shard(f"layer{i}.safetensors", {

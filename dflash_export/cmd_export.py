@@ -1,4 +1,4 @@
-"""`export` (target + drafter -> ONNX artifact directory) and `check` (parity vs PyTorch).
+"""`export` (target + drafter -> ONNX artifact directory), `quantize` and `check` (parity vs PyTorch).
 
 torch, onnx and onnxruntime are imported inside the commands, so `--help` is instant.
 """
@@ -14,6 +14,36 @@ import click
 from .runtime.errors import DFlashError
 
 
+def quant_options(f):
+    """The weight-only quantization options shared by `export` and `quantize`."""
+    for opt in reversed([
+        click.option("--quantize", type=str, default=None,
+                     help="Weight-only quantization of the target's linear layers: int4 or int8 (ONNX Runtime MatMulNBits)."),
+        click.option("--quant-block-size", type=int, default=32, show_default=True,
+                     help="Weights per quantization block (along the input dimension); a power of two >= 16."),
+        click.option("--quant-asymmetric", is_flag=True, help="Asymmetric quantization (zero points); symmetric by default."),
+        click.option("--quantize-draft", is_flag=True, help="Also quantize the drafter's linear layers."),
+        click.option("--quantize-lm-head", is_flag=True,
+                     help="Also quantize the LM head (one copy shared by target and drafter; the embedding lookup keeps the dtype)."),
+        click.option("--quant-accuracy-level", type=int, default=None,
+                     help="MatMulNBits accuracy_level (0-4; 4 = int8 activations on CPU) [default: ORT's]."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def quant_request(quantize, block_size, asymmetric, draft, lm_head, accuracy_level):
+    """The QuantOptions asked for, or None; the sub-options alone are a mistake."""
+    from .export.quantize import QuantOptions
+
+    if quantize is not None:
+        return QuantOptions(quantize, block_size, not asymmetric, draft, lm_head, accuracy_level)
+    if draft or lm_head or asymmetric or accuracy_level is not None:
+        raise DFlashError("--quantize-draft, --quantize-lm-head, --quant-asymmetric and --quant-accuracy-level "
+                          "need --quantize int4|int8")
+    return None
+
+
 @click.command()
 @click.option("--target", "target_dir", required=True, type=click.Path(path_type=Path),
               help="Hugging Face target checkpoint directory (config.json + *.safetensors [+ tokenizer]).")
@@ -27,9 +57,11 @@ from .runtime.errors import DFlashError
               help="Longest prompt + generation the runtime will allocate caches for.")
 @click.option("--mask-token-id", type=int, help="Override the drafter's dflash_config.mask_token_id.")
 @click.option("--opset", type=int, help="ONNX opset [default: the exporter's].")
+@quant_options
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory (only once the export succeeded).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_token_id, opset, force, quiet):
+def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_token_id, opset, quantize,
+           quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level, force, quiet):
     """Trace a target and its DFlash drafter to ONNX: target.onnx, draft_context.onnx,
     draft_block.onnx, their external weights (weights several graphs hold stored once, in
     shared.data), the tokenizer files and manifest.json with the sha256 of every file.
@@ -43,11 +75,37 @@ def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_
       dflash-export export --target Qwen3-8B --draft Qwen3-8B-DFlash --out art
       dflash-export export --target t --draft d --out art --dtype fp16 --block-size 8
       dflash-export export --target t --draft d --out art --force   # replace art
+      dflash-export export --target t --draft d --out art4 --quantize int4 --quantize-draft
     """
     from .export.artifact import export_artifact
 
+    q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level)
     export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
-                    mask_token_id=mask_token_id, opset=opset, force=force, progress=not quiet)
+                    mask_token_id=mask_token_id, opset=opset, force=force, progress=not quiet, quantize=q)
+
+
+@click.command()
+@click.argument("src", type=click.Path(path_type=Path))
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Directory to write.")
+@quant_options
+@click.option("--force", is_flag=True, help="Replace a non-empty --out directory (only once quantization succeeded).")
+@click.option("--quiet", is_flag=True, help="No progress display.")
+def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head,
+             quant_accuracy_level, force, quiet):
+    """Quantize the weights of an exported directory SRC (fp32 or fp16) into --out, without
+    re-tracing: what `export --quantize` does after its float export (docs/quantization.md).
+
+    \b
+    Examples:
+      dflash-export quantize art --out art-int4 --quantize int4
+      dflash-export quantize art --out art-int8 --quantize int8 --quantize-draft --quantize-lm-head
+    """
+    from .export.quantize import quantize_artifact
+
+    q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level)
+    if q is None:
+        raise DFlashError("quantize needs --quantize int4|int8")
+    quantize_artifact(src, out_dir, q, force=force, progress=not quiet)
 
 
 @click.command()
@@ -107,7 +165,9 @@ def print_report(report) -> None:
     from rich.table import Table
 
     console = Console(width=max(Console().width, 132))  # one row per output, unwrapped even when piped
-    table = Table(title=f"parity vs PyTorch ({report.dtype})", title_justify="left")
+    q = report.quantization
+    what = report.dtype if q is None else f"{report.dtype} export, {q['scheme']} weights vs the {report.dtype} PyTorch source"
+    table = Table(title=f"parity vs PyTorch ({what})", title_justify="left")
     for col in ("graph", "case", "output", "max abs", "mean abs", "p99 abs", "tol", "top-1", ""):
         table.add_column(col, justify="right" if col not in ("graph", "case", "output") else "left")
     num = lambda x: "-" if x is None else f"{x:.2e}"  # noqa: E731
@@ -121,8 +181,15 @@ def print_report(report) -> None:
         console.print(f"end to end: {e['identical']}/{e['cases']} prompts token-identical to the PyTorch oracle, "
                       f"{e['acceptance_identical']}/{e['cases']} with identical acceptance lengths; "
                       f"tau {e['tau']:.2f}, acceptance histogram (1..K) {e['acceptance_histogram']}")
-        for f in e["failures"]:
-            console.print(f"[red]differs[/] at token {f['first_difference']} for prompt {f['prompt']}")
+        if q is not None:
+            console.print(f"quantized: greedy agreement with PyTorch {e['agreement_length_mean']:.1f} tokens on average "
+                          f"(min {e['agreement_length_min']}) of {e['max_new_tokens']}; speculative == plain greedy "
+                          f"through the same graphs on {e['speculative_equals_plain']}/{e['cases']} prompts")
+            for f in e["plain_failures"]:
+                console.print(f"[red]speculative != plain[/] at token {f['first_difference']} for prompt {f['prompt']}")
+        else:
+            for f in e["failures"]:
+                console.print(f"[red]differs[/] at token {f['first_difference']} for prompt {f['prompt']}")
     for note in report.notes:
         console.print(f"note: {note}")
     failing = [r for r in report.rows if not r.passed]
@@ -134,4 +201,4 @@ def print_report(report) -> None:
     console.print("[green]PASSED" if report.passed else "[red]FAILED")
 
 
-COMMANDS = [export, check]
+COMMANDS = [export, quantize, check]

@@ -116,15 +116,22 @@ def export_artifact(
     opset: int | None = None,
     force: bool = False,
     progress: bool = True,
+    quantize=None,
 ) -> C.Manifest:
-    """Trace, save, validate and describe one artifact directory; atomic on failure."""
+    """Trace, save, validate and describe one artifact directory; atomic on failure.
+
+    quantize: an export/quantize.py QuantOptions: the float export is written first (to a
+    hidden directory), then quantized into `out` (quantize_artifact)."""
     from .graphs import wrapper
+    from .quantize import check_options, quantize_artifact
     from .save import DataWriter, copy_tokenizer, graph_spec, opset_of, save_graph, shared_names
-    from .trace import fold_shape_constants, rename_initializers, trace
+    from .trace import fold_shape_constants, rename_initializers, store_transposed, trace
     from .validate import validate_artifact
 
     target_dir, draft_dir, out = Path(target_dir), Path(draft_dir), Path(out_dir).absolute()
     tdtype = torch_dtype(dtype)
+    if quantize is not None:
+        check_options(quantize, dtype)
     check_out_dir(out, force)
     tc, dc, k, mask = plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset)
     manifest = C.Manifest(
@@ -151,6 +158,8 @@ def export_artifact(
             for model in models.values():
                 fold_shape_constants(model)
                 rename_initializers(model, tc.tie_word_embeddings)
+                # tied embeddings: the head keeps reading the lookup table's bytes
+                store_transposed(model, keep=C.SHARED_INITIALIZERS[1:] if tc.tie_word_embeddings else ())
         with ui.phase("save", "graphs + external data + tokenizer"):
             writer = DataWriter(tmp, shared_names(models), tc.tie_word_embeddings)
             try:
@@ -168,13 +177,18 @@ def export_artifact(
         manifest.opset = opset_of(tmp / C.GRAPH_FILES[C.TARGET])
         manifest.tokenizer = "tokenizer.json" in tokenizer or "tokenizer.model" in tokenizer
         write_manifest_checked(tmp, manifest)
-        commit(tmp, out)
+        if quantize is None:
+            commit(tmp, out)
+        else:  # the float export is the quantizer's input; only the quantized one is published
+            manifest = quantize_artifact(tmp, out, quantize, force=True, progress=progress)
+            shutil.rmtree(tmp)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, KeyboardInterrupt):
             ui.console.print(f"[red]interrupted[/]: partial export removed, {out} unchanged")
         raise
-    report(ui, out, time.perf_counter() - t0)
+    if quantize is None:
+        report(ui, out, time.perf_counter() - t0)
     return manifest
 
 

@@ -115,3 +115,39 @@ def rename_initializers(model, tied: bool) -> None:
         for node, i in list(tied_value.uses()):
             if node.op_type != "Gather":
                 node.replace_input_with(i, head_value)
+
+
+def store_transposed(model, keep: tuple[str, ...] = ()) -> list[str]:
+    """Store each linear weight in the layout its MatMul consumes: `MatMul(x, W^T)` with W^T
+    an initializer under W's name, instead of `MatMul(x, Transpose(W))`.
+
+    torch traces nn.Linear as MatMul(x, Transpose(W)); ONNX Runtime's weight-only quantizer
+    (export/quantize.py) only quantizes a MatMul whose weight is a constant input, and ORT
+    would otherwise fold a transposed copy of every weight at load. The transpose is done
+    lazily, one tensor at a time, when the data file is written. `keep`: weights left as
+    they are (the LM head of tied embeddings, whose bytes are the lookup table's). Returns
+    the transposed names.
+    """
+    import numpy as np
+    import onnx_ir as ir
+
+    done = []
+    for node in list(model.graph):
+        w = node.inputs[0] if node.op_type == "Transpose" and node.inputs else None
+        if w is None or w.name not in model.graph.initializers or w.name in keep or w.const_value is None:
+            continue
+        perm = node.attributes.get("perm")
+        uses = list(node.outputs[0].uses())
+        if perm is None or list(perm.as_ints()) != [1, 0] or len(list(w.uses())) != 1 or not uses \
+                or any(u.node.op_type != "MatMul" or u.idx != 1 for u in uses):
+            continue
+        t = w.const_value
+        shape = ir.Shape([t.shape[1], t.shape[0]])
+        w.const_value = ir.LazyTensor(
+            lambda t=t: ir.Tensor(np.ascontiguousarray(t.numpy().T), dtype=t.dtype), dtype=t.dtype, shape=shape
+        )
+        w.shape = shape
+        node.outputs[0].replace_all_uses_with(w)
+        model.graph.remove(node, safe=True)
+        done.append(w.name)
+    return done

@@ -58,9 +58,19 @@ def default_timing_cache() -> Path:
     return Path(base) / "trt-timing.cache"
 
 
+def refuse_quantized(manifest: Manifest) -> None:
+    """Weight-only quantized graphs hold ONNX Runtime's MatMulNBits, which TensorRT's parser does not take."""
+    q = manifest.quantization
+    if q is not None:
+        raise DFlashError(f"this export is quantized ({q['scheme']} weights as ONNX Runtime MatMulNBits), which TensorRT "
+                          "cannot parse (its quantization uses Q/DQ nodes, not supported here); build from an export "
+                          "without --quantize")
+
+
 def build_plan(manifest: Manifest, precision: str | None = None, max_context: int | None = None,
                max_prompt: int | None = None, workspace_gb: float = 4.0) -> BuildPlan:
     """The whole build decided from the manifest; raises DFlashError on impossible requests."""
+    refuse_quantized(manifest)
     precision = check_precision(manifest.dtype, precision)
     if not workspace_gb > 0:
         raise DFlashError(f"--workspace {workspace_gb}: give the builder's workspace in GB, > 0")

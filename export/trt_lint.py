@@ -258,8 +258,11 @@ def lint_model(model: onnx.ModelProto, graph: str, manifest: Manifest | None = N
 def lint_dir(out_dir: str | Path, manifest: Manifest | None = None, trt_version: str = MIN_VERSION,
              limits=None) -> list[Finding]:
     """Lint every graph of an exported directory (weights are not loaded)."""
+    from .trt_build import refuse_quantized
+
     out_dir = Path(out_dir)
     manifest = manifest or load_manifest(out_dir)
+    refuse_quantized(manifest)
     found = []
     for graph, spec in manifest.graphs.items():
         path = out_dir / (spec.file or GRAPH_FILES[graph])

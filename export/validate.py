@@ -15,15 +15,18 @@ from ..runtime.errors import DFlashError
 STANDARD_DOMAINS = ("", "ai.onnx")
 
 
-def lint(model) -> list[str]:
-    """Problems that would tie a graph to one runtime; [] when it is portable."""
+def lint(model, allowed: tuple[tuple[str, str], ...] = ()) -> list[str]:
+    """Problems that would tie a graph to one runtime; [] when it is portable.
+
+    allowed: (domain, op) pairs accepted anyway (a quantized export's MatMulNBits)."""
     problems = []
+    domains = {d for d, _ in allowed}
     for fn in model.functions:
         problems.append(f"local function {fn.domain}::{fn.name}")
     for imp in model.opset_import:
-        if imp.domain not in STANDARD_DOMAINS:
+        if imp.domain not in STANDARD_DOMAINS and imp.domain not in domains:
             problems.append(f"opset import of domain {imp.domain!r}")
-    seen = set()
+    seen = set(allowed)
     for node in _nodes(model.graph):
         if node.domain not in STANDARD_DOMAINS and (node.domain, node.op_type) not in seen:
             seen.add((node.domain, node.op_type))
@@ -41,7 +44,7 @@ def _nodes(graph):
                 yield from _nodes(g)
 
 
-def check_graph(path: Path) -> None:
+def check_graph(path: Path, allowed: tuple[tuple[str, str], ...] = ()) -> None:
     """onnx.checker with full (strict) shape inference, on the path so external data is read."""
     import onnx
 
@@ -49,7 +52,7 @@ def check_graph(path: Path) -> None:
         onnx.checker.check_model(str(path), full_check=True)
     except Exception as e:  # checker and inference raise several types
         raise DFlashError(f"{path.name} fails onnx.checker/shape inference: {str(e).strip().splitlines()[0]}") from e
-    problems = lint(onnx.load(str(path), load_external_data=False))
+    problems = lint(onnx.load(str(path), load_external_data=False), allowed)
     if problems:
         raise DFlashError(f"{path.name} uses non-standard ONNX: {'; '.join(problems)}")
 
@@ -65,10 +68,14 @@ def ort_session(path: Path, providers=("CPUExecutionProvider",), load_only: bool
     return ort.InferenceSession(str(path), opts, providers=list(providers))
 
 
-def validate_artifact(root: Path, dtype: str = "fp32") -> None:
-    """Every graph passes the checker and the lint and loads in ONNX Runtime (CPU)."""
+def validate_artifact(root: Path, dtype: str = "fp32", quantized: bool = False) -> None:
+    """Every graph passes the checker and the lint and loads in ONNX Runtime (CPU).
+
+    quantized: the lint accepts ONNX Runtime's MatMulNBits (export/quantize.py), nothing else."""
+    from .quantize import QUANT_OPS
+
     for f in C.GRAPH_FILES.values():
-        check_graph(root / f)
+        check_graph(root / f, QUANT_OPS if quantized else ())
     for f in C.GRAPH_FILES.values():
         try:
             sess = ort_session(root / f, load_only=True)

@@ -294,6 +294,9 @@ class Manifest:
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
     tokenizer: bool = False
     engines: dict | None = None  # TensorRT build record (export/trt_build.py), absent until built
+    # weight-only quantization (export/quantize.py): {"scheme", "bits", "block_size", "symmetric", "draft",
+    # "lm_head", "accuracy_level", "method", "weights": {graph: [quantized weight names]}}; None: float weights
+    quantization: dict | None = None
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 

@@ -29,8 +29,9 @@ from .backend import Backend, TargetOut
 from .errors import DFlashError
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
-ONNX_TYPE = {"float32": 1, "float16": 10, "bfloat16": 16, "int64": 7}  # TensorProto.DataType
-STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int64": np.int64}
+# TensorProto.DataType; uint8: weight-only quantized tensors (MatMulNBits, docs/quantization.md)
+ONNX_TYPE = {"float32": 1, "float16": 10, "bfloat16": 16, "int64": 7, "uint8": 2}
+STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int64": np.int64, "uint8": np.uint8}
 
 
 def available_providers() -> list[str]:

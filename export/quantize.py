@@ -1,0 +1,186 @@
+"""Weight-only int4 / int8 quantization of exported graphs, by ONNX Runtime's own quantizer.
+
+`onnxruntime.quantization.MatMulNBitsQuantizer` (round-to-nearest, blockwise along the
+input dimension) replaces each `MatMul(x, W)` whose W is a constant [in, out] initializer
+with `com.microsoft::MatMulNBits(x, W_Q, W_scales[, W_zero_points])`; export/trace.py's
+`store_transposed` puts the weights in that layout first. Only linear weights are touched:
+attention's MatMuls have no constant input, and the embedding lookup (Gather) keeps the
+export dtype. The LM head stays in the export dtype unless asked for; its quantized tensors
+(`lm_head.weight_Q4`, ...) are shared initializers like the head itself, written once.
+
+The graphs then need ONNX Runtime (CPU, CUDA and DirectML providers have MatMulNBits);
+TensorRT's parser does not take it (export/trt_lint.py refuses such graphs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from dataclasses import asdict, dataclass
+
+from ..runtime import contract as C
+from ..runtime.errors import DFlashError
+
+SCHEMES = {"int4": 4, "int8": 8}
+QUANT_OPS = (("com.microsoft", "MatMulNBits"),)  # what a quantized graph may hold beyond ai.onnx
+
+
+@dataclass
+class QuantOptions:
+    """What `export --quantize` asked for; `record()` is the manifest's `quantization`."""
+
+    scheme: str  # "int4" | "int8"
+    block_size: int = 32
+    symmetric: bool = True
+    draft: bool = False  # also the drafter's linear layers (draft_context, draft_block)
+    lm_head: bool = False  # also the LM head (shared by target and draft_block)
+    accuracy_level: int | None = None  # MatMulNBits' compute type on CPU (None: the provider's default)
+
+    @property
+    def bits(self) -> int:
+        return SCHEMES[self.scheme]
+
+    def graphs(self) -> tuple[str, ...]:
+        """Graphs whose linear layers are quantized (the shared LM head goes with `lm_head`)."""
+        return (C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK) if self.draft else (C.TARGET,)
+
+    def quantizes(self, graph: str, weight: str) -> bool:
+        if weight in C.SHARED_INITIALIZERS:  # the head: in both graphs or in neither, so it stays one copy
+            return self.lm_head
+        return graph in self.graphs()
+
+    def record(self, weights: dict[str, list[str]]) -> dict:
+        d = asdict(self)
+        d.update(method="onnxruntime MatMulNBitsQuantizer (RTN, blockwise)", bits=self.bits, weights=weights)
+        return d
+
+
+def check_options(q: QuantOptions, dtype: str) -> None:
+    """Refuse what cannot work, before anything is loaded."""
+    if q.scheme not in SCHEMES:
+        raise DFlashError(f"--quantize {q.scheme} is not supported; choose int4 or int8 (weight-only, ONNX Runtime MatMulNBits)")
+    if dtype == "bf16":
+        raise DFlashError("--quantize with --dtype bf16 is not supported (ONNX Runtime's CPU MatMulNBits has no bf16 "
+                          "kernel); export with --dtype fp32 or fp16")
+    if q.block_size < 16 or q.block_size & (q.block_size - 1):
+        raise DFlashError(f"--quant-block-size {q.block_size}: MatMulNBits takes a power of two >= 16 (e.g. 32, 64, 128)")
+    if q.accuracy_level not in (None, 0, 1, 2, 3, 4):
+        raise DFlashError(f"--quant-accuracy-level {q.accuracy_level}: MatMulNBits takes 0-4")
+
+
+def quantize_graph(model, q: QuantOptions, graph: str):
+    """onnx_ir model -> (quantized onnx_ir model, names of the weights that were quantized)."""
+    import onnx_ir as ir
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    for i, node in enumerate(model.graph):  # the quantizer selects nodes by name
+        node.name = node.name or f"node_{i}"
+    ir.external_data.load_to_model(model)  # the quantizer reads weights as arrays from the proto
+    proto = ir.serde.serialize_model(model)
+    inits = {t.name for t in proto.graph.initializer}
+    linear = [n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
+    exclude = [n.name for n in linear if not q.quantizes(graph, n.input[1])]
+    quantizer = MatMulNBitsQuantizer(proto, bits=q.bits, block_size=q.block_size, is_symmetric=q.symmetric,
+                                     accuracy_level=q.accuracy_level, nodes_to_exclude=exclude)
+    logger = logging.getLogger("onnxruntime.quantization")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            quantizer.process()
+    finally:
+        logger.setLevel(level)
+    out = quantizer.model.model
+    quantized = sorted(n.input[1] for n in linear if n.name not in exclude)
+    done = [n for n in out.graph.node if n.op_type == "MatMulNBits"]
+    if len(done) != len(quantized):
+        raise DFlashError(f"ONNX Runtime's quantizer converted {len(done)} of {len(quantized)} linear layers; "
+                          "re-export without --quantize")
+    del proto
+    return ir.serde.deserialize_model(out), quantized
+
+
+def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progress: bool = True) -> C.Manifest:
+    """A float artifact directory (`export` output) -> a weight-only quantized one at `out`.
+
+    Graphs are read with their external data mapped, quantized one at a time and written
+    like the export writes them (shared tensors once in shared.data, the rest as external
+    data of their graph), validated and described in a new manifest. Atomic like `export`.
+    """
+    import dataclasses
+    import os
+    import shutil
+    import time
+    from pathlib import Path
+
+    import onnx_ir as ir
+
+    from .artifact import check_out_dir, commit, write_manifest_checked
+    from .progress import Phases, report
+    from .save import DataWriter, graph_spec, save_graph, shared_names
+    from .trace import store_transposed
+    from .validate import validate_artifact
+
+    src, out = Path(src), Path(out).absolute()
+    m = C.load_manifest(src, verify=True)
+    if m.quantization is not None:
+        raise DFlashError(f"{src} is already quantized ({m.quantization['scheme']}); quantize its float export "
+                          "(or re-export from the checkpoints with --quantize)")
+    check_options(q, m.dtype)
+    check_out_dir(out, force)
+    ui = Phases(progress)
+    t0 = time.perf_counter()
+    tmp = out.parent / f".{out.name}.partial-q{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    embed, head = C.SHARED_INITIALIZERS
+    quantized: dict[str, list[str]] = {}
+    try:
+        tmp.mkdir()
+        with ui.phase("quantize", f"{q.scheme}, block {q.block_size}, {'symmetric' if q.symmetric else 'asymmetric'}: "
+                                  f"{', '.join(q.graphs())}{' + LM head' if q.lm_head else ''} (onnxruntime)"):
+            models, tied = {}, False
+            for name, f in C.GRAPH_FILES.items():
+                model = ir.load(src / f)  # external data stays on disk until a tensor is read
+                inits = model.graph.initializers
+                if name == C.TARGET:
+                    tied = head in inits and embed in inits and _same_bytes(inits[head], inits[embed])
+                # a tied head keeps the table's bytes unless quantized: then it needs its own [in, out] layout
+                store_transposed(model, keep=(head,) if tied and not q.lm_head else ())
+                if name in q.graphs() or (q.lm_head and head in inits):
+                    model, quantized[name] = quantize_graph(model, q, name)
+                    if not quantized[name]:
+                        raise DFlashError(f"{f} has no linear layer with a constant weight to quantize")
+                models[name] = model
+            # shared: the embedding, and what several graphs hold with the same bytes (a quantized
+            # head, the drafter's K/V projections); quantization is deterministic, so they match
+            writer = DataWriter(tmp, shared_names(models), tied and not q.lm_head)
+            try:
+                for name, model in models.items():
+                    writer.externalize(name, model)
+                    save_graph(model, tmp / C.GRAPH_FILES[name])
+            finally:
+                writer.close()
+            del models
+            for name in C.TOKENIZER_FILES:
+                if (src / name).is_file():
+                    shutil.copyfile(src / name, tmp / name)
+        with ui.phase("validate", "onnx.checker, shape inference, op lint, ORT load"):
+            validate_artifact(tmp, m.dtype, quantized=True)
+        specs = {name: graph_spec(tmp / f) for name, f in C.GRAPH_FILES.items()}
+        manifest = dataclasses.replace(m, graphs=specs, files={}, engines=None, shared=writer.shared,
+                                       quantization=q.record(quantized))
+        write_manifest_checked(tmp, manifest)
+        commit(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    report(ui, out, time.perf_counter() - t0)
+    return manifest
+
+
+def _same_bytes(a, b) -> bool:
+    """Two initializers stored at the same place of the same external file (tied weights)."""
+    ta, tb = a.const_value, b.const_value
+    where = lambda t: (getattr(t, "location", None), getattr(t, "offset", None))  # noqa: E731
+    return where(ta) == where(tb) and where(ta)[0] is not None

@@ -1,0 +1,237 @@
+"""Weight-only int4/int8 artifacts (export --quantize, dflash-export quantize; export/quantize.py).
+
+The float exports are runtime_cases' cached pairs (Qwen3 biased target + 2-layer drafter,
+block 8; Llama with tied embeddings, block 4; Qwen2 + 3-layer drafter, block 16), so the
+only added cost is quantizing, checking and decoding. One tiny pair goes through
+`export --quantize` itself.
+"""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from runtime_cases import CASES, artifact, prompts
+
+from dflash_export.cli import cli
+from dflash_export.export.check import run_check
+from dflash_export.export.quantize import QuantOptions, quantize_artifact
+from dflash_export.export.validate import lint
+from dflash_export.runtime import contract as C
+from dflash_export.runtime.loop import generate
+from dflash_export.runtime.ort import OrtBackend
+
+# (case, options): int4 target+drafter; tied Llama with int8 everywhere incl. the LM head
+# (the lookup table keeps fp32, the head gets a quantized layout of its own); Qwen2 int4
+# asymmetric, block 16, target + LM head only
+PLANS = {
+    "qwen3": QuantOptions("int4", 32, True, draft=True),
+    "llama": QuantOptions("int8", 32, True, draft=True, lm_head=True),
+    "qwen2": QuantOptions("int4", 16, False, lm_head=True),
+}
+PROMPTS = 20
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """name -> (name, options, target dir, draft dir, float export, quantized export), built once."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            q = PLANS[name]
+            tdir, ddir, src = artifact(CASES[name])
+            out = tmp_path_factory.mktemp("quant") / name
+            if name == "qwen2":  # through the CLI once
+                args = ["quantize", str(src), "--out", str(out), "--quantize", q.scheme, "--quant-block-size",
+                        str(q.block_size), "--quant-asymmetric", "--quantize-lm-head", "--quiet"]
+                r = CliRunner().invoke(cli, args)
+                assert r.exit_code == 0, r.output
+            else:
+                quantize_artifact(src, out, q, progress=False)
+            cache[name] = name, q, tdir, ddir, src, out
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(params=list(PLANS))
+def quantized(request, made):
+    return made(request.param)
+
+
+def graph(out, name):
+    return onnx.load(str(out / C.GRAPH_FILES[name]), load_external_data=False)
+
+
+def test_linear_weights_are_stored_as_the_matmul_reads_them():
+    """Float export: every linear weight is a constant MatMul input ([in, out]); only a tied
+    LM head still reads the lookup table through Transpose (one copy of those bytes)."""
+    for name in ("qwen3", "llama"):
+        _, _, out = artifact(CASES[name])
+        for g in C.GRAPH_FILES:
+            m = graph(out, g)
+            inits = {t.name for t in m.graph.initializer}
+            transposed = [n.input[0] for n in m.graph.node if n.op_type == "Transpose" and n.input[0] in inits]
+            assert transposed == ([C.SHARED_INITIALIZERS[1]] if name == "llama" and g != C.DRAFT_CONTEXT else []), (name, g)
+            assert any(n.op_type == "MatMul" and n.input[1] in inits for n in m.graph.node)
+
+
+def test_manifest_records_the_quantization(quantized):
+    name, q, _, _, src, out = quantized
+    m, before = C.load_manifest(out), C.load_manifest(src)
+    rec = m.quantization
+    assert (rec["scheme"], rec["bits"], rec["block_size"], rec["symmetric"]) == (q.scheme, q.bits, q.block_size, q.symmetric)
+    assert (rec["draft"], rec["lm_head"]) == (q.draft, q.lm_head) and "MatMulNBits" in rec["method"]
+    assert sorted(rec["weights"]) == sorted(set(q.graphs()) | ({C.DRAFT_BLOCK} if q.lm_head else set()))
+    for g in C.GRAPH_FILES:
+        fp, qm = graph(src, g), graph(out, g)
+        inits = {t.name for t in fp.graph.initializer}
+        linear = sorted(n.input[1] for n in fp.graph.node if n.op_type == "MatMul" and n.input[1] in inits)
+        head = C.SHARED_INITIALIZERS[1]
+        expect = [w for w in linear if q.quantizes(g, w)]
+        if q.lm_head and name == "llama" and g != C.DRAFT_CONTEXT:
+            expect = sorted(expect + [head])  # tied: the head was Transpose(table), now a quantized layout of its own
+        assert rec["weights"].get(g, []) == expect, g
+        nbits = [n for n in qm.graph.node if n.op_type == "MatMulNBits"]
+        assert len(nbits) == len(expect) and all(n.domain == "com.microsoft" for n in nbits)
+        assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} <= {q.bits}
+        assert not lint(qm, (("com.microsoft", "MatMulNBits"),))  # the export lint allows exactly that op
+        assert bool(lint(qm)) == bool(nbits)  # ... which the portable lint does not
+    assert (m.block_size, m.vocab_size, m.dtype) == (before.block_size, before.vocab_size, before.dtype)
+
+
+def test_shared_tensors_stay_one_copy(quantized):
+    """Embedding and (quantized) LM head: same names and the same bytes of shared.data in
+    target.onnx and draft_block.onnx (the manifest's shared table); quantized weights are
+    external data too, and the runtime maps them."""
+    name, q, *_, out = quantized
+    m = C.load_manifest(out)
+
+    def external(g):
+        loc = {}
+        for t in graph(out, g).graph.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                loc[t.name] = {e.key: e.value for e in t.external_data}
+        return loc
+
+    t, b = external(C.TARGET), external(C.DRAFT_BLOCK)
+    embed, head = C.SHARED_INITIALIZERS
+    heads = [n for n in m.shared if n.startswith(head)]
+    assert embed in m.shared and (head in m.shared) != q.lm_head
+    if q.lm_head:
+        assert f"{head}_Q{q.bits}" in heads
+    for n in [embed, *heads]:
+        s = m.shared[n]
+        assert sorted(s.graphs) == [C.TARGET, C.DRAFT_BLOCK], n
+        assert t[n]["location"] == b[n]["location"] == "shared.data"
+        assert int(t[n]["offset"]) == int(b[n]["offset"]) == s.offset
+    assert any(v["location"] == "target.data" for v in t.values())  # the quantized layers' own weights
+
+
+def test_check_reports_statistics_and_enforces_speculative_equals_plain(quantized):
+    name, q, tdir, ddir, _, out = quantized
+    report = run_check(out, tdir, ddir, prompts=PROMPTS, progress=False)
+    j = json.loads(json.dumps(report.to_json()))
+    assert report.passed, j
+    assert j["tolerance"] is None and j["quantization"]["scheme"] == q.scheme
+    rows = [r for rows in j["graphs"].values() for r in rows]
+    assert {r["case"] for r in j["graphs"]["target"]} == {"prefill P=0 S=7", "step P=9 S=1", f"verify P=9 S={CASES[name].block}"}
+    for r in rows:
+        assert r["tol"] is None and r["passed"]
+        if r["max"] is not None:
+            assert 0 < r["max"] < 10 and r["mean"] <= r["p99"] <= r["max"]  # quantization error is there and bounded
+    assert all(r["top1"] is not None for r in rows if r["output"] in ("logits", "draft_logits", "next_ids"))
+    e = j["end_to_end"]
+    assert e["cases"] == PROMPTS and e["speculative_equals_plain"] == PROMPTS and not e["plain_failures"]
+    assert 0 <= e["agreement_length_min"] <= e["agreement_length_mean"] <= e["max_new_tokens"]
+
+
+def test_runtime_speculative_equals_plain_on_quantized_graphs(quantized):
+    """The product path (runtime/, IO binding, shared initializers): greedy speculative ==
+    greedy plain decoding of the same quantized graphs, token for token."""
+    name, *_, out = quantized
+    be = OrtBackend(out)
+    rounds = 0
+    for i, prompt in enumerate(prompts(PROMPTS, be.manifest.vocab_size, seed=7)):
+        n = 16 + 3 * i
+        g = generate(be, prompt, n)
+        assert g.tokens == generate(be, prompt, n, draft=False).tokens, (name, i)
+        rounds += sum(a > 1 for a in g.acceptance_lengths)
+    if name == "qwen3":  # biased target: drafts really get accepted, so the comparison means something
+        assert rounds > 0
+
+
+def test_export_quantize_end_to_end(tmp_path):
+    """`export --quantize` traces, exports float to a hidden directory, quantizes into --out
+    and leaves nothing else behind; the result checks and refuses a TensorRT build."""
+    from dflash_export.testing import make_drafter, make_target
+
+    make_target(tmp_path / "t", layers=2, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64)
+    make_drafter(tmp_path / "d", tmp_path / "t", layers=1, block_size=4)
+    out = tmp_path / "out"
+    r = CliRunner().invoke(cli, ["export", "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "--out",
+                                 str(out), "--quantize", "int4", "--quantize-draft", "--max-context", "64", "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "out", "t"]  # no partial or float directory left
+    m = C.load_manifest(out)
+    assert m.quantization["scheme"] == "int4" and len(m.quantization["weights"]["draft_block"]) == 7
+    r = CliRunner().invoke(cli, ["check", str(out), "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"),
+                                 "--prompts", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["end_to_end"]["speculative_equals_plain"] == 4
+
+
+def one_line_error(r, *words):
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.output, r.output
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--quantize", "int3"], ["int3", "int4 or int8"]),
+    (["--quantize", "int4", "--dtype", "bf16"], ["bf16", "fp32 or fp16"]),
+    (["--quantize", "int4", "--quant-block-size", "24"], ["24", "power of two"]),
+    (["--quantize-draft"], ["need --quantize"]),
+])
+def test_bad_export_options_are_one_line_errors(tmp_path, args, words):
+    tdir, ddir, _ = artifact(CASES["qwen3"])
+    out = tmp_path / "out"
+    r = CliRunner().invoke(cli, ["export", "--target", str(tdir), "--draft", str(ddir), "--out", str(out), *args])
+    one_line_error(r, *words)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_requantizing_and_tensorrt_builds_are_refused(made, tmp_path, monkeypatch):
+    *_, out = made("qwen3")
+    r = CliRunner().invoke(cli, ["quantize", str(out), "--out", str(tmp_path / "again"), "--quantize", "int8"])
+    one_line_error(r, "already quantized")
+    r = CliRunner().invoke(cli, ["build", str(out), "--dry-run"])  # the TensorRT lint
+    one_line_error(r, "quantized", "MatMulNBits", "TensorRT")
+    import trt_fake
+
+    trt_fake.install(monkeypatch)  # the real build path, as far as it gets without a GPU
+    r = CliRunner().invoke(cli, ["build", str(out)])
+    one_line_error(r, "quantized", "without --quantize")
+    assert not (out / "engines").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_quantized_logits_are_close_to_float(made):
+    """int8 (block 32) logits stay within a few percent of the float graph's: the weights
+    really are the float weights, rounded."""
+    *_, src, out = made("llama")
+    ids = np.array([[3, 14, 15, 9, 26, 5]], np.int64)
+    feeds = {"input_ids": ids, "position_ids": np.arange(6)[None]}
+    m = C.load_manifest(src)
+    for i in range(m.target_layers):
+        for n in (C.past_key(i), C.past_value(i)):
+            feeds[n] = np.zeros((1, 0, m.target_kv_heads, m.target_head_dim), np.float32)
+    from dflash_export.export.validate import ort_session
+
+    ref = ort_session(src / "target.onnx").run(["logits"], feeds)[0]
+    got = ort_session(out / "target.onnx").run(["logits"], feeds)[0]
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert 0 < err < 0.05, err  # int8, block 32
