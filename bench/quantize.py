@@ -146,7 +146,7 @@ def timings(outs: dict[str, Path], threads: int, repeats: int, passes: int) -> d
 def demo(work: Path, threads: int, prompts: int, max_new_tokens: int) -> dict:
     from common import export_pair
 
-    from dflash_export.cmd_run import run_bench
+    from dflash_export.runtime.measure import run_bench
     from dflash_export.export.quantize import QuantOptions, quantize_artifact
     from dflash_export.runtime.ort import OrtBackend
 
