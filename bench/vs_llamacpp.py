@@ -15,10 +15,10 @@ where the formats allow (same fp32 weights); prompt tokenization is compared tok
 Models: `demo` = the shipped trained pair (demo/pair); `qwen3-0.6b` = a random-weight target of
 Qwen3-0.6B's shape (28 layers, hidden 1024, 16/8 heads, head_dim 128, vocab 151936, tied),
 plain decoding only (a random drafter accepts nothing), fp32 vs F32, int8 vs Q8_0, int4 vs Q4_0
-when `dflash-export export` has --quantize.
+(--formats; int4-acc4 = int4 at MatMulNBits accuracy level 4).
 
     python bench/vs_llamacpp.py [--model demo,qwen3-0.6b] [--threads 1,2] [--prompts 3]
-        [--max-new-tokens 64] [--layers 28] [--json]
+        [--max-new-tokens 64] [--layers 28] [--formats fp32,int8,int4] [--json]
 """
 
 from __future__ import annotations
@@ -230,12 +230,16 @@ def cli() -> list[str]:
 
 def quant_variants() -> dict[str, list[str]]:
     """Our quantized formats this checkout supports: none, or int8/int4 once `export --quantize` exists
-    (with the LM head quantized too where the option exists: the issue's int4 goal is stated with it)."""
+    (with the LM head quantized too where the option exists: the issue's int4 goal is stated with it),
+    each also as `-acc4` (MatMulNBits accuracy level 4: int8 activations, ORT's fast CPU path)."""
     helptext = run([*cli(), "export", "--help"]).out
     if "--quantize" not in helptext:
         return {}
     extra = ["--quantize-lm-head"] if "--quantize-lm-head" in helptext else []
-    return {q: ["--quantize", q, *extra] for q in ("int8", "int4")}
+    out = {q: ["--quantize", q, *extra] for q in ("int8", "int4")}
+    if "--quant-accuracy-level" in helptext:
+        out |= {f"{q}-acc4": [*opts, "--quant-accuracy-level", "4"] for q, opts in list(out.items())}
+    return out
 
 
 def export(target: Path, draft: Path, key: str, max_context: int, quant: list[str] | None = None) -> Path:
@@ -369,8 +373,12 @@ def compare_06b(src: Path, bins: Path, a) -> list[dict]:
     pf = prompt_file(Path(tempfile.mkdtemp(prefix="vs_llamacpp.")) / "p", prompt)
     depth = len(llama_tokens(bins, f32, pf))
     rows = []
-    for ours_fmt, opts in {"fp32": None, **quant_variants()}.items():
-        gguf = f32 if ours_fmt == "fp32" else quantize(bins, f32, LLAMA_QUANT[ours_fmt])
+    variants = {"fp32": None, **quant_variants()}
+    if bad := set(a.formats) - set(variants):
+        raise SystemExit(f"--formats: {', '.join(sorted(bad))} not available here; choose from {', '.join(variants)}")
+    for ours_fmt in a.formats:
+        opts = variants[ours_fmt]
+        gguf = f32 if ours_fmt == "fp32" else quantize(bins, f32, LLAMA_QUANT[ours_fmt.split("-")[0]])
         out = export(tdir, ddir, key, a.max_context, opts)
         for t in a.threads:
             lb = llama_bench(bins, gguf, t, a.max_new_tokens, depth)
@@ -445,12 +453,16 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts, same on both sides")
     ap.add_argument("--prompts", type=int, default=3, help="demo/prompts.jsonl prompts (demo model)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--formats", default="fp32,int8,int4",
+                    help="qwen3-0.6b: ours vs llama.cpp formats, of fp32, int8, int4, int8-acc4, int4-acc4 "
+                         "(int8 -> Q8_0, int4 -> Q4_0; -acc4 = --quant-accuracy-level 4)")
     ap.add_argument("--layers", type=int, default=28, help="depth of the Qwen3-0.6B shape (28 = the real one)")
     ap.add_argument("--max-context", type=int, default=2048, help="KV capacity, both sides (llama -c)")
     ap.add_argument("--n-max", type=int, default=15, help="llama.cpp --spec-draft-n-max (DFlash block 16 = 15 drafts)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     a.threads = [int(x) for x in a.threads.split(",")]
+    a.formats = a.formats.split(",")
     models = a.model.split(",")
     if bad := set(models) - {"demo", "qwen3-0.6b"}:
         raise SystemExit(f"--model: unknown {', '.join(sorted(bad))}; choose demo and/or qwen3-0.6b")

@@ -166,30 +166,32 @@ def print_report(report) -> None:
 
     console = Console(width=max(Console().width, 132))  # one row per output, unwrapped even when piped
     q = report.quantization
-    what = report.dtype if q is None else f"{report.dtype} export, {q['scheme']} weights vs the {report.dtype} PyTorch source"
+    what = report.dtype if q is None else (f"{report.dtype} export, {q['scheme']} weights; vs = PyTorch with the "
+                                           "graphs' dequantized weights (parity) or the float source (quantization error)")
     table = Table(title=f"parity vs PyTorch ({what})", title_justify="left")
-    for col in ("graph", "case", "output", "max abs", "mean abs", "p99 abs", "tol", "top-1", ""):
-        table.add_column(col, justify="right" if col not in ("graph", "case", "output") else "left")
+    cols = ("graph", "case", *(("vs",) if q is not None else ()), "output", "max abs", "mean abs", "p99 abs", "tol", "top-1", "")
+    for col in cols:
+        table.add_column(col, justify="right" if col not in ("graph", "case", "vs", "output") else "left")
     num = lambda x: "-" if x is None else f"{x:.2e}"  # noqa: E731
     for r in report.rows:
-        table.add_row(r.graph, r.case, r.output, num(r.max), num(r.mean), num(r.p99),
+        table.add_row(r.graph, r.case, *((r.ref,) if q is not None else ()), r.output, num(r.max), num(r.mean), num(r.p99),
                       "-" if r.tol is None else f"{r.tol:g}", "-" if r.top1 is None else f"{r.top1:.4f}",
                       "[green]ok" if r.passed else "[red]FAIL")
     console.print(table)
     e = report.end_to_end
     if e:
-        console.print(f"end to end: {e['identical']}/{e['cases']} prompts token-identical to the PyTorch oracle, "
+        oracle = "the PyTorch oracle" + (" with the dequantized weights" if q is not None else "")
+        console.print(f"end to end: {e['identical']}/{e['cases']} prompts token-identical to {oracle}, "
                       f"{e['acceptance_identical']}/{e['cases']} with identical acceptance lengths; "
                       f"tau {e['tau']:.2f}, acceptance histogram (1..K) {e['acceptance_histogram']}")
         if q is not None:
-            console.print(f"quantized: greedy agreement with PyTorch {e['agreement_length_mean']:.1f} tokens on average "
+            console.print(f"quantized: greedy agreement with the float source {e['agreement_length_mean']:.1f} tokens on average "
                           f"(min {e['agreement_length_min']}) of {e['max_new_tokens']}; speculative == plain greedy "
                           f"through the same graphs on {e['speculative_equals_plain']}/{e['cases']} prompts")
             for f in e["plain_failures"]:
                 console.print(f"[red]speculative != plain[/] at token {f['first_difference']} for prompt {f['prompt']}")
-        else:
-            for f in e["failures"]:
-                console.print(f"[red]differs[/] at token {f['first_difference']} for prompt {f['prompt']}")
+        for f in e["failures"] if q is None or report.strict else []:
+            console.print(f"[red]differs[/] at token {f['first_difference']} for prompt {f['prompt']}")
     for note in report.notes:
         console.print(f"note: {note}")
     failing = [r for r in report.rows if not r.passed]
@@ -197,7 +199,7 @@ def print_report(report) -> None:
         console.print(f"[red]FAILED[/]: {len(failing)} row(s):")
         for r in failing:
             what = "ids differ" if r.max is None else f"max abs {r.max:.3e} > tol {r.tol}"
-            console.print(f"  {r.graph} {r.case} {r.output}: {what}")
+            console.print(f"  {r.graph} {r.case} {r.output}{'' if q is None else ' vs ' + r.ref}: {what}")
     console.print("[green]PASSED" if report.passed else "[red]FAILED")
 
 

@@ -11,11 +11,15 @@ fp32 passes at TOLERANCE on every float output (logits, taps, K/V) and exact ids
 within the tolerance excepted). fp16/bf16 report the same statistics and top-1 agreement;
 they fail only on non-finite outputs.
 
-A quantized artifact (export --quantize) is compared with the float PyTorch source the
-same way, without tolerances: the statistics, top-1 agreement and, end to end, how many
-greedy tokens agree with PyTorch's before the first difference. What must still hold
-exactly is checked and enforced: speculative greedy decoding through the quantized graphs
-== plain greedy decoding through the same graphs, token for token, on every prompt.
+A quantized artifact (export --quantize) is compared twice. Against the PyTorch source
+with its weights replaced by the ones the graphs really multiply by (MatMulNBits weights
+dequantized by export/quantize.py's independent reading of the format): this is parity of
+the graphs themselves, at TOLERANCE and token for token end to end when the export is
+fp32 and MatMulNBits computes in fp32 (accuracy level 0/1; other levels quantize
+activations and are reported only). Against the float source, without tolerances: the
+quantization error (statistics, top-1 agreement, and how many greedy tokens agree before
+the first difference). Enforced in every case: speculative greedy decoding through the
+quantized graphs == plain greedy decoding through the same graphs, token for token.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class Row:
     tol: float | None  # None: reported, not enforced (fp16/bf16)
     top1: float | None  # argmax agreement (logits) or id agreement (ids)
     passed: bool
+    ref: str = "pytorch"  # quantized artifacts: "dequantized" (the graphs' own weights) or "float" (the source)
 
 
 @dataclass
@@ -51,26 +56,22 @@ class Report:
     end_to_end: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     quantization: dict | None = None  # the manifest's record for a quantized artifact
-
-    @property
-    def strict(self) -> bool:
-        """fp32 tolerances apply (an fp32, unquantized artifact)."""
-        return self.dtype == "fp32" and self.quantization is None
+    strict: bool = False  # fp32 tolerances and token identity apply (fp32; quantized: vs the dequantized weights)
 
     @property
     def passed(self) -> bool:
         e2e = self.end_to_end
         if not e2e:
             ok_e2e = True
-        elif self.quantization is not None:
-            ok_e2e = e2e["speculative_equals_plain"] == e2e["cases"]
         else:
             ok_e2e = not self.strict or e2e["identical"] == e2e["cases"]
+            if self.quantization is not None:
+                ok_e2e = ok_e2e and e2e["speculative_equals_plain"] == e2e["cases"]
         return bool(self.rows) and all(r.passed for r in self.rows) and ok_e2e
 
     def summary(self) -> str:
         """One line: outputs checked, the worst error against its tolerance, prompts identical."""
-        floats = [r for r in self.rows if r.max is not None]
+        floats = [r for r in self.rows if r.max is not None and r.ref != "float"]  # the quantization error is not parity
         worst = max(floats, key=lambda r: r.max / r.tol if r.tol else r.max, default=None)
         line = f"parity ({self.dtype}): {len(self.rows)} outputs checked"
         if worst is not None:
@@ -82,6 +83,8 @@ class Report:
         e = self.end_to_end
         if e:
             line += f", {e['identical']}/{e['cases']} prompts token-identical to PyTorch"
+            if self.quantization is not None:
+                line += f" (dequantized weights), speculative == plain on {e['speculative_equals_plain']}/{e['cases']}"
         return line + (": PASSED" if self.passed else ": FAILED")
 
     def to_json(self) -> dict:
@@ -150,7 +153,8 @@ def _np(t) -> np.ndarray:
     return t.numpy()
 
 
-def compare(graph: str, case: str, names: list[str], got: list[np.ndarray], ref: list[np.ndarray], strict: bool) -> list[Row]:
+def compare(graph: str, case: str, names: list[str], got: list[np.ndarray], ref: list[np.ndarray], strict: bool,
+            against: str = "pytorch") -> list[Row]:
     by_name = dict(zip(names, ref))
     rows = []
     for name, o, r in zip(names, got, ref):
@@ -174,7 +178,37 @@ def compare(graph: str, case: str, names: list[str], got: list[np.ndarray], ref:
             top1 = float(np.mean(o.argmax(-1) == r.argmax(-1)))
         passed = finite and (mx <= TOLERANCE if strict else True)
         rows.append(Row(graph, case, name, mx, mean, p99, TOLERANCE if strict else None, top1, passed))
+    for r in rows:
+        r.ref = against
     return rows
+
+
+def dequantized_sources(root: Path, target, drafter):
+    """Copies of the PyTorch modules holding the weights the quantized graphs multiply by, or
+    (None, why) when a quantized weight is not a parameter of the source."""
+    import copy
+
+    import torch
+
+    from .quantize import dequantized_weights
+
+    qt, qd = copy.deepcopy(target), copy.deepcopy(drafter)
+    head = C.SHARED_INITIALIZERS[1]
+    for graph, weights in dequantized_weights(root).items():
+        module = qt if graph == C.TARGET else qd
+        for name, w in weights.items():
+            if name == head:  # one head for both graphs; a tied one is untied, the lookup keeps the float table
+                p = qt.lm_head.weight
+                qt.lm_head.weight = torch.nn.Parameter(torch.from_numpy(w).to(p.dtype), requires_grad=False)
+                continue
+            try:
+                p = module.get_parameter(name)
+            except AttributeError:
+                return None, f"{graph}: {name} is not a parameter of the PyTorch source"
+            if tuple(p.shape) != w.shape:
+                return None, f"{graph}: {name} is {tuple(p.shape)} in PyTorch, {w.shape} dequantized"
+            p.data = torch.from_numpy(w).to(p.dtype)
+    return (qt, qd), None
 
 
 def run_check(
@@ -198,9 +232,22 @@ def run_check(
     root = Path(root)
     m = C.load_manifest(root, verify=True)
     ui = Phases(progress)
-    report = Report(m.dtype, quantization=m.quantization)
+    q = m.quantization
+    report = Report(m.dtype, quantization=q, strict=m.dtype == "fp32")
     with ui.phase("load", f"PyTorch source + ONNX Runtime sessions ({m.dtype})"):
         target, drafter = load_sources(root, m, target_dir, draft_dir)
+        ref_models = (target, drafter)
+        if q is not None:  # the reference for parity: the source with the graphs' own (dequantized) weights
+            dequantized, why = dequantized_sources(root, target, drafter)
+            if dequantized is None:
+                report.notes.append(f"no dequantized reference ({why}); reported against the float source only")
+                report.strict = False
+            else:
+                ref_models = dequantized
+                if (q.get("accuracy_level") or 0) > 1:
+                    report.notes.append(f"accuracy level {q['accuracy_level']} quantizes activations too: "
+                                        "the dequantized reference is reported, not held to fp32 tolerances")
+                    report.strict = False
         try:
             graphs = Graphs(root, m, [{"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}[provider]])
         except Exception as e:
@@ -210,28 +257,38 @@ def run_check(
             raise DFlashError(f"ONNX Runtime cannot load {root}: {str(e).splitlines()[0]}") from e
     saved = []
     with ui.phase("parity", "every graph in every regime vs PyTorch"):
-        for graph, case, module, inputs in cases(target, drafter, m, seed):
+        from .graphs import wrapper
+
+        for graph, case, module, inputs in cases(*ref_models, m, seed):
             names_in, names_out = C.names(graph, m)
             with torch.inference_mode():
                 ref = [_np(t) for t in module(*inputs)]
             feeds = dict(zip(names_in, (_np(t) for t in inputs)))
             got = graphs.sessions[graph].run(names_out, feeds)
-            report.rows += compare(graph, case, names_out, got, ref, report.strict)
+            if q is None:
+                report.rows += compare(graph, case, names_out, got, ref, report.strict)
+            else:
+                if ref_models[0] is not target:
+                    report.rows += compare(graph, case, names_out, got, ref, report.strict, "dequantized")
+                with torch.inference_mode():
+                    ref_float = [_np(t) for t in wrapper(graph, target, drafter)(*inputs)]
+                report.rows += compare(graph, case, names_out, got, ref_float, False, "float")
             saved.append((graph, case, feeds, dict(zip(names_out, ref)), dict(zip(names_out, got))))
     if save_polygraphy is not None:
         with ui.phase("save", f"Polygraphy inputs/outputs to {save_polygraphy}"):
             write_polygraphy(Path(save_polygraphy), saved)
     if prompts > 0:
         with ui.phase("generate", f"{prompts} prompts x {max_new_tokens} tokens, ORT vs speculative_generate"):
-            report.end_to_end = end_to_end(graphs, target, drafter, m, prompts, max_new_tokens, seed, speculative_generate,
-                                           plain=m.quantization is not None)
+            report.end_to_end = end_to_end(graphs, *ref_models, m, prompts, max_new_tokens, seed, speculative_generate,
+                                           float_models=None if q is None else (target, drafter))
     return report
 
 
 def end_to_end(graphs, target, drafter, m: C.Manifest, prompts: int, max_new_tokens: int, seed: int, oracle,
-               plain: bool = False) -> dict:
-    """plain: also decode each prompt plainly through target.onnx (speculative == plain is
-    then the enforced property) and measure the greedy agreement length with PyTorch."""
+               float_models=None) -> dict:
+    """Speculative decoding through the graphs vs the oracle on (target, drafter). Quantized
+    (float_models: the float source): also decode each prompt plainly through target.onnx
+    (speculative == plain) and measure the greedy agreement length with the float source."""
     from .ort_loop import greedy_plain, greedy_speculative
 
     rng = np.random.default_rng(seed + 1)
@@ -246,25 +303,30 @@ def end_to_end(graphs, target, drafter, m: C.Manifest, prompts: int, max_new_tok
         identical += tokens == ref.tokens
         same_lengths += acc == ref.acceptance_lengths
         lengths += acc
-        if plain:
+        if float_models is not None:
             own = greedy_plain(graphs, prompt, max_new_tokens)
             self_same += own == tokens
-            agree.append(next((j for j, (a, b) in enumerate(zip(tokens, ref.tokens)) if a != b), min(len(tokens), len(ref.tokens))))
+            fl = oracle(*float_models, prompt, max_new_tokens, mask_token_id=m.mask_token_id, block_size=m.block_size)
+            agree.append(_first_difference(tokens, fl.tokens))
             if own != tokens and len(self_failures) < 3:
-                first = next((j for j, (a, b) in enumerate(zip(tokens, own)) if a != b), min(len(tokens), len(own)))
-                self_failures.append({"prompt": prompt, "first_difference": first, "speculative": tokens, "plain": own})
+                self_failures.append({"prompt": prompt, "first_difference": _first_difference(tokens, own),
+                                      "speculative": tokens, "plain": own})
         if tokens != ref.tokens and len(failures) < 3:
-            first = next((j for j, (a, b) in enumerate(zip(tokens, ref.tokens)) if a != b), min(len(tokens), len(ref.tokens)))
-            failures.append({"prompt": prompt, "first_difference": first, "onnx": tokens, "pytorch": ref.tokens})
+            failures.append({"prompt": prompt, "first_difference": _first_difference(tokens, ref.tokens),
+                             "onnx": tokens, "pytorch": ref.tokens})
     hist = np.bincount(lengths, minlength=m.block_size + 1)[1:].tolist() if lengths else []
     out = {"cases": prompts, "identical": identical, "acceptance_identical": same_lengths,
            "max_new_tokens": max_new_tokens, "tau": float(np.mean(lengths)) if lengths else 0.0,
            "acceptance_histogram": hist, "failures": failures}
-    if plain:
+    if float_models is not None:
         out.update(speculative_equals_plain=self_same, plain_failures=self_failures,
                    agreement_length_mean=float(np.mean(agree)) if agree else 0.0,
                    agreement_length_min=int(min(agree)) if agree else 0)
     return out
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def write_polygraphy(directory: Path, saved) -> None:

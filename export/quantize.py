@@ -19,6 +19,8 @@ import logging
 import sys
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from ..runtime import contract as C
 from ..runtime.errors import DFlashError
 
@@ -184,3 +186,59 @@ def _same_bytes(a, b) -> bool:
     ta, tb = a.const_value, b.const_value
     where = lambda t: (getattr(t, "location", None), getattr(t, "offset", None))  # noqa: E731
     return where(ta) == where(tb) and where(ta)[0] is not None
+
+
+def dequantize(node, arrays: dict) -> np.ndarray:
+    """A MatMulNBits node's weight as the float [N, K] matrix it multiplies by (x @ W.T),
+    from its packed inputs, per ONNX Runtime's contrib-op spec: B uint8 [N, blocks, blob]
+    (4 bits: two values a byte, low nibble first), scales [N * blocks], zero points packed
+    the same way (absent: 2^(bits-1)). Written here, not taken from ORT, so that `check`
+    compares the graphs with an independent reading of their weights."""
+    attr = {a.name: a.i for a in node.attribute}
+    n, k, bits, bs = attr["N"], attr["K"], attr["bits"], attr["block_size"]
+    ins = list(node.input) + [""] * 4
+    b, scales = arrays[ins[1]], arrays[ins[2]].astype(np.float32).reshape(n, -1)
+    blocks = scales.shape[1]
+    if bits == 4:
+        b = b.reshape(n, -1)
+        q = np.stack([b & 0x0F, b >> 4], -1).reshape(n, blocks, bs)
+    elif bits == 8:
+        q = b.reshape(n, blocks, bs)
+    else:
+        raise DFlashError(f"MatMulNBits {node.name}: {bits} bits is not int4 or int8")
+    if ins[3]:
+        zp = arrays[ins[3]]
+        if zp.dtype != np.uint8:
+            raise DFlashError(f"MatMulNBits {node.name}: float zero points are not produced by this exporter")
+        zp = zp.reshape(n, -1)
+        if bits == 4:
+            zp = np.stack([zp & 0x0F, zp >> 4], -1).reshape(n, -1)
+        zp = zp[:, :blocks].astype(np.float32)
+    else:
+        zp = np.full((n, blocks), 2.0 ** (bits - 1), np.float32)
+    w = (q.astype(np.float32) - zp[..., None]) * scales[..., None]
+    return w.reshape(n, blocks * bs)[:, :k]
+
+
+def dequantized_weights(root) -> dict[str, dict[str, np.ndarray]]:
+    """graph -> {float weight name: [N, K] float32} for every MatMulNBits of a quantized artifact."""
+    from pathlib import Path
+
+    import onnx
+    from onnx import numpy_helper
+
+    out = {}
+    for graph, f in C.GRAPH_FILES.items():
+        model = onnx.load(str(Path(root) / f), load_external_data=False)
+        nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+        if not nodes:
+            continue
+        wanted = {i for n in nodes for i in n.input[1:]}
+        arrays = {}
+        for t in model.graph.initializer:
+            if t.name in wanted:
+                if t.data_location == onnx.TensorProto.EXTERNAL:
+                    onnx.external_data_helper.load_external_data_for_tensor(t, str(Path(root)))
+                arrays[t.name] = numpy_helper.to_array(t)
+        out[graph] = {n.input[1].rsplit("_Q", 1)[0]: dequantize(n, arrays) for n in nodes}
+    return out

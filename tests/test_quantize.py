@@ -1,9 +1,9 @@
 """Weight-only int4/int8 artifacts (export --quantize, dflash-export quantize; export/quantize.py).
 
 The float exports are runtime_cases' cached pairs (Qwen3 biased target + 2-layer drafter,
-block 8; Llama with tied embeddings, block 4; Qwen2 + 3-layer drafter, block 16), so the
-only added cost is quantizing, checking and decoding. One tiny pair goes through
-`export --quantize` itself.
+block 8; Llama with tied embeddings, block 4; Qwen2 + 3-layer drafter, block 16; Qwen3
+2-layer, block 16), so the only added cost is quantizing, checking and decoding. One more
+tiny pair goes through `export --quantize` itself.
 """
 
 import json
@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from runtime_cases import CASES, artifact, prompts
 
 from dflash_export.cli import cli
-from dflash_export.export.check import run_check
+from dflash_export.export.check import TOLERANCE, run_check
 from dflash_export.export.quantize import QuantOptions, quantize_artifact
 from dflash_export.export.validate import lint
 from dflash_export.runtime import contract as C
@@ -24,11 +24,12 @@ from dflash_export.runtime.ort import OrtBackend
 
 # (case, options): int4 target+drafter; tied Llama with int8 everywhere incl. the LM head
 # (the lookup table keeps fp32, the head gets a quantized layout of its own); Qwen2 int4
-# asymmetric, block 16, target + LM head only
+# asymmetric, block 16, target + LM head only; an unbiased Qwen3, block 16, int8 asymmetric block 64 everywhere
 PLANS = {
     "qwen3": QuantOptions("int4", 32, True, draft=True),
     "llama": QuantOptions("int8", 32, True, draft=True, lm_head=True),
     "qwen2": QuantOptions("int4", 16, False, lm_head=True),
+    "qwen3-b16": QuantOptions("int8", 64, False, draft=True, lm_head=True),
 }
 PROMPTS = 20
 
@@ -131,21 +132,64 @@ def test_shared_tensors_stay_one_copy(quantized):
 
 
 def test_check_reports_statistics_and_enforces_speculative_equals_plain(quantized):
+    """Two references per output: PyTorch with the graphs' dequantized weights (parity, at the
+    fp32 tolerance, token-identical end to end) and the float source (quantization error,
+    reported without a tolerance); speculative == plain through the quantized graphs."""
     name, q, tdir, ddir, _, out = quantized
     report = run_check(out, tdir, ddir, prompts=PROMPTS, progress=False)
     j = json.loads(json.dumps(report.to_json()))
     assert report.passed, j
-    assert j["tolerance"] is None and j["quantization"]["scheme"] == q.scheme
+    assert j["tolerance"] == TOLERANCE and j["quantization"]["scheme"] == q.scheme
     rows = [r for rows in j["graphs"].values() for r in rows]
     assert {r["case"] for r in j["graphs"]["target"]} == {"prefill P=0 S=7", "step P=9 S=1", f"verify P=9 S={CASES[name].block}"}
+    assert {r["ref"] for r in rows} == {"dequantized", "float"}
     for r in rows:
-        assert r["tol"] is None and r["passed"]
-        if r["max"] is not None:
-            assert 0 < r["max"] < 10 and r["mean"] <= r["p99"] <= r["max"]  # quantization error is there and bounded
+        assert r["passed"]
+        if r["ref"] == "dequantized":
+            assert r["tol"] == (0.0 if r["max"] is None else TOLERANCE)  # ids exact, floats at the fp32 tolerance
+            assert r["max"] is None or r["max"] <= TOLERANCE
+        else:
+            assert r["tol"] is None
+            if r["max"] is not None:
+                assert 0 < r["max"] < 10 and r["mean"] <= r["p99"] <= r["max"]  # quantization error is there and bounded
     assert all(r["top1"] is not None for r in rows if r["output"] in ("logits", "draft_logits", "next_ids"))
     e = j["end_to_end"]
-    assert e["cases"] == PROMPTS and e["speculative_equals_plain"] == PROMPTS and not e["plain_failures"]
+    assert e["cases"] == PROMPTS and e["identical"] == PROMPTS  # vs the dequantized oracle
+    assert e["speculative_equals_plain"] == PROMPTS and not e["plain_failures"]
     assert 0 <= e["agreement_length_min"] <= e["agreement_length_mean"] <= e["max_new_tokens"]
+
+
+def test_check_fails_when_the_graphs_do_not_compute_their_weights(made, monkeypatch):
+    """The dequantized parity can fail: a reference one weight off (as a wrong layout or a
+    mis-wired graph would be) fails its rows and the end-to-end identity."""
+    from dflash_export.export import quantize as Q
+
+    _, _, tdir, ddir, _, out = made("qwen3")
+    real = Q.dequantized_weights
+
+    def off(root):
+        w = real(root)
+        name = sorted(w[C.TARGET])[0]
+        w[C.TARGET][name] = w[C.TARGET][name] * 1.5
+        return w
+
+    monkeypatch.setattr(Q, "dequantized_weights", off)
+    report = run_check(out, tdir, ddir, prompts=3, progress=False)
+    assert not report.passed
+    bad = [r for r in report.rows if not r.passed]
+    assert bad and all(r.ref == "dequantized" and r.graph == C.TARGET for r in bad)
+
+
+def test_check_at_accuracy_level_4_reports_without_tolerances(made, tmp_path):
+    """Accuracy level 4 quantizes activations too: the dequantized reference is reported,
+    not held to fp32 tolerances, and speculative == plain is still enforced."""
+    _, _, tdir, ddir, src, _ = made("qwen3")
+    out = tmp_path / "a4"
+    quantize_artifact(src, out, QuantOptions("int4", 32, True, draft=True, accuracy_level=4), progress=False)
+    report = run_check(out, tdir, ddir, prompts=5, progress=False)
+    assert report.passed and not report.strict and any("accuracy level 4" in n for n in report.notes)
+    assert all(r.tol is None for r in report.rows if r.max is not None)
+    assert report.end_to_end["speculative_equals_plain"] == 5
 
 
 def test_runtime_speculative_equals_plain_on_quantized_graphs(quantized):
