@@ -96,7 +96,7 @@ def run(cmd: list, env: dict | None = None, nice: bool = False) -> Run:
     return Run(out, err, ru.ru_maxrss / 1024, wall)
 
 
-def run_logged(cmd: list, pattern: str, tries: int = 3) -> Run:
+def run_logged(cmd: list, pattern: str, tries: int = 6) -> Run:
     """Run a llama.cpp tool until its stderr has `pattern`: its logger is an async thread, and seen here
     under load, a process sometimes exits before the thread has written the last lines (perf, stats)."""
     for _ in range(tries):
@@ -242,11 +242,16 @@ def quant_variants() -> dict[str, list[str]]:
     return out
 
 
-def export(target: Path, draft: Path, key: str, max_context: int, quant: list[str] | None = None) -> Path:
+def export(target: Path, draft: Path, key: str, max_context: int, quant: list[str] | None = None,
+           base: Path | None = None) -> Path:
     """`dflash-export export` through the CLI (picks up whatever main has), cached by key and sources.
-    Quantized: `dflash-export quantize` of the fp32 export where that command exists, else `export --quantize`."""
+    Quantized: `dflash-export quantize` of the fp32 export where that command exists, else `export --quantize`.
+    base: an existing fp32 export of the same checkpoints to use (and quantize) instead of exporting."""
     fp32 = quant is None
-    digest = hashlib.sha256(json.dumps([key, quant or [], max_context, source_digest()]).encode()).hexdigest()[:12]
+    if fp32 and base is not None:
+        return base
+    what = [key, quant or [], max_context, source_digest()] + ([str(base)] if base else [])
+    digest = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
     out = CACHE / "ours" / f"{target.parent.name}-{digest}"
     if (out / "manifest.json").is_file():
         return out
@@ -254,7 +259,7 @@ def export(target: Path, draft: Path, key: str, max_context: int, quant: list[st
     out.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="2")
     if not fp32 and " quantize " in run([*cli(), "--help"]).out:
-        base = export(target, draft, key, max_context)
+        base = export(target, draft, key, max_context, base=base)
         run([*cli(), "quantize", base, "--out", out, "--force", "--quiet", *quant], env=env, nice=True)
     else:
         run([*cli(), "export", "--target", target, "--draft", draft, "--out", out, "--max-context", max_context,
@@ -379,7 +384,7 @@ def compare_06b(src: Path, bins: Path, a) -> list[dict]:
     for ours_fmt in a.formats:
         opts = variants[ours_fmt]
         gguf = f32 if ours_fmt == "fp32" else quantize(bins, f32, LLAMA_QUANT[ours_fmt.split("-")[0]])
-        out = export(tdir, ddir, key, a.max_context, opts)
+        out = export(tdir, ddir, key, a.max_context, opts, base=a.ours_fp32)
         for t in a.threads:
             lb = llama_bench(bins, gguf, t, a.max_new_tokens, depth)
             lp = llama_plain(bins, gguf, pf, a.max_new_tokens, t, a.max_context)
@@ -456,6 +461,9 @@ def main() -> None:
     ap.add_argument("--formats", default="fp32,int8,int4",
                     help="qwen3-0.6b: ours vs llama.cpp formats, of fp32, int8, int4, int8-acc4, int4-acc4 "
                          "(int8 -> Q8_0, int4 -> Q4_0; -acc4 = --quant-accuracy-level 4)")
+    ap.add_argument("--ours-fp32", type=Path, default=None,
+                    help="qwen3-0.6b: an existing fp32 export of the same random checkpoint (in the cache), used and "
+                         "quantized instead of re-exporting (export takes long on a loaded 2-vCPU machine)")
     ap.add_argument("--layers", type=int, default=28, help="depth of the Qwen3-0.6B shape (28 = the real one)")
     ap.add_argument("--max-context", type=int, default=2048, help="KV capacity, both sides (llama -c)")
     ap.add_argument("--n-max", type=int, default=15, help="llama.cpp --spec-draft-n-max (DFlash block 16 = 15 drafts)")
