@@ -10,7 +10,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints-cpu.txt -e ".[cpu,export,serve,dev]"
+	$(PY) -m pip install -q -c constraints-cpu.txt -e ".[cpu,export,serve,dev,ray]"
 	touch $@
 
 test: setup

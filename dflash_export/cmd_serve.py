@@ -111,6 +111,40 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, max_ongoing, up, down, health) -> dict:
+    """The --ray flags checked (one line each), as serve_ray.build's keywords."""
+    given = [f for f, v in (("--replicas", replicas), ("--autoscale", autoscale), ("--ray-address", address),
+                            ("--max-replicas-per-node", per_node), ("--max-ongoing", max_ongoing)) if v is not None]
+    if not use_ray:
+        if given:
+            raise DFlashError(f"{given[0]} needs --ray")
+        return {}
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError:
+        raise DFlashError('--ray needs Ray Serve: pip install "dflash-export[ray]"') from None
+    if replicas is not None and autoscale is not None:
+        raise DFlashError("give --replicas N or --autoscale MIN:MAX, not both")
+    kw = dict(num_cpus=cpus, num_gpus=gpus, max_ongoing=max_ongoing, max_replicas_per_node=per_node,
+              upscale_delay=up, downscale_delay=down, health_period=health)
+    if autoscale is not None:
+        lo, sep, hi = autoscale.partition(":")
+        if not (sep and lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
+            raise DFlashError(f"--autoscale takes MIN:MAX with 1 <= MIN <= MAX, e.g. 1:4 (got {autoscale!r})")
+        kw["autoscale"] = (int(lo), int(hi))
+    else:
+        kw["replicas"] = 1 if replicas is None else replicas
+        if kw["replicas"] < 1:
+            raise DFlashError(f"--replicas must be >= 1 (got {replicas})")
+    for name, v in (("--replica-cpus", cpus), ("--replica-gpus", gpus), ("--upscale-delay", up), ("--downscale-delay", down),
+                    ("--health-check-period", health)):
+        if v < 0:
+            raise DFlashError(f"{name} must be >= 0 (got {v})")
+    if per_node is not None and per_node < 1:
+        raise DFlashError(f"--max-replicas-per-node must be >= 1 (got {per_node})")
+    return kw
+
+
 @click.command()
 @click.argument("out", required=False, type=click.Path(path_type=Path))
 @click.option("--demo", is_flag=True, help="Serve the shipped demo pair (exported once into ~/.cache/dflash-export/).")
@@ -134,8 +168,26 @@ def _is_loopback(host: str) -> bool:
 @click.option("--provider", default="cpu", show_default=True, help="ONNX Runtime execution provider: cpu | cuda | tensorrt.")
 @click.option("--threads", type=int, default=1, show_default=True,
               help="ONNX Runtime intra-op threads per call (slots run calls in parallel; 1 is fastest on 2 vCPUs).")
+@click.option("--ray", "use_ray", is_flag=True,
+              help="Run as a Ray Serve application (replicas across nodes; needs the ray extra). See docs/ray.md.")
+@click.option("--replicas", type=int, help="--ray: a fixed number of replicas [default: 1].")
+@click.option("--autoscale", metavar="MIN:MAX", help="--ray: autoscale between MIN and MAX replicas on ongoing requests.")
+@click.option("--ray-address", help="--ray: an existing cluster (e.g. 10.0.0.5:6379) [default: a local head on 127.0.0.1].")
+@click.option("--replica-cpus", type=float, default=1.0, show_default=True, help="--ray: CPUs reserved per replica.")
+@click.option("--replica-gpus", type=float, default=0.0, show_default=True,
+              help="--ray: GPUs per replica (1 with --provider cuda: one GPU each).")
+@click.option("--max-replicas-per-node", type=int, help="--ray: at most this many replicas on one node (1: spread).")
+@click.option("--max-ongoing", type=int, help="--ray: requests Ray sends a replica at once [default: slots + queue + 8].")
+@click.option("--upscale-delay", type=float, default=30.0, show_default=True, help="--autoscale: seconds of load before adding a replica.")
+@click.option("--downscale-delay", type=float, default=600.0, show_default=True,
+              help="--autoscale: seconds of low load before removing one.")
+@click.option("--health-check-period", type=float, default=10.0, show_default=True,
+              help="--ray: seconds between replica health checks (slot threads alive, artifact files unchanged).")
+@click.option("--proxy", type=click.Choice(["HeadOnly", "EveryNode"]), default="HeadOnly", show_default=True,
+              help="--ray: Ray Serve HTTP proxies on the head only, or on every node (same --host/--port each).")
 def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_name, default_max_tokens, chat_template,
-          no_draft, shutdown_timeout, backend, provider, threads):
+          no_draft, shutdown_timeout, backend, provider, threads, use_ray, replicas, autoscale, ray_address, replica_cpus,
+          replica_gpus, max_replicas_per_node, max_ongoing, upscale_delay, downscale_delay, health_check_period, proxy):
     """An OpenAI-compatible server over an exported directory OUT (or --demo):
     /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize."""
     from .runtime import contract as C
@@ -158,12 +210,16 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
             raise DFlashError(f"{name} must be >= {low} (got {value})")
     if slots > 1 and backend != "ort":
         raise DFlashError(f"--slots {slots} needs --backend ort (its slots share one copy of the weights)")
+    ray_kw = _ray_options(use_ray, replicas, autoscale, ray_address, replica_cpus, replica_gpus, max_replicas_per_node,
+                          max_ongoing, upscale_delay, downscale_delay, health_check_period)
     template = None
     if chat_template is not None:
         if not chat_template.is_file():
             raise DFlashError(f"--chat-template {chat_template}: no such file")
         template = chat_template.read_text()
     directory = demo_artifact() if demo else out
+    if use_ray:
+        directory = Path(directory).resolve()  # every replica opens this path on its own node
     C.load_manifest(directory, verify=False)  # a wrong folder is one line now, not after binding
 
     import uvicorn
@@ -176,6 +232,11 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
     if not _is_loopback(host) and not api_key:
         click.echo(f"warning: listening on {host} without an API key: anyone who can reach it can use it "
                    "(set --api-key or DFLASH_API_KEY)", err=True)
+    if use_ray:
+        from .serve_ray import run
+
+        return run(options, host=host, port=port, address=ray_address, proxy=proxy, shutdown_timeout=shutdown_timeout,
+                   **ray_kw)
     sock = _bind(host, port)
     port = sock.getsockname()[1]
     app = create_app(options)

@@ -92,6 +92,9 @@ class Metrics:
                               buckets=buckets, registry=r)
         self.e2e = Histogram("dflash:e2e_request_latency_seconds", "End-to-end request latency.", lb,
                              buckets=buckets, registry=r)
+        info = Gauge("dflash:replica_info", "The replica these metrics describe (HOST/PID; Ray: HOST@NODE/PID).",
+                     lb + ["replica"], registry=r)
+        info.labels(replica=f"{NODE}/{os.getpid()}", **self.labels).set(1)
         for m in (self.drafts, self.draft_tokens, self.accepted, self.prompt_tokens, self.cached_tokens,
                   self.generation_tokens, self.running, self.waiting):
             m.labels(**self.labels)  # present from the start, at 0
@@ -107,9 +110,12 @@ class Metrics:
             self.per_pos.labels(position=str(i), **self.labels).inc()
 
 
+NODE = socket.gethostname()  # a Ray replica sets HOST@NODE_ID (several Ray nodes may share a host)
+
+
 def replica(slot: int | str = "-") -> str:
     """HOST/PID/SLOT for the x-dflash-replica header (the pid read per call: forks and Ray workers differ)."""
-    return f"{socket.gethostname()}/{os.getpid()}/{slot}"
+    return f"{NODE}/{os.getpid()}/{slot}"
 
 
 class Slot:
