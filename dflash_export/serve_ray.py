@@ -226,28 +226,41 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def ray_env() -> None:
+    """Settings the cluster's processes inherit (so set before a local head starts; on a cluster
+    started elsewhere, set them where `ray start --head` runs: docs/ray.md)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # the proxy (head only) routes to every node's replicas instead of preferring its own node's
+    # (which would leave the other nodes idle until the head's replicas are full)
+    os.environ.setdefault("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")
+    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "dflash_export.serve_ray:proxy_middlewares")
+
+
+def local_head() -> str:
+    """Start a Ray head on 127.0.0.1 (no dashboard, a small object store) owned by this process; its GCS address."""
+    import ray
+
+    ray_env()
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+             object_store_memory=int(os.environ.get("DFLASH_RAY_OBJECT_STORE", 100 << 20)), configure_logging=False)
+    return ray.get_runtime_context().gcs_address
+
+
 def run(options: ServeOptions, *, host: str, port: int, address: str | None, proxy: str, **deploy) -> None:
     """Deploy on a Ray cluster (`address`) or on a local head bound to 127.0.0.1; serve until SIGINT/SIGTERM."""
     import click
     import ray
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # a local head's processes inherit this: the proxy (head only) routes to every node's replicas
-    # instead of preferring its own node's (which would leave the other nodes idle until it is full)
-    os.environ.setdefault("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")
-    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "dflash_export.serve_ray:proxy_middlewares")
     application = build(options, **deploy)  # bad flags are one line before anything starts
     if port == 0:
         port = _free_port(host)
     stop = threading.Event()
     try:
         if address is None:
-            ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                     object_store_memory=int(os.environ.get("DFLASH_RAY_OBJECT_STORE", 100 << 20)),
-                     configure_logging=False)
-            gcs = ray.get_runtime_context().gcs_address
+            gcs = local_head()
             click.echo(f"dflash-export serve: started a local Ray head at {gcs} (stopped on exit); more nodes on this "
-                       f"machine join with: ray start --address {gcs} --node-ip-address 127.0.0.1", err=True)
+                       f"machine join with: RAY_AUTH_MODE=token ray start --address {gcs} "
+                       "--node-ip-address 127.0.0.1", err=True)
         else:
             ray.init(address=address, configure_logging=False)
         for sig in (signal.SIGINT, signal.SIGTERM):

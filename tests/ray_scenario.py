@@ -250,9 +250,9 @@ def main(art: Path, result: Path) -> None:
             cli.kill()
             cli.wait(10)
         if worker is not None:
-            worker.send_signal(signal.SIGTERM)
+            worker.send_signal(signal.SIGTERM)  # it drains for up to 30 s; the namespace ends its raylet anyway
             try:
-                worker.wait(30)
+                worker.wait(5)
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait(10)
