@@ -176,7 +176,7 @@ class DFlashReplica:
             raise e
 
 
-def build(options: ServeOptions, *, replicas: int = 1, autoscale: tuple[int, int] | None = None,
+def build(options: ServeOptions, *, replicas: int | None = 1, autoscale: tuple[int, int] | None = None,
           num_cpus: float = 1.0, num_gpus: float = 0.0, max_ongoing: int | None = None,
           max_replicas_per_node: int | None = None, upscale_delay: float = 30.0, downscale_delay: float = 600.0,
           health_period: float = 10.0, shutdown_timeout: float = 10.0) -> serve.Application:
@@ -186,7 +186,7 @@ def build(options: ServeOptions, *, replicas: int = 1, autoscale: tuple[int, int
     if max_ongoing < least + 1:
         raise DFlashError(f"--max-ongoing must be > slots + queue = {least} (got {max_ongoing}) so that the "
                           "server's own queue, not Ray's, decides when to answer 429")
-    if replicas < 1:
+    if replicas is not None and replicas < 1:
         raise DFlashError(f"--replicas must be >= 1 (got {replicas})")
     cfg = dict(max_ongoing_requests=max_ongoing, health_check_period_s=health_period, health_check_timeout_s=30,
                graceful_shutdown_timeout_s=shutdown_timeout, graceful_shutdown_wait_loop_s=0.5,
@@ -194,7 +194,8 @@ def build(options: ServeOptions, *, replicas: int = 1, autoscale: tuple[int, int
     if max_replicas_per_node is not None:
         cfg["max_replicas_per_node"] = max_replicas_per_node
     if autoscale is None:
-        cfg["num_replicas"] = replicas
+        if replicas is not None:  # None: from a config file's deployments section (serve run)
+            cfg["num_replicas"] = replicas
     else:
         lo, hi = autoscale
         if not 1 <= lo <= hi:
@@ -217,7 +218,7 @@ def app_builder(args: dict) -> serve.Application:
         raise DFlashError("the application's args need 'directory': the exported directory (same path on every node)")
     options = ServeOptions(Path(args.pop("directory")), **args)
     C.load_manifest(options.directory, verify=False)
-    return build(options)
+    return build(options, replicas=None)
 
 
 def _free_port(host: str) -> int:

@@ -1,6 +1,6 @@
 """Benchmark of `dflash-export serve --ray` (Ray Serve) against the plain server, on one machine.
 
-    .venv/bin/python bench/ray.py                    # demo pair, 8 prompts, 64 tokens; writes bench/ray.json
+    .venv/bin/python bench/ray_serve.py                    # demo pair, 8 prompts, 64 tokens; writes bench/ray_serve.json
 
 Runs itself inside a loopback-only network and pid namespace (unshare, as the tests), with a
 local Ray head on 127.0.0.1 started through serve_ray.local_head (as `serve --ray` does):
@@ -70,7 +70,7 @@ def inside(a) -> None:
     from dflash_export import serve_ray
     from dflash_export.serve_app import ServeOptions
 
-    prompts = json.loads(a.prompts_json)
+    prompts = json.loads(Path(a.prompts_json).read_text())
     report: dict = {"artifact": a.artifact, "prompts": len(prompts), "max_tokens": a.max_tokens, "cpus": os.cpu_count()}
     plain = bench_serve.Server(Path(a.artifact), "--slots", 1)
     t = time.perf_counter()
@@ -132,7 +132,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "ray.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "ray_serve.json")
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-json", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -148,8 +148,9 @@ def main() -> None:
         (tmp / "home").mkdir()
         (tmp / "rt").mkdir()
         out = tmp / "ray.json"
+        (tmp / "prompts.json").write_text(json.dumps(prompts))
         args = [sys.executable, str(Path(__file__).resolve()), "--inside", "--artifact", str(art), "--max-tokens",
-                str(a.max_tokens), "--repeats", str(a.repeats), "--out", str(out), "--prompts-json", json.dumps(prompts)]
+                str(a.max_tokens), "--repeats", str(a.repeats), "--out", str(out), "--prompts-json", str(tmp / "prompts.json")]
         cmd = "ip link set lo up && exec " + " ".join(map(_quote, args))
         env = os.environ | {"HOME": str(tmp / "home"), "RAY_TMPDIR": str(tmp / "rt"), "RAY_USAGE_STATS_ENABLED": "0"}
         subprocess.run(["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "bash", "-c", cmd],
