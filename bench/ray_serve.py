@@ -5,7 +5,8 @@
 Runs itself inside a loopback-only network and pid namespace (unshare, as the tests), with a
 local Ray head on 127.0.0.1 started through serve_ray.local_head (as `serve --ray` does):
 - per-request overhead at concurrency 1: the same streamed greedy requests through the plain
-  server (`dflash-export serve`, 1 slot) and through Ray Serve (1 replica, 1 slot), interleaved;
+  server (`dflash-export serve`, 1 slot) and through Ray Serve (1 replica, 1 slot), interleaved,
+  with `--max-tokens` new tokens and with 1 (the routing cost alone, median);
 - aggregate tokens/s at concurrency 4 with 1 replica, then 2 replicas (same deployment, rescaled);
 - idle resident memory (VmRSS) of the head's processes (GCS, raylet, agents, Serve controller and
   proxy, idle workers) and of each replica after it served requests.
@@ -54,6 +55,17 @@ def processes() -> dict[int, str]:
     return out
 
 
+def name(cmdline: str) -> str:
+    """A readable process name: the Ray actor title, or the script a python runs, or the binary."""
+    argv = cmdline.split()
+    if argv and argv[0].startswith("ray::"):
+        return argv[0]
+    if "python" not in Path(argv[0]).name:
+        return Path(argv[0]).name
+    script = next((Path(x).name for x in argv[1:] if x.endswith(".py")), None)
+    return script or Path(argv[0]).name if argv else "?"
+
+
 def aggregate(server, prompts, max_tokens, concurrency) -> dict:
     body = lambda p: {"prompt": p, "max_tokens": max_tokens, "temperature": 0}  # noqa: E731
     t = time.perf_counter()
@@ -71,7 +83,7 @@ def inside(a) -> None:
     from dflash_export.serve_app import ServeOptions
 
     prompts = json.loads(Path(a.prompts_json).read_text())
-    report: dict = {"artifact": a.artifact, "prompts": len(prompts), "max_tokens": a.max_tokens, "cpus": os.cpu_count()}
+    report: dict = {"artifact": str(a.artifact), "prompts": len(prompts), "max_tokens": a.max_tokens, "cpus": os.cpu_count()}
     plain = bench_serve.Server(Path(a.artifact), "--slots", 1)
     t = time.perf_counter()
     serve_ray.local_head()
@@ -102,15 +114,25 @@ def inside(a) -> None:
         "requests": len(pt), "plain_mean_ms": 1e3 * sum(pt) / len(pt), "ray_mean_ms": 1e3 * sum(rt) / len(rt),
         "overhead_ms_per_request": 1e3 * (sum(rt) - sum(pt)) / len(pt),
         "plain_tokens_per_s": ptok / sum(pt), "ray_tokens_per_s": rtok / sum(rt), "same_tokens": same}
+    # the per-request cost alone: 1-token requests (prefill + one token), interleaved
+    one = {id(plain): [], id(ray): []}
+    for i in range(3 * len(prompts)):
+        for s in ((plain, ray) if i % 2 == 0 else (ray, plain)):
+            one[id(s)].append(s.post("/v1/completions", {"prompt": prompts[i % len(prompts)], "max_tokens": 1,
+                                                          "temperature": 0})["total"])
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    report["one_token_requests"] = {"requests": len(one[id(plain)]), "plain_median_ms": 1e3 * med(one[id(plain)]),
+                                    "ray_median_ms": 1e3 * med(one[id(ray)]),
+                                    "overhead_median_ms": 1e3 * (med(one[id(ray)]) - med(one[id(plain)]))}
     procs = processes()
     replicas = [p for p, c in procs.items() if "ServeReplica:dflash" in c]
-    head = {p: c for p, c in procs.items() if p not in replicas and p != os.getpid() and p != plain.proc.pid
-            and p != 1 and ("ray" in c.lower() or "gcs_server" in c or "raylet" in c)}
+    head = {p: c for p, c in procs.items() if p not in replicas and p not in (1, os.getpid(), plain.proc.pid)
+            and not c.startswith(("ss ", "bash"))}  # the namespace holds only this bench, its server and Ray
     report["idle_rss_mb"] = {
         "plain_server": rss(plain.proc.pid),
         "replica": [rss(p) for p in replicas],
         "head_total": sum(rss(p) for p in head),
-        "head_processes": sorted(((c.split()[0][:60], round(rss(p), 1)) for p, c in head.items()), key=lambda x: -x[1]),
+        "head_processes": sorted(((name(c), round(rss(p), 1)) for p, c in head.items()), key=lambda x: -x[1]),
         "driver (this bench process)": rss(os.getpid()),
     }
     plain.stop()

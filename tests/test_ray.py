@@ -215,3 +215,11 @@ def test_proxy_errors_become_json(sr):
         assert reason in err["message"] and err["type"] == "server_error"
     sent = asyncio.run(call(stream))
     assert [m.get("status") for m in sent] == [200, None, None] and sent[1]["body"] == b"data: x\n\n"
+
+
+def test_plain_server_never_imports_ray():
+    code = ("import sys\nfrom dflash_export import cli, cmd_serve, serve_app, serve_engine\n"
+            "from click.testing import CliRunner\nCliRunner().invoke(cli.cli, ['serve', '--help'])\n"
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
