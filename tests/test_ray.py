@@ -81,12 +81,19 @@ def run(sr, art):
         cmd = f"ip link set lo up && exec {sys.executable} {ROOT / 'tests' / 'ray_scenario.py'} {art} {out}"
         p = subprocess.run(ns + ["bash", "-c", cmd], capture_output=True, text=True, env=env, timeout=480)
         assert out.is_file(), f"the scenario wrote nothing (exit {p.returncode}):\n{p.stderr[-4000:]}"
-        res = json.loads(out.read_text())
+        res = Observed(json.loads(out.read_text()))
         print(p.stderr[-3000:])
         res["stderr"] = p.stderr[-6000:]
         yield res
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Observed(dict):
+    """The scenario's observations; a missing one fails with the scenario's error and log."""
+
+    def __missing__(self, key):
+        pytest.fail(f"the scenario did not get to {key!r}:\n{self.get('error', '')}\n{_where(self)}")
 
 
 def _where(res) -> str:
