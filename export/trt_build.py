@@ -26,14 +26,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..runtime.contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, Manifest, load_manifest, write_manifest
+from ..runtime.contract import GRAPH_FILES, GRAPHS, Manifest, load_manifest, write_manifest
 from ..runtime.errors import DFlashError
 from ..runtime.trt_backend import gpu_info, import_tensorrt
 from ..runtime.trt_profiles import (
     ENGINE_DIR, ENGINE_FILES, Limits, check_precision, profile_record, resolve_limits, trt_version_tuple,
 )
 
-GRAPHS = (TARGET, DRAFT_CONTEXT, DRAFT_BLOCK)
 
 
 @dataclass
@@ -80,7 +79,7 @@ def build_plan(manifest: Manifest, precision: str | None = None, max_context: in
         precision=precision,
         workspace_bytes=int(workspace_gb * (1 << 30)),
         limits=limits,
-        graphs=[GraphPlan(g, manifest.graphs[g].file, ENGINE_FILES[g], record[g]) for g in GRAPHS],
+        graphs=[GraphPlan(g, GRAPH_FILES[g], ENGINE_FILES[g], record[g]) for g in GRAPHS],
     )
 
 

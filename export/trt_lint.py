@@ -10,8 +10,10 @@ checked from the ONNX files alone is checked here, before any build:
 - every tensor's data type is one the operator supports there (the Supported Types column,
   applied to each node's inputs and to the outputs of type-creating ops such as Cast);
 - inputs the parser needs as build-time constants are constants (Reduce axes, ...);
-- every graph input dim is static or a named dynamic dim that a TensorRT optimization
-  profile covers (runtime/trt_profiles.py), and the drafter block graph's block dim is static K.
+- every graph input is the graph contract's (runtime/contract.py), each dim with its role
+  there: dynamic roles named and covered by a TensorRT optimization profile
+  (runtime/trt_profiles.py), static ones (the block size K, heads, ...) fixed at the
+  manifest's size.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from pathlib import Path
 
 import onnx
 
-from ..runtime.contract import DRAFT_BLOCK, GRAPH_FILES, Manifest, load_manifest
+from ..runtime import contract as C
+from ..runtime.contract import GRAPH_FILES, Manifest, load_manifest
 from ..runtime.errors import DFlashError
 from ..runtime.trt_profiles import TRT_BELOW, TRT_MIN, axis_role, profiles, resolve_limits
 
@@ -219,7 +222,10 @@ def lint_model(model: onnx.ModelProto, graph: str, manifest: Manifest | None = N
         lim = limits or resolve_limits(manifest)
         for p in profiles(lim).get(graph, []):
             covered |= set(p.ranges)
-    spec = {t.name: t for t in manifest.graphs[graph].inputs} if manifest is not None else {}
+    # the graph contract (runtime/contract.py) gives every input axis its role: dynamic roles
+    # need a named dim and a profile range, static ones a fixed size (the manifest's, if given)
+    static = C.sizes(manifest) if manifest is not None else {}
+    expected = C.names(graph, manifest)[0] if manifest is not None else []
     for vi in model.graph.input:
         if vi.name in init_names:
             continue
@@ -232,26 +238,27 @@ def lint_model(model: onnx.ModelProto, graph: str, manifest: Manifest | None = N
             continue
         for axis, d in enumerate(dims):
             role = axis_role(graph, vi.name, axis)
-            if d.HasField("dim_value") and d.dim_value > 0:
-                if graph == DRAFT_BLOCK and role is None and axis == 1 and manifest is not None \
-                        and vi.name.startswith("block_") and d.dim_value != manifest.block_size:
-                    err(f"input {vi.name} has block dim {d.dim_value} but the manifest's block_size is {manifest.block_size}")
-                continue
-            if not d.dim_param:
-                err(f"input {vi.name} axis {axis} is dynamic without a name; TensorRT profiles need static or named dims")
-            elif graph == DRAFT_BLOCK and vi.name.startswith("block_") and axis == 1:
-                err(f"input {vi.name}: the block dim must be static (K) in the drafter block graph, got {d.dim_param!r}")
-            elif role is None:
+            fixed = d.HasField("dim_value") and d.dim_value > 0
+            if role in C.DYNAMIC:
+                if fixed:
+                    continue
+                if not d.dim_param:
+                    err(f"input {vi.name} axis {axis} is dynamic without a name; TensorRT profiles need static or named dims")
+                elif manifest is not None and role not in covered:
+                    err(f"input {vi.name} axis {axis} ({d.dim_param!r}) has no range in the {graph} profiles")
+            elif role is not None and not fixed:
+                err(f"input {vi.name} axis {axis} ({role}) must be static per the graph contract, got {d.dim_param!r}; "
+                    "no TensorRT profile covers it")
+            elif role is not None and role in static and d.dim_value != static[role]:
+                err(f"input {vi.name} axis {axis} ({role}) is {d.dim_value} but the manifest says {static[role]}")
+            elif role is None and not fixed:
                 err(f"input {vi.name} axis {axis} is dynamic ({d.dim_param!r}) but no TensorRT profile covers that axis")
-            elif manifest is not None and role not in covered:
-                err(f"input {vi.name} axis {axis} ({d.dim_param!r}) has no range in the {graph} profiles")
-        if spec and vi.name not in spec:
-            err(f"input {vi.name} is not in the manifest's {graph} inputs; re-export the directory")
-    if spec:
-        names = {vi.name for vi in model.graph.input}
-        for n in spec:
-            if n not in names:
-                err(f"the manifest lists input {n} but {graph}.onnx has no such input; re-export the directory")
+        if expected and vi.name not in expected:
+            err(f"input {vi.name} is not an input of {graph} in the graph contract; re-export the directory")
+    names = {vi.name for vi in model.graph.input}
+    for n in expected:
+        if n not in names:
+            err(f"the graph contract lists input {n} but {graph}.onnx has no such input; re-export the directory")
     return found
 
 
@@ -264,8 +271,8 @@ def lint_dir(out_dir: str | Path, manifest: Manifest | None = None, trt_version:
     manifest = manifest or load_manifest(out_dir)
     refuse_quantized(manifest)
     found = []
-    for graph, spec in manifest.graphs.items():
-        path = out_dir / (spec.file or GRAPH_FILES[graph])
+    for graph in manifest.graphs:
+        path = out_dir / GRAPH_FILES[graph]
         model = onnx.load(str(path), load_external_data=False)
         found += lint_model(model, graph, manifest, trt_version, limits)
     return found

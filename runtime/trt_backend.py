@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from .backend import Backend, TargetOut
+from . import contract as C
 from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, Manifest, load_manifest
 from .errors import DFlashError
 from .trt_profiles import ENGINE_FILES, check_engine_record, check_trt_version
 
 INSTALL_HINT = 'pip install "dflash-export[trt]" (or: pip install tensorrt cuda-python --extra-index-url https://pypi.nvidia.com)'
-DTYPE_OF_PRECISION = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
 
 
@@ -104,7 +104,7 @@ class TensorRTBackend(Backend):
         self.max_len = int(rec["max_context"])
         self.max_prompt = int(rec["max_prompt"])
         self.max_chunk = self.max_prompt  # longest `target` call other than verify; the loop chunks prefill by it
-        self.dtype = DTYPE_OF_PRECISION[m.dtype]
+        self.dtype = C.NUMPY_DTYPE[m.dtype]
         self.esize = ITEMSIZE[self.dtype]
         cuda_check(cudart.cudaSetDevice(device))
         self.stream = cuda_check(cudart.cudaStreamCreate())
@@ -116,6 +116,7 @@ class TensorRTBackend(Backend):
         self.has_drafter = drafter
         graphs = (TARGET, DRAFT_CONTEXT, DRAFT_BLOCK) if drafter else (TARGET,)
         self.eng = {g: self._load(g, len(rec["profiles"][g])) for g in graphs}
+        self.inputs = {g: C.io(g, m)[0] for g in graphs}  # the contract's inputs, in order
 
         L, H, D = m.target_layers, m.target_kv_heads, m.target_head_dim
         dl, dh, dd = m.draft_layers, m.draft_kv_heads, m.draft_head_dim
@@ -125,8 +126,7 @@ class TensorRTBackend(Backend):
         self.kv = [(self._malloc(self.max_len * self.row), self._malloc(self.max_len * self.row)) for _ in range(L)]
         self.ckv = [(self._malloc(self.max_len * self.drow), self._malloc(self.max_len * self.drow))
                     for _ in range(dl if drafter else 0)]
-        taps_w = int({t.name: t for t in m.graphs[TARGET].outputs}["taps"].shape[-1])
-        self.taps_row = taps_w * self.esize
+        self.taps_row = C.sizes(m)[C.TAPS_WIDTH] * self.esize
         self.d_ids, self.d_pos = self._malloc(ms * 8), self._malloc(ms * 8)
         self.d_next, self.d_logits = self._malloc(ms * 8), self._malloc(ms * m.vocab_size * 4)
         self.d_taps = self._malloc(ms * self.taps_row)
@@ -149,14 +149,13 @@ class TensorRTBackend(Backend):
         size = {trt.float32: 4, trt.float16: 2, trt.bfloat16: 2, trt.int64: 8, trt.int32: 4}
         for graph, e in self.eng.items():
             names = {e.engine.get_tensor_name(i) for i in range(e.engine.num_io_tensors)}
-            spec = m.graphs[graph]
-            for t in spec.inputs + spec.outputs:
+            for t in (*self.inputs[graph], *C.io(graph, m)[1]):
                 if t.name not in names:
                     raise DFlashError(f"{ENGINE_FILES[graph]} has no tensor {t.name}; rebuild the engines for this export")
-                got = size.get(e.engine.get_tensor_dtype(t.name))
-                if got != ITEMSIZE[t.dtype]:
+                got, want = size.get(e.engine.get_tensor_dtype(t.name)), C.dtype(t, m)
+                if got != ITEMSIZE[want]:
                     raise DFlashError(f"{ENGINE_FILES[graph]}: {t.name} is {e.engine.get_tensor_dtype(t.name)} in the "
-                                      f"engine but {t.dtype} in the manifest; rebuild the engines for this export")
+                                      f"engine but {want} in the graph contract; rebuild the engines for this export")
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -206,9 +205,10 @@ class TensorRTBackend(Backend):
             if not ctx.set_tensor_address(name, ptr):
                 raise DFlashError(f"internal: TensorRT refused the address of {name}")
 
-    def _run(self, e: _Engine, prof: int, shapes: dict, addrs: dict) -> None:
-        """Enqueue one engine call on the stream (execute_async_v3)."""
-        ctx = e.contexts[prof]
+    def _run(self, graph: str, prof: int, addrs: dict, **dynamic: int) -> None:
+        """Enqueue one engine call on the stream (execute_async_v3); input shapes from the contract."""
+        ctx = self.eng[graph].contexts[prof]
+        shapes = {t.name: C.shape(t, self.manifest, batch=1, **dynamic) for t in self.inputs[graph]}
         self._bind(ctx, shapes, addrs)
         if not ctx.execute_async_v3(self.handle):
             raise DFlashError("internal: TensorRT execute_async_v3 failed (see the TensorRT log above)")
@@ -237,20 +237,17 @@ class TensorRTBackend(Backend):
         self.h_pos[:s] = np.arange(p, p + s)
         self._h2d(self.d_ids, self.h_ids[:s])
         self._h2d(self.d_pos, self.h_pos[:s])
-        H, D = m.target_kv_heads, m.target_head_dim
-        shapes = {"input_ids": (1, s), "position_ids": (1, s)}
-        addrs = {"input_ids": self.d_ids, "position_ids": self.d_pos, "logits": self.d_logits,
-                 "next_ids": self.d_next, "taps": self.d_taps}
+        addrs = {C.INPUT_IDS: self.d_ids, C.POSITION_IDS: self.d_pos, C.LOGITS: self.d_logits,
+                 C.NEXT_IDS: self.d_next, C.TAPS: self.d_taps}
         copies = []
         for i, (kb, vb) in enumerate(self.kv):
-            for nm, base, scr in ((f"key.{i}", kb, self.d_scratch[2 * i]), (f"value.{i}", vb, self.d_scratch[2 * i + 1])):
-                shapes[f"past_{nm}"] = (1, p, H, D)
-                addrs[f"past_{nm}"] = base
-                addr, inplace = self._out_addr(base, p, self.row, scr)
-                addrs[f"new_{nm}"] = addr
+            for past, new, base, scr in ((C.past_key(i), C.new_key(i), kb, self.d_scratch[2 * i]),
+                                         (C.past_value(i), C.new_value(i), vb, self.d_scratch[2 * i + 1])):
+                addrs[past] = base
+                addrs[new], inplace = self._out_addr(base, p, self.row, scr)
                 if not inplace:
                     copies.append((base + p * self.row, scr, s * self.row))
-        self._run(self.eng[TARGET], prof, shapes, addrs)
+        self._run(TARGET, prof, addrs, seq=s, past=p)
         for dst, src, n in copies:
             self._d2d(dst, src, n)
         self._d2h(self.h_next[:s], self.d_next)
@@ -262,7 +259,6 @@ class TensorRTBackend(Backend):
         return TargetOut(next_ids=self.h_next[:s], logits=self.h_logits[:s] if want_logits else None)
 
     def draft_context(self, n: int) -> None:
-        m = self.manifest
         c, p = int(n), self.context_len
         if not 0 < c <= self._taps_n:
             raise DFlashError(f"internal: draft_context({c}) but the last target call kept {self._taps_n} taps")
@@ -270,17 +266,14 @@ class TensorRTBackend(Backend):
             raise DFlashError(f"drafter context of {p + c} positions exceeds the engines' max context {self.max_len}")
         self.h_cpos[:c] = np.arange(p, p + c)
         self._h2d(self.d_cpos, self.h_cpos[:c])
-        dh, dd = m.draft_kv_heads, m.draft_head_dim
-        shapes = {"taps": (1, c, self.taps_row // self.esize), "ctx_position_ids": (1, c)}
-        addrs = {"taps": self.d_taps, "ctx_position_ids": self.d_cpos}
+        addrs = {C.TAPS: self.d_taps, C.CTX_POSITION_IDS: self.d_cpos}
         copies = []
         for j, (kb, vb) in enumerate(self.ckv):
-            for nm, base, scr in ((f"key.{j}", kb, self.d_scratch[2 * j]), (f"value.{j}", vb, self.d_scratch[2 * j + 1])):
-                addr, inplace = self._out_addr(base, p, self.drow, scr)
-                addrs[f"ctx_{nm}"] = addr
+            for name, base, scr in ((C.ctx_key(j), kb, self.d_scratch[2 * j]), (C.ctx_value(j), vb, self.d_scratch[2 * j + 1])):
+                addrs[name], inplace = self._out_addr(base, p, self.drow, scr)
                 if not inplace:
                     copies.append((base + p * self.drow, scr, c * self.drow))
-        self._run(self.eng[DRAFT_CONTEXT], 0, shapes, addrs)
+        self._run(DRAFT_CONTEXT, 0, addrs, ctx=c)
         for dst, src, nb in copies:
             self._d2d(dst, src, nb)
         self._sync()
@@ -298,14 +291,11 @@ class TensorRTBackend(Backend):
         self.h_bpos[:] = np.arange(p, p + k)
         self._h2d(self.d_bids, self.h_bids)
         self._h2d(self.d_bpos, self.h_bpos)
-        dh, dd = m.draft_kv_heads, m.draft_head_dim
-        shapes = {"block_ids": (1, k), "block_position_ids": (1, k)}
-        addrs = {"block_ids": self.d_bids, "block_position_ids": self.d_bpos,
-                 "draft_ids": self.d_draft, "draft_logits": self.d_dlogits}
+        addrs = {C.BLOCK_IDS: self.d_bids, C.BLOCK_POSITION_IDS: self.d_bpos,
+                 C.DRAFT_IDS: self.d_draft, C.DRAFT_LOGITS: self.d_dlogits}
         for j, (kb, vb) in enumerate(self.ckv):
-            shapes[f"past_ctx_key.{j}"] = shapes[f"past_ctx_value.{j}"] = (1, p, dh, dd)
-            addrs[f"past_ctx_key.{j}"], addrs[f"past_ctx_value.{j}"] = kb, vb
-        self._run(self.eng[DRAFT_BLOCK], 0, shapes, addrs)
+            addrs[C.past_ctx_key(j)], addrs[C.past_ctx_value(j)] = kb, vb
+        self._run(DRAFT_BLOCK, 0, addrs, past_ctx=p)
         self._d2h(self.h_draft[: k - 1], self.d_draft)
         self._sync()
         return self.h_draft[: k - 1]

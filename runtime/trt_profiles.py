@@ -17,7 +17,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, GraphSpec, Manifest
+from . import contract as C
+from .contract import BATCH, CTX, DRAFT_BLOCK, DRAFT_CONTEXT, PAST, PAST_CTX, SEQ, TARGET, Manifest
 from .errors import DFlashError
 
 # Supported TensorRT: >= 10.12 (the release that deprecated weak typing; from it on the same
@@ -63,24 +64,12 @@ def check_precision(export_dtype: str, precision: str | None) -> str:
 # Profiles
 # ---------------------------------------------------------------------------------------
 
-# What every dynamic axis of every graph input means. Dims are matched by (graph, input,
-# axis), not by the exporter's dim names, so a renamed dim cannot silently escape a profile.
-BATCH, SEQ, PAST, CTX, PAST_CTX = "batch", "seq", "past", "ctx", "past_ctx"
-
-
 def axis_role(graph: str, name: str, axis: int) -> str | None:
-    """The profiled quantity an input axis carries, or None when the axis must be static."""
-    if axis == 0:
-        return BATCH
-    if axis != 1:
+    """The contract's role of one input axis (runtime/contract.py), None for a name or axis it lacks."""
+    try:
+        return C.role(graph, name, axis)
+    except (DFlashError, IndexError):
         return None
-    if graph == TARGET:
-        return SEQ if name in ("input_ids", "position_ids") else PAST if name.startswith("past_") else None
-    if graph == DRAFT_CONTEXT:
-        return CTX if name in ("taps", "ctx_position_ids") else None
-    if graph == DRAFT_BLOCK:
-        return PAST_CTX if name.startswith("past_ctx_") else None  # the block axis is static K
-    return None
 
 
 @dataclass
@@ -90,24 +79,15 @@ class Profile:
     name: str
     ranges: dict[str, tuple[int, int, int]]
 
-    def shapes(self, spec: GraphSpec, graph: str) -> dict[str, tuple[tuple, tuple, tuple]]:
-        """(min, opt, max) shape of every input of `spec`; static dims stay as they are."""
+    def shapes(self, manifest: Manifest, graph: str) -> dict[str, tuple[tuple, tuple, tuple]]:
+        """(min, opt, max) shape of every input of `graph`, from the contract's dim roles."""
         out = {}
-        for t in spec.inputs:
-            lo, mid, hi = [], [], []
-            for axis, d in enumerate(t.shape):
-                if isinstance(d, int):
-                    lo.append(d), mid.append(d), hi.append(d)
-                    continue
-                role = axis_role(graph, t.name, axis)
-                if role is None or role not in self.ranges:
-                    raise DFlashError(
-                        f"{graph}: input {t.name} axis {axis} is dynamic ({d!r}) but no TensorRT profile covers it; "
-                        "re-export with the current exporter"
-                    )
-                a, b, c = self.ranges[role]
-                lo.append(a), mid.append(b), hi.append(c)
-            out[t.name] = (tuple(lo), tuple(mid), tuple(hi))
+        for t in C.io(graph, manifest)[0]:
+            missing = [r for r in t.dims if r in C.DYNAMIC and r not in self.ranges]
+            if missing:
+                raise DFlashError(f"internal: {graph} input {t.name} has the dynamic dim {missing[0]!r} "
+                                  f"but TensorRT profile {self.name!r} gives it no range")
+            out[t.name] = tuple(C.shape(t, manifest, **{r: v[i] for r, v in self.ranges.items()}) for i in range(3))
         return out
 
 
@@ -172,12 +152,11 @@ def profile_record(manifest: Manifest, limits: Limits) -> dict[str, list[dict]]:
     """Profiles as JSON for the manifest: {graph: [{name, ranges, shapes{input: [min, opt, max]}}]}."""
     out = {}
     for graph, plist in profiles(limits).items():
-        spec = manifest.graphs[graph]
         out[graph] = [
             {
                 "name": p.name,
                 "ranges": {r: list(v) for r, v in p.ranges.items()},
-                "shapes": {n: [list(s) for s in mmo] for n, mmo in p.shapes(spec, graph).items()},
+                "shapes": {n: [list(s) for s in mmo] for n, mmo in p.shapes(manifest, graph).items()},
             }
             for p in plist
         ]
@@ -253,9 +232,8 @@ def ort_trt_provider_options(
         for role, (a, b, c) in p.ranges.items():
             a0, b0, c0 = union.get(role, (a, b, c))
             union[role] = (min(a, a0), b0, max(c, c0))  # opt of the first (verify) profile
-    spec = manifest.graphs[graph]
-    shapes = Profile("ort", union).shapes(spec, graph)
-    dynamic = [t.name for t in spec.inputs if any(not isinstance(d, int) for d in t.shape)]
+    shapes = Profile("ort", union).shapes(manifest, graph)
+    dynamic = [t.name for t in C.io(graph, manifest)[0] if any(r in C.DYNAMIC for r in t.dims)]
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir(manifest)
     opts = {
         "device_id": device_id,

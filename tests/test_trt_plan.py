@@ -104,13 +104,9 @@ def test_plan_refuses(kw, needle):
         build_plan(m, **kw)
 
 
-def test_unprofiled_dim_is_refused():
-    m = manifest()
-    m.graphs["target"].inputs[2].shape = ["batch", "past", "heads", D]  # a dynamic head dim: no profile covers it
-    with pytest.raises(DFlashError, match="past_key.0 axis 2 is dynamic"):
-        build_plan(m)
-    with pytest.raises(DFlashError, match="no TensorRT profile covers"):
-        Profile("p", {"batch": (1, 1, 1)}).shapes(manifest().graphs["draft_context"], "draft_context")
+def test_profile_must_cover_every_dynamic_dim():
+    with pytest.raises(DFlashError, match="input taps has the dynamic dim 'ctx' but TensorRT profile 'p' gives it no range"):
+        Profile("p", {"batch": (1, 1, 1)}).shapes(manifest(), "draft_context")
 
 
 def test_plan_imports_no_tensorrt():
