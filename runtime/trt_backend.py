@@ -221,7 +221,7 @@ class TensorRTBackend(Backend):
     # -- the Backend interface ------------------------------------------------------------
 
     def target(self, ids: np.ndarray, want_logits: bool = False) -> TargetOut:
-        m, k = self.manifest, self.k
+        k = self.k
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         s, p = int(ids.size), self.target_len
         if s < 1:
