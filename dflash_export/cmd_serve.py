@@ -60,7 +60,7 @@ def demo_artifact(pair: Path | None = None) -> Path:
 
         pair = demo_dir() / "pair"
     out = demo_cache_dir(pair)
-    if (out / "manifest.json").is_file():
+    if (out / C.MANIFEST).is_file():
         try:
             C.load_manifest(out, verify=False)
             return out

@@ -14,8 +14,6 @@ import numpy as np
 from ..runtime import contract as C
 from ..runtime.sampling import accept
 
-NP_DTYPE = {"float32": np.float32, "float16": np.float16}
-
 
 class Graphs:
     """One ORT session per graph of an exported directory (CPU unless told otherwise)."""
@@ -31,26 +29,31 @@ class Graphs:
         return dict(zip(self.names[graph], self.sessions[graph].run(None, feeds)))
 
 
-def _empty(layers: int, heads: int, dim: int, dtype) -> list[np.ndarray]:
-    return [np.zeros((1, 0, heads, dim), dtype) for _ in range(2 * layers)]
+def _empty(graph: str, m: C.Manifest) -> list[np.ndarray]:
+    """The graph's per-layer cache inputs, empty (past length 0), in the contract's order."""
+    caches = [t for t in C.io(graph, m)[0] if C.find(graph, t.name).per_layer]
+    dtype = C.dtype(caches[0], m)
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        dtype = ml_dtypes.bfloat16
+    return [np.zeros(C.shape(t, m, batch=1, past=0, past_ctx=0), dtype) for t in caches]
 
 
 def greedy_speculative(g: Graphs, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[int]]:
     """-> (tokens, acceptance lengths) at temperature 0 with no stop tokens."""
     m = g.manifest
-    kv_dtype = NP_DTYPE[m.graphs[C.TARGET].inputs[2].dtype]
     K, n = m.block_size, len(prompt)
     max_length = n + max_new_tokens
-    tkv = _empty(m.target_layers, m.target_kv_heads, m.target_head_dim, kv_dtype)
-    dkv = _empty(m.draft_layers, m.draft_kv_heads, m.draft_head_dim, kv_dtype)
+    tkv, dkv = _empty(C.TARGET, m), _empty(C.DRAFT_BLOCK, m)
 
     def target(ids: list[int], positions: np.ndarray):
-        feeds = {"input_ids": np.array([ids], np.int64), "position_ids": positions[None]}
+        feeds = {C.INPUT_IDS: np.array([ids], np.int64), C.POSITION_IDS: positions[None]}
         for i in range(m.target_layers):
             feeds[C.past_key(i)], feeds[C.past_value(i)] = tkv[2 * i], tkv[2 * i + 1]
         out = g.run(C.TARGET, feeds)
         new = [out[C.new_key(i) if h == 0 else C.new_value(i)] for i in range(m.target_layers) for h in (0, 1)]
-        return out["next_ids"][0].tolist(), out["taps"], new
+        return out[C.NEXT_IDS][0].tolist(), out[C.TAPS], new
 
     next_ids, taps, new = target(prompt, np.arange(n))
     tkv = [np.concatenate([a, b], 1) for a, b in zip(tkv, new)]
@@ -58,15 +61,15 @@ def greedy_speculative(g: Graphs, prompt: list[int], max_new_tokens: int) -> tup
     out, lengths = [anchor], []
     ctx_taps, ctx_pos = taps, np.arange(n)
     while start + 1 < max_length:
-        ctx = g.run(C.DRAFT_CONTEXT, {"taps": ctx_taps, "ctx_position_ids": ctx_pos[None]})
+        ctx = g.run(C.DRAFT_CONTEXT, {C.TAPS: ctx_taps, C.CTX_POSITION_IDS: ctx_pos[None]})
         dkv = [np.concatenate([dkv[2 * j + h], ctx[C.ctx_key(j) if h == 0 else C.ctx_value(j)]], 1)
                for j in range(m.draft_layers) for h in (0, 1)]
         positions = np.arange(start, start + K)
-        feeds = {"block_ids": np.array([[anchor] + [m.mask_token_id] * (K - 1)], np.int64),
-                 "block_position_ids": positions[None]}
+        feeds = {C.BLOCK_IDS: np.array([[anchor] + [m.mask_token_id] * (K - 1)], np.int64),
+                 C.BLOCK_POSITION_IDS: positions[None]}
         for j in range(m.draft_layers):
             feeds[C.past_ctx_key(j)], feeds[C.past_ctx_value(j)] = dkv[2 * j], dkv[2 * j + 1]
-        drafts = g.run(C.DRAFT_BLOCK, feeds)["draft_ids"][0].tolist()
+        drafts = g.run(C.DRAFT_BLOCK, feeds)[C.DRAFT_IDS][0].tolist()
 
         s = min(K, max_length - start)
         choice, taps, new = target([anchor] + drafts[: s - 1], positions[:s])

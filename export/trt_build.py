@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..runtime.contract import GRAPH_FILES, GRAPHS, Manifest, load_manifest, write_manifest
+from ..runtime.contract import BATCH, GRAPH_FILES, GRAPHS, Manifest, load_manifest, write_manifest
 from ..runtime.errors import DFlashError
 from ..runtime.trt_backend import gpu_info, import_tensorrt
 from ..runtime.trt_profiles import (
@@ -93,7 +93,7 @@ def describe(plan: BuildPlan) -> str:
     ]
     for g in plan.graphs:
         for i, p in enumerate(g.profiles):
-            rng = ", ".join(f"{r} {a}..{c} (opt {b})" for r, (a, b, c) in p["ranges"].items() if r != "batch")
+            rng = ", ".join(f"{r} {a}..{c} (opt {b})" for r, (a, b, c) in p["ranges"].items() if r != BATCH)
             lines.append(f"  {g.engine}  profile {i} {p['name']}: {rng}")
     return "\n".join(lines)
 
