@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..runtime.errors import DFlashError
 from .config import DRAFT_ARCH, DraftConfig, TargetConfig
 from .layers import MLP, RMSNorm, apply_rope, attend, rope_cos_sin
 
@@ -96,26 +97,39 @@ class Drafter(nn.Module):
                 visible = visible & (t - q < window)
         return visible
 
-    def block(self, block_emb: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV) -> torch.Tensor:
-        """Embedded block [B,K,H] over the context cache -> final hidden states [B,K,H]."""
+    def block(self, block_emb: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
+              visible: torch.Tensor | None = None) -> torch.Tensor:
+        """Embedded block [B,K,H] over the context cache -> final hidden states [B,K,H].
+
+        The one drafter-layer loop: inference, the exported graph and training run it.
+        `visible` (training) is one mask [B,1,C+K] for every layer, replacing the per-layer
+        masks: B blocks share one context cache of C positions, each seeing its own prefix.
+        """
         x = block_emb
         b, k, _ = x.shape
         cos, sin = rope_cos_sin(block_position_ids, self.inv_freq, x.dtype)
         p = past_ctx[0][0].shape[1]
         for j, layer in enumerate(self.layers):
+            mask = self._visible(j, p, k, x.device)
+            if visible is not None:
+                if mask is not None:  # its window/causality is by key index == position: not true in a shared cache
+                    raise DFlashError(f"drafter layer {j} is sliding or causal; training supports full-attention "
+                                      "drafter layers only")
+                mask = visible
             a = layer.self_attn
             h = layer.input_layernorm(x)
             q = apply_rope(a.q_norm(a.q_proj(h).view(b, k, a.h, a.d)), cos, sin)
             kb, vb = a.kv(h, cos, sin)
             keys = torch.cat([past_ctx[j][0], kb], 1)
             values = torch.cat([past_ctx[j][1], vb], 1)
-            x = x + a.o_proj(attend(q, keys, values, self._visible(j, p, k, x.device)))
+            x = x + a.o_proj(attend(q, keys, values, mask))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
-    def draft_logits(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV):
+    def draft_logits(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
+                     visible: torch.Tensor | None = None):
         """Logits [B,K-1,V] (fp32) for the masked positions, with the target's embedding and head."""
-        hidden = self.block(target.embed(block_ids), block_position_ids, past_ctx)
+        hidden = self.block(target.embed(block_ids), block_position_ids, past_ctx, visible)
         return target.lm_head(hidden[:, 1:]).float()
 
     # -- z-lab format -------------------------------------------------------------------

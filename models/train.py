@@ -34,7 +34,6 @@ from torch.nn import functional as F
 from ..runtime.errors import DFlashError
 from . import train_data as D
 from .generate import speculative_generate
-from .layers import apply_rope, attend, rope_cos_sin
 from .train_data import Shard
 from .train_state import Schedule, TrainState, load_checkpoint, save_checkpoint, save_drafter
 
@@ -58,24 +57,14 @@ def block_logits(drafter, target, ctx_kv, seq_index: torch.Tensor, block_ids: to
                  anchors: torch.Tensor) -> torch.Tensor:
     """Draft logits [N, K-1, V] for N blocks, block i over context `ctx_kv[seq_index[i]]` before anchor i.
 
-    The same computation as `Drafter.block` + `draft_logits` at inference, with a per-block
-    context mask instead of a per-block context cache.
+    The inference forward (`Drafter.draft_logits`), with each block's sequence cache whole
+    and a per-block context mask instead of a per-block cache.
     """
-    n, k = block_ids.shape
-    x = target.embed(block_ids)
+    k = block_ids.shape[1]
     positions = anchors[:, None] + torch.arange(k)[None]
-    cos, sin = rope_cos_sin(positions, drafter.inv_freq, x.dtype)
+    past = [(kc[seq_index], vc[seq_index]) for kc, vc in ctx_kv]
     visible = context_visible(anchors, ctx_kv[0][0].shape[1], k)
-    for j, layer in enumerate(drafter.layers):
-        a = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = apply_rope(a.q_norm(a.q_proj(h).view(n, k, a.h, a.d)), cos, sin)
-        kb, vb = a.kv(h, cos, sin)
-        keys = torch.cat([ctx_kv[j][0][seq_index].to(kb.dtype), kb], 1)
-        values = torch.cat([ctx_kv[j][1][seq_index].to(vb.dtype), vb], 1)
-        x = x + a.o_proj(attend(q, keys, values, visible))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return target.lm_head(drafter.norm(x)[:, 1:]).float()
+    return drafter.draft_logits(target, block_ids, positions, past, visible)
 
 
 def sample_anchors(shard: Shard, rows: torch.Tensor, per_seq: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

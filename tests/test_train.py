@@ -15,6 +15,7 @@ from dflash_export.cli import cli
 from dflash_export.models import Drafter, Target, TargetConfig, new_drafter
 from dflash_export.models import train as T
 from dflash_export.models import train_data as D
+from dflash_export.runtime.errors import DFlashError
 
 torch.set_num_threads(1)
 
@@ -74,6 +75,24 @@ def test_training_forward_equals_inference(tiny):
         leak = drafter.context_kv(taps[:1, :6], pos[:1, :6])
         leaked = drafter.draft_logits(target, block[:1], torch.arange(5, 9)[None], leak)
         assert (leaked - got[:1]).abs().max() > 1e-4
+
+
+def test_training_forward_refuses_sliding_layers(tiny):
+    """The shared drafter loop takes one mask for every layer in training; a sliding layer's
+    window is by key index, which a shared context cache breaks: refused, not silently ignored."""
+    _, target_dir = tiny
+    tc = TargetConfig.load(target_dir)
+    target = Target.from_pretrained(target_dir, tap_ids=[1, 2])
+    drafter = new_drafter(tc, num_layers=2, block_size=4, target_layer_ids=[1, 2], mask_token_id=1,
+                          layer_types=["full_attention", "sliding_attention"], sliding_window=4)
+    tokens = torch.randint(3, 100, (1, 12))
+    pos = torch.arange(12)[None]
+    with torch.no_grad():
+        _, taps, _ = target(tokens, pos, target.empty_kv(1))
+        ctx = drafter.context_kv(taps, pos)
+        block, _, _ = T.block_batch(tokens, torch.tensor([12]), torch.tensor([0]), torch.tensor([5]), 4, 1)
+        with pytest.raises(DFlashError, match="drafter layer 1 is sliding"):
+            T.block_logits(drafter, target, ctx, torch.tensor([0]), block, torch.tensor([5]))
 
 
 def test_training_reduces_weighted_loss(tiny):
