@@ -308,8 +308,7 @@ def qwen3_06b(layers: int) -> tuple[Path, Path, str]:
     d = CACHE / "models" / f"qwen3-0.6b-L{layers}-{key}"
     if not (d / "done").is_file():
         print(f"building the random Qwen3-0.6B-shape checkpoint ({layers} layers)", file=sys.stderr)
-        sys.path.insert(0, str(ROOT / "tests"))
-        from tiny import make_drafter, make_target
+        from dflash_export.testing import make_drafter, make_target
 
         shutil.rmtree(d, ignore_errors=True)
         make_target(d / "target", "qwen3", tie=True, std=0.02, **p)
