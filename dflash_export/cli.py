@@ -36,9 +36,12 @@ def cli() -> None:
     Pipeline:
       dflash-export export --target T --draft D --out OUT   trace to ONNX + manifest
       dflash-export check OUT --target T --draft D          parity vs PyTorch
+      dflash-export info OUT                                what OUT is: graphs, I/O, sizes, hashes
       dflash-export generate OUT --prompt "..."             speculative decoding (ORT)
       dflash-export bench OUT                               speedup vs plain decoding
-      dflash-export build OUT                               TensorRT engines
+      dflash-export build OUT                               TensorRT engines (never run here)
+      dflash-export serve OUT                               OpenAI-compatible server
+    Try it: dflash-export demo (the shipped pair, end to end, offline).
     """
 
 
@@ -46,13 +49,7 @@ def _register() -> None:
     import importlib
 
     for name in ("cmd_export", "cmd_info", "cmd_run", "cmd_trt", "cmd_train", "cmd_demo", "cmd_serve"):
-        try:
-            mod = importlib.import_module(f".{name}", __package__)
-        except ModuleNotFoundError as e:
-            if e.name == f"{__package__}.{name}":
-                continue  # command module not written yet
-            raise
-        for command in getattr(mod, "COMMANDS", ()):
+        for command in importlib.import_module(f".{name}", __package__).COMMANDS:
             cli.add_command(command)
 
 

@@ -216,10 +216,10 @@ def plot_bench(report: dict, path: Path) -> None:
 def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, provider, backend, threads):
     """Speculative vs plain decoding of OUT on the same prompts: tau, tokens/s, speedup."""
     if plot is not None:
-        try:
-            import matplotlib  # noqa: F401  (fail before minutes of benchmarking)
-        except ImportError:
-            raise DFlashError("--plot needs matplotlib: pip install 'dflash-export[dev]' (or matplotlib)") from None
+        from importlib.util import find_spec
+
+        if find_spec("matplotlib") is None:  # fail before minutes of benchmarking
+            raise DFlashError("--plot needs matplotlib: pip install 'dflash-export[dev]' (or matplotlib)")
     backend = _backend(out, provider, backend=backend, threads=threads)
     prompts, source = _bench_prompts(prompts_file, _tokenizer(out), backend.manifest.vocab_size)
     room = backend.max_len - max(len(p) for p in prompts)

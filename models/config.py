@@ -152,10 +152,6 @@ class TargetConfig:
     def linear_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
 
-    @property
-    def attention_layers(self) -> list[int]:
-        return [i for i in range(self.num_layers) if not self.layer_types or self.layer_types[i] != "linear_attention"]
-
     @classmethod
     def from_dict(cls, cfg: dict, where: str = "target") -> "TargetConfig":
         cfg = {**cfg.get("text_config", {}), **cfg} if "text_config" in cfg and "hidden_size" not in cfg else cfg

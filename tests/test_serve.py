@@ -205,9 +205,9 @@ def test_sampling_is_seeded_and_stop_strings_never_leak(server, offline, tok):
     assert r.choices[0].model_extra["token_ids"] == want.tokens and r.choices[0].text == full
     at = next(i for i in range(8, len(full) - 3) if full.find(full[i:i + 3]) == i and "<" not in full[:i + 3])
     stop = full[at:at + 3]
-    for stream in (False, True):
+    for streaming in (False, True):
         kw = dict(model="tiny-chat", prompt="abc", max_tokens=120, temperature=1.0, seed=0, stop=[stop, "never!"])
-        if stream:
+        if streaming:
             chunks = [ch for ch in client.completions.create(stream=True, **kw) if ch.choices]
             pieces = [ch.choices[0].text for ch in chunks]
             assert len([p for p in pieces if p]) > 2  # really streamed in pieces

@@ -13,9 +13,9 @@ from click.testing import CliRunner
 
 
 def _missing() -> str | None:
-    try:
-        import tensorrt  # noqa: F401
-    except ImportError:
+    from importlib.util import find_spec
+
+    if find_spec("tensorrt") is None:
         return 'the Python package tensorrt is not installed (pip install "dflash-export[trt]")'
     try:
         from cuda.bindings import runtime as cudart

@@ -9,7 +9,7 @@ from onnx import TensorProto as T
 from onnx import helper
 
 from dflash_export.cli import cli
-from dflash_export.export.trt_lint import MIN_VERSION, OPS_FILE, check, lint_model, lint_range, max_opset, support_list
+from dflash_export.export.trt_lint import MIN_VERSION, OPS_FILE, check, lint_model, lint_range, max_opset
 from dflash_export.runtime.errors import DFlashError
 
 
