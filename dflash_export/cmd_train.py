@@ -35,7 +35,7 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
 @click.option("--target", "target_dir", required=True, type=click.Path(path_type=Path), help="HF target checkpoint (with tokenizer.json)")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="drafter directory to write (z-lab format)")
 @click.option("--data", multiple=True, required=True, type=click.Path(path_type=Path), help="text files or JSONL prompts (repeatable)")
-@click.option("--eval-prompts", type=click.Path(path_type=Path), default=None, help="held-out prompts (default: 5%% of --data)")
+@click.option("--eval-prompts", type=click.Path(path_type=Path), default=None, help="held-out prompts (default: 5% of --data)")
 @click.option("--block-size", default=16, show_default=True)
 @click.option("--layers", default=1, show_default=True, type=click.IntRange(1, 8), help="drafter depth (1-8)")
 @click.option("--target-layer-ids", default=None, help="taps, e.g. 1,3,4 (default: up to 5 spread over [1, L-2])")
