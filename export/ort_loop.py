@@ -89,16 +89,16 @@ def greedy_plain(g: Graphs, prompt: list[int], max_new_tokens: int) -> list[int]
     """Plain greedy decoding through target.onnx alone (prefill, then 1-token steps): the
     reference a speculative run over the same graphs must reproduce token for token."""
     m = g.manifest
-    kv = _empty(m.target_layers, m.target_kv_heads, m.target_head_dim, NP_DTYPE[m.graphs[C.TARGET].inputs[2].dtype])
+    kv = _empty(C.TARGET, m)
     ids, pos, out = list(prompt), 0, []
     while len(out) < max_new_tokens:
-        feeds = {"input_ids": np.array([ids], np.int64), "position_ids": np.arange(pos, pos + len(ids))[None]}
+        feeds = {C.INPUT_IDS: np.array([ids], np.int64), C.POSITION_IDS: np.arange(pos, pos + len(ids))[None]}
         for i in range(m.target_layers):
             feeds[C.past_key(i)], feeds[C.past_value(i)] = kv[2 * i], kv[2 * i + 1]
         o = g.run(C.TARGET, feeds)
         kv = [np.concatenate([kv[2 * i + h], o[C.new_key(i) if h == 0 else C.new_value(i)]], 1)
               for i in range(m.target_layers) for h in (0, 1)]
         pos += len(ids)
-        ids = [int(o["next_ids"][0, -1])]
+        ids = [int(o[C.NEXT_IDS][0, -1])]
         out += ids
     return out
