@@ -142,6 +142,22 @@ def hf_model(directory: str | Path):
     return transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
 
 
+def exported_taps_error(out: str | Path, target_dir: str | Path, n: int = 9, seed: int = 0) -> float:
+    """Max abs error of the exported target's taps (run by the ORT backend) against
+    transformers' own `output_hidden_states[i + 1]` for every tap id of the artifact."""
+    import numpy as np
+
+    from .runtime.ort import OrtBackend
+
+    be = OrtBackend(out, verify=False)
+    ids = torch.randint(0, be.manifest.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        hs = hf_model(target_dir)(ids, output_hidden_states=True, use_cache=False).hidden_states
+    ref = torch.cat([hs[i + 1] for i in be.manifest.target_layer_ids], -1)[0].numpy()
+    be.target(ids[0].numpy())
+    return float(np.abs(be.taps[0, :n] - ref).max())
+
+
 def export_tiny_pair(root: str | Path, block_size: int, max_context: int, dtype: str = "fp32") -> Path:
     """A 2-layer, 32-wide target + 1-layer drafter under root/{t,d}, exported to root/out."""
     from .export.artifact import export_artifact

@@ -4,8 +4,9 @@ Per graph and regime (target prefill at past 0, a 1-token step and a K-token ver
 real past; the drafter's context graph; the block graph with and without context), fresh
 random inputs go through both ONNX Runtime and the torch module the graph was traced
 from; each output gets max / mean / p99 absolute error against its tolerance. Then N
-random prompts are decoded greedily through the graphs (export/ort_loop.py) and through
-`models.speculative_generate`: tokens and acceptance lengths must be identical.
+random prompts are decoded greedily by what users run, the runtime's loop (runtime/loop.py)
+over the ONNX Runtime backend, and by `models.speculative_generate`: tokens and acceptance
+lengths must be identical.
 
 fp32 passes at TOLERANCE on every float output (logits, taps, K/V) and exact ids (ties
 within the tolerance excepted). fp16/bf16 report the same statistics and top-1 agreement;
@@ -226,8 +227,8 @@ def run_check(
     import torch
 
     from ..models import speculative_generate
+    from ..runtime.backend import open_backend
     from .progress import Phases
-    from .ort_loop import Graphs
 
     root = Path(root)
     m = C.load_manifest(root, verify=True)
@@ -249,12 +250,12 @@ def run_check(
                                         "the dequantized reference is reported, not held to fp32 tolerances")
                     report.strict = False
         try:
-            graphs = Graphs(root, m, [{"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}[provider]])
-        except Exception as e:
+            backend = open_backend(root, "ort", provider, verify=False)  # hashes verified just above
+        except DFlashError as e:
             if m.dtype == "bf16" and provider == "cpu":
-                report.notes.append(f"not run: ONNX Runtime's CPU provider cannot run bf16 graphs (try --provider cuda) ({str(e).splitlines()[0][:120]})")
+                report.notes.append(f"not run: ONNX Runtime's CPU provider cannot run bf16 graphs (try --provider cuda) ({str(e)[:160]})")
                 return report
-            raise DFlashError(f"ONNX Runtime cannot load {root}: {str(e).splitlines()[0]}") from e
+            raise
     saved = []
     with ui.phase("parity", "every graph in every regime vs PyTorch"):
         from .graphs import wrapper
@@ -264,7 +265,7 @@ def run_check(
             with torch.inference_mode():
                 ref = [_np(t) for t in module(*inputs)]
             feeds = dict(zip(names_in, (_np(t) for t in inputs)))
-            got = graphs.sessions[graph].run(names_out, feeds)
+            got = backend.sessions[graph].run(names_out, feeds)
             if q is None:
                 report.rows += compare(graph, case, names_out, got, ref, report.strict)
             else:
@@ -278,18 +279,19 @@ def run_check(
         with ui.phase("save", f"Polygraphy inputs/outputs to {save_polygraphy}"):
             write_polygraphy(Path(save_polygraphy), saved)
     if prompts > 0:
-        with ui.phase("generate", f"{prompts} prompts x {max_new_tokens} tokens, ORT vs speculative_generate"):
-            report.end_to_end = end_to_end(graphs, *ref_models, m, prompts, max_new_tokens, seed, speculative_generate,
+        with ui.phase("generate", f"{prompts} prompts x {max_new_tokens} tokens, runtime loop on ORT vs speculative_generate"):
+            report.end_to_end = end_to_end(backend, *ref_models, m, prompts, max_new_tokens, seed, speculative_generate,
                                            float_models=None if q is None else (target, drafter))
     return report
 
 
-def end_to_end(graphs, target, drafter, m: C.Manifest, prompts: int, max_new_tokens: int, seed: int, oracle,
+def end_to_end(backend, target, drafter, m: C.Manifest, prompts: int, max_new_tokens: int, seed: int, oracle,
                float_models=None) -> dict:
-    """Speculative decoding through the graphs vs the oracle on (target, drafter). Quantized
-    (float_models: the float source): also decode each prompt plainly through target.onnx
+    """Greedy speculative decoding (no stop tokens) by the deployed loop (runtime/loop.py over
+    the ORT backend) vs the oracle on (target, drafter). Quantized (float_models: the float
+    source): also decode each prompt plainly through target.onnx with the same loop
     (speculative == plain) and measure the greedy agreement length with the float source."""
-    from .ort_loop import greedy_plain, greedy_speculative
+    from ..runtime.loop import generate
 
     rng = np.random.default_rng(seed + 1)
     identical, same_lengths, lengths, failures = 0, 0, [], []
@@ -298,13 +300,14 @@ def end_to_end(graphs, target, drafter, m: C.Manifest, prompts: int, max_new_tok
         n = int(rng.integers(2, 12))
         n = min(n, m.max_context - max_new_tokens)
         prompt = rng.integers(0, m.vocab_size, n).tolist()
-        tokens, acc = greedy_speculative(graphs, prompt, max_new_tokens)
+        g = generate(backend, prompt, max_new_tokens, stop_token_ids=())
+        tokens, acc = g.tokens, g.acceptance_lengths
         ref = oracle(target, drafter, prompt, max_new_tokens, mask_token_id=m.mask_token_id, block_size=m.block_size)
         identical += tokens == ref.tokens
         same_lengths += acc == ref.acceptance_lengths
         lengths += acc
         if float_models is not None:
-            own = greedy_plain(graphs, prompt, max_new_tokens)
+            own = generate(backend, prompt, max_new_tokens, stop_token_ids=(), draft=False).tokens
             self_same += own == tokens
             fl = oracle(*float_models, prompt, max_new_tokens, mask_token_id=m.mask_token_id, block_size=m.block_size)
             agree.append(_first_difference(tokens, fl.tokens))

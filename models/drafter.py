@@ -7,7 +7,7 @@ Two pieces, each a pure function of its inputs:
   through the drafter's MLPs; the caller appends these K/V to its context cache.
 - `block`: the block `[anchor, MASK, ...]` embedded with the target's `embed_tokens`,
   through every layer with queries from the block and keys/values from
-  `[context cache ; block]`, non-causal inside the block (sliding layers: see `_visible`).
+  `[context cache ; block]`, non-causal inside the block (sliding layers: see `block_mask`).
   The target's `lm_head` maps positions 1..K-1 to the draft logits.
 
 The drafter owns no embedding and no LM head: they are passed in from the target.
@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..runtime.errors import DFlashError
 from .config import DRAFT_ARCH, DraftConfig, TargetConfig
 from .layers import MLP, RMSNorm, apply_rope, attend, rope_cos_sin
 
@@ -76,60 +75,62 @@ class Drafter(nn.Module):
         cos, sin = rope_cos_sin(ctx_position_ids, self.inv_freq, ctx.dtype)
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
-    def _visible(self, j: int, p: int, k: int, device) -> torch.Tensor | None:
-        """Mask over [context (p) ; block (k)] for layer j, as z-lab's reference builds it.
+    def block_mask(self, j: int, ctx_len: int, k: int, anchors: torch.Tensor | None = None, device=None):
+        """Which keys each block query of layer j sees: [K, C+K] (inference), [N, K or 1, C+K]
+        (training), or None when it sees them all. One rule for both, as z-lab builds it.
 
-        Key index == position, because the context cache holds every position before the
-        anchor. Full-attention layers see everything (non-causal); sliding layers are causal
+        Keys are the C context slots (slot == position) then the block at positions a..a+K-1,
+        a the anchor's position. Inference (`anchors` None): the context holds exactly the
+        positions before the anchor, so a = C. Training: N blocks share one sequence-long
+        context, and row i hides slots >= its anchor (their features do not exist yet at
+        inference). Full-attention layers see the rest (non-causal); sliding layers are causal
         unless the config says `is_causal`, and see only keys within `sliding_window`.
         """
         window, causal = self.config.layer_window(j), self.config.layer_causal(j)
-        if window is None and not causal:
+        if anchors is None and window is None and not causal:
             return None
-        q = p + torch.arange(k, device=device)[:, None]
-        t = torch.arange(p + k, device=device)[None, :]
-        visible = torch.ones(k, p + k, dtype=torch.bool, device=device)
+        offsets = torch.arange(k, device=device)
+        q = (ctx_len + offsets)[None] if anchors is None else anchors[:, None] + offsets  # [N, K] query positions
+        n = q.shape[0]
+        ctx = torch.arange(ctx_len, device=device)[None].expand(n, ctx_len)
+        t = torch.cat([ctx, q], 1)[:, None, :]  # [N, 1, C+K] key positions
+        q = q[:, :, None]
+        visible = torch.ones(n, 1, ctx_len + k, dtype=torch.bool, device=device)  # broadcast over queries
+        if anchors is not None:  # context slots at or after the anchor are hidden; the block is not
+            visible = visible & torch.cat([ctx < anchors[:, None], torch.ones(n, k, dtype=torch.bool, device=device)], 1)[:, None, :]
         if causal:
             visible = visible & (t <= q)
         if window is not None:
             visible = visible & (q - t < window)
             if not causal:
                 visible = visible & (t - q < window)
-        return visible
+        return visible[0] if anchors is None else visible
 
     def block(self, block_emb: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
-              visible: torch.Tensor | None = None) -> torch.Tensor:
+              anchors: torch.Tensor | None = None) -> torch.Tensor:
         """Embedded block [B,K,H] over the context cache -> final hidden states [B,K,H].
 
-        The one drafter-layer loop: inference, the exported graph and training run it.
-        `visible` (training) is one mask [B,1,C+K] for every layer, replacing the per-layer
-        masks: B blocks share one context cache of C positions, each seeing its own prefix.
+        Training passes `anchors` [B]: each row's context is then a whole sequence's, and
+        `block_mask` hides what lies at or after the row's anchor.
         """
         x = block_emb
         b, k, _ = x.shape
         cos, sin = rope_cos_sin(block_position_ids, self.inv_freq, x.dtype)
         p = past_ctx[0][0].shape[1]
         for j, layer in enumerate(self.layers):
-            mask = self._visible(j, p, k, x.device)
-            if visible is not None:
-                if mask is not None:  # its window/causality is by key index == position: not true in a shared cache
-                    raise DFlashError(f"drafter layer {j} is sliding or causal; training supports full-attention "
-                                      "drafter layers only")
-                mask = visible
             a = layer.self_attn
             h = layer.input_layernorm(x)
             q = apply_rope(a.q_norm(a.q_proj(h).view(b, k, a.h, a.d)), cos, sin)
             kb, vb = a.kv(h, cos, sin)
-            keys = torch.cat([past_ctx[j][0], kb], 1)
-            values = torch.cat([past_ctx[j][1], vb], 1)
-            x = x + a.o_proj(attend(q, keys, values, mask))
+            keys = torch.cat([past_ctx[j][0].to(kb.dtype), kb], 1)  # .to: autocast training
+            values = torch.cat([past_ctx[j][1].to(vb.dtype), vb], 1)
+            x = x + a.o_proj(attend(q, keys, values, self.block_mask(j, p, k, anchors, x.device)))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
-    def draft_logits(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
-                     visible: torch.Tensor | None = None):
+    def draft_logits(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV):
         """Logits [B,K-1,V] (fp32) for the masked positions, with the target's embedding and head."""
-        hidden = self.block(target.embed(block_ids), block_position_ids, past_ctx, visible)
+        hidden = self.block(target.embed(block_ids), block_position_ids, past_ctx)
         return target.lm_head(hidden[:, 1:]).float()
 
     # -- z-lab format -------------------------------------------------------------------

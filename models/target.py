@@ -96,10 +96,11 @@ class Target(nn.Module):
         return self.logits(x), taps, new
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(x)).float()
+        """Final hidden states (after the norm, as `hidden` returns them) -> fp32 logits."""
+        return self.lm_head(x).float()
 
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: KV | KVCache):
-        """The decoder stack: last hidden state (before the final norm), taps, new K/V."""
+        """The decoder stack: last hidden state (after the final norm), taps, new K/V."""
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
         cache = past if isinstance(past, KVCache) else None
@@ -114,7 +115,12 @@ class Target(nn.Module):
                 kv = lambda k, v, i=i: (torch.cat([past[i][0], k], 1), torch.cat([past[i][1], v], 1))  # noqa: E731
             x, k, v = layer(x, cos, sin, kv, visible)
             new.append((k, v))
-            outs[i] = x  # tap i = raw output of decoder layer i (HF hidden_states[i + 1])
+            outs[i] = x
+        x = self.model.norm(x)
+        # tap i = transformers' hidden_states[i + 1]: the raw output of decoder layer i, except
+        # the last layer's, which transformers reports after the final norm (the z-lab drafters
+        # read hidden_states as they are)
+        outs[len(self.model.layers) - 1] = x
         taps = torch.cat([outs[i] for i in self.tap_ids], dim=-1) if self.tap_ids else x[..., :0]
         return x, taps, new
 

@@ -46,25 +46,18 @@ def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-(k - 1) / gamma)
 
 
-def context_visible(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """[N, 1, C+K] bool: context positions strictly before each anchor, and the whole block."""
-    ctx = torch.arange(context_len)[None, :] < anchors[:, None]
-    blk = torch.ones(len(anchors), block_size, dtype=torch.bool)
-    return torch.cat([ctx, blk], 1)[:, None, :]
-
-
 def block_logits(drafter, target, ctx_kv, seq_index: torch.Tensor, block_ids: torch.Tensor,
                  anchors: torch.Tensor) -> torch.Tensor:
     """Draft logits [N, K-1, V] for N blocks, block i over context `ctx_kv[seq_index[i]]` before anchor i.
 
-    The inference forward (`Drafter.draft_logits`), with each block's sequence cache whole
-    and a per-block context mask instead of a per-block cache.
+    The inference computation itself (`Drafter.block`, same layer loop and mask rule), with
+    a per-block context mask (`Drafter.block_mask`) instead of a per-block context cache.
     """
     k = block_ids.shape[1]
+    ctx = [(kc[seq_index], vc[seq_index]) for kc, vc in ctx_kv]
     positions = anchors[:, None] + torch.arange(k)[None]
-    past = [(kc[seq_index], vc[seq_index]) for kc, vc in ctx_kv]
-    visible = context_visible(anchors, ctx_kv[0][0].shape[1], k)
-    return drafter.draft_logits(target, block_ids, positions, past, visible)
+    hidden = drafter.block(target.embed(block_ids), positions, ctx, anchors)
+    return target.lm_head(hidden[:, 1:]).float()
 
 
 def sample_anchors(shard: Shard, rows: torch.Tensor, per_seq: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -197,6 +197,9 @@ class OrtBackend(Backend):
             return ort.InferenceSession(str(path), opts, providers=providers, **kwargs)
         except Exception as e:  # ORT raises its own types; one line for the user
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if self.manifest.dtype == "bf16" and self._provider == PROVIDERS["cpu"]:
+                raise DFlashError(f"{path}: ONNX Runtime's CPU provider cannot run bf16 graphs (not run here); use "
+                                  "--provider cuda or the TensorRT backend, or export with --dtype fp16/fp32") from None
             raise DFlashError(f"{path}: onnxruntime cannot load it ({first}); re-export the directory") from None
 
     def _alloc(self, shape: tuple, dtype: str):

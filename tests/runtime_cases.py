@@ -35,6 +35,8 @@ class Case:
     seed: int = 0
     max_context: int = 256
     hidden: int = 64
+    taps: tuple[int, ...] | None = None  # drafter's target_layer_ids (None: the z-lab default)
+    sliding: int | None = None  # window of a sliding-attention drafter layer (layer 1, or 0 if alone)
 
     @property
     def name(self) -> str:
@@ -42,10 +44,10 @@ class Case:
         return f"{self.arch}-L{self.layers}-D{self.draft_layers}-K{self.block}{b}"
 
 
-CASES = {
-    "qwen3": Case("qwen3", layers=3, draft_layers=2, block=8, bias=2.0),  # real acceptance
+CASES = {  # taps on the target's last layer: qwen3, llama, qwen3-b16 (llama/b16 by the default rule)
+    "qwen3": Case("qwen3", layers=3, draft_layers=2, block=8, bias=2.0, taps=(0, 2)),  # real acceptance
     "llama": Case("llama", layers=2, draft_layers=1, block=4, tie=True),  # tied, llama3 rope
-    "qwen2": Case("qwen2", layers=3, draft_layers=3, block=16, bias=1.0, seed=1),
+    "qwen2": Case("qwen2", layers=3, draft_layers=3, block=16, bias=1.0, seed=1, sliding=6),
     "qwen3-b16": Case("qwen3", layers=2, draft_layers=1, block=16, seed=2),
 }
 
@@ -87,7 +89,13 @@ def artifact(case: Case) -> tuple[Path, Path, Path]:
         make_target(tmp / "t", case.arch, seed=case.seed, layers=case.layers, tie=case.tie, hidden=case.hidden)
         if case.bias:
             _bias_target(tmp / "t", case.bias)
-        make_drafter(tmp / "d", tmp / "t", layers=case.draft_layers, block_size=case.block, seed=case.seed)
+        extra = {}
+        if case.sliding:
+            types = ["full_attention"] * case.draft_layers
+            types[min(1, case.draft_layers - 1)] = "sliding_attention"
+            extra = dict(layer_types=types, sliding_window=case.sliding)
+        make_drafter(tmp / "d", tmp / "t", layers=case.draft_layers, block_size=case.block, seed=case.seed,
+                     target_layer_ids=list(case.taps) if case.taps else None, **extra)
         export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=case.max_context, progress=False)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

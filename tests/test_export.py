@@ -1,4 +1,5 @@
-"""Export of a tiny Llama (tied embeddings, llama3 RoPE) with a 2-layer drafter, block 4.
+"""Export of a tiny Llama (tied embeddings, llama3 RoPE) with a 2-layer drafter, block 4,
+tapping layers 1 and 3 (the last: post-final-norm, as transformers' hidden_states).
 
 One artifact is exported per module and shared by every test; `check` is run through the
 CLI (parity per graph + 20 prompts end to end), the manifest, shared weights, op lint and
@@ -17,7 +18,7 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
-from dflash_export.testing import make_drafter, make_target
+from dflash_export.testing import exported_taps_error, make_drafter, make_target
 
 from dflash_export.cli import cli
 from dflash_export.export import trt_lint
@@ -33,7 +34,7 @@ def art(tmp_path_factory):
     d = tmp_path_factory.mktemp("llama")
     target = make_target(d / "target", "llama", layers=4, tie=True)
     (target / "tokenizer.json").write_text('{"version": "1.0"}')  # travels as is
-    draft = make_drafter(d / "draft", target, layers=2, block_size=4)
+    draft = make_drafter(d / "draft", target, layers=2, block_size=4, target_layer_ids=[1, 3])  # 3: the last layer
     out = d / "out"
     out.mkdir()
     (out / "stale.txt").write_text("replaced by --force")
@@ -70,6 +71,14 @@ def test_manifest_describes_the_files(art):
 def _externals(path: Path) -> dict[str, dict]:
     model = onnx.load(str(path), load_external_data=False)
     return {t.name: {e.key: e.value for e in t.external_data} for t in model.graph.initializer}
+
+
+def test_exported_taps_are_transformers_hidden_states(art):
+    _, target, _, out, m = art
+    assert m.target_layer_ids == [1, 3] and m.target_layers == 4
+    err = exported_taps_error(out, target)
+    print(f"llama: taps [1, 3] of 4 layers, max abs error {err:.2e}")
+    assert err <= 1e-4
 
 
 def test_shared_weights_are_stored_once(art):

@@ -11,7 +11,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from dflash_export.testing import make_drafter, make_target
+from dflash_export.testing import exported_taps_error, make_drafter, make_target
 
 from dflash_export.cli import cli
 from dflash_export.runtime import contract as C
@@ -60,3 +60,13 @@ def test_check_passes(art):
     assert sum(e2e["acceptance_histogram"]) > 20 and len(e2e["acceptance_histogram"]) == 16
     for rows in report["graphs"].values():
         assert all(row["passed"] for row in rows)
+
+
+def test_exported_taps_are_transformers_hidden_states(art):
+    """Every tap id, the target's last layer included (post-final-norm in transformers)."""
+    arch, target, draft, out = art
+    m = C.load_manifest(out)
+    assert m.target_layers - 1 in m.target_layer_ids
+    err = exported_taps_error(out, target)
+    print(f"{arch}: taps {m.target_layer_ids} of {m.target_layers} layers, max abs error {err:.2e}")
+    assert err <= 1e-4

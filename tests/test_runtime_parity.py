@@ -21,7 +21,6 @@ from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort import OrtBackend
 
 PROMPTS_PER_PAIR = 13
-ACCEPTED: dict[str, int] = {}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -33,7 +32,7 @@ def test_greedy_equals_oracle_and_transformers(name):
     be = OrtBackend(out)
     m = be.manifest
     eos = tuple(m.eos_token_ids)
-    cases = 0
+    cases = accepted = 0
     for i, prompt in enumerate(prompts(PROMPTS_PER_PAIR, m.vocab_size, seed=100 + len(name))):
         n = 24 + 5 * i
         g = generate(be, prompt, n)
@@ -46,13 +45,9 @@ def test_greedy_equals_oracle_and_transformers(name):
                               max_new_tokens=n, do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0])
         assert g.tokens == ref[0, len(prompt):].tolist(), (name, i)
         assert g.tokens == generate(be, prompt, n, draft=False).tokens
-        ACCEPTED[name] = ACCEPTED.get(name, 0) + sum(a > 1 for a in g.acceptance_lengths)
+        accepted += sum(a > 1 for a in g.acceptance_lengths)
         cases += 1
     assert cases == PROMPTS_PER_PAIR
+    if CASES[name].bias:  # the comparison is meaningful: biased pairs accept drafts (> 1 token) in many rounds
+        assert accepted > PROMPTS_PER_PAIR, (name, accepted)
 
-
-def test_suite_saw_real_acceptance():
-    """The comparison above is meaningful: biased pairs accepted drafts (> 1 token) in many rounds."""
-    if len(ACCEPTED) < len(CASES):
-        pytest.skip("runs after the parity tests (run the whole file)")
-    assert ACCEPTED["qwen3"] > 0 and ACCEPTED["qwen2"] > 0, ACCEPTED

@@ -12,10 +12,9 @@ from click.testing import CliRunner
 from train_fixtures import SAMPLE, make_tokenized_target
 
 from dflash_export.cli import cli
-from dflash_export.models import Drafter, Target, TargetConfig, new_drafter
+from dflash_export.models import Drafter, Target, TargetConfig, autoregressive_generate, new_drafter
 from dflash_export.models import train as T
 from dflash_export.models import train_data as D
-from dflash_export.runtime.errors import DFlashError
 
 torch.set_num_threads(1)
 
@@ -36,9 +35,11 @@ def test_loss_weights_follow_formula():
     assert w[0] == 1.0 and torch.all(w[1:] < w[:-1])
 
 
-def test_context_mask_excludes_anchor_and_after():
+def test_context_mask_excludes_anchor_and_after(tiny):
+    _, target_dir = tiny
+    drafter = new_drafter(TargetConfig.load(target_dir), num_layers=1, block_size=4, mask_token_id=1)
     anchors = torch.tensor([0, 3, 7])
-    vis = T.context_visible(anchors, context_len=10, block_size=4)[:, 0]
+    vis = drafter.block_mask(0, 10, 4, anchors)[:, 0]
     assert vis.shape == (3, 14)
     for i, a in enumerate(anchors.tolist()):
         ctx = vis[i, :10]
@@ -47,20 +48,24 @@ def test_context_mask_excludes_anchor_and_after():
         assert vis[i, 10:].all(), "the block sees all of itself (non-causal)"
 
 
-def test_training_forward_equals_inference(tiny):
+@pytest.mark.parametrize("layer_types,window", [(None, None), (["full_attention", "sliding_attention"], 3),
+                                                 (["sliding_attention", "sliding_attention"], 6)])
+def test_training_forward_equals_inference(tiny, layer_types, window):
     """A block in the batched training forward gives the logits the inference path gives
-    with a context cache of exactly the positions before its anchor."""
+    with a context cache of exactly the positions before its anchor, block for block, for
+    full and sliding-window (causal, windowed) layers alike."""
     _, target_dir = tiny
     torch.manual_seed(0)
     tc = TargetConfig.load(target_dir)
-    target = Target.from_pretrained(target_dir, tap_ids=[1, 2])
-    drafter = new_drafter(tc, num_layers=2, block_size=4, target_layer_ids=[1, 2], mask_token_id=1)
+    target = Target.from_pretrained(target_dir, tap_ids=[1, 3])
+    drafter = new_drafter(tc, num_layers=2, block_size=4, target_layer_ids=[1, 3], mask_token_id=1,
+                          layer_types=layer_types, sliding_window=window)
     with torch.no_grad():
         for p in drafter.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.1)
     tokens = torch.randint(3, 100, (2, 20))
-    anchors, seq_index = torch.tensor([5, 11, 9]), torch.tensor([0, 0, 1])
+    anchors, seq_index = torch.tensor([5, 11, 9, 0, 16]), torch.tensor([0, 0, 1, 1, 0])
     with torch.no_grad():
         pos = torch.arange(20)[None].expand(2, 20)
         _, taps, _ = target(tokens, pos, target.empty_kv(2))
@@ -75,24 +80,28 @@ def test_training_forward_equals_inference(tiny):
         leak = drafter.context_kv(taps[:1, :6], pos[:1, :6])
         leaked = drafter.draft_logits(target, block[:1], torch.arange(5, 9)[None], leak)
         assert (leaked - got[:1]).abs().max() > 1e-4
+        if window:  # the sliding layer's own mask matters too: the full-attention drafter differs
+            full = new_drafter(tc, num_layers=2, block_size=4, target_layer_ids=[1, 3], mask_token_id=1)
+            full.load_state_dict(drafter.state_dict())
+            assert (T.block_logits(full, target, ctx, seq_index, block, anchors) - got).abs().max() > 1e-4
 
 
-def test_training_forward_refuses_sliding_layers(tiny):
-    """The shared drafter loop takes one mask for every layer in training; a sliding layer's
-    window is by key index, which a shared context cache breaks: refused, not silently ignored."""
+def test_continue_batch_labels_are_plain_greedy_decoding(tiny):
+    """The training labels: each row of the batched generator (batched steps over an
+    in-place KV cache, last-position logits only) equals the target's plain autoregressive greedy decoding of that row,
+    token for token, also after a sampled prefix."""
     _, target_dir = tiny
-    tc = TargetConfig.load(target_dir)
-    target = Target.from_pretrained(target_dir, tap_ids=[1, 2])
-    drafter = new_drafter(tc, num_layers=2, block_size=4, target_layer_ids=[1, 2], mask_token_id=1,
-                          layer_types=["full_attention", "sliding_attention"], sliding_window=4)
-    tokens = torch.randint(3, 100, (1, 12))
-    pos = torch.arange(12)[None]
-    with torch.no_grad():
-        _, taps, _ = target(tokens, pos, target.empty_kv(1))
-        ctx = drafter.context_kv(taps, pos)
-        block, _, _ = T.block_batch(tokens, torch.tensor([12]), torch.tensor([0]), torch.tensor([5]), 4, 1)
-        with pytest.raises(DFlashError, match="drafter layer 1 is sliding"):
-            T.block_logits(drafter, target, ctx, torch.tensor([0]), block, torch.tensor([5]))
+    target = Target.from_pretrained(target_dir)
+    prompts = torch.randint(3, 100, (3, 7), generator=torch.Generator().manual_seed(0))
+    for sample_prefix in (0, 4):
+        s = D.continue_batch(target, prompts, 14, sample_prefix, generator=torch.Generator().manual_seed(1))
+        assert s.tokens.shape == (3, 21) and s.start == 7 + sample_prefix
+        assert torch.equal(s.tokens[:, :7], prompts)
+        for row in s.tokens.tolist():
+            assert row[s.start :] == autoregressive_generate(target, row[: s.start], 21 - s.start).tokens
+        if sample_prefix:  # the sampled prefix is not greedy everywhere (else this case tests nothing new)
+            greedy = D.continue_batch(target, prompts, 14).tokens
+            assert not torch.equal(greedy[:, 7 : s.start], s.tokens[:, 7 : s.start])
 
 
 def test_training_reduces_weighted_loss(tiny):
