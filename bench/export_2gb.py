@@ -85,7 +85,7 @@ def do_export(work: Path) -> dict:
     return {"export_s": round(time.perf_counter() - t0, 1), "export_peak_rss": peak_rss_bytes()}
 
 
-def do_load(work: Path) -> dict:
+def do_load(work: Path, low_memory: bool = False) -> dict:
     import numpy as np
 
     from dflash_export.runtime.contract import load_manifest
@@ -95,10 +95,10 @@ def do_load(work: Path) -> dict:
     t0 = time.perf_counter()
     load_manifest(work / "out")  # sha256 of every file
     t1 = time.perf_counter()
-    backend = OrtBackend(work / "out", verify=False)  # the runtime users run: shared weights, IO binding
+    backend = OrtBackend(work / "out", verify=False, low_memory=low_memory)  # the runtime users run
     t2 = time.perf_counter()
     g = generate(backend, [int(x) for x in np.arange(8) * 7 + 3], 8, stop_token_ids=())
-    return {"verify_manifest_s": round(t1 - t0, 1), "ort_load_s": round(t2 - t1, 1),
+    return {"low_memory": low_memory, "verify_manifest_s": round(t1 - t0, 1), "ort_load_s": round(t2 - t1, 1),
             "generate_8_tokens_s": round(time.perf_counter() - t2, 1), "ort_peak_rss": peak_rss_bytes(),
             "tokens": g.tokens}
 
@@ -106,6 +106,7 @@ def do_load(work: Path) -> dict:
 def child(step: str, work: Path, args) -> dict:
     cmd = [sys.executable, __file__, "--step", step, "--work", str(work), "--vocab", str(args.vocab),
            "--hidden", str(args.hidden), "--layers", str(args.layers), "--intermediate", str(args.intermediate)]
+    cmd += ["--low-memory"] if args.low_memory else []
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -117,6 +118,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=6144)
+    ap.add_argument("--low-memory", action="store_true", help="load with OrtBackend(low_memory=True): no prepacked LM head copies")
     ap.add_argument("--step", choices=["checkpoint", "export", "load"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.step == "checkpoint":
@@ -124,7 +126,7 @@ def main() -> None:
         print(json.dumps({}))
         return
     if args.step:
-        print(json.dumps(do_export(args.work) if args.step == "export" else do_load(args.work)))
+        print(json.dumps(do_export(args.work) if args.step == "export" else do_load(args.work, args.low_memory)))
         return
 
     import shutil
