@@ -146,6 +146,7 @@ def exported_taps_error(out: str | Path, target_dir: str | Path, n: int = 9, see
     """Max abs error of the exported target's taps (run by the ORT backend) against
     transformers' own `output_hidden_states[i + 1]` for every tap id of the artifact."""
     import numpy as np
+    import torch
 
     from .runtime.ort import OrtBackend
 
