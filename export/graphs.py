@@ -60,7 +60,8 @@ class SharedHead(nn.Module):
 
 
 class DraftBlockGraph(nn.Module):
-    """block ids + positions over the drafter's context cache -> draft_ids, draft_logits (fp32)."""
+    """block ids + positions over the drafter's context cache -> draft_ids, draft_logits (fp32),
+    draft_conf (fp32 top-1 probability per position: adaptive verify's input)."""
 
     def __init__(self, drafter, target):
         super().__init__()
@@ -69,7 +70,7 @@ class DraftBlockGraph(nn.Module):
 
     def forward(self, block_ids, block_position_ids, *past_ctx):
         logits = self.drafter.draft_logits(self.shared, block_ids, block_position_ids, _pairs(past_ctx))
-        return logits.argmax(-1), logits
+        return logits.argmax(-1), logits, torch.softmax(logits, -1).amax(-1)
 
 
 def _sample_sizes(block_size: int) -> dict[str, int]:

@@ -7,9 +7,9 @@ own choice at `a`, and keeps `a + 1` positions in the target cache (rollback = l
 The tokens are the prefill token plus every round's `a + 1`:
 `len(tokens) == 1 + sum(acceptance_lengths)` (less when a stop token or the limit cuts).
 
-At temperature > 0 the target's choice at each verified position is a sample (one uniform
-per position from one numpy stream, `runtime.sampling.choose`), the drafts are the
-drafter's argmax, and acceptance compares them: every emitted token is a target sample
+At temperature > 0 the target's choice at each verified position is a sample (the uniform
+of that absolute position, `runtime.sampling.position_uniforms` / `choose`), the drafts are
+the drafter's argmax, and acceptance compares them: every emitted token is a target sample
 given its prefix, so the output distribution is the target's own.
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..runtime.errors import DFlashError
-from ..runtime.sampling import accept, check_request, check_sampling, choose, cut_at_stop
+from ..runtime.sampling import accept, check_request, check_sampling, choose, cut_at_stop, position_uniforms
 from .kvcache import KVCache
 
 
@@ -68,7 +68,7 @@ def speculative_generate(
         raise DFlashError(f"block size must be >= 1 (got {k})")
     if not 0 <= mask_token_id < target.config.vocab_size:
         raise DFlashError(f"mask_token_id {mask_token_id} is outside the vocabulary [0, {target.config.vocab_size})")
-    rng = np.random.default_rng(seed)
+    u = position_uniforms(seed, max_length + 1)  # u[t]: the token at absolute position t
     stop = set(stop_token_ids)
     n = len(prompt)
     tcache, dcache = _target_cache(target, max_length), KVCache.for_model(drafter, max_length)
@@ -76,7 +76,7 @@ def speculative_generate(
     ids = torch.tensor([prompt])
     logits, taps, _ = target(ids, torch.arange(n)[None], tcache)
     tcache.commit(n)
-    anchor = int(choose(logits[0, -1:].numpy(), rng, temperature, top_k, top_p)[0])
+    anchor = int(choose(logits[0, -1:].numpy(), u[n:], temperature, top_k, top_p)[0])
     out, lengths, start = [anchor], [], n  # `start` = position of the anchor
     ctx_taps, ctx_pos = taps, torch.arange(n)[None]
     stopped = anchor in stop
@@ -89,7 +89,7 @@ def speculative_generate(
         s = min(k, max_length - start)  # verify no further than the generation can go
         verify = torch.tensor([[anchor] + drafts[: s - 1]])
         logits, taps, _ = target(verify, positions[:, :s], tcache)
-        choice = choose(logits[0].numpy(), rng, temperature, top_k, top_p).tolist()
+        choice = choose(logits[0].numpy(), u[start + 1 :], temperature, top_k, top_p).tolist()
         a = accept(drafts[: s - 1], choice[: s - 1])
         emitted = (drafts[:a] + [choice[a]])[: max_length - start - 1]
         emitted, stopped = cut_at_stop(emitted, stop)
@@ -120,14 +120,14 @@ def autoregressive_generate(
     """Plain decoding of the target, one token per step, on the same static cache."""
     check_sampling(temperature, top_k, top_p)
     max_length = check_request(prompt, max_new_tokens, target.config.vocab_size, max_context)
-    rng = np.random.default_rng(seed)
+    u = position_uniforms(seed, max_length + 1)
     cache = _target_cache(target, max_length)
     ids, pos = torch.tensor([prompt]), torch.arange(len(prompt))[None]
     out: list[int] = []
     while True:
         logits, _, _ = target(ids, pos, cache)
         cache.commit(ids.shape[1])
-        tok = int(choose(logits[0, -1:].numpy(), rng, temperature, top_k, top_p)[0])
+        tok = int(choose(logits[0, -1:].numpy(), u[cache.length :], temperature, top_k, top_p)[0])
         out.append(tok)
         if tok in stop_token_ids:
             return Generation(out, [1] * (len(out) - 1), True)

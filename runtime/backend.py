@@ -52,6 +52,7 @@ class Backend(ABC):
     target_len: int = 0
     context_len: int = 0
     _pending: int = 0  # positions written by the last `target` call, not yet committed
+    draft_conf: np.ndarray | None = None  # [K-1] top-1 probabilities of the last draft_block (None: not exported)
 
     # -- the four operations the loop uses ------------------------------------------------
 
@@ -93,8 +94,9 @@ class Backend(ABC):
         """One drafter pass over [anchor, mask x (K-1)] at positions context_len .. context_len+K-1.
 
         K is the manifest's block_size (static). Attends to context slots [0, context_len)
-        and the block (non-causal). Returns draft_ids [K-1] int64 (in-graph ArgMax). Caches
-        nothing: the block's own K/V are never kept.
+        and the block (non-causal). Returns draft_ids [K-1] int64 (in-graph ArgMax) and sets
+        `draft_conf` (their top-1 probabilities, for adaptive verify) when the graph has it.
+        Caches nothing: the block's own K/V are never kept.
         """
 
     # -- lifecycle ------------------------------------------------------------------------

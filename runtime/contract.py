@@ -19,6 +19,9 @@ manifest's `shared` table (file, offset, length, dtype, shape, graphs): the targ
 embedding and LM head (target + draft_block, as `SHARED_INITIALIZERS`; tied embeddings
 are two names over the same bytes) and the drafter weights both drafter graphs read
 (the K/V projections). Each graph's other weights are in `<graph>.data`.
+
+`runtime.json` (runtime/settings.py: measured threads, verify policy) may sit beside the
+manifest: it is the one file the hash check allows without listing it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .errors import DFlashError
 FORMAT = "dflash-export"
 FORMAT_VERSION = 2  # 2: the `shared` weight table; 1: shared weights found by parsing target.onnx
 MANIFEST = "manifest.json"
+RUNTIME = "runtime.json"  # measured runtime choices (runtime/settings.py): allowed, never hashed
 SHARED_DATA = "shared.data"
 
 TARGET = "target"
@@ -67,6 +71,7 @@ NUMPY_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 INPUT_IDS, POSITION_IDS, LOGITS, NEXT_IDS, TAPS = "input_ids", "position_ids", "logits", "next_ids", "taps"
 CTX_POSITION_IDS = "ctx_position_ids"
 BLOCK_IDS, BLOCK_POSITION_IDS, DRAFT_IDS, DRAFT_LOGITS = "block_ids", "block_position_ids", "draft_ids", "draft_logits"
+DRAFT_CONF = "draft_conf"  # top-1 probability per draft: what adaptive verify reads
 POSITIONS = (POSITION_IDS, CTX_POSITION_IDS, BLOCK_POSITION_IDS)  # each graph's position input
 
 
@@ -128,7 +133,8 @@ GRAPHS: dict[str, Graph] = {
             Tensor(BLOCK_POSITION_IDS, (BATCH, BLOCK), INT64),
             *PAST_CTX_KV,
         ),
-        outputs=(Tensor(DRAFT_IDS, (BATCH, DRAFTS), INT64), Tensor(DRAFT_LOGITS, (BATCH, DRAFTS, VOCAB), FLOAT32)),
+        outputs=(Tensor(DRAFT_IDS, (BATCH, DRAFTS), INT64), Tensor(DRAFT_LOGITS, (BATCH, DRAFTS, VOCAB), FLOAT32),
+                 Tensor(DRAFT_CONF, (BATCH, DRAFTS), FLOAT32)),
     ),
 }
 GRAPH_FILES = {g: spec.file for g, spec in GRAPHS.items()}
@@ -330,7 +336,7 @@ def hash_files(root: Path) -> dict[str, str]:
     """sha256 of every file under root except the manifest itself, by relative posix path."""
     out = {}
     for p in sorted(root.rglob("*")):
-        if p.is_file() and p.name != MANIFEST:
+        if p.is_file() and p.relative_to(root).as_posix() not in (MANIFEST, RUNTIME):
             out[p.relative_to(root).as_posix()] = sha256_file(p)
     return out
 
@@ -385,5 +391,5 @@ def verify_files(root: Path, manifest: Manifest) -> None:
     listed = set(manifest.files)
     for p in root.rglob("*"):
         rel = p.relative_to(root).as_posix()
-        if p.is_file() and p.name != MANIFEST and rel not in listed:
+        if p.is_file() and rel not in (MANIFEST, RUNTIME) and rel not in listed:
             raise DFlashError(f"{root}: {rel} is not listed in the manifest; remove it or re-export the directory")

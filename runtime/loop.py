@@ -8,6 +8,13 @@ drafts equal the target's choices, adds the target's choice after it, and keeps 
 `produced` positions (anchor + accepted) in both caches. Rollback is the backend's valid
 length. With `draft=False` the same loop is plain decoding (K = 1: no drafts, verify the
 anchor alone), the baseline every speedup is measured against.
+
+Adaptive verify (`verify=VerifyPolicy`, runtime/settings.py) verifies only the confident
+prefix of the drafts, from the drafter's top-1 probabilities: on a CPU, where a verify
+costs in proportion to its length, the unlikely tail is not worth its time. Still
+lossless: the target chooses every emitted token, a shorter verify only ends the round
+sooner. Sampling draws the uniform of each absolute position (sampling.position_uniforms),
+so a sampled output does not depend on how many positions the rounds verified.
 """
 
 from __future__ import annotations
@@ -20,13 +27,15 @@ import numpy as np
 
 from .backend import Backend
 from .errors import DFlashError
-from .sampling import accept, check_request, check_sampling, choose, cut_at_stop
+from .sampling import accept, check_request, check_sampling, choose, cut_at_stop, position_uniforms
+from .settings import VerifyPolicy
 
 
 @dataclass
 class Generation:
     tokens: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens emitted per round
+    verify_lengths: list[int] = field(default_factory=list)  # positions the target verified per round
     stopped: bool = False  # ended on a stop token
     prompt_len: int = 0
     reused: int = 0  # prompt positions found in the caches (not prefilled)
@@ -39,6 +48,10 @@ class Generation:
     @property
     def tau(self) -> float:
         return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
+
+    @property
+    def mean_verify_len(self) -> float:
+        return float(np.mean(self.verify_lengths)) if self.verify_lengths else 0.0
 
     @property
     def decode_s(self) -> float:
@@ -69,6 +82,7 @@ def stream(
     draft: bool = True,
     prefill_chunk: int = 256,
     reuse: int = 0,
+    verify: VerifyPolicy | None = None,
     out: Generation | None = None,
 ) -> Iterator[list[int]]:
     """Yield the tokens of each round as it is accepted; statistics accumulate in `out`.
@@ -84,7 +98,7 @@ def stream(
         raise DFlashError("this backend was loaded without the drafter; use autoregressive mode (--no-draft)")
     g = out if out is not None else Generation()
     stop = set(m.eos_token_ids if stop_token_ids is None else stop_token_ids)
-    rng = np.random.default_rng(seed)
+    u = position_uniforms(seed, max_length + 1) if temperature > 0 else None  # u[t]: token at position t
     sample = temperature > 0
     k = m.block_size if draft else 1
     chunk = min(prefill_chunk, backend.max_chunk)
@@ -101,7 +115,7 @@ def stream(
         backend.commit(len(ids))
         if draft:
             backend.draft_context(len(ids))
-    anchor = int(choose(res.logits[-1:], rng, temperature, top_k, top_p)[0] if sample else res.next_ids[-1])
+    anchor = int(choose(res.logits[-1:], u[len(prompt):], temperature, top_k, top_p)[0] if sample else res.next_ids[-1])
     start, g.stopped = len(prompt), anchor in stop  # `start` = position of the anchor
     g.tokens.append(anchor)
     g.prefill_s = g.total_s = clock() - t0
@@ -112,9 +126,11 @@ def stream(
         drafts = backend.draft_block(anchor).tolist() if draft else []
         t2 = clock()
         s = min(k, max_length - start)
+        if verify is not None and draft:
+            s = verify.length(backend.draft_conf, s)
         res = backend.target(np.asarray([anchor] + drafts[: s - 1], np.int64), want_logits=sample)
         t3 = clock()
-        choice = (choose(res.logits, rng, temperature, top_k, top_p) if sample else res.next_ids).tolist()
+        choice = (choose(res.logits, u[start + 1 :], temperature, top_k, top_p) if sample else res.next_ids).tolist()
         a = accept(drafts[: s - 1], choice[: s - 1])
         emitted = (drafts[:a] + [choice[a]])[: max_length - start - 1]
         emitted, g.stopped = cut_at_stop(emitted, stop)
@@ -131,6 +147,7 @@ def stream(
         g.verify_s += t3 - t2
         g.tokens += emitted
         g.acceptance_lengths.append(produced)
+        g.verify_lengths.append(s)
         g.total_s += t5 - t1  # the consumer's time between rounds is not ours
         yield emitted
 

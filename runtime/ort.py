@@ -94,6 +94,7 @@ class OrtBackend(Backend):
         *,
         max_chunk: int = 256,
         threads: int | None = None,
+        spin: bool = False,
         drafter: bool = True,
         verify: bool = True,
         low_memory: bool = False,
@@ -114,13 +115,11 @@ class OrtBackend(Backend):
         self._shared_ov = {
             n: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a, t) for n, (a, t) in self._shared.items()
         }
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = threads
-        self.sessions = {C.TARGET: self._session(C.TARGET, opts)}
+        self.threads, self.spin = threads, spin  # threads None: ORT's own default (one per core)
+        self.sessions = {C.TARGET: self._session(C.TARGET)}
         if drafter:
-            self.sessions[C.DRAFT_CONTEXT] = self._session(C.DRAFT_CONTEXT, opts)
-            self.sessions[C.DRAFT_BLOCK] = self._session(C.DRAFT_BLOCK, opts)
+            self.sessions[C.DRAFT_CONTEXT] = self._session(C.DRAFT_CONTEXT)
+            self.sessions[C.DRAFT_BLOCK] = self._session(C.DRAFT_BLOCK)
         self._alloc_state()
 
     def _alloc_state(self) -> None:
@@ -161,6 +160,7 @@ class OrtBackend(Backend):
             self.block_ids = np.full((1, K), m.mask_token_id, np.int64)
             self.draft_ids = np.empty((1, K - 1), np.int64)
             self._draft_logits = self._alloc((1, K - 1, V), "float32")
+            self._conf = np.empty((1, K - 1), np.float32)
 
     def fork(self) -> "OrtBackend":
         """Another sequence over the same sessions (one copy of the weights): its own KV
@@ -174,9 +174,12 @@ class OrtBackend(Backend):
 
     # -- setup ---------------------------------------------------------------------------
 
-    def _session(self, graph: str, base: ort.SessionOptions) -> ort.InferenceSession:
+    def _session(self, graph: str) -> ort.InferenceSession:
         opts = ort.SessionOptions()
-        opts.intra_op_num_threads = base.intra_op_num_threads
+        if self.threads:
+            opts.intra_op_num_threads = self.threads
+        # spinning workers burn the other vCPU between calls: ~2x slower calls on shared machines
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spin else "0")
         path = self.directory / self.manifest.graphs[graph].file
         for name, t in self.manifest.shared.items():
             if graph in t.graphs:
@@ -295,7 +298,9 @@ class OrtBackend(Backend):
             self._bind(g, C.past_ctx_value(j), self.ctx[2 * j + 1], past_ctx=P)
         self._bind(g, C.DRAFT_IDS, self.draft_ids)
         self._bind(g, C.DRAFT_LOGITS, self._draft_logits)
+        self._bind(g, C.DRAFT_CONF, self._conf)
         self.sessions[g].run_with_iobinding(self._io[g])
+        self.draft_conf = self._conf[0]
         return self.draft_ids[0]
 
     def close(self) -> None:

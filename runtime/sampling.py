@@ -1,7 +1,11 @@
 """Sampling and request rules shared by the PyTorch oracle and every runtime backend.
 
-Both sides call `choose` with float logits and the same `numpy.random.Generator`, so given
-equal logits they draw exactly the same tokens: one uniform per position, inverse CDF.
+Both sides call `choose` with float logits and uniforms from `position_uniforms`: one
+uniform per absolute position of the sequence, drawn once from the seed. The token at
+position t is the inverse CDF of the target's distribution at t evaluated at u[t], however
+many positions a round verified and however the rounds fell, so speculative sampling
+(full or adaptive verify) and plain sampling with the same seed and equal logits produce
+the same tokens, and each token is an exact target sample given its prefix.
 Temperature 0 is argmax (first index on ties, like torch.argmax and ONNX ArgMax).
 """
 
@@ -41,19 +45,25 @@ def probabilities(logits: np.ndarray, temperature: float, top_k: int = 0, top_p:
     return p
 
 
+def position_uniforms(seed: int, length: int) -> np.ndarray:
+    """u[t] for every absolute position t < length: the sampling randomness of the token at t."""
+    return np.random.default_rng(seed).random(length)
+
+
 def choose(
     logits: np.ndarray,
-    rng: np.random.Generator | None,
+    u: np.ndarray | None,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
 ) -> np.ndarray:
-    """The target's choice at each row of logits [n, V]: argmax, or one sample per row."""
+    """The target's choice at each row of logits [n, V]: argmax, or the inverse CDF at u[row]
+    (`u`: the uniforms of the positions these rows choose, from `position_uniforms`)."""
     logits = np.asarray(logits)
     if temperature == 0:
         return logits.argmax(axis=-1).astype(np.int64)
     p = probabilities(logits, temperature, top_k, top_p)
-    u = rng.random(p.shape[0])
+    u = np.asarray(u, dtype=np.float64)[: p.shape[0]]
     cdf = np.cumsum(p, axis=-1)
     idx = (cdf < (u * cdf[:, -1])[:, None]).sum(axis=-1)
     return np.minimum(idx, p.shape[-1] - 1).astype(np.int64)

@@ -206,8 +206,8 @@ def test_probabilities_support():
         keep = set(np.nonzero(probabilities(logits, 1.0, top_p=top_p)[0])[0])
         mass_before = np.cumsum(full[0][order]) - full[0][order]
         assert keep == {int(i) for i, m in zip(order, mass_before) if m < top_p}  # smallest set reaching top_p
-    rng = np.random.default_rng(0)
-    draws = np.concatenate([choose(np.repeat(logits, 500, 0), rng, 1.0, top_k=3, top_p=0.9)])
+    u = np.random.default_rng(0).random(500)
+    draws = choose(np.repeat(logits, 500, 0), u, 1.0, top_k=3, top_p=0.9)
     allowed = set(np.nonzero(probabilities(logits, 1.0, 3, 0.9)[0])[0])
     assert set(draws.tolist()) == allowed  # every kept token drawn, nothing else
 

@@ -1,0 +1,121 @@
+"""Measured runtime choices of one exported directory: `runtime.json` beside the manifest.
+
+The graphs say what to compute; this file says how fast to run them on a given machine:
+intra-op threads, ORT spinning and the adaptive verify policy, as `bench --calibrate`
+measured them. It is allowed in the directory but not hashed (contract.RUNTIME), so
+calibrating never touches a graph hash. One entry per device key ("ort:cpu", "ort:cuda",
+"trt"), so one artifact can carry the choices of several devices.
+
+Defaults without a calibration never make things slower than the measured alternatives on
+a shared 2-vCPU machine (docs/speed.md): spinning off, the full block, and 1 thread for
+small graphs (hidden < 1024), where a second thread only adds synchronisation, else one
+thread per CPU (real-size graphs are memory-bound and gain from it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .contract import RUNTIME, Manifest
+from .errors import DFlashError
+
+RUNTIME_FORMAT = "dflash-export-runtime"
+WIDE = 1024  # hidden size from which graphs are memory-bound enough to gain from more threads
+
+
+@dataclass
+class VerifyPolicy:
+    """Verify 1 + (leading drafts whose cumulative top-1 probability >= theta) positions,
+    at least `min_len`; theta 0 verifies the whole block. Lossless for any values: the
+    target still decides every emitted token, fewer positions only end a round earlier."""
+
+    theta: float = 0.0
+    min_len: int = 1
+
+    def length(self, conf: np.ndarray | None, s_max: int) -> int:
+        if self.theta <= 0 or conf is None or s_max <= 1:
+            return s_max
+        confident = int((np.cumprod(conf[: s_max - 1]) >= self.theta).sum())  # cumprod never grows
+        return min(s_max, max(self.min_len, 1 + confident))
+
+
+FULL = VerifyPolicy()
+
+
+@dataclass
+class Settings:
+    threads: int | None = None  # intra-op threads of every graph (None: default_threads)
+    spin: bool = False  # ORT intra-op spinning (on costs ~2x on shared vCPUs)
+    verify: VerifyPolicy | None = None  # None: the whole block
+    measured: dict = field(default_factory=dict)  # what the calibration saw, for the record
+
+
+def device_key(backend: str, provider: str = "cpu") -> str:
+    return "trt" if backend == "trt" else f"ort:{provider}"
+
+
+def default_threads(manifest: Manifest) -> int:
+    """Threads when nothing was calibrated: 1 for small graphs, else every CPU."""
+    return 1 if manifest.hidden_size < WIDE else max(1, os.cpu_count() or 1)
+
+
+def _read(root: Path) -> dict:
+    path = Path(root) / RUNTIME
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DFlashError(f"{path}: unreadable ({e}); delete it or rerun `dflash-export bench --calibrate`") from None
+    if not isinstance(raw, dict) or raw.get("format") != RUNTIME_FORMAT or not isinstance(raw.get("devices"), dict):
+        raise DFlashError(f"{path}: not a {RUNTIME_FORMAT} file; delete it or rerun `dflash-export bench --calibrate`")
+    return raw
+
+
+def load_settings(root: str | Path, key: str) -> Settings:
+    """The calibrated settings for device `key`, or the defaults (all None / off)."""
+    entry = _read(Path(root))["devices"].get(key) if (Path(root) / RUNTIME).is_file() else None
+    if entry is None:
+        return Settings()
+    try:
+        v = entry.get("verify")
+        s = Settings(threads=entry.get("threads"), spin=bool(entry.get("spin", False)),
+                     verify=VerifyPolicy(float(v["theta"]), int(v["min_len"])) if v else None,
+                     measured=entry.get("measured", {}))
+    except (TypeError, KeyError, ValueError, AttributeError) as e:
+        raise DFlashError(f"{Path(root) / RUNTIME}: malformed entry {key!r} ({e}); rerun `dflash-export bench --calibrate`") from None
+    if s.threads is not None and (not isinstance(s.threads, int) or s.threads < 1):
+        raise DFlashError(f"{Path(root) / RUNTIME}: threads must be a positive integer (got {s.threads!r})")
+    return s
+
+
+def save_settings(root: str | Path, key: str, settings: Settings) -> Path:
+    """Write (atomically) the entry for `key`, keeping other devices' entries."""
+    root = Path(root)
+    raw = _read(root) or {"format": RUNTIME_FORMAT, "version": 1, "devices": {}}
+    raw["devices"][key] = asdict(settings)
+    path, tmp = root / RUNTIME, root / (RUNTIME + ".tmp")
+    tmp.write_text(json.dumps(raw, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def resolve(root: str | Path, manifest: Manifest, key: str, *, threads: int | None = None, spin: bool | None = None,
+            verify: str = "auto") -> Settings:
+    """What one run uses: explicit options over the calibrated file over the defaults."""
+    if verify not in ("auto", "full"):
+        raise DFlashError(f"--verify must be full or auto (got {verify!r})")
+    if threads is not None and threads < 1:
+        raise DFlashError(f"--threads must be >= 1 (got {threads})")
+    s = load_settings(root, key)
+    return Settings(
+        threads=threads or s.threads or default_threads(manifest),
+        spin=s.spin if spin is None else spin,
+        verify=s.verify if verify == "auto" else None,
+        measured=s.measured,
+    )
