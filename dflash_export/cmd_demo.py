@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from .runtime.errors import DFlashError
+from .cmd_run import spin_option, threads_option, verify_option
 
 STREAMED = 3  # prompts printed as they decode; the rest are measured quietly
 
@@ -39,16 +40,17 @@ def demo_prompts(prompt: str | None, n: int) -> list[str]:
 @click.option("--prompt", default=None, help="your own prompt (default: the shipped held-out prompts)")
 @click.option("--prompts", "n_prompts", default=24, show_default=True,
               help=f"how many held-out prompts to measure (the first {STREAMED} are streamed)")
-@click.option("--threads", default=1, show_default=True,
-              help="ONNX Runtime threads. 1 is fastest for this small pair on a 2-vCPU machine: "
-                   "measured with `bench`, 2 threads made the 16-token verify ~1.7x slower")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--pair", type=click.Path(path_type=Path), default=None,
               help="folder with target/ and draft/ (default: the shipped pair)")
 @click.option("-v", "--verbose", is_flag=True, help="print the full parity table")
-def demo(out, prompt, n_prompts, max_new_tokens, threads, pair, verbose):
-    """The shipped pair end to end, offline: export -> parity check -> streamed speculative
-    decoding on held-out prompts (ONNX Runtime, CPU) -> tau, tokens/s and speedup vs plain decoding.
+@threads_option
+@spin_option
+@verify_option
+def demo(out, prompt, n_prompts, max_new_tokens, pair, verbose, threads, spin, verify):
+    """The shipped pair end to end, offline: export -> parity check -> calibration (threads,
+    adaptive verify: runtime.json) -> streamed speculative decoding on held-out prompts (ONNX
+    Runtime, CPU) -> tau, tokens/s and speedup vs plain decoding.
     """
     import tempfile
 
@@ -87,31 +89,52 @@ def demo(out, prompt, n_prompts, max_new_tokens, threads, pair, verbose):
     if not report.passed:
         raise DFlashError(f"the parity check failed for {art}; rerun with --verbose for the table")
 
-    console.rule("[bold]3. speculative decoding (ONNX Runtime, CPU, greedy)")
+    console.rule("[bold]3. calibration (threads, adaptive verify -> runtime.json)")
+    from tokenizers import Tokenizer
+
+    from .cmd_run import BUILTIN_PROMPTS, _settings, calibrate
+    from .runtime.calibrate import thread_candidates
+
+    tok = Tokenizer.from_file(str(art / "tokenizer.json"))
+    base = _settings(art, "cpu", "ort", threads, spin, "full")
+    candidates = thread_candidates() if threads is None else [base.threads]
     t0 = clock()
-    result = decode(console, art, texts, max_new_tokens, threads)
+    if verify == "auto":  # calibrated on the built-in prompts, measured below on the held-out ones
+        calibrate(art, "cpu", "ort", candidates, base.spin, [tok.encode(p).ids for p in BUILTIN_PROMPTS],
+                  max_new_tokens, 1, log=lambda msg: console.print(f"calibrate: {msg}", markup=False))
+    t_cal = clock() - t0
+    cfg = _settings(art, "cpu", "ort", threads, spin, verify)
+
+    console.rule(f"[bold]4. speculative decoding (ONNX Runtime, CPU, greedy, {cfg.threads} thread(s))")
+    t0 = clock()
+    result = decode(console, art, texts, max_new_tokens, cfg, candidates)
     t_gen = clock() - t0
     print_result(console, result, len(texts), max_new_tokens)
-    console.print(f"export {t_export:.0f}s, parity check {t_check:.0f}s, generation {t_gen:.0f}s; artifact in {art}")
+    console.print(f"export {t_export:.0f}s, parity check {t_check:.0f}s, calibration {t_cal:.0f}s, "
+                  f"generation {t_gen:.0f}s; artifact in {art}")
     if not result["lossless"]:
         raise DFlashError("speculative output differs from plain greedy decoding: the lossless property is broken")
 
 
-def decode(console, art: Path, texts: list[str], max_new_tokens: int, threads: int) -> dict:
+def decode(console, art: Path, texts: list[str], max_new_tokens: int, cfg, candidates: list[int]) -> dict:
     """Stream the first prompts (prompt first, then the continuation), measure all of them
-    speculative and plain, and return the bench report (runtime/measure.py)."""
+    speculative (with `cfg`'s threads and verify policy) and plain (at every candidate thread
+    count: the best is the fair baseline), and return the bench report (runtime/measure.py)."""
     from tokenizers import Tokenizer
 
+    from .cmd_run import _policy_json
     from .runtime.loop import Generation, generate, stream
-    from .runtime.measure import summarize
+    from .runtime.measure import rate, summarize
     from .runtime.ort import OrtBackend
 
     tok = Tokenizer.from_file(str(art / "tokenizer.json"))
-    backend = OrtBackend(art, "cpu", threads=threads)
+    backends = {t: OrtBackend(art, "cpu", threads=t, spin=cfg.spin) for t in sorted(set(candidates) | {cfg.threads})}
+    backend = backends[cfg.threads]
     warm = tok.encode(texts[0]).ids
-    generate(backend, warm, 16, draft=True)  # untimed warm-up of both paths
-    generate(backend, warm, 16, draft=False)
-    spec, base = [], []
+    for be in backends.values():  # untimed warm-up of both paths
+        generate(be, warm, 16, draft=True, verify=cfg.verify)
+        generate(be, warm, 16, draft=False)
+    spec, base_by = [], {t: [] for t in backends}
     for i, text in enumerate(texts):
         ids = tok.encode(text).ids
         room = backend.manifest.max_context - len(ids)
@@ -122,17 +145,23 @@ def decode(console, art: Path, texts: list[str], max_new_tokens: int, threads: i
             console.print(f"[dim]--- prompt {i + 1}/{len(texts)} ({len(ids)} tokens) ---[/]")
             console.print(text.rstrip("\n")[-400:], style="dim", markup=False, highlight=False)
             console.print("[dim]--- continuation (speculative, streamed) ---[/]")
-            for emitted in stream(backend, ids, n, out=g):
+            for emitted in stream(backend, ids, n, verify=cfg.verify, out=g):
                 console.print(tok.decode(emitted), end="", style="bold green", markup=False, highlight=False, soft_wrap=True)
             console.print()
         else:
             if i == STREAMED:
                 console.print(f"[dim]--- prompts {STREAMED + 1}-{len(texts)}: measured without printing ---[/]")
-            for _ in stream(backend, ids, n, out=g):
+            for _ in stream(backend, ids, n, verify=cfg.verify, out=g):
                 pass
         spec.append(g)
-        base.append(generate(backend, ids, n, draft=False))
-    return summarize(spec, base, backend.manifest.block_size)
+        for t, be in backends.items():
+            base_by[t].append(generate(be, ids, n, draft=False))
+    r = summarize(spec, base_by[cfg.threads], backend.manifest.block_size)
+    best = max(base_by, key=lambda t: rate(base_by[t]))
+    r.update(threads=cfg.threads, verify=_policy_json(cfg.verify), best_plain_threads=best,
+             speedup_vs_best_plain=rate(spec) / rate(base_by[best]),
+             lossless=r["lossless"] and all(s.tokens == b.tokens for bs in base_by.values() for s, b in zip(spec, bs)))
+    return r
 
 
 def print_result(console, r: dict, prompts: int, max_new_tokens: int) -> None:
@@ -145,8 +174,12 @@ def print_result(console, r: dict, prompts: int, max_new_tokens: int) -> None:
     table.add_column("plain decoding", justify="right")
     t = r["tokens_per_second"]
     table.add_row("tau (tokens per target call)", f"{r['tau']:.2f}", "1.00")
+    table.add_row("positions verified per round", f"{r['mean_verify_len']:.1f}", "1.0")
     table.add_row("tokens/s (decode)", f"{t['speculative']:.0f}", f"{t['autoregressive']:.0f}")
-    table.add_row("speedup", f"{r['speedup']:.2f}x", "1.00x")
+    table.add_row(f"speedup ({r['threads']} thread(s), verify {r['verify']})", f"{r['speedup']:.2f}x", "1.00x")
+    table.add_row(f"speedup vs plain at its best thread count ({r['best_plain_threads']})",
+                  f"{r['speedup_vs_best_plain']:.2f}x", "")
+    table.add_row("loop efficiency (speedup / ideal from call costs)", f"{r['loop_efficiency']:.3f}", "")
     split = r["time_split_s"]
     for k in ("prefill", "draft", "verify", "host"):
         table.add_row(f"time: {k} (s)", f"{split['speculative'][k]:.3f}", f"{split['autoregressive'][k]:.3f}")

@@ -45,22 +45,42 @@ def _parse_ids(text: str, what: str) -> list[int]:
         raise DFlashError(f"{what} must be comma-separated integers (got {text!r})") from None
 
 
-def _backend(out: str, provider: str, drafter: bool = True, backend: str = "ort", threads: int | None = None):
-    from .runtime.backend import open_backend
+def _settings(out, provider: str, backend: str, threads: int | None, spin: bool | None, verify: str):
+    """The run's settings: --threads/--spin/--verify over runtime.json over the defaults (runtime/settings.py)."""
+    from .runtime.contract import load_manifest
+    from .runtime.settings import device_key, resolve
 
+    m = load_manifest(out, verify=False)  # the backend verifies the hashes when it loads
+    return resolve(out, m, device_key(backend, provider), threads=threads, spin=spin, verify=verify)
+
+
+def _backend(out, provider: str, drafter: bool = True, backend: str = "ort", threads: int | None = None,
+             spin: bool | None = None, verify: str = "auto"):
+    """(backend, settings): one place where generate, bench and demo (and serve) open a directory."""
+    from .runtime.backend import open_backend, ort_backend_class
+
+    if backend == "ort":
+        ort_backend_class()  # the install hint comes before anything about the directory
+    cfg = _settings(out, provider, backend, threads, spin, verify)
     if backend == "trt":
-        return open_backend(out, "trt", drafter=drafter)
-    if threads is not None and threads < 1:
-        raise DFlashError(f"--threads must be >= 1 (got {threads})")
-    return open_backend(out, "ort", provider, drafter=drafter, threads=threads)
+        return open_backend(out, "trt", drafter=drafter), cfg
+    return open_backend(out, "ort", provider, drafter=drafter, threads=cfg.threads, spin=cfg.spin), cfg
 
 
 provider_option = click.option(
     "--provider", default="cpu", show_default=True, help="ONNX Runtime execution provider: cpu | cuda | tensorrt."
 )
 threads_option = click.option(
-    "--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: one per physical core)."
-)
+    "--threads", type=int, default=None,
+    help="ONNX Runtime intra-op threads of every graph (default: runtime.json's calibrated count, else 1 for "
+         "small models and one per CPU from hidden size 1024).")
+spin_option = click.option(
+    "--spin/--no-spin", default=None,
+    help="Let ORT's idle threads spin (default off: spinning made calls ~2x slower on shared vCPUs).")
+verify_option = click.option(
+    "--verify", type=click.Choice(["auto", "full"]), default="auto", show_default=True,
+    help="auto: verify the drafter's confident prefix as runtime.json's calibrated policy says (the full block "
+         "when there is none); full: always the whole block.")
 backend_option = click.option(
     "--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
     help="ort: ONNX Runtime (see --provider); trt: the TensorRT engines of `dflash-export build`.",
@@ -83,8 +103,10 @@ backend_option = click.option(
 @provider_option
 @backend_option
 @threads_option
+@spin_option
+@verify_option
 def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids, no_draft, stream, as_json, provider,
-             backend, threads):
+             backend, threads, spin, verify):
     """Speculative decoding of a prompt with an exported directory OUT."""
     from .runtime.loop import Generation
     from .runtime.loop import stream as run
@@ -96,7 +118,7 @@ def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p,
     check_sampling(temperature, top_k, top_p)
     stop = None if stop_ids is None else tuple(_parse_ids(stop_ids, "--stop-ids"))
     ids = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
-    backend = _backend(out, provider, drafter=not no_draft, backend=backend, threads=threads)
+    backend, cfg = _backend(out, provider, drafter=not no_draft, backend=backend, threads=threads, spin=spin, verify=verify)
     tok = _tokenizer(out)
     if ids is None:
         if tok is None:
@@ -106,7 +128,7 @@ def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p,
     g = Generation()
     shown = ""
     for new in run(backend, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                   stop_token_ids=stop, draft=not no_draft, out=g):
+                   stop_token_ids=stop, draft=not no_draft, verify=cfg.verify, out=g):
         if stream:
             if tok is not None:
                 text = tok.decode(g.tokens)
@@ -119,6 +141,9 @@ def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p,
         "tokens": g.tokens,
         "acceptance_lengths": g.acceptance_lengths,
         "tau": g.tau,
+        "mean_verify_len": g.mean_verify_len,
+        "verify": _policy_json(cfg.verify),
+        "threads": cfg.threads,
         "tokens_per_second": g.tokens_per_second,
         "prompt_tokens": len(ids),
         "stopped": g.stopped,
@@ -137,7 +162,8 @@ def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p,
     else:
         click.echo(result.get("text", " ".join(map(str, g.tokens))))
     click.echo(
-        f"{len(g.tokens)} tokens, tau {g.tau:.2f}, {g.tokens_per_second:.1f} tok/s (decode), "
+        f"{len(g.tokens)} tokens, tau {g.tau:.2f} (verified {g.mean_verify_len:.1f}/round), "
+        f"{g.tokens_per_second:.1f} tok/s (decode), "
         f"prefill {g.prefill_s * 1e3:.1f} ms, draft {g.draft_s * 1e3:.1f} ms, verify {g.verify_s * 1e3:.1f} ms, "
         f"host {g.host_s * 1e3:.1f} ms [{backend.provider}]",
         err=True,
@@ -176,6 +202,59 @@ def _bench_prompts(path: Path | None, tok, vocab: int, n_random: int = 5, length
     return prompts, f"{n_random} random token prompts of {length} tokens (no tokenizer in the directory)"
 
 
+def _policy_json(policy) -> dict | str:
+    from dataclasses import asdict
+
+    return "full" if policy is None else asdict(policy)
+
+
+def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bool, prompts, max_new_tokens: int,
+              warmup: int, log=lambda msg: None) -> dict:
+    """Measure the best thread count and the verify policy; write them to runtime.json.
+
+    Threads: the speculative loop (full block) at each candidate count, interleaved. Policy:
+    the full-block rounds at the best count (drafter confidences and acceptance lengths)
+    replayed against this machine's measured verify cost per length (runtime/calibrate.py).
+    """
+    from .runtime.backend import open_backend
+    from .runtime.calibrate import choose_policy, verify_costs
+    from .runtime.settings import Settings, device_key, save_settings
+
+    def open_(t):
+        if backend == "trt":
+            return open_backend(out, "trt")
+        return open_backend(out, "ort", provider, threads=t, spin=spin)
+
+    from .runtime.measure import measure_many, rate
+
+    backends = {t: open_(t) for t in candidates}
+    try:
+        runs = measure_many(backends, prompts, max_new_tokens, warmup)
+        rates = {t: rate(spec) for t, (spec, _) in runs.items()}
+        best = max(rates, key=rates.get)
+        be, spec = backends[best], runs[best][0]
+        if be.draft_conf is None:
+            raise DFlashError(f"{out}: draft_block has no draft_conf output (exported by an older version); "
+                              "re-export to calibrate adaptive verify")
+        log(f"threads: speculative tok/s by count {', '.join(f'{t}: {r:.0f}' for t, r in rates.items())} -> {best}")
+        costs = verify_costs(be, prompts[0])
+        rounds = [(c, a - 1) for g in spec for c, a in zip(g.confidences, g.acceptance_lengths)]
+        draft_ms = sum(g.draft_s for g in spec) / len(rounds) * 1e3
+        policy, table = choose_policy(rounds, costs, draft_ms)
+    finally:
+        for b in backends.values():
+            b.close()
+    log(f"verify ms by length 1..{len(costs)}: {', '.join(f'{c:.2f}' for c in costs)}; draft {draft_ms:.2f} ms")
+    log(f"policy: {_policy_json(policy)}")
+    measured = {"speculative_tokens_per_second_by_threads": {str(t): r for t, r in rates.items()},
+                "verify_ms_by_length": costs, "draft_ms": draft_ms, "rounds": len(rounds),
+                "replay": table, "cpu_count": __import__("os").cpu_count()}
+    settings = Settings(threads=best if backend == "ort" else None, spin=spin, verify=policy, measured=measured)
+    path = save_settings(out, device_key(backend, provider), settings)
+    return {"runtime_json": str(path), "threads": settings.threads, "verify": _policy_json(policy),
+            "verify_ms_by_length": costs, "draft_ms": draft_ms}
+
+
 def plot_bench(report: dict, path: Path) -> None:
     try:
         import matplotlib
@@ -210,40 +289,96 @@ def plot_bench(report: dict, path: Path) -> None:
 @click.option("--warmup", default=1, show_default=True, type=int, help="Untimed runs before measuring.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 @click.option("--plot", type=click.Path(path_type=Path), help="Write the acceptance histogram and time split (PNG).")
+@click.option("--calibrate", "do_calibrate", is_flag=True,
+              help="First measure the best thread count and the adaptive verify policy on these prompts and "
+                   "write them to OUT/runtime.json (graph hashes untouched), then bench with them.")
+@click.option("--context", "contexts", help="Comma-separated context lengths (e.g. 128,2048): also report the "
+                                             "1-token step time after each (step_ms_by_context).")
 @provider_option
 @backend_option
 @threads_option
-def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, provider, backend, threads):
-    """Speculative vs plain decoding of OUT on the same prompts: tau, tokens/s, speedup."""
+@spin_option
+@verify_option
+def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate, contexts, provider, backend, threads,
+          spin, verify):
+    """Speculative vs plain decoding of OUT on the same prompts: tau, tokens/s, speedup.
+
+    Without --threads every candidate thread count runs too (interleaved), which gives
+    best_threads and speedup_vs_best_plain (plain decoding at its own best count).
+    """
+    from .runtime.backend import open_backend
+    from .runtime.calibrate import step_ms_by_context, thread_candidates
+    from .runtime.contract import load_manifest
+    from .runtime.measure import measure_many, rate, summarize
+
     if plot is not None:
         from importlib.util import find_spec
 
         if find_spec("matplotlib") is None:  # fail before minutes of benchmarking
             raise DFlashError("--plot needs matplotlib: pip install 'dflash-export[dev]' (or matplotlib)")
-    backend = _backend(out, provider, backend=backend, threads=threads)
-    prompts, source = _bench_prompts(prompts_file, _tokenizer(out), backend.manifest.vocab_size)
-    room = backend.max_len - max(len(p) for p in prompts)
+    ctx = sorted({int(c) for c in _parse_ids(contexts, "--context")}) if contexts else []
+    if contexts is not None and (not ctx or min(ctx) < 1):
+        raise DFlashError(f"--context must be positive lengths like 128,2048 (got {contexts!r})")
+    m = load_manifest(out, verify=True)
+    if ctx and max(ctx) + m.block_size > m.max_context:
+        raise DFlashError(f"--context {max(ctx)} needs an export with --max-context >= {max(ctx) + m.block_size} "
+                          f"(context + block size); {out} holds {m.max_context}")
+    prompts, source = _bench_prompts(prompts_file, _tokenizer(out), m.vocab_size)
+    room = m.max_context - max(len(p) for p in prompts)
     if room < 1:
-        raise DFlashError(f"a prompt fills the max context {backend.max_len}; use shorter prompts")
-    from .runtime.measure import run_bench
+        raise DFlashError(f"a prompt fills the max context {m.max_context}; use shorter prompts")
+    n = min(max_new_tokens, room)
+    sweep = backend == "ort" and threads is None
+    base = _settings(out, provider, backend, threads, spin, "full")
+    candidates = thread_candidates() if sweep else [base.threads]
+    calibration = None
+    if do_calibrate:
+        log = (lambda msg: click.echo(f"calibrate: {msg}", err=True)) if not as_json else (lambda msg: None)
+        calibration = calibrate(out, provider, backend, candidates, base.spin, prompts, n, warmup, log)
+    cfg = _settings(out, provider, backend, threads, spin, verify)
+    labels = sorted(set(candidates) | {cfg.threads}) if sweep else [cfg.threads]
 
-    report = run_bench(backend, prompts, min(max_new_tokens, room), warmup)
-    report["prompt_source"] = source
+    def open_(t):
+        return open_backend(out, "trt") if backend == "trt" else open_backend(out, "ort", provider, threads=t, spin=cfg.spin)
+
+    backends = {t: open_(t) for t in labels}
+    runs = measure_many(backends, prompts, n, warmup, cfg.verify)
+    main = backends[cfg.threads]
+    report = {"provider": main.provider, **summarize(*runs[cfg.threads], m.block_size)}
+    report.update(max_new_tokens=n, prompt_source=source, threads=cfg.threads, spin=cfg.spin,
+                  verify=_policy_json(cfg.verify))
+    if sweep:
+        by = {t: {"speculative": rate(sp), "autoregressive": rate(ba)} for t, (sp, ba) in runs.items()}
+        report["by_threads"] = {str(t): v for t, v in by.items()}
+        report["best_threads"] = max(by, key=lambda t: by[t]["speculative"])
+        report["speedup_vs_best_plain"] = by[cfg.threads]["speculative"] / max(v["autoregressive"] for v in by.values())
+    if calibration is not None:
+        report["calibration"] = calibration
+    if ctx:
+        report["step_ms_by_context"] = step_ms_by_context(main, ctx)
+    for b in backends.values():
+        b.close()
     if plot is not None:
         plot_bench(report, plot)
     if as_json:
         click.echo(json.dumps(report))
         return
     r, t = report, report["tokens_per_second"]
-    click.echo(f"prompts: {source}; {r['max_new_tokens']} new tokens each; {r['provider']}")
-    click.echo(f"tau {r['tau']:.2f}  histogram {r['acceptance_histogram']}")
+    click.echo(f"prompts: {source}; {r['max_new_tokens']} new tokens each; {r['provider']}; threads {r['threads']}, "
+               f"spin {'on' if r['spin'] else 'off'}, verify {r['verify']}")
+    click.echo(f"tau {r['tau']:.2f}, mean verify length {r['mean_verify_len']:.2f}  histogram {r['acceptance_histogram']}")
     click.echo(f"speculative {t['speculative']:.1f} tok/s, autoregressive {t['autoregressive']:.1f} tok/s, "
                f"speedup {r['speedup']:.2f}x")
+    if sweep:
+        click.echo(f"best threads {r['best_threads']}; speedup vs plain at its best thread count "
+                   f"{r['speedup_vs_best_plain']:.2f}x; by threads {r['by_threads']}")
     c = r["ms_per_call"]
     click.echo(f"calls: step {c['step']:.2f} ms, draft {c['draft']:.2f} ms, verify {c['verify']:.2f} ms -> "
                f"ideal speedup {r['ideal_speedup']:.2f}x, loop efficiency {r['loop_efficiency']:.3f}")
     for mode, s in r["time_split_s"].items():
         click.echo(f"{mode}: " + ", ".join(f"{k} {v:.3f}s" for k, v in s.items()))
+    if ctx:
+        click.echo("step ms by context: " + ", ".join(f"{k}: {v:.3f}" for k, v in r["step_ms_by_context"].items()))
     click.echo(f"lossless (speculative == autoregressive tokens): {r['lossless']}; peak RSS {r['peak_rss_mb']:.0f} MB")
     if plot is not None:
         click.echo(f"plot: {plot}")

@@ -36,6 +36,7 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens emitted per round
     verify_lengths: list[int] = field(default_factory=list)  # positions the target verified per round
+    confidences: list = field(default_factory=list)  # the drafter's top-1 probabilities per round (calibration)
     stopped: bool = False  # ended on a stop token
     prompt_len: int = 0
     reused: int = 0  # prompt positions found in the caches (not prefilled)
@@ -126,8 +127,10 @@ def stream(
         drafts = backend.draft_block(anchor).tolist() if draft else []
         t2 = clock()
         s = min(k, max_length - start)
-        if verify is not None and draft:
-            s = verify.length(backend.draft_conf, s)
+        if draft and backend.draft_conf is not None:
+            g.confidences.append(backend.draft_conf.copy())
+            if verify is not None:
+                s = verify.length(backend.draft_conf, s)
         res = backend.target(np.asarray([anchor] + drafts[: s - 1], np.int64), want_logits=sample)
         t3 = clock()
         choice = (choose(res.logits, u[start + 1 :], temperature, top_k, top_p) if sample else res.next_ids).tolist()

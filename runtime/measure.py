@@ -37,6 +37,7 @@ def summarize(spec: list[Generation], base: list[Generation], block_size: int) -
         "prompts": len(spec),
         "block_size": block_size,
         "tau": tau,
+        "mean_verify_len": float(np.mean([s for g in spec for s in g.verify_lengths])) if lengths else 0.0,
         "acceptance_histogram": {str(i): lengths.count(i) for i in range(1, block_size + 1)},
         "tokens_per_second": {"speculative": rate(spec), "autoregressive": rate(base)},
         "speedup": speedup,
@@ -49,14 +50,23 @@ def summarize(spec: list[Generation], base: list[Generation], block_size: int) -
     }
 
 
-def run_bench(backend, prompts: list[list[int]], max_new_tokens: int, warmup: int = 1) -> dict:
-    """Speculative loop and plain decoding on the same prompts, same backend, same run."""
-    for p in prompts[:warmup]:
-        generate(backend, p, max_new_tokens, draft=True)
-        generate(backend, p, max_new_tokens, draft=False)
-    spec, base = [], []
+def measure_many(backends: dict, prompts: list[list[int]], max_new_tokens: int, warmup: int = 1, verify=None) -> dict:
+    """{label: (speculative runs, plain runs)} of several backends (e.g. thread counts) on the
+    same prompts, interleaved prompt by prompt."""
+    for be in backends.values():
+        for p in prompts[:warmup]:
+            generate(be, p, max_new_tokens, draft=True, verify=verify)
+            generate(be, p, max_new_tokens, draft=False)
+    out = {label: ([], []) for label in backends}
     for p in prompts:
-        spec.append(generate(backend, p, max_new_tokens, draft=True))
-        base.append(generate(backend, p, max_new_tokens, draft=False))
+        for label, be in backends.items():
+            out[label][0].append(generate(be, p, max_new_tokens, draft=True, verify=verify))
+            out[label][1].append(generate(be, p, max_new_tokens, draft=False))
+    return out
+
+
+def run_bench(backend, prompts: list[list[int]], max_new_tokens: int, warmup: int = 1, verify=None) -> dict:
+    """Speculative loop and plain decoding on the same prompts, same backend, same run."""
+    spec, base = measure_many({0: backend}, prompts, max_new_tokens, warmup, verify)[0]
     report = summarize(spec, base, backend.manifest.block_size)
     return {"provider": backend.provider, "max_new_tokens": max_new_tokens, **report}

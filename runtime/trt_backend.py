@@ -139,6 +139,9 @@ class TensorRTBackend(Backend):
         self.h_cpos = np.zeros(ms, np.int64)
         self.h_bids, self.h_bpos = np.zeros(self.k, np.int64), np.zeros(self.k, np.int64)
         self.h_draft = np.zeros(self.k, np.int64)
+        has_conf = "draft_conf" in {t.name for t in m.graphs[DRAFT_BLOCK].outputs} if drafter else False
+        self.d_conf = self._malloc(self.k * 4) if has_conf else None  # older exports lack it
+        self.h_conf = np.zeros(self.k, np.float32)
         self._taps_n = 0
         self.gpu = gpu
         self._check_io()
@@ -229,7 +232,7 @@ class TensorRTBackend(Backend):
         if p + s > self.max_len:
             raise DFlashError(f"sequence of {p + s} positions exceeds the engines' max context {self.max_len}; "
                               "rebuild with a larger `dflash-export build --max-context` or shorten the request")
-        prof = 0 if s == k else 1
+        prof = 0 if s <= k else 1
         if prof == 1 and s > self.max_prompt:
             raise DFlashError(f"a {s}-token chunk exceeds the engines' --max-prompt {self.max_prompt}; "
                               "prefill in chunks of at most that many tokens or rebuild with a larger --max-prompt")
@@ -293,11 +296,16 @@ class TensorRTBackend(Backend):
         self._h2d(self.d_bpos, self.h_bpos)
         addrs = {C.BLOCK_IDS: self.d_bids, C.BLOCK_POSITION_IDS: self.d_bpos,
                  C.DRAFT_IDS: self.d_draft, C.DRAFT_LOGITS: self.d_dlogits}
+        if self.d_conf is not None:
+            addrs[C.DRAFT_CONF] = self.d_conf
         for j, (kb, vb) in enumerate(self.ckv):
             addrs[C.past_ctx_key(j)], addrs[C.past_ctx_value(j)] = kb, vb
         self._run(DRAFT_BLOCK, 0, addrs, past_ctx=p)
         self._d2h(self.h_draft[: k - 1], self.d_draft)
+        if self.d_conf is not None:
+            self._d2h(self.h_conf[: k - 1], self.d_conf)
         self._sync()
+        self.draft_conf = self.h_conf[: k - 1] if self.d_conf is not None else None
         return self.h_draft[: k - 1]
 
     # -- lifecycle ------------------------------------------------------------------------

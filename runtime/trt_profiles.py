@@ -123,7 +123,7 @@ def resolve_limits(manifest: Manifest, max_context: int | None = None, max_promp
 def profiles(limits: Limits) -> dict[str, list[Profile]]:
     """The engines' optimization profiles, per graph, in profile-index order.
 
-    target        0 verify:  seq exactly K,       past in [0, max_context - K]
+    target        0 verify:  seq in [1, K] (adaptive verify checks a prefix), past in [0, max_context - 1]
                   1 prefill: seq in [1, max_prompt], past in [0, max_context - 1]
                     (covers chunked prefill and the 1-token steps of plain decoding)
     draft_context 0 context: ctx in [1, max(max_prompt, K)] (a prompt, or a round's a+1 <= K)
@@ -140,7 +140,7 @@ def profiles(limits: Limits) -> dict[str, list[Profile]]:
     cmax = max(mp, k)
     return {
         TARGET: [
-            Profile("verify", {BATCH: one, SEQ: (k, k, k), PAST: rng(0, mc - k)}),
+            Profile("verify", {BATCH: one, SEQ: (1, k, k), PAST: rng(0, mc - 1)}),
             Profile("prefill", {BATCH: one, SEQ: rng(1, mp), PAST: rng(0, mc - 1)}),
         ],
         DRAFT_CONTEXT: [Profile("context", {BATCH: one, CTX: rng(1, cmax, min(k, cmax))})],

@@ -62,7 +62,8 @@ def test_manifest_describes_the_files(art):
     assert spec["taps"].shape == ["batch", "seq", 2 * 64]
     b = m.graphs[C.DRAFT_BLOCK]
     assert b.inputs[0].shape == ["batch", 4]  # static block
-    assert [(x.name, x.shape) for x in b.outputs] == [("draft_ids", ["batch", 3]), ("draft_logits", ["batch", 3, 101])]
+    assert [(x.name, x.shape) for x in b.outputs] == [("draft_ids", ["batch", 3]), ("draft_logits", ["batch", 3, 101]),
+                                                  ("draft_conf", ["batch", 3])]
     ctx = m.graphs[C.DRAFT_CONTEXT]
     assert [x.name for x in ctx.outputs] == ["ctx_key.0", "ctx_value.0", "ctx_key.1", "ctx_value.1"]
     assert ctx.outputs[0].shape == ["batch", "ctx", 2, 16]

@@ -38,7 +38,7 @@ def test_half_export(ckpt, dtype, np_name, itemsize):
     assert t["past_key.0"] == t["new_value.1"] == t["taps"] == np_name
     assert t["logits"] == "float32" and t["next_ids"] == "int64"
     b = {x.name: x.dtype for x in m.graphs[C.DRAFT_BLOCK].outputs}
-    assert b == {"draft_ids": "int64", "draft_logits": "float32"}
+    assert b == {"draft_ids": "int64", "draft_logits": "float32", "draft_conf": "float32"}
     # stored once, in the export dtype: embedding, LM head (untied) and the drafter's k/v projections
     assert {t.dtype for t in m.shared.values()} == {np_name}
     stored = sum(t.length for t in m.shared.values())

@@ -46,9 +46,9 @@ def test_profiles_pinned(k, mc, mp):
     assert (plan.limits.block_size, plan.limits.max_context, plan.limits.max_prompt) == (k, mc, mp)
     tgt = shapes(plan, "target")
     assert list(tgt) == ["verify", "prefill"]  # profile 0 = verify, 1 = prefill: the backend relies on the order
-    # verify: seq exactly K, past 0 .. max_context - K
-    assert tgt["verify"]["input_ids"] == [[1, k], [1, k], [1, k]]
-    assert tgt["verify"]["past_key.0"] == [[1, 0, H, D], [1, (mc - k) // 2, H, D], [1, mc - k, H, D]]
+    # verify: seq 1 .. K (adaptive verify checks a prefix of the block), opt K; past 0 .. max_context - 1
+    assert tgt["verify"]["input_ids"] == [[1, 1], [1, k], [1, k]]
+    assert tgt["verify"]["past_key.0"] == [[1, 0, H, D], [1, (mc - 1) // 2, H, D], [1, mc - 1, H, D]]
     # prefill: seq 1 .. max_prompt, past 0 .. max_context - 1 (chunked prefill, 1-token decoding)
     assert tgt["prefill"]["position_ids"] == [[1, 1], [1, (1 + mp) // 2], [1, mp]]
     assert tgt["prefill"]["past_value.1"] == [[1, 0, H, D], [1, (mc - 1) // 2, H, D], [1, mc - 1, H, D]]
@@ -122,7 +122,7 @@ def test_ort_trt_provider_options(tmp_path):
     # one profile per graph for ORT: union of verify and prefill, opt at the verify shape
     assert o["trt_profile_min_shapes"] == "input_ids:1x1,position_ids:1x1," + ",".join(
         f"past_{kind}.{i}:1x0x{H}x{D}" for i in range(L) for kind in ("key", "value"))
-    assert o["trt_profile_opt_shapes"].startswith(f"input_ids:1x4,position_ids:1x4,past_key.0:1x30x{H}x{D}")
+    assert o["trt_profile_opt_shapes"].startswith(f"input_ids:1x4,position_ids:1x4,past_key.0:1x31x{H}x{D}")  # verify opt: past (64 - 1) // 2
     assert o["trt_profile_max_shapes"].startswith(f"input_ids:1x20,position_ids:1x20,past_key.0:1x63x{H}x{D}")
     assert o["trt_engine_cache_enable"] is True and o["trt_engine_cache_path"] == str(tmp_path)
     assert not any(k in o for k in ("trt_fp16_enable", "trt_bf16_enable", "trt_int8_enable"))  # weak typing: gone

@@ -1,0 +1,234 @@
+"""Speed settings stay lossless: adaptive verify, per-position sampling, runtime.json, thread defaults.
+
+Adaptive verify must not change a single greedy token (it only ends rounds earlier), and at
+temperature > 0 the output must keep the target's distribution whatever lengths the rounds
+verify: tested with chi-square against the exact joint of a 10-token target, as
+test_oracle.py tests the full-block loop, with confidences drawn at random so that every
+verify length occurs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from runtime_cases import CASES, artifact, prompts
+from test_oracle import N_SAMPLES, TEMP, V_SMALL, OracleDrafter, _chi2_p, _exact_joint, _random_drafter_small
+from tiny import make_target
+
+from dflash_export.cli import cli
+from dflash_export.models import Target, autoregressive_generate
+from dflash_export.runtime import contract as C
+from dflash_export.runtime.backend import Backend, TargetOut
+from dflash_export.runtime.calibrate import choose_policy, replay
+from dflash_export.runtime.errors import DFlashError
+from dflash_export.runtime.loop import generate
+from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.settings import FULL, Settings, VerifyPolicy, load_settings, resolve, save_settings
+
+
+def test_policy_verifies_the_confident_prefix():
+    conf = np.array([0.9, 0.8, 0.5, 0.9, 0.1], np.float32)  # cumulative: .9 .72 .36 .324 .0324
+    assert VerifyPolicy(0.3, 1).length(conf, 6) == 1 + 4
+    assert VerifyPolicy(0.5, 1).length(conf, 6) == 1 + 2
+    assert VerifyPolicy(0.95, 1).length(conf, 6) == 1  # nothing confident: the anchor alone
+    assert VerifyPolicy(0.95, 3).length(conf, 6) == 3  # but never under min_len
+    assert VerifyPolicy(0.01, 1).length(conf, 4) == 4  # never past what the round may verify
+    assert FULL.length(conf, 6) == 6 and VerifyPolicy(0.5).length(None, 6) == 6  # no confidences: full block
+
+
+def test_replay_keeps_the_full_block_when_verify_cost_is_flat():
+    rng = np.random.default_rng(0)
+    rounds = [(rng.random(15).astype(np.float32), int(rng.integers(0, 16))) for _ in range(200)]
+    flat = [5.0] * 16
+    policy, table = choose_policy(rounds, flat, 1.0)
+    assert policy is None and table[0]["relative_rate"] == 1.0  # shorter verify only loses tokens
+    steep = [1.0 + s for s in range(16)]  # cost grows with length: a confident prefix pays
+    confident = [(np.where(np.arange(15) < a, 0.99, 0.01).astype(np.float32), a) for _, a in rounds]
+    policy, _ = choose_policy(confident, steep, 1.0)
+    assert policy is not None
+    assert replay(confident, policy, steep, 1.0)[0] > replay(confident, FULL, steep, 1.0)[0]
+
+
+# -- the ORT loop: greedy and sampled outputs do not depend on the verify lengths --------
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return OrtBackend(artifact(CASES["qwen3"])[2])
+
+
+POLICIES = [VerifyPolicy(0.5, 1), VerifyPolicy(0.2, 2), VerifyPolicy(0.9, 1), VerifyPolicy(0.05, 3)]
+
+
+def test_adaptive_verify_is_lossless_greedy(backend):
+    k, shorter = backend.manifest.block_size, 0
+    for prompt in prompts(6, backend.manifest.vocab_size, seed=5):
+        plain = generate(backend, prompt, 40, draft=False).tokens
+        full = generate(backend, prompt, 40)
+        assert full.tokens == plain and full.mean_verify_len > 0
+        for policy in POLICIES:
+            g = generate(backend, prompt, 40, verify=policy)
+            assert g.tokens == plain, policy
+            assert all(1 <= s <= k for s in g.verify_lengths) and len(g.verify_lengths) == len(g.acceptance_lengths)
+            assert all(a <= s for a, s in zip(g.acceptance_lengths, g.verify_lengths))
+            shorter += sum(s < k for s in g.verify_lengths)
+    assert shorter > 0, "the policies should have cut some rounds"
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
+def test_sampled_output_does_not_depend_on_verify_length(backend, temperature, top_k, top_p):
+    """One uniform per absolute position: full block, adaptive and plain sampling draw the same tokens."""
+    for seed, prompt in enumerate(prompts(4, backend.manifest.vocab_size, seed=6)):
+        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        plain = generate(backend, prompt, 32, draft=False, **kw).tokens
+        assert generate(backend, prompt, 32, **kw).tokens == plain
+        for policy in POLICIES:
+            assert generate(backend, prompt, 32, verify=policy, **kw).tokens == plain
+
+
+# -- the distribution with random verify lengths, on a 10-token target ---------------------
+
+
+class TorchBackend(Backend):
+    """The Backend interface over the PyTorch modules, with random confidences (any policy
+    must be lossless for any confidences, so random ones exercise every verify length)."""
+
+    def __init__(self, target, drafter, k: int, mask: int, max_len: int = 64):
+        self.t, self.d, self.k, self.mask = target, drafter, k, mask
+        self.manifest = SimpleNamespace(block_size=k, vocab_size=target.config.vocab_size, eos_token_ids=[])
+        self.max_len = self.max_chunk = max_len
+        self.kv = self.ctx = None
+        self.rng = np.random.default_rng(0)
+
+    def reset(self):
+        super().reset()
+        self.kv = [(torch.zeros(1, 0, 2, 8), torch.zeros(1, 0, 2, 8))] * self.t.config.num_layers
+        self.ctx = None
+
+    def target(self, ids, want_logits=False):
+        n = len(ids)
+        past = [(k[:, : self.target_len], v[:, : self.target_len]) for k, v in self.kv]
+        with torch.no_grad():
+            logits, self.taps, new = self.t(torch.tensor(np.asarray(ids))[None], torch.arange(self.target_len, self.target_len + n)[None], past)
+        self.kv = [(torch.cat([pk, k], 1), torch.cat([pv, v], 1)) for (pk, pv), (k, v) in zip(past, new)]
+        self._pending = n
+        return TargetOut(logits[0].argmax(-1).numpy(), logits[0].numpy())
+
+    def draft_context(self, n):
+        with torch.no_grad():
+            new = self.d.context_kv(self.taps[:, :n], torch.arange(self.context_len, self.context_len + n)[None])
+        self.ctx = new if self.ctx is None else [(torch.cat([a, c], 1), torch.cat([b, e], 1))
+                                                 for (a, b), (c, e) in zip(self.ctx, new)]
+        self.context_len += n
+
+    def draft_block(self, anchor):
+        block = torch.tensor([[anchor] + [self.mask] * (self.k - 1)])
+        pos = torch.arange(self.context_len, self.context_len + self.k)[None]
+        with torch.no_grad():
+            logits = self.d.draft_logits(self.t, block, pos, self.ctx)
+        self.draft_conf = self.rng.random(self.k - 1).astype(np.float32)
+        return logits[0].argmax(-1).numpy()
+
+
+def test_adaptive_verify_keeps_the_target_distribution(tmp_path):
+    d = make_target(tmp_path / "small", arch="qwen3", seed=1, vocab=V_SMALL, hidden=32, layers=2, heads=4,
+                    kv_heads=2, head_dim=8, intermediate=48)
+    target = Target.from_pretrained(d, tap_ids=[0, 1])
+    prompt = [1, 2, 3]
+    greedy = autoregressive_generate(target, prompt, 3 + 4).tokens
+    drafter = OracleDrafter(_random_drafter_small(target), prompt + greedy, V_SMALL)
+    be = TorchBackend(target, drafter, k=4, mask=8)
+    policy = VerifyPolicy(0.5, 1)
+    spec, lengths, accepted = [], [], 0
+    for s in range(N_SAMPLES):
+        g = generate(be, prompt, 3, temperature=TEMP, seed=s, verify=policy)
+        spec.append(g.tokens)
+        lengths += g.verify_lengths
+        accepted += g.acceptance_lengths[0] > 1
+    spec = np.array(spec)
+    assert spec.shape == (N_SAMPLES, 3)
+    assert len(set(lengths)) >= 3 and accepted > N_SAMPLES // 20  # several verify lengths, drafts accepted
+    V = V_SMALL
+
+    def counts(cols):
+        idx = np.ravel_multi_index(tuple(spec[:, c] for c in cols), (V,) * len(cols))
+        return np.bincount(idx, minlength=V ** len(cols)).astype(float)
+
+    exact, colder = _exact_joint(target, prompt, TEMP), _exact_joint(target, prompt, TEMP * 0.5)
+    pvals = {"(0,)": _chi2_p(counts((0,)), N_SAMPLES * exact.sum((1, 2))),
+             "(0,1)": _chi2_p(counts((0, 1)), N_SAMPLES * exact.sum(2).ravel()),
+             "(1,2)": _chi2_p(counts((1, 2)), N_SAMPLES * exact.sum(0).ravel()),
+             "(2,)": _chi2_p(counts((2,)), N_SAMPLES * exact.sum((0, 1)))}
+    control = _chi2_p(counts((0, 1)), N_SAMPLES * colder.sum(2).ravel())
+    print(f"chi-square p-values {pvals}; control at T/2 {control:.2e}; verify lengths seen {sorted(set(lengths))}")
+    assert min(pvals.values()) >= 1e-3, pvals
+    assert control < 1e-6
+
+
+# -- runtime.json and the CLI ----------------------------------------------------------------
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture
+def art(tmp_path):
+    """A private copy: calibration writes runtime.json into it."""
+    d = tmp_path / "out"
+    shutil.copytree(artifact(CASES["qwen3"])[2], d)
+    return d
+
+
+def test_runtime_json_is_allowed_and_not_hashed(art):
+    key = "ort:cpu"
+    assert load_settings(art, key) == Settings()
+    save_settings(art, key, Settings(threads=1, verify=VerifyPolicy(0.3, 2), measured={"x": 1}))
+    save_settings(art, "trt", Settings(verify=None))
+    m = C.load_manifest(art, verify=True)  # still verifies: the file is allowed, and never hashed
+    assert C.RUNTIME not in m.files and C.RUNTIME not in C.hash_files(art)
+    assert load_settings(art, key).verify == VerifyPolicy(0.3, 2) and load_settings(art, "trt").verify is None
+    assert resolve(art, m, key).verify == VerifyPolicy(0.3, 2)
+    assert resolve(art, m, key, verify="full").verify is None  # --verify full ignores the calibration
+    assert resolve(art, m, key, threads=3).threads == 3 and resolve(art, m, key).threads == 1
+    assert resolve(art, m, "ort:cuda").verify is None and resolve(art, m, key).spin is False
+    (art / C.RUNTIME).write_text("{not json")
+    with pytest.raises(DFlashError, match="runtime.json: unreadable"):
+        load_settings(art, key)
+    r = run("generate", art, "--prompt-ids", "1,2,3", "--max-new-tokens", "4")
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "runtime.json" in r.output
+
+
+def test_bench_calibrate_then_generate_auto(art):
+    r = run("bench", art, "--calibrate", "--max-new-tokens", "24", "--warmup", "0", "--json", "--context", "8,40")
+    assert r.exit_code == 0, r.output
+    j = json.loads(r.stdout)
+    for key in ("best_threads", "speedup_vs_best_plain", "mean_verify_len", "by_threads", "calibration", "tau"):
+        assert key in j, key
+    assert set(j["step_ms_by_context"]) == {"8", "40"} and all(v > 0 for v in j["step_ms_by_context"].values())
+    assert j["lossless"] and 1 <= j["mean_verify_len"] <= j["block_size"]
+    entry = json.loads((art / C.RUNTIME).read_text())["devices"]["ort:cpu"]
+    assert entry["threads"] >= 1 and len(entry["measured"]["verify_ms_by_length"]) == j["block_size"]
+    assert j["verify"] == (entry["verify"] or "full") and j["threads"] == entry["threads"]
+    C.load_manifest(art, verify=True)
+    outs = {}
+    for mode in ("auto", "full"):
+        r = run("generate", art, "--prompt-ids", "5,6,7,8", "--max-new-tokens", "30", "--json", "--verify", mode)
+        assert r.exit_code == 0, r.output
+        outs[mode] = json.loads(r.stdout)
+    assert outs["auto"]["tokens"] == outs["full"]["tokens"]
+    assert outs["full"]["verify"] == "full" and outs["full"]["mean_verify_len"] > 0
+
+
+def test_speed_options_errors(art):
+    for args, msg in [(("--threads", "0"), "--threads must be >= 1"),
+                      (("--context", "8,4000"), "needs an export with --max-context >= 4008"),
+                      (("--context", "x"), "--context must be comma-separated integers")]:
+        r = run("bench", art, "--max-new-tokens", "4", *args)
+        assert r.exit_code == 2 and msg in r.output and r.output.count("\n") == 1, r.output
