@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--model", default="small", help="bench/common.py BENCH_MODELS: small | wide")
     ap.add_argument("--pair", nargs=2, metavar=("TARGET", "DRAFT"), help="bench this (trained) pair instead")
     ap.add_argument("--prompts-file", help="JSONL with a 'prompt' text field per line (needs the pair's tokenizer)")
+    ap.add_argument("--verify", choices=("auto", "full"), default="auto",
+                    help="ORT loop: auto = the policy in the export's runtime.json (bench --calibrate), else full")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
@@ -52,6 +54,9 @@ def main() -> None:
         tdir, ddir, out = bench_model(a.model)
     be = OrtBackend(out, threads=a.threads)
     m = be.manifest
+    from dflash_export.runtime.settings import resolve
+
+    policy = resolve(out, m, "ort:cpu", threads=a.threads, verify=a.verify).verify
     dc = DraftConfig.load(ddir)
     target, drafter = Target.from_pretrained(tdir, dc.target_layer_ids), Drafter.from_pretrained(ddir)
     hf = hf_model(tdir)
@@ -59,7 +64,7 @@ def main() -> None:
     n = a.max_new_tokens
 
     def ort_spec(p):
-        return generate(be, p, n, stop_token_ids=())
+        return generate(be, p, n, stop_token_ids=(), verify=policy)
 
     def ort_ar(p):
         return generate(be, p, n, stop_token_ids=(), draft=False)
@@ -103,6 +108,8 @@ def main() -> None:
                  f"{m.draft_layers}-layer drafter, block {m.block_size} " + (f"(pair {tdir.name}, {ddir.name})" if a.pair else "(random weights)"),
         "prompts": source, "max_new_tokens": n,
         "threads": {"ort": a.threads, "torch": torch.get_num_threads()},
+        "ort_verify": "full" if policy is None else {"theta": policy.theta, "min_len": policy.min_len},
+        "export": str(out),
         "tau": sum(taus) / len(taus),
         "tokens_per_second": tps,
         "ort_vs_torch_spec": tps["ort"] / tps["torch-spec"],

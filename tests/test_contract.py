@@ -21,7 +21,7 @@ def test_per_layer_tensors_expand_in_order():
                    "past_key.2", "past_value.2"]
     assert outs[:3] == ["logits", "next_ids", "taps"] and outs[3:5] == ["new_key.0", "new_value.0"] and len(outs) == 9
     assert C.names(C.DRAFT_CONTEXT, GEOM) == (["taps", "ctx_position_ids"], ["ctx_key.0", "ctx_value.0", "ctx_key.1", "ctx_value.1"])
-    assert C.names(C.DRAFT_BLOCK, GEOM)[1] == ["draft_ids", "draft_logits"]
+    assert C.names(C.DRAFT_BLOCK, GEOM)[1] == ["draft_ids", "draft_logits", "draft_conf"]
     assert [C.past_key(1), C.new_value(2), C.ctx_key(0), C.past_ctx_value(1)] == \
         ["past_key.1", "new_value.2", "ctx_key.0", "past_ctx_value.1"]
 

@@ -19,7 +19,7 @@ import torch
 from click.testing import CliRunner
 from runtime_cases import CASES, artifact, prompts
 from test_oracle import N_SAMPLES, TEMP, V_SMALL, OracleDrafter, _chi2_p, _exact_joint, _random_drafter_small
-from tiny import make_target
+from dflash_export.testing import make_target
 
 from dflash_export.cli import cli
 from dflash_export.models import Target, autoregressive_generate
