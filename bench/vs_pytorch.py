@@ -8,6 +8,7 @@ plus the ORT autoregressive baseline. All timings are end to end (prefill includ
 interleaved per prompt, and every output is checked to be identical.
 
     python bench/vs_pytorch.py [--prompts 3] [--prompt-len 32] [--max-new-tokens 64] [--threads 1] [--model small|wide] [--json]
+    python bench/vs_pytorch.py --pair T D [--export OUT] --prompts-file demo/prompts.jsonl [--verify auto|full]
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads for ORT and torch alike")
     ap.add_argument("--model", default="small", help="bench/common.py BENCH_MODELS: small | wide")
     ap.add_argument("--pair", nargs=2, metavar=("TARGET", "DRAFT"), help="bench this (trained) pair instead")
+    ap.add_argument("--export", help="with --pair: this exported directory of the pair (e.g. calibrated by "
+                                     "bench --calibrate) instead of a cached export")
     ap.add_argument("--prompts-file", help="JSONL with a 'prompt' text field per line (needs the pair's tokenizer)")
     ap.add_argument("--verify", choices=("auto", "full"), default="auto",
                     help="ORT loop: auto = the policy in the export's runtime.json (bench --calibrate), else full")
@@ -49,7 +52,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     if a.pair:
         tdir, ddir = map(Path, a.pair)
-        out = export_pair(tdir, ddir)
+        out = Path(a.export) if a.export else export_pair(tdir, ddir)
     else:
         tdir, ddir, out = bench_model(a.model)
     be = OrtBackend(out, threads=a.threads)
