@@ -130,7 +130,8 @@ class Slot:
         n, limit = 0, min(len(self.seq), len(prompt) - 1)
         while n < limit and self.seq[n] == prompt[n]:
             n += 1
-        return min(n, self.backend.context_len) if speculative else n
+        n = min(n, self.backend.context_len) if speculative else n
+        return self.backend.reusable(n)  # hybrid targets: their recurrent state keeps all or nothing
 
 
 class Engine:

@@ -32,8 +32,10 @@ def make_target(
     sharded: bool = False,
     std: float = 0.08,
     layer_types: list[str] | None = None,
+    linear: dict | None = None,
 ) -> Path:
-    """Write a random HF checkpoint of `arch`; returns the directory."""
+    """Write a random HF checkpoint of `arch`; returns the directory. Hybrid archs: `linear`
+    overrides the Gated DeltaNet config fields (e.g. the real widths, bench/hybrid.py)."""
     import torch
     import transformers
 
@@ -66,7 +68,7 @@ def make_target(
         cfg = transformers.Qwen3Config(**common, head_dim=head_dim or 32, tie_word_embeddings=bool(tie))
         model = transformers.Qwen3ForCausalLM(cfg)
     elif arch in HYBRID:
-        model = _qwen35(arch, common, layer_types, head_dim or 16, bool(tie))
+        model = _qwen35(arch, common, layer_types, head_dim or 16, bool(tie), linear or {})
     else:
         raise ValueError(arch)
     with torch.no_grad():
@@ -88,7 +90,7 @@ def make_target(
     return directory
 
 
-def _qwen35(arch: str, common: dict, layer_types, head_dim: int, tie: bool):
+def _qwen35(arch: str, common: dict, layer_types, head_dim: int, tie: bool, linear: dict):
     """A tiny hybrid Qwen3.5 with transformers' own classes (partial rotary, gated attention, GDN)."""
     import transformers
 
@@ -100,6 +102,7 @@ def _qwen35(arch: str, common: dict, layer_types, head_dim: int, tie: bool):
         linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                                    "partial_rotary_factor": 0.5},
     )
+    text.update(linear)
     if arch == "qwen35":
         return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text))
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=common["hidden_size"],

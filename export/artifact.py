@@ -54,6 +54,9 @@ def plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset=No
     k = int(block_size or dc.block_size)
     if k < 2:
         raise DFlashError(f"block size {k} is too small; a block is [anchor, mask, ...] so it needs at least 2")
+    if tc.hybrid and k > _chunk():
+        raise DFlashError(f"block size {k} is too large for a hybrid target: a call takes at most {_chunk()} positions "
+                          "(one delta-rule chunk); pass a smaller --block-size")
     mask = dc.resolve_mask_token_id(mask_token_id)
     if not 0 <= mask < tc.vocab_size:
         raise DFlashError(f"mask token id {mask} is outside the target's vocabulary [0, {tc.vocab_size})")
@@ -64,13 +67,23 @@ def plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset=No
     return tc, dc, k, mask
 
 
-# -- tracing ------------------------------------------------------------------------------
+def _chunk() -> int:
+    from ..models import gdn
 
-
-# -- saving -------------------------------------------------------------------------------
+    return gdn.CHUNK
 
 
 # -- manifest -----------------------------------------------------------------------------
+
+
+def hybrid_fields(tc) -> dict:
+    """A hybrid target's layer kinds and Gated DeltaNet dims (the contract's LINEAR roles)."""
+    if not tc.hybrid:
+        return {}
+    la = tc.linear
+    return dict(target_layer_types=list(tc.layer_types), linear=dict(
+        conv_kernel=la.conv_kernel, conv_dim=la.conv_dim, k_heads=la.num_key_heads, v_heads=la.num_value_heads,
+        k_dim=la.key_head_dim, v_dim=la.value_head_dim, max_seq=_chunk()))
 
 
 def tool_versions() -> dict[str, str]:
@@ -140,7 +153,7 @@ def export_artifact(
         target_layers=tc.num_layers, target_kv_heads=tc.num_kv_heads, target_head_dim=tc.head_dim,
         draft_layers=dc.num_layers, draft_kv_heads=dc.num_kv_heads, draft_head_dim=dc.head_dim,
         architecture=tc.architecture, eos_token_ids=eos_ids(target_dir, tc.eos_token_ids),
-        opset=0, graphs={}, tools=tool_versions(),
+        opset=0, graphs={}, tools=tool_versions(), **hybrid_fields(tc),
     )
     ui = Phases(progress)
     t0 = time.perf_counter()

@@ -133,6 +133,10 @@ def cases(target, drafter, m: C.Manifest, seed: int):
     with torch.inference_mode():
         _, taps, past = target(ids(P), pos(0, P), target.empty_kv())
         ctx = drafter.context_kv(taps, pos(0, P))
+        if hasattr(target, "new_cache"):  # hybrid: the committed K/V and DeltaNet states
+            cache = target.new_cache(P)
+            cache.append(past)
+            past = cache.view()
     flat = lambda kv: [t for pair in kv for t in pair]  # noqa: E731
     block = lambda: torch.cat([ids(1), torch.full((1, K - 1), m.mask_token_id)], 1)  # noqa: E731
     yield C.TARGET, f"prefill P=0 S={S}", tg, [ids(S), pos(0, S), *flat(target.empty_kv())]
@@ -142,6 +146,38 @@ def cases(target, drafter, m: C.Manifest, seed: int):
     yield C.DRAFT_CONTEXT, "C=1", cg, [taps[:, -1:], pos(P - 1, 1)]
     yield C.DRAFT_BLOCK, f"past_ctx=0 K={K}", bg, [block(), pos(0, K), *flat(drafter.empty_kv())]
     yield C.DRAFT_BLOCK, f"past_ctx={P} K={K}", bg, [block(), pos(P, K), *flat(ctx)]
+
+
+def committed_state_rows(target, m: C.Manifest, session, seed: int) -> list[Row]:
+    """Hybrid targets: the states the runtime commits from a verify's outputs (a prefix of
+    it: a rollback; runtime/hybrid.py) against the PyTorch cache's own commit."""
+    import torch
+
+    from ..runtime.hybrid import commit_state
+
+    g = torch.Generator().manual_seed(seed + 7)
+    P, K = 9, m.block_size
+    n = max(1, K // 2)
+    ids = torch.randint(0, m.vocab_size, (1, P + K), generator=g)
+    cache = target.new_cache(P + K)
+    names_in, names_out = C.names(C.TARGET, m)
+    with torch.inference_mode():
+        cache.append(target(ids[:, :P], torch.arange(P)[None], cache.view())[2])
+        past = [t for pair in cache.view() for t in pair]
+        feeds = dict(zip(names_in, [_np(ids[:, P:]), np.arange(P, P + K)[None], *map(_np, past)]))
+        got = dict(zip(names_out, session.run(names_out, feeds)))
+        cache.append(target(ids[:, P:], torch.arange(P, P + K)[None], cache.view())[2], n)
+    names, mine, ref = [], [], []
+    for i, (conv_ref, state_ref) in enumerate(cache.view()):
+        if not m.is_linear(i):
+            continue
+        conv = np.concatenate([feeds[C.conv_state(i)][0], got[C.new_conv(i)][0, :n]], 0)[-conv_ref.shape[1]:]
+        state = feeds[C.rec_state(i)][0].copy()
+        commit_state(state, *(got[name][0, :n] for name in C.delta(i)))
+        names += [f"{C.conv_state(i)} committed", f"{C.rec_state(i)} committed"]
+        mine += [conv[None], state[None]]
+        ref += [_np(conv_ref), _np(state_ref)]
+    return compare(C.TARGET, f"commit {n} of verify P={P} S={K}", names, mine, ref, m.dtype)
 
 
 def _np(t) -> np.ndarray:
@@ -275,6 +311,8 @@ def run_check(
                     ref_float = [_np(t) for t in wrapper(graph, target, drafter)(*inputs)]
                 report.rows += compare(graph, case, names_out, got, ref_float, False, "float")
             saved.append((graph, case, feeds, dict(zip(names_out, ref)), dict(zip(names_out, got))))
+        if m.linear_layers:
+            report.rows += committed_state_rows(target, m, backend.sessions[C.TARGET], seed)
     if save_polygraphy is not None:
         with ui.phase("save", f"Polygraphy inputs/outputs to {save_polygraphy}"):
             write_polygraphy(Path(save_polygraphy), saved)

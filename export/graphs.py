@@ -25,7 +25,11 @@ def _flat(pairs) -> list[torch.Tensor]:
 
 
 class TargetGraph(nn.Module):
-    """input_ids, position_ids, past K/V -> logits (fp32), next_ids, taps, new K/V."""
+    """input_ids, position_ids, past K/V -> logits (fp32), next_ids, taps, new K/V.
+
+    Hybrid targets: a linear-attention layer's pair is (conv_state, rec_state) in and its
+    four per-position outputs (new_conv, delta_k, delta_u, delta_g) out (models/qwen35.py).
+    """
 
     def __init__(self, target):
         super().__init__()
@@ -88,12 +92,16 @@ def trace_inputs(graph: str, m, dtype: torch.dtype):
     n, static = _sample_sizes(m.block_size), C.sizes(m)
     ins, _ = C.io(graph, m)
     dims = {r: torch.export.Dim(r, min=0) if C.DYNAMIC[r] == 0 else torch.export.Dim(r) for r in C.DYNAMIC}
+    if C.max_seq(m) and graph == C.TARGET:  # hybrid: one delta-rule chunk per call (models/gdn.py)
+        dims[C.SEQ] = torch.export.Dim(C.SEQ, max=C.max_seq(m))
     start = {C.TARGET: n[C.PAST], C.DRAFT_CONTEXT: 3, C.DRAFT_BLOCK: n[C.PAST_CTX]}[graph]
     args, shapes = [], []
     for t in ins:
         size = [n[r] if r in C.DYNAMIC else static[r] for r in t.dims]
         if t.dtype == C.MODEL:
             x = torch.randn(size).to(dtype)
+        elif t.dtype == C.FLOAT32:  # a recurrent state
+            x = torch.randn(size) * 0.1
         elif t.name in C.POSITIONS:
             x = torch.arange(start, start + size[1]).expand(*size).contiguous()
         elif t.name == C.BLOCK_IDS:

@@ -78,12 +78,16 @@ def continue_batch(
     flips near-ties, and was no faster here for batched 1-token steps).
     """
     b, p = prompts.shape
-    cache = KVCache.for_model(target, p + new_tokens, batch=b)
+    hybrid = hasattr(target, "new_cache")  # K/V plus committed DeltaNet states (models/qwen35.py)
+    cache = target.new_cache(p + new_tokens, batch=b) if hybrid else KVCache.for_model(target, p + new_tokens, batch=b)
     ids, pos = prompts, torch.arange(p)[None].expand(b, p)
     out = [prompts]
     for i in range(new_tokens):
-        x, _, _ = target.hidden(ids, pos, cache)
-        last = target.logits(x[:, -1])  # only the last position's logits: [B, V]
+        if hybrid:
+            last = target(ids, pos, cache)[0][:, -1]
+        else:
+            x, _, _ = target.hidden(ids, pos, cache)
+            last = target.logits(x[:, -1])  # only the last position's logits: [B, V]
         cache.commit(ids.shape[1])
         length = cache.length
         if i < sample_prefix:

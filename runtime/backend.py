@@ -112,6 +112,11 @@ class Backend(ABC):
             raise DFlashError(f"internal: keep({n}) but the target cache holds {self.target_len} positions")
         self.target_len, self.context_len, self._pending = n, min(self.context_len, n), 0
 
+    def reusable(self, n: int) -> int:
+        """The longest prefix, at most n positions, of the cached sequence that `keep` can keep.
+        Attention caches keep any prefix; a recurrent state (hybrid targets) all or nothing."""
+        return n
+
     def close(self) -> None:
         """Release sessions/engines and device memory (optional)."""
 

@@ -11,7 +11,21 @@ a tensor name or a dim table.
     draft_block     one denoising pass over the block (static block size K)
 
 Per-layer tensors are templates (`past_key.{i}`); `io(graph, m)` expands them in order
-k0 v0 k1 v1 ... for the manifest's layer counts. The drafter's context cache holds every
+k0 v0 k1 v1 ... for the manifest's layer counts. A template belongs to one kind of layer:
+hybrid targets (Qwen3.5 / 3.6, `target_layer_types` in the manifest) carry, for each
+`linear_attention` layer i, its Gated DeltaNet state instead of K/V (docs/hybrid.md):
+
+    in   conv_state.{i}  [batch, conv_window, conv_dim]   model    (last conv inputs)
+         rec_state.{i}   [batch, v_heads, k_dim, v_dim]   float32  (delta-rule state)
+    out  new_conv.{i}    [batch, seq, conv_dim]           model    (conv inputs of the new positions)
+         delta_k.{i}     [batch, seq, k_heads, k_dim]     model    (l2-normed keys)
+         delta_u.{i}     [batch, seq, v_heads, v_dim]     float32  (delta-rule corrections)
+         delta_g.{i}     [batch, seq, v_heads]            float32  (log decays)
+
+The runtime commits n positions (runtime/hybrid.py): conv_state = last conv_window rows of
+[conv_state; new_conv[:n]], rec_state = exp(c_n) rec_state + sum_{j<n} exp(c_n - c_j) k_j u_j^T
+with c = cumsum(g); rollback after a rejected draft is, as for K/V, committing fewer.
+A hybrid target call takes at most `linear["max_seq"]` positions (one delta-rule chunk). The drafter's context cache holds every
 position before the anchor, so `past_ctx` equals the anchor's position.
 
 Weights stored once for several graphs live in `shared.data` and are listed in the
@@ -62,6 +76,11 @@ DYNAMIC = {BATCH: 1, SEQ: 1, PAST: 0, CTX: 1, PAST_CTX: 0}
 # static: fixed by the manifest (`sizes`)
 BLOCK, DRAFTS, VOCAB, TAPS_WIDTH = "block", "drafts", "vocab", "taps_width"
 KV_HEADS, HEAD_DIM, DRAFT_KV_HEADS, DRAFT_HEAD_DIM = "kv_heads", "head_dim", "draft_kv_heads", "draft_head_dim"
+# static, hybrid targets only: the Gated DeltaNet dims (manifest.linear)
+CONV_WINDOW, CONV_DIM, K_HEADS, V_HEADS, K_DIM, V_DIM = "conv_window", "conv_dim", "k_heads", "v_heads", "k_dim", "v_dim"
+
+# layer kinds (a hybrid target's `target_layer_types`; every other layer is attention)
+ATTENTION, LINEAR = "full_attention", "linear_attention"
 
 # dtypes: numpy names, plus MODEL = the export's float dtype (manifest.dtype)
 INT64, FLOAT32, MODEL = "int64", "float32", "model"
@@ -77,12 +96,14 @@ POSITIONS = (POSITION_IDS, CTX_POSITION_IDS, BLOCK_POSITION_IDS)  # each graph's
 
 @dataclass(frozen=True)
 class Tensor:
-    """One graph input or output: `name` (a `{i}` template when `per_layer`), dim roles, dtype."""
+    """One graph input or output: `name` (a `{i}` template when `per_layer`), dim roles, dtype;
+    a per-layer template exists for layers of its `kind` only."""
 
     name: str
     dims: tuple[str, ...]
     dtype: str
     per_layer: bool = False
+    kind: str = ATTENTION
 
     def at(self, i: int) -> "Tensor":
         return Tensor(self.name.format(i=i), self.dims, self.dtype)
@@ -105,6 +126,17 @@ PAST_KV = _kv("past", (BATCH, PAST, *_TKV))  # the target cache's valid prefix
 NEW_KV = _kv("new", (BATCH, SEQ, *_TKV))  # only the new positions
 CTX_KV = _kv("ctx", (BATCH, CTX, *_DKV))  # drafter context K/V to append
 PAST_CTX_KV = _kv("past_ctx", (BATCH, PAST_CTX, *_DKV))  # the drafter context cache's valid prefix
+# a linear-attention layer's committed state, and what a call returns to commit (runtime/hybrid.py)
+LINEAR_STATE = (
+    Tensor("conv_state.{i}", (BATCH, CONV_WINDOW, CONV_DIM), MODEL, True, LINEAR),
+    Tensor("rec_state.{i}", (BATCH, V_HEADS, K_DIM, V_DIM), FLOAT32, True, LINEAR),
+)
+LINEAR_NEW = (
+    Tensor("new_conv.{i}", (BATCH, SEQ, CONV_DIM), MODEL, True, LINEAR),
+    Tensor("delta_k.{i}", (BATCH, SEQ, K_HEADS, K_DIM), MODEL, True, LINEAR),
+    Tensor("delta_u.{i}", (BATCH, SEQ, V_HEADS, V_DIM), FLOAT32, True, LINEAR),
+    Tensor("delta_g.{i}", (BATCH, SEQ, V_HEADS), FLOAT32, True, LINEAR),
+)
 
 GRAPHS: dict[str, Graph] = {
     TARGET: Graph(
@@ -113,12 +145,14 @@ GRAPHS: dict[str, Graph] = {
             Tensor(INPUT_IDS, (BATCH, SEQ), INT64),
             Tensor(POSITION_IDS, (BATCH, SEQ), INT64),
             *PAST_KV,
+            *LINEAR_STATE,
         ),
         outputs=(
             Tensor(LOGITS, (BATCH, SEQ, VOCAB), FLOAT32),
             Tensor(NEXT_IDS, (BATCH, SEQ), INT64),  # in-graph argmax
             Tensor(TAPS, (BATCH, SEQ, TAPS_WIDTH), MODEL),  # decoder layer outputs, target_layer_ids order
             *NEW_KV,
+            *LINEAR_NEW,
         ),
     ),
     DRAFT_CONTEXT: Graph(
@@ -141,25 +175,32 @@ GRAPH_FILES = {g: spec.file for g, spec in GRAPHS.items()}
 ID_LOGITS = {NEXT_IDS: LOGITS, DRAFT_IDS: DRAFT_LOGITS}  # each in-graph argmax and the logits it reads
 
 
-def _expand(tensors: tuple[Tensor, ...], layers: int) -> list[Tensor]:
-    """Templates in order: a run of per-layer tensors (k, v) repeats as k0 v0 k1 v1 ..."""
+def _expand(tensors: tuple[Tensor, ...], kinds: list[str]) -> list[Tensor]:
+    """Templates in order: a run of per-layer tensors repeats per layer with the templates of
+    that layer's kind, as k0 v0 k1 v1 ... (hybrid: k0 v0 conv1 rec1 ...)."""
     out, group = [], []
     for t in (*tensors, None):
         if t is not None and t.per_layer:
             group.append(t)
             continue
-        out += [g.at(i) for i in range(layers) for g in group]
+        out += [g.at(i) for i, kind in enumerate(kinds) for g in group if g.kind == kind]
         group = []
         if t is not None:
             out.append(t)
     return out
 
 
+def layer_kinds(graph: str, m) -> list[str]:
+    """The kind of each layer whose tensors `graph` carries (only a hybrid target has LINEAR ones)."""
+    g = GRAPHS[graph]
+    types = getattr(m, "target_layer_types", None) if g.layers == "target_layers" else None
+    return [LINEAR if t == LINEAR else ATTENTION for t in types] if types else [ATTENTION] * getattr(m, g.layers)
+
+
 def io(graph: str, m) -> tuple[list[Tensor], list[Tensor]]:
     """(inputs, outputs) of `graph` for the manifest `m` (anything with its layer counts)."""
-    g = GRAPHS[graph]
-    n = getattr(m, g.layers)
-    return _expand(g.inputs, n), _expand(g.outputs, n)
+    g, kinds = GRAPHS[graph], layer_kinds(graph, m)
+    return _expand(g.inputs, kinds), _expand(g.outputs, kinds)
 
 
 def names(graph: str, m) -> tuple[list[str], list[str]]:
@@ -199,7 +240,22 @@ def sizes(m) -> dict[str, int]:
         TAPS_WIDTH: len(m.target_layer_ids) * m.hidden_size,
         KV_HEADS: m.target_kv_heads, HEAD_DIM: m.target_head_dim,
         DRAFT_KV_HEADS: m.draft_kv_heads, DRAFT_HEAD_DIM: m.draft_head_dim,
+        **linear_sizes(getattr(m, "linear", None)),
     }
+
+
+def max_seq(m) -> int | None:
+    """Most positions one target call takes, when the graph caps it (hybrid: one delta-rule chunk)."""
+    linear = getattr(m, "linear", None)
+    return int(linear["max_seq"]) if linear else None
+
+
+def linear_sizes(linear: dict | None) -> dict[str, int]:
+    """The Gated DeltaNet roles' sizes from a manifest's `linear` record (hybrid targets)."""
+    if not linear:
+        return {}
+    return {CONV_WINDOW: linear["conv_kernel"] - 1, CONV_DIM: linear["conv_dim"], K_HEADS: linear["k_heads"],
+            V_HEADS: linear["v_heads"], K_DIM: linear["k_dim"], V_DIM: linear["v_dim"]}
 
 
 def shape(t: Tensor, m, **dynamic: int) -> tuple[int, ...]:
@@ -227,6 +283,23 @@ def new_key(i: int) -> str:
 
 def new_value(i: int) -> str:
     return NEW_KV[1].at(i).name
+
+
+def conv_state(i: int) -> str:
+    return LINEAR_STATE[0].at(i).name
+
+
+def rec_state(i: int) -> str:
+    return LINEAR_STATE[1].at(i).name
+
+
+def new_conv(i: int) -> str:
+    return LINEAR_NEW[0].at(i).name
+
+
+def delta(i: int) -> tuple[str, str, str]:
+    """delta_k, delta_u, delta_g of linear-attention layer i (what `commit_state` reads)."""
+    return tuple(t.at(i).name for t in LINEAR_NEW[1:])
 
 
 def ctx_key(j: int) -> str:
@@ -303,8 +376,19 @@ class Manifest:
     # weight-only quantization (export/quantize.py): {"scheme", "bits", "block_size", "symmetric", "draft",
     # "lm_head", "accuracy_level", "method", "weights": {graph: [quantized weight names]}}; None: float weights
     quantization: dict | None = None
+    # hybrid targets only: per target layer "full_attention" | "linear_attention", and the Gated
+    # DeltaNet dims {conv_kernel, conv_dim, k_heads, v_heads, k_dim, v_dim, max_seq}
+    target_layer_types: list[str] = field(default_factory=list)
+    linear: dict | None = None
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
+
+    def is_linear(self, i: int) -> bool:
+        return bool(self.target_layer_types) and self.target_layer_types[i] == LINEAR
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i in range(self.target_layers) if self.is_linear(i)]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"

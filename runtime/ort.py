@@ -27,6 +27,7 @@ import onnxruntime as ort
 from . import contract as C
 from .backend import Backend, TargetOut
 from .errors import DFlashError
+from .hybrid import LinearStates
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 # TensorProto.DataType; uint8: weight-only quantized tensors (MatMulNBits, docs/quantization.md)
@@ -105,6 +106,11 @@ class OrtBackend(Backend):
         self.max_len = m.max_context
         self.max_chunk = max(max_chunk, m.block_size)
         self.device = "cpu" if self._provider == PROVIDERS["cpu"] else "cuda"
+        if C.max_seq(m):  # hybrid target: one delta-rule chunk per call, states committed on the host
+            self.max_chunk = min(self.max_chunk, C.max_seq(m))
+            if self.device != "cpu":
+                raise DFlashError("hybrid (Gated DeltaNet) targets run on the cpu provider only for now: "
+                                  "their state commit is host code (docs/hybrid.md)")
         self.has_drafter = drafter
         self.low_memory = low_memory
         self.trace: list | None = None  # set to [] to record every bound (name, ptr, shape)
@@ -143,7 +149,9 @@ class OrtBackend(Backend):
                     self._specs[graph, t.name] = (output, C.dtype(t, m), dims)
         kv_type = C.dtype(C.PAST_KV[0], m)
         L, Hkv, D = m.target_layers, m.target_kv_heads, m.target_head_dim
-        self.kv = [self._alloc((1, self.max_len, Hkv, D), kv_type) for _ in range(2 * L)]  # k0 v0 k1 v1 ...
+        self.kv = [None if m.is_linear(i) else self._alloc((1, self.max_len, Hkv, D), kv_type)
+                   for i in range(L) for _ in (0, 1)]  # k0 v0 k1 v1 ... (none for linear-attention layers)
+        self.states = LinearStates(m, self.max_chunk, STORAGE) if m.linear_layers else None
         self.taps = self._alloc((1, self.max_chunk, static[C.TAPS_WIDTH]), C.dtype(C.tensor(C.TARGET, C.TAPS, m), m))
         K, V = m.block_size, m.vocab_size
         self.logits = np.empty((1, K, V), np.float32)  # host: verify logits when sampling
@@ -256,6 +264,13 @@ class OrtBackend(Backend):
         self._bind(g, C.INPUT_IDS, self.ids, seq=S)
         self._bind(g, C.POSITION_IDS, self.positions, P, seq=S)
         for i in range(m.target_layers):
+            if m.is_linear(i):  # committed states in, per-position outputs to commit out
+                buf = self.states.buf
+                for name in (C.conv_state(i), C.rec_state(i)):
+                    self._bind(g, name, buf[name])
+                for name in (C.new_conv(i), *C.delta(i)):
+                    self._bind(g, name, buf[name], seq=S)
+                continue
             k, v = self.kv[2 * i], self.kv[2 * i + 1]
             self._bind(g, C.past_key(i), k, past=P)
             self._bind(g, C.past_value(i), v, past=P)
@@ -275,6 +290,28 @@ class OrtBackend(Backend):
         if want_logits:
             logits = io.get_outputs()[-1].numpy()[0] if big else self.logits[0, :S]
         return TargetOut(self.next_ids[0, :S], logits)
+
+    def commit(self, n: int) -> None:
+        super().commit(n)
+        if self.states is not None:  # a hybrid target's rollback: only n positions reach the states
+            self.states.commit(n)
+
+    def reset(self) -> None:
+        super().reset()
+        if self.states is not None:
+            self.states.reset()
+
+    def reusable(self, n: int) -> int:
+        if self.states is None or n == self.target_len:
+            return n
+        return 0  # a recurrent state holds the whole sequence: no shorter prefix to go back to
+
+    def keep(self, n: int) -> None:
+        if self.states is not None and n != self.target_len:
+            if n:
+                raise DFlashError(f"internal: keep({n}) of {self.target_len} positions: a hybrid target keeps all or none")
+            self.states.reset()
+        super().keep(n)
 
     def draft_context(self, n: int) -> None:
         m, P, g = self.manifest, self.context_len, C.DRAFT_CONTEXT

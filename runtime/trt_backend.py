@@ -96,6 +96,9 @@ class TensorRTBackend(Backend):
         self.trt, self.cudart = trt, cudart
         self.out = Path(out_dir)
         self.manifest = m = manifest or load_manifest(self.out)
+        if m.linear_layers:
+            raise DFlashError("the TensorRT backend does not run hybrid (Gated DeltaNet) targets yet; "
+                              "use --backend ort (docs/hybrid.md)")
         cc, gpu = gpu_info(cudart, device)
         rec = m.engines
         check_engine_record(rec, trt.__version__, cc)

@@ -112,6 +112,12 @@ def resolve_limits(manifest: Manifest, max_context: int | None = None, max_promp
     if mc < k + 1:
         raise DFlashError(f"--max-context {mc} is too small for block size {k}: it must be at least {k + 1}")
     mp = max(1, mc // 2) if max_prompt is None else int(max_prompt)
+    cap = C.max_seq(manifest)
+    if cap:  # hybrid target: one delta-rule chunk per call (runtime/contract.py); prefill is chunked
+        if max_prompt is not None and mp > cap:
+            raise DFlashError(f"--max-prompt {mp}: a hybrid target takes at most {cap} positions per call "
+                              "(prefill is chunked); lower it")
+        mp = min(mp, cap)
     if mp < 1 or mp + k > mc:
         raise DFlashError(
             f"--max-prompt {mp} must be between 1 and max_context - block_size = {mc - k} "

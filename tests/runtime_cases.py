@@ -37,6 +37,7 @@ class Case:
     hidden: int = 64
     taps: tuple[int, ...] | None = None  # drafter's target_layer_ids (None: the z-lab default)
     sliding: int | None = None  # window of a sliding-attention drafter layer (layer 1, or 0 if alone)
+    layer_types: tuple[str, ...] | None = None  # hybrid targets (qwen35): the linear/full pattern
 
     @property
     def name(self) -> str:
@@ -86,7 +87,8 @@ def artifact(case: Case) -> tuple[Path, Path, Path]:
         tmp = cache / f".{final.name}.{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        make_target(tmp / "t", case.arch, seed=case.seed, layers=case.layers, tie=case.tie, hidden=case.hidden)
+        make_target(tmp / "t", case.arch, seed=case.seed, layers=case.layers, tie=case.tie, hidden=case.hidden,
+                    layer_types=list(case.layer_types) if case.layer_types else None)
         if case.bias:
             _bias_target(tmp / "t", case.bias)
         extra = {}

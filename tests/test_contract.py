@@ -48,3 +48,23 @@ def test_exported_graphs_match_the_contract():
         for t, s in zip(ins + outs, spec.inputs + spec.outputs, strict=True):
             assert (t.name, C.dtype(t, m)) == (s.name, s.dtype)
             assert [d if d in C.DYNAMIC else static[d] for d in t.dims] == s.shape
+
+
+def test_hybrid_target_layers_carry_their_states():
+    """A hybrid target's linear-attention layers carry conv/recurrent states instead of K/V,
+    in layer order, with the Gated DeltaNet roles sized from the manifest's `linear`."""
+    linear = dict(conv_kernel=4, conv_dim=80, k_heads=2, v_heads=4, k_dim=8, v_dim=12, max_seq=64)
+    m = SimpleNamespace(**vars(GEOM), target_layer_types=["linear_attention", "full_attention", "linear_attention"],
+                        linear=linear)
+    ins, outs = C.names(C.TARGET, m)
+    assert ins[2:] == ["conv_state.0", "rec_state.0", "past_key.1", "past_value.1", "conv_state.2", "rec_state.2"]
+    assert outs[3:] == ["new_conv.0", "delta_k.0", "delta_u.0", "delta_g.0", "new_key.1", "new_value.1",
+                        "new_conv.2", "delta_k.2", "delta_u.2", "delta_g.2"]
+    assert C.names(C.DRAFT_BLOCK, m) == C.names(C.DRAFT_BLOCK, GEOM)  # drafter graphs unchanged
+    rec = C.tensor(C.TARGET, "rec_state.2", m)
+    assert C.shape(rec, m, batch=1) == (1, 4, 8, 12) and C.dtype(rec, m) == "float32"  # the state stays fp32
+    assert C.shape(C.tensor(C.TARGET, "conv_state.0", m), m, batch=1) == (1, 3, 80)
+    assert C.dtype(C.tensor(C.TARGET, "delta_k.0", m), m) == "float16"
+    assert C.role(C.TARGET, "delta_u.7", 1) == C.SEQ and C.role(C.TARGET, "conv_state.3", 1) == C.CONV_WINDOW
+    assert C.max_seq(m) == 64 and C.max_seq(GEOM) is None
+    assert C.delta(2) == ("delta_k.2", "delta_u.2", "delta_g.2")

@@ -214,7 +214,7 @@ def test_probabilities_support():
 
 # -- the distribution on a tiny vocabulary -----------------------------------------------
 
-V_SMALL, TEMP, N_SAMPLES = 10, 1.0, 2000
+V_SMALL, TEMP, N_SAMPLES, N_SAMPLES_HYBRID = 10, 1.0, 2000, 400
 
 
 def _chi2_p(observed: np.ndarray, expected: np.ndarray) -> float:
@@ -264,12 +264,16 @@ def _exact_joint(target, prompt: list[int], temperature: float) -> np.ndarray:
 @pytest.mark.parametrize("arch", ["qwen3", "qwen35"])  # dense, and hybrid (Gated DeltaNet + attention)
 def test_speculative_sampling_has_the_target_distribution(tmp_path, arch):
     """First 3 tokens: speculative samples vs the exact target distribution and vs plain
-    sampling, by chi-square (p >= 1e-3 for each of 4+2 tests); the same statistic rejects the
-    distribution at half the temperature (p < 1e-6), so the test has the power to fail."""
+    sampling, by chi-square (p >= 1e-3 for each of 4+2 tests; hybrid: the 4 against the exact
+    distribution, from fewer samples); the same statistic rejects the distribution at half the
+    temperature (p < 1e-6), so the test has the power to fail."""
     d = make_target(tmp_path / "small", arch=arch, seed=1, vocab=V_SMALL, hidden=32, layers=2, heads=4,
                     kv_heads=2, head_dim=8, intermediate=48,
                     layer_types=["linear_attention", "full_attention"] if arch == "qwen35" else None)
-    n_samples = N_SAMPLES if arch == "qwen3" else N_SAMPLES // 2  # the hybrid forward is slower in eager torch
+    # hybrid: fewer samples and no plain-sampling side (the dense case tests the sampler itself;
+    # here only the target's distribution through the hybrid cache's commit/rollback is new)
+    hybrid = arch == "qwen35"
+    n_samples = N_SAMPLES_HYBRID if hybrid else N_SAMPLES
     target = Target.from_pretrained(d, tap_ids=[0, 1])
     prompt = [1, 2, 3]
     inner = _random_drafter_small(target)
@@ -281,9 +285,10 @@ def test_speculative_sampling_has_the_target_distribution(tmp_path, arch):
         g = speculative_generate(target, drafter, prompt, 3, mask_token_id=8, block_size=4, temperature=TEMP, seed=s)
         spec.append(g.tokens)
         accepted += g.acceptance_lengths[0] > 1
-        plain.append(autoregressive_generate(target, prompt, 3, temperature=TEMP, seed=10**6 + s).tokens)
+        if not hybrid:
+            plain.append(autoregressive_generate(target, prompt, 3, temperature=TEMP, seed=10**6 + s).tokens)
     spec, plain = np.array(spec), np.array(plain)
-    assert spec.shape == plain.shape == (n_samples, 3)
+    assert spec.shape == (n_samples, 3) and (hybrid or plain.shape == spec.shape)
     assert accepted > n_samples // 10  # drafts were accepted, not only the bonus tokens
 
     exact = _exact_joint(target, prompt, TEMP)
@@ -301,8 +306,9 @@ def test_speculative_sampling_has_the_target_distribution(tmp_path, arch):
     pvals = {}
     for cols, marg in views.items():
         pvals[f"spec{cols}"] = _chi2_p(counts(spec, cols), n_samples * marg(exact))
-        pvals[f"plain{cols}"] = _chi2_p(counts(plain, cols), n_samples * marg(exact))
-    for cols in ((0, 1), (1, 2)):
+        if not hybrid:
+            pvals[f"plain{cols}"] = _chi2_p(counts(plain, cols), n_samples * marg(exact))
+    for cols in ((0, 1), (1, 2)) if not hybrid else ():
         pvals[f"spec-vs-plain{cols}"] = _chi2_two_sample_p(counts(spec, cols), counts(plain, cols))
     control = _chi2_p(counts(spec, (0, 1)), n_samples * views[(0, 1)](colder))
     print(f"chi-square p-values {pvals}; control at T/2: {control:.2e}; first rounds with drafts accepted: {accepted}")
