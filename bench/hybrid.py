@@ -40,14 +40,13 @@ BLOCK, MAX_CONTEXT = 16, 1024
 
 
 def pair() -> Path:
-    key = hashlib.sha256((json.dumps(SHAPE, sort_keys=True) + source_digest()).encode()).hexdigest()[:12]
+    contract = (ROOT / "runtime" / "contract.py").read_bytes().decode()
+    key = hashlib.sha256((json.dumps(SHAPE, sort_keys=True) + source_digest() + contract).encode()).hexdigest()[:12]
     cache = Path(os.environ.get("DFLASH_BENCH_CACHE", Path.home() / ".cache/dflash-export/bench"))
     final = cache / f"qwen35-4b-width-{key}"
     if not (final / "out" / "manifest.json").is_file():
-        sys.path.insert(0, str(ROOT / "tests"))
-        from tiny import make_drafter, make_target
-
-        from dflash_export.export.onnx import export_artifact
+        from dflash_export.export.artifact import export_artifact
+        from dflash_export.testing import make_drafter, make_target
 
         tmp = cache / f".{final.name}.{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -82,6 +81,7 @@ def main() -> None:
 
     import numpy as np
 
+    from dflash_export.runtime import contract as C
     from dflash_export.runtime.ort import OrtBackend
 
     out = pair()
@@ -118,8 +118,8 @@ def main() -> None:
     worst = max(res[f"commit_{n}_ms"] for n in (1, K // 2, K))
     res["rollback_over_verify"] = worst / res["verify_ms"]
     st = be.states
-    res["state_mb"] = sum(st.conv[i].nbytes + st.state[i].nbytes for i in st.layers) / 2**20
-    res["scratch_mb"] = sum(d[i].nbytes for d in (st.new_conv, st.k, st.u, st.g) for i in st.layers) / 2**20
+    res["state_mb"] = st.nbytes(C.LINEAR_STATE) / 2**20
+    res["scratch_mb"] = st.nbytes(C.LINEAR_NEW) / 2**20
     res["linear_layers"] = len(st.layers)
     if a.json:
         print(json.dumps(res, indent=2))
