@@ -93,12 +93,15 @@ def print_info(d: dict, out: Path) -> None:
                f"eos {d['eos_token_ids']}, tokenizer {'yes' if d['tokenizer'] else 'no'}")
     m = C.load_manifest(out, verify=False)
     for g, graph in C.GRAPHS.items():
-        n = getattr(m, graph.layers)
+        kinds = C.layer_kinds(g, m)  # hybrid targets: linear-attention layers carry states, not K/V
         click.echo(f"{graph.file}  ({len(d['graphs'][g]['inputs'])} inputs, {len(d['graphs'][g]['outputs'])} outputs)")
         for kind, tensors in (("in", graph.inputs), ("out", graph.outputs)):
             for t in tensors:
+                layers = [i for i, k in enumerate(kinds) if k == t.kind]
+                if t.per_layer and not layers:
+                    continue
                 dims = ", ".join(str(x) for x in _shape(t, m))
-                each = f"  i < {n}" if t.per_layer else ""
+                each = (f"  i < {len(kinds)}" if len(layers) == len(kinds) else f"  i in {layers}") if t.per_layer else ""
                 click.echo(f"  {kind:<4} {t.name:<22} [{dims}] {C.dtype(t, m)}{each}")
     shared = d["shared"]
     if shared:

@@ -41,6 +41,10 @@ def test_manifest_describes_the_state_tensors(pair):
     assert spec["new_conv.0"].shape == ["batch", "seq", 80] and spec["delta_k.2"].shape == ["batch", "seq", 2, 8]
     assert spec["delta_g.0"].shape == ["batch", "seq", 4] and spec["past_key.3"].shape[:2] == ["batch", "past"]
     assert "past_key.0" not in spec and "conv_state.3" not in spec
+    info = CliRunner().invoke(cli, ["info", str(out)])
+    assert info.exit_code == 0, info.output
+    assert "conv_state.{i}         [batch, 3, 80] float32  i in [0, 1, 2]" in info.output
+    assert "past_key.{i}           [batch, past, 2, 16] float32  i in [3]" in info.output
 
 
 def test_check_parity_on_every_output(pair):

@@ -209,6 +209,26 @@ def test_released_drafter_configs_attach_to_a_hybrid_target(tmp_path, name):
     assert g.tokens == plain
 
 
+def test_released_drafter_configs_plan_an_export_for_a_hybrid_target(tmp_path):
+    """`export`'s checks before any weight (configs, fit, block size, mask id) accept every
+    released config against a hybrid target (the 3.5 one with its null mask id given on the
+    command line) and the plan describes the state tensors; the drafter graphs themselves do not
+    depend on the target's kind (tests/test_hybrid_runtime.py exports and runs a hybrid pair)."""
+    from dflash_export.export.artifact import hybrid_fields, plan
+    from test_formats import L_TINY, V_TINY
+
+    td = make_target(tmp_path / "t", arch="qwen35", seed=5, vocab=V_TINY, hidden=32, layers=L_TINY, heads=4,
+                     kv_heads=2, intermediate=48)
+    for name in SUPPORTED:
+        write_drafter(shrink(fixture(name)), tmp_path / name)
+        tc, dc, k, mask = plan(td, tmp_path / name, None, V_TINY - 3, 256)
+        assert k == dc.block_size and mask in (V_TINY - 2, V_TINY - 3), name
+        fields = hybrid_fields(tc)
+        assert fields["target_layer_types"].count(LIN) == 6 and fields["linear"]["max_seq"] == 64, name
+    with pytest.raises(DFlashError, match="block size 65 is too large for a hybrid target"):
+        plan(td, tmp_path / SUPPORTED[0], 65, None, 256)
+
+
 # -- refusals -----------------------------------------------------------------------------
 
 
