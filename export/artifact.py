@@ -137,7 +137,7 @@ def export_artifact(
     hidden directory), then quantized into `out` (quantize_artifact)."""
     from .graphs import wrapper
     from .quantize import check_options, quantize_artifact
-    from .save import DataWriter, copy_tokenizer, graph_spec, opset_of, save_graph, shared_names
+    from .save import copy_tokenizer, graph_spec, opset_of, save_graphs
     from .trace import fold_shape_constants, rename_initializers, store_transposed, trace
     from .validate import validate_artifact
 
@@ -174,16 +174,10 @@ def export_artifact(
                 # tied embeddings: the head keeps reading the lookup table's bytes
                 store_transposed(model, keep=C.SHARED_INITIALIZERS[1:] if tc.tie_word_embeddings else ())
         with ui.phase("save", "graphs + external data + tokenizer"):
-            writer = DataWriter(tmp, shared_names(models), tc.tie_word_embeddings)
-            try:
-                for name, model in models.items():
-                    writer.externalize(name, model)
-                    save_graph(model, tmp / C.GRAPH_FILES[name])
-            finally:
-                writer.close()
+            shared = save_graphs(tmp, models, tc.tie_word_embeddings)
             tokenizer = copy_tokenizer(target_dir, tmp)
-        manifest.shared = writer.shared
-        del models, target, drafter, writer
+        manifest.shared = shared
+        del models, target, drafter
         with ui.phase("validate", "onnx.checker, shape inference, op lint, ORT load"):
             validate_artifact(tmp, dtype)
         manifest.graphs = {name: graph_spec(tmp / f) for name, f in C.GRAPH_FILES.items()}

@@ -120,7 +120,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
 
     from .artifact import check_out_dir, commit, write_manifest_checked
     from .progress import Phases, report
-    from .save import DataWriter, graph_spec, save_graph, shared_names
+    from .save import graph_spec, save_graphs
     from .trace import store_transposed
     from .validate import validate_artifact
 
@@ -156,13 +156,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
                 models[name] = model
             # shared: the embedding, and what several graphs hold with the same bytes (a quantized
             # head, the drafter's K/V projections); quantization is deterministic, so they match
-            writer = DataWriter(tmp, shared_names(models), tied and not q.lm_head)
-            try:
-                for name, model in models.items():
-                    writer.externalize(name, model)
-                    save_graph(model, tmp / C.GRAPH_FILES[name])
-            finally:
-                writer.close()
+            shared = save_graphs(tmp, models, tied and not q.lm_head)
             del models
             for name in C.TOKENIZER_FILES:
                 if (src / name).is_file():
@@ -170,7 +164,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
         with ui.phase("validate", "onnx.checker, shape inference, op lint, ORT load"):
             validate_artifact(tmp, m.dtype, quantized=True)
         specs = {name: graph_spec(tmp / f) for name, f in C.GRAPH_FILES.items()}
-        manifest = dataclasses.replace(m, graphs=specs, files={}, engines=None, shared=writer.shared,
+        manifest = dataclasses.replace(m, graphs=specs, files={}, engines=None, shared=shared,
                                        quantization=q.record(quantized))
         write_manifest_checked(tmp, manifest)
         commit(tmp, out)

@@ -119,6 +119,18 @@ def save_graph(model, path: Path) -> None:
     onnx.save_model(proto, str(path))
 
 
+def save_graphs(out: Path, models: dict, tied: bool) -> dict:
+    """Every graph with its weights in external data (shared ones once); returns the manifest's shared table."""
+    writer = DataWriter(out, shared_names(models), tied)
+    try:
+        for name, model in models.items():
+            writer.externalize(name, model)
+            save_graph(model, out / C.GRAPH_FILES[name])
+    finally:
+        writer.close()
+    return writer.shared
+
+
 def copy_tokenizer(target_dir: Path, out: Path) -> list[str]:
     copied = []
     for name in C.TOKENIZER_FILES:
