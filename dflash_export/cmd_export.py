@@ -58,16 +58,26 @@ def quant_request(quantize, block_size, asymmetric, draft, lm_head, accuracy_lev
 @click.option("--mask-token-id", type=int, help="Override the drafter's dflash_config.mask_token_id.")
 @click.option("--opset", type=int, help="ONNX opset [default: the exporter's].")
 @quant_options
+@click.option("--draft-vocab", type=int, metavar="N",
+              help="Drafter head scores only N tokens (lossless: the target verifies every draft) [default: all].")
+@click.option("--draft-vocab-data", multiple=True, type=click.Path(path_type=Path), metavar="FILE",
+              help="Token counts for --draft-vocab: train-draft shards (shard-*.pt or their directory), "
+                   ".jsonl ('tokens' or 'text') or text files; repeatable [default: the lowest ids].")
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory (only once the export succeeded).")
+@click.option("--no-room-check", is_flag=True,
+              help="Export even when free memory or disk look too small for the model (the OS may kill it).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_token_id, opset, quantize,
-           quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level, force, quiet):
+           quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level,
+           draft_vocab, draft_vocab_data, force, no_room_check, quiet):
     """Trace a target and its DFlash drafter to ONNX: target.onnx, draft_context.onnx,
     draft_block.onnx, their external weights (weights several graphs hold stored once, in
     shared.data), the tokenizer files and manifest.json with the sha256 of every file.
 
     The export is atomic: it is written next to --out and renamed at the end, so a failed
-    or interrupted export leaves nothing behind. The graphs are validated (onnx.checker,
+    or interrupted export leaves nothing behind (a folder left by a killed one is removed by
+    the next export to the same place). It first checks that free memory and disk can hold
+    the model and stops with a hint when they cannot. The graphs are validated (onnx.checker,
     shape inference, standard-operator lint, ONNX Runtime load) before the rename.
 
     \b
@@ -76,12 +86,14 @@ def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_
       dflash-export export --target t --draft d --out art --dtype fp16 --block-size 8
       dflash-export export --target t --draft d --out art --force   # replace art
       dflash-export export --target t --draft d --out art4 --quantize int4 --quantize-draft
+      dflash-export export --target t --draft d --out art --draft-vocab 32768 --draft-vocab-data corpus.jsonl
     """
     from .export.artifact import export_artifact
 
     q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level)
     export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
-                    mask_token_id=mask_token_id, opset=opset, force=force, progress=not quiet, quantize=q)
+                    mask_token_id=mask_token_id, opset=opset, force=force, progress=not quiet, quantize=q,
+                    draft_vocab=draft_vocab, draft_vocab_data=draft_vocab_data, room_check=not no_room_check)
 
 
 @click.command()
@@ -192,6 +204,8 @@ def print_report(report) -> None:
                 console.print(f"[red]speculative != plain[/] at token {f['first_difference']} for prompt {f['prompt']}")
         for f in e["failures"] if q is None or report.strict else []:
             console.print(f"[red]differs[/] at token {f['first_difference']} for prompt {f['prompt']}")
+    if report.draft_vocab:
+        console.print(f"draft vocabulary: {report.draft_vocab} tokens (drafts outside it end a round early; the output is the target's)")
     for note in report.notes:
         console.print(f"note: {note}")
     failing = [r for r in report.rows if not r.passed]

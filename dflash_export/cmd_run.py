@@ -366,6 +366,8 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     r, t = report, report["tokens_per_second"]
     click.echo(f"prompts: {source}; {r['max_new_tokens']} new tokens each; {r['provider']}; threads {r['threads']}, "
                f"spin {'on' if r['spin'] else 'off'}, verify {r['verify']}")
+    if r.get("draft_vocab"):
+        click.echo(f"draft vocabulary: {r['draft_vocab']} of {backend.manifest.vocab_size} tokens")
     click.echo(f"tau {r['tau']:.2f}, mean verify length {r['mean_verify_len']:.2f}  histogram {r['acceptance_histogram']}")
     click.echo(f"speculative {t['speculative']:.1f} tok/s, autoregressive {t['autoregressive']:.1f} tok/s, "
                f"speedup {r['speedup']:.2f}x")

@@ -73,6 +73,104 @@ def _chunk() -> int:
     return gdn.CHUNK
 
 
+# -- room: memory and disk, before anything is loaded -----------------------------------
+
+EXPORT_PEAK = 1.3  # export peak RSS / weight bytes: 1.26 measured (bench/export_2gb.py, docs/real_sizes.md)
+BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def checkpoint_elements(directory: Path) -> int:
+    """Elements of every tensor in a directory's *.safetensors, from their headers (nothing loaded)."""
+    import json
+    import struct
+
+    total = 0
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError, struct.error) as e:
+            raise DFlashError(f"{f}: unreadable safetensors header ({e})") from None
+        for name, t in header.items():
+            if name != "__metadata__":
+                size = 1
+                for d in t.get("shape", []):
+                    size *= int(d)
+                total += size
+    return total
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still take: MemAvailable, capped by a cgroup v2 limit (None: unknown)."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max" and avail is not None:
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def check_room(weight_bytes: int, out: Path, dtype: str) -> None:
+    """Refuse, with a one-line hint, an export this machine's memory or disk cannot hold:
+    better than being killed by the OS half-way (or filling the disk)."""
+    import shutil as sh
+
+    gb = lambda b: f"{b / 1e9:.1f} GB"  # noqa: E731
+    smaller = "export with --dtype fp16 or bf16 (half the bytes)" if dtype == "fp32" else "export on a larger machine"
+    need, avail = int(EXPORT_PEAK * weight_bytes), available_memory()
+    if avail is not None and need > avail:
+        raise DFlashError(f"export needs about {gb(need)} of memory for {gb(weight_bytes)} of {dtype} weights, but only "
+                          f"{gb(avail)} is available; {smaller}, free memory, or pass --no-room-check to try anyway")
+    free = sh.disk_usage(out.parent).free
+    if weight_bytes > free:
+        raise DFlashError(f"export writes about {gb(weight_bytes)} to {out.parent}, which has {gb(free)} free; "
+                          f"free disk space, choose another --out, or {smaller}")
+
+
+def clean_stale_staging(out: Path) -> list[Path]:
+    """Remove `.<out>.partial-<pid>` / `.<out>.old-<pid>` left by an export that was killed
+    (its pid gone); a running export's folder is left alone. -> the removed paths."""
+    removed = []
+    for p in out.parent.glob(f".{out.name}.*-*"):
+        kind, _, pid = p.name[len(out.name) + 2 :].partition("-")
+        if kind not in ("partial", "old") or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (an export running now): not ours to remove
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
+def plan_draft_vocab(n, data, target_dir, vocab_size: int, eos: list[int]):
+    """-> (the N ids or None, the manifest's draft_vocab record or None), before any weight is loaded."""
+    from . import draft_vocab as DV
+
+    if n is None:
+        if data:
+            raise DFlashError("--draft-vocab-data needs --draft-vocab N (how many tokens the drafter scores)")
+        return None, None
+    counts, source = DV.count_tokens(list(data), target_dir, vocab_size) if data else (None, DV.FALLBACK)
+    ids = DV.choose(int(n), vocab_size, eos, counts)
+    cov = DV.coverage(ids, counts)
+    return ids, {"size": int(n), "source": source, "data_coverage": None if cov is None else round(cov, 6)}
+
+
 # -- manifest -----------------------------------------------------------------------------
 
 
@@ -130,6 +228,9 @@ def export_artifact(
     force: bool = False,
     progress: bool = True,
     quantize=None,
+    room_check: bool = True,
+    draft_vocab: int | None = None,
+    draft_vocab_data: list | tuple = (),
 ) -> C.Manifest:
     """Trace, save, validate and describe one artifact directory; atomic on failure.
 
@@ -147,15 +248,24 @@ def export_artifact(
         check_options(quantize, dtype)
     check_out_dir(out, force)
     tc, dc, k, mask = plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset)
+    eos = eos_ids(target_dir, tc.eos_token_ids)
+    vocab_ids, vocab_record = plan_draft_vocab(draft_vocab, draft_vocab_data, target_dir, tc.vocab_size, eos)
+    elements = checkpoint_elements(target_dir) + checkpoint_elements(draft_dir)
+    weight_bytes = BYTES[dtype] * (elements + (0 if vocab_ids is None else len(vocab_ids) * tc.hidden_size))
+    stale = clean_stale_staging(out)
+    if room_check:
+        check_room(weight_bytes, out, dtype)
     manifest = C.Manifest(
         block_size=k, mask_token_id=mask, target_layer_ids=list(dc.target_layer_ids), dtype=dtype,
         vocab_size=tc.vocab_size, max_context=int(max_context), hidden_size=tc.hidden_size,
         target_layers=tc.num_layers, target_kv_heads=tc.num_kv_heads, target_head_dim=tc.head_dim,
         draft_layers=dc.num_layers, draft_kv_heads=dc.num_kv_heads, draft_head_dim=dc.head_dim,
-        architecture=tc.architecture, eos_token_ids=eos_ids(target_dir, tc.eos_token_ids),
-        opset=0, graphs={}, tools=tool_versions(), **hybrid_fields(tc),
+        architecture=tc.architecture, eos_token_ids=eos,
+        opset=0, graphs={}, tools=tool_versions(), draft_vocab=vocab_record, **hybrid_fields(tc),
     )
     ui = Phases(progress)
+    for p in stale:
+        ui.console.print(f"removed {p.name}, left by an export that did not finish")
     t0 = time.perf_counter()
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -166,6 +276,10 @@ def export_artifact(
 
             target = Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
             drafter = Drafter.from_pretrained(draft_dir, tdtype)
+            if vocab_ids is not None:
+                import torch
+
+                drafter.set_draft_vocab(torch.from_numpy(vocab_ids), target.lm_head.weight)
         with ui.phase("trace", f"3 graphs, block size {k} (torch.onnx dynamo)"):
             models = {g: trace(g, wrapper(g, target, drafter), manifest, tdtype, opset) for g in C.GRAPHS}
             for model in models.values():

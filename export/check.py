@@ -58,6 +58,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     quantization: dict | None = None  # the manifest's record for a quantized artifact
     strict: bool = False  # fp32 tolerances and token identity apply (fp32; quantized: vs the dequantized weights)
+    draft_vocab: int | None = None  # N of a reduced draft vocabulary (None: the whole vocabulary)
 
     @property
     def passed(self) -> bool:
@@ -86,6 +87,8 @@ class Report:
             line += f", {e['identical']}/{e['cases']} prompts token-identical to PyTorch"
             if self.quantization is not None:
                 line += f" (dequantized weights), speculative == plain on {e['speculative_equals_plain']}/{e['cases']}"
+        if self.draft_vocab:
+            line += f", draft vocabulary {self.draft_vocab}"
         return line + (": PASSED" if self.passed else ": FAILED")
 
     def to_json(self) -> dict:
@@ -93,7 +96,8 @@ class Report:
         for r in self.rows:
             graphs.setdefault(r.graph, []).append({k: v for k, v in asdict(r).items() if k != "graph"})
         return {"passed": self.passed, "dtype": self.dtype, "tolerance": TOLERANCE if self.strict else None,
-                "quantization": self.quantization, "graphs": graphs, "end_to_end": self.end_to_end, "notes": self.notes}
+                "quantization": self.quantization, "graphs": graphs, "end_to_end": self.end_to_end, "notes": self.notes,
+                "draft_vocab": self.draft_vocab}
 
 
 def load_sources(root: Path, manifest: C.Manifest, target_dir, draft_dir):
@@ -115,8 +119,28 @@ def load_sources(root: Path, manifest: C.Manifest, target_dir, draft_dir):
     dtype = torch_dtype(manifest.dtype)
     drafter = Drafter.from_pretrained(draft_dir, dtype)
     target = Target.from_pretrained(target_dir, drafter.config.target_layer_ids, dtype)
+    if manifest.draft_vocab:  # the reference scores the same N tokens, read back from the graph
+        drafter.set_draft_vocab(torch.tensor(draft_vocab_ids(root, manifest)), target.lm_head.weight)
     torch.manual_seed(0)
     return target, drafter
+
+
+def draft_vocab_ids(root: Path, m: C.Manifest) -> np.ndarray:
+    """The N target ids of a reduced draft vocabulary, as draft_block.onnx holds them."""
+    import onnx
+    from onnx import numpy_helper
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    path = root / m.graphs[C.DRAFT_BLOCK].file
+    for t in onnx.load(str(path), load_external_data=False).graph.initializer:
+        if t.name == "vocab_ids":
+            if uses_external_data(t):
+                load_external_data_for_tensor(t, str(root))
+            ids = numpy_helper.to_array(t)
+            if ids.shape != (m.draft_vocab["size"],):
+                break
+            return ids
+    raise DFlashError(f"{path}: no vocab_ids of {m.draft_vocab['size']} tokens, which the manifest's draft_vocab says it has; re-export")
 
 
 def cases(target, drafter, m: C.Manifest, seed: int):
@@ -270,7 +294,8 @@ def run_check(
     m = C.load_manifest(root, verify=True)
     ui = Phases(progress)
     q = m.quantization
-    report = Report(m.dtype, quantization=q, strict=m.dtype == "fp32")
+    report = Report(m.dtype, quantization=q, strict=m.dtype == "fp32",
+                    draft_vocab=C.draft_vocab_size(m) if m.draft_vocab else None)
     with ui.phase("load", f"PyTorch source + ONNX Runtime sessions ({m.dtype})"):
         target, drafter = load_sources(root, m, target_dir, draft_dir)
         ref_models = (target, drafter)

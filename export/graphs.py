@@ -65,16 +65,22 @@ class SharedHead(nn.Module):
 
 class DraftBlockGraph(nn.Module):
     """block ids + positions over the drafter's context cache -> draft_ids, draft_logits (fp32),
-    draft_conf (fp32 top-1 probability per position: adaptive verify's input)."""
+    draft_conf (fp32 top-1 probability per position: adaptive verify's input).
+
+    With a draft vocabulary (Drafter.set_draft_vocab) the graph holds the [N, H] head and
+    the N ids instead of reading the shared LM head: logits are [.., N], ids target ids, and
+    draft_conf is the softmax over the N scored tokens."""
 
     def __init__(self, drafter, target):
         super().__init__()
         self.drafter = drafter
         self.shared = SharedHead(target)
+        if drafter.vocab_head is not None:
+            self.shared.lm_head = None  # not traced: the graph must not hold the full head
 
     def forward(self, block_ids, block_position_ids, *past_ctx):
         logits = self.drafter.draft_logits(self.shared, block_ids, block_position_ids, _pairs(past_ctx))
-        return logits.argmax(-1), logits, torch.softmax(logits, -1).amax(-1)
+        return self.drafter.draft_tokens(logits), logits, torch.softmax(logits, -1).amax(-1)
 
 
 def _sample_sizes(block_size: int) -> dict[str, int]:

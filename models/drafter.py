@@ -10,7 +10,10 @@ Two pieces, each a pure function of its inputs:
   `[context cache ; block]`, non-causal inside the block (sliding layers: see `block_mask`).
   The target's `lm_head` maps positions 1..K-1 to the draft logits.
 
-The drafter owns no embedding and no LM head: they are passed in from the target.
+The drafter owns no embedding and no LM head: they are passed in from the target. With a
+reduced draft vocabulary (`set_draft_vocab`) it scores only N candidate tokens with its
+own [N, H] slice of the target's head and maps the argmax back to target ids
+(`draft_tokens`); the target still verifies every draft, so the output is unchanged.
 """
 
 from __future__ import annotations
@@ -63,6 +66,14 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("inv_freq", c.rope.inv_freq(c.head_dim), persistent=False)
+        self.register_buffer("vocab_ids", None, persistent=False)  # [N] target ids a reduced head scores
+        self.register_buffer("vocab_head", None, persistent=False)  # [N, H] those rows of the target's lm_head
+
+    def set_draft_vocab(self, ids: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        """Score only the target ids `ids` (a gathered copy of their LM head rows, stored once)."""
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        self.vocab_ids = ids.clone()
+        self.vocab_head = lm_head_weight.detach()[ids].clone()
 
     def empty_kv(self, batch: int = 1) -> KV:
         c = self.config
@@ -129,9 +140,17 @@ class Drafter(nn.Module):
         return self.norm(x)
 
     def draft_logits(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV):
-        """Logits [B,K-1,V] (fp32) for the masked positions, with the target's embedding and head."""
-        hidden = self.block(target.embed(block_ids), block_position_ids, past_ctx)
-        return target.lm_head(hidden[:, 1:]).float()
+        """Logits [B,K-1,V] (fp32) for the masked positions, with the target's embedding and head
+        ([B,K-1,N] over the draft vocabulary when one is set)."""
+        hidden = self.block(target.embed(block_ids), block_position_ids, past_ctx)[:, 1:]
+        if self.vocab_head is not None:
+            return torch.nn.functional.linear(hidden, self.vocab_head).float()
+        return target.lm_head(hidden).float()
+
+    def draft_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """Target token ids of the drafts: argmax of `draft_logits`, mapped back from the draft vocabulary."""
+        best = logits.argmax(-1)
+        return best if self.vocab_ids is None else self.vocab_ids[best]
 
     # -- z-lab format -------------------------------------------------------------------
 

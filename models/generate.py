@@ -84,7 +84,7 @@ def speculative_generate(
         dcache.append(drafter.context_kv(ctx_taps, ctx_pos))
         block = torch.tensor([[anchor] + [mask_token_id] * (k - 1)])
         positions = torch.arange(start, start + k)[None]
-        drafts = drafter.draft_logits(target, block, positions, dcache.view())[0].argmax(-1).tolist()
+        drafts = drafter.draft_tokens(drafter.draft_logits(target, block, positions, dcache.view()))[0].tolist()
 
         s = min(k, max_length - start)  # verify no further than the generation can go
         verify = torch.tensor([[anchor] + drafts[: s - 1]])

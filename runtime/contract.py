@@ -75,6 +75,7 @@ BATCH, SEQ, PAST, CTX, PAST_CTX = "batch", "seq", "past", "ctx", "past_ctx"
 DYNAMIC = {BATCH: 1, SEQ: 1, PAST: 0, CTX: 1, PAST_CTX: 0}
 # static: fixed by the manifest (`sizes`)
 BLOCK, DRAFTS, VOCAB, TAPS_WIDTH = "block", "drafts", "vocab", "taps_width"
+DRAFT_VOCAB = "draft_vocab"  # the tokens draft_block scores: the vocabulary, or N (export --draft-vocab)
 KV_HEADS, HEAD_DIM, DRAFT_KV_HEADS, DRAFT_HEAD_DIM = "kv_heads", "head_dim", "draft_kv_heads", "draft_head_dim"
 # static, hybrid targets only: the Gated DeltaNet dims (manifest.linear)
 CONV_WINDOW, CONV_DIM, K_HEADS, V_HEADS, K_DIM, V_DIM = "conv_window", "conv_dim", "k_heads", "v_heads", "k_dim", "v_dim"
@@ -167,7 +168,8 @@ GRAPHS: dict[str, Graph] = {
             Tensor(BLOCK_POSITION_IDS, (BATCH, BLOCK), INT64),
             *PAST_CTX_KV,
         ),
-        outputs=(Tensor(DRAFT_IDS, (BATCH, DRAFTS), INT64), Tensor(DRAFT_LOGITS, (BATCH, DRAFTS, VOCAB), FLOAT32),
+        outputs=(Tensor(DRAFT_IDS, (BATCH, DRAFTS), INT64),
+                 Tensor(DRAFT_LOGITS, (BATCH, DRAFTS, DRAFT_VOCAB), FLOAT32),
                  Tensor(DRAFT_CONF, (BATCH, DRAFTS), FLOAT32)),
     ),
 }
@@ -236,7 +238,7 @@ def role(graph: str, name: str, axis: int) -> str:
 def sizes(m) -> dict[str, int]:
     """The static dim roles' sizes for a manifest (or anything with the same fields)."""
     return {
-        BLOCK: m.block_size, DRAFTS: m.block_size - 1, VOCAB: m.vocab_size,
+        BLOCK: m.block_size, DRAFTS: m.block_size - 1, VOCAB: m.vocab_size, DRAFT_VOCAB: draft_vocab_size(m),
         TAPS_WIDTH: len(m.target_layer_ids) * m.hidden_size,
         KV_HEADS: m.target_kv_heads, HEAD_DIM: m.target_head_dim,
         DRAFT_KV_HEADS: m.draft_kv_heads, DRAFT_HEAD_DIM: m.draft_head_dim,
@@ -256,6 +258,10 @@ def linear_sizes(linear: dict | None) -> dict[str, int]:
         return {}
     return {CONV_WINDOW: linear["conv_kernel"] - 1, CONV_DIM: linear["conv_dim"], K_HEADS: linear["k_heads"],
             V_HEADS: linear["v_heads"], K_DIM: linear["k_dim"], V_DIM: linear["v_dim"]}
+def draft_vocab_size(m) -> int:
+    """How many tokens draft_block scores: N of a reduced draft vocabulary, else the vocabulary."""
+    dv = getattr(m, "draft_vocab", None)
+    return int(dv["size"]) if dv else m.vocab_size
 
 
 def shape(t: Tensor, m, **dynamic: int) -> tuple[int, ...]:
@@ -380,6 +386,7 @@ class Manifest:
     # DeltaNet dims {conv_kernel, conv_dim, k_heads, v_heads, k_dim, v_dim, max_seq}
     target_layer_types: list[str] = field(default_factory=list)
     linear: dict | None = None
+    draft_vocab: dict | None = None  # reduced draft vocabulary: {"size": N, "source": ...}; None: full
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 

@@ -69,4 +69,5 @@ def run_bench(backend, prompts: list[list[int]], max_new_tokens: int, warmup: in
     """Speculative loop and plain decoding on the same prompts, same backend, same run."""
     spec, base = measure_many({0: backend}, prompts, max_new_tokens, warmup, verify)[0]
     report = summarize(spec, base, backend.manifest.block_size)
-    return {"provider": backend.provider, "max_new_tokens": max_new_tokens, **report}
+    draft_vocab = (backend.manifest.draft_vocab or {}).get("size")  # None: the drafter scores every token
+    return {"provider": backend.provider, "max_new_tokens": max_new_tokens, "draft_vocab": draft_vocab, **report}

@@ -167,7 +167,7 @@ class OrtBackend(Backend):
             self.ctx = [self._alloc((1, self.max_len, dH, dD), C.dtype(C.CTX_KV[0], m)) for _ in range(2 * dL)]
             self.block_ids = np.full((1, K), m.mask_token_id, np.int64)
             self.draft_ids = np.empty((1, K - 1), np.int64)
-            self._draft_logits = self._alloc((1, K - 1, V), "float32")
+            self._draft_logits = self._alloc((1, K - 1, C.draft_vocab_size(m)), "float32")
             self._conf = np.empty((1, K - 1), np.float32)
 
     def fork(self) -> "OrtBackend":

@@ -23,7 +23,7 @@ import numpy as np
 
 from .backend import Backend, TargetOut
 from . import contract as C
-from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, Manifest, load_manifest
+from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, Manifest, draft_vocab_size, load_manifest
 from .errors import DFlashError
 from .trt_profiles import ENGINE_FILES, check_engine_record, check_trt_version
 
@@ -135,7 +135,7 @@ class TensorRTBackend(Backend):
         self.d_taps = self._malloc(ms * self.taps_row)
         self.d_cpos = self._malloc(ms * 8)
         self.d_bids, self.d_bpos = self._malloc(self.k * 8), self._malloc(self.k * 8)
-        self.d_draft, self.d_dlogits = self._malloc(self.k * 8), self._malloc(self.k * m.vocab_size * 4)
+        self.d_draft, self.d_dlogits = self._malloc(self.k * 8), self._malloc(self.k * draft_vocab_size(m) * 4)
         self.d_scratch = [self._malloc(ms * max(self.row, self.drow)) for _ in range(2 * max(L, dl))]
         self.h_ids, self.h_pos = np.zeros(ms, np.int64), np.zeros(ms, np.int64)
         self.h_next, self.h_logits = np.zeros(ms, np.int64), np.zeros((ms, m.vocab_size), np.float32)

@@ -35,6 +35,9 @@ class OracleDrafter:
     def context_kv(self, taps, positions):
         return self.inner.context_kv(taps, positions)
 
+    def draft_tokens(self, logits):
+        return logits.argmax(-1)
+
     def draft_logits(self, target, block_ids, block_position_ids, past_ctx):
         self.calls += 1
         logits = torch.zeros(1, block_ids.shape[1] - 1, self.vocab)

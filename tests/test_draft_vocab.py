@@ -1,0 +1,190 @@
+"""A reduced draft vocabulary (`export --draft-vocab N`): chosen from data, recorded, lossless.
+
+The oracle half runs many random tiny pairs in PyTorch (fast): speculative output with
+a drafter scoring N tokens == plain greedy. The export half exports one biased pair (real
+acceptance) with N tokens chosen from data and checks the graph against the oracle round
+for round, the manifest record, the check's parity rows, `bench`'s N and the refusals.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from runtime_cases import _bias_target, prompts
+
+from dflash_export.cli import cli as main
+from dflash_export.export import draft_vocab as DV
+from dflash_export.models import Drafter, Target, autoregressive_generate, new_drafter, speculative_generate
+from dflash_export.runtime import contract as C
+from dflash_export.runtime.errors import DFlashError
+from dflash_export.runtime.loop import generate
+from dflash_export.runtime.ort import OrtBackend
+from dflash_export.testing import make_drafter, make_target
+
+# -- choosing the N tokens ----------------------------------------------------------------
+
+
+def test_choose_by_count_keeps_stop_tokens_and_fills_by_id():
+    counts = np.zeros(20, np.int64)
+    counts[[9, 4, 13]] = [5, 7, 5]
+    ids = DV.choose(6, 20, keep=[19], counts=counts)
+    assert ids.tolist() == [0, 1, 4, 9, 13, 19]  # stop token, seen by count, then unseen by id
+    assert DV.choose(3, 20, keep=[19], counts=counts).tolist() == [4, 9, 19]  # count order, ties by id
+    assert DV.choose(4, 20, keep=[19]).tolist() == [0, 1, 2, 19]  # fallback: lowest ids
+    assert DV.coverage(np.array([4, 9]), counts) == pytest.approx(12 / 17)
+
+
+@pytest.mark.parametrize("n", [0, 1, 20, 25, -3])
+def test_choose_refuses_bad_n(n):
+    with pytest.raises(DFlashError, match="--draft-vocab"):
+        DV.choose(n, 20, keep=[19])
+
+
+def test_count_tokens_reads_jsonl_and_shards(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"tokens": [1, 2, 2]}) + "\n\n" + json.dumps({"ids": [3]}) + "\n")
+    torch.save({"tokens": torch.tensor([[5, 6, 7, 8], [5, 6, 9, 0]]), "start": 2, "length": torch.tensor([4, 3])},
+               tmp_path / "shard-00000.pt")
+    counts, source = DV.count_tokens([tmp_path / "a.jsonl", tmp_path], tmp_path, 12)
+    assert counts.tolist() == [0, 1, 2, 1, 0, 0, 0, 1, 1, 1, 0, 0]  # shards: the generated part only
+    assert "7 tokens" in source and "a.jsonl" in source
+
+
+@pytest.mark.parametrize("content,match", [
+    ('{"tokens": [1, 99]}\n', "outside the target's vocabulary"),
+    ('{"foo": 1}\n', "'tokens' list"),
+    ("not json\n", "'tokens' list"),
+    ('{"tokens": []}\n', "no tokens found"),
+])
+def test_count_tokens_refuses_bad_data(tmp_path, content, match):
+    (tmp_path / "d.jsonl").write_text(content)
+    with pytest.raises(DFlashError, match=match):
+        DV.count_tokens([tmp_path / "d.jsonl"], tmp_path, 12)
+
+
+def test_text_data_without_tokenizer_is_refused(tmp_path):
+    (tmp_path / "corpus.txt").write_text("hello")
+    with pytest.raises(DFlashError, match="no tokenizer.json"):
+        DV.count_tokens([tmp_path / "corpus.txt"], tmp_path, 12)
+
+
+# -- lossless on many random tiny pairs (PyTorch oracle) -----------------------------------
+
+
+@pytest.mark.parametrize("arch,seed", [("qwen3", 0), ("llama", 1), ("qwen2", 2), ("qwen3", 3)])
+def test_reduced_vocab_is_lossless(tmp_path, arch, seed):
+    """Random pairs whose drafter scores N of V tokens (some with the target's favourite
+    token, some without): speculative greedy == plain greedy on every prompt."""
+    d = make_target(tmp_path / arch, arch=arch, seed=seed, layers=3, vocab=97)
+    _bias_target(d, 2.0)  # the target favours token 7: real acceptance when 7 is in the N
+    target = Target.from_pretrained(d, [0, 2])
+    rng = np.random.default_rng(seed)
+    accepted = {}
+    for n in (8, 30, 96):
+        torch.manual_seed(seed)
+        drafter = new_drafter(target.config, num_layers=1, target_layer_ids=[0, 2], block_size=5, mask_token_id=95)
+        ids = np.sort(rng.choice(np.arange(8, 97), n - 1, replace=False)) if n == 30 else np.arange(n)
+        ids = np.unique(np.append(ids, 96))  # the stop token is always kept
+        drafter.set_draft_vocab(torch.from_numpy(ids), target.lm_head.weight)
+        for p in prompts(4, 97, seed=seed):
+            spec = speculative_generate(target, drafter, p, 20, mask_token_id=95, stop_token_ids=(96,))
+            plain = autoregressive_generate(target, p, 20, stop_token_ids=(96,))
+            assert spec.tokens == plain.tokens
+            accepted[n] = accepted.get(n, 0) + sum(a - 1 for a in spec.acceptance_lengths)
+        block = torch.tensor([[3] + [95] * 4])
+        with torch.inference_mode():
+            _, taps, _ = target(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], target.empty_kv())
+            ctx = drafter.context_kv(taps, torch.arange(3)[None])
+            logits = drafter.draft_logits(target, block, torch.arange(3, 8)[None], ctx)
+        assert logits.shape == (1, 4, len(ids))
+        assert set(drafter.draft_tokens(logits)[0].tolist()) <= set(ids.tolist())
+    assert accepted[8] > 0, "token 7 is in the 8 lowest ids: drafts should be accepted somewhere"
+
+
+# -- export, manifest, check, runtime, bench ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dv")
+    make_target(root / "t", "qwen3", layers=2, hidden=48, heads=2, kv_heads=1, head_dim=24, intermediate=64, vocab=101)
+    _bias_target(root / "t", 2.0)
+    make_drafter(root / "d", root / "t", layers=1, block_size=6)
+    data = root / "gen.jsonl"  # token counts in which 7 (the target's favourite) is frequent
+    data.write_text("\n".join(json.dumps({"tokens": [7] * 5 + list(range(20 + i, 30 + i))}) for i in range(10)))
+    r = CliRunner().invoke(main, ["export", "--target", str(root / "t"), "--draft", str(root / "d"),
+                                  "--out", str(root / "out"), "--draft-vocab", "24", "--draft-vocab-data", str(data),
+                                  "--max-context", "128", "--quiet"])
+    assert r.exit_code == 0, r.output
+    return root
+
+
+def test_manifest_records_n_and_source(exported):
+    m = C.load_manifest(exported / "out")
+    assert m.draft_vocab["size"] == 24 and "gen.jsonl" in m.draft_vocab["source"]
+    assert m.draft_vocab["data_coverage"] > 0.5
+    assert C.draft_vocab_size(m) == 24
+    spec = {t.name: t for t in m.graphs[C.DRAFT_BLOCK].outputs}
+    assert spec[C.DRAFT_LOGITS].shape[-1] == 24
+    holds_head = [n for n, t in m.shared.items() if C.DRAFT_BLOCK in t.graphs]
+    assert "lm_head.weight" not in holds_head  # the block graph reads its own [N, H] head only
+
+
+def test_check_parity_and_oracle_identity(exported):
+    r = CliRunner().invoke(main, ["check", str(exported / "out"), "--target", str(exported / "t"),
+                                  "--draft", str(exported / "d"), "--prompts", "6", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.output)
+    assert rep["draft_vocab"] == 24 and rep["passed"]
+    rows = {(g, x["output"]) for g, xs in rep["graphs"].items() for x in xs}
+    assert (C.DRAFT_BLOCK, C.DRAFT_LOGITS) in rows and (C.DRAFT_BLOCK, C.DRAFT_IDS) in rows
+    assert rep["end_to_end"]["identical"] == 6
+
+
+def test_runtime_lossless_and_round_for_round(exported):
+    be = OrtBackend(exported / "out")
+    drafter = Drafter.from_pretrained(exported / "d")
+    target = Target.from_pretrained(exported / "t", drafter.config.target_layer_ids)
+    from dflash_export.export.check import draft_vocab_ids
+
+    ids = draft_vocab_ids(exported / "out", be.manifest)
+    assert len(ids) == 24 and 7 in ids and 100 in ids  # the frequent token and the stop token
+    drafter.set_draft_vocab(torch.from_numpy(ids), target.lm_head.weight)
+    accepted = 0
+    for p in prompts(6, 101, seed=3):
+        g = generate(be, p, 30)
+        plain = generate(be, p, 30, draft=False)
+        o = speculative_generate(target, drafter, p, 30, mask_token_id=be.manifest.mask_token_id,
+                                 block_size=6, stop_token_ids=(100,))
+        assert g.tokens == plain.tokens == o.tokens
+        assert g.acceptance_lengths == o.acceptance_lengths
+        accepted += sum(a - 1 for a in g.acceptance_lengths)
+    assert accepted > 0
+
+
+def test_bench_reports_n(exported, tmp_path):
+    pf = tmp_path / "p.txt"
+    pf.write_text("1,2,3\n4,5\n")
+    r = CliRunner().invoke(main, ["bench", str(exported / "out"), "--prompts", str(pf), "--max-new-tokens", "8",
+                                  "--warmup", "0", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.output.strip().splitlines()[-1])
+    assert rep["draft_vocab"] == 24 and rep["lossless"]
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--draft-vocab", "101"], "between"),
+    (["--draft-vocab", "1"], "between"),
+    (["--draft-vocab-data", "x.jsonl"], "needs --draft-vocab"),
+    (["--draft-vocab", "10", "--draft-vocab-data", "missing.jsonl"], "does not exist"),
+])
+def test_export_refuses_bad_draft_vocab(exported, tmp_path, args, match):
+    out = tmp_path / "never"
+    r = CliRunner().invoke(main, ["export", "--target", str(exported / "t"), "--draft", str(exported / "d"),
+                                  "--out", str(out), "--quiet", *args])
+    assert r.exit_code == 2 and match in r.output, r.output
+    assert "Traceback" not in r.output and not out.exists()
+    assert not list(tmp_path.glob(".never*"))
