@@ -83,13 +83,13 @@ def test_reduced_vocab_is_lossless(tmp_path, arch, seed):
     target = Target.from_pretrained(d, [0, 2])
     rng = np.random.default_rng(seed)
     accepted = {}
-    for n in (8, 30, 96):
+    for n in (8, 30):
         torch.manual_seed(seed)
         drafter = new_drafter(target.config, num_layers=1, target_layer_ids=[0, 2], block_size=5, mask_token_id=95)
         ids = np.sort(rng.choice(np.arange(8, 97), n - 1, replace=False)) if n == 30 else np.arange(n)
         ids = np.unique(np.append(ids, 96))  # the stop token is always kept
         drafter.set_draft_vocab(torch.from_numpy(ids), target.lm_head.weight)
-        for p in prompts(4, 97, seed=seed):
+        for p in prompts(3, 97, seed=seed):
             spec = speculative_generate(target, drafter, p, 20, mask_token_id=95, stop_token_ids=(96,))
             plain = autoregressive_generate(target, p, 20, stop_token_ids=(96,))
             assert spec.tokens == plain.tokens
@@ -188,3 +188,43 @@ def test_export_refuses_bad_draft_vocab(exported, tmp_path, args, match):
     assert r.exit_code == 2 and match in r.output, r.output
     assert "Traceback" not in r.output and not out.exists()
     assert not list(tmp_path.glob(".never*"))
+
+
+# -- room for the export, and what a killed export left ---------------------------------------
+
+
+def test_room_check_refuses_with_a_hint_and_stale_staging_is_removed(exported, tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    from dflash_export.export import artifact
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".art.partial-{dead.pid}"  # a killed export's staging folder
+    (stale / "sub").mkdir(parents=True)
+    (stale / "sub" / "target.data").write_bytes(b"x" * 10)
+    running = tmp_path / f".art.partial-{os.getppid()}"  # an export still running: left alone
+    running.mkdir()
+    monkeypatch.setattr(artifact, "available_memory", lambda: 1000)
+    args = ["export", "--target", str(exported / "t"), "--draft", str(exported / "d"), "--out", str(tmp_path / "art"),
+            "--quiet"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "of memory" in r.output and "--dtype fp16" in r.output and "--no-room-check" in r.output
+    assert len(r.output.strip().splitlines()) == 1
+    assert not stale.exists() and running.is_dir() and not (tmp_path / "art").exists()
+
+    monkeypatch.setattr(artifact, "available_memory", lambda: None)  # unknown: no refusal on memory
+    monkeypatch.setattr("shutil.disk_usage", lambda p: type("U", (), {"free": 10})())
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and "free disk space" in r.output, r.output
+
+
+def test_room_estimate_counts_safetensors_headers(exported):
+    from dflash_export.export.artifact import checkpoint_elements
+
+    target = Target.from_pretrained(exported / "t")
+    params = {id(p): p.numel() for p in target.parameters()}
+    assert checkpoint_elements(exported / "t") == sum(params.values())
