@@ -99,6 +99,7 @@ class OrtBackend(Backend):
         drafter: bool = True,
         verify: bool = True,
         low_memory: bool = False,
+        release_mapped: bool = True,
     ):
         self.directory = Path(directory)
         self._provider = resolve_provider(provider)
@@ -126,7 +127,21 @@ class OrtBackend(Backend):
         if drafter:
             self.sessions[C.DRAFT_CONTEXT] = self._session(C.DRAFT_CONTEXT)
             self.sessions[C.DRAFT_BLOCK] = self._session(C.DRAFT_BLOCK)
+        if release_mapped:
+            self._release_mapped()
         self._alloc_state()
+
+    def _release_mapped(self) -> None:
+        """Drop the pages of shared.data that building the sessions read (ORT transposes and
+        prepacks the LM head into its own buffer; the mapped original stays resident, a second
+        copy in RSS). The mapping stays valid: the embedding's Gather faults back only the rows
+        it reads. Copy-on-write pages are never written, so nothing is lost."""
+        import mmap
+
+        maps = {id(m): m for m in (getattr(a, "_mmap", None) for a, _ in self._shared.values()) if m is not None}
+        for m in maps.values():
+            if hasattr(m, "madvise") and hasattr(mmap, "MADV_DONTNEED"):  # Linux/macOS; elsewhere a no-op
+                m.madvise(mmap.MADV_DONTNEED)
 
     def _alloc_state(self) -> None:
         """The per-sequence state: KV buffers, taps, ids and one IO binding per session.

@@ -1,0 +1,193 @@
+"""Real model sizes on CPU: the Qwen3-0.6B shape with random weights, end to end.
+
+    OMP_WAIT_POLICY=PASSIVE nice -n 10 .venv/bin/python bench/real_sizes.py --work /tmp/real06b
+
+Builds a random-weight target with the exact shape of Qwen3-0.6B (28 layers, hidden 1024,
+16 heads / 8 KV heads, head_dim 128, intermediate 3072, vocab 151936, tied embeddings) in
+the Hugging Face layout and a 1-layer z-lab drafter with five taps spread over the layers,
+exports it twice with `--max-context 4096` (full draft vocabulary, and `--draft-vocab N`
+with the documented fallback choice: the weights are random, so no data means anything),
+then measures each configuration in a child process of its own (so its peak RSS is its
+own): per-call costs (plain step, draft, 16-token verify) from `bench` on random 32-token
+prompts, peak RSS with the breakdown after each session (anonymous memory vs file pages
+mapped from the artifact), and the prefill time of a 512-token prompt per prefill chunk.
+Prints one JSON object. Not part of the test suite (minutes, ~3 GB of RAM per child and
+~6 GB of disk); the drafter is untrained, so only the per-call costs and memory matter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPE = dict(vocab=151936, hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, inter=3072)
+
+
+def mem() -> dict:
+    """VmRSS / VmHWM / RssAnon / RssFile of this process in MB (Linux /proc)."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, val = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+            out[key] = round(int(val.split()[0]) / 1024)
+    return out
+
+
+def make_checkpoint(work: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from dflash_export.models import TargetConfig, new_drafter
+    from dflash_export.models.config import default_target_layer_ids
+
+    s = SHAPE
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": s["vocab"],
+        "hidden_size": s["hidden"], "intermediate_size": s["inter"], "num_hidden_layers": s["layers"],
+        "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"], "head_dim": s["head_dim"],
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960, "tie_word_embeddings": True,
+        "eos_token_id": 151645, "bos_token_id": 151643, "dtype": "float32",
+    }
+    t = work / "target"
+    t.mkdir(parents=True)
+    (t / "config.json").write_text(json.dumps(cfg, indent=2))
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g) * 0.02  # noqa: E731
+    h, q, kv, inter = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"], s["inter"]
+    weight_map = {}
+
+    def shard(name: str, tensors: dict) -> None:  # one tensor group at a time: small writer RSS
+        save_file(tensors, str(t / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in tensors})
+
+    shard("embed.safetensors", {"model.embed_tokens.weight": rand(s["vocab"], h), "model.norm.weight": torch.ones(h)})
+    for i in range(s["layers"]):
+        p = f"model.layers.{i}."
+        shard(f"layer{i}.safetensors", {
+            p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
+            p + "self_attn.q_norm.weight": torch.ones(s["head_dim"]),
+            p + "self_attn.k_norm.weight": torch.ones(s["head_dim"]),
+            p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+            p + "mlp.down_proj.weight": rand(h, inter),
+            p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+        })
+    (t / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    tc = TargetConfig.load(t)
+    new_drafter(tc, num_layers=1, block_size=16, mask_token_id=151669 % s["vocab"],
+                target_layer_ids=default_target_layer_ids(s["layers"], 5)).save_pretrained(work / "draft")
+
+
+def do_export(work: Path, name: str, draft_vocab: int | None) -> dict:
+    from dflash_export.export.artifact import export_artifact
+
+    t0 = time.perf_counter()
+    export_artifact(work / "target", work / "draft", work / name, max_context=4096, force=True, progress=False,
+                    draft_vocab=draft_vocab)
+    files = sum(p.stat().st_size for p in (work / name).iterdir())
+    return {"export_s": round(time.perf_counter() - t0, 1), "export_peak_rss_mb": mem()["VmHWM"],
+            "artifact_mb": round(files / 2**20)}
+
+
+def do_measure(work: Path, name: str, threads: int, variant: str, prompts: int, new_tokens: int,
+               chunks: list[int]) -> dict:
+    import numpy as np
+
+    from dflash_export.runtime.loop import generate
+    from dflash_export.runtime.measure import run_bench
+    from dflash_export.runtime.ort import OrtBackend
+
+    stages = {"start": mem()}
+    orig = OrtBackend._session
+
+    def recorded(self, graph, *a, **kw):  # RSS after each session: the per-session breakdown
+        s = orig(self, graph, *a, **kw)
+        stages[graph] = mem()
+        return s
+
+    OrtBackend._session = recorded
+    t0 = time.perf_counter()
+    opts = {"low_memory": {"low_memory": True}, "keep_mapped": {"release_mapped": False}}.get(variant, {})
+    be = OrtBackend(work / name, threads=threads, max_chunk=max(chunks or [256]), **opts)
+    load_s = time.perf_counter() - t0
+    stages["loaded"] = mem()
+    rng = np.random.default_rng(0)
+    ps = [rng.integers(0, 150000, 32).tolist() for _ in range(prompts)]
+    report = run_bench(be, ps, new_tokens, warmup=1)
+    stages["after_bench"] = mem()
+    prefill = {}
+    long = rng.integers(0, 150000, 512).tolist()
+    for c in chunks:
+        be.reset()
+        generate(be, long[:64], 1, draft=False, prefill_chunk=c)  # warm the chunk's shapes
+        be.reset()
+        prefill[str(c)] = round(generate(be, long, 1, draft=False, prefill_chunk=c).prefill_s * 1e3)
+    stages["after_prefill"] = mem()
+    c = report["ms_per_call"]
+    return {"artifact": name, "threads": threads, "variant": variant, "load_s": round(load_s, 1),
+            "ms_per_call": {k: round(v, 1) for k, v in c.items()},
+            "draft_over_step": round(c["draft"] / c["step"], 3), "verify_over_step": round(c["verify"] / c["step"], 3),
+            "ideal_speedup_at_tau_6.5": round(6.5 * c["step"] / (c["draft"] + c["verify"]), 2),
+            "lossless": report["lossless"], "draft_vocab": report.get("draft_vocab"),
+            "prefill_512_ms_by_chunk": prefill, "rss_mb": stages, "peak_rss_mb": mem()["VmHWM"]}
+
+
+def child(args: list[str]) -> dict:
+    done = subprocess.run([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/dflash-real-sizes"))
+    ap.add_argument("--draft-vocab", type=int, default=32768)
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--runs", default="dv:2:default,full:2:default,dv:2:keep_mapped,dv:1:default,dv:2:low_memory",
+                    help="artifact:threads:variant,... (artifact full | dv)")
+    ap.add_argument("--chunks", default="128,256,512", help="prefill chunks timed on a 512-token prompt (first run only)")
+    ap.add_argument("--keep", action="store_true", help="reuse the checkpoint and exports in --work")
+    ap.add_argument("--step", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.step:
+        kind, *rest = a.step.split(":")
+        if kind == "checkpoint":
+            make_checkpoint(a.work)
+            out = {}
+        elif kind == "export":
+            out = do_export(a.work, rest[0], int(rest[1]) or None)
+        else:
+            chunks = [int(c) for c in rest[3].split("/") if c] if len(rest) > 3 else []
+            out = do_measure(a.work, rest[0], int(rest[1]), rest[2], a.prompts, a.new_tokens, chunks)
+        print(json.dumps(out))
+        return
+
+    import shutil
+
+    result = {"shape": SHAPE, "draft_vocab": a.draft_vocab, "prompts": a.prompts, "new_tokens": a.new_tokens}
+    if not (a.keep and (a.work / "dv" / "manifest.json").is_file()):
+        shutil.rmtree(a.work, ignore_errors=True)
+        a.work.mkdir(parents=True)
+        child(["--work", str(a.work), "--step", "checkpoint"])
+        result["export"] = {"full": child(["--work", str(a.work), "--step", "export:full:0"]),
+                            "dv": child(["--work", str(a.work), "--step", f"export:dv:{a.draft_vocab}"])}
+    result["weights_mb"] = round(sum(p.stat().st_size for p in (a.work / "target").glob("*.safetensors")) / 2**20)
+    runs = []
+    for i, spec in enumerate(a.runs.split(",")):
+        chunks = a.chunks.replace(",", "/") if i == 0 else ""
+        r = child(["--work", str(a.work), "--prompts", str(a.prompts), "--new-tokens", str(a.new_tokens),
+                   "--step", f"measure:{spec}:{chunks}"])
+        art = sum(p.stat().st_size for p in (a.work / r["artifact"]).iterdir()) / 2**20
+        r["peak_rss_over_artifact"] = round(r["peak_rss_mb"] / art, 2)
+        runs.append(r)
+        print(json.dumps(r), file=sys.stderr, flush=True)
+    result["runs"] = runs
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
