@@ -110,11 +110,13 @@ def rename_initializers(model, tied: bool) -> None:
         value.name = name
     if tied and embed in model.graph.initializers and head not in model.graph.initializers:
         tied_value = model.graph.initializers[embed]
+        head_uses = [(node, i) for node, i in tied_value.uses() if node.op_type != "Gather"]
+        if not head_uses:  # a block graph with a reduced draft vocabulary reads the embedding only
+            return
         head_value = ir.Value(name=head, shape=tied_value.shape, type=tied_value.type, const_value=tied_value.const_value)
         model.graph.register_initializer(head_value)
-        for node, i in list(tied_value.uses()):
-            if node.op_type != "Gather":
-                node.replace_input_with(i, head_value)
+        for node, i in head_uses:
+            node.replace_input_with(i, head_value)
 
 
 def store_transposed(model, keep: tuple[str, ...] = ()) -> list[str]:

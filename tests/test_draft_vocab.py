@@ -110,7 +110,8 @@ def test_reduced_vocab_is_lossless(tmp_path, arch, seed):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("dv")
-    make_target(root / "t", "qwen3", layers=2, hidden=48, heads=2, kv_heads=1, head_dim=24, intermediate=64, vocab=101)
+    make_target(root / "t", "qwen3", layers=2, hidden=48, heads=2, kv_heads=1, head_dim=24, intermediate=64, vocab=101,
+                tie=True)  # tied: the block graph must hold the embedding only, under its one name
     _bias_target(root / "t", 2.0)
     make_drafter(root / "d", root / "t", layers=1, block_size=6)
     data = root / "gen.jsonl"  # token counts in which 7 (the target's favourite) is frequent
@@ -130,7 +131,7 @@ def test_manifest_records_n_and_source(exported):
     spec = {t.name: t for t in m.graphs[C.DRAFT_BLOCK].outputs}
     assert spec[C.DRAFT_LOGITS].shape[-1] == 24
     holds_head = [n for n, t in m.shared.items() if C.DRAFT_BLOCK in t.graphs]
-    assert "lm_head.weight" not in holds_head  # the block graph reads its own [N, H] head only
+    assert "lm_head.weight" not in holds_head and "embed_tokens.weight" in holds_head  # its own [N, H] head only
 
 
 def test_check_parity_and_oracle_identity(exported):
