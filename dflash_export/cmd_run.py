@@ -346,7 +346,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     main = backends[cfg.threads]
     report = {"provider": main.provider, **summarize(*runs[cfg.threads], m.block_size)}
     report.update(max_new_tokens=n, prompt_source=source, threads=cfg.threads, spin=cfg.spin,
-                  verify=_policy_json(cfg.verify))
+                  verify=_policy_json(cfg.verify), draft_vocab=(m.draft_vocab or {}).get("size"))
     if sweep:
         by = {t: {"speculative": rate(sp), "autoregressive": rate(ba)} for t, (sp, ba) in runs.items()}
         report["by_threads"] = {str(t): v for t, v in by.items()}
@@ -367,7 +367,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     click.echo(f"prompts: {source}; {r['max_new_tokens']} new tokens each; {r['provider']}; threads {r['threads']}, "
                f"spin {'on' if r['spin'] else 'off'}, verify {r['verify']}")
     if r.get("draft_vocab"):
-        click.echo(f"draft vocabulary: {r['draft_vocab']} of {backend.manifest.vocab_size} tokens")
+        click.echo(f"draft vocabulary: {r['draft_vocab']} of {m.vocab_size} tokens")
     click.echo(f"tau {r['tau']:.2f}, mean verify length {r['mean_verify_len']:.2f}  histogram {r['acceptance_histogram']}")
     click.echo(f"speculative {t['speculative']:.1f} tok/s, autoregressive {t['autoregressive']:.1f} tok/s, "
                f"speedup {r['speedup']:.2f}x")

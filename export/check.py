@@ -265,7 +265,10 @@ def dequantized_sources(root: Path, target, drafter):
             try:
                 p = module.get_parameter(name)
             except AttributeError:
-                return None, f"{graph}: {name} is not a parameter of the PyTorch source"
+                try:
+                    p = module.get_buffer(name)  # a reduced draft vocabulary's [N, H] head (vocab_head)
+                except AttributeError:
+                    return None, f"{graph}: {name} is not a parameter of the PyTorch source"
             if tuple(p.shape) != w.shape:
                 return None, f"{graph}: {name} is {tuple(p.shape)} in PyTorch, {w.shape} dequantized"
             p.data = torch.from_numpy(w).to(p.dtype)

@@ -74,7 +74,7 @@ def test_text_data_without_tokenizer_is_refused(tmp_path):
 # -- lossless on many random tiny pairs (PyTorch oracle) -----------------------------------
 
 
-@pytest.mark.parametrize("arch,seed", [("qwen3", 0), ("llama", 1), ("qwen2", 2), ("qwen3", 3)])
+@pytest.mark.parametrize("arch,seed", [("llama", 1), ("qwen2", 2)])
 def test_reduced_vocab_is_lossless(tmp_path, arch, seed):
     """Random pairs whose drafter scores N of V tokens (some with the target's favourite
     token, some without): speculative greedy == plain greedy on every prompt."""
@@ -170,10 +170,30 @@ def test_bench_reports_n(exported, tmp_path):
     pf = tmp_path / "p.txt"
     pf.write_text("1,2,3\n4,5\n")
     r = CliRunner().invoke(main, ["bench", str(exported / "out"), "--prompts", str(pf), "--max-new-tokens", "8",
-                                  "--warmup", "0", "--json"])
+                                  "--warmup", "0", "--threads", "1", "--json"])
     assert r.exit_code == 0, r.output
     rep = json.loads(r.output.strip().splitlines()[-1])
     assert rep["draft_vocab"] == 24 and rep["lossless"]
+
+
+def test_quantized_reduced_vocab_checks_against_its_dequantized_head(exported, tmp_path):
+    """int4 with the drafter's layers: the [N, H] head is quantized too, and `check` holds
+    the graphs to a reference with their own dequantized weights, that head included."""
+    q = tmp_path / "q4"
+    r = CliRunner().invoke(main, ["quantize", str(exported / "out"), "--out", str(q), "--quantize", "int4",
+                                  "--quantize-draft", "--quiet"])
+    assert r.exit_code == 0, r.output
+    m = C.load_manifest(q)
+    assert m.draft_vocab == C.load_manifest(exported / "out").draft_vocab
+    assert "vocab_head" in m.quantization["weights"][C.DRAFT_BLOCK]
+    r = CliRunner().invoke(main, ["check", str(q), "--target", str(exported / "t"), "--draft", str(exported / "d"),
+                                  "--prompts", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.output)
+    assert rep["passed"] and rep["draft_vocab"] == 24 and not rep["notes"], rep["notes"]
+    rows = [x for x in rep["graphs"][C.DRAFT_BLOCK] if x["output"] == C.DRAFT_LOGITS and x["ref"] == "dequantized"]
+    assert rows and all(x["tol"] and x["max"] <= x["tol"] for x in rows)
+    assert rep["end_to_end"]["identical"] == 4
 
 
 @pytest.mark.parametrize("args,match", [
