@@ -11,9 +11,11 @@ The weights several graphs hold (embedding and LM head; the drafter's K/V projec
 are memory-mapped once from shared.data, where the manifest's `shared` table says they
 are, and handed to every session whose graph holds them with `add_initializer`: one copy
 in memory, used in place by all. The embedding is read in place; the LM head
-feeds Transpose + MatMul, which ORT constant-folds and prepacks per session (one packed
-copy each, the fast path); `low_memory=True` turns both off so the one copy is all there
-is, at the price of slower GEMMs (README, Runtime).
+is prepacked per session (one packed copy each, the fast path; a tied head is read
+transposed from the table: those sessions skip constant folding so that ORT packs it
+straight from the table instead of also keeping a folded transposed copy, see
+docs/real_sizes.md); `low_memory=True` turns prepacking off too so the one copy is all
+there is, at the price of slower GEMMs (README, Runtime).
 """
 
 from __future__ import annotations
@@ -82,6 +84,15 @@ def shared_weights(directory: Path, m: C.Manifest) -> dict[str, tuple[np.ndarray
     return out
 
 
+def tied_head_graphs(m: C.Manifest, shared: dict) -> set[str]:
+    """Graphs whose LM head is the fp32 embedding table itself (tied, read transposed): these
+    are built without ORT's constant folding (fp16 needs it: CPU MatMul casts folded to fp32)."""
+    embed, head = C.SHARED_INITIALIZERS
+    if m.dtype != "fp32" or head not in shared or embed not in shared or shared[head][0] is not shared[embed][0]:
+        return set()
+    return set(m.shared[head].graphs)
+
+
 # -- the backend -----------------------------------------------------------------------
 
 
@@ -123,6 +134,7 @@ class OrtBackend(Backend):
             n: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a, t) for n, (a, t) in self._shared.items()
         }
         self.threads, self.spin = threads, spin  # threads None: ORT's own default (one per core)
+        self._tied_head_graphs = tied_head_graphs(m, self._shared) if self.device == "cpu" else set()
         self.sessions = {C.TARGET: self._session(C.TARGET)}
         if drafter:
             self.sessions[C.DRAFT_CONTEXT] = self._session(C.DRAFT_CONTEXT)
@@ -210,6 +222,10 @@ class OrtBackend(Backend):
         kwargs = {}
         if self.low_memory:  # no per-session transposed/prepacked LM head: one copy, slower GEMMs
             opts.add_session_config_entry("session.disable_prepacking", "1")
+            kwargs["disabled_optimizers"] = ["ConstantFolding"]
+        elif graph in self._tied_head_graphs:
+            # Transpose(table) + MatMul: folded, ORT keeps the transposed copy beside the packed
+            # one; unfolded it fuses into FusedMatMul(transB=1), packed from the table: one copy
             kwargs["disabled_optimizers"] = ["ConstantFolding"]
         try:
             providers = [self._provider]

@@ -239,6 +239,7 @@ def test_shared_initializers_are_one_copy_used_by_both_graphs(pair):
     for low_memory in (False, True):
         be = OrtBackend(out, low_memory=low_memory)
         assert set(C.SHARED_INITIALIZERS) <= set(be._shared), "the export must name both shared initializers"
+        assert not be._tied_head_graphs  # untied: the head is stored [H, V], nothing to fold
         emb = be._shared["embed_tokens.weight"][0]
         before = _outputs(be)
         saved = emb.copy()
