@@ -130,8 +130,10 @@ def decode(console, art: Path, texts: list[str], max_new_tokens: int, cfg, candi
     tok = Tokenizer.from_file(str(art / "tokenizer.json"))
     backends = {t: OrtBackend(art, "cpu", threads=t, spin=cfg.spin) for t in sorted(set(candidates) | {cfg.threads})}
     backend = backends[cfg.threads]
+    if set(cfg.graph_threads.values()) - {cfg.threads}:  # the calibrated per-graph counts
+        backend = OrtBackend(art, "cpu", **cfg.ort_kwargs())
     warm = tok.encode(texts[0]).ids
-    for be in backends.values():  # untimed warm-up of both paths
+    for be in {*backends.values(), backend}:  # untimed warm-up of both paths
         generate(be, warm, 16, draft=True, verify=cfg.verify)
         generate(be, warm, 16, draft=False)
     spec, base_by = [], {t: [] for t in backends}
@@ -158,7 +160,7 @@ def decode(console, art: Path, texts: list[str], max_new_tokens: int, cfg, candi
             base_by[t].append(generate(be, ids, n, draft=False))
     r = summarize(spec, base_by[cfg.threads], backend.manifest.block_size)
     best = max(base_by, key=lambda t: rate(base_by[t]))
-    r.update(threads=cfg.threads, verify=_policy_json(cfg.verify), best_plain_threads=best,
+    r.update(threads=cfg.threads, graph_threads=cfg.graph_threads or None, verify=_policy_json(cfg.verify), best_plain_threads=best,
              speedup_vs_best_plain=rate(spec) / rate(base_by[best]),
              lossless=r["lossless"] and all(s.tokens == b.tokens for bs in base_by.values() for s, b in zip(spec, bs)))
     return r

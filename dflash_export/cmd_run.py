@@ -64,7 +64,7 @@ def _backend(out, provider: str, drafter: bool = True, backend: str = "ort", thr
     cfg = _settings(out, provider, backend, threads, spin, verify)
     if backend == "trt":
         return open_backend(out, "trt", drafter=drafter), cfg
-    return open_backend(out, "ort", provider, drafter=drafter, threads=cfg.threads, spin=cfg.spin), cfg
+    return open_backend(out, "ort", provider, drafter=drafter, **cfg.ort_kwargs()), cfg
 
 
 provider_option = click.option(
@@ -144,6 +144,7 @@ def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p,
         "mean_verify_len": g.mean_verify_len,
         "verify": _policy_json(cfg.verify),
         "threads": cfg.threads,
+        "graph_threads": cfg.graph_threads or None,
         "tokens_per_second": g.tokens_per_second,
         "prompt_tokens": len(ids),
         "stopped": g.stopped,
@@ -210,20 +211,24 @@ def _policy_json(policy) -> dict | str:
 
 def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bool, prompts, max_new_tokens: int,
               warmup: int, log=lambda msg: None) -> dict:
-    """Measure the best thread count and the verify policy; write them to runtime.json.
+    """Measure the thread counts, the prefill chunk and the verify policy; write them to runtime.json.
 
-    Threads: the speculative loop (full block) at each candidate count, interleaved. Policy:
-    the full-block rounds at the best count (drafter confidences and acceptance lengths)
-    replayed against this machine's measured verify cost per length (runtime/calibrate.py).
+    Threads: the speculative loop (full block) at each candidate count, interleaved, gives
+    the count of every graph; then each graph's own call at each count gives the per-graph
+    counts (`graph_threads`). Prefill chunk: the time to first token of a 512-token prompt
+    per chunk. Policy: the full-block rounds at the best count (drafter confidences and
+    acceptance lengths) replayed against this machine's measured verify cost per length
+    (runtime/calibrate.py).
     """
     from .runtime.backend import open_backend
-    from .runtime.calibrate import choose_policy, verify_costs
+    from .runtime.calibrate import (CHUNKS, choose_policy, choose_threads, chunk_candidates, graph_ms, prefill_ms,
+                                    ttft_prompt, verify_costs, fastest)
     from .runtime.settings import Settings, device_key, save_settings
 
     def open_(t):
         if backend == "trt":
             return open_backend(out, "trt")
-        return open_backend(out, "ort", provider, threads=t, spin=spin)
+        return open_backend(out, "ort", provider, threads=t, spin=spin, max_chunk=max(CHUNKS))
 
     from .runtime.measure import measure_many, rate
 
@@ -237,6 +242,17 @@ def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bo
             raise DFlashError(f"{out}: draft_block has no draft_conf output (exported by an older version); "
                               "re-export to calibrate adaptive verify")
         log(f"threads: speculative tok/s by count {', '.join(f'{t}: {r:.0f}' for t, r in rates.items())} -> {best}")
+        by_graph = {t: graph_ms(b, prompts[0]) for t, b in backends.items()} if backend == "ort" else {}
+        graph_threads = choose_threads(by_graph) if len(by_graph) > 1 else {}
+        if graph_threads:
+            log("threads per graph: " + "; ".join(
+                f"{g} {', '.join(f'{t}: {ms[g]:.2f}' for t, ms in by_graph.items())} ms -> {graph_threads[g]}"
+                for g in graph_threads))
+        long = ttft_prompt(be)
+        chunks = prefill_ms(be, long, chunk_candidates(be, len(long)))
+        chunk = fastest(chunks)
+        log(f"prefill of {len(long)} tokens by chunk: "
+            f"{', '.join(f'{c}: {ms:.1f}' for c, ms in chunks.items())} ms -> {chunk}")
         costs = verify_costs(be, prompts[0])
         rounds = [(c, a - 1) for g in spec for c, a in zip(g.confidences, g.acceptance_lengths)]
         draft_ms = sum(g.draft_s for g in spec) / len(rounds) * 1e3
@@ -247,12 +263,15 @@ def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bo
     log(f"verify ms by length 1..{len(costs)}: {', '.join(f'{c:.2f}' for c in costs)}; draft {draft_ms:.2f} ms")
     log(f"policy: {_policy_json(policy)}")
     measured = {"speculative_tokens_per_second_by_threads": {str(t): r for t, r in rates.items()},
+                "graph_ms_by_threads": {str(t): ms for t, ms in by_graph.items()},
+                "prefill_ms_by_chunk": {str(c): ms for c, ms in chunks.items()},
                 "verify_ms_by_length": costs, "draft_ms": draft_ms, "rounds": len(rounds),
                 "replay": table, "cpu_count": __import__("os").cpu_count()}
-    settings = Settings(threads=best if backend == "ort" else None, spin=spin, verify=policy, measured=measured)
+    settings = Settings(threads=best if backend == "ort" else None, spin=spin, verify=policy, measured=measured,
+                        graph_threads=graph_threads, prefill_chunk=chunk)
     path = save_settings(out, device_key(backend, provider), settings)
-    return {"runtime_json": str(path), "threads": settings.threads, "verify": _policy_json(policy),
-            "verify_ms_by_length": costs, "draft_ms": draft_ms}
+    return {"runtime_json": str(path), "threads": settings.threads, "graph_threads": graph_threads,
+            "prefill_chunk": chunk, "verify": _policy_json(policy), "verify_ms_by_length": costs, "draft_ms": draft_ms}
 
 
 def plot_bench(report: dict, path: Path) -> None:
@@ -307,7 +326,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     best_threads and speedup_vs_best_plain (plain decoding at its own best count).
     """
     from .runtime.backend import open_backend
-    from .runtime.calibrate import step_ms_by_context, thread_candidates
+    from .runtime.calibrate import prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
     from .runtime.contract import load_manifest
     from .runtime.measure import measure_many, rate, summarize
 
@@ -339,23 +358,34 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     labels = sorted(set(candidates) | {cfg.threads}) if sweep else [cfg.threads]
 
     def open_(t):
-        return open_backend(out, "trt") if backend == "trt" else open_backend(out, "ort", provider, threads=t, spin=cfg.spin)
+        if backend == "trt":
+            return open_backend(out, "trt")
+        return open_backend(out, "ort", provider, **(cfg.ort_kwargs() | {"threads": t, "graph_threads": {}}))
 
     backends = {t: open_(t) for t in labels}
+    key = cfg.threads  # the run's backend: the calibrated per-graph counts, else one count for all
+    if cfg.graph_threads and backend == "ort" and set(cfg.graph_threads.values()) != {cfg.threads}:
+        key = "graphs"
+        backends[key] = open_backend(out, "ort", provider, **cfg.ort_kwargs())
+        if not sweep:
+            del backends[cfg.threads]
     runs = measure_many(backends, prompts, n, warmup, cfg.verify)
-    main = backends[cfg.threads]
-    report = {"provider": main.provider, **summarize(*runs[cfg.threads], m.block_size)}
-    report.update(max_new_tokens=n, prompt_source=source, threads=cfg.threads, spin=cfg.spin,
-                  verify=_policy_json(cfg.verify), draft_vocab=(m.draft_vocab or {}).get("size"))
+    main = backends[key]
+    report = {"provider": main.provider, **summarize(*runs[key], m.block_size)}
+    report.update(max_new_tokens=n, prompt_source=source, threads=cfg.threads, graph_threads=cfg.graph_threads or None,
+                  spin=cfg.spin, verify=_policy_json(cfg.verify), draft_vocab=(m.draft_vocab or {}).get("size"),
+                  prefill_chunk=min(main.max_chunk, cfg.prefill_chunk or main.max_chunk))
     if sweep:
-        by = {t: {"speculative": rate(sp), "autoregressive": rate(ba)} for t, (sp, ba) in runs.items()}
+        by = {t: {"speculative": rate(sp), "autoregressive": rate(ba)} for t, (sp, ba) in runs.items() if t != "graphs"}
         report["by_threads"] = {str(t): v for t, v in by.items()}
         report["best_threads"] = max(by, key=lambda t: by[t]["speculative"])
-        report["speedup_vs_best_plain"] = by[cfg.threads]["speculative"] / max(v["autoregressive"] for v in by.values())
+        report["speedup_vs_best_plain"] = rate(runs[key][0]) / max(v["autoregressive"] for v in by.values())
     if calibration is not None:
         report["calibration"] = calibration
     if ctx:
         report["step_ms_by_context"] = step_ms_by_context(main, ctx)
+    long = ttft_prompt(main)  # time to first token: prefill of target and drafter at the run's chunk
+    report.update(ttft_prompt_tokens=len(long), ttft_ms=prefill_ms(main, long, [report["prefill_chunk"]])[report["prefill_chunk"]])
     for b in backends.values():
         b.close()
     if plot is not None:
@@ -364,8 +394,9 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         click.echo(json.dumps(report))
         return
     r, t = report, report["tokens_per_second"]
-    click.echo(f"prompts: {source}; {r['max_new_tokens']} new tokens each; {r['provider']}; threads {r['threads']}, "
-               f"spin {'on' if r['spin'] else 'off'}, verify {r['verify']}")
+    per_graph = f" (per graph {r['graph_threads']})" if set((r["graph_threads"] or {}).values()) - {r["threads"]} else ""
+    click.echo(f"prompts: {source}; {r['max_new_tokens']} new tokens each; {r['provider']}; threads {r['threads']}"
+               f"{per_graph}, spin {'on' if r['spin'] else 'off'}, verify {r['verify']}")
     if r.get("draft_vocab"):
         click.echo(f"draft vocabulary: {r['draft_vocab']} of {m.vocab_size} tokens")
     click.echo(f"tau {r['tau']:.2f}, mean verify length {r['mean_verify_len']:.2f}  histogram {r['acceptance_histogram']}")
@@ -374,6 +405,8 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     if sweep:
         click.echo(f"best threads {r['best_threads']}; speedup vs plain at its best thread count "
                    f"{r['speedup_vs_best_plain']:.2f}x; by threads {r['by_threads']}")
+    click.echo(f"time to first token: {r['ttft_ms']:.1f} ms for a {r['ttft_prompt_tokens']}-token prompt "
+               f"(prefill chunk {r['prefill_chunk']})")
     c = r["ms_per_call"]
     click.echo(f"calls: step {c['step']:.2f} ms, draft {c['draft']:.2f} ms, verify {c['verify']:.2f} ms -> "
                f"ideal speedup {r['ideal_speedup']:.2f}x, loop efficiency {r['loop_efficiency']:.3f}")

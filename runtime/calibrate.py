@@ -7,6 +7,10 @@
   policy is kept only if it beats the full block by more than `MARGIN`, so where verify
   cost is flat in its length (a GPU) the full block stays.
 - `step_ms_by_context`: a 1-token step after a prefix of each given length.
+- `graph_ms` / `choose_threads`: each graph's call of a speculative round at every thread
+  count, and the count each graph runs fastest with (target and drafter differ at real sizes).
+- `prefill_ms` / `choose_chunk`: the time to first token of a 512-token prompt per prefill
+  chunk, and the fastest chunk.
 All of it runs through the Backend interface: any backend, no torch.
 """
 
@@ -18,12 +22,16 @@ import time
 import numpy as np
 
 from .backend import Backend
+from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET
 from .errors import DFlashError
+from .loop import generate
 from .settings import FULL, VerifyPolicy
 
 THETAS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
 MIN_LENS = (1, 2, 3, 4, 6)
 MARGIN = 0.02  # a policy must beat the full block by 2% in the replay to be chosen
+TTFT_TOKENS = 512  # the prompt whose time to first token `bench` reports and the chunk is chosen on
+CHUNKS = (64, 128, 256, 512)  # prefill chunks tried (those the backend takes)
 
 
 def thread_candidates() -> list[int]:
@@ -110,3 +118,67 @@ def step_ms_by_context(backend: Backend, contexts: list[int], repeats: int = 30,
         out[str(c)] = _median_ms(times[3:])
     backend.reset()
     return out
+
+
+def graph_ms(backend: Backend, prompt: list[int], repeats: int = 8) -> dict[str, float]:
+    """{graph: median ms of its call in a speculative round} after `prompt`: the target over
+    the block (verify), draft_context of one position, draft_block; one position committed per
+    repeat (the rest of the verify rolled back), as a round that accepts nothing."""
+    k = backend.manifest.block_size
+    repeats = max(1, min(repeats, backend.max_len - len(prompt) - k - 1))
+    generate(backend, prompt, 1)  # prefill target and drafter context
+    ids = np.asarray((prompt * k)[:k], np.int64)
+    times: dict[str, list[float]] = {TARGET: [], DRAFT_CONTEXT: [], DRAFT_BLOCK: []}
+    for _ in range(1 + repeats):  # the first round warms the shapes up
+        t0 = time.perf_counter()
+        backend.target(ids)
+        t1 = time.perf_counter()
+        backend.commit(1)
+        backend.draft_context(1)
+        t2 = time.perf_counter()
+        backend.draft_block(int(ids[0]))
+        t3 = time.perf_counter()
+        for g, t in ((TARGET, t1 - t0), (DRAFT_CONTEXT, t2 - t1), (DRAFT_BLOCK, t3 - t2)):
+            times[g].append(t)
+    backend.reset()
+    return {g: _median_ms(ts[1:]) for g, ts in times.items()}
+
+
+def fastest(ms_by: dict, margin: float = MARGIN):
+    """The smallest key within `margin` of the fastest: fewer threads / smaller chunks when it is a draw."""
+    best = min(ms_by.values())
+    return min(k for k, v in ms_by.items() if v <= best * (1 + margin))
+
+
+def choose_threads(ms_by_threads: dict[int, dict[str, float]]) -> dict[str, int]:
+    """{graph: thread count} from graph_ms at each count: each graph's fastest (fewer on a draw)."""
+    graphs = next(iter(ms_by_threads.values()))
+    return {g: fastest({t: ms[g] for t, ms in ms_by_threads.items()}) for g in graphs}
+
+
+def ttft_prompt(backend: Backend, seed: int = 0) -> list[int]:
+    """The TTFT prompt: TTFT_TOKENS random ids (fewer when the export's context is shorter)."""
+    n = min(TTFT_TOKENS, backend.max_len - 1)
+    return np.random.default_rng(seed).integers(0, backend.manifest.vocab_size, n).tolist()
+
+
+def prefill_ms(backend: Backend, prompt: list[int], chunks: list[int], repeats: int = 2) -> dict[int, float]:
+    """{chunk: median ms to the first token of `prompt`} (prefill of target and drafter, as
+    `generate` does it), chunks interleaved; each chunk's shapes warmed up first."""
+    draft = getattr(backend, "has_drafter", True)
+    for c in chunks:
+        generate(backend, prompt[: c + 1], 1, draft=draft, prefill_chunk=c)
+    times: dict[int, list[float]] = {c: [] for c in chunks}
+    for _ in range(repeats):
+        for c in chunks:
+            times[c].append(generate(backend, prompt, 1, draft=draft, prefill_chunk=c).prefill_s)
+    backend.reset()
+    return {c: _median_ms(ts) for c, ts in times.items()}
+
+
+def chunk_candidates(backend: Backend, prompt_len: int) -> list[int]:
+    """The CHUNKS this backend takes (>= the block, <= its max_chunk) that differ on a prompt
+    of `prompt_len` (one at least as long as the prompt), or its max_chunk alone."""
+    k, top = backend.manifest.block_size, backend.max_chunk
+    ok = [c for c in CHUNKS if k <= c <= top]
+    return [c for c in ok if c < prompt_len] + [c for c in ok if c >= prompt_len][:1] or [top]

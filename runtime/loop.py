@@ -81,7 +81,7 @@ def stream(
     seed: int = 0,
     stop_token_ids: tuple[int, ...] | None = None,
     draft: bool = True,
-    prefill_chunk: int = 256,
+    prefill_chunk: int | None = None,
     reuse: int = 0,
     verify: VerifyPolicy | None = None,
     out: Generation | None = None,
@@ -102,7 +102,7 @@ def stream(
     u = position_uniforms(seed, max_length + 1) if temperature > 0 else None  # u[t]: token at position t
     sample = temperature > 0
     k = m.block_size if draft else 1
-    chunk = min(prefill_chunk, backend.max_chunk)
+    chunk = min(prefill_chunk or backend.max_chunk, backend.max_chunk)  # the backend's: calibrated
     g.prompt_len, g.reused, clock = len(prompt), reuse, time.perf_counter
     t0 = clock()
 

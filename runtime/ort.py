@@ -106,6 +106,7 @@ class OrtBackend(Backend):
         *,
         max_chunk: int = 256,
         threads: int | None = None,
+        graph_threads: dict[str, int] | None = None,
         spin: bool = False,
         drafter: bool = True,
         verify: bool = True,
@@ -134,6 +135,7 @@ class OrtBackend(Backend):
             n: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a, t) for n, (a, t) in self._shared.items()
         }
         self.threads, self.spin = threads, spin  # threads None: ORT's own default (one per core)
+        self.graph_threads = dict(graph_threads or {})  # per graph counts over `threads` (runtime.json)
         self._tied_head_graphs = tied_head_graphs(m, self._shared) if self.device == "cpu" else set()
         self.sessions = {C.TARGET: self._session(C.TARGET)}
         if drafter:
@@ -211,8 +213,9 @@ class OrtBackend(Backend):
 
     def _session(self, graph: str) -> ort.InferenceSession:
         opts = ort.SessionOptions()
-        if self.threads:
-            opts.intra_op_num_threads = self.threads
+        threads = self.graph_threads.get(graph, self.threads)
+        if threads:
+            opts.intra_op_num_threads = threads
         # spinning workers burn the other vCPU between calls: ~2x slower calls on shared machines
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spin else "0")
         path = self.directory / self.manifest.graphs[graph].file

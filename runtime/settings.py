@@ -1,8 +1,8 @@
 """Measured runtime choices of one exported directory: `runtime.json` beside the manifest.
 
 The graphs say what to compute; this file says how fast to run them on a given machine:
-intra-op threads, ORT spinning and the adaptive verify policy, as `bench --calibrate`
-measured them. It is allowed in the directory but not hashed (contract.RUNTIME), so
+intra-op threads (per graph), ORT spinning, the prefill chunk and the adaptive verify
+policy, as `bench --calibrate` measured them. It is allowed in the directory but not hashed (contract.RUNTIME), so
 calibrating never touches a graph hash. One entry per device key ("ort:cpu", "ort:cuda",
 "trt"), so one artifact can carry the choices of several devices.
 
@@ -26,6 +26,7 @@ from .errors import DFlashError
 
 RUNTIME_FORMAT = "dflash-export-runtime"
 WIDE = 1024  # hidden size from which graphs are memory-bound enough to gain from more threads
+DEFAULT_CHUNK = 256  # prefill positions per target call when nothing was calibrated
 
 
 @dataclass
@@ -53,6 +54,15 @@ class Settings:
     spin: bool = False  # ORT intra-op spinning (on costs ~2x on shared vCPUs)
     verify: VerifyPolicy | None = None  # None: the whole block
     measured: dict = field(default_factory=dict)  # what the calibration saw, for the record
+    # per graph counts over `threads` ({"target": 2, "draft_block": 1, ...}): the target is
+    # memory-bound at real sizes, the drafter's small graphs may not gain from a second thread
+    graph_threads: dict[str, int] = field(default_factory=dict)
+    prefill_chunk: int | None = None  # positions per prefill call (None: DEFAULT_CHUNK)
+
+    def ort_kwargs(self) -> dict:
+        """What OrtBackend takes of these settings."""
+        return {"threads": self.threads, "graph_threads": dict(self.graph_threads), "spin": self.spin,
+                "max_chunk": self.prefill_chunk or DEFAULT_CHUNK}
 
 
 def device_key(backend: str, provider: str = "cpu") -> str:
@@ -86,11 +96,15 @@ def load_settings(root: str | Path, key: str) -> Settings:
         v = entry.get("verify")
         s = Settings(threads=entry.get("threads"), spin=bool(entry.get("spin", False)),
                      verify=VerifyPolicy(float(v["theta"]), int(v["min_len"])) if v else None,
-                     measured=entry.get("measured", {}))
+                     measured=entry.get("measured", {}), graph_threads=dict(entry.get("graph_threads") or {}),
+                     prefill_chunk=entry.get("prefill_chunk"))
     except (TypeError, KeyError, ValueError, AttributeError) as e:
         raise DFlashError(f"{Path(root) / RUNTIME}: malformed entry {key!r} ({e}); rerun `dflash-export bench --calibrate`") from None
-    if s.threads is not None and (not isinstance(s.threads, int) or s.threads < 1):
-        raise DFlashError(f"{Path(root) / RUNTIME}: threads must be a positive integer (got {s.threads!r})")
+    counts = {"threads": s.threads, "prefill_chunk": s.prefill_chunk, **{f"graph_threads.{g}": n for g, n in s.graph_threads.items()}}
+    for what, n in counts.items():
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise DFlashError(f"{Path(root) / RUNTIME}: {what} must be a positive integer (got {n!r}); "
+                              "rerun `dflash-export bench --calibrate`")
     return s
 
 
@@ -107,7 +121,8 @@ def save_settings(root: str | Path, key: str, settings: Settings) -> Path:
 
 def resolve(root: str | Path, manifest: Manifest, key: str, *, threads: int | None = None, spin: bool | None = None,
             verify: str = "auto") -> Settings:
-    """What one run uses: explicit options over the calibrated file over the defaults."""
+    """What one run uses: explicit options over the calibrated file over the defaults
+    (`threads` given: every graph runs with it, the calibrated per-graph counts are ignored)."""
     if verify not in ("auto", "full"):
         raise DFlashError(f"--verify must be full or auto (got {verify!r})")
     if threads is not None and threads < 1:
@@ -118,4 +133,6 @@ def resolve(root: str | Path, manifest: Manifest, key: str, *, threads: int | No
         spin=s.spin if spin is None else spin,
         verify=s.verify if verify == "auto" else None,
         measured=s.measured,
+        graph_threads={} if threads else s.graph_threads,
+        prefill_chunk=s.prefill_chunk,
     )

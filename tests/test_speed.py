@@ -202,6 +202,21 @@ def test_runtime_json_is_allowed_and_not_hashed(art):
     assert resolve(art, m, key, verify="full").verify is None  # --verify full ignores the calibration
     assert resolve(art, m, key, threads=3).threads == 3 and resolve(art, m, key).threads == 1
     assert resolve(art, m, "ort:cuda").verify is None and resolve(art, m, key).spin is False
+    # per-graph threads and the prefill chunk reach the sessions; --threads overrides every graph
+    per = {C.TARGET: 2, C.DRAFT_CONTEXT: 1, C.DRAFT_BLOCK: 1}
+    save_settings(art, key, Settings(threads=1, graph_threads=per, prefill_chunk=64))
+    cfg = resolve(art, m, key)
+    assert cfg.graph_threads == per and cfg.prefill_chunk == 64 and resolve(art, m, key, threads=3).graph_threads == {}
+    be = OrtBackend(art, **cfg.ort_kwargs())
+    assert {g: s.get_session_options().intra_op_num_threads for g, s in be.sessions.items()} == per
+    assert be.max_chunk == 64
+    g = generate(be, list(range(1, 100)), 4)
+    assert g.tokens == generate(OrtBackend(art, threads=1), list(range(1, 100)), 4, draft=False).tokens
+    raw = json.loads((art / C.RUNTIME).read_text())
+    raw["devices"][key]["graph_threads"]["target"] = 0
+    (art / C.RUNTIME).write_text(json.dumps(raw))
+    with pytest.raises(DFlashError, match="graph_threads.target must be a positive integer"):
+        load_settings(art, key)
     (art / C.RUNTIME).write_text("{not json")
     with pytest.raises(DFlashError, match="runtime.json: unreadable"):
         load_settings(art, key)
@@ -219,6 +234,15 @@ def test_bench_calibrate_then_generate_auto(art):
     assert j["lossless"] and 1 <= j["mean_verify_len"] <= j["block_size"]
     entry = json.loads((art / C.RUNTIME).read_text())["devices"]["ort:cpu"]
     assert entry["threads"] >= 1 and len(entry["measured"]["verify_ms_by_length"]) == j["block_size"]
+    by_graph = entry["measured"]["graph_ms_by_threads"]  # each graph's call at each count -> its count
+    if len(by_graph) > 1:
+        assert set(entry["graph_threads"]) == {C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK}
+        for g, t in entry["graph_threads"].items():
+            assert by_graph[str(t)][g] <= 1.02 * min(ms[g] for ms in by_graph.values())
+    chunks = entry["measured"]["prefill_ms_by_chunk"]  # time to first token by prefill chunk -> the chunk
+    assert str(entry["prefill_chunk"]) in chunks and chunks[str(entry["prefill_chunk"])] <= 1.02 * min(chunks.values())
+    assert j["prefill_chunk"] == entry["prefill_chunk"] and j["ttft_ms"] > 0
+    assert j["ttft_prompt_tokens"] == min(512, C.load_manifest(art).max_context - 1)
     assert j["verify"] == (entry["verify"] or "full") and j["threads"] == entry["threads"]
     C.load_manifest(art, verify=True)
     outs = {}
