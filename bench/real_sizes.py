@@ -7,12 +7,15 @@ Builds a random-weight target with the exact shape of Qwen3-0.6B (28 layers, hid
 the Hugging Face layout and a 1-layer z-lab drafter with five taps spread over the layers,
 exports it twice with `--max-context 4096` (full draft vocabulary, and `--draft-vocab N`
 with the documented fallback choice: the weights are random, so no data means anything),
-then measures each configuration in a child process of its own (so its peak RSS is its
-own): per-call costs (plain step, draft, 16-token verify) from `bench` on random 32-token
-prompts, peak RSS with the breakdown after each session (anonymous memory vs file pages
-mapped from the artifact), and the prefill time of a 512-token prompt per prefill chunk.
-Prints one JSON object. Not part of the test suite (minutes, ~3 GB of RAM per child and
-~6 GB of disk); the drafter is untrained, so only the per-call costs and memory matter.
+calibrates the reduced one as `bench --calibrate` does (threads per graph, prefill chunk;
+runtime.json), then measures each configuration in a child process of its own (so its
+peak RSS is its own): per-call costs (plain step, draft, 16-token verify) from the bench
+loop on random 32-token prompts, peak RSS with the breakdown after each session (anonymous
+memory vs file pages mapped from the artifact), the time to first token of a 512-token
+prompt, and, interleaved in one process, the plain step with the tied head packed from
+the table (now) vs folded first (before). Prints one JSON object. Not part of the test
+suite (minutes, ~3 GB of RAM per child and ~5 GB of disk); the drafter is untrained, so
+only the per-call costs and memory matter.
 """
 
 from __future__ import annotations
@@ -93,11 +96,47 @@ def do_export(work: Path, name: str, draft_vocab: int | None) -> dict:
             "artifact_mb": round(files / 2**20)}
 
 
-def do_measure(work: Path, name: str, threads: int, variant: str, prompts: int, new_tokens: int,
-               chunks: list[int]) -> dict:
+def open_backend(work: Path, name: str, threads: str, variant: str, drafter: bool = True):
+    """threads "cal": runtime.json's per-graph counts and prefill chunk; else one count for
+    every graph. variant fold: the tied head constant-folded as before (a transposed copy)."""
+    from dflash_export.runtime import contract as C
+    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.settings import resolve
+
+    m = C.load_manifest(work / name)
+    kw = resolve(work / name, m, "ort:cpu", threads=None if threads == "cal" else int(threads)).ort_kwargs()
+    kw |= {"low_memory": {"low_memory": True}, "keep_mapped": {"release_mapped": False}}.get(variant, {})
+    if variant == "fold":
+        orig = OrtBackend._session
+
+        def folded(self, graph):
+            self._tied_head_graphs = set()
+            return orig(self, graph)
+
+        OrtBackend._session = folded
+    return OrtBackend(work / name, drafter=drafter, **kw)
+
+
+def do_calibrate(work: Path, name: str, prompts: int, new_tokens: int) -> dict:
     import numpy as np
 
-    from dflash_export.runtime.loop import generate
+    from dflash_export.cmd_run import calibrate
+    from dflash_export.runtime.calibrate import thread_candidates
+
+    from dflash_export.runtime import contract as C
+
+    rng, vocab = np.random.default_rng(1), C.load_manifest(work / name).vocab_size
+    ps = [rng.integers(0, vocab - 2, 32).tolist() for _ in range(prompts)]
+    t0 = time.perf_counter()
+    out = calibrate(work / name, "cpu", "ort", thread_candidates(), False, ps, new_tokens, 1,
+                    log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    return {"calibrate_s": round(time.perf_counter() - t0), **{k: out[k] for k in ("threads", "graph_threads", "prefill_chunk")}}
+
+
+def do_measure(work: Path, name: str, threads: str, variant: str, prompts: int, new_tokens: int, ttft: bool) -> dict:
+    import numpy as np
+
+    from dflash_export.runtime.calibrate import prefill_ms, ttft_prompt
     from dflash_export.runtime.measure import run_bench
     from dflash_export.runtime.ort import OrtBackend
 
@@ -111,34 +150,52 @@ def do_measure(work: Path, name: str, threads: int, variant: str, prompts: int, 
 
     OrtBackend._session = recorded
     t0 = time.perf_counter()
-    opts = {"low_memory": {"low_memory": True}, "keep_mapped": {"release_mapped": False}}.get(variant, {})
-    be = OrtBackend(work / name, threads=threads, max_chunk=max(chunks or [256]), **opts)
+    be = open_backend(work, name, threads, variant)
     load_s = time.perf_counter() - t0
     stages["loaded"] = mem()
     rng = np.random.default_rng(0)
-    ps = [rng.integers(0, 150000, 32).tolist() for _ in range(prompts)]
+    ps = [rng.integers(0, be.manifest.vocab_size - 2, 32).tolist() for _ in range(prompts)]
     report = run_bench(be, ps, new_tokens, warmup=1)
     stages["after_bench"] = mem()
-    prefill = {}
-    long = rng.integers(0, 150000, 512).tolist()
-    for c in chunks:
-        be.reset()
-        generate(be, long[:64], 1, draft=False, prefill_chunk=c)  # warm the chunk's shapes
-        be.reset()
-        prefill[str(c)] = round(generate(be, long, 1, draft=False, prefill_chunk=c).prefill_s * 1e3)
-    stages["after_prefill"] = mem()
+    out = {}
+    if ttft:
+        long = ttft_prompt(be)
+        out["ttft_ms"] = round(prefill_ms(be, long, [be.max_chunk])[be.max_chunk])
+        out["ttft_prompt_tokens"] = len(long)
+        stages["after_ttft"] = mem()
     c = report["ms_per_call"]
     return {"artifact": name, "threads": threads, "variant": variant, "load_s": round(load_s, 1),
-            "ms_per_call": {k: round(v, 1) for k, v in c.items()},
+            "session_threads": {g: s.get_session_options().intra_op_num_threads for g, s in be.sessions.items()},
+            "prefill_chunk": be.max_chunk, "ms_per_call": {k: round(v, 1) for k, v in c.items()},
             "draft_over_step": round(c["draft"] / c["step"], 3), "verify_over_step": round(c["verify"] / c["step"], 3),
             "ideal_speedup_at_tau_6.5": round(6.5 * c["step"] / (c["draft"] + c["verify"]), 2),
-            "lossless": report["lossless"], "draft_vocab": report.get("draft_vocab"),
-            "prefill_512_ms_by_chunk": prefill, "rss_mb": stages, "peak_rss_mb": mem()["VmHWM"]}
+            "lossless": report["lossless"], "draft_vocab": report.get("draft_vocab"), **out,
+            "rss_mb": stages, "peak_rss_mb": mem()["VmHWM"]}
+
+
+def do_step_speed(work: Path, name: str, rounds: int) -> dict:
+    """Plain 1-token step, tied head packed from the table (now) vs folded first (before):
+    both target sessions in one process, measured alternately."""
+    from dflash_export.runtime.calibrate import step_ms_by_context
+
+    now = open_backend(work, name, "cal", "default", drafter=False)
+    before = open_backend(work, name, "cal", "fold", drafter=False)
+    ms = {"now": [], "before": []}
+    for _ in range(rounds):
+        for label, be in (("now", now), ("before", before)):
+            ms[label].append(step_ms_by_context(be, [32], repeats=20)["32"])
+    med = {k: float(sorted(v)[len(v) // 2]) for k, v in ms.items()}
+    return {"step_ms": {k: [round(x, 1) for x in v] for k, v in ms.items()},
+            "now_over_before": round(med["now"] / med["before"], 3)}
 
 
 def child(args: list[str]) -> dict:
     done = subprocess.run([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def load_average() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
 
 def main() -> None:
@@ -147,9 +204,10 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=32768)
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--runs", default="dv:2:default,full:2:default,dv:2:keep_mapped,dv:1:default,dv:2:low_memory",
-                    help="artifact:threads:variant,... (artifact full | dv)")
-    ap.add_argument("--chunks", default="128,256,512", help="prefill chunks timed on a 512-token prompt (first run only)")
+    ap.add_argument("--runs", default="dv:cal:default,full:2:default,dv:cal:fold",
+                    help="artifact:threads:variant,... (artifact full | dv; threads N or cal = runtime.json; "
+                         "variant default | fold | keep_mapped | low_memory); the first also times the TTFT")
+    ap.add_argument("--speed-rounds", type=int, default=3, help="alternations of the now-vs-folded step timing")
     ap.add_argument("--keep", action="store_true", help="reuse the checkpoint and exports in --work")
     ap.add_argument("--step", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -160,15 +218,19 @@ def main() -> None:
             out = {}
         elif kind == "export":
             out = do_export(a.work, rest[0], int(rest[1]) or None)
+        elif kind == "calibrate":
+            out = do_calibrate(a.work, rest[0], a.prompts, a.new_tokens)
+        elif kind == "speed":
+            out = do_step_speed(a.work, rest[0], a.speed_rounds)
         else:
-            chunks = [int(c) for c in rest[3].split("/") if c] if len(rest) > 3 else []
-            out = do_measure(a.work, rest[0], int(rest[1]), rest[2], a.prompts, a.new_tokens, chunks)
+            out = do_measure(a.work, rest[0], rest[1], rest[2], a.prompts, a.new_tokens, rest[3] == "ttft")
         print(json.dumps(out))
         return
 
     import shutil
 
-    result = {"shape": SHAPE, "draft_vocab": a.draft_vocab, "prompts": a.prompts, "new_tokens": a.new_tokens}
+    result = {"shape": SHAPE, "draft_vocab": a.draft_vocab, "prompts": a.prompts, "new_tokens": a.new_tokens,
+              "load_average_start": load_average()}
     if not (a.keep and (a.work / "dv" / "manifest.json").is_file()):
         shutil.rmtree(a.work, ignore_errors=True)
         a.work.mkdir(parents=True)
@@ -176,16 +238,20 @@ def main() -> None:
         result["export"] = {"full": child(["--work", str(a.work), "--step", "export:full:0"]),
                             "dv": child(["--work", str(a.work), "--step", f"export:dv:{a.draft_vocab}"])}
     result["weights_mb"] = round(sum(p.stat().st_size for p in (a.work / "target").glob("*.safetensors")) / 2**20)
+    common = ["--work", str(a.work), "--prompts", str(a.prompts), "--new-tokens", str(a.new_tokens)]
+    result["calibration_dv"] = child([*common, "--step", "calibrate:dv"])
     runs = []
     for i, spec in enumerate(a.runs.split(",")):
-        chunks = a.chunks.replace(",", "/") if i == 0 else ""
-        r = child(["--work", str(a.work), "--prompts", str(a.prompts), "--new-tokens", str(a.new_tokens),
-                   "--step", f"measure:{spec}:{chunks}"])
-        art = sum(p.stat().st_size for p in (a.work / r["artifact"]).iterdir()) / 2**20
+        r = child([*common, "--step", f"measure:{spec}:{'ttft' if i == 0 else ''}"])
+        art = sum(p.stat().st_size for p in (a.work / r["artifact"]).iterdir() if p.name != "runtime.json") / 2**20
+        r["artifact_mb"] = round(art)
         r["peak_rss_over_artifact"] = round(r["peak_rss_mb"] / art, 2)
+        r["load_average"] = load_average()
         runs.append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)
     result["runs"] = runs
+    result["step_speed_dv"] = child([*common, "--speed-rounds", str(a.speed_rounds), "--step", "speed:dv"])
+    result["load_average_end"] = load_average()
     print(json.dumps(result, indent=2))
 
 

@@ -30,6 +30,7 @@ from .settings import FULL, VerifyPolicy
 THETAS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
 MIN_LENS = (1, 2, 3, 4, 6)
 MARGIN = 0.02  # a policy must beat the full block by 2% in the replay to be chosen
+THREAD_MARGIN = 0.05  # more threads for a graph only when they save 5% of its call
 TTFT_TOKENS = 512  # the prompt whose time to first token `bench` reports and the chunk is chosen on
 CHUNKS = (64, 128, 256, 512)  # prefill chunks tried (those the backend takes)
 
@@ -151,9 +152,10 @@ def fastest(ms_by: dict, margin: float = MARGIN):
 
 
 def choose_threads(ms_by_threads: dict[int, dict[str, float]]) -> dict[str, int]:
-    """{graph: thread count} from graph_ms at each count: each graph's fastest (fewer on a draw)."""
+    """{graph: thread count} from graph_ms at each count: each graph's fastest, fewer threads
+    unless more are THREAD_MARGIN faster (a thread that barely helps only takes a shared core)."""
     graphs = next(iter(ms_by_threads.values()))
-    return {g: fastest({t: ms[g] for t, ms in ms_by_threads.items()}) for g in graphs}
+    return {g: fastest({t: ms[g] for t, ms in ms_by_threads.items()}, THREAD_MARGIN) for g in graphs}
 
 
 def ttft_prompt(backend: Backend, seed: int = 0) -> list[int]:

@@ -238,7 +238,7 @@ def test_bench_calibrate_then_generate_auto(art):
     if len(by_graph) > 1:
         assert set(entry["graph_threads"]) == {C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK}
         for g, t in entry["graph_threads"].items():
-            assert by_graph[str(t)][g] <= 1.02 * min(ms[g] for ms in by_graph.values())
+            assert by_graph[str(t)][g] <= 1.05 * min(ms[g] for ms in by_graph.values())
     chunks = entry["measured"]["prefill_ms_by_chunk"]  # time to first token by prefill chunk -> the chunk
     assert str(entry["prefill_chunk"]) in chunks and chunks[str(entry["prefill_chunk"])] <= 1.02 * min(chunks.values())
     assert j["prefill_chunk"] == entry["prefill_chunk"] and j["ttft_ms"] > 0
