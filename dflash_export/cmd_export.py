@@ -63,11 +63,15 @@ def quant_request(quantize, block_size, asymmetric, draft, lm_head, accuracy_lev
 @click.option("--draft-vocab-data", multiple=True, type=click.Path(path_type=Path), metavar="FILE",
               help="Token counts for --draft-vocab: train-draft shards (shard-*.pt or their directory), "
                    ".jsonl ('tokens' or 'text') or text files; repeatable [default: the lowest ids].")
+@click.option("--attention", type=click.Choice(["standard", "ort"]), default="standard", show_default=True,
+              help="standard: plain ai.onnx ops (every provider, TensorRT); ort: the target's attention as ONNX "
+                   "Runtime's com.microsoft GroupQueryAttention over a cache updated in place (step cost flat in "
+                   "context; ONNX Runtime CPU/CUDA only).")
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory (only once the export succeeded).")
 @click.option("--no-room-check", is_flag=True,
               help="Export even when free memory or disk look too small for the model (the OS may kill it).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_token_id, opset, quantize,
+def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_token_id, opset, attention, quantize,
            quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level,
            draft_vocab, draft_vocab_data, force, no_room_check, quiet):
     """Trace a target and its DFlash drafter to ONNX: target.onnx, draft_context.onnx,
@@ -92,7 +96,8 @@ def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_
 
     q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level)
     export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
-                    mask_token_id=mask_token_id, opset=opset, force=force, progress=not quiet, quantize=q,
+                    mask_token_id=mask_token_id, opset=opset, attention=attention, force=force, progress=not quiet,
+                    quantize=q,
                     draft_vocab=draft_vocab, draft_vocab_data=draft_vocab_data, room_check=not no_room_check)
 
 

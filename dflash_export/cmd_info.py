@@ -1,7 +1,7 @@
 """`dflash-export info OUT`: what an exported directory is, at a glance (torch-free).
 
 Reads the manifest (refusing a format version this dflash-export does not know), lists
-the pair, the export settings, every graph's inputs and outputs with the role of each dim
+the pair, the export settings (attention flavour included), every graph's inputs and outputs with the role of each dim
 (runtime/contract.py), the files and their sizes, and whether the files match their
 sha256 in the manifest (checked unless --no-verify).
 """
@@ -42,7 +42,7 @@ def describe(out: Path, verify: bool = True) -> dict:
                    "kv_heads": m.target_kv_heads, "head_dim": m.target_head_dim, "vocab_size": m.vocab_size},
         "drafter": {"layers": m.draft_layers, "kv_heads": m.draft_kv_heads, "head_dim": m.draft_head_dim,
                     "target_layer_ids": m.target_layer_ids, "mask_token_id": m.mask_token_id},
-        "dtype": m.dtype, "block_size": m.block_size, "max_context": m.max_context, "opset": m.opset,
+        "dtype": m.dtype, "attention": C.flavour(m), "block_size": m.block_size, "max_context": m.max_context, "opset": m.opset,
         "eos_token_ids": m.eos_token_ids, "tokenizer": m.tokenizer,
         "graphs": graphs,
         "shared": {n: asdict(t) for n, t in m.shared.items()},
@@ -89,10 +89,12 @@ def print_info(d: dict, out: Path) -> None:
                f"{t['kv_heads']} kv heads x {t['head_dim']}, vocab {t['vocab_size']}")
     click.echo(f"drafter  {dr['layers']} layer(s), {dr['kv_heads']} kv heads x {dr['head_dim']}, "
                f"taps {dr['target_layer_ids']}, mask token {dr['mask_token_id']}")
-    click.echo(f"export   {d['dtype']}, block size {d['block_size']}, max context {d['max_context']}, opset {d['opset']}, "
+    flavour = {"ort": "ort (target attention as com.microsoft GroupQueryAttention: ONNX Runtime only)"}
+    click.echo(f"export   {d['dtype']}, attention {flavour.get(d['attention'], d['attention'])}, block size {d['block_size']}, max context {d['max_context']}, opset {d['opset']}, "
                f"eos {d['eos_token_ids']}, tokenizer {'yes' if d['tokenizer'] else 'no'}")
     m = C.load_manifest(out, verify=False)
-    for g, graph in C.GRAPHS.items():
+    for g in C.GRAPHS:
+        graph = C.spec(g, m)  # the ort attention flavour declares its own target graph
         kinds = C.layer_kinds(g, m)  # hybrid targets: linear-attention layers carry states, not K/V
         click.echo(f"{graph.file}  ({len(d['graphs'][g]['inputs'])} inputs, {len(d['graphs'][g]['outputs'])} outputs)")
         for kind, tensors in (("in", graph.inputs), ("out", graph.outputs)):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import click
 
+from .cmd_run import spin_option, threads_option, verify_option
 from .runtime.errors import DFlashError
 
 DEMO_CONTEXT = 2048
@@ -166,8 +167,9 @@ def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, ma
 @click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
               help="ort: ONNX Runtime (see --provider); trt: the TensorRT engines of `dflash-export build` (--slots 1).")
 @click.option("--provider", default="cpu", show_default=True, help="ONNX Runtime execution provider: cpu | cuda | tensorrt.")
-@click.option("--threads", type=int, default=1, show_default=True,
-              help="ONNX Runtime intra-op threads per call (slots run calls in parallel; 1 is fastest on 2 vCPUs).")
+@threads_option
+@spin_option
+@verify_option
 @click.option("--ray", "use_ray", is_flag=True,
               help="Run as a Ray Serve application (replicas across nodes; needs the ray extra). See docs/ray.md.")
 @click.option("--replicas", type=int, help="--ray: a fixed number of replicas [default: 1].")
@@ -186,7 +188,7 @@ def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, ma
 @click.option("--proxy", type=click.Choice(["HeadOnly", "EveryNode"]), default="HeadOnly", show_default=True,
               help="--ray: Ray Serve HTTP proxies on the head only, or on every node (same --host/--port each).")
 def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_name, default_max_tokens, chat_template,
-          no_draft, shutdown_timeout, backend, provider, threads, use_ray, replicas, autoscale, ray_address, replica_cpus,
+          no_draft, shutdown_timeout, backend, provider, threads, spin, verify, use_ray, replicas, autoscale, ray_address, replica_cpus,
           replica_gpus, max_replicas_per_node, max_ongoing, upscale_delay, downscale_delay, health_check_period, proxy):
     """An OpenAI-compatible server over an exported directory OUT (or --demo):
     /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize."""
@@ -205,7 +207,7 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
         if not api_key:
             raise DFlashError(f"--api-key-file {api_key_file} is empty")
     for name, value, low in (("--slots", slots, 1), ("--max-queue", max_queue, 0), ("--max-tokens", default_max_tokens, 1),
-                             ("--threads", threads, 1)):
+                             ("--threads", 1 if threads is None else threads, 1)):
         if value < low:
             raise DFlashError(f"{name} must be >= {low} (got {value})")
     if slots > 1 and backend != "ort":
@@ -228,6 +230,7 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
 
     options = ServeOptions(Path(directory), model_name=model_name or ("dflash-demo" if demo else None), slots=slots,
                            max_queue=max_queue, api_key=api_key, backend=backend, provider=provider, threads=threads,
+                           spin=spin, verify=verify,
                            default_max_tokens=default_max_tokens, chat_template=template, speculative=not no_draft)
     if not _is_loopback(host) and not api_key:
         click.echo(f"warning: listening on {host} without an API key: anyone who can reach it can use it "

@@ -48,7 +48,9 @@ class ServeOptions:
     api_key: str | None = None
     backend: str = "ort"
     provider: str = "cpu"
-    threads: int | None = 1
+    threads: int | None = None  # None: runtime.json's calibrated count, else the default (runtime/settings.py)
+    spin: bool | None = None
+    verify: str = "auto"
     default_max_tokens: int = 256
     max_body_bytes: int = 4 << 20
     chat_template: str | None = None  # template text overriding the artifact's
@@ -74,6 +76,7 @@ class Holder:
             self.engine = load_engine(
                 options.directory, slots=options.slots, model=options.model, max_queue=options.max_queue,
                 backend=options.backend, provider=options.provider, threads=options.threads,
+                spin=options.spin, verify=options.verify,
                 drafter=options.speculative, chat_template=options.chat_template)
         except DFlashError as e:
             self.error = str(e)

@@ -137,8 +137,9 @@ class Slot:
 class Engine:
     """`slots` backends over one model; see the module docstring."""
 
-    def __init__(self, backends: list, text, model: str, max_queue: int):
+    def __init__(self, backends: list, text, model: str, max_queue: int, verify=None):
         self.manifest = backends[0].manifest
+        self.verify = verify  # the adaptive verify policy (None: the whole block)
         self.text, self.model, self.max_queue = text, model, max_queue
         self.metrics = Metrics(model, self.manifest.block_size)
         self.slots = [Slot(i, b) for i, b in enumerate(backends)]
@@ -256,7 +257,7 @@ class Engine:
         stop = tuple(dict.fromkeys(list(self.manifest.eos_token_ids) + list(p.stop_token_ids)))
         g = Generation()
         rounds = stream(b, p.prompt, p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                        seed=p.seed, stop_token_ids=stop, draft=p.speculative, reuse=reuse, out=g)
+                        seed=p.seed, stop_token_ids=stop, draft=p.speculative, reuse=reuse, verify=self.verify, out=g)
         slot.seq = []  # the caches change from here on
         finish, k = "length", self.manifest.block_size
         try:
@@ -295,10 +296,13 @@ def _emit(job: Job, event: tuple) -> None:
 
 
 def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, backend: str = "ort",
-                provider: str = "cpu", threads: int | None = 1, drafter: bool = True,
-                chat_template: str | None = None) -> Engine:
-    """Load the model once and fork it into `slots` sequences (weights shared)."""
+                provider: str = "cpu", threads: int | None = None, spin: bool | None = None, verify: str = "auto",
+                drafter: bool = True, chat_template: str | None = None) -> Engine:
+    """Load the model once and fork it into `slots` sequences (weights shared). Threads,
+    spinning and the verify policy resolve as in generate/bench (runtime/settings.py)."""
     from .runtime.backend import open_backend
+    from .runtime.contract import load_manifest
+    from .runtime.settings import device_key, resolve
     from .serve_text import Text
 
     if slots < 1:
@@ -306,10 +310,12 @@ def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, b
     if max_queue < 0:
         raise DFlashError(f"--max-queue must be >= 0 (got {max_queue})")
     text = Text(directory, chat_template)
-    kwargs = {"drafter": drafter} | ({"threads": threads} if backend == "ort" else {})
+    cfg = resolve(directory, load_manifest(directory, verify=False), device_key(backend, provider), threads=threads,
+                  spin=spin, verify=verify)
+    kwargs = {"drafter": drafter} | ({"threads": cfg.threads, "spin": cfg.spin} if backend == "ort" else {})
     first = open_backend(directory, backend, provider, **kwargs)
     if slots > 1 and not hasattr(first, "fork"):
         raise DFlashError(f"--slots {slots} needs a backend that shares its weights between sequences "
                           "(--backend ort); use --slots 1 here")
     backends = [first] + [first.fork() for _ in range(slots - 1)]
-    return Engine(backends, text, model, max_queue)
+    return Engine(backends, text, model, max_queue, cfg.verify)

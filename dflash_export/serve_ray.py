@@ -148,7 +148,7 @@ class DFlashReplica:
             self.engine = load_engine(
                 options.directory, slots=options.slots, model=options.model, max_queue=options.max_queue,
                 backend=options.backend, provider=options.provider, threads=options.threads,
-                drafter=options.speculative, chat_template=options.chat_template)
+                spin=options.spin, verify=options.verify, drafter=options.speculative, chat_template=options.chat_template)
         except DFlashError as e:
             raise _refuse(str(e)) from None
         log.info(f"dflash-export replica {serve_engine.replica()}: serving {options.directory} (verified)")

@@ -225,6 +225,7 @@ def export_artifact(
     max_context: int = 2048,
     mask_token_id: int | None = None,
     opset: int | None = None,
+    attention: str = "standard",
     force: bool = False,
     progress: bool = True,
     quantize=None,
@@ -248,6 +249,11 @@ def export_artifact(
         check_options(quantize, dtype)
     check_out_dir(out, force)
     tc, dc, k, mask = plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset)
+    if attention not in C.ATTENTION_FLAVOURS:
+        raise DFlashError(f"--attention must be one of {', '.join(C.ATTENTION_FLAVOURS)} (got {attention!r})")
+    if attention == "ort" and tc.hybrid:
+        raise DFlashError(f"--attention ort covers Llama/Qwen2/Qwen3 targets; this {tc.architecture} target "
+                          "(Gated DeltaNet hybrid) exports with --attention standard only")
     eos = eos_ids(target_dir, tc.eos_token_ids)
     vocab_ids, vocab_record = plan_draft_vocab(draft_vocab, draft_vocab_data, target_dir, tc.vocab_size, eos)
     elements = checkpoint_elements(target_dir) + checkpoint_elements(draft_dir)
@@ -261,7 +267,7 @@ def export_artifact(
         target_layers=tc.num_layers, target_kv_heads=tc.num_kv_heads, target_head_dim=tc.head_dim,
         draft_layers=dc.num_layers, draft_kv_heads=dc.num_kv_heads, draft_head_dim=dc.head_dim,
         architecture=tc.architecture, eos_token_ids=eos,
-        opset=0, graphs={}, tools=tool_versions(), draft_vocab=vocab_record, **hybrid_fields(tc),
+        opset=0, graphs={}, tools=tool_versions(), attention=attention, draft_vocab=vocab_record, **hybrid_fields(tc),
     )
     ui = Phases(progress)
     for p in stale:
@@ -281,7 +287,7 @@ def export_artifact(
 
                 drafter.set_draft_vocab(torch.from_numpy(vocab_ids), target.lm_head.weight)
         with ui.phase("trace", f"3 graphs, block size {k} (torch.onnx dynamo)"):
-            models = {g: trace(g, wrapper(g, target, drafter), manifest, tdtype, opset) for g in C.GRAPHS}
+            models = {g: trace(g, wrapper(g, target, drafter, attention), manifest, tdtype, opset) for g in C.GRAPHS}
             for model in models.values():
                 fold_shape_constants(model)
                 rename_initializers(model, tc.tie_word_embeddings)
@@ -293,7 +299,7 @@ def export_artifact(
         manifest.shared = shared
         del models, target, drafter
         with ui.phase("validate", "onnx.checker, shape inference, op lint, ORT load"):
-            validate_artifact(tmp, dtype)
+            validate_artifact(tmp, dtype, attention)
         manifest.graphs = {name: graph_spec(tmp / f) for name, f in C.GRAPH_FILES.items()}
         manifest.opset = opset_of(tmp / C.GRAPH_FILES[C.TARGET])
         manifest.tokenizer = "tokenizer.json" in tokenizer or "tokenizer.model" in tokenizer

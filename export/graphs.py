@@ -40,6 +40,37 @@ class TargetGraph(nn.Module):
         return (logits, logits.argmax(-1), taps, *_flat(new))
 
 
+class TargetOrtGraph(nn.Module):
+    """The "ort" flavour of the target graph (contract.TARGET_ORT): the same decoder, with each
+    layer's attention one GroupQueryAttention over a head-major cache it updates in place.
+    Llama / Qwen2 / Qwen3 decoder layers only (the hybrid targets keep the standard graph)."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.target = target
+
+    def forward(self, input_ids, position_ids, seqlens_k, total, *cache):
+        from ..models.layers import rope_cos_sin
+        from .gqa import gqa
+
+        t, (b, s) = self.target, input_ids.shape
+        x = t.embed(input_ids)
+        cos, sin = rope_cos_sin(position_ids, t.inv_freq, x.dtype)
+        outs, present = {}, []
+        for i, layer in enumerate(t.model.layers):
+            a = layer.self_attn
+            q, k, v = a.qkv(layer.input_layernorm(x), cos, sin)
+            o, pk, pv = gqa(q.reshape(b, s, -1), k.reshape(b, s, -1), v.reshape(b, s, -1), cache[2 * i],
+                            cache[2 * i + 1], seqlens_k, total, a.h, a.hkv)
+            x = x + a.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            present += [pk, pv]
+            outs[i] = x
+        x, taps = t.final(outs)
+        logits = t.logits(x)
+        return (logits, logits.argmax(-1), taps, *present)
+
+
 class DraftContextGraph(nn.Module):
     """taps of newly accepted positions -> drafter context K/V to append."""
 
@@ -102,6 +133,7 @@ def trace_inputs(graph: str, m, dtype: torch.dtype):
         dims[C.SEQ] = torch.export.Dim(C.SEQ, max=C.max_seq(m))
     start = {C.TARGET: n[C.PAST], C.DRAFT_CONTEXT: 3, C.DRAFT_BLOCK: n[C.PAST_CTX]}[graph]
     args, shapes = [], []
+    past_seq = n[C.PAST] + n[C.SEQ]  # the ort flavour's lengths, as the runtime feeds them
     for t in ins:
         size = [n[r] if r in C.DYNAMIC else static[r] for r in t.dims]
         if t.dtype == C.MODEL:
@@ -110,6 +142,8 @@ def trace_inputs(graph: str, m, dtype: torch.dtype):
             x = torch.randn(size) * 0.1
         elif t.name in C.POSITIONS:
             x = torch.arange(start, start + size[1]).expand(*size).contiguous()
+        elif t.name in (C.SEQLENS_K, C.TOTAL_LEN):
+            x = torch.full(size, past_seq - (t.name == C.SEQLENS_K), dtype=torch.int32)
         elif t.name == C.BLOCK_IDS:
             x = torch.full(size, m.mask_token_id, dtype=torch.long)
             x[:, 0] = torch.randint(0, m.vocab_size, (size[0],))
@@ -117,11 +151,13 @@ def trace_inputs(graph: str, m, dtype: torch.dtype):
             x = torch.randint(0, m.vocab_size, size)
         args.append(x)
         shapes.append({axis: dims[r] for axis, r in enumerate(t.dims) if r in C.DYNAMIC})
-    fixed = sum(not t.per_layer for t in C.GRAPHS[graph].inputs)  # wrappers take the per-layer ones as *args
+    fixed = sum(not t.per_layer for t in C.spec(graph, m).inputs)  # wrappers take the per-layer ones as *args
     nested = (*shapes[:fixed], tuple(shapes[fixed:])) if fixed < len(shapes) else tuple(shapes)
     return tuple(args), nested
 
 
-def wrapper(graph: str, target, drafter) -> nn.Module:
+def wrapper(graph: str, target, drafter, attention: str = "standard") -> nn.Module:
+    if graph == C.TARGET and attention == "ort":
+        return TargetOrtGraph(target)
     return {C.TARGET: lambda: TargetGraph(target), C.DRAFT_CONTEXT: lambda: DraftContextGraph(drafter),
             C.DRAFT_BLOCK: lambda: DraftBlockGraph(drafter, target)}[graph]()

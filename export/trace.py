@@ -23,6 +23,11 @@ def trace(graph: str, module, m: C.Manifest, dtype, opset: int | None):
     from .graphs import trace_inputs
 
     args, dynamic_shapes = trace_inputs(graph, m, dtype)
+    extra = {}
+    if graph == C.TARGET and C.flavour(m) == "ort":
+        from .gqa import TRANSLATION
+
+        extra["custom_translation_table"] = TRANSLATION
     inputs, outputs = C.names(graph, m)
     loggers = [logging.getLogger(n) for n in ("torch.onnx", "onnxscript")]
     levels = [lg.level for lg in loggers]
@@ -33,7 +38,7 @@ def trace(graph: str, module, m: C.Manifest, dtype, opset: int | None):
             warnings.simplefilter("ignore")
             prog = torch.onnx.export(
                 module.eval(), args, dynamo=True, input_names=inputs, output_names=outputs,
-                dynamic_shapes=dynamic_shapes, opset_version=opset, optimize=False, verbose=False,
+                dynamic_shapes=dynamic_shapes, opset_version=opset, optimize=False, verbose=False, **extra,
             )
     except Exception as e:  # the exporter raises many types; report one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""

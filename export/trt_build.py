@@ -172,6 +172,10 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_context
         raise DFlashError('the TensorRT build needs polygraphy: pip install "dflash-export[trt]"') from None
     out = Path(out_dir)
     manifest = load_manifest(out)
+    if manifest.attention == "ort":
+        from .trt_lint import ORT_FLAVOUR
+
+        raise DFlashError(f"{out}: {ORT_FLAVOUR}")
     plan = build_plan(manifest, precision, max_context, max_prompt, workspace_gb)
     try:
         cc, gpu = gpu_info(cudart)

@@ -31,6 +31,8 @@ from ..runtime.errors import DFlashError
 from ..runtime.trt_profiles import TRT_BELOW, TRT_MIN, axis_role, profiles, resolve_limits
 
 OPS_FILE = Path(__file__).with_name("trt_ops.json")
+ORT_FLAVOUR = ("exported with --attention ort (com.microsoft GroupQueryAttention, ONNX Runtime only): TensorRT "
+               "accepts the standard flavour only; re-export with --attention standard")
 MIN_VERSION = ".".join(map(str, TRT_MIN))  # lint for the whole supported range unless told the exact version
 TYPE_NAMES = {
     onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.FLOAT16: "FP16", onnx.TensorProto.BFLOAT16: "BF16",
@@ -271,7 +273,11 @@ def lint_dir(out_dir: str | Path, manifest: Manifest | None = None, trt_version:
     manifest = manifest or load_manifest(out_dir)
     refuse_quantized(manifest)
     found = []
+    if C.flavour(manifest) == "ort":  # the standard flavour is the only TensorRT input
+        found.append(Finding(C.TARGET, "error", ORT_FLAVOUR))
     for graph in manifest.graphs:
+        if graph == C.TARGET and C.flavour(manifest) == "ort":
+            continue
         path = out_dir / GRAPH_FILES[graph]
         model = onnx.load(str(path), load_external_data=False)
         found += lint_model(model, graph, manifest, trt_version, limits)

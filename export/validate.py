@@ -2,7 +2,9 @@
 
 The lint keeps the graphs to standard ai.onnx operators: no com.microsoft or custom
 domains, no leftover onnxscript functions, so every ORT execution provider and TensorRT's
-ONNX parser take them as they are.
+ONNX parser take them as they are. The exceptions are asked for: a quantized export's
+MatMulNBits, and the "ort" attention flavour's com.microsoft GroupQueryAttention in the
+target graph (export --attention ort).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from ..runtime import contract as C
 from ..runtime.errors import DFlashError
 
 STANDARD_DOMAINS = ("", "ai.onnx")
+ORT_FLAVOUR_OPS = (("com.microsoft", "GroupQueryAttention"),)  # what the ort flavour's target may add
 
 
 def lint(model, allowed: tuple[tuple[str, str], ...] = ()) -> list[str]:
@@ -32,6 +35,28 @@ def lint(model, allowed: tuple[tuple[str, str], ...] = ()) -> list[str]:
             seen.add((node.domain, node.op_type))
             problems.append(f"operator {node.domain}::{node.op_type}")
     return problems
+
+
+def register_gqa_schema() -> None:
+    """onnx has no schema for ORT's contrib ops; the checker (and the exporter, export/gqa.py)
+    need one for GroupQueryAttention: its inputs, outputs and the two attributes we set."""
+    import onnx
+    from onnx.defs import OpSchema
+
+    try:
+        onnx.defs.get_schema("GroupQueryAttention", 1, "com.microsoft")
+        return
+    except onnx.defs.SchemaError:
+        pass
+    P = OpSchema.FormalParameter
+    ins = [P(n, "T") for n in ("query", "key", "value", "past_key", "past_value")]
+    ins += [P("seqlens_k", "M"), P("total_sequence_length", "M")]
+    outs = [P(n, "T") for n in ("output", "present_key", "present_value")]
+    onnx.defs.register_schema(OpSchema(
+        "GroupQueryAttention", "com.microsoft", 1, inputs=ins, outputs=outs,
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""), ("M", ["tensor(int32)"], "")],
+        attributes=[OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, ""),
+                    OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, "")]))
 
 
 def _nodes(graph):
@@ -68,14 +93,18 @@ def ort_session(path: Path, providers=("CPUExecutionProvider",), load_only: bool
     return ort.InferenceSession(str(path), opts, providers=list(providers))
 
 
-def validate_artifact(root: Path, dtype: str = "fp32", quantized: bool = False) -> None:
+def validate_artifact(root: Path, dtype: str = "fp32", quantized: bool = False, attention: str = "standard") -> None:
     """Every graph passes the checker and the lint and loads in ONNX Runtime (CPU).
 
-    quantized: the lint accepts ONNX Runtime's MatMulNBits (export/quantize.py), nothing else."""
+    quantized: the lint accepts ONNX Runtime's MatMulNBits (export/quantize.py); attention
+    "ort": the target may hold GroupQueryAttention (export --attention ort); nothing else."""
     from .quantize import QUANT_OPS
 
-    for f in C.GRAPH_FILES.values():
-        check_graph(root / f, QUANT_OPS if quantized else ())
+    if attention == "ort":
+        register_gqa_schema()
+    for g, f in C.GRAPH_FILES.items():
+        ort_ops = ORT_FLAVOUR_OPS if g == C.TARGET and attention == "ort" else ()
+        check_graph(root / f, (QUANT_OPS if quantized else ()) + ort_ops)
     for f in C.GRAPH_FILES.values():
         try:
             sess = ort_session(root / f, load_only=True)

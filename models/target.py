@@ -116,13 +116,18 @@ class Target(nn.Module):
             x, k, v = layer(x, cos, sin, kv, visible)
             new.append((k, v))
             outs[i] = x
-        x = self.model.norm(x)
-        # tap i = transformers' hidden_states[i + 1]: the raw output of decoder layer i, except
-        # the last layer's, which transformers reports after the final norm (the z-lab drafters
-        # read hidden_states as they are)
-        outs[len(self.model.layers) - 1] = x
+        return *self.final(outs), new
+
+    def final(self, outs: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each decoder layer's output -> (last hidden state after the final norm, taps).
+
+        Tap i = transformers' hidden_states[i + 1]: the raw output of decoder layer i, except
+        the last layer's, which transformers reports after the final norm (the z-lab drafters
+        read hidden_states as they are)."""
+        last = len(self.model.layers) - 1
+        x = outs[last] = self.model.norm(outs[last])
         taps = torch.cat([outs[i] for i in self.tap_ids], dim=-1) if self.tap_ids else x[..., :0]
-        return x, taps, new
+        return x, taps
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, tap_ids: list[int] = (), dtype: torch.dtype = torch.float32):

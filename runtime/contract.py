@@ -34,6 +34,13 @@ embedding and LM head (target + draft_block, as `SHARED_INITIALIZERS`; tied embe
 are two names over the same bytes) and the drafter weights both drafter graphs read
 (the K/V projections). Each graph's other weights are in `<graph>.data`.
 
+Attention flavours (`Manifest.attention`, `export --attention`): "standard" (the default,
+the only TensorRT input) keeps every graph in standard ai.onnx ops with a sequence-major
+cache the runtime grows by binding; "ort" exports the target with ONNX Runtime's
+com.microsoft GroupQueryAttention, whose head-major cache `[1, Hkv, max_context, D]` is
+one buffer bound as both past and present and updated in place (`TARGET_ORT`): a step's
+cost then barely grows with the context. The drafter graphs are the same in both.
+
 `runtime.json` (runtime/settings.py: measured threads, verify policy) may sit beside the
 manifest: it is the one file the hash check allows without listing it.
 """
@@ -74,7 +81,7 @@ TOKENIZER_FILES = (
 BATCH, SEQ, PAST, CTX, PAST_CTX = "batch", "seq", "past", "ctx", "past_ctx"
 DYNAMIC = {BATCH: 1, SEQ: 1, PAST: 0, CTX: 1, PAST_CTX: 0}
 # static: fixed by the manifest (`sizes`)
-BLOCK, DRAFTS, VOCAB, TAPS_WIDTH = "block", "drafts", "vocab", "taps_width"
+BLOCK, DRAFTS, VOCAB, TAPS_WIDTH, MAX_CTX = "block", "drafts", "vocab", "taps_width", "max_context"
 DRAFT_VOCAB = "draft_vocab"  # the tokens draft_block scores: the vocabulary, or N (export --draft-vocab)
 KV_HEADS, HEAD_DIM, DRAFT_KV_HEADS, DRAFT_HEAD_DIM = "kv_heads", "head_dim", "draft_kv_heads", "draft_head_dim"
 # static, hybrid targets only: the Gated DeltaNet dims (manifest.linear)
@@ -84,7 +91,7 @@ CONV_WINDOW, CONV_DIM, K_HEADS, V_HEADS, K_DIM, V_DIM = "conv_window", "conv_dim
 ATTENTION, LINEAR = "full_attention", "linear_attention"
 
 # dtypes: numpy names, plus MODEL = the export's float dtype (manifest.dtype)
-INT64, FLOAT32, MODEL = "int64", "float32", "model"
+INT64, INT32, FLOAT32, MODEL = "int64", "int32", "float32", "model"
 NUMPY_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 # -- tensor names --------------------------------------------------------------------------
@@ -92,6 +99,7 @@ INPUT_IDS, POSITION_IDS, LOGITS, NEXT_IDS, TAPS = "input_ids", "position_ids", "
 CTX_POSITION_IDS = "ctx_position_ids"
 BLOCK_IDS, BLOCK_POSITION_IDS, DRAFT_IDS, DRAFT_LOGITS = "block_ids", "block_position_ids", "draft_ids", "draft_logits"
 DRAFT_CONF = "draft_conf"  # top-1 probability per draft: what adaptive verify reads
+SEQLENS_K, TOTAL_LEN = "seqlens_k", "total_sequence_length"  # ort flavour: past + seq - 1, past + seq
 POSITIONS = (POSITION_IDS, CTX_POSITION_IDS, BLOCK_POSITION_IDS)  # each graph's position input
 
 
@@ -138,6 +146,9 @@ LINEAR_NEW = (
     Tensor("delta_u.{i}", (BATCH, SEQ, V_HEADS, V_DIM), FLOAT32, True, LINEAR),
     Tensor("delta_g.{i}", (BATCH, SEQ, V_HEADS), FLOAT32, True, LINEAR),
 )
+CACHE_KV = _kv("past", (BATCH, KV_HEADS, MAX_CTX, HEAD_DIM))  # ort flavour: the whole head-major buffer
+PRESENT_KV = _kv("present", (BATCH, KV_HEADS, MAX_CTX, HEAD_DIM))  # ... bound to the same memory as past
+ATTENTION_FLAVOURS = ("standard", "ort")  # Manifest.attention, export --attention
 
 GRAPHS: dict[str, Graph] = {
     TARGET: Graph(
@@ -173,6 +184,22 @@ GRAPHS: dict[str, Graph] = {
                  Tensor(DRAFT_CONF, (BATCH, DRAFTS), FLOAT32)),
     ),
 }
+TARGET_ORT = Graph(
+    "target.onnx", "target_layers",
+    inputs=(
+        Tensor(INPUT_IDS, (BATCH, SEQ), INT64),
+        Tensor(POSITION_IDS, (BATCH, SEQ), INT64),
+        Tensor(SEQLENS_K, (BATCH,), INT32),
+        Tensor(TOTAL_LEN, (), INT32),
+        *CACHE_KV,
+    ),
+    outputs=(
+        Tensor(LOGITS, (BATCH, SEQ, VOCAB), FLOAT32),
+        Tensor(NEXT_IDS, (BATCH, SEQ), INT64),
+        Tensor(TAPS, (BATCH, SEQ, TAPS_WIDTH), MODEL),
+        *PRESENT_KV,
+    ),
+)
 GRAPH_FILES = {g: spec.file for g, spec in GRAPHS.items()}
 ID_LOGITS = {NEXT_IDS: LOGITS, DRAFT_IDS: DRAFT_LOGITS}  # each in-graph argmax and the logits it reads
 
@@ -199,9 +226,20 @@ def layer_kinds(graph: str, m) -> list[str]:
     return [LINEAR if t == LINEAR else ATTENTION for t in types] if types else [ATTENTION] * getattr(m, g.layers)
 
 
+def flavour(m) -> str:
+    """The manifest's attention flavour ("standard" for manifests written before flavours)."""
+    return getattr(m, "attention", "standard")
+
+
+def spec(graph: str, m) -> Graph:
+    """The declared graph for this manifest's attention flavour."""
+    return TARGET_ORT if graph == TARGET and flavour(m) == "ort" else GRAPHS[graph]
+
+
 def io(graph: str, m) -> tuple[list[Tensor], list[Tensor]]:
     """(inputs, outputs) of `graph` for the manifest `m` (anything with its layer counts)."""
-    g, kinds = GRAPHS[graph], layer_kinds(graph, m)
+    g = spec(graph, m)
+    kinds = layer_kinds(graph, m)
     return _expand(g.inputs, kinds), _expand(g.outputs, kinds)
 
 
@@ -242,6 +280,7 @@ def sizes(m) -> dict[str, int]:
         TAPS_WIDTH: len(m.target_layer_ids) * m.hidden_size,
         KV_HEADS: m.target_kv_heads, HEAD_DIM: m.target_head_dim,
         DRAFT_KV_HEADS: m.draft_kv_heads, DRAFT_HEAD_DIM: m.draft_head_dim,
+        MAX_CTX: getattr(m, "max_context", None),  # the ort flavour's whole-buffer dim
         **linear_sizes(getattr(m, "linear", None)),
     }
 
@@ -378,6 +417,7 @@ class Manifest:
     shared: dict[str, SharedTensor] = field(default_factory=dict)  # initializer name -> its bytes
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
     tokenizer: bool = False
+    attention: str = "standard"  # "standard" | "ort" (see the module docstring)
     engines: dict | None = None  # TensorRT build record (export/trt_build.py), absent until built
     # weight-only quantization (export/quantize.py): {"scheme", "bits", "block_size", "symmetric", "draft",
     # "lm_head", "accuracy_level", "method", "weights": {graph: [quantized weight names]}}; None: float weights
@@ -465,6 +505,9 @@ def load_manifest(root: str | Path, verify: bool = True) -> Manifest:
         manifest = Manifest.from_dict(raw)
     except (TypeError, KeyError) as e:
         raise DFlashError(f"{path}: malformed manifest ({e}); re-export the directory") from None
+    if manifest.attention not in ATTENTION_FLAVOURS:
+        raise DFlashError(f"{path}: attention flavour {manifest.attention!r} is unknown to this dflash-export "
+                          f"(it reads {', '.join(ATTENTION_FLAVOURS)}); upgrade dflash-export or re-export the directory")
     if verify:
         verify_files(root, manifest)
     return manifest

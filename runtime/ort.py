@@ -5,7 +5,9 @@ the drafter's KV caches ([1, max_len, Hkv, D] per layer), the taps of the last t
 call, the output ids and logits. A call binds raw pointers into them through IO binding:
 the valid prefix of a cache as the `past_*` input, the slots right after it as the
 `new_*` / `ctx_*` output. ORT writes the new K/V straight into the cache; nothing is
-copied and nothing grows with the context but attention itself.
+copied and nothing grows with the context but attention itself. The "ort" attention
+flavour's target (contract.TARGET_ORT) takes its caches head-major, [1, Hkv, max_len, D],
+each bound whole as both past and present: GroupQueryAttention writes the new rows in place.
 
 The weights several graphs hold (embedding and LM head; the drafter's K/V projections)
 are memory-mapped once from shared.data, where the manifest's `shared` table says they
@@ -32,9 +34,11 @@ from .errors import DFlashError
 from .hybrid import LinearStates
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
-# TensorProto.DataType; uint8: weight-only quantized tensors (MatMulNBits, docs/quantization.md)
-ONNX_TYPE = {"float32": 1, "float16": 10, "bfloat16": 16, "int64": 7, "uint8": 2}
-STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int64": np.int64, "uint8": np.uint8}
+# TensorProto.DataType; uint8: weight-only quantized tensors (MatMulNBits, docs/quantization.md); int32: the
+# ort attention flavour's lengths (contract.TARGET_ORT)
+ONNX_TYPE = {"float32": 1, "float16": 10, "bfloat16": 16, "int64": 7, "uint8": 2, "int32": 6}
+STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int64": np.int64, "uint8": np.uint8,
+           "int32": np.int32}
 
 
 def available_providers() -> list[str]:
@@ -178,9 +182,12 @@ class OrtBackend(Backend):
                     self._specs[graph, t.name] = (output, C.dtype(t, m), dims)
         kv_type = C.dtype(C.PAST_KV[0], m)
         L, Hkv, D = m.target_layers, m.target_kv_heads, m.target_head_dim
-        self.kv = [None if m.is_linear(i) else self._alloc((1, self.max_len, Hkv, D), kv_type)
+        self.in_place = C.flavour(m) == "ort"  # head-major cache, past and present one buffer (contract.TARGET_ORT)
+        kv_shape = (1, Hkv, self.max_len, D) if self.in_place else (1, self.max_len, Hkv, D)
+        self.kv = [None if m.is_linear(i) else self._alloc(kv_shape, kv_type)
                    for i in range(L) for _ in (0, 1)]  # k0 v0 k1 v1 ... (none for linear-attention layers)
         self.states = LinearStates(m, self.max_chunk, STORAGE) if m.linear_layers else None
+        self.lengths = np.zeros(1, np.int32), np.zeros((), np.int32)  # ort flavour: seqlens_k, total_sequence_length
         self.taps = self._alloc((1, self.max_chunk, static[C.TAPS_WIDTH]), C.dtype(C.tensor(C.TARGET, C.TAPS, m), m))
         K, V = m.block_size, m.vocab_size
         self.logits = np.empty((1, K, V), np.float32)  # host: verify logits when sampling
@@ -230,6 +237,9 @@ class OrtBackend(Backend):
             # Transpose(table) + MatMul: folded, ORT keeps the transposed copy beside the packed
             # one; unfolded it fuses into FusedMatMul(transB=1), packed from the table: one copy
             kwargs["disabled_optimizers"] = ["ConstantFolding"]
+        if self._provider == PROVIDERS["tensorrt"] and C.flavour(self.manifest) == "ort":
+            raise DFlashError(f"{self.directory} was exported with --attention ort (com.microsoft "
+                              "GroupQueryAttention), which TensorRT cannot run; re-export with --attention standard")
         try:
             providers = [self._provider]
             if self._provider == PROVIDERS["tensorrt"]:  # explicit profiles + engine cache outside OUT (runtime/trt_profiles.py)
@@ -297,6 +307,11 @@ class OrtBackend(Backend):
         self.ids[0, :S] = ids
         self._bind(g, C.INPUT_IDS, self.ids, seq=S)
         self._bind(g, C.POSITION_IDS, self.positions, P, seq=S)
+        if self.in_place:  # GroupQueryAttention writes rows [P, P + S) of the buffers it reads
+            seqlens, total = self.lengths
+            seqlens[0], total[()] = P + S - 1, P + S
+            self._bind(g, C.SEQLENS_K, seqlens)
+            self._bind(g, C.TOTAL_LEN, total)
         for i in range(m.target_layers):
             if m.is_linear(i):  # committed states in, per-position outputs to commit out
                 buf = self.states.buf
@@ -306,6 +321,11 @@ class OrtBackend(Backend):
                     self._bind(g, name, buf[name], seq=S)
                 continue
             k, v = self.kv[2 * i], self.kv[2 * i + 1]
+            if self.in_place:
+                for name, buf in ((C.past_key(i), k), (C.past_value(i), v), (C.PRESENT_KV[0].at(i).name, k),
+                                  (C.PRESENT_KV[1].at(i).name, v)):
+                    self._bind(g, name, buf)
+                continue
             self._bind(g, C.past_key(i), k, past=P)
             self._bind(g, C.past_value(i), v, past=P)
             self._bind(g, C.new_key(i), k, P, seq=S)

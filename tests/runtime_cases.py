@@ -38,13 +38,19 @@ class Case:
     taps: tuple[int, ...] | None = None  # drafter's target_layer_ids (None: the z-lab default)
     sliding: int | None = None  # window of a sliding-attention drafter layer (layer 1, or 0 if alone)
     layer_types: tuple[str, ...] | None = None  # hybrid targets (qwen35): the linear/full pattern
+    attention: str = "standard"  # export --attention
 
     @property
     def name(self) -> str:
         b = f"-bias{self.bias}" if self.bias else ""
-        return f"{self.arch}-L{self.layers}-D{self.draft_layers}-K{self.block}{b}"
+        a = "-ort" if self.attention == "ort" else ""
+        return f"{self.arch}-L{self.layers}-D{self.draft_layers}-K{self.block}{b}{a}"
 
 
+ORT_CASES = {  # the "ort" attention flavour (contract.TARGET_ORT): tests/test_attention_ort.py
+    "qwen3-ort": Case("qwen3", layers=3, draft_layers=2, block=8, bias=2.0, taps=(0, 2), attention="ort"),
+    "llama-ort": Case("llama", layers=2, draft_layers=1, block=4, tie=True, seed=3, attention="ort"),
+}
 CASES = {  # taps on the target's last layer: qwen3, llama, qwen3-b16 (llama/b16 by the default rule)
     "qwen3": Case("qwen3", layers=3, draft_layers=2, block=8, bias=2.0, taps=(0, 2)),  # real acceptance
     "llama": Case("llama", layers=2, draft_layers=1, block=4, tie=True),  # tied, llama3 rope
@@ -98,7 +104,8 @@ def artifact(case: Case) -> tuple[Path, Path, Path]:
             extra = dict(layer_types=types, sliding_window=case.sliding)
         make_drafter(tmp / "d", tmp / "t", layers=case.draft_layers, block_size=case.block, seed=case.seed,
                      target_layer_ids=list(case.taps) if case.taps else None, **extra)
-        export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=case.max_context, progress=False)
+        export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=case.max_context, attention=case.attention,
+                        progress=False)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     return final / "t", final / "d", final / "out"

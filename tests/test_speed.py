@@ -260,3 +260,21 @@ def test_speed_options_errors(art):
                       (("--context", "x"), "--context must be comma-separated integers")]:
         r = run("bench", art, "--max-new-tokens", "4", *args)
         assert r.exit_code == 2 and msg in r.output and r.output.count("\n") == 1, r.output
+
+
+def test_serve_engine_uses_the_calibrated_settings(art):
+    """serve resolves threads, spinning and the verify policy as generate/bench do."""
+    from dflash_export.serve_engine import load_engine
+
+    save_settings(art, "ort:cpu", Settings(threads=1, verify=VerifyPolicy(0.2, 2)))
+    engine = load_engine(art, model="m")
+    try:
+        assert engine.verify == VerifyPolicy(0.2, 2) and engine.slots[0].backend.threads == 1
+        assert engine.slots[0].backend.spin is False
+    finally:
+        engine.close()
+    engine = load_engine(art, model="m", verify="full", threads=2, spin=True)
+    try:
+        assert engine.verify is None and engine.slots[0].backend.threads == 2 and engine.slots[0].backend.spin
+    finally:
+        engine.close()
