@@ -22,17 +22,21 @@ BENCH_MODELS = {
     # wider and with a 32k vocabulary: the LM head dominates every call on CPU
     "wide": dict(arch="qwen3", layers=6, hidden=384, heads=6, kv_heads=2, head_dim=64, intermediate=1024,
                  vocab=32000, draft_layers=2, block=16, max_context=2304),
+    # hidden 1024 (Qwen3-0.6B's width and head layout, 4 layers, small vocab): the issue's
+    # "target of hidden size >= 1024" for the attention flavours' context cost
+    "h1024": dict(arch="qwen3", layers=4, hidden=1024, heads=16, kv_heads=8, head_dim=64, intermediate=3072,
+                  vocab=4096, draft_layers=1, block=16, max_context=2304),
 }
 
 
-def bench_model(name: str = "small") -> tuple[Path, Path, Path]:
-    """(target_dir, draft_dir, exported_dir) of the named benchmark pair."""
+def bench_model(name: str = "small", attention: str = "standard") -> tuple[Path, Path, Path]:
+    """(target_dir, draft_dir, exported_dir) of the named benchmark pair (export --attention)."""
     if name not in BENCH_MODELS:
         raise SystemExit(f"unknown bench model {name!r}; choose one of {', '.join(BENCH_MODELS)}")
     p = BENCH_MODELS[name]
     key = hashlib.sha256((json.dumps(p, sort_keys=True) + source_digest()).encode()).hexdigest()[:12]
     cache = Path(os.environ.get("DFLASH_BENCH_CACHE", Path.home() / ".cache/dflash-export/bench"))
-    final = cache / f"{p['arch']}-L{p['layers']}-H{p['hidden']}-{key}"
+    final = cache / (f"{p['arch']}-L{p['layers']}-H{p['hidden']}-{key}" + ("-ort" if attention == "ort" else ""))
     if not (final / "out" / "manifest.json").is_file():
         from dflash_export.export.artifact import export_artifact
         from dflash_export.testing import make_drafter, make_target
@@ -43,7 +47,8 @@ def bench_model(name: str = "small") -> tuple[Path, Path, Path]:
         make_target(tmp / "t", p["arch"], vocab=p["vocab"], hidden=p["hidden"], layers=p["layers"], heads=p["heads"],
                     kv_heads=p["kv_heads"], head_dim=p["head_dim"], intermediate=p["intermediate"], std=0.04)
         make_drafter(tmp / "d", tmp / "t", layers=p["draft_layers"], block_size=p["block"])
-        export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=p["max_context"], progress=True)
+        export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=p["max_context"], attention=attention,
+                        progress=True)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     return final / "t", final / "d", final / "out"

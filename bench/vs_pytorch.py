@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--model", default="small", help="bench/common.py BENCH_MODELS: small | wide")
     ap.add_argument("--pair", nargs=2, metavar=("TARGET", "DRAFT"), help="bench this (trained) pair instead")
     ap.add_argument("--export", help="with --pair: this exported directory of the pair (e.g. calibrated by "
-                                     "bench --calibrate) instead of a cached export")
+                                     "bench --calibrate, or exported with --attention ort) instead of a cached export")
     ap.add_argument("--prompts-file", help="JSONL with a 'prompt' text field per line (needs the pair's tokenizer)")
     ap.add_argument("--verify", choices=("auto", "full"), default="auto",
                     help="ORT loop: auto = the policy in the export's runtime.json (bench --calibrate), else full")
