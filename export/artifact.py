@@ -299,7 +299,7 @@ def export_artifact(
         manifest.shared = shared
         del models, target, drafter
         with ui.phase("validate", "onnx.checker, shape inference, op lint, ORT load"):
-            validate_artifact(tmp, dtype, attention)
+            validate_artifact(tmp, dtype, attention=attention)
         manifest.graphs = {name: graph_spec(tmp / f) for name, f in C.GRAPH_FILES.items()}
         manifest.opset = opset_of(tmp / C.GRAPH_FILES[C.TARGET])
         manifest.tokenizer = "tokenizer.json" in tokenizer or "tokenizer.model" in tokenizer

@@ -137,3 +137,64 @@ def test_step_ms_by_context(case):
     be = OrtBackend(out, threads=1)
     ms = step_ms_by_context(be, [8, 128], repeats=3)
     assert set(ms) == {"8", "128"} and all(v > 0 for v in ms.values())
+
+
+def test_serve_engine_runs_the_flavour_with_prompt_reuse(case, monkeypatch):
+    """serve's engine over an ort-flavour export: forked slots share the sessions, each its own
+    head-major cache; a follow-up prompt reuses the cached prefix and still equals plain decoding."""
+    import queue
+
+    from dflash_export.serve_engine import Job, Params, load_engine
+
+    monkeypatch.setattr("dflash_export.serve_text.Text", lambda *args: None)  # this artifact has no tokenizer
+    _, _, out = case
+    be = OrtBackend(out, threads=1)
+    engine = load_engine(out, slots=2, model="m", threads=1, verify="full")
+    eos = tuple(be.manifest.eos_token_ids)  # the engine stops on them too
+
+    def run(prompt: list[int]):
+        events: queue.Queue = queue.Queue()
+        engine.submit(Job(Params(prompt, 16, stop_token_ids=()), emit=events.put))
+        while (ev := events.get(timeout=60))[0] != "end":
+            pass
+        return ev[2]
+
+    try:
+        for prompt in prompts(3, be.manifest.vocab_size, seed=13):
+            first = run(prompt)
+            again = run(prompt + first.tokens[:5])
+            assert again.reused >= len(prompt)  # the slot that ran `prompt` took it: its cache held the prefix
+            for p, g in ((prompt, first), (prompt + first.tokens[:5], again)):
+                assert g.tokens == generate(be, p, 16, draft=False, stop_token_ids=eos).tokens
+    finally:
+        engine.close()
+
+
+def test_quantized_ort_flavour_passes_check(case, tmp_path):
+    """quantize keeps the flavour (GroupQueryAttention next to MatMulNBits) and `check` passes."""
+    import onnx
+
+    from dflash_export.export.quantize import QuantOptions, quantize_artifact
+
+    t_dir, d_dir, out = case
+    q = tmp_path / "q"
+    quantize_artifact(out, q, QuantOptions("int8", 32, True, draft=True), progress=False)
+    m = C.load_manifest(q)
+    assert m.attention == "ort" and m.quantization["scheme"] == "int8"
+    ops = {n.op_type for n in onnx.load(str(q / C.GRAPH_FILES[C.TARGET]), load_external_data=False).graph.node}
+    assert {"GroupQueryAttention", "MatMulNBits"} <= ops
+    report = run_check(q, t_dir, d_dir, prompts=3, max_new_tokens=12, progress=False)
+    assert report.passed, report.summary()
+
+
+def test_info_shows_the_flavour(case):
+    import json
+
+    _, _, out = case
+    r = CliRunner().invoke(cli, ["info", str(out), "--no-verify"])
+    assert r.exit_code == 0 and "attention ort" in r.output and C.SEQLENS_K in r.output, r.output
+    assert "present_key.{i}" in r.output and "new_key.{i}" not in r.output
+    d = json.loads(CliRunner().invoke(cli, ["info", str(out), "--json", "--no-verify"]).output)
+    cache = next(t for t in d["graphs"][C.TARGET]["inputs"] if t["name"] == C.past_key(0))
+    m = C.load_manifest(out, verify=False)
+    assert d["attention"] == "ort" and cache["shape"] == [1, m.target_kv_heads, m.max_context, m.target_head_dim]
