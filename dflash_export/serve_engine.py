@@ -298,8 +298,9 @@ def _emit(job: Job, event: tuple) -> None:
 def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, backend: str = "ort",
                 provider: str = "cpu", threads: int | None = None, spin: bool | None = None, verify: str = "auto",
                 drafter: bool = True, chat_template: str | None = None) -> Engine:
-    """Load the model once and fork it into `slots` sequences (weights shared). Threads,
-    spinning and the verify policy resolve as in generate/bench (runtime/settings.py)."""
+    """Load the model once and fork it into `slots` sequences (weights shared). Threads (per
+    graph), spinning, the prefill chunk and the verify policy resolve as in generate/bench
+    (runtime/settings.py)."""
     from .runtime.backend import open_backend
     from .runtime.contract import load_manifest
     from .runtime.settings import device_key, resolve
@@ -312,7 +313,7 @@ def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, b
     text = Text(directory, chat_template)
     cfg = resolve(directory, load_manifest(directory, verify=False), device_key(backend, provider), threads=threads,
                   spin=spin, verify=verify)
-    kwargs = {"drafter": drafter} | ({"threads": cfg.threads, "spin": cfg.spin} if backend == "ort" else {})
+    kwargs = {"drafter": drafter} | (cfg.ort_kwargs() if backend == "ort" else {})  # per-graph threads, chunk
     first = open_backend(directory, backend, provider, **kwargs)
     if slots > 1 and not hasattr(first, "fork"):
         raise DFlashError(f"--slots {slots} needs a backend that shares its weights between sequences "
