@@ -13,8 +13,11 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PY) -m pip install -q -c constraints-cpu.txt -e ".[cpu,export,serve,dev,ray]"
 	touch $@
 
+# Two workers, one test file each at a time (module fixtures stay in one process), the
+# slowest files first (tests/conftest.py); TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 demo: setup
 	$(VENV)/bin/dflash-export demo

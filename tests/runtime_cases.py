@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -79,36 +80,66 @@ def _bias_target(directory: Path, bias: float, token: int = 7) -> None:
     model.save_pretrained(directory)
 
 
+STALE_DAYS = 2  # cache entries unused this long are removed (source edits key new ones)
+
+
+def _prune(cache: Path, keep: Path) -> None:
+    """Remove the entries nobody has used for STALE_DAYS (with their lock), and old leftovers of killed runs."""
+    cutoff = time.time() - STALE_DAYS * 86400
+    for p in cache.iterdir():
+        if not p.is_dir() or p == keep:
+            continue
+        try:
+            stale = ((p / "used") if (p / "used").exists() else p).stat().st_mtime < cutoff
+        except FileNotFoundError:  # another process removed or replaced it
+            continue
+        if stale:
+            shutil.rmtree(p, ignore_errors=True)
+            (cache / f"{p.name}.lock").unlink(missing_ok=True)
+
+
 @functools.lru_cache(maxsize=None)
 def artifact(case: Case) -> tuple[Path, Path, Path]:
-    """(target_dir, draft_dir, exported_dir) for `case`, exported once per content."""
-    from dflash_export.testing import make_drafter, make_target
+    """(target_dir, draft_dir, exported_dir) for `case`, exported once per content.
 
-    from dflash_export.export.artifact import export_artifact
+    Safe with several test processes (pytest-xdist workers, other checkouts): one file lock
+    per entry, so a case is exported by one process while the others wait for it."""
+    from filelock import FileLock
 
     cache = Path(os.environ.get("DFLASH_TEST_CACHE", Path.home() / ".cache/dflash-export/test-artifacts"))
     key = hashlib.sha256((_source_digest() + json.dumps(asdict(case), sort_keys=True)).encode()).hexdigest()[:16]
     final = cache / f"{case.name}-{key}"
-    if not (final / "out" / "manifest.json").is_file():
-        tmp = cache / f".{final.name}.{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        make_target(tmp / "t", case.arch, seed=case.seed, layers=case.layers, tie=case.tie, hidden=case.hidden,
-                    layer_types=list(case.layer_types) if case.layer_types else None)
-        if case.bias:
-            _bias_target(tmp / "t", case.bias)
-        extra = {}
-        if case.sliding:
-            types = ["full_attention"] * case.draft_layers
-            types[min(1, case.draft_layers - 1)] = "sliding_attention"
-            extra = dict(layer_types=types, sliding_window=case.sliding)
-        make_drafter(tmp / "d", tmp / "t", layers=case.draft_layers, block_size=case.block, seed=case.seed,
-                     target_layer_ids=list(case.taps) if case.taps else None, **extra)
-        export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=case.max_context, attention=case.attention,
-                        progress=False)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(cache / f"{final.name}.lock"):
+        if not (final / "out" / "manifest.json").is_file():
+            _export(case, final)
+        (final / "used").touch()  # for _prune: entries in use are kept
+    _prune(cache, final)
     return final / "t", final / "d", final / "out"
+
+
+def _export(case: Case, final: Path) -> None:
+    from dflash_export.export.artifact import export_artifact
+    from dflash_export.testing import make_drafter, make_target
+
+    tmp = final.parent / f".{final.name}.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    make_target(tmp / "t", case.arch, seed=case.seed, layers=case.layers, tie=case.tie, hidden=case.hidden,
+                layer_types=list(case.layer_types) if case.layer_types else None)
+    if case.bias:
+        _bias_target(tmp / "t", case.bias)
+    extra = {}
+    if case.sliding:
+        types = ["full_attention"] * case.draft_layers
+        types[min(1, case.draft_layers - 1)] = "sliding_attention"
+        extra = dict(layer_types=types, sliding_window=case.sliding)
+    make_drafter(tmp / "d", tmp / "t", layers=case.draft_layers, block_size=case.block, seed=case.seed,
+                 target_layer_ids=list(case.taps) if case.taps else None, **extra)
+    export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=case.max_context, attention=case.attention,
+                    progress=False)
+    shutil.rmtree(final, ignore_errors=True)  # a half-written entry of a killed run (no manifest)
+    os.replace(tmp, final)
 
 
 def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
