@@ -40,12 +40,14 @@ class Case:
     sliding: int | None = None  # window of a sliding-attention drafter layer (layer 1, or 0 if alone)
     layer_types: tuple[str, ...] | None = None  # hybrid targets (qwen35): the linear/full pattern
     attention: str = "standard"  # export --attention
+    dtype: str = "fp32"  # export --dtype
 
     @property
     def name(self) -> str:
         b = f"-bias{self.bias}" if self.bias else ""
         a = "-ort" if self.attention == "ort" else ""
-        return f"{self.arch}-L{self.layers}-D{self.draft_layers}-K{self.block}{b}{a}"
+        d = "" if self.dtype == "fp32" else f"-{self.dtype}"
+        return f"{self.arch}-L{self.layers}-D{self.draft_layers}-K{self.block}{b}{a}{d}"
 
 
 ORT_CASES = {  # the "ort" attention flavour (contract.TARGET_ORT): tests/test_attention_ort.py
@@ -57,6 +59,10 @@ CASES = {  # taps on the target's last layer: qwen3, llama, qwen3-b16 (llama/b16
     "llama": Case("llama", layers=2, draft_layers=1, block=4, tie=True),  # tied, llama3 rope
     "qwen2": Case("qwen2", layers=3, draft_layers=3, block=16, bias=1.0, seed=1, sliding=6),
     "qwen3-b16": Case("qwen3", layers=2, draft_layers=1, block=16, seed=2),
+}
+TRT_CASES = {  # 32-wide, context 64: the TensorRT lint (both) and the stand-in build (fp32-k4)
+    "fp32-k4": Case("qwen3", hidden=32, max_context=64),
+    "fp16-k8": Case("qwen3", hidden=32, max_context=64, block=8, dtype="fp16"),
 }
 
 
@@ -137,7 +143,7 @@ def _export(case: Case, final: Path) -> None:
     make_drafter(tmp / "d", tmp / "t", layers=case.draft_layers, block_size=case.block, seed=case.seed,
                  target_layer_ids=list(case.taps) if case.taps else None, **extra)
     export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=case.max_context, attention=case.attention,
-                    progress=False)
+                    dtype=case.dtype, progress=False)
     shutil.rmtree(final, ignore_errors=True)  # a half-written entry of a killed run (no manifest)
     os.replace(tmp, final)
 

@@ -7,9 +7,12 @@ copies, manifest record, timing cache reuse, refusals) end to end against the OR
 tokens. It says nothing about TensorRT itself: that is tests/test_trt_gpu.py, which needs a GPU.
 """
 
+import shutil
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from runtime_cases import TRT_CASES, artifact
 
 import trt_fake
 from dflash_export.cli import cli
@@ -23,10 +26,11 @@ PROMPTS = [[5, 17, 3, 42, 8], list(range(2, 22)), [7]]  # the second is longer t
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from dflash_export.testing import export_tiny_pair
-
+    """A copy of the cached tiny export (the build writes engines into it)."""
+    case = TRT_CASES["fp32-k4"]
+    assert (case.block, case.max_context) == (K, MC)
     root = tmp_path_factory.mktemp("trt-fake")
-    export_tiny_pair(root, K, MC)
+    shutil.copytree(artifact(case)[2], root / "out")
     return root
 
 
@@ -67,8 +71,6 @@ def test_tensorrt_10x_build_sets_strongly_typed(exported, monkeypatch, tmp_path)
     trt = trt_fake.install(monkeypatch)
     monkeypatch.setattr(trt, "__version__", "10.13.3.9")  # on 10.x the flag is what makes the build strongly typed
     out = tmp_path / "out"
-    import shutil
-
     shutil.copytree(exported / "out", out)
     r = CliRunner().invoke(cli, ["build", str(out), "--max-prompt", str(MP), "--timing-cache", str(tmp_path / "tc"),
                                  "--no-progress"])

@@ -7,6 +7,7 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto as T
 from onnx import helper
+from runtime_cases import TRT_CASES, artifact
 
 from dflash_export.cli import cli
 from dflash_export.export.trt_lint import MIN_VERSION, OPS_FILE, check, lint_model, lint_range, max_opset
@@ -126,12 +127,10 @@ def test_block_dim_must_be_static_in_block_graph():
 # -- on real exports -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[("fp32", 4), ("fp16", 8)], ids=["fp32-k4", "fp16-k8"])
-def export(request, tmp_path_factory):
-    from dflash_export.testing import export_tiny_pair
-
-    dtype, k = request.param
-    return export_tiny_pair(tmp_path_factory.mktemp(f"trt-{dtype}"), k, 64, dtype), dtype, k
+@pytest.fixture(scope="module", params=sorted(TRT_CASES))
+def export(request):
+    case = TRT_CASES[request.param]
+    return artifact(case)[2], case.dtype, case.block
 
 
 def test_lint_passes_on_exports(export):
