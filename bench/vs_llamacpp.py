@@ -243,7 +243,7 @@ def quant_variants() -> dict[str, list[str]]:
 
 
 def export(target: Path, draft: Path, key: str, max_context: int, quant: list[str] | None = None,
-           base: Path | None = None) -> Path:
+           base: Path | None = None, attention: str = "standard") -> Path:
     """`dflash-export export` through the CLI (picks up whatever main has), cached by key and sources.
     Quantized: `dflash-export quantize` of the fp32 export where that command exists, else `export --quantize`.
     base: an existing fp32 export of the same checkpoints to use (and quantize) instead of exporting."""
@@ -251,6 +251,7 @@ def export(target: Path, draft: Path, key: str, max_context: int, quant: list[st
     if fp32 and base is not None:
         return base
     what = [key, quant or [], max_context, source_digest()] + ([str(base)] if base else [])
+    what += [attention] if attention != "standard" else []  # older cache keys stay valid
     digest = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
     out = CACHE / "ours" / f"{target.parent.name}-{digest}"
     if (out / "manifest.json").is_file():
@@ -263,7 +264,7 @@ def export(target: Path, draft: Path, key: str, max_context: int, quant: list[st
         run([*cli(), "quantize", base, "--out", out, "--force", "--quiet", *quant], env=env, nice=True)
     else:
         run([*cli(), "export", "--target", target, "--draft", draft, "--out", out, "--max-context", max_context,
-             "--force", "--quiet", *(quant or [])], env=env, nice=True)
+             "--force", "--quiet", "--attention", attention, *(quant or [])], env=env, nice=True)
     return out
 
 
@@ -329,7 +330,10 @@ def compare_demo(src: Path, bins: Path, a) -> list[dict]:
     gdir = CACHE / "gguf" / "demo"
     tg, dg = convert(src, tdir, gdir / "target-f32.gguf"), convert(src, ddir, gdir / "draft-f32.gguf", tdir)
     key = hashlib.sha256((tdir / "model.safetensors").read_bytes() + (ddir / "model.safetensors").read_bytes())
-    out = export(tdir, ddir, key.hexdigest(), a.max_context)
+    out = export(tdir, ddir, key.hexdigest(), a.max_context, attention=a.attention)
+    if a.calibrate and not (out / "runtime.json").is_file():  # threads + adaptive verify, on bench's built-in prompts
+        print(f"calibrating {out}", file=sys.stderr)
+        run([*cli(), "bench", out, "--calibrate", "--max-new-tokens", a.max_new_tokens, "--json"])
     prompts = demo_prompts(a.prompts)
     tok = Tokenizer.from_file(str(tdir / "tokenizer.json"))
     work = Path(tempfile.mkdtemp(prefix="vs_llamacpp."))
@@ -358,7 +362,8 @@ def compare_demo(src: Path, bins: Path, a) -> list[dict]:
             },
             "ours": {
                 "plain_tok_s": ob["tokens_per_second"]["autoregressive"], "spec_tok_s": ob["tokens_per_second"]["speculative"],
-                "tau": ob["tau"], "ms_per_call": ob["ms_per_call"], "rss_mb": ob["rss_mb"], "file_mb": dir_mb(out),
+                "tau": ob["tau"], "mean_verify_len": ob.get("mean_verify_len"), "ms_per_call": ob["ms_per_call"],
+                "rss_mb": ob["rss_mb"], "file_mb": dir_mb(out),
                 "lossless": ob["lossless"],
             },
             "prompt_tokens_identical": tok_same,
@@ -466,6 +471,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28, help="depth of the Qwen3-0.6B shape (28 = the real one)")
     ap.add_argument("--max-context", type=int, default=2048, help="KV capacity, both sides (llama -c)")
     ap.add_argument("--n-max", type=int, default=15, help="llama.cpp --spec-draft-n-max (DFlash block 16 = 15 drafts)")
+    ap.add_argument("--attention", default="standard", choices=["standard", "ort"],
+                    help="demo: our export's attention flavour (export --attention)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="demo: `bench --calibrate` our export once (runtime.json: adaptive verify, on bench's "
+                         "built-in prompts, not the measured ones); without it ours verifies the full block")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     a.threads = [int(x) for x in a.threads.split(",")]
@@ -481,7 +491,8 @@ def main() -> None:
         rows += compare_06b(src, bins, a)
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     meta = {"llamacpp": f"{llama_commit()} (llama-cpp-python {VERSION} sdist)", "ours": head.strip(),
-            "max_new_tokens": a.max_new_tokens, "threads": a.threads, "cpu_count": os.cpu_count()}
+            "max_new_tokens": a.max_new_tokens, "threads": a.threads, "cpu_count": os.cpu_count(),
+            "attention": a.attention, "calibrated": a.calibrate, "loadavg": os.getloadavg()}
     gl = goals(rows)
     if a.json:
         print(json.dumps({"meta": meta, "rows": rows, "goals": gl}))

@@ -287,7 +287,7 @@ def export_artifact(
 
                 drafter.set_draft_vocab(torch.from_numpy(vocab_ids), target.lm_head.weight)
         with ui.phase("trace", f"3 graphs, block size {k} (torch.onnx dynamo)"):
-            models = {g: trace(g, wrapper(g, target, drafter, attention), manifest, tdtype, opset) for g in C.GRAPHS}
+            models = {g: trace(g, wrapper(g, target, drafter, attention, manifest.max_context), manifest, tdtype, opset) for g in C.GRAPHS}
             for model in models.values():
                 fold_shape_constants(model)
                 rename_initializers(model, tc.tie_word_embeddings)

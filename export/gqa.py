@@ -1,10 +1,15 @@
-"""The ORT attention flavour's one non-standard op: com.microsoft GroupQueryAttention.
+"""The ORT attention flavour's non-standard ops: com.microsoft GroupQueryAttention (with the
+rotary embedding inside) and SkipSimplifiedLayerNormalization (residual add + RMSNorm).
 
-`gqa` is a torch custom op that torch.onnx.export turns into one GroupQueryAttention node
-(`TRANSLATION`). Its eager implementation is the reference the `check` compares ONNX
-Runtime against: the new K/V written into a copy of the head-major cache at
-[total - seq, total), then the model's own `attend` over [0, total), causal. ONNX Runtime
-writes the same rows in place when past and present are bound to one buffer (runtime/ort.py).
+Each is a torch custom op that torch.onnx.export turns into one node (`TRANSLATION`). The
+eager implementations are the references `check` compares ONNX Runtime against, written
+with the model's own functions (`attend`, `apply_rope`, RMSNorm's arithmetic):
+- `gqa`: q/k rotated at their absolute positions [total - seq, total) by rows of the
+  cos/sin caches (when given), the new K/V written into a copy of the head-major cache at
+  those rows, then `attend` over [0, total), causal. ONNX Runtime writes the same rows in
+  place when past and present are bound to one buffer (runtime/ort.py).
+- `skip_rms`: (rms_norm(x + y) * weight, x + y), the second output being the residual stream.
+Fewer, larger nodes matter on CPU: ONNX Runtime's cost per node dominates a small model's step.
 """
 
 from __future__ import annotations
@@ -12,37 +17,64 @@ from __future__ import annotations
 import torch
 from onnxscript import values
 
-from ..models.layers import attend
-from .validate import register_gqa_schema
+from ..models.layers import apply_rope, attend
+from .validate import register_ort_schemas
 
 
 @torch.library.custom_op("dflash::gqa", mutates_args=())
 def gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
-        seqlens_k: torch.Tensor, total: torch.Tensor, num_heads: int, kv_heads: int
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [1,S,H*D], k/v [1,S,Hkv*D], past [1,Hkv,max,D] -> out [1,S,H*D], present [1,Hkv,max,D]."""
+        seqlens_k: torch.Tensor, total: torch.Tensor, cos_cache: torch.Tensor | None, sin_cache: torch.Tensor | None,
+        num_heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [1,S,H*D], k/v [1,S,Hkv*D], past [1,Hkv,max,D], cos/sin [max,D/2] or None (q/k
+    already rotated) -> out [1,S,H*D], present [1,Hkv,max,D]."""
     b, s, _ = q.shape
     d, end = past_k.shape[-1], int(total)
     start = end - s
+    q, k = q.view(b, s, num_heads, d), k.view(b, s, kv_heads, d)
+    if cos_cache is not None:
+        cos, sin = (torch.cat([c[start:end], c[start:end]], -1)[None] for c in (cos_cache, sin_cache))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     pk, pv = past_k.clone(), past_v.clone()
-    pk[:, :, start:end] = k.view(b, s, kv_heads, d).transpose(1, 2)
+    pk[:, :, start:end] = k.transpose(1, 2)
     pv[:, :, start:end] = v.view(b, s, kv_heads, d).transpose(1, 2)
     visible = torch.arange(end)[None, :] <= (start + torch.arange(s))[:, None]
-    out = attend(q.view(b, s, num_heads, d), pk[:, :, :end].transpose(1, 2), pv[:, :, :end].transpose(1, 2), visible)
+    out = attend(q, pk[:, :, :end].transpose(1, 2), pv[:, :, :end].transpose(1, 2), visible)
     return out, pk, pv
 
 
 @gqa.register_fake
-def _(q, k, v, past_k, past_v, seqlens_k, total, num_heads, kv_heads):
+def _(q, k, v, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, num_heads, kv_heads):
     return q.new_empty(q.shape), past_k.new_empty(past_k.shape), past_v.new_empty(past_v.shape)
 
 
-register_gqa_schema()
+@torch.library.custom_op("dflash::skip_rms", mutates_args=())
+def skip_rms(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + y -> (RMSNorm(x + y), x + y), with models.layers.RMSNorm's arithmetic."""
+    s = x + y
+    h = s.float()
+    h = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(s.dtype), s
+
+
+@skip_rms.register_fake
+def _(x, y, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+register_ort_schemas()
 _msft = values.Opset("com.microsoft", 1)
 
 
-def _gqa_onnx(q, k, v, past_k, past_v, seqlens_k, total, num_heads: int, kv_heads: int):
-    return _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, num_heads=num_heads, kv_num_heads=kv_heads)
+def _gqa_onnx(q, k, v, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, num_heads: int, kv_heads: int):
+    if cos_cache is None:
+        return _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, num_heads=num_heads, kv_num_heads=kv_heads)
+    return _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, cos_cache, sin_cache,
+                                     num_heads=num_heads, kv_num_heads=kv_heads, do_rotary=1)
 
 
-TRANSLATION = {torch.ops.dflash.gqa.default: _gqa_onnx}
+def _skip_rms_onnx(x, y, weight, eps: float):
+    out, _, _, s = _msft.SkipSimplifiedLayerNormalization(x, y, weight, epsilon=eps)
+    return out, s
+
+
+TRANSLATION = {torch.ops.dflash.gqa.default: _gqa_onnx, torch.ops.dflash.skip_rms.default: _skip_rms_onnx}

@@ -40,34 +40,73 @@ class TargetGraph(nn.Module):
         return (logits, logits.argmax(-1), taps, *_flat(new))
 
 
-class TargetOrtGraph(nn.Module):
-    """The "ort" flavour of the target graph (contract.TARGET_ORT): the same decoder, with each
-    layer's attention one GroupQueryAttention over a head-major cache it updates in place.
-    Llama / Qwen2 / Qwen3 decoder layers only (the hybrid targets keep the standard graph)."""
+def _packed(*linears: nn.Linear) -> nn.Linear:
+    """One Linear computing several side by side (weights concatenated along the outputs)."""
+    w = torch.cat([lin.weight.detach() for lin in linears])
+    bias = [lin.bias for lin in linears]
+    out = nn.Linear(w.shape[1], w.shape[0], bias=bias[0] is not None, device="meta")
+    out.weight = nn.Parameter(w, requires_grad=False)
+    if bias[0] is not None:
+        out.bias = nn.Parameter(torch.cat([b.detach() for b in bias]), requires_grad=False)
+    return out
 
-    def __init__(self, target):
+
+class TargetOrtGraph(nn.Module):
+    """The "ort" flavour of the target graph (contract.TARGET_ORT): the same decoder in fewer,
+    larger nodes, since ONNX Runtime's per-node cost dominates a small model's step on CPU.
+    Per layer: one MatMul for q/k/v and one for gate/up (weights concatenated here), one
+    GroupQueryAttention over a head-major cache it updates in place, rotating q/k itself
+    from cos/sin tables of max_context rows (head dims that are multiples of 16, as it
+    requires; others rotate in the graph), and SkipSimplifiedLayerNormalization for each
+    residual add + the next RMSNorm. Llama / Qwen2 / Qwen3 decoder layers only (the hybrid
+    targets keep the standard graph); position_ids is unused when GQA rotates (the runtime
+    feeds positions equal to the cache rows, which is what GQA assumes)."""
+
+    def __init__(self, target, max_context: int):
         super().__init__()
         self.target = target
+        layers = target.model.layers
+        self.qkv = nn.ModuleList(_packed(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in layers)
+        self.gate_up = nn.ModuleList(_packed(l.mlp.gate_proj, l.mlp.up_proj) for l in layers)
+        d, dtype = layers[0].self_attn.d, target.model.embed_tokens.weight.dtype
+        self.rotary = d % 16 == 0
+        if self.rotary:  # the same products as rope_cos_sin, one row per position
+            freqs = torch.arange(max_context).float()[:, None] * target.inv_freq.float()[None]
+            self.register_buffer("cos_cache", freqs.cos().to(dtype), persistent=False)
+            self.register_buffer("sin_cache", freqs.sin().to(dtype), persistent=False)
 
     def forward(self, input_ids, position_ids, seqlens_k, total, *cache):
-        from ..models.layers import rope_cos_sin
-        from .gqa import gqa
+        from ..models.layers import apply_rope, rope_cos_sin
+        from .gqa import gqa, skip_rms
 
         t, (b, s) = self.target, input_ids.shape
+        layers = t.model.layers
         x = t.embed(input_ids)
-        cos, sin = rope_cos_sin(position_ids, t.inv_freq, x.dtype)
+        if not self.rotary:
+            cos, sin = rope_cos_sin(position_ids, t.inv_freq, x.dtype)
+        h = layers[0].input_layernorm(x)
         outs, present = {}, []
-        for i, layer in enumerate(t.model.layers):
+        for i, layer in enumerate(layers):
             a = layer.self_attn
-            q, k, v = a.qkv(layer.input_layernorm(x), cos, sin)
-            o, pk, pv = gqa(q.reshape(b, s, -1), k.reshape(b, s, -1), v.reshape(b, s, -1), cache[2 * i],
-                            cache[2 * i + 1], seqlens_k, total, a.h, a.hkv)
-            x = x + a.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            q, k, v = self.qkv[i](h).split([a.h * a.d, a.hkv * a.d, a.hkv * a.d], -1)
+            q, k = q.reshape(b, s, a.h, a.d), k.reshape(b, s, a.hkv, a.d)
+            if a.qk_norm:
+                q, k = a.q_norm(q), a.k_norm(k)
+            if not self.rotary:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            rot = (self.cos_cache, self.sin_cache) if self.rotary else (None, None)
+            o, pk, pv = gqa(q.reshape(b, s, -1), k.reshape(b, s, -1), v, cache[2 * i], cache[2 * i + 1],
+                            seqlens_k, total, *rot, a.h, a.hkv)
+            norm = layer.post_attention_layernorm
+            h, x = skip_rms(x, a.o_proj(o), norm.weight, norm.eps)
+            gate, up = self.gate_up[i](h).chunk(2, -1)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else t.model.norm
+            h, x = skip_rms(x, layer.mlp.down_proj(torch.nn.functional.silu(gate) * up), norm.weight, norm.eps)
             present += [pk, pv]
             outs[i] = x
-        x, taps = t.final(outs)
-        logits = t.logits(x)
+        outs[len(layers) - 1] = h  # as Target.final: the last layer's tap is after the final norm
+        taps = torch.cat([outs[i] for i in t.tap_ids], dim=-1) if t.tap_ids else h[..., :0]
+        logits = t.logits(h)
         return (logits, logits.argmax(-1), taps, *present)
 
 
@@ -156,8 +195,8 @@ def trace_inputs(graph: str, m, dtype: torch.dtype):
     return tuple(args), nested
 
 
-def wrapper(graph: str, target, drafter, attention: str = "standard") -> nn.Module:
+def wrapper(graph: str, target, drafter, attention: str = "standard", max_context: int = 0) -> nn.Module:
     if graph == C.TARGET and attention == "ort":
-        return TargetOrtGraph(target)
+        return TargetOrtGraph(target, max_context)
     return {C.TARGET: lambda: TargetGraph(target), C.DRAFT_CONTEXT: lambda: DraftContextGraph(drafter),
             C.DRAFT_BLOCK: lambda: DraftBlockGraph(drafter, target)}[graph]()

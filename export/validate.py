@@ -3,8 +3,8 @@
 The lint keeps the graphs to standard ai.onnx operators: no com.microsoft or custom
 domains, no leftover onnxscript functions, so every ORT execution provider and TensorRT's
 ONNX parser take them as they are. The exceptions are asked for: a quantized export's
-MatMulNBits, and the "ort" attention flavour's com.microsoft GroupQueryAttention in the
-target graph (export --attention ort).
+MatMulNBits, and the "ort" attention flavour's com.microsoft GroupQueryAttention and
+SkipSimplifiedLayerNormalization in the target graph (export --attention ort).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ..runtime import contract as C
 from ..runtime.errors import DFlashError
 
 STANDARD_DOMAINS = ("", "ai.onnx")
-ORT_FLAVOUR_OPS = (("com.microsoft", "GroupQueryAttention"),)  # what the ort flavour's target may add
+ORT_FLAVOUR_OPS = (("com.microsoft", "GroupQueryAttention"), ("com.microsoft", "SkipSimplifiedLayerNormalization"))  # the ort flavour's target
 
 
 def lint(model, allowed: tuple[tuple[str, str], ...] = ()) -> list[str]:
@@ -37,26 +37,35 @@ def lint(model, allowed: tuple[tuple[str, str], ...] = ()) -> list[str]:
     return problems
 
 
-def register_gqa_schema() -> None:
-    """onnx has no schema for ORT's contrib ops; the checker (and the exporter, export/gqa.py)
-    need one for GroupQueryAttention: its inputs, outputs and the two attributes we set."""
+def register_ort_schemas() -> None:
+    """onnx has no schemas for ORT's contrib ops; the checker (and the exporter, export/gqa.py)
+    need them for the two the ort flavour emits: their inputs, outputs and the attributes we set."""
     import onnx
     from onnx.defs import OpSchema
 
-    try:
-        onnx.defs.get_schema("GroupQueryAttention", 1, "com.microsoft")
-        return
-    except onnx.defs.SchemaError:
-        pass
-    P = OpSchema.FormalParameter
-    ins = [P(n, "T") for n in ("query", "key", "value", "past_key", "past_value")]
-    ins += [P("seqlens_k", "M"), P("total_sequence_length", "M")]
-    outs = [P(n, "T") for n in ("output", "present_key", "present_value")]
-    onnx.defs.register_schema(OpSchema(
-        "GroupQueryAttention", "com.microsoft", 1, inputs=ins, outputs=outs,
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""), ("M", ["tensor(int32)"], "")],
-        attributes=[OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, ""),
-                    OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, "")]))
+    P, opt = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
+    T = ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")
+    ints = lambda *names: [OpSchema.Attribute(n, OpSchema.AttrType.INT, "") for n in names]  # noqa: E731
+    schemas = {
+        "GroupQueryAttention": dict(
+            inputs=[P(n, "T") for n in ("query", "key", "value", "past_key", "past_value")]
+            + [P("seqlens_k", "M"), P("total_sequence_length", "M"), P("cos_cache", "T", param_option=opt),
+               P("sin_cache", "T", param_option=opt)],
+            outputs=[P(n, "T") for n in ("output", "present_key", "present_value")],
+            type_constraints=[T, ("M", ["tensor(int32)"], "")],
+            attributes=ints("num_heads", "kv_num_heads", "do_rotary")),
+        "SkipSimplifiedLayerNormalization": dict(
+            inputs=[P(n, "T") for n in ("input", "skip", "gamma")],
+            outputs=[P("output", "T"), P("mean", "U", param_option=opt), P("inv_std_var", "U", param_option=opt),
+                     P("input_skip_bias_sum", "T", param_option=opt)],
+            type_constraints=[T, ("U", ["tensor(float)"], "")],
+            attributes=[OpSchema.Attribute("epsilon", OpSchema.AttrType.FLOAT, "")]),
+    }
+    for name, kw in schemas.items():
+        try:
+            onnx.defs.get_schema(name, 1, "com.microsoft")
+        except onnx.defs.SchemaError:
+            onnx.defs.register_schema(OpSchema(name, "com.microsoft", 1, **kw))
 
 
 def _nodes(graph):
@@ -101,7 +110,7 @@ def validate_artifact(root: Path, dtype: str = "fp32", quantized: bool = False, 
     from .quantize import QUANT_OPS
 
     if attention == "ort":
-        register_gqa_schema()
+        register_ort_schemas()
     for g, f in C.GRAPH_FILES.items():
         ort_ops = ORT_FLAVOUR_OPS if g == C.TARGET and attention == "ort" else ()
         check_graph(root / f, (QUANT_OPS if quantized else ()) + ort_ops)
