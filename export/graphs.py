@@ -40,35 +40,23 @@ class TargetGraph(nn.Module):
         return (logits, logits.argmax(-1), taps, *_flat(new))
 
 
-def _packed(*linears: nn.Linear) -> nn.Linear:
-    """One Linear computing several side by side (weights concatenated along the outputs)."""
-    w = torch.cat([lin.weight.detach() for lin in linears])
-    bias = [lin.bias for lin in linears]
-    out = nn.Linear(w.shape[1], w.shape[0], bias=bias[0] is not None, device="meta")
-    out.weight = nn.Parameter(w, requires_grad=False)
-    if bias[0] is not None:
-        out.bias = nn.Parameter(torch.cat([b.detach() for b in bias]), requires_grad=False)
-    return out
-
-
 class TargetOrtGraph(nn.Module):
-    """The "ort" flavour of the target graph (contract.TARGET_ORT): the same decoder in fewer,
-    larger nodes, since ONNX Runtime's per-node cost dominates a small model's step on CPU.
-    Per layer: one MatMul for q/k/v and one for gate/up (weights concatenated here), one
-    GroupQueryAttention over a head-major cache it updates in place, rotating q/k itself
-    from cos/sin tables of max_context rows (head dims that are multiples of 16, as it
-    requires; others rotate in the graph), and SkipSimplifiedLayerNormalization for each
-    residual add + the next RMSNorm. Llama / Qwen2 / Qwen3 decoder layers only (the hybrid
-    targets keep the standard graph); position_ids is unused when GQA rotates (the runtime
-    feeds positions equal to the cache rows, which is what GQA assumes)."""
+    """The "ort" flavour of the target graph (contract.TARGET_ORT): the same decoder in fewer
+    nodes (ONNX Runtime pays a fixed cost per node). Per layer: one GroupQueryAttention over
+    a head-major cache it updates in place, rotating q/k itself from cos/sin tables of
+    max_context rows (head dims that are multiples of 16, as it requires; others rotate in
+    the graph), and SkipSimplifiedLayerNormalization for each residual add + the next
+    RMSNorm. Packing q/k/v and gate/up into one MatMul each was measured too and gave
+    nothing on CPU (docs/speed.md), so the weights stay as they are. Llama / Qwen2 / Qwen3
+    decoder layers only (the hybrid targets keep the standard graph). position_ids is
+    unused when GQA rotates: the runtime feeds positions equal to the cache rows, which is
+    what GQA assumes.
+    """
 
     def __init__(self, target, max_context: int):
         super().__init__()
         self.target = target
-        layers = target.model.layers
-        self.qkv = nn.ModuleList(_packed(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in layers)
-        self.gate_up = nn.ModuleList(_packed(l.mlp.gate_proj, l.mlp.up_proj) for l in layers)
-        d, dtype = layers[0].self_attn.d, target.model.embed_tokens.weight.dtype
+        d, dtype = target.model.layers[0].self_attn.d, target.model.embed_tokens.weight.dtype
         self.rotary = d % 16 == 0
         if self.rotary:  # the same products as rope_cos_sin, one row per position
             freqs = torch.arange(max_context).float()[:, None] * target.inv_freq.float()[None]
@@ -88,8 +76,7 @@ class TargetOrtGraph(nn.Module):
         outs, present = {}, []
         for i, layer in enumerate(layers):
             a = layer.self_attn
-            q, k, v = self.qkv[i](h).split([a.h * a.d, a.hkv * a.d, a.hkv * a.d], -1)
-            q, k = q.reshape(b, s, a.h, a.d), k.reshape(b, s, a.hkv, a.d)
+            q, k, v = a.q_proj(h).view(b, s, a.h, a.d), a.k_proj(h).view(b, s, a.hkv, a.d), a.v_proj(h)
             if a.qk_norm:
                 q, k = a.q_norm(q), a.k_norm(k)
             if not self.rotary:
@@ -99,9 +86,8 @@ class TargetOrtGraph(nn.Module):
                             seqlens_k, total, *rot, a.h, a.hkv)
             norm = layer.post_attention_layernorm
             h, x = skip_rms(x, a.o_proj(o), norm.weight, norm.eps)
-            gate, up = self.gate_up[i](h).chunk(2, -1)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else t.model.norm
-            h, x = skip_rms(x, layer.mlp.down_proj(torch.nn.functional.silu(gate) * up), norm.weight, norm.eps)
+            h, x = skip_rms(x, layer.mlp(h), norm.weight, norm.eps)
             present += [pk, pv]
             outs[i] = x
         outs[len(layers) - 1] = h  # as Target.final: the last layer's tap is after the final norm

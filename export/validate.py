@@ -45,7 +45,8 @@ def register_ort_schemas() -> None:
 
     P, opt = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
     T = ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")
-    ints = lambda *names: [OpSchema.Attribute(n, OpSchema.AttrType.INT, "") for n in names]  # noqa: E731
+    ints = lambda *names, required=True: [OpSchema.Attribute(n, OpSchema.AttrType.INT, "", required=required)  # noqa: E731
+                                          for n in names]
     schemas = {
         "GroupQueryAttention": dict(
             inputs=[P(n, "T") for n in ("query", "key", "value", "past_key", "past_value")]
@@ -53,7 +54,7 @@ def register_ort_schemas() -> None:
                P("sin_cache", "T", param_option=opt)],
             outputs=[P(n, "T") for n in ("output", "present_key", "present_value")],
             type_constraints=[T, ("M", ["tensor(int32)"], "")],
-            attributes=ints("num_heads", "kv_num_heads", "do_rotary")),
+            attributes=ints("num_heads", "kv_num_heads") + ints("do_rotary", required=False)),
         "SkipSimplifiedLayerNormalization": dict(
             inputs=[P(n, "T") for n in ("input", "skip", "gamma")],
             outputs=[P("output", "T"), P("mean", "U", param_option=opt), P("inv_std_var", "U", param_option=opt),

@@ -35,6 +35,12 @@ def test_manifest_and_graph_say_the_flavour(case):
     model = onnx.load(str(out / C.GRAPH_FILES[C.TARGET]), load_external_data=False)
     ops = {(n.domain, n.op_type) for n in model.graph.node}
     assert ("com.microsoft", "GroupQueryAttention") in ops
+    # residual add + RMSNorm as one node, twice per layer; rotary inside GQA where the head dim allows
+    assert sum(n.op_type == "SkipSimplifiedLayerNormalization" for n in model.graph.node) == 2 * m.target_layers
+    gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    rotary = m.target_head_dim % 16 == 0
+    assert all(any(a.name == "do_rotary" and a.i == 1 for a in n.attribute) == rotary for n in gqa)
+    assert all((len(n.input) == 9) == rotary for n in gqa)  # + cos_cache, sin_cache
     assert [i.name for i in model.graph.input][:4] == [C.INPUT_IDS, C.POSITION_IDS, C.SEQLENS_K, C.TOTAL_LEN]
     cache = next(i for i in m.graphs[C.TARGET].inputs if i.name == C.past_key(0))
     assert cache.shape[1:] == [m.target_kv_heads, m.max_context, m.target_head_dim]  # head-major, whole buffer
