@@ -9,8 +9,12 @@ interleaved, reporting each one's context cost (step at the longest context minu
 the shortest) and the ort / standard ratio of those costs (the issue's goal: <= 0.5, with
 the ort step at 2048 <= 1.2x its step at 128, on a target of hidden size >= 1024: --model h1024).
 
+`--dirs A,B,...` measures existing exports instead (e.g. the same pair exported by two
+versions of the exporter); every report also gives each target graph's node count, as
+exported and after ONNX Runtime's own optimizations (ORT_ENABLE_ALL, what a session runs).
+
     python bench/context_scaling.py [--contexts 128,2048] [--repeats 30] [--passes 6] [--threads 1]
-        [--model small|wide|h1024] [--attention standard|ort|standard,ort] [--profile] [--json]
+        [--model small|wide|h1024] [--attention standard|ort|standard,ort] [--dirs A,B] [--profile] [--json]
 """
 
 from __future__ import annotations
@@ -54,6 +58,25 @@ def time_calls(be: OrtBackend, P: int, repeats: int) -> dict[str, float]:
             ts.append(time.perf_counter() - t)
         out[name] = statistics.median(ts) * 1e3
     return out
+
+
+def node_counts(out: Path) -> dict[str, int]:
+    """Nodes of the target graph as exported and as ONNX Runtime runs it (ORT_ENABLE_ALL)."""
+    import tempfile
+
+    import onnx
+    import onnxruntime as ort
+
+    from dflash_export.runtime import contract as C
+
+    path = out / C.GRAPH_FILES[C.TARGET]
+    with tempfile.TemporaryDirectory() as tmp:
+        opts = ort.SessionOptions()
+        opts.log_severity_level, opts.optimized_model_filepath = 3, f"{tmp}/t.onnx"
+        opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", "t.data")
+        ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        optimized = len(onnx.load(f"{tmp}/t.onnx", load_external_data=False).graph.node)
+    return {"exported": len(onnx.load(str(path), load_external_data=False).graph.node), "ort_optimized": optimized}
 
 
 def op_profile(out: Path, P: int, threads: int, runs: int = 30) -> dict[str, float]:
@@ -104,11 +127,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="ORT intra-op threads")
     ap.add_argument("--model", default="small", help="bench/common.py BENCH_MODELS: small | wide")
     ap.add_argument("--attention", default="standard", help="export flavour(s), comma-separated: standard, ort")
+    ap.add_argument("--dirs", default=None, help="comma-separated export directories to measure instead of --model")
     ap.add_argument("--profile", action="store_true", help="also print each flavour's kernel ms per step by op type")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    flavours = a.attention.split(",")
-    outs = {f: bench_model(a.model, f)[2] for f in flavours}
+    if a.dirs:
+        outs = {d: Path(d) for d in a.dirs.split(",")}
+        flavours = list(outs)
+    else:
+        flavours = a.attention.split(",")
+        outs = {f: bench_model(a.model, f)[2] for f in flavours}
     bes = {f: OrtBackend(out, threads=a.threads) for f, out in outs.items()}
     m = next(iter(bes.values())).manifest
     contexts = [int(c) for c in a.contexts.split(",")]
@@ -126,6 +154,8 @@ def main() -> None:
                  f"/{m.target_kv_heads}, vocab {m.vocab_size}, {m.draft_layers}-layer drafter, block {m.block_size}",
         "provider": next(iter(bes.values())).provider,
         "threads": a.threads,
+        "loadavg": os.getloadavg(),
+        "target_nodes": {f: node_counts(out) for f, out in outs.items()},
         "ms": rows,
         "ratio": {f: {k: r[hi][k] / r[lo][k] for k in r[lo]} for f, r in rows.items()},
         "context_cost_ms": {f: {k: r[hi][k] - r[lo][k] for k in r[lo]} for f, r in rows.items()},
@@ -138,7 +168,9 @@ def main() -> None:
     if a.json:
         print(json.dumps(report))
         return
-    print(report["model"], "|", report["provider"], f"| {a.threads} thread(s)")
+    print(report["model"], "|", report["provider"], f"| {a.threads} thread(s) | load {report['loadavg'][0]:.1f}")
+    for f, n in report["target_nodes"].items():
+        print(f"[{f}] target nodes: {n['exported']} exported, {n['ort_optimized']} after ORT's optimizations")
     for f in flavours:
         print(f"[{f}] {'context':>8} " + " ".join(f"{k + ' ms':>10}" for k in rows[f][lo]))
         for P, r in rows[f].items():
