@@ -267,9 +267,11 @@ class Engine:
                 elif p.speculative:
                     mt.round(len(new), k)
                 delta = job.text.push(new) if job.text is not None else ""
-                _emit(job, ("round", new, delta))
-                if job.text is not None and job.text.stopped:
+                if job.text is not None and job.text.stopped:  # a stop string: not the round's tokens after it
+                    new = new[: len(new) - len(g.tokens) + len(job.text.tokens)]
                     finish = "stop"
+                _emit(job, ("round", new, delta))
+                if finish == "stop":
                     break
                 if job.cancelled.is_set():
                     finish = "cancelled"
@@ -279,6 +281,8 @@ class Engine:
         finally:
             rounds.close()
             slot.seq = (p.prompt + g.tokens)[: b.target_len]
+        if job.text is not None and job.text.stopped:  # usage, timings, metrics: the kept tokens
+            del g.tokens[len(job.text.tokens):]
         tail = job.text.finish() if job.text is not None else ""
         mt.prompt_tokens.labels(**mt.labels).inc(len(p.prompt))
         mt.cached_tokens.labels(**mt.labels).inc(g.reused)

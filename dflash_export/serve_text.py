@@ -7,7 +7,9 @@ Chat templates are Jinja rendered in a sandbox, as transformers renders them
 `TextStream` turns the tokens of each accepted round into the text to send now. It decodes
 the whole completion every time (so merged tokens and byte-level pieces are joined as the
 tokenizer joins them) and holds back the tail that is an incomplete UTF-8 sequence (the
-decoder shows it as U+FFFD) or that may still be the start of a stop string.
+decoder shows it as U+FFFD) or that may still be the start of a stop string. At a stop string
+it keeps only the tokens up to the one that completes it, so the engine can report those
+(token ids, usage) and not the rest of the round.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class TextStream:
     def __init__(self, decode, stop: list[str] | tuple[str, ...] = ()):
         self.decode = decode
         self.stop = [s for s in stop if s]
-        self.tokens: list[int] = []
+        self.tokens: list[int] = []  # the completion's tokens (up to a stop string's last one)
         self.text = ""  # the completion's text so far (cut at a stop string once one is found)
         self.sent = 0  # characters of `text` already handed out
         self.stopped = False  # a stop string was found
@@ -109,9 +111,10 @@ class TextStream:
             return ""
         self.tokens += tokens
         text = self.decode(self.tokens)
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            self.stopped, self.text = True, text[: min(hits)]
+        if self._hit(text) is not None:  # keep the tokens up to the one that completes it (as vLLM)
+            n = next(n for n in range(len(self.tokens) - len(tokens) + 1, len(self.tokens) + 1)
+                     if self._hit(text := self.decode(self.tokens[:n])) is not None)
+            self.stopped, self.tokens, self.text = True, self.tokens[:n], text[: self._hit(text)]
             return self._take(len(self.text))
         self.text = text
         end = len(text)
@@ -119,6 +122,10 @@ class TextStream:
             end -= 1
         held = max((k for s in self.stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
         return self._take(max(self.sent, end - held))
+
+    def _hit(self, text: str) -> int | None:
+        """Where the first stop string in `text` starts."""
+        return min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=None)
 
     def finish(self) -> str:
         """Whatever was held back, at the end of the completion."""

@@ -196,27 +196,39 @@ def test_completions_equal_generate(server, offline, tok):
 
 def test_sampling_is_seeded_and_stop_strings_never_leak(server, offline, tok):
     """temperature > 0 with a seed draws what the loop draws; a stop string found across chunk
-    boundaries ends the text before it, streamed or not."""
+    boundaries ends the text before it, streamed or not; token ids and usage end with the token
+    that completes it, though its round accepted more (as vLLM)."""
     client = server.client()
     ids = tok.encode("abc").ids
     want = offline(ids, 120, temperature=1.0, seed=0)
     full = decode(tok, want.tokens)
     r = client.completions.create(model="tiny-chat", prompt="abc", max_tokens=120, temperature=1.0, seed=0)
     assert r.choices[0].model_extra["token_ids"] == want.tokens and r.choices[0].text == full
-    at = next(i for i in range(8, len(full) - 3) if full.find(full[i:i + 3]) == i and "<" not in full[:i + 3])
+    ends = set(itertools.accumulate(want.acceptance_lengths, initial=1))  # token counts at round ends
+
+    def kept(stop):  # the tokens up to the one that completes the stop string
+        return next(n for n in range(len(want.tokens) + 1) if stop in decode(tok, want.tokens[:n]))
+
+    at = next(i for i in range(8, len(full) - 3) if full.find(full[i:i + 3]) == i and "<" not in full[:i + 3]
+              and kept(full[i:i + 3]) not in ends)  # the round goes on past the stop string
     stop = full[at:at + 3]
+    n = kept(stop)
     for streaming in (False, True):
         kw = dict(model="tiny-chat", prompt="abc", max_tokens=120, temperature=1.0, seed=0, stop=[stop, "never!"])
         if streaming:
-            chunks = [ch for ch in client.completions.create(stream=True, **kw) if ch.choices]
+            chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+            usage, chunks = chunks[-1].usage, chunks[:-1]
             pieces = [ch.choices[0].text for ch in chunks]
             assert len([p for p in pieces if p]) > 2  # really streamed in pieces
             text, finish = "".join(pieces), chunks[-1].choices[0].finish_reason
+            token_ids = [t for ch in chunks for t in ch.choices[0].model_extra["token_ids"]]
             assert not any(stop[:2] in p for p in pieces)
         else:
-            c = client.completions.create(**kw).choices[0]
-            text, finish = c.text, c.finish_reason
+            r = client.completions.create(**kw)
+            c, usage = r.choices[0], r.usage
+            text, finish, token_ids = c.text, c.finish_reason, c.model_extra["token_ids"]
         assert text == full[:at] and finish == "stop"
+        assert token_ids == want.tokens[:n] and usage.completion_tokens == n, (streaming, n, len(token_ids))
 
 
 def test_chat_and_prompt_reuse(server, offline, tok):
@@ -591,6 +603,9 @@ def test_text_stream_holds_back_broken_utf8_and_stop_strings():
         deltas = [ts.push([i]) for i in ids] + [ts.finish()]
         assert "".join(deltas) == text[: text.index(stop)] and ts.stopped
         assert not any(stop in "".join(deltas[: i + 1]) for i in range(len(deltas)))
+        whole = TextStream(dec, [stop, "not there"])  # one round of all tokens: kept up to the stop's last one
+        assert whole.push(ids) == text[: text.index(stop)] and ids[: len(whole.tokens)] == whole.tokens
+        assert stop in dec(whole.tokens) and stop not in dec(whole.tokens[:-1])
     ts = TextStream(dec, ["done!"])  # a stop string's prefix is held back, then released at the end
     out = "".join(ts.push([i]) for i in ids)
     assert out == text[: -len("done")] and ts.finish() == "done" and not ts.stopped
