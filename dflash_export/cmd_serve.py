@@ -120,10 +120,8 @@ def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, ma
         if given:
             raise DFlashError(f"{given[0]} needs --ray")
         return {}
-    try:
-        import ray.serve  # noqa: F401
-    except ImportError:
-        raise DFlashError('--ray needs Ray Serve: pip install "dflash-export[ray]"') from None
+    if not _importable("ray.serve"):
+        raise DFlashError('--ray needs Ray Serve: pip install "dflash-export[ray]"')
     if replicas is not None and autoscale is not None:
         raise DFlashError("give --replicas N or --autoscale MIN:MAX, not both")
     kw = dict(num_cpus=cpus, num_gpus=gpus, max_ongoing=max_ongoing, max_replicas_per_node=per_node,
@@ -193,6 +191,7 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
     """An OpenAI-compatible server over an exported directory OUT (or --demo):
     /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize."""
     from .runtime import contract as C
+    from .runtime.settings import device_key, resolve
 
     _need_serve_extra()
     if (out is None) == (not demo):
@@ -206,8 +205,7 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
             raise DFlashError(f"--api-key-file {api_key_file}: {e.strerror}") from None
         if not api_key:
             raise DFlashError(f"--api-key-file {api_key_file} is empty")
-    for name, value, low in (("--slots", slots, 1), ("--max-queue", max_queue, 0), ("--max-tokens", default_max_tokens, 1),
-                             ("--threads", 1 if threads is None else threads, 1)):
+    for name, value, low in (("--slots", slots, 1), ("--max-queue", max_queue, 0), ("--max-tokens", default_max_tokens, 1)):
         if value < low:
             raise DFlashError(f"{name} must be >= {low} (got {value})")
     if slots > 1 and backend != "ort":
@@ -222,7 +220,9 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
     directory = demo_artifact() if demo else out
     if use_ray:
         directory = Path(directory).resolve()  # every replica opens this path on its own node
-    C.load_manifest(directory, verify=False)  # a wrong folder is one line now, not after binding
+    # a wrong folder, --threads or runtime.json is one line now, not after binding
+    resolve(directory, C.load_manifest(directory, verify=False), device_key(backend, provider), threads=threads,
+            spin=spin, verify=verify)
 
     import uvicorn
 

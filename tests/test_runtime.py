@@ -270,7 +270,8 @@ def _initializer(path, name):
 
 def test_drafter_kv_projection_is_one_copy_used_by_both_drafter_graphs(pair):
     """The drafter's k_proj is stored once and mapped once: both drafter sessions read it
-    (low_memory: without it ORT folds a transposed copy per session, as for the LM head)."""
+    (low_memory: without it each session's MatMul prepacks a copy of its own at load, so a
+    change to the mapped bytes would not show)."""
     _, _, out = pair
     be = OrtBackend(out, low_memory=True)
     name = "layers.0.self_attn.k_proj.weight"

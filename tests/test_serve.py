@@ -499,6 +499,7 @@ def test_shutdown_cancels_what_outlasts_the_bound(art, tmp_path, offline, tok):
     (["serve", "/nonexistent/dir"], "not a directory"),
     (["serve", "OUT", "--slots", "0"], "--slots must be >= 1"),
     (["serve", "OUT", "--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["serve", "OUT", "--threads", "0"], "--threads must be >= 1"),
     (["serve", "OUT", "--slots", "2", "--backend", "trt"], "needs --backend ort"),
     (["serve", "OUT", "--api-key", "a", "--api-key-file", "f"], "not both"),
     (["serve", "OUT", "--api-key-file", "/nonexistent/key"], "--api-key-file /nonexistent/key: No such file"),
@@ -507,6 +508,14 @@ def test_shutdown_cancels_what_outlasts_the_bound(art, tmp_path, offline, tok):
 def test_serve_bad_arguments_are_one_line(art, args, message):
     r = CliRunner().invoke(cli, [str(art) if a == "OUT" else a for a in args])
     assert r.exit_code == 2 and message in r.output and "Traceback" not in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_ray_without_the_ray_extra_is_one_line(art, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    monkeypatch.setitem(sys.modules, "ray.serve", None)
+    r = CliRunner().invoke(cli, ["serve", str(art), "--ray"])
+    assert r.exit_code == 2 and 'pip install "dflash-export[ray]"' in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1
 
 
