@@ -50,13 +50,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .errors import DFlashError
 
 FORMAT = "dflash-export"
-FORMAT_VERSION = 2  # 2: the `shared` weight table; 1: shared weights found by parsing target.onnx
+# 2: the `shared` weight table; 1: shared weights found by parsing target.onnx. The version
+# changes when a reader of the previous one would misread an export. A field whose absence
+# means what exports did before it (attention "standard", no quantization, no hybrid layers,
+# full draft vocabulary, no engines) is added without a change: older manifests load with
+# that default, and a reader refuses a field it does not know (load_manifest: upgrade).
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 RUNTIME = "runtime.json"  # measured runtime choices (runtime/settings.py): allowed, never hashed
 SHARED_DATA = "shared.data"
@@ -501,6 +506,10 @@ def load_manifest(root: str | Path, verify: bool = True) -> Manifest:
             f"{path}: manifest format version {version!r}, but this dflash-export reads version {FORMAT_VERSION} only; "
             + ("upgrade dflash-export to read it" if newer else "re-export the directory with this dflash-export")
         )
+    unknown = sorted(set(raw) - {f.name for f in fields(Manifest)})
+    if unknown:
+        raise DFlashError(f"{path}: manifest fields {', '.join(unknown)} are unknown to this dflash-export "
+                          "(written by a newer one); upgrade dflash-export or re-export the directory")
     try:
         manifest = Manifest.from_dict(raw)
     except (TypeError, KeyError) as e:

@@ -65,3 +65,20 @@ def test_unknown_format_versions_are_refused_in_one_line(out, tmp_path, version,
         OrtBackend(bad)
     r = CliRunner().invoke(cli, ["info", str(bad)])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and hint in r.output
+
+
+def test_manifests_from_before_the_optional_fields_load_with_their_defaults(out, tmp_path):
+    """Fields added without a version change (contract.FORMAT_VERSION) default to what exports
+    did before them; a field this version does not know is refused in one line (upgrade)."""
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    raw = json.loads((old / C.MANIFEST).read_text())
+    optional = ("attention", "engines", "quantization", "target_layer_types", "linear", "draft_vocab")
+    assert [raw[k] for k in optional] == ["standard", None, None, [], None, None]  # a plain float export
+    (old / C.MANIFEST).write_text(json.dumps({k: v for k, v in raw.items() if k not in optional}))
+    assert C.load_manifest(old) == C.load_manifest(out) and C.flavour(C.load_manifest(old)) == "standard"
+    (old / C.MANIFEST).write_text(json.dumps(raw | {"kv_cache_dtype": "int8"}))
+    with pytest.raises(DFlashError, match="manifest fields kv_cache_dtype are unknown.*upgrade dflash-export"):
+        C.load_manifest(old)
+    r = CliRunner().invoke(cli, ["info", str(old)])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "upgrade dflash-export" in r.output
