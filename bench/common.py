@@ -1,9 +1,10 @@
-"""The benchmark model: small but not microscopic, random weights, exported once.
+"""What the bench scripts share: the benchmark models, exported once, and child processes.
 
-Built with dflash_export.testing's writers (a real Hugging Face Qwen3 checkpoint and a z-lab
-drafter), then exported with export_artifact. Cached under DFLASH_BENCH_CACHE (default
-~/.cache/dflash-export/bench) by its parameters and the exporter/model sources, so the
-benches can be rerun quickly.
+Benchmark models: small but not microscopic, random weights, built with dflash_export.testing's
+writers (a real Hugging Face Qwen3 checkpoint and a z-lab drafter), then exported with
+export_artifact. Cached under DFLASH_BENCH_CACHE (default ~/.cache/dflash-export/bench) by
+their parameters and the exporter/model/contract sources, so the benches can be rerun quickly.
+Steps whose peak RSS is measured run in a child process of their own (`run_child`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,30 +37,44 @@ def bench_model(name: str = "small", attention: str = "standard") -> tuple[Path,
     if name not in BENCH_MODELS:
         raise SystemExit(f"unknown bench model {name!r}; choose one of {', '.join(BENCH_MODELS)}")
     p = BENCH_MODELS[name]
-    key = hashlib.sha256((json.dumps(p, sort_keys=True) + source_digest()).encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("DFLASH_BENCH_CACHE", Path.home() / ".cache/dflash-export/bench"))
-    final = cache / (f"{p['arch']}-L{p['layers']}-H{p['hidden']}-{key}" + ("-ort" if attention == "ort" else ""))
-    if not (final / "out" / "manifest.json").is_file():
-        from dflash_export.export.artifact import export_artifact
+
+    def build(t: Path, d: Path) -> None:
         from dflash_export.testing import make_drafter, make_target
 
-        tmp = cache / f".{final.name}.{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        make_target(tmp / "t", p["arch"], vocab=p["vocab"], hidden=p["hidden"], layers=p["layers"], heads=p["heads"],
+        make_target(t, p["arch"], vocab=p["vocab"], hidden=p["hidden"], layers=p["layers"], heads=p["heads"],
                     kv_heads=p["kv_heads"], head_dim=p["head_dim"], intermediate=p["intermediate"], std=0.04)
-        make_drafter(tmp / "d", tmp / "t", layers=p["draft_layers"], block_size=p["block"])
-        export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=p["max_context"], attention=attention,
-                        progress=True)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        make_drafter(d, t, layers=p["draft_layers"], block_size=p["block"])
+
+    final = cached_export(f"{p['arch']}-L{p['layers']}-H{p['hidden']}", p, build, p["max_context"], attention)
     return final / "t", final / "d", final / "out"
 
 
+def cached_export(name: str, spec: dict, build, max_context: int, attention: str = "standard") -> Path:
+    """A folder with t/, d/ (the random pair `build(t, d)` writes) and out/ (their export),
+    made once: cached under DFLASH_BENCH_CACHE by `spec` and the sources an export depends on."""
+    key = hashlib.sha256((json.dumps(spec, sort_keys=True) + source_digest()).encode()).hexdigest()[:12]
+    final = cache_dir() / (f"{name}-{key}" + ("-ort" if attention == "ort" else ""))
+    if not (final / "out" / "manifest.json").is_file():
+        from dflash_export.export.artifact import export_artifact
+
+        tmp = final.parent / f".{final.name}.{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        build(tmp / "t", tmp / "d")
+        export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=max_context, attention=attention, progress=True)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    return final
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DFLASH_BENCH_CACHE", Path.home() / ".cache/dflash-export/bench"))
+
+
 def source_digest() -> str:
-    """Hash of what an export depends on (exporter + reference models): a change re-exports."""
+    """Hash of what an export depends on (exporter, reference models, contract): a change re-exports."""
     h = hashlib.sha256()
-    for f in sorted((ROOT / "export").glob("*.py")) + sorted((ROOT / "models").glob("*.py")):
+    for f in sorted((ROOT / "export").glob("*.py")) + sorted((ROOT / "models").glob("*.py")) + [ROOT / "runtime/contract.py"]:
         h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()
 
@@ -68,13 +85,26 @@ def export_pair(target_dir: str | Path, draft_dir: str | Path, max_context: int 
 
     key = hashlib.sha256(json.dumps([hash_files(Path(target_dir)), hash_files(Path(draft_dir)), max_context,
                                      source_digest()], sort_keys=True).encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("DFLASH_BENCH_CACHE", Path.home() / ".cache/dflash-export/bench"))
-    out = cache / f"pair-{key}"
+    out = cache_dir() / f"pair-{key}"
     if not (out / "manifest.json").is_file():
         from dflash_export.export.artifact import export_artifact
 
         export_artifact(target_dir, draft_dir, out, max_context=max_context, progress=True, force=True)
     return out
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS (VmHWM: unlike ru_maxrss it does not carry the parent's over exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
+def run_child(script: str, args: list[str]) -> dict:
+    """`python script args` in a process of its own (its own peak RSS); its last stdout line is JSON."""
+    done = subprocess.run([sys.executable, script, *args], stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

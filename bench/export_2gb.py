@@ -17,17 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+sys.path.insert(0, str(Path(__file__).parent))
+from common import peak_rss_bytes, run_child  # noqa: E402
 
 
 def make_checkpoint(work: Path, vocab: int, hidden: int, layers: int, inter: int, heads: int | None = None,
@@ -104,11 +99,9 @@ def do_load(work: Path, low_memory: bool = False) -> dict:
 
 
 def child(step: str, work: Path, args) -> dict:
-    cmd = [sys.executable, __file__, "--step", step, "--work", str(work), "--vocab", str(args.vocab),
-           "--hidden", str(args.hidden), "--layers", str(args.layers), "--intermediate", str(args.intermediate)]
-    cmd += ["--low-memory"] if args.low_memory else []
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child(__file__, ["--step", step, "--work", str(work), "--vocab", str(args.vocab), "--hidden", str(args.hidden),
+                                "--layers", str(args.layers), "--intermediate", str(args.intermediate)]
+                     + (["--low-memory"] if args.low_memory else []))
 
 
 def main() -> None:

@@ -19,10 +19,8 @@ of every linear layer's conv window and recurrent state, runtime/hybrid.py).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -30,7 +28,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).parent))
-from common import ROOT, source_digest  # noqa: E402
+from common import cached_export  # noqa: E402
 
 LIN, FULL = "linear_attention", "full_attention"
 SHAPE = dict(vocab=32000, hidden=2560, heads=16, kv_heads=4, head_dim=256, intermediate=9216,
@@ -40,26 +38,16 @@ BLOCK, MAX_CONTEXT = 16, 1024
 
 
 def pair() -> Path:
-    contract = (ROOT / "runtime" / "contract.py").read_bytes().decode()
-    key = hashlib.sha256((json.dumps(SHAPE, sort_keys=True) + source_digest() + contract).encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("DFLASH_BENCH_CACHE", Path.home() / ".cache/dflash-export/bench"))
-    final = cache / f"qwen35-4b-width-{key}"
-    if not (final / "out" / "manifest.json").is_file():
-        from dflash_export.export.artifact import export_artifact
+    def build(t: Path, d: Path) -> None:
         from dflash_export.testing import make_drafter, make_target
 
-        tmp = cache / f".{final.name}.{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
         s = SHAPE
-        make_target(tmp / "t", "qwen35", vocab=s["vocab"], hidden=s["hidden"], layers=len(s["layer_types"]),
-                    heads=s["heads"], kv_heads=s["kv_heads"], head_dim=s["head_dim"], intermediate=s["intermediate"],
+        make_target(t, "qwen35", vocab=s["vocab"], hidden=s["hidden"], layers=len(s["layer_types"]), heads=s["heads"],
+                    kv_heads=s["kv_heads"], head_dim=s["head_dim"], intermediate=s["intermediate"],
                     layer_types=s["layer_types"], linear=s["linear"], tie=True, std=0.02)
-        make_drafter(tmp / "d", tmp / "t", layers=1, block_size=BLOCK)
-        export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=MAX_CONTEXT, progress=True)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    return final / "out"
+        make_drafter(d, t, layers=1, block_size=BLOCK)
+
+    return cached_export("qwen35-4b-width", SHAPE, build, MAX_CONTEXT) / "out"
 
 
 def median_ms(fn, repeats: int) -> float:

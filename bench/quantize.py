@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
+from common import ROOT, peak_rss_bytes, run_child  # noqa: E402
 
 VARIANTS = {  # name -> QuantOptions arguments (None: the float export itself)
     "fp32": None,
@@ -40,14 +39,6 @@ VARIANTS = {  # name -> QuantOptions arguments (None: the float export itself)
     "int4": dict(scheme="int4", draft=True, lm_head=True),
     "int4-acc4": dict(scheme="int4", draft=True, lm_head=True, accuracy_level=4),
 }
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak RSS (VmHWM: unlike ru_maxrss it does not carry the parent's over exec)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
 
 
 def linear_bytes(out: Path) -> dict:
@@ -100,16 +91,11 @@ def step_load(out: Path, threads: int) -> dict:
     return {"load_s": load_s, "peak_rss": peak_rss_bytes()}
 
 
-def child(args: list[str]) -> dict:
-    done = subprocess.run([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def build(work: Path, a) -> dict[str, Path]:
     """Checkpoint, fp32 export and the quantized artifacts (each step skipped when present)."""
     from export_2gb import make_checkpoint
 
-    from dflash_export.export.onnx import export_artifact
+    from dflash_export.export.artifact import export_artifact
     from dflash_export.export.quantize import QuantOptions, quantize_artifact
 
     if not (work / "draft" / "config.json").is_file():
@@ -196,7 +182,7 @@ def main() -> None:
               "threads": a.threads, "tau": a.tau, "artifacts": {}}
     for name, out in outs.items():
         r = {"bytes": sum(p.stat().st_size for p in out.iterdir()), **linear_bytes(out)}
-        r.update(child(["--step", str(out), "--threads", str(a.threads)]))
+        r.update(run_child(__file__, ["--step", str(out), "--threads", str(a.threads)]))
         report["artifacts"][name] = r
     ms = timings(outs, a.threads, a.repeats, a.passes)
     fp = report["artifacts"]["fp32"]

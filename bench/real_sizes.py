@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import run_child  # noqa: E402
 
 SHAPE = dict(vocab=151936, hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, inter=3072)
 
@@ -190,8 +192,7 @@ def do_step_speed(work: Path, name: str, rounds: int) -> dict:
 
 
 def child(args: list[str]) -> dict:
-    done = subprocess.run([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child(__file__, args)
 
 
 def load_average() -> list[float]:

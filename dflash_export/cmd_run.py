@@ -15,6 +15,7 @@ import numpy as np
 
 from .runtime.errors import DFlashError
 from .runtime.sampling import check_sampling
+from .serve_text import load_tokenizer
 
 BUILTIN_PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -23,18 +24,6 @@ BUILTIN_PROMPTS = [
     "import numpy as np\n\ndef softmax(x):\n",
     "Once upon a time, in a small village by the sea,",
 ]
-
-
-def _tokenizer(out: Path):
-    path = out / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:
-        raise DFlashError(f"{path}: unreadable tokenizer ({str(e).splitlines()[0] if str(e) else e}); re-export") from None
 
 
 def _parse_ids(text: str, what: str) -> list[int]:
@@ -119,7 +108,7 @@ def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p,
     stop = None if stop_ids is None else tuple(_parse_ids(stop_ids, "--stop-ids"))
     ids = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
     backend, cfg = _backend(out, provider, drafter=not no_draft, backend=backend, threads=threads, spin=spin, verify=verify)
-    tok = _tokenizer(out)
+    tok = load_tokenizer(out)
     if ids is None:
         if tok is None:
             raise DFlashError(f"{out} has no tokenizer.json, so --prompt cannot be tokenized; use --prompt-ids 1,2,3")
@@ -342,7 +331,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     if ctx and max(ctx) + m.block_size > m.max_context:
         raise DFlashError(f"--context {max(ctx)} needs an export with --max-context >= {max(ctx) + m.block_size} "
                           f"(context + block size); {out} holds {m.max_context}")
-    prompts, source = _bench_prompts(prompts_file, _tokenizer(out), m.vocab_size)
+    prompts, source = _bench_prompts(prompts_file, load_tokenizer(out), m.vocab_size)
     room = m.max_context - max(len(p) for p in prompts)
     if room < 1:
         raise DFlashError(f"a prompt fills the max context {m.max_context}; use shorter prompts")

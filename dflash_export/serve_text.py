@@ -18,6 +18,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from .runtime.contract import read_json
 from .runtime.errors import DFlashError
 
 
@@ -25,16 +26,11 @@ class Text:
     """Tokenizer + chat template of an exported directory (torch-free: `tokenizers`, `jinja2`)."""
 
     def __init__(self, directory: Path, chat_template: str | None = None):
-        from tokenizers import Tokenizer
-
-        path = Path(directory) / "tokenizer.json"
-        if not path.is_file():
+        self.tokenizer = load_tokenizer(directory)
+        if self.tokenizer is None:
             raise DFlashError(f"{directory} has no tokenizer.json; the server needs one to turn text into tokens")
-        try:
-            self.tokenizer = Tokenizer.from_file(str(path))
-        except Exception as e:
-            raise DFlashError(f"{path}: unreadable tokenizer ({str(e).splitlines()[0] if str(e) else e}); re-export") from None
-        config = _read_json(Path(directory) / "tokenizer_config.json")
+        config = read_json(Path(directory) / "tokenizer_config.json", "re-export the directory")
+        config = config if isinstance(config, dict) else {}
         self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         if chat_template is None:
             chat_template = config.get("chat_template")
@@ -63,14 +59,17 @@ class Text:
             raise ValueError(f"the chat template refused these messages: {e}") from None
 
 
-def _read_json(path: Path) -> dict:
+def load_tokenizer(directory: Path):
+    """The exported directory's tokenizer.json as a `tokenizers.Tokenizer`, None without one."""
+    path = Path(directory) / "tokenizer.json"
     if not path.is_file():
-        return {}
+        return None
+    from tokenizers import Tokenizer
+
     try:
-        d = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DFlashError(f"{path}: unreadable ({e}); re-export the directory") from None
-    return d if isinstance(d, dict) else {}
+        return Tokenizer.from_file(str(path))
+    except Exception as e:
+        raise DFlashError(f"{path}: unreadable tokenizer ({str(e).splitlines()[0] if str(e) else e}); re-export") from None
 
 
 def _token_text(t) -> str | None:

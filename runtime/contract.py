@@ -493,11 +493,8 @@ def load_manifest(root: str | Path, verify: bool = True) -> Manifest:
         raise DFlashError(f"{root}: not a directory; pass the --out directory of `dflash-export export`")
     if not path.is_file():
         raise DFlashError(f"{root}: no {MANIFEST}; this is not an exported directory (run `dflash-export export`)")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DFlashError(f"{path}: unreadable manifest ({e}); re-export the directory") from None
-    if raw.get("format") != FORMAT:
+    raw = read_json(path, "re-export the directory")
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise DFlashError(f"{path}: not a {FORMAT} manifest")
     version = raw.get("format_version")
     if version != FORMAT_VERSION:
@@ -520,6 +517,16 @@ def load_manifest(root: str | Path, verify: bool = True) -> Manifest:
     if verify:
         verify_files(root, manifest)
     return manifest
+
+
+def read_json(path: Path, fix: str):
+    """A JSON file's content ({} when there is none); one line naming it and `fix` when unreadable."""
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or not UTF-8
+        raise DFlashError(f"{path}: unreadable ({e}); {fix}") from None
 
 
 def verify_files(root: Path, manifest: Manifest) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .contract import RUNTIME, Manifest
+from .contract import RUNTIME, Manifest, read_json
 from .errors import DFlashError
 
 RUNTIME_FORMAT = "dflash-export-runtime"
@@ -76,20 +76,16 @@ def default_threads(manifest: Manifest) -> int:
 
 def _read(root: Path) -> dict:
     path = Path(root) / RUNTIME
-    if not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DFlashError(f"{path}: unreadable ({e}); delete it or rerun `dflash-export bench --calibrate`") from None
-    if not isinstance(raw, dict) or raw.get("format") != RUNTIME_FORMAT or not isinstance(raw.get("devices"), dict):
+    raw = read_json(path, "delete it or rerun `dflash-export bench --calibrate`")
+    if path.is_file() and not (isinstance(raw, dict) and raw.get("format") == RUNTIME_FORMAT
+                               and isinstance(raw.get("devices"), dict)):
         raise DFlashError(f"{path}: not a {RUNTIME_FORMAT} file; delete it or rerun `dflash-export bench --calibrate`")
     return raw
 
 
 def load_settings(root: str | Path, key: str) -> Settings:
     """The calibrated settings for device `key`, or the defaults (all None / off)."""
-    entry = _read(Path(root))["devices"].get(key) if (Path(root) / RUNTIME).is_file() else None
+    entry = _read(Path(root)).get("devices", {}).get(key)
     if entry is None:
         return Settings()
     try:

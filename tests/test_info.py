@@ -82,3 +82,16 @@ def test_manifests_from_before_the_optional_fields_load_with_their_defaults(out,
         C.load_manifest(old)
     r = CliRunner().invoke(cli, ["info", str(old)])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "upgrade dflash-export" in r.output
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe binary", b"[1, 2]"])
+def test_unreadable_manifests_and_runtime_json_are_one_line(out, tmp_path, content):
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    (bad / C.MANIFEST).write_bytes(content)
+    r = CliRunner().invoke(cli, ["info", str(bad)])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "manifest.json" in r.output, r.output
+    shutil.copyfile(out / C.MANIFEST, bad / C.MANIFEST)
+    (bad / C.RUNTIME).write_bytes(content)
+    r = CliRunner().invoke(cli, ["generate", str(bad), "--prompt-ids", "1,2", "--max-new-tokens", "2"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "runtime.json" in r.output, r.output
