@@ -26,8 +26,10 @@ from common import peak_rss_bytes, run_child  # noqa: E402
 
 
 def make_checkpoint(work: Path, vocab: int, hidden: int, layers: int, inter: int, heads: int | None = None,
-                    kv_heads: int | None = None, tie: bool = False) -> None:
-    """Random fp32 Qwen3 target (head_dim 128) + 1-layer drafter under work/target, work/draft."""
+                    kv_heads: int | None = None, tie: bool = False, config: dict | None = None,
+                    drafter: dict | None = None) -> None:
+    """Random fp32 Qwen3 target (head_dim 128) + 1-layer drafter under work/target, work/draft
+    (`config`: config.json entries to override; `drafter`: new_drafter's keywords to override)."""
     import torch
     from safetensors.torch import save_file
 
@@ -39,7 +41,7 @@ def make_checkpoint(work: Path, vocab: int, hidden: int, layers: int, inter: int
         "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
         "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
         "max_position_embeddings": 4096, "tie_word_embeddings": tie, "eos_token_id": vocab - 1, "dtype": "float32",
-    }
+    } | (config or {})
     t = work / "target"
     t.mkdir(parents=True)
     (t / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -68,8 +70,8 @@ def make_checkpoint(work: Path, vocab: int, hidden: int, layers: int, inter: int
         })
     (t / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     tc = TargetConfig.load(t)
-    new_drafter(tc, num_layers=1, block_size=16, mask_token_id=vocab - 2, target_layer_ids=[layers // 2],
-                intermediate_size=hidden * 2).save_pretrained(work / "draft")
+    kw = dict(num_layers=1, block_size=16, mask_token_id=vocab - 2, target_layer_ids=[layers // 2], intermediate_size=hidden * 2)
+    new_drafter(tc, **kw | (drafter or {})).save_pretrained(work / "draft")
 
 
 def do_export(work: Path) -> dict:

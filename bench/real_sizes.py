@@ -43,48 +43,16 @@ def mem() -> dict:
 
 
 def make_checkpoint(work: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
+    """Qwen3-0.6B's config (tied, its eos/bos ids) with random weights, and a 1-layer drafter tapping 5 layers."""
+    from export_2gb import make_checkpoint as write
 
-    from dflash_export.models import TargetConfig, new_drafter
     from dflash_export.models.config import default_target_layer_ids
 
     s = SHAPE
-    cfg = {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": s["vocab"],
-        "hidden_size": s["hidden"], "intermediate_size": s["inter"], "num_hidden_layers": s["layers"],
-        "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"], "head_dim": s["head_dim"],
-        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960, "tie_word_embeddings": True,
-        "eos_token_id": 151645, "bos_token_id": 151643, "dtype": "float32",
-    }
-    t = work / "target"
-    t.mkdir(parents=True)
-    (t / "config.json").write_text(json.dumps(cfg, indent=2))
-    g = torch.Generator().manual_seed(0)
-    rand = lambda *shape: torch.randn(*shape, generator=g) * 0.02  # noqa: E731
-    h, q, kv, inter = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"], s["inter"]
-    weight_map = {}
-
-    def shard(name: str, tensors: dict) -> None:  # one tensor group at a time: small writer RSS
-        save_file(tensors, str(t / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in tensors})
-
-    shard("embed.safetensors", {"model.embed_tokens.weight": rand(s["vocab"], h), "model.norm.weight": torch.ones(h)})
-    for i in range(s["layers"]):
-        p = f"model.layers.{i}."
-        shard(f"layer{i}.safetensors", {
-            p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
-            p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
-            p + "self_attn.q_norm.weight": torch.ones(s["head_dim"]),
-            p + "self_attn.k_norm.weight": torch.ones(s["head_dim"]),
-            p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
-            p + "mlp.down_proj.weight": rand(h, inter),
-            p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
-        })
-    (t / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    tc = TargetConfig.load(t)
-    new_drafter(tc, num_layers=1, block_size=16, mask_token_id=151669 % s["vocab"],
-                target_layer_ids=default_target_layer_ids(s["layers"], 5)).save_pretrained(work / "draft")
+    write(work, s["vocab"], s["hidden"], s["layers"], s["inter"], heads=s["heads"], kv_heads=s["kv_heads"], tie=True,
+          config={"max_position_embeddings": 40960, "eos_token_id": 151645, "bos_token_id": 151643},
+          drafter={"mask_token_id": 151669 % s["vocab"], "target_layer_ids": default_target_layer_ids(s["layers"], 5),
+                   "intermediate_size": None})
 
 
 def do_export(work: Path, name: str, draft_vocab: int | None) -> dict:
