@@ -243,7 +243,7 @@ def quant_variants() -> dict[str, list[str]]:
 
 
 def export(target: Path, draft: Path, key: str, max_context: int, quant: list[str] | None = None,
-           base: Path | None = None, attention: str = "standard") -> Path:
+           base: Path | None = None, attention: str = "standard", block_size: int | None = None) -> Path:
     """`dflash-export export` through the CLI (picks up whatever main has), cached by key and sources.
     Quantized: `dflash-export quantize` of the fp32 export where that command exists, else `export --quantize`.
     base: an existing fp32 export of the same checkpoints to use (and quantize) instead of exporting."""
@@ -252,6 +252,7 @@ def export(target: Path, draft: Path, key: str, max_context: int, quant: list[st
         return base
     what = [key, quant or [], max_context, source_digest()] + ([str(base)] if base else [])
     what += [attention] if attention != "standard" else []  # older cache keys stay valid
+    what += [f"block {block_size}"] if block_size else []
     digest = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
     out = CACHE / "ours" / f"{target.parent.name}-{digest}"
     if (out / "manifest.json").is_file():
@@ -264,7 +265,8 @@ def export(target: Path, draft: Path, key: str, max_context: int, quant: list[st
         run([*cli(), "quantize", base, "--out", out, "--force", "--quiet", *quant], env=env, nice=True)
     else:
         run([*cli(), "export", "--target", target, "--draft", draft, "--out", out, "--max-context", max_context,
-             "--force", "--quiet", "--attention", attention, *(quant or [])], env=env, nice=True)
+             "--force", "--quiet", "--attention", attention, *(["--block-size", block_size] if block_size else []),
+             *(quant or [])], env=env, nice=True)
     return out
 
 
@@ -330,7 +332,7 @@ def compare_demo(src: Path, bins: Path, a) -> list[dict]:
     gdir = CACHE / "gguf" / "demo"
     tg, dg = convert(src, tdir, gdir / "target-f32.gguf"), convert(src, ddir, gdir / "draft-f32.gguf", tdir)
     key = hashlib.sha256((tdir / "model.safetensors").read_bytes() + (ddir / "model.safetensors").read_bytes())
-    out = export(tdir, ddir, key.hexdigest(), a.max_context, attention=a.attention)
+    out = export(tdir, ddir, key.hexdigest(), a.max_context, attention=a.attention, block_size=a.block_size)
     if a.calibrate and not (out / "runtime.json").is_file():  # threads + adaptive verify, on bench's built-in prompts
         print(f"calibrating {out}", file=sys.stderr)
         run([*cli(), "bench", out, "--calibrate", "--max-new-tokens", a.max_new_tokens, "--json"])
@@ -471,6 +473,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28, help="depth of the Qwen3-0.6B shape (28 = the real one)")
     ap.add_argument("--max-context", type=int, default=2048, help="KV capacity, both sides (llama -c)")
     ap.add_argument("--n-max", type=int, default=15, help="llama.cpp --spec-draft-n-max (DFlash block 16 = 15 drafts)")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="demo: our draft_block's K (export --block-size) [default: the drafter's, 16]")
     ap.add_argument("--attention", default="standard", choices=["standard", "ort"],
                     help="demo: our export's attention flavour (export --attention)")
     ap.add_argument("--calibrate", action="store_true",
@@ -492,7 +496,7 @@ def main() -> None:
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     meta = {"llamacpp": f"{llama_commit()} (llama-cpp-python {VERSION} sdist)", "ours": head.strip(),
             "max_new_tokens": a.max_new_tokens, "threads": a.threads, "cpu_count": os.cpu_count(),
-            "attention": a.attention, "calibrated": a.calibrate, "loadavg": os.getloadavg()}
+            "attention": a.attention, "block_size": a.block_size, "calibrated": a.calibrate, "loadavg": os.getloadavg()}
     gl = goals(rows)
     if a.json:
         print(json.dumps({"meta": meta, "rows": rows, "goals": gl}))
