@@ -2,11 +2,13 @@
 
 For each export directory given, on the same prompts (interleaved, fastest of --passes kept):
 per round, the wall ms of draft_context, draft_block and the verify call as the loop sees
-them, the loop's host time (acceptance, bookkeeping) and, from ORT's profiler in a separate
-pass, how much of each call is kernels, how much ORT's own run overhead (model_run minus
-kernels) and how much the Python side (binding, wrapper: wall minus model_run).
+them, and the loop's host time (acceptance, bookkeeping). Then: the Python side of each call
+(binding; the graph run replaced by nothing), each call timed alone vs right after the other
+graph (cache interference), and from ORT's profiler in a separate pass the median call's
+model_run and kernel ms (their difference includes the profiler's own per-node cost).
 
     python bench/round_profile.py DIR [DIR ...] [--prompts 3] [--max-new-tokens 64] [--threads 1]
+        [--verify THETA,MIN_LEN] [--passes 5]
 """
 
 from __future__ import annotations
@@ -155,6 +157,32 @@ def binding_us(be: OrtBackend, reps: int = 500) -> dict:
         be.sessions = real
 
 
+def interference(be: OrtBackend, reps: int = 200) -> dict:
+    """Median ms of target / draft_block calls timed alone (repeated: weights stay in cache)
+    vs right after the other graph (as in a round): what alternating graphs costs."""
+    import numpy as np
+
+    be.reset()
+    be.target(np.arange(5, 133, dtype=np.int64))
+    be.commit(128)
+    be.draft_context(128)
+    one, six = np.array([5], np.int64), np.arange(5, 11, dtype=np.int64)
+
+    def med(first, timed) -> float:
+        ts = []
+        for _ in range(reps):
+            first()
+            t = time.perf_counter()
+            timed()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts) * 1e3
+
+    step, verify, block = (lambda: be.target(one)), (lambda: be.target(six)), (lambda: be.draft_block(5))
+    return {"step alone": med(step, step), "step after draft_block": med(block, step),
+            "verify6 alone": med(verify, verify), "verify6 after draft_block": med(block, verify),
+            "draft_block alone": med(block, block), "draft_block after verify6": med(verify, block)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dirs", nargs="+", type=Path)
@@ -181,12 +209,14 @@ def main() -> None:
             if d not in best or r["round_ms"] < best[d]["round_ms"]:
                 best[d] = r
     bind = {d: binding_us(be) for d, (be, _) in bes.items()}
+    inter = {d: interference(be) for d, (be, _) in bes.items()}
     prof = {d: kernels(d, a.threads, prompts, a.max_new_tokens, policy) for d in a.dirs}
     print(f"{a.threads} thread(s), {a.prompts} prompts x {a.max_new_tokens} tokens, fastest of {a.passes} passes; "
           f"load {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}")
     for d, r in best.items():
         print(f"{d}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()))
         print("  Python side per call, us: " + ", ".join(f"{k} {v:.0f}" for k, v in bind[d].items()))
+        print("  call ms alone vs after the other graph: " + ", ".join(f"{k} {v:.2f}" for k, v in inter[d].items()))
         for g, p in prof[d].items():
             print(f"  {g}: {p['calls']} calls, median model_run {p['model_run_ms']:.3f} ms, kernels {p['kernel_ms']:.3f}, "
                   f"ORT overhead {p['overhead_ms']:.3f}; mean ms by op: "
