@@ -10,8 +10,9 @@ sys.path.insert(0, str(Path(__file__).parent))  # the helpers next to the tests 
 # The longest files first (measured: docs/benchmarks.md "Test suite time"), so that with
 # `-n 2 --dist loadfile --no-loadscope-reorder` no long file starts last while the other worker idles.
 SLOW_FIRST = [  # test_ray first: its cluster mostly waits, the other worker computes meanwhile
-    "test_ray.py", "test_trt_lint.py", "test_oracle.py", "test_quantize.py", "test_train_demo.py",
-    "test_trt_fake.py", "test_speed.py", "test_runtime_parity.py", "test_export_archs.py", "test_zlab_reference.py",
+    "test_ray.py", "test_export_archs.py", "test_quantize.py", "test_hybrid_runtime.py", "test_attention_ort.py",
+    "test_export_half.py", "test_trt_lint.py", "test_oracle.py", "test_train_demo.py", "test_export.py",
+    "test_draft_vocab.py",
 ]
 
 
