@@ -18,7 +18,7 @@ plain decoding only (a random drafter accepts nothing), fp32 vs F32, int8 vs Q8_
 (--formats; int4-acc4 = int4 at MatMulNBits accuracy level 4).
 
     python bench/vs_llamacpp.py [--model demo,qwen3-0.6b] [--threads 1,2] [--prompts 3]
-        [--max-new-tokens 64] [--layers 28] [--formats fp32,int8,int4] [--json]
+        [--max-new-tokens 64] [--layers 28] [--formats fp32,int8,int4] [--attention standard|ort] [--json]
 """
 
 from __future__ import annotations
