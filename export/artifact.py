@@ -254,6 +254,9 @@ def export_artifact(
     if attention == "ort" and tc.hybrid:
         raise DFlashError(f"--attention ort covers Llama/Qwen2/Qwen3 targets; this {tc.architecture} target "
                           "(Gated DeltaNet hybrid) exports with --attention standard only")
+    if tc.hybrid and dtype == "bf16":
+        raise DFlashError("--dtype bf16 is not supported for hybrid (Gated DeltaNet) targets: the runtime's host state "
+                          "commit has no bf16 path and ONNX Runtime's CPU provider cannot run bf16; use --dtype fp16")
     eos = eos_ids(target_dir, tc.eos_token_ids)
     vocab_ids, vocab_record = plan_draft_vocab(draft_vocab, draft_vocab_data, target_dir, tc.vocab_size, eos)
     elements = checkpoint_elements(target_dir) + checkpoint_elements(draft_dir)

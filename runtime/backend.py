@@ -34,6 +34,7 @@ import numpy as np
 
 from .contract import Manifest
 from .errors import DFlashError
+from .hybrid import LinearStates
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Backend(ABC):
     context_len: int = 0
     _pending: int = 0  # positions written by the last `target` call, not yet committed
     draft_conf: np.ndarray | None = None  # [K-1] top-1 probabilities of the last draft_block (None: not exported)
+    states: LinearStates | None = None  # hybrid targets: the committed DeltaNet states, host side (runtime/hybrid.py)
 
     # -- the four operations the loop uses ------------------------------------------------
 
@@ -76,6 +78,8 @@ class Backend(ABC):
         """
         if not 0 <= n <= self._pending:
             raise DFlashError(f"internal: commit({n}) but the last target call wrote {self._pending} positions")
+        if self.states is not None:  # a hybrid target's rollback: only n positions reach the states
+            self.states.commit(n)
         self.target_len += n
         self._pending = 0
 
@@ -104,18 +108,26 @@ class Backend(ABC):
     def reset(self) -> None:
         """Forget the sequence (both lengths to 0); buffers are kept for the next one."""
         self.target_len = self.context_len = self._pending = 0
+        if self.states is not None:
+            self.states.reset()
 
     def keep(self, n: int) -> None:
         """Keep only the first n positions of both caches: a new sequence that starts with
         the same n tokens as the last one (prompt reuse) prefills only what follows."""
         if not 0 <= n <= self.target_len:
             raise DFlashError(f"internal: keep({n}) but the target cache holds {self.target_len} positions")
+        if self.states is not None and n != self.target_len:
+            if n:
+                raise DFlashError(f"internal: keep({n}) of {self.target_len} positions: a hybrid target keeps all or none")
+            self.states.reset()
         self.target_len, self.context_len, self._pending = n, min(self.context_len, n), 0
 
     def reusable(self, n: int) -> int:
         """The longest prefix, at most n positions, of the cached sequence that `keep` can keep.
         Attention caches keep any prefix; a recurrent state (hybrid targets) all or nothing."""
-        return n
+        if self.states is None or n == self.target_len:
+            return n
+        return 0
 
     def close(self) -> None:
         """Release sessions/engines and device memory (optional)."""

@@ -33,22 +33,28 @@ def commit_state(state: np.ndarray, k: np.ndarray, u: np.ndarray, g: np.ndarray)
 
 class LinearStates:
     """Per linear-attention layer (batch 1): the committed conv window and recurrent state, and
-    the buffers a target call writes its per-position outputs into, all by contract name."""
+    the buffers a target call writes its per-position outputs into, all by contract name.
 
-    def __init__(self, m: C.Manifest, max_chunk: int, storage: dict):
+    Host memory, shared by every backend: ONNX Runtime binds these buffers in place; the
+    TensorRT backend copies the per-position outputs here after a call and the committed
+    states back to the device before the next one (`changed`)."""
+
+    def __init__(self, m: C.Manifest, max_chunk: int):
         if m.dtype == "bf16":
             raise DFlashError("hybrid targets exported in bf16 are not supported by the host state commit; "
                               "export in fp32 or fp16")
         self.layers = m.linear_layers
+        self.changed = True  # the committed states moved since a device copy was last made of them
         self.buf = {}
         for i in self.layers:
             for t in C.LINEAR_STATE:
-                self.buf[t.at(i).name] = np.zeros(C.shape(t, m, batch=1), storage[C.dtype(t, m)])
+                self.buf[t.at(i).name] = np.zeros(C.shape(t, m, batch=1), C.dtype(t, m))  # float32 | float16
             for t in C.LINEAR_NEW:
-                self.buf[t.at(i).name] = np.zeros(C.shape(t, m, batch=1, seq=max_chunk), storage[C.dtype(t, m)])
+                self.buf[t.at(i).name] = np.zeros(C.shape(t, m, batch=1, seq=max_chunk), C.dtype(t, m))
 
     def commit(self, n: int) -> None:
         """Apply the first n positions of the last call to every layer's state."""
+        self.changed = self.changed or n > 0
         for i in self.layers:
             conv = self.buf[C.conv_state(i)]
             if n:
@@ -56,6 +62,7 @@ class LinearStates:
             commit_state(self.buf[C.rec_state(i)][0], *(self.buf[name][0, :n] for name in C.delta(i)))
 
     def reset(self) -> None:
+        self.changed = True
         for i in self.layers:
             self.buf[C.conv_state(i)][...] = 0
             self.buf[C.rec_state(i)][...] = 0

@@ -124,10 +124,9 @@ class OrtBackend(Backend):
         self.max_chunk = max(max_chunk, m.block_size)
         self.device = "cpu" if self._provider == PROVIDERS["cpu"] else "cuda"
         if C.max_seq(m):  # hybrid target: one delta-rule chunk per call, states committed on the host
+            # (runtime/hybrid.py: numpy buffers, bound as host memory on every provider; a GPU provider
+            # copies them in and the increments out each call. Not executed here: no GPU.)
             self.max_chunk = min(self.max_chunk, C.max_seq(m))
-            if self.device != "cpu":
-                raise DFlashError("hybrid (Gated DeltaNet) targets run on the cpu provider only for now: "
-                                  "their state commit is host code (docs/hybrid.md)")
         self.has_drafter = drafter
         self.low_memory = low_memory
         self.trace: list | None = None  # set to [] to record every bound (name, ptr, shape)
@@ -200,7 +199,7 @@ class OrtBackend(Backend):
         kv_shape = (1, Hkv, self.max_len, D) if self.in_place else (1, self.max_len, Hkv, D)
         self.kv = [None if m.is_linear(i) else self._alloc(kv_shape, kv_type)
                    for i in range(L) for _ in (0, 1)]  # k0 v0 k1 v1 ... (none for linear-attention layers)
-        self.states = LinearStates(m, self.max_chunk, STORAGE) if m.linear_layers else None
+        self.states = LinearStates(m, self.max_chunk) if m.linear_layers else None
         self.lengths = np.zeros(1, np.int32), np.zeros((), np.int32)  # ort flavour: seqlens_k, total_sequence_length
         self.taps = self._alloc((1, self.max_chunk, static[C.TAPS_WIDTH]), C.dtype(C.tensor(C.TARGET, C.TAPS, m), m))
         K, V = m.block_size, m.vocab_size
@@ -368,28 +367,6 @@ class OrtBackend(Backend):
         if want_logits:
             logits = io.get_outputs()[-1].numpy()[0] if big else self.logits[0, :S]
         return TargetOut(self.next_ids[0, :S], logits)
-
-    def commit(self, n: int) -> None:
-        super().commit(n)
-        if self.states is not None:  # a hybrid target's rollback: only n positions reach the states
-            self.states.commit(n)
-
-    def reset(self) -> None:
-        super().reset()
-        if self.states is not None:
-            self.states.reset()
-
-    def reusable(self, n: int) -> int:
-        if self.states is None or n == self.target_len:
-            return n
-        return 0  # a recurrent state holds the whole sequence: no shorter prefix to go back to
-
-    def keep(self, n: int) -> None:
-        if self.states is not None and n != self.target_len:
-            if n:
-                raise DFlashError(f"internal: keep({n}) of {self.target_len} positions: a hybrid target keeps all or none")
-            self.states.reset()
-        super().keep(n)
 
     def draft_context(self, n: int) -> None:
         m, P, g = self.manifest, self.context_len, C.DRAFT_CONTEXT

@@ -25,6 +25,7 @@ from .backend import Backend, TargetOut
 from . import contract as C
 from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, Manifest, draft_vocab_size, load_manifest
 from .errors import DFlashError
+from .hybrid import LinearStates
 from .trt_profiles import ENGINE_FILES, check_engine_record, check_trt_version
 
 INSTALL_HINT = 'pip install "dflash-export[trt]" (or: pip install tensorrt cuda-python --extra-index-url https://pypi.nvidia.com)'
@@ -86,6 +87,11 @@ class TensorRTBackend(Backend):
     outputs are bound straight into the slots after it when that address is 256-byte
     aligned; otherwise they land in a scratch buffer and only those S rows are copied.
 
+    Hybrid targets (docs/hybrid.md): a linear-attention layer's committed states and a call's
+    per-position increments are runtime/hybrid.py's host buffers, the same code and commit as
+    on ONNX Runtime; this backend only copies the increments (S rows) to the host after each
+    call and the committed states back to the device before the next call that follows a commit.
+
     No CUDA graphs: a graph bakes in shapes and addresses, and the past length changes on
     every call, so within one generation no captured graph would ever be replayed.
     """
@@ -96,9 +102,6 @@ class TensorRTBackend(Backend):
         self.trt, self.cudart = trt, cudart
         self.out = Path(out_dir)
         self.manifest = m = manifest or load_manifest(self.out)
-        if m.linear_layers:
-            raise DFlashError("the TensorRT backend does not run hybrid (Gated DeltaNet) targets yet; "
-                              "use --backend ort (docs/hybrid.md)")
         cc, gpu = gpu_info(cudart, device)
         rec = m.engines
         check_engine_record(rec, trt.__version__, cc)
@@ -126,7 +129,12 @@ class TensorRTBackend(Backend):
         self.row = H * D * self.esize  # bytes per position of one target K or V buffer
         self.drow = dh * dd * self.esize
         ms = max(self.max_prompt, self.k)
-        self.kv = [(self._malloc(self.max_len * self.row), self._malloc(self.max_len * self.row)) for _ in range(L)]
+        self.kv = [None if m.is_linear(i) else (self._malloc(self.max_len * self.row), self._malloc(self.max_len * self.row))
+                   for i in range(L)]
+        # hybrid target: the committed DeltaNet states and a call's per-position outputs live on the
+        # host (runtime/hybrid.py, shared with ONNX Runtime); these are their device copies
+        self.states = LinearStates(m, ms) if m.linear_layers else None
+        self.d_linear = {n: self._malloc(a.nbytes) for n, a in (self.states.buf.items() if self.states else ())}
         self.ckv = [(self._malloc(self.max_len * self.drow), self._malloc(self.max_len * self.drow))
                     for _ in range(dl if drafter else 0)]
         self.taps_row = C.sizes(m)[C.TAPS_WIDTH] * self.esize
@@ -246,7 +254,12 @@ class TensorRTBackend(Backend):
         addrs = {C.INPUT_IDS: self.d_ids, C.POSITION_IDS: self.d_pos, C.LOGITS: self.d_logits,
                  C.NEXT_IDS: self.d_next, C.TAPS: self.d_taps}
         copies = []
-        for i, (kb, vb) in enumerate(self.kv):
+        if self.states is not None:
+            self._states_to_device(addrs)
+        for i, kv in enumerate(self.kv):
+            if kv is None:  # a linear-attention layer: bound by _states_to_device
+                continue
+            kb, vb = kv
             for past, new, base, scr in ((C.past_key(i), C.new_key(i), kb, self.d_scratch[2 * i]),
                                          (C.past_value(i), C.new_value(i), vb, self.d_scratch[2 * i + 1])):
                 addrs[past] = base
@@ -257,12 +270,28 @@ class TensorRTBackend(Backend):
         for dst, src, n in copies:
             self._d2d(dst, src, n)
         self._d2h(self.h_next[:s], self.d_next)
+        if self.states is not None:  # the increments to commit, on the host (rows 0..s-1 of batch 0)
+            for i in self.states.layers:
+                for name in (C.new_conv(i), *C.delta(i)):
+                    self._d2h(self.states.buf[name][0, :s], self.d_linear[name])
         if want_logits:
             self._d2h(self.h_logits[:s], self.d_logits)
         self._sync()
         self._pending = s
         self._taps_n = s
         return TargetOut(next_ids=self.h_next[:s], logits=self.h_logits[:s] if want_logits else None)
+
+    def _states_to_device(self, addrs: dict) -> None:
+        """Bind every DeltaNet tensor to its device buffer; copy the committed states there first
+        if a commit or reset moved them on the host since the last call."""
+        buf = self.states.buf
+        for name, ptr in self.d_linear.items():
+            addrs[name] = ptr
+        if self.states.changed:
+            for i in self.states.layers:
+                for name in (C.conv_state(i), C.rec_state(i)):
+                    self._h2d(self.d_linear[name], buf[name])
+            self.states.changed = False
 
     def draft_context(self, n: int) -> None:
         c, p = int(n), self.context_len
