@@ -1,6 +1,7 @@
 """Hybrid Qwen3.5 targets exported and run: state tensors in the graph and the manifest,
-`check` parity on every output (1e-4), and the ORT runtime lossless against the oracle and
-transformers' `generate` (drafts rejected and accepted, prefill in several chunks)."""
+`check` parity on every output (1e-4; fp16 at the dense half bounds), and the ORT runtime and
+the TensorRT backend (over tests/trt_fake.py) lossless against the oracle and transformers'
+`generate` on several layer patterns (drafts rejected at every position, prefill in chunks)."""
 
 from __future__ import annotations
 
@@ -259,6 +260,11 @@ def test_tensorrt_backend_is_lossless_on_a_hybrid_target(tmp_path, monkeypatch):
         assert generate(be, prompt, n).tokens == ref, i
         assert generate(be, prompt, n, draft=False).tokens == ref, i
         rejected_everywhere(be, prompt, n, ref)
+    ort_be = OrtBackend(out)
+    for seed in range(2):  # sampling: the same draws as ONNX Runtime's, round for round
+        kw = dict(temperature=1.5, seed=seed, stop_token_ids=())
+        got, want = generate(be, cases[0], 20, **kw), generate(ort_be, cases[0], 20, **kw)
+        assert (got.tokens, got.acceptance_lengths) == (want.tokens, want.acceptance_lengths), seed
     be.close()
 
 
