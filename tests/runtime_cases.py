@@ -13,6 +13,7 @@ and one LM-head row reads it, so the target's greedy output turns repetitive and
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parent / "fixtures" / "drafter-configs"  # released drafter configs
 
 
 @dataclass(frozen=True)
@@ -41,13 +43,15 @@ class Case:
     layer_types: tuple[str, ...] | None = None  # hybrid targets (qwen35): the linear/full pattern
     attention: str = "standard"  # export --attention
     dtype: str = "fp32"  # export --dtype
+    released: str | None = None  # a released drafter config (FIXTURES) at this case's sizes (`block`: --block-size)
 
     @property
     def name(self) -> str:
         b = f"-bias{self.bias}" if self.bias else ""
         a = "-ort" if self.attention == "ort" else ""
         d = "" if self.dtype == "fp32" else f"-{self.dtype}"
-        return f"{self.arch}-L{self.layers}-D{self.draft_layers}-K{self.block}{b}{a}{d}"
+        r = f"-{self.released.split('-dflash')[0]}" if self.released else ""
+        return f"{self.arch}-L{self.layers}-D{self.draft_layers}-K{self.block}{b}{a}{d}{r}"
 
 
 ORT_CASES = {  # the "ort" attention flavour (contract.TARGET_ORT): tests/test_attention_ort.py
@@ -71,9 +75,52 @@ def _source_digest() -> str:
     h = hashlib.sha256()
     files = sorted((ROOT / "export").glob("*.py")) + sorted((ROOT / "models").glob("*.py"))
     files += [ROOT / "runtime" / "contract.py", ROOT / "dflash_export" / "testing.py", Path(__file__)]
+    files += sorted(FIXTURES.glob("*.json"))
     for f in files:
         h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()[:16]
+
+
+def shrink_released(cfg: dict, target_layers: int, hidden: int, vocab: int) -> dict:
+    """A released drafter config with the same keys and structure at tiny sizes: the target's
+    width, vocabulary and depth (explicit tap ids scaled into it, derived ones left to derive),
+    4 heads (2 KV) of 8, at most its last 3 layers (a sliding/full mix stays), window 3."""
+    c = copy.deepcopy(cfg)
+    big_layers = c["num_target_layers"]
+    c.update(hidden_size=hidden, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+             num_target_layers=target_layers, vocab_size=vocab, num_hidden_layers=min(c["num_hidden_layers"], 3))
+    if c.get("layer_types"):
+        c["layer_types"] = c["layer_types"][-c["num_hidden_layers"]:]
+    if c.get("sliding_window"):
+        c["sliding_window"] = 3
+    nested = c.get("dflash_config")
+    if nested is not None:
+        if nested.get("target_layer_ids") is not None:
+            nested["target_layer_ids"] = [i * target_layers // big_layers for i in nested["target_layer_ids"]]
+        if nested.get("mask_token_id") is not None:
+            nested["mask_token_id"] = vocab - 2
+    return c
+
+
+def _released_drafter(case: Case, target_dir: Path, directory: Path) -> int | None:
+    """Write case.released's drafter for the target (random weights); -> the --mask-token-id to
+    export with (the config's own, or vocab - 3 where it is null, as a user would pass)."""
+    import torch
+
+    from dflash_export.models import Drafter, TargetConfig
+    from dflash_export.models.config import DraftConfig
+
+    tc = TargetConfig.load(target_dir)
+    cfg = shrink_released(json.loads((FIXTURES / case.released).read_text()), tc.num_layers, tc.hidden_size,
+                          tc.vocab_size)
+    torch.manual_seed(case.seed)
+    d = Drafter(DraftConfig.from_dict(cfg))
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    d.save_pretrained(directory)
+    return None if d.config.mask_token_id is not None else tc.vocab_size - 3
 
 
 def _bias_target(directory: Path, bias: float, token: int = 7) -> None:
@@ -141,10 +188,15 @@ def _export(case: Case, final: Path) -> None:
         types = ["full_attention"] * case.draft_layers
         types[min(1, case.draft_layers - 1)] = "sliding_attention"
         extra = dict(layer_types=types, sliding_window=case.sliding)
-    make_drafter(tmp / "d", tmp / "t", layers=case.draft_layers, block_size=case.block, seed=case.seed,
-                 target_layer_ids=list(case.taps) if case.taps else None, **extra)
+    mask = None
+    if case.released:
+        mask = _released_drafter(case, tmp / "t", tmp / "d")
+    else:
+        make_drafter(tmp / "d", tmp / "t", layers=case.draft_layers, block_size=case.block, seed=case.seed,
+                     target_layer_ids=list(case.taps) if case.taps else None, **extra)
     export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=case.max_context, attention=case.attention,
-                    dtype=case.dtype, progress=False)
+                    dtype=case.dtype, block_size=case.block if case.released else None, mask_token_id=mask,
+                    progress=False)
     shutil.rmtree(final, ignore_errors=True)  # a half-written entry of a killed run (no manifest)
     os.replace(tmp, final)
 

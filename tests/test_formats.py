@@ -3,7 +3,6 @@ round trips, and one refusal per kind of bad checkpoint, each with its message."
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -17,8 +16,8 @@ from dflash_export.models import (
 from dflash_export.models.config import parse_rope
 from dflash_export.runtime.errors import DFlashError
 from dflash_export.testing import make_target
+from runtime_cases import FIXTURES, shrink_released
 
-FIXTURES = Path(__file__).parent / "fixtures" / "drafter-configs"
 SUPPORTED = ["qwen3-8b-dflash-b16.config.json", "qwen3.5-27b-dflash.config.json",
              "qwen3.6-27b-dflash.partial-config.json"]
 L_TINY, H_TINY, V_TINY = 8, 32, 64
@@ -31,21 +30,7 @@ def fixture(name: str) -> dict:
 def shrink(cfg: dict) -> dict:
     """Same keys and structure, tiny sizes: hidden 32, 4 heads (2 kv) of 8, an 8-layer target
     (explicit tap ids scaled into it, derived ones left to derive), vocab 64, window 3."""
-    c = copy.deepcopy(cfg)
-    big_layers = c["num_target_layers"]
-    c.update(hidden_size=H_TINY, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-             num_target_layers=L_TINY, vocab_size=V_TINY, num_hidden_layers=min(c["num_hidden_layers"], 3))
-    if c.get("layer_types"):
-        c["layer_types"] = c["layer_types"][-c["num_hidden_layers"]:]  # keeps a sliding/full mix
-    if c.get("sliding_window"):
-        c["sliding_window"] = 3
-    nested = c.get("dflash_config")
-    if nested is not None:
-        if nested.get("target_layer_ids") is not None:
-            nested["target_layer_ids"] = [i * L_TINY // big_layers for i in nested["target_layer_ids"]]
-        if nested.get("mask_token_id") is not None:
-            nested["mask_token_id"] = V_TINY - 2
-    return c
+    return shrink_released(cfg, L_TINY, H_TINY, V_TINY)
 
 
 def z_lab_rule(L: int, n: int) -> list[int]:

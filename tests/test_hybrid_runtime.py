@@ -26,8 +26,10 @@ LIN, FULL = "linear_attention", "full_attention"
 CASE = Case("qwen35", layers=4, draft_layers=1, block=6, bias=2.0, hidden=32, max_context=200)  # L L L F
 PATTERNS = {  # unbiased targets (varied greedy text), exported once each (tests/runtime_cases.py caches them)
     # attention first and linear last, tied embeddings, the ConditionalGeneration checkpoint layout
-    "full-first-vl": Case("qwen35-vl", layers=5, block=4, hidden=32, seed=1, tie=True, max_context=160,
-                          layer_types=(FULL, LIN, LIN, FULL, LIN)),
+    # and the released Qwen3.6-27B drafter's config (sliding/full layers), exported with --block-size 4
+    "full-first-vl": Case("qwen35-vl", layers=5, draft_layers=3, block=4, hidden=32, seed=1, tie=True,
+                          max_context=160, layer_types=(FULL, LIN, LIN, FULL, LIN),
+                          released="qwen3.6-27b-dflash.partial-config.json"),
     "all-linear": Case("qwen35", layers=2, block=8, hidden=32, seed=2, max_context=160, layer_types=(LIN, LIN)),  # no K/V at all
 }
 
@@ -288,7 +290,28 @@ def test_prompt_reuse_keeps_all_or_nothing(pair):
     assert generate(be, prompt, 12, stop_token_ids=()).tokens == first.tokens  # reuse 0: states reset
 
 
-HALF = Case("qwen35", layers=2, block=4, hidden=32, seed=4, max_context=160, layer_types=(LIN, FULL), dtype="fp16")
+HALF = Case("qwen35", layers=5, draft_layers=3, block=16, hidden=32, seed=4, max_context=160, dtype="fp16",
+            layer_types=(LIN, FULL, FULL, FULL, FULL), released="qwen3.5-27b-dflash.config.json")  # as released: block 16
+
+
+@pytest.mark.parametrize("case", [PATTERNS["full-first-vl"], HALF], ids=lambda c: c.released)
+def test_released_drafter_configs_export_for_hybrid_targets(case):
+    """Both released drafter configs for Qwen3.5/3.6 targets (tests/fixtures/drafter-configs: the
+    3.5 one nested with a null mask id, the 3.6 one with sliding-window layers), in their own layout
+    at tiny sizes, export against a hybrid target; the runtime tests then run those artifacts."""
+    from runtime_cases import FIXTURES, shrink_released
+
+    tdir, ddir, out = artifact(case)
+    m = C.load_manifest(out)
+    released = json.loads((FIXTURES / case.released).read_text())
+    assert json.loads((ddir / "config.json").read_text()) == shrink_released(released, 5, 32, m.vocab_size)
+    assert m.target_layer_ids == [0, 1, 2, 3, 4] and m.draft_layers == 3 and m.block_size == case.block
+    dc = DraftConfig.load(ddir)
+    if released["dflash_config"]["mask_token_id"] is None:  # given on the command line, as a user must
+        assert dc.mask_token_id is None and m.mask_token_id == m.vocab_size - 3
+    else:
+        assert m.mask_token_id == dc.mask_token_id == m.vocab_size - 2
+    assert dc.layer_types == released["layer_types"][-3:]
 
 
 def test_fp16_export_of_a_hybrid_target(tmp_path):
@@ -326,6 +349,6 @@ def test_fp16_export_of_a_hybrid_target(tmp_path):
     assert rep["end_to_end"]["cases"] == 5
 
     r = CliRunner().invoke(cli, ["export", "--target", str(tdir), "--draft", str(ddir), "--out", str(tmp_path / "bf16"),
-                                 "--dtype", "bf16"])
+                                 "--dtype", "bf16", "--mask-token-id", str(m.mask_token_id)])
     assert r.exit_code == 2 and "--dtype bf16 is not supported for hybrid" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "bf16").exists()
