@@ -122,3 +122,33 @@ def test_manifest_json_lists_profiles(built):
     raw = json.loads((out / "manifest.json").read_text())
     verify = raw["engines"]["profiles"]["target"][0]["shapes"]["input_ids"]
     assert np.array(verify).tolist() == [[1, K], [1, K], [1, K]]
+
+
+def test_trt_hybrid_tokens_match_ort(tmp_path):
+    """A hybrid (Gated DeltaNet) artifact on real engines, the states committed on the host
+    (runtime/hybrid.py): tokens == ONNX Runtime CPU's, plain and speculative, one prompt
+    prefilled in two 64-position chunks. Only ever run here against tests/trt_fake.py
+    (test_hybrid_runtime.py); this is the check on real TensorRT."""
+    import shutil
+
+    from test_hybrid_runtime import PATTERNS
+    from runtime_cases import artifact
+
+    from dflash_export.cli import cli
+    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.trt_backend import TensorRTBackend
+
+    _, _, out = artifact(PATTERNS["full-first-vl"])
+    eng = tmp_path / "out"
+    shutil.copytree(out, eng)  # the build writes engines into the directory: not into the shared cache
+    r = CliRunner().invoke(cli, ["build", str(eng), "--timing-cache", str(tmp_path / "tc"), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    ref, trt_b = OrtBackend(out, "cpu"), TensorRTBackend(eng)
+    long = np.random.default_rng(4).integers(0, ref.manifest.vocab_size - 2, 70).tolist()
+    try:
+        for p in PROMPTS + [long]:
+            want = _tokens(ref, p, draft=False, n=24)
+            assert _tokens(trt_b, p, draft=False, n=24) == want
+            assert _tokens(trt_b, p, draft=True, n=24) == want
+    finally:
+        trt_b.close()
