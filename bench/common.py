@@ -81,7 +81,7 @@ def source_digest() -> str:
 
 def export_pair(target_dir: str | Path, draft_dir: str | Path, max_context: int = 2304) -> Path:
     """Export a given (e.g. trained) pair once; cached by the content of both directories."""
-    from dflash_export.runtime.contract import hash_files
+    from dflash_export.runtime.manifest import hash_files
 
     key = hashlib.sha256(json.dumps([hash_files(Path(target_dir)), hash_files(Path(draft_dir)), max_context,
                                      source_digest()], sort_keys=True).encode()).hexdigest()[:12]

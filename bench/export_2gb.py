@@ -85,7 +85,7 @@ def do_export(work: Path) -> dict:
 def do_load(work: Path, low_memory: bool = False) -> dict:
     import numpy as np
 
-    from dflash_export.runtime.contract import load_manifest
+    from dflash_export.runtime.manifest import load_manifest
     from dflash_export.runtime.loop import generate
     from dflash_export.runtime.ort import OrtBackend
 

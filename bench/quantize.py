@@ -45,9 +45,9 @@ def linear_bytes(out: Path) -> dict:
     """Bytes of the linear weights (shared ones once): quantized tensors vs the same weights in fp32."""
     import onnx
 
-    from dflash_export.runtime import contract as C
+    from dflash_export.runtime import contract as C, manifest as M
 
-    m = C.load_manifest(out, verify=False)
+    m = M.load_manifest(out, verify=False)
     weights = m.quantization["weights"] if m.quantization else None
     seen, stored, fp32 = set(), 0, 0
     for g, f in C.GRAPH_FILES.items():

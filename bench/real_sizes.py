@@ -69,11 +69,11 @@ def do_export(work: Path, name: str, draft_vocab: int | None) -> dict:
 def open_backend(work: Path, name: str, threads: str, variant: str, drafter: bool = True):
     """threads "cal": runtime.json's per-graph counts and prefill chunk; else one count for
     every graph. variant fold: the tied head constant-folded as before (a transposed copy)."""
-    from dflash_export.runtime import contract as C
+    from dflash_export.runtime import manifest as M
     from dflash_export.runtime.ort import OrtBackend
     from dflash_export.runtime.settings import resolve
 
-    m = C.load_manifest(work / name)
+    m = M.load_manifest(work / name)
     kw = resolve(work / name, m, "ort:cpu", threads=None if threads == "cal" else int(threads)).ort_kwargs()
     kw |= {"low_memory": {"low_memory": True}, "keep_mapped": {"release_mapped": False}}.get(variant, {})
     if variant == "fold":
@@ -93,9 +93,9 @@ def do_calibrate(work: Path, name: str, prompts: int, new_tokens: int) -> dict:
     from dflash_export.cmd_run import calibrate
     from dflash_export.runtime.calibrate import thread_candidates
 
-    from dflash_export.runtime import contract as C
+    from dflash_export.runtime import manifest as M
 
-    rng, vocab = np.random.default_rng(1), C.load_manifest(work / name).vocab_size
+    rng, vocab = np.random.default_rng(1), M.load_manifest(work / name).vocab_size
     ps = [rng.integers(0, vocab - 2, 32).tolist() for _ in range(prompts)]
     t0 = time.perf_counter()
     out = calibrate(work / name, "cpu", "ort", thread_candidates(), False, ps, new_tokens, 1,

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import ROOT  # noqa: E402
 
-from dflash_export.runtime import contract as C  # noqa: E402
+from dflash_export.runtime import manifest as M  # noqa: E402
 from dflash_export.runtime.loop import Generation, generate, stream  # noqa: E402
 from dflash_export.runtime.ort import OrtBackend  # noqa: E402
 from dflash_export.runtime.settings import VerifyPolicy, device_key, resolve  # noqa: E402
@@ -38,7 +38,7 @@ def load(d: Path, threads: int, profile: bool = False, policy: VerifyPolicy | No
     """The backend as `bench` builds it (runtime.json's verify policy unless `policy`), optionally profiling."""
     import onnxruntime as ort
 
-    m = C.load_manifest(d)
+    m = M.load_manifest(d)
     s = resolve(d, m, device_key("ort"), threads=threads)
     plain = ort.SessionOptions
     if profile:

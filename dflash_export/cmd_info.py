@@ -14,18 +14,18 @@ from pathlib import Path
 
 import click
 
-from .runtime import contract as C
+from .runtime import contract as C, manifest as M
 from .runtime.errors import DFlashError
 
 
 def describe(out: Path, verify: bool = True) -> dict:
     """The information `info` prints, as one JSON-ready dict."""
-    m = C.load_manifest(out, verify=False)
+    m = M.load_manifest(out, verify=False)
     if not verify:
         hashes = "not checked"
     else:
         try:
-            C.verify_files(out, m)
+            M.verify_files(out, m)
             hashes = "verified"
         except DFlashError as e:
             hashes = f"MISMATCH: {e}"
@@ -92,7 +92,7 @@ def print_info(d: dict, out: Path) -> None:
     flavour = {"ort": "ort (target attention as com.microsoft GroupQueryAttention: ONNX Runtime only)"}
     click.echo(f"export   {d['dtype']}, attention {flavour.get(d['attention'], d['attention'])}, block size {d['block_size']}, max context {d['max_context']}, opset {d['opset']}, "
                f"eos {d['eos_token_ids']}, tokenizer {'yes' if d['tokenizer'] else 'no'}")
-    m = C.load_manifest(out, verify=False)
+    m = M.load_manifest(out, verify=False)
     for g in C.GRAPHS:
         graph = C.spec(g, m)  # the ort attention flavour declares its own target graph
         kinds = C.layer_kinds(g, m)  # hybrid targets: linear-attention layers carry states, not K/V

@@ -36,7 +36,7 @@ def _parse_ids(text: str, what: str) -> list[int]:
 
 def _settings(out, provider: str, backend: str, threads: int | None, spin: bool | None, verify: str):
     """The run's settings: --threads/--spin/--verify over runtime.json over the defaults (runtime/settings.py)."""
-    from .runtime.contract import load_manifest
+    from .runtime.manifest import load_manifest
     from .runtime.settings import device_key, resolve
 
     m = load_manifest(out, verify=False)  # the backend verifies the hashes when it loads
@@ -316,7 +316,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     """
     from .runtime.backend import open_backend
     from .runtime.calibrate import prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
-    from .runtime.contract import load_manifest
+    from .runtime.manifest import load_manifest
     from .runtime.measure import measure_many, rate, summarize
 
     if plot is not None:

@@ -54,7 +54,7 @@ def demo_cache_dir(pair: Path) -> Path:
 
 def demo_artifact(pair: Path | None = None) -> Path:
     """The shipped demo pair exported once into ~/.cache/dflash-export/ (again when this version cannot read it)."""
-    from .runtime import contract as C
+    from .runtime import contract as C, manifest as M
 
     if pair is None:
         from .cmd_demo import demo_dir  # package data; imports no torch
@@ -63,7 +63,7 @@ def demo_artifact(pair: Path | None = None) -> Path:
     out = demo_cache_dir(pair)
     if (out / C.MANIFEST).is_file():
         try:
-            C.load_manifest(out, verify=False)
+            M.load_manifest(out, verify=False)
             return out
         except DFlashError:  # unreadable by this version: export it again (--force)
             pass
@@ -190,7 +190,7 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
           replica_gpus, max_replicas_per_node, max_ongoing, upscale_delay, downscale_delay, health_check_period, proxy):
     """An OpenAI-compatible server over an exported directory OUT (or --demo):
     /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize."""
-    from .runtime import contract as C
+    from .runtime import manifest as M
     from .runtime.settings import device_key, resolve
 
     _need_serve_extra()
@@ -221,7 +221,7 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
     if use_ray:
         directory = Path(directory).resolve()  # every replica opens this path on its own node
     # a wrong folder, --threads or runtime.json is one line now, not after binding
-    resolve(directory, C.load_manifest(directory, verify=False), device_key(backend, provider), threads=threads,
+    resolve(directory, M.load_manifest(directory, verify=False), device_key(backend, provider), threads=threads,
             spin=spin, verify=verify)
 
     import uvicorn

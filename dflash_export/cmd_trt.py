@@ -39,7 +39,7 @@ def build(out: Path, precision, max_context, max_prompt, timing_cache, workspace
     if dry_run:
         from .export.trt_build import build_plan, describe
         from .export.trt_lint import check, lint_range
-        from .runtime.contract import load_manifest
+        from .runtime.manifest import load_manifest
 
         manifest = load_manifest(out)
         plan = build_plan(manifest, precision, max_context, max_prompt, workspace)

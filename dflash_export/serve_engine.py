@@ -306,7 +306,7 @@ def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, b
     graph), spinning, the prefill chunk and the verify policy resolve as in generate/bench
     (runtime/settings.py)."""
     from .runtime.backend import open_backend
-    from .runtime.contract import load_manifest
+    from .runtime.manifest import load_manifest
     from .runtime.settings import device_key, resolve
     from .serve_text import Text
 

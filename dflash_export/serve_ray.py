@@ -28,7 +28,7 @@ from pathlib import Path
 from ray import serve
 
 from . import serve_engine
-from .runtime import contract as C
+from .runtime import manifest as M
 from .runtime.errors import DFlashError
 from .serve_app import REPLICA, ServeOptions, create_app
 from .serve_engine import load_engine
@@ -40,7 +40,7 @@ log = logging.getLogger("ray.serve")
 
 def _stamp(directory: Path) -> dict[str, tuple[int, int]]:
     """(size, mtime) of every listed file: what the health check compares with the verified state."""
-    m = C.load_manifest(directory, verify=False)
+    m = M.load_manifest(directory, verify=False)
     out = {}
     for rel in sorted(m.files):
         try:
@@ -217,7 +217,7 @@ def app_builder(args: dict) -> serve.Application:
     if "directory" not in args:
         raise DFlashError("the application's args need 'directory': the exported directory (same path on every node)")
     options = ServeOptions(Path(args.pop("directory")), **args)
-    C.load_manifest(options.directory, verify=False)
+    M.load_manifest(options.directory, verify=False)
     return build(options, replicas=None)
 
 

@@ -18,7 +18,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from .runtime.contract import read_json
+from .runtime.manifest import read_json
 from .runtime.errors import DFlashError
 
 

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..runtime import contract as C
+from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
 from .progress import Phases, report
 
@@ -232,7 +232,7 @@ def export_artifact(
     room_check: bool = True,
     draft_vocab: int | None = None,
     draft_vocab_data: list | tuple = (),
-) -> C.Manifest:
+) -> M.Manifest:
     """Trace, save, validate and describe one artifact directory; atomic on failure.
 
     quantize: an export/quantize.py QuantOptions: the float export is written first (to a
@@ -264,7 +264,7 @@ def export_artifact(
     stale = clean_stale_staging(out)
     if room_check:
         check_room(weight_bytes, out, dtype)
-    manifest = C.Manifest(
+    manifest = M.Manifest(
         block_size=k, mask_token_id=mask, target_layer_ids=list(dc.target_layer_ids), dtype=dtype,
         vocab_size=tc.vocab_size, max_context=int(max_context), hidden_size=tc.hidden_size,
         target_layers=tc.num_layers, target_kv_heads=tc.num_kv_heads, target_head_dim=tc.head_dim,
@@ -322,9 +322,9 @@ def export_artifact(
     return manifest
 
 
-def write_manifest_checked(root: Path, manifest: C.Manifest) -> None:
-    C.write_manifest(root, manifest)
-    C.load_manifest(root, verify=True)  # what a runtime will do: must pass before we publish
+def write_manifest_checked(root: Path, manifest: M.Manifest) -> None:
+    M.write_manifest(root, manifest)
+    M.load_manifest(root, verify=True)  # what a runtime will do: must pass before we publish
 
 
 def commit(tmp: Path, out: Path) -> None:

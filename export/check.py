@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime import contract as C
+from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
 
 TOLERANCE = 1e-4  # fp32 absolute, on logits, taps and K/V alike
@@ -100,7 +100,7 @@ class Report:
                 "draft_vocab": self.draft_vocab}
 
 
-def load_sources(root: Path, manifest: C.Manifest, target_dir, draft_dir):
+def load_sources(root: Path, manifest: M.Manifest, target_dir, draft_dir):
     """The PyTorch modules an artifact came from; refuse sources that do not match it."""
     import torch
 
@@ -125,7 +125,7 @@ def load_sources(root: Path, manifest: C.Manifest, target_dir, draft_dir):
     return target, drafter
 
 
-def draft_vocab_ids(root: Path, m: C.Manifest) -> np.ndarray:
+def draft_vocab_ids(root: Path, m: M.Manifest) -> np.ndarray:
     """The N target ids of a reduced draft vocabulary, as draft_block.onnx holds them."""
     import onnx
     from onnx import numpy_helper
@@ -143,7 +143,7 @@ def draft_vocab_ids(root: Path, m: C.Manifest) -> np.ndarray:
     raise DFlashError(f"{path}: no vocab_ids of {m.draft_vocab['size']} tokens, which the manifest's draft_vocab says it has; re-export")
 
 
-def cases(target, drafter, m: C.Manifest, seed: int):
+def cases(target, drafter, m: M.Manifest, seed: int):
     """(graph, case, torch module, inputs in graph order) for every regime that matters."""
     import torch
 
@@ -182,7 +182,7 @@ def cases(target, drafter, m: C.Manifest, seed: int):
     yield C.DRAFT_BLOCK, f"past_ctx={P} K={K}", bg, [block(), pos(P, K), *flat(ctx)]
 
 
-def committed_state_rows(target, m: C.Manifest, session, seed: int, strict: bool) -> list[Row]:
+def committed_state_rows(target, m: M.Manifest, session, seed: int, strict: bool) -> list[Row]:
     """Hybrid targets: the states the runtime commits from a verify's outputs (a prefix of
     it: a rollback; runtime/hybrid.py) against the PyTorch cache's own commit (held to the
     fp32 tolerance only where the graphs' own outputs are: `strict`)."""
@@ -305,7 +305,7 @@ def run_check(
     from .progress import Phases
 
     root = Path(root)
-    m = C.load_manifest(root, verify=True)
+    m = M.load_manifest(root, verify=True)
     ui = Phases(progress)
     q = m.quantization
     report = Report(m.dtype, quantization=q, strict=m.dtype == "fp32",
@@ -373,7 +373,7 @@ def written_rows(feeds: dict, names: list[str], outs: list) -> list:
     return [x[:, :, :n] if name.startswith("present_") else x for name, x in zip(names, outs)]
 
 
-def end_to_end(backend, target, drafter, m: C.Manifest, prompts: int, max_new_tokens: int, seed: int, oracle,
+def end_to_end(backend, target, drafter, m: M.Manifest, prompts: int, max_new_tokens: int, seed: int, oracle,
                float_models=None) -> dict:
     """Greedy speculative decoding (no stop tokens) by the deployed loop (runtime/loop.py over
     the ORT backend) vs the oracle on (target, drafter). Quantized (float_models: the float

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..runtime import contract as C
+from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
 
 SCHEMES = {"int4": 4, "int8": 8}
@@ -103,7 +103,7 @@ def quantize_graph(model, q: QuantOptions, graph: str):
     return ir.serde.deserialize_model(out), quantized
 
 
-def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progress: bool = True) -> C.Manifest:
+def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progress: bool = True) -> M.Manifest:
     """A float artifact directory (`export` output) -> a weight-only quantized one at `out`.
 
     Graphs are read with their external data mapped, quantized one at a time and written
@@ -125,7 +125,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
     from .validate import validate_artifact
 
     src, out = Path(src), Path(out).absolute()
-    m = C.load_manifest(src, verify=True)
+    m = M.load_manifest(src, verify=True)
     if m.quantization is not None:
         raise DFlashError(f"{src} is already quantized ({m.quantization['scheme']}); quantize its float export "
                           "(or re-export from the checkpoints with --quantize)")

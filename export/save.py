@@ -12,7 +12,7 @@ import hashlib
 import shutil
 from pathlib import Path
 
-from ..runtime import contract as C
+from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
 
 ALIGN = 4096  # external-data offsets of large tensors, so ORT can mmap them
@@ -43,7 +43,7 @@ def _digest(t) -> str:
 
 class DataWriter:
     """Moves initializers of 1 KiB and more into external data; weights several graphs hold
-    into shared.data, once (`shared`: name -> C.SharedTensor, the manifest's table).
+    into shared.data, once (`shared`: name -> M.SharedTensor, the manifest's table).
 
     Tensors are streamed from their torch storage one at a time (no copy of the model),
     which keeps peak memory near the weights' size even above protobuf's 2 GB limit.
@@ -54,7 +54,7 @@ class DataWriter:
         self.files: dict[str, object] = {}
         self.share = shared  # name -> graphs holding it
         self.tied = tied
-        self.shared: dict[str, C.SharedTensor] = {}
+        self.shared: dict[str, M.SharedTensor] = {}
 
     def _append(self, fname: str, tensor) -> tuple[int, int]:
         f = self.files.get(fname)
@@ -71,17 +71,17 @@ class DataWriter:
             raise DFlashError(f"writing {tensor.name}: wrote {length} bytes, expected {nbytes}")
         return offset, length
 
-    def _shared(self, name: str, t) -> C.SharedTensor:
+    def _shared(self, name: str, t) -> M.SharedTensor:
         embed, head = C.SHARED_INITIALIZERS
         same = embed if self.tied and name == head else name  # tied: one tensor, two names
         first = self.shared.get(same)
         if first is None:
             offset, length = self._append(C.SHARED_DATA, t)
-            first = C.SharedTensor(C.SHARED_DATA, offset, length, t.dtype.numpy().name, list(t.shape), [])
+            first = M.SharedTensor(C.SHARED_DATA, offset, length, t.dtype.numpy().name, list(t.shape), [])
             self.shared[same] = first
         if (first.dtype, first.shape) != (t.dtype.numpy().name, list(t.shape)):
             raise DFlashError(f"shared tensor {name} differs between graphs: {first.shape} vs {list(t.shape)}")
-        entry = self.shared.setdefault(name, C.SharedTensor(**{**vars(first), "graphs": []}))
+        entry = self.shared.setdefault(name, M.SharedTensor(**{**vars(first), "graphs": []}))
         return entry
 
     def externalize(self, graph: str, model) -> None:
@@ -141,19 +141,19 @@ def copy_tokenizer(target_dir: Path, out: Path) -> list[str]:
     return copied
 
 
-def graph_spec(path: Path) -> C.GraphSpec:
+def graph_spec(path: Path) -> M.GraphSpec:
     import onnx
     from onnx import helper
 
     model = onnx.load(str(path), load_external_data=False)
 
-    def spec(v) -> C.TensorSpec:
+    def spec(v) -> M.TensorSpec:
         t = v.type.tensor_type
         dims = [d.dim_param if d.dim_param else int(d.dim_value) for d in t.shape.dim]
         name = helper.tensor_dtype_to_np_dtype(t.elem_type).name
-        return C.TensorSpec(v.name, name if name != "bfloat16" else "bfloat16", dims)
+        return M.TensorSpec(v.name, name if name != "bfloat16" else "bfloat16", dims)
 
-    return C.GraphSpec(path.name, [spec(v) for v in model.graph.input], [spec(v) for v in model.graph.output])
+    return M.GraphSpec(path.name, [spec(v) for v in model.graph.input], [spec(v) for v in model.graph.output])
 
 
 def opset_of(path: Path) -> int:

@@ -12,11 +12,11 @@ import logging
 import sys
 import warnings
 
-from ..runtime import contract as C
+from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
 
 
-def trace(graph: str, module, m: C.Manifest, dtype, opset: int | None):
+def trace(graph: str, module, m: M.Manifest, dtype, opset: int | None):
     """torch.onnx.export (dynamo) of one graph's wrapper -> onnx_ir.Model checked against the contract."""
     import torch
 
@@ -55,7 +55,7 @@ def trace(graph: str, module, m: C.Manifest, dtype, opset: int | None):
     return model
 
 
-def check_io(graph: str, model, m: C.Manifest) -> None:
+def check_io(graph: str, model, m: M.Manifest) -> None:
     """The traced graph's inputs and outputs are the contract's: names, order, dtypes, static
     dims, and a named dynamic dim wherever the contract has a dynamic role."""
     ins, outs = C.io(graph, m)

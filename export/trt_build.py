@@ -26,7 +26,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..runtime.contract import BATCH, GRAPH_FILES, GRAPHS, Manifest, load_manifest, write_manifest
+from ..runtime.contract import BATCH, GRAPH_FILES, GRAPHS
+
+from ..runtime.manifest import Manifest, load_manifest, write_manifest
 from ..runtime.errors import DFlashError
 from ..runtime.trt_backend import gpu_info, import_tensorrt
 from ..runtime.trt_profiles import (

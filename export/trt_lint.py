@@ -26,7 +26,8 @@ from pathlib import Path
 import onnx
 
 from ..runtime import contract as C
-from ..runtime.contract import GRAPH_FILES, Manifest, load_manifest
+from ..runtime.contract import GRAPH_FILES
+from ..runtime.manifest import Manifest, load_manifest
 from ..runtime.errors import DFlashError
 from ..runtime.trt_profiles import TRT_BELOW, TRT_MIN, axis_role, profiles, resolve_limits
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .contract import Manifest
+from .manifest import Manifest
 from .errors import DFlashError
 from .hybrid import LinearStates
 

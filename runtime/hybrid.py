@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import contract as C
+from . import contract as C, manifest as M
 from .errors import DFlashError
 
 
@@ -39,7 +39,7 @@ class LinearStates:
     TensorRT backend copies the per-position outputs here after a call and the committed
     states back to the device before the next one (`changed`)."""
 
-    def __init__(self, m: C.Manifest, max_chunk: int):
+    def __init__(self, m: M.Manifest, max_chunk: int):
         if m.dtype == "bf16":
             raise DFlashError("hybrid targets exported in bf16 are not supported by the host state commit; "
                               "export in fp32 or fp16")

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from . import contract as C
+from . import contract as C, manifest as M
 from .backend import Backend, TargetOut
 from .errors import DFlashError
 from .hybrid import LinearStates
@@ -62,7 +62,7 @@ def resolve_provider(name: str) -> str:
 # -- shared weights, memory-mapped from the manifest's table ----------------------------
 
 
-def shared_weights(directory: Path, m: C.Manifest) -> dict[str, tuple[np.ndarray, int]]:
+def shared_weights(directory: Path, m: M.Manifest) -> dict[str, tuple[np.ndarray, int]]:
     """name -> (array over its bytes in shared.data, onnx element type), one array per
     distinct (file, offset): tied names share it. Mapped copy-on-write: the pages are the
     file's (no copy at load); nothing is ever written back."""
@@ -88,7 +88,7 @@ def shared_weights(directory: Path, m: C.Manifest) -> dict[str, tuple[np.ndarray
     return out
 
 
-def tied_head_graphs(m: C.Manifest, shared: dict) -> set[str]:
+def tied_head_graphs(m: M.Manifest, shared: dict) -> set[str]:
     """Graphs whose LM head is the fp32 embedding table itself (tied, read transposed): these
     are built without ORT's constant folding (fp16 needs it: CPU MatMul casts folded to fp32)."""
     embed, head = C.SHARED_INITIALIZERS
@@ -119,7 +119,7 @@ class OrtBackend(Backend):
     ):
         self.directory = Path(directory)
         self._provider = resolve_provider(provider)
-        self.manifest = m = C.load_manifest(self.directory, verify=verify)
+        self.manifest = m = M.load_manifest(self.directory, verify=verify)
         self.max_len = m.max_context
         self.max_chunk = max(max_chunk, m.block_size)
         self.device = "cpu" if self._provider == PROVIDERS["cpu"] else "cuda"

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .contract import RUNTIME, Manifest, read_json
+from .contract import RUNTIME
+
+from .manifest import Manifest, read_json
 from .errors import DFlashError
 
 RUNTIME_FORMAT = "dflash-export-runtime"

@@ -23,7 +23,8 @@ import numpy as np
 
 from .backend import Backend, TargetOut
 from . import contract as C
-from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, Manifest, draft_vocab_size, load_manifest
+from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, draft_vocab_size
+from .manifest import Manifest, load_manifest
 from .errors import DFlashError
 from .hybrid import LinearStates
 from .trt_profiles import ENGINE_FILES, check_engine_record, check_trt_version

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import contract as C
-from .contract import BATCH, CTX, DRAFT_BLOCK, DRAFT_CONTEXT, PAST, PAST_CTX, SEQ, TARGET, Manifest
+from .contract import BATCH, CTX, DRAFT_BLOCK, DRAFT_CONTEXT, PAST, PAST_CTX, SEQ, TARGET
+from .manifest import Manifest
 from .errors import DFlashError
 
 # Supported TensorRT: >= 10.12 (the release that deprecated weak typing; from it on the same

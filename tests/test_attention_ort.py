@@ -14,7 +14,7 @@ from dflash_export.cli import cli
 from dflash_export.export.check import run_check
 from dflash_export.export.trt_lint import lint_dir
 from dflash_export.models import Target, autoregressive_generate
-from dflash_export.runtime import contract as C
+from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort import OrtBackend
@@ -30,7 +30,7 @@ def test_manifest_and_graph_say_the_flavour(case):
     import onnx
 
     _, _, out = case
-    m = C.load_manifest(out)
+    m = M.load_manifest(out)
     assert m.attention == "ort"
     model = onnx.load(str(out / C.GRAPH_FILES[C.TARGET]), load_external_data=False)
     ops = {(n.domain, n.op_type) for n in model.graph.node}
@@ -52,7 +52,7 @@ def test_manifest_and_graph_say_the_flavour(case):
 def test_greedy_equals_the_pytorch_target(case):
     """Speculative (full block and adaptive) == plain ORT == PyTorch greedy, token for token."""
     t_dir, d_dir, out = case
-    m = C.load_manifest(out)
+    m = M.load_manifest(out)
     target = Target.from_pretrained(t_dir, m.target_layer_ids)
     be = OrtBackend(out, threads=1)
     accepted = 0
@@ -133,7 +133,7 @@ def test_unknown_flavour_in_a_manifest_is_refused(case, tmp_path):
     raw["attention"] = "flash"
     (copy / C.MANIFEST).write_text(json.dumps(raw))
     with pytest.raises(DFlashError, match="attention flavour 'flash'"):
-        C.load_manifest(copy)
+        M.load_manifest(copy)
 
 
 def test_step_ms_by_context(case):
@@ -185,7 +185,7 @@ def test_quantized_ort_flavour_passes_check(case, tmp_path):
     t_dir, d_dir, out = case
     q = tmp_path / "q"
     quantize_artifact(out, q, QuantOptions("int8", 32, True, draft=True), progress=False)
-    m = C.load_manifest(q)
+    m = M.load_manifest(q)
     assert m.attention == "ort" and m.quantization["scheme"] == "int8"
     ops = {n.op_type for n in onnx.load(str(q / C.GRAPH_FILES[C.TARGET]), load_external_data=False).graph.node}
     assert {"GroupQueryAttention", "MatMulNBits"} <= ops
@@ -202,5 +202,5 @@ def test_info_shows_the_flavour(case):
     assert "present_key.{i}" in r.output and "new_key.{i}" not in r.output
     d = json.loads(CliRunner().invoke(cli, ["info", str(out), "--json", "--no-verify"]).output)
     cache = next(t for t in d["graphs"][C.TARGET]["inputs"] if t["name"] == C.past_key(0))
-    m = C.load_manifest(out, verify=False)
+    m = M.load_manifest(out, verify=False)
     assert d["attention"] == "ort" and cache["shape"] == ["batch", m.target_kv_heads, m.max_context, m.target_head_dim]

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from runtime_cases import CASES, artifact
 
-from dflash_export.runtime import contract as C
+from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.errors import DFlashError
 
 GEOM = SimpleNamespace(target_layers=3, draft_layers=2, block_size=8, vocab_size=50, target_layer_ids=[0, 2],
@@ -40,7 +40,7 @@ def test_roles_sizes_shapes_and_dtypes():
 
 def test_exported_graphs_match_the_contract():
     """What export wrote (the manifest's record of the ONNX I/O) is the contract, dim by dim."""
-    m = C.load_manifest(artifact(CASES["qwen3"])[2])
+    m = M.load_manifest(artifact(CASES["qwen3"])[2])
     static = C.sizes(m)
     for g in C.GRAPHS:
         ins, outs = C.io(g, m)

@@ -19,7 +19,7 @@ from runtime_cases import _bias_target, prompts
 from dflash_export.cli import cli as main
 from dflash_export.export import draft_vocab as DV
 from dflash_export.models import Drafter, Target, autoregressive_generate, new_drafter, speculative_generate
-from dflash_export.runtime import contract as C
+from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort import OrtBackend
@@ -124,7 +124,7 @@ def exported(tmp_path_factory):
 
 
 def test_manifest_records_n_and_source(exported):
-    m = C.load_manifest(exported / "out")
+    m = M.load_manifest(exported / "out")
     assert m.draft_vocab["size"] == 24 and "gen.jsonl" in m.draft_vocab["source"]
     assert m.draft_vocab["data_coverage"] > 0.5
     assert C.draft_vocab_size(m) == 24
@@ -184,8 +184,8 @@ def test_quantized_reduced_vocab_checks_against_its_dequantized_head(exported, t
     r = CliRunner().invoke(main, ["quantize", str(exported / "out"), "--out", str(q), "--quantize", "int4",
                                   "--quantize-draft", "--quiet"])
     assert r.exit_code == 0, r.output
-    m = C.load_manifest(q)
-    assert m.draft_vocab == C.load_manifest(exported / "out").draft_vocab
+    m = M.load_manifest(q)
+    assert m.draft_vocab == M.load_manifest(exported / "out").draft_vocab
     assert "vocab_head" in m.quantization["weights"][C.DRAFT_BLOCK]
     r = CliRunner().invoke(main, ["check", str(q), "--target", str(exported / "t"), "--draft", str(exported / "d"),
                                   "--prompts", "4", "--json"])

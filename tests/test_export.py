@@ -25,7 +25,7 @@ from dflash_export.export import trt_lint
 from dflash_export.export.artifact import export_artifact
 from dflash_export.runtime.contract import SHARED_DATA
 from dflash_export.export.validate import lint
-from dflash_export.runtime import contract as C
+from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.errors import DFlashError
 
 
@@ -44,7 +44,7 @@ def art(tmp_path_factory):
 
 def test_manifest_describes_the_files(art):
     d, target, draft, out, manifest = art
-    m = C.load_manifest(out)  # verifies every sha256
+    m = M.load_manifest(out)  # verifies every sha256
     assert m == manifest
     assert not (out / "stale.txt").exists()
     assert not [p for p in d.iterdir() if p.name.startswith(".out.")]  # no temporary left
@@ -91,7 +91,7 @@ def test_shared_weights_are_stored_once(art):
     assert target["embed_tokens.weight"] == target["lm_head.weight"]
     assert not set(C.SHARED_INITIALIZERS) & set(ctx)
     # the manifest's table says where each is; the drafter's K/V projections serve both drafter graphs
-    m = C.load_manifest(out)
+    m = M.load_manifest(out)
     kv = {n for n in m.shared if n not in C.SHARED_INITIALIZERS}
     assert kv == {f"layers.{j}.self_attn.{p}_proj.weight" for j in range(m.draft_layers) for p in "kv"}
     for name, t in m.shared.items():
@@ -161,8 +161,8 @@ def test_check_fails_on_wrong_weights(art, tmp_path):
     data = np.fromfile(bad / "target.data", dtype=np.float32)
     data[:64] += 0.5  # the first tensor: layer 0's q_proj
     data.tofile(bad / "target.data")
-    m = C.load_manifest(bad, verify=False)
-    C.write_manifest(bad, m)
+    m = M.load_manifest(bad, verify=False)
+    M.write_manifest(bad, m)
     r = CliRunner().invoke(cli, ["check", str(bad), "--target", str(target), "--draft", str(draft), "--prompts", "2"])
     assert r.exit_code == 1
     assert "FAILED" in r.stdout and "target prefill P=0 S=7 logits: max abs" in r.stdout
@@ -178,14 +178,14 @@ def test_tampering_is_detected(art, tmp_path):
         f.seek(100)
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(DFlashError, match="shared.data does not match its sha256"):
-        C.load_manifest(bad)
+        M.load_manifest(bad)
     r = CliRunner().invoke(cli, ["check", str(bad), "--target", str(target), "--draft", str(draft)])
     assert r.exit_code == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
     extra = tmp_path / "extra"
     shutil.copytree(out, extra)
     (extra / "notes.txt").write_text("x")
     with pytest.raises(DFlashError, match="notes.txt is not listed"):
-        C.load_manifest(extra)
+        M.load_manifest(extra)
 
 
 def test_check_requires_the_sources(art):

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from dflash_export.testing import exported_taps_error, make_drafter, make_target
 
 from dflash_export.cli import cli
-from dflash_export.runtime import contract as C
+from dflash_export.runtime import contract as C, manifest as M
 
 CASES = {
     "qwen3": dict(target=dict(layers=3), args=["--block-size", "16"],
@@ -40,7 +40,7 @@ def art(request, tmp_path_factory):
 
 def test_manifest(art):
     arch, target, draft, out = art
-    m = C.load_manifest(out)
+    m = M.load_manifest(out)
     assert m.block_size == 16 and m.max_context == 512
     assert m.architecture == {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
     assert m.graphs[C.DRAFT_BLOCK].inputs[0].shape == ["batch", 16]
@@ -65,7 +65,7 @@ def test_check_passes(art):
 def test_exported_taps_are_transformers_hidden_states(art):
     """Every tap id, the target's last layer included (post-final-norm in transformers)."""
     arch, target, draft, out = art
-    m = C.load_manifest(out)
+    m = M.load_manifest(out)
     assert m.target_layers - 1 in m.target_layer_ids
     err = exported_taps_error(out, target)
     print(f"{arch}: taps {m.target_layer_ids} of {m.target_layers} layers, max abs error {err:.2e}")

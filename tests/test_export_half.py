@@ -18,7 +18,7 @@ from dflash_export.testing import make_drafter, make_target
 from dflash_export.cli import cli
 from dflash_export.export.artifact import export_artifact
 from dflash_export.export.validate import lint
-from dflash_export.runtime import contract as C
+from dflash_export.runtime import contract as C, manifest as M
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def test_half_export(ckpt, dtype, np_name, itemsize):
     d, target, draft = ckpt
     out = d / dtype
     m = export_artifact(target, draft, out, dtype=dtype, progress=False)
-    assert m.dtype == dtype and C.load_manifest(out) == m
+    assert m.dtype == dtype and M.load_manifest(out) == m
     t = {x.name: x.dtype for x in m.graphs[C.TARGET].inputs + m.graphs[C.TARGET].outputs}
     assert t["past_key.0"] == t["new_value.1"] == t["taps"] == np_name
     assert t["logits"] == "float32" and t["next_ids"] == "int64"

@@ -16,7 +16,7 @@ from runtime_cases import Case, artifact, prompts
 from dflash_export.cli import cli
 from dflash_export.models import Drafter, Target, speculative_generate
 from dflash_export.models.config import DraftConfig
-from dflash_export.runtime import contract as C
+from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.hybrid import commit_state
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort import OrtBackend
@@ -41,7 +41,7 @@ def pair():
 
 def test_manifest_describes_the_state_tensors(pair):
     _, _, out = pair
-    m = C.load_manifest(out)
+    m = M.load_manifest(out)
     assert m.target_layer_types == ["linear_attention"] * 3 + ["full_attention"]
     assert m.linear == dict(conv_kernel=4, conv_dim=2 * 2 * 8 + 4 * 12, k_heads=2, v_heads=4, k_dim=8, v_dim=12,
                             max_seq=64)
@@ -224,7 +224,7 @@ def test_tensorrt_plan_profiles_the_state_tensors(pair):
     from dflash_export.export.trt_build import build_plan
     from dflash_export.runtime.errors import DFlashError
 
-    m = C.load_manifest(pair[2])
+    m = M.load_manifest(pair[2])
     plan = build_plan(m)
     target = next(g for g in plan.graphs if g.graph == C.TARGET)
     for p in target.profiles:
@@ -302,7 +302,7 @@ def test_released_drafter_configs_export_for_hybrid_targets(case):
     from runtime_cases import FIXTURES, shrink_released
 
     tdir, ddir, out = artifact(case)
-    m = C.load_manifest(out)
+    m = M.load_manifest(out)
     released = json.loads((FIXTURES / case.released).read_text())
     assert json.loads((ddir / "config.json").read_text()) == shrink_released(released, 5, 32, m.vocab_size)
     assert m.target_layer_ids == [0, 1, 2, 3, 4] and m.draft_layers == 3 and m.block_size == case.block
@@ -322,7 +322,7 @@ def test_fp16_export_of_a_hybrid_target(tmp_path):
     import onnx
 
     tdir, ddir, out = artifact(HALF)
-    m = C.load_manifest(out)
+    m = M.load_manifest(out)
     t = {x.name: x.dtype for x in m.graphs[C.TARGET].inputs + m.graphs[C.TARGET].outputs}
     assert t["conv_state.0"] == t["new_conv.0"] == t["delta_k.0"] == t["past_key.1"] == t["taps"] == "float16"
     assert t["rec_state.0"] == t["delta_u.0"] == t["delta_g.0"] == t["logits"] == "float32"

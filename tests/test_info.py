@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from runtime_cases import CASES, artifact
 
 from dflash_export.cli import cli
-from dflash_export.runtime import contract as C
+from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.ort import OrtBackend
 
@@ -24,7 +24,7 @@ def out():
 def test_info_text_and_json(out):
     r = CliRunner().invoke(cli, ["info", str(out)])
     assert r.exit_code == 0, r.output
-    m = C.load_manifest(out)
+    m = M.load_manifest(out)
     assert f"format version {C.FORMAT_VERSION}" in r.output and "hashes   verified" in r.output
     assert f"block size {m.block_size}, max context {m.max_context}" in r.output
     for g in C.GRAPHS.values():
@@ -76,10 +76,10 @@ def test_manifests_from_before_the_optional_fields_load_with_their_defaults(out,
     optional = ("attention", "engines", "quantization", "target_layer_types", "linear", "draft_vocab")
     assert [raw[k] for k in optional] == ["standard", None, None, [], None, None]  # a plain float export
     (old / C.MANIFEST).write_text(json.dumps({k: v for k, v in raw.items() if k not in optional}))
-    assert C.load_manifest(old) == C.load_manifest(out) and C.flavour(C.load_manifest(old)) == "standard"
+    assert M.load_manifest(old) == M.load_manifest(out) and C.flavour(M.load_manifest(old)) == "standard"
     (old / C.MANIFEST).write_text(json.dumps(raw | {"kv_cache_dtype": "int8"}))
     with pytest.raises(DFlashError, match="manifest fields kv_cache_dtype are unknown.*upgrade dflash-export"):
-        C.load_manifest(old)
+        M.load_manifest(old)
     r = CliRunner().invoke(cli, ["info", str(old)])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "upgrade dflash-export" in r.output
 

@@ -18,7 +18,7 @@ from dflash_export.cli import cli
 from dflash_export.export.check import TOLERANCE, run_check
 from dflash_export.export.quantize import QuantOptions, quantize_artifact
 from dflash_export.export.validate import lint
-from dflash_export.runtime import contract as C
+from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort import OrtBackend
 
@@ -81,7 +81,7 @@ def test_linear_weights_are_stored_as_the_matmul_reads_them():
 
 def test_manifest_records_the_quantization(quantized):
     name, q, _, _, src, out = quantized
-    m, before = C.load_manifest(out), C.load_manifest(src)
+    m, before = M.load_manifest(out), M.load_manifest(src)
     rec = m.quantization
     assert (rec["scheme"], rec["bits"], rec["block_size"], rec["symmetric"]) == (q.scheme, q.bits, q.block_size, q.symmetric)
     assert (rec["draft"], rec["lm_head"]) == (q.draft, q.lm_head) and "MatMulNBits" in rec["method"]
@@ -108,7 +108,7 @@ def test_shared_tensors_stay_one_copy(quantized):
     target.onnx and draft_block.onnx (the manifest's shared table); quantized weights are
     external data too, and the runtime maps them."""
     name, q, *_, out = quantized
-    m = C.load_manifest(out)
+    m = M.load_manifest(out)
 
     def external(g):
         loc = {}
@@ -219,7 +219,7 @@ def test_export_quantize_end_to_end(tmp_path):
                                  str(out), "--quantize", "int4", "--quantize-draft", "--max-context", "64", "--quiet"])
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "out", "t"]  # no partial or float directory left
-    m = C.load_manifest(out)
+    m = M.load_manifest(out)
     assert m.quantization["scheme"] == "int4" and len(m.quantization["weights"]["draft_block"]) == 7
     r = CliRunner().invoke(cli, ["check", str(out), "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"),
                                  "--prompts", "4", "--json"])
@@ -269,7 +269,7 @@ def test_quantized_logits_are_close_to_float(made):
     *_, src, out = made("llama")
     ids = np.array([[3, 14, 15, 9, 26, 5]], np.int64)
     feeds = {"input_ids": ids, "position_ids": np.arange(6)[None]}
-    m = C.load_manifest(src)
+    m = M.load_manifest(src)
     for i in range(m.target_layers):
         for n in (C.past_key(i), C.past_value(i)):
             feeds[n] = np.zeros((1, 0, m.target_kv_heads, m.target_head_dim), np.float32)

@@ -27,7 +27,7 @@ from runtime_cases import CASES, artifact
 from test_runtime_cli import char_tokenizer
 
 from dflash_export.cli import cli
-from dflash_export.runtime import contract as C
+from dflash_export.runtime import manifest as M
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,9 +60,9 @@ def art(tmp_path_factory):
     d = tmp_path_factory.mktemp("ray") / "tiny"
     shutil.copytree(artifact(CASES["qwen3"])[2], d)
     char_tokenizer(d / "tokenizer.json")
-    m = C.load_manifest(d, verify=False)
+    m = M.load_manifest(d, verify=False)
     m.tokenizer = True
-    C.write_manifest(d, m)
+    M.write_manifest(d, m)
     return d
 
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from runtime_cases import CASES, artifact
 
 from dflash_export.cli import cli
-from dflash_export.runtime import contract as C
+from dflash_export.runtime import manifest as M
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort import OrtBackend
 
@@ -41,9 +41,9 @@ def with_tok(out, tmp_path_factory):
     d = tmp_path_factory.mktemp("tok") / "out"
     shutil.copytree(out, d)
     char_tokenizer(d / "tokenizer.json")
-    m = C.load_manifest(d, verify=False)
+    m = M.load_manifest(d, verify=False)
     m.tokenizer = True
-    C.write_manifest(d, m)
+    M.write_manifest(d, m)
     return d
 
 

@@ -29,7 +29,7 @@ from test_runtime_cli import char_tokenizer
 from tokenizers import Tokenizer
 
 from dflash_export.cli import cli
-from dflash_export.runtime import contract as C
+from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import Generation, generate, stream
 from dflash_export.runtime.ort import OrtBackend
@@ -50,9 +50,9 @@ def art(tmp_path_factory):
     shutil.copytree(artifact(CASES["qwen3"])[2], d)
     char_tokenizer(d / "tokenizer.json")
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": TEMPLATE}))
-    m = C.load_manifest(d, verify=False)
+    m = M.load_manifest(d, verify=False)
     m.tokenizer = True
-    C.write_manifest(d, m)
+    M.write_manifest(d, m)
     return d
 
 
@@ -406,7 +406,7 @@ def test_api_key_queue_full_no_template_and_graceful_shutdown(art, tmp_path, off
     plain = tmp_path / "tiny-chat"  # the same model without a chat template
     shutil.copytree(art, plain)
     (plain / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
-    C.write_manifest(plain, C.load_manifest(plain, verify=False))  # the file hashes again
+    M.write_manifest(plain, M.load_manifest(plain, verify=False))  # the file hashes again
     s = Server(plain, tmp_path / "serve.log", "--slots", 1, "--max-queue", 0, "--api-key", "s3cret", "--no-draft")
     try:
         assert s.raw("GET", "/health")[0] == 200  # open, as /metrics

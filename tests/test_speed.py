@@ -23,7 +23,7 @@ from dflash_export.testing import make_target
 
 from dflash_export.cli import cli
 from dflash_export.models import Target, autoregressive_generate
-from dflash_export.runtime import contract as C
+from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.backend import Backend, TargetOut
 from dflash_export.runtime.calibrate import choose_policy, replay
 from dflash_export.runtime.errors import DFlashError
@@ -195,8 +195,8 @@ def test_runtime_json_is_allowed_and_not_hashed(art):
     assert load_settings(art, key) == Settings()
     save_settings(art, key, Settings(threads=1, verify=VerifyPolicy(0.3, 2), measured={"x": 1}))
     save_settings(art, "trt", Settings(verify=None))
-    m = C.load_manifest(art, verify=True)  # still verifies: the file is allowed, and never hashed
-    assert C.RUNTIME not in m.files and C.RUNTIME not in C.hash_files(art)
+    m = M.load_manifest(art, verify=True)  # still verifies: the file is allowed, and never hashed
+    assert C.RUNTIME not in m.files and C.RUNTIME not in M.hash_files(art)
     assert load_settings(art, key).verify == VerifyPolicy(0.3, 2) and load_settings(art, "trt").verify is None
     assert resolve(art, m, key).verify == VerifyPolicy(0.3, 2)
     assert resolve(art, m, key, verify="full").verify is None  # --verify full ignores the calibration
@@ -242,9 +242,9 @@ def test_bench_calibrate_then_generate_auto(art):
     chunks = entry["measured"]["prefill_ms_by_chunk"]  # time to first token by prefill chunk -> the chunk
     assert str(entry["prefill_chunk"]) in chunks and chunks[str(entry["prefill_chunk"])] <= 1.02 * min(chunks.values())
     assert j["prefill_chunk"] == entry["prefill_chunk"] and j["ttft_ms"] > 0
-    assert j["ttft_prompt_tokens"] == min(512, C.load_manifest(art).max_context - 1)
+    assert j["ttft_prompt_tokens"] == min(512, M.load_manifest(art).max_context - 1)
     assert j["verify"] == (entry["verify"] or "full") and j["threads"] == entry["threads"]
-    C.load_manifest(art, verify=True)
+    M.load_manifest(art, verify=True)
     outs = {}
     for mode in ("auto", "full"):
         r = run("generate", art, "--prompt-ids", "5,6,7,8", "--max-new-tokens", "30", "--json", "--verify", mode)

@@ -16,7 +16,7 @@ from runtime_cases import TRT_CASES, artifact
 
 import trt_fake
 from dflash_export.cli import cli
-from dflash_export.runtime.contract import load_manifest
+from dflash_export.runtime.manifest import load_manifest
 from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import generate
 

@@ -51,7 +51,7 @@ def built(tmp_path_factory):
 def test_engines_recorded_and_hashed(built):
     import tensorrt as trt
 
-    from dflash_export.runtime.contract import load_manifest
+    from dflash_export.runtime.manifest import load_manifest
 
     out, cache = built
     m = load_manifest(out)  # verifies every hash, the engines' included
@@ -87,7 +87,7 @@ def test_trt_tokens_match_ort(built):
 
 
 def test_refuses_other_tensorrt_or_gpu(built):
-    from dflash_export.runtime.contract import load_manifest
+    from dflash_export.runtime.manifest import load_manifest
     from dflash_export.runtime.errors import DFlashError
     from dflash_export.runtime.trt_backend import TensorRTBackend
 

@@ -165,7 +165,7 @@ def test_build_dry_run_lints_and_prints_plan(export):
 
 
 def test_check_raises_one_line_naming_the_operator(tmp_path):
-    from dflash_export.runtime.contract import GraphSpec, Manifest, TensorSpec
+    from dflash_export.runtime.manifest import GraphSpec, Manifest, TensorSpec
 
     m = model([helper.make_node("Unique", ["input_ids"], ["y"])], [IDS], [vi("y", T.INT64, None)])
     onnx.save(m, str(tmp_path / "target.onnx"))

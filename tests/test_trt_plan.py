@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from dflash_export.export.trt_build import build_plan, describe
-from dflash_export.runtime.contract import GraphSpec, Manifest, TensorSpec
+from dflash_export.runtime.manifest import GraphSpec, Manifest, TensorSpec
 from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.trt_profiles import (
     ENGINE_FILES, Profile, check_engine_record, check_trt_version, default_cache_dir,

@@ -1,0 +1,190 @@
+"""The manifest: what `manifest.json` says about an exported directory, and its file hashes.
+
+The graphs' I/O contract is `runtime/contract.py`; this module reads and writes the record of
+one export of it (dims, dtype, shared weights, quantization, hybrid layers, format version).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from .contract import ATTENTION_FLAVOURS, FORMAT, FORMAT_VERSION, LINEAR, MANIFEST, RUNTIME
+from .errors import DFlashError
+
+
+@dataclass
+class TensorSpec:
+    name: str
+    dtype: str  # numpy dtype name: "int64", "float32", "float16", "bfloat16"
+    shape: list  # ints for static dims, strings for named dynamic dims
+
+
+@dataclass
+class GraphSpec:
+    """A graph's I/O as written in its ONNX file (named dynamic dims as strings)."""
+
+    file: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+
+@dataclass
+class SharedTensor:
+    """Where one weight stored once for several graphs lives: bytes [offset, offset+length) of `file`."""
+
+    file: str
+    offset: int
+    length: int
+    dtype: str  # numpy dtype name ("bfloat16": stored as 2-byte words)
+    shape: list[int]
+    graphs: list[str]  # the graphs holding an initializer of this name
+
+
+@dataclass
+class Manifest:
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    dtype: str  # "fp32" | "fp16" | "bf16"
+    vocab_size: int
+    max_context: int
+    hidden_size: int
+    target_layers: int
+    target_kv_heads: int
+    target_head_dim: int
+    draft_layers: int
+    draft_kv_heads: int
+    draft_head_dim: int
+    architecture: str
+    eos_token_ids: list[int]
+    opset: int
+    graphs: dict[str, GraphSpec]
+    tools: dict[str, str]
+    shared: dict[str, SharedTensor] = field(default_factory=dict)  # initializer name -> its bytes
+    files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
+    tokenizer: bool = False
+    attention: str = "standard"  # "standard" | "ort" (see the module docstring)
+    engines: dict | None = None  # TensorRT build record (export/trt_build.py), absent until built
+    # weight-only quantization (export/quantize.py): {"scheme", "bits", "block_size", "symmetric", "draft",
+    # "lm_head", "accuracy_level", "method", "weights": {graph: [quantized weight names]}}; None: float weights
+    quantization: dict | None = None
+    # hybrid targets only: per target layer "full_attention" | "linear_attention", and the Gated
+    # DeltaNet dims {conv_kernel, conv_dim, k_heads, v_heads, k_dim, v_dim, max_seq}
+    target_layer_types: list[str] = field(default_factory=list)
+    linear: dict | None = None
+    draft_vocab: dict | None = None  # reduced draft vocabulary: {"size": N, "source": ...}; None: full
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    def is_linear(self, i: int) -> bool:
+        return bool(self.target_layer_types) and self.target_layer_types[i] == LINEAR
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i in range(self.target_layers) if self.is_linear(i)]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Manifest":
+        d = dict(d)
+        d["graphs"] = {
+            k: GraphSpec(
+                file=g["file"],
+                inputs=[TensorSpec(**t) for t in g["inputs"]],
+                outputs=[TensorSpec(**t) for t in g["outputs"]],
+            )
+            for k, g in d["graphs"].items()
+        }
+        d["shared"] = {k: SharedTensor(**t) for k, t in d.get("shared", {}).items()}
+        return cls(**d)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def hash_files(root: Path) -> dict[str, str]:
+    """sha256 of every file under root except the manifest itself, by relative posix path."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.relative_to(root).as_posix() not in (MANIFEST, RUNTIME):
+            out[p.relative_to(root).as_posix()] = sha256_file(p)
+    return out
+
+
+def write_manifest(root: Path, manifest: Manifest) -> None:
+    """Hash every file, then write manifest.json atomically."""
+    manifest.files = hash_files(root)
+    tmp = root / (MANIFEST + ".tmp")
+    tmp.write_text(manifest.to_json())
+    os.replace(tmp, root / MANIFEST)
+
+
+def load_manifest(root: str | Path, verify: bool = True) -> Manifest:
+    """Read and (by default) verify an exported directory; refuse anything inconsistent."""
+    root = Path(root)
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise DFlashError(f"{root}: not a directory; pass the --out directory of `dflash-export export`")
+    if not path.is_file():
+        raise DFlashError(f"{root}: no {MANIFEST}; this is not an exported directory (run `dflash-export export`)")
+    raw = read_json(path, "re-export the directory")
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise DFlashError(f"{path}: not a {FORMAT} manifest")
+    version = raw.get("format_version")
+    if version != FORMAT_VERSION:
+        newer = isinstance(version, int) and version > FORMAT_VERSION
+        raise DFlashError(
+            f"{path}: manifest format version {version!r}, but this dflash-export reads version {FORMAT_VERSION} only; "
+            + ("upgrade dflash-export to read it" if newer else "re-export the directory with this dflash-export")
+        )
+    unknown = sorted(set(raw) - {f.name for f in fields(Manifest)})
+    if unknown:
+        raise DFlashError(f"{path}: manifest fields {', '.join(unknown)} are unknown to this dflash-export "
+                          "(written by a newer one); upgrade dflash-export or re-export the directory")
+    try:
+        manifest = Manifest.from_dict(raw)
+    except (TypeError, KeyError) as e:
+        raise DFlashError(f"{path}: malformed manifest ({e}); re-export the directory") from None
+    if manifest.attention not in ATTENTION_FLAVOURS:
+        raise DFlashError(f"{path}: attention flavour {manifest.attention!r} is unknown to this dflash-export "
+                          f"(it reads {', '.join(ATTENTION_FLAVOURS)}); upgrade dflash-export or re-export the directory")
+    if verify:
+        verify_files(root, manifest)
+    return manifest
+
+
+def read_json(path: Path, fix: str):
+    """A JSON file's content ({} when there is none); one line naming it and `fix` when unreadable."""
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or not UTF-8
+        raise DFlashError(f"{path}: unreadable ({e}); {fix}") from None
+
+
+def verify_files(root: Path, manifest: Manifest) -> None:
+    for rel, digest in manifest.files.items():
+        p = root / rel
+        if not p.is_file():
+            raise DFlashError(f"{root}: {rel} is listed in the manifest but missing; re-export the directory")
+        if sha256_file(p) != digest:
+            raise DFlashError(
+                f"{root}: {rel} does not match its sha256 in the manifest (modified or corrupt); re-export the directory"
+            )
+    listed = set(manifest.files)
+    for p in root.rglob("*"):
+        rel = p.relative_to(root).as_posix()
+        if p.is_file() and rel not in (MANIFEST, RUNTIME) and rel not in listed:
+            raise DFlashError(f"{root}: {rel} is not listed in the manifest; remove it or re-export the directory")
