@@ -235,6 +235,9 @@ def ray_env() -> None:
     # (which would leave the other nodes idle until the head's replicas are full)
     os.environ.setdefault("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")
     os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "dflash_export.serve_ray:proxy_middlewares")
+    # the proxy imports that module (numpy, the serve app) before it reports ready; on a loaded 2-vCPU box
+    # that took longer than Ray's 5 s ready check, the controller killed the proxy and serve.start failed
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 
 
 def local_head() -> str:
