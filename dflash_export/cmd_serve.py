@@ -191,7 +191,7 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
     """An OpenAI-compatible server over an exported directory OUT (or --demo):
     /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize."""
     from .runtime import manifest as M
-    from .runtime.settings import device_key, resolve
+    from .runtime.settings import check_options, device_key, resolve
 
     _need_serve_extra()
     if (out is None) == (not demo):
@@ -208,6 +208,7 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
     for name, value, low in (("--slots", slots, 1), ("--max-queue", max_queue, 0), ("--max-tokens", default_max_tokens, 1)):
         if value < low:
             raise DFlashError(f"{name} must be >= {low} (got {value})")
+    check_options(threads, verify)  # before --demo's first export, not after it
     if slots > 1 and backend != "ort":
         raise DFlashError(f"--slots {slots} needs --backend ort (its slots share one copy of the weights)")
     ray_kw = _ray_options(use_ray, replicas, autoscale, ray_address, replica_cpus, replica_gpus, max_replicas_per_node,

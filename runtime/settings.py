@@ -117,14 +117,19 @@ def save_settings(root: str | Path, key: str, settings: Settings) -> Path:
     return path
 
 
-def resolve(root: str | Path, manifest: Manifest, key: str, *, threads: int | None = None, spin: bool | None = None,
-            verify: str = "auto") -> Settings:
-    """What one run uses: explicit options over the calibrated file over the defaults
-    (`threads` given: every graph runs with it, the calibrated per-graph counts are ignored)."""
+def check_options(threads: int | None, verify: str) -> None:
+    """The run options that need no artifact: a command checks them before any long work."""
     if verify not in ("auto", "full"):
         raise DFlashError(f"--verify must be full or auto (got {verify!r})")
     if threads is not None and threads < 1:
         raise DFlashError(f"--threads must be >= 1 (got {threads})")
+
+
+def resolve(root: str | Path, manifest: Manifest, key: str, *, threads: int | None = None, spin: bool | None = None,
+            verify: str = "auto") -> Settings:
+    """What one run uses: explicit options over the calibrated file over the defaults
+    (`threads` given: every graph runs with it, the calibrated per-graph counts are ignored)."""
+    check_options(threads, verify)
     s = load_settings(root, key)
     return Settings(
         threads=threads or s.threads or default_threads(manifest),

@@ -511,6 +511,14 @@ def test_serve_bad_arguments_are_one_line(art, args, message):
     assert len(r.output.strip().splitlines()) == 1
 
 
+def test_demo_bad_run_options_fail_before_the_demo_export(tmp_path, monkeypatch):
+    """--threads/--verify need no artifact: refused before --demo's first export starts."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    r = CliRunner().invoke(cli, ["serve", "--demo", "--threads", "0"])
+    assert r.exit_code == 2 and "--threads must be >= 1" in r.output and "exporting" not in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
+
+
 def test_ray_without_the_ray_extra_is_one_line(art, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     monkeypatch.setitem(sys.modules, "ray.serve", None)
