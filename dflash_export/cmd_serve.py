@@ -71,6 +71,7 @@ def demo_artifact(pair: Path | None = None) -> Path:
         raise DFlashError('--demo exports the shipped pair once, which needs the export extra: '
                           'pip install "dflash-export[export]" (or serve an exported directory: dflash-export serve OUT)')
     click.echo(f"exporting the demo pair once into {out} (needs torch; the server itself does not) ...", err=True)
+    out.parent.mkdir(parents=True, exist_ok=True)  # export wants an existing parent; a fresh machine has no cache yet
     cmd = [sys.executable, "-c", "from dflash_export.cli import main; main()", "export", "--target", str(pair / "target"),
            "--draft", str(pair / "draft"), "--out", str(out), "--max-context", str(DEMO_CONTEXT), "--quiet", "--force"]
     p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
