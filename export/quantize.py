@@ -236,3 +236,32 @@ def dequantized_weights(root) -> dict[str, dict[str, np.ndarray]]:
                 arrays[t.name] = numpy_helper.to_array(t)
         out[graph] = {n.input[1].rsplit("_Q", 1)[0]: dequantize(n, arrays) for n in nodes}
     return out
+
+
+def dequantized_sources(root: Path, target, drafter):
+    """Copies of the PyTorch modules holding the weights the quantized graphs multiply by, or
+    (None, why) when a quantized weight is not a parameter of the source."""
+    import copy
+
+    import torch
+
+    qt, qd = copy.deepcopy(target), copy.deepcopy(drafter)
+    head = C.SHARED_INITIALIZERS[1]
+    for graph, weights in dequantized_weights(root).items():
+        module = qt if graph == C.TARGET else qd
+        for name, w in weights.items():
+            if name == head:  # one head for both graphs; a tied one is untied, the lookup keeps the float table
+                p = qt.lm_head.weight
+                qt.lm_head.weight = torch.nn.Parameter(torch.from_numpy(w).to(p.dtype), requires_grad=False)
+                continue
+            try:
+                p = module.get_parameter(name)
+            except AttributeError:
+                try:
+                    p = module.get_buffer(name)  # a reduced draft vocabulary's [N, H] head (vocab_head)
+                except AttributeError:
+                    return None, f"{graph}: {name} is not a parameter of the PyTorch source"
+            if tuple(p.shape) != w.shape:
+                return None, f"{graph}: {name} is {tuple(p.shape)} in PyTorch, {w.shape} dequantized"
+            p.data = torch.from_numpy(w).to(p.dtype)
+    return (qt, qd), None
