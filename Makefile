@@ -7,10 +7,14 @@ export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: setup test demo bench clean
 setup: $(VENV)/.installed
+# torch goes in through pip, which reads this machine's pip config (where the local CPU wheel
+# lies); uv, which does not, installs the rest: the same versions, in a fraction of pip's time
+# (measured: 48 s vs 108 s of CPU for the whole setup). --no-compile: modules compile on import.
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints-cpu.txt -e ".[cpu,export,serve,dev,ray]"
+	$(PY) -m pip install -q --no-compile uv
+	$(PY) -m pip install -q --no-compile -c constraints-cpu.txt torch
+	$(VENV)/bin/uv pip install --python $(PY) -q -c constraints-cpu.txt -e ".[cpu,export,serve,dev,ray]"
 	touch $@
 
 # Two workers, one test file each at a time (module fixtures stay in one process), the
