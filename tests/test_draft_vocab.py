@@ -2,8 +2,9 @@
 
 The oracle half runs many random tiny pairs in PyTorch (fast): speculative output with
 a drafter scoring N tokens == plain greedy. The export half exports one biased pair (real
-acceptance) with N tokens chosen from data and checks the graph against the oracle round
-for round, the manifest record, the check's parity rows, `bench`'s N and the refusals.
+acceptance) through the CLI with N tokens chosen from data and checks the graph against the
+oracle round for round, the manifest record, the check's parity rows, `bench`'s N and the
+refusals; being the export tests' one CLI export, it also carries the CLI's own checks.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort import OrtBackend
-from dflash_export.testing import make_drafter, make_target
+from dflash_export.testing import exported_taps_error, make_drafter, make_target
+from test_runtime_cli import char_tokenizer
 
 # -- choosing the N tokens ----------------------------------------------------------------
 
@@ -109,18 +111,45 @@ def test_reduced_vocab_is_lossless(tmp_path, arch, seed):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
+    """The one CLI export of the export tests, so it carries the CLI's own checks too
+    (test_cli_export_options): progress, --force over a stale file, the tokenizer file, and a
+    sliding-window drafter made for block 4 exported with --block-size 6 (window 3: a masked block)."""
     root = tmp_path_factory.mktemp("dv")
-    make_target(root / "t", "qwen3", layers=2, hidden=48, heads=2, kv_heads=1, head_dim=24, intermediate=64, vocab=101,
+    make_target(root / "t", "qwen2", layers=1, hidden=48, heads=2, kv_heads=1, intermediate=64, vocab=101,
                 tie=True)  # tied: the block graph must hold the embedding only, under its one name
     _bias_target(root / "t", 2.0)
-    make_drafter(root / "d", root / "t", layers=1, block_size=6)
+    char_tokenizer(root / "t" / "tokenizer.json")
+    make_drafter(root / "d", root / "t", layers=1, block_size=4, sliding_window=3, layer_types=["sliding_attention"])
     data = root / "gen.jsonl"  # token counts in which 7 (the target's favourite) is frequent
     data.write_text("\n".join(json.dumps({"tokens": [7] * 5 + list(range(20 + i, 30 + i))}) for i in range(10)))
+    (root / "out").mkdir()
+    (root / "out" / "stale.txt").write_text("replaced by --force")
     r = CliRunner().invoke(main, ["export", "--target", str(root / "t"), "--draft", str(root / "d"),
                                   "--out", str(root / "out"), "--draft-vocab", "24", "--draft-vocab-data", str(data),
-                                  "--max-context", "128", "--quiet"])
+                                  "--max-context", "128", "--block-size", "6", "--force"])
     assert r.exit_code == 0, r.output
+    (root / "progress.txt").write_text(r.stderr)
     return root
+
+
+def test_cli_export_options(exported):
+    """Progress on stderr; --force replaced the stale file and no temporary is left; the
+    tokenizer travelled; --max-context and --block-size (over the drafter's 4) took effect;
+    the tap is the target's only (last) layer, read after the final norm as transformers does."""
+    progress = (exported / "progress.txt").read_text()
+    assert "done" in progress and "validate" in progress and "total" in progress  # progress + sizes
+    out = exported / "out"
+    m = M.load_manifest(out)  # verifies every sha256
+    assert not (out / "stale.txt").exists() and set(m.files) == {p.name for p in out.iterdir()} - {C.MANIFEST}
+    assert [p.name for p in exported.iterdir() if p.name.startswith(".")] == []  # no temporary left
+    assert m.tokenizer and (out / "tokenizer.json").read_bytes() == (exported / "t" / "tokenizer.json").read_bytes()
+    assert (m.architecture, m.max_context, m.block_size) == ("Qwen2ForCausalLM", 128, 6)
+    assert Drafter.from_pretrained(exported / "d").config.block_size == 4
+    assert m.graphs[C.DRAFT_BLOCK].inputs[0].shape == ["batch", 6]
+    assert m.target_layer_ids == [0] and m.target_layers == 1
+    err = exported_taps_error(out, exported / "t")
+    print(f"qwen2: taps [0] of 1 layer, max abs error {err:.2e}")
+    assert err <= 1e-4
 
 
 def test_manifest_records_n_and_source(exported):

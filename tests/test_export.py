@@ -1,9 +1,11 @@
-"""Export of a tiny Llama (tied embeddings, llama3 RoPE) with a 2-layer drafter, block 4,
-tapping layers 1 and 3 (the last: post-final-norm, as transformers' hidden_states).
+"""Export of a tiny Llama (tied embeddings, llama3 RoPE) with a 1-layer drafter, block 4,
+tapping layer 1 (the last: post-final-norm, as transformers' hidden_states).
 
-One artifact is exported per module and shared by every test; `check` is run through the
-CLI (parity per graph + 20 prompts end to end), the manifest, shared weights, op lint and
-tamper detection are checked on the files themselves.
+The artifact is the shared runtime_cases.CASES["llama"] (exported once per content, as the
+runtime tests use it); `check` is run through the CLI (parity per graph + 20 prompts end to
+end), the manifest, shared weights (also on CASES["qwen3"]: untied, 2 drafter layers), op lint
+and tamper detection are checked on the files themselves. The export's own file handling
+(--force, tokenizer files, no temporaries) is checked on the CLI export of test_draft_vocab.py.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
-from dflash_export.testing import exported_taps_error, make_drafter, make_target
+from dflash_export.testing import exported_taps_error
+from runtime_cases import CASES, artifact
 
 from dflash_export.cli import cli
 from dflash_export.export import trt_lint
-from dflash_export.export.artifact import export_artifact
 from dflash_export.runtime.contract import SHARED_DATA
 from dflash_export.export.validate import lint
 from dflash_export.runtime import contract as C, manifest as M
@@ -30,42 +32,30 @@ from dflash_export.runtime.errors import DFlashError
 
 
 @pytest.fixture(scope="module")
-def art(tmp_path_factory):
-    d = tmp_path_factory.mktemp("llama")
-    target = make_target(d / "target", "llama", layers=4, tie=True)
-    (target / "tokenizer.json").write_text('{"version": "1.0"}')  # travels as is
-    draft = make_drafter(d / "draft", target, layers=2, block_size=4, target_layer_ids=[1, 3])  # 3: the last layer
-    out = d / "out"
-    out.mkdir()
-    (out / "stale.txt").write_text("replaced by --force")
-    manifest = export_artifact(target, draft, out, force=True, progress=False)
-    return d, target, draft, out, manifest
+def art():
+    target, draft, out = artifact(CASES["llama"])
+    return target, draft, out, M.load_manifest(out)
 
 
 def test_manifest_describes_the_files(art):
-    d, target, draft, out, manifest = art
-    m = M.load_manifest(out)  # verifies every sha256
-    assert m == manifest
-    assert not (out / "stale.txt").exists()
-    assert not [p for p in d.iterdir() if p.name.startswith(".out.")]  # no temporary left
-    assert (m.block_size, m.dtype, m.architecture, m.target_layers, m.draft_layers) == (4, "fp32", "LlamaForCausalLM", 4, 2)
+    target, draft, out, m = art  # load_manifest verified every sha256
+    assert (m.block_size, m.dtype, m.architecture, m.target_layers, m.draft_layers) == (4, "fp32", "LlamaForCausalLM", 2, 1)
     assert m.mask_token_id == 99 and m.vocab_size == 101 and m.eos_token_ids == [100]
-    assert m.tokenizer and (out / "tokenizer.json").read_text() == '{"version": "1.0"}'
     assert set(m.files) == {p.name for p in out.iterdir()} - {C.MANIFEST}
     assert {"torch", "onnx", "onnxruntime"} <= set(m.tools)
     t = m.graphs[C.TARGET]
     assert [x.name for x in t.inputs][:4] == ["input_ids", "position_ids", "past_key.0", "past_value.0"]
     assert [x.name for x in t.outputs][:4] == ["logits", "next_ids", "taps", "new_key.0"]
     spec = {x.name: x for x in t.inputs + t.outputs}
-    assert spec["past_key.3"].shape == ["batch", "past", 2, 16] and spec["past_key.3"].dtype == "float32"
+    assert spec["past_key.1"].shape == ["batch", "past", 2, 16] and spec["past_key.1"].dtype == "float32"
     assert spec["logits"].shape == ["batch", "seq", 101] and spec["next_ids"].dtype == "int64"
-    assert spec["taps"].shape == ["batch", "seq", 2 * 64]
+    assert spec["taps"].shape == ["batch", "seq", 1 * 64]
     b = m.graphs[C.DRAFT_BLOCK]
     assert b.inputs[0].shape == ["batch", 4]  # static block
     assert [(x.name, x.shape) for x in b.outputs] == [("draft_ids", ["batch", 3]), ("draft_logits", ["batch", 3, 101]),
                                                   ("draft_conf", ["batch", 3])]
     ctx = m.graphs[C.DRAFT_CONTEXT]
-    assert [x.name for x in ctx.outputs] == ["ctx_key.0", "ctx_value.0", "ctx_key.1", "ctx_value.1"]
+    assert [x.name for x in ctx.outputs] == ["ctx_key.0", "ctx_value.0"]  # more layers: test_export_archs
     assert ctx.outputs[0].shape == ["batch", "ctx", 2, 16]
 
 
@@ -75,20 +65,22 @@ def _externals(path: Path) -> dict[str, dict]:
 
 
 def test_exported_taps_are_transformers_hidden_states(art):
-    _, target, _, out, m = art
-    assert m.target_layer_ids == [1, 3] and m.target_layers == 4
+    target, _, out, m = art
+    assert m.target_layer_ids == [1] and m.target_layers == 2  # 1: the last layer
     err = exported_taps_error(out, target)
-    print(f"llama: taps [1, 3] of 4 layers, max abs error {err:.2e}")
+    print(f"llama: taps [1] of 2 layers, max abs error {err:.2e}")
     assert err <= 1e-4
 
 
-def test_shared_weights_are_stored_once(art):
-    _, _, _, out, _ = art
+@pytest.mark.parametrize("case", ["llama", "qwen3"])  # tied, 1 drafter layer; untied, 2 drafter layers
+def test_shared_weights_are_stored_once(case):
+    out = artifact(CASES[case])[2]
+    tied = bool(CASES[case].tie)
     target, block, ctx = (_externals(out / C.GRAPH_FILES[g]) for g in (C.TARGET, C.DRAFT_BLOCK, C.DRAFT_CONTEXT))
     for name in C.SHARED_INITIALIZERS:
         assert target[name] == block[name] and target[name]["location"] == SHARED_DATA
     # tied embeddings: both names are the same bytes
-    assert target["embed_tokens.weight"] == target["lm_head.weight"]
+    assert (target["embed_tokens.weight"] == target["lm_head.weight"]) == tied
     assert not set(C.SHARED_INITIALIZERS) & set(ctx)
     # the manifest's table says where each is; the drafter's K/V projections serve both drafter graphs
     m = M.load_manifest(out)
@@ -101,16 +93,17 @@ def test_shared_weights_are_stored_once(art):
             ref = _externals(out / C.GRAPH_FILES[graph])[name]
             assert (ref["location"], int(ref["offset"]), int(ref["length"])) == (SHARED_DATA, t.offset, t.length)
     distinct = {(t.offset, t.length) for t in m.shared.values()}
-    assert len(distinct) == len(m.shared) - 1  # tied: two names, one copy
+    assert len(distinct) == len(m.shared) - tied  # tied: two names, one copy
     stored = sum(n for _, n in distinct)
-    assert stored == 101 * 64 * 4 + 2 * 2 * 2 * 16 * 64 * 4  # embedding + k/v of two drafter layers
+    kv_bytes = m.draft_layers * 2 * m.draft_kv_heads * m.draft_head_dim * 64 * 4  # k, v of each drafter layer (fp32)
+    assert stored == (1 if tied else 2) * 101 * 64 * 4 + kv_bytes  # embedding (+ untied LM head) + drafter k/v
     assert stored <= (out / SHARED_DATA).stat().st_size < stored + 4096 * len(distinct)  # alignment only
     for graph, refs in (("target", target), ("draft_block", block), ("draft_context", ctx)):
         assert all(r["location"] in (SHARED_DATA, f"{graph}.data") for r in refs.values() if r)  # {}: inline, < 1 KiB
 
 
 def test_graphs_are_standard_onnx(art):
-    out = art[3]
+    out = art[2]
     for f in C.GRAPH_FILES.values():
         onnx.checker.check_model(str(out / f), full_check=True)
         model = onnx.load(str(out / f), load_external_data=False)
@@ -132,7 +125,7 @@ def test_lint_catches_custom_ops():
 
 
 def test_check_passes_and_tokens_match_the_oracle(art, tmp_path):
-    _, target, draft, out, _ = art
+    target, draft, out, _ = art
     pg = tmp_path / "pg"
     r = CliRunner().invoke(cli, ["check", str(out), "--target", str(target), "--draft", str(draft),
                                  "--prompts", "20", "--max-new-tokens", "16", "--json", "--save-polygraphy", str(pg)])
@@ -155,7 +148,7 @@ def test_check_passes_and_tokens_match_the_oracle(art, tmp_path):
 
 def test_check_fails_on_wrong_weights(art, tmp_path):
     """A consistent artifact whose weights differ from its source: check must say FAILED, exit 1."""
-    _, target, draft, out, _ = art
+    target, draft, out, _ = art
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
     data = np.fromfile(bad / "target.data", dtype=np.float32)
@@ -169,7 +162,7 @@ def test_check_fails_on_wrong_weights(art, tmp_path):
 
 
 def test_tampering_is_detected(art, tmp_path):
-    _, target, draft, out, _ = art
+    target, draft, out, _ = art
     bad = tmp_path / "tampered"
     shutil.copytree(out, bad)
     with open(bad / SHARED_DATA, "r+b") as f:
@@ -189,7 +182,7 @@ def test_tampering_is_detected(art, tmp_path):
 
 
 def test_check_requires_the_sources(art):
-    _, target, draft, out, _ = art
+    target, draft, out, _ = art
     r = CliRunner().invoke(cli, ["check", str(out)])
     assert r.exit_code == 2 and "pass --target DIR --draft DIR" in r.stderr
     r = CliRunner().invoke(cli, ["check", str(out), "--target", str(target), "--draft", str(target)])
