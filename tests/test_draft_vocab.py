@@ -4,7 +4,8 @@ The oracle half runs many random tiny pairs in PyTorch (fast): speculative outpu
 a drafter scoring N tokens == plain greedy. The export half exports one biased pair (real
 acceptance) through the CLI with N tokens chosen from data and checks the graph against the
 oracle round for round, the manifest record, the check's parity rows, `bench`'s N and the
-refusals; being the export tests' one CLI export, it also carries the CLI's own checks.
+refusals; it also carries the export CLI's own checks (test_export.py and
+test_export_archs.py run on the shared runtime_cases pairs, exported through the API).
 """
 
 from __future__ import annotations
@@ -111,9 +112,9 @@ def test_reduced_vocab_is_lossless(tmp_path, arch, seed):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """The one CLI export of the export tests, so it carries the CLI's own checks too
-    (test_cli_export_options): progress, --force over a stale file, the tokenizer file, and a
-    sliding-window drafter made for block 4 exported with --block-size 6 (window 3: a masked block)."""
+    """A CLI export that carries the CLI's own checks too (test_cli_export_options): progress,
+    --force over a stale file, the tokenizer file, and a sliding-window drafter made for
+    block 4 exported with --block-size 6 (window 3: a masked block)."""
     root = tmp_path_factory.mktemp("dv")
     make_target(root / "t", "qwen2", layers=1, hidden=48, heads=2, kv_heads=1, intermediate=64, vocab=101,
                 tie=True)  # tied: the block graph must hold the embedding only, under its one name
