@@ -65,9 +65,10 @@ CASES = {  # taps on the target's last layer: qwen3, llama, qwen3-b16 (llama/b16
     "qwen2": Case("qwen2", layers=3, draft_layers=3, block=16, bias=1.0, seed=1, sliding=6),
     "qwen3-b16": Case("qwen3", layers=2, draft_layers=1, block=16, seed=2),
 }
-TRT_CASES = {  # 32-wide, context 64: the TensorRT lint (both) and the stand-in build (fp32-k4)
-    "fp32-k4": Case("qwen3", hidden=32, max_context=64),
-    "fp16-k8": Case("qwen3", hidden=32, max_context=64, block=8, dtype="fp16"),
+FP16 = Case("qwen3", layers=1, hidden=32, max_context=64, block=8, dtype="fp16")  # test_export_half, TensorRT lint
+TRT_CASES = {  # the TensorRT lint (both) and the stand-in build (fp32-k4, engines at max context 64)
+    "fp32-k4": CASES["llama"],
+    "fp16-k8": FP16,
 }
 
 

@@ -13,36 +13,43 @@ import json
 import onnx
 import pytest
 from click.testing import CliRunner
-from dflash_export.testing import make_drafter, make_target
+from runtime_cases import FP16, artifact
 
 from dflash_export.cli import cli
 from dflash_export.export.artifact import export_artifact
 from dflash_export.export.validate import lint
 from dflash_export.runtime import contract as C, manifest as M
+from dflash_export.testing import make_drafter, make_target
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("half")
-    target = make_target(d / "target", "qwen2", layers=2, hidden=32, heads=4, kv_heads=2, intermediate=48)
-    return d, target, make_drafter(d / "draft", target, layers=1, block_size=4)
+def exported(dtype, directory):
+    """fp16: runtime_cases.FP16, the cached pair the TensorRT lint checks too; bf16: a
+    1-layer Qwen2 pair exported here (nothing else uses it)."""
+    if dtype == "fp16":
+        return artifact(FP16)
+    target = make_target(directory / "target", "qwen2", layers=1, hidden=32, heads=4, kv_heads=2, intermediate=48)
+    draft = make_drafter(directory / "draft", target, layers=1, block_size=4)
+    m = export_artifact(target, draft, directory / dtype, dtype=dtype, progress=False)
+    assert M.load_manifest(directory / dtype) == m
+    return target, draft, directory / dtype
 
 
-@pytest.mark.parametrize("dtype,np_name,itemsize", [("fp16", "float16", 2), ("bf16", "bfloat16", 2)])
-def test_half_export(ckpt, dtype, np_name, itemsize):
-    d, target, draft = ckpt
-    out = d / dtype
-    m = export_artifact(target, draft, out, dtype=dtype, progress=False)
-    assert m.dtype == dtype and M.load_manifest(out) == m
+# kv_width: the drafter's K/V projection width, kv heads x head dim (Qwen3 32, Qwen2 hidden / heads = 8)
+@pytest.mark.parametrize("dtype,np_name,itemsize,kv_width", [("fp16", "float16", 2, 2 * 32), ("bf16", "bfloat16", 2, 2 * 8)])
+def test_half_export(tmp_path, dtype, np_name, itemsize, kv_width):
+    target, draft, out = exported(dtype, tmp_path)
+    m = M.load_manifest(out)
+    assert m.dtype == dtype
     t = {x.name: x.dtype for x in m.graphs[C.TARGET].inputs + m.graphs[C.TARGET].outputs}
-    assert t["past_key.0"] == t["new_value.1"] == t["taps"] == np_name
+    kv = [f(i) for i in range(m.target_layers) for f in (C.past_key, C.past_value, C.new_key, C.new_value)]
+    assert {t[n] for n in kv} == {t["taps"]} == {np_name}  # every layer's K/V
     assert t["logits"] == "float32" and t["next_ids"] == "int64"
     b = {x.name: x.dtype for x in m.graphs[C.DRAFT_BLOCK].outputs}
     assert b == {"draft_ids": "int64", "draft_logits": "float32", "draft_conf": "float32"}
     # stored once, in the export dtype: embedding, LM head (untied) and the drafter's k/v projections
     assert {t.dtype for t in m.shared.values()} == {np_name}
     stored = sum(t.length for t in m.shared.values())
-    assert stored == (2 * 101 * 32 + 2 * (2 * 8) * 32) * itemsize
+    assert stored == (2 * 101 * 32 + 2 * kv_width * 32) * itemsize
     assert stored <= (out / "shared.data").stat().st_size < stored + 4096 * len(m.shared)
     for f in C.GRAPH_FILES.values():
         assert lint(onnx.load(str(out / f), load_external_data=False)) == []

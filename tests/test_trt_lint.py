@@ -130,11 +130,11 @@ def test_block_dim_must_be_static_in_block_graph():
 @pytest.fixture(scope="module", params=sorted(TRT_CASES))
 def export(request):
     case = TRT_CASES[request.param]
-    return artifact(case)[2], case.dtype, case.block
+    return artifact(case)[2], case.dtype, case.block, case.max_context
 
 
 def test_lint_passes_on_exports(export):
-    out, dtype, k = export
+    out, dtype, k, _ = export
     warnings = check(out)  # raises with the offending operator's name on any error
     assert all(w.level == "warning" for w in warnings)
     block = onnx.load(str(out / "draft_block.onnx"), load_external_data=False)
@@ -143,7 +143,7 @@ def test_lint_passes_on_exports(export):
 
 
 def test_lint_fails_when_export_gets_unsupported_op(export, tmp_path):
-    out, _, _ = export
+    out, *_ = export
     m = onnx.load(str(out / "draft_context.onnx"), load_external_data=False)
     node = next(n for n in m.graph.node if n.op_type == "MatMul")
     node.op_type = "MatMulInteger"  # what a quantizer might leave behind
@@ -152,16 +152,16 @@ def test_lint_fails_when_export_gets_unsupported_op(export, tmp_path):
 
 
 def test_build_dry_run_lints_and_prints_plan(export):
-    out, dtype, k = export
+    out, dtype, k, mc = export
     files = sorted(p.name for p in out.iterdir())
     r = CliRunner().invoke(cli, ["build", str(out), "--dry-run", "--max-prompt", "16"])
     assert r.exit_code == 0, r.output
     assert "lint: every graph passes the TensorRT 10.12 to 11.x checks" in r.output
-    assert f"block {k}, max context 64, max prompt 16" in r.output
-    assert f"seq 1..{k}" in r.output and "past_ctx 1..63" in r.output  # verify: any prefix of the block
+    assert f"block {k}, max context {mc}, max prompt 16" in r.output  # the export's max context by default
+    assert f"seq 1..{k}" in r.output and f"past_ctx 1..{mc - 1}" in r.output  # verify: any prefix of the block
     assert sorted(p.name for p in out.iterdir()) == files  # nothing written
-    r = CliRunner().invoke(cli, ["build", str(out), "--dry-run", "--max-prompt", "100"])
-    assert r.exit_code == 2 and "error: --max-prompt 100" in r.output
+    r = CliRunner().invoke(cli, ["build", str(out), "--dry-run", "--max-prompt", str(mc)])  # no room for a block
+    assert r.exit_code == 2 and f"error: --max-prompt {mc}" in r.output
 
 
 def test_check_raises_one_line_naming_the_operator(tmp_path):
