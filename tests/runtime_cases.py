@@ -43,7 +43,8 @@ class Case:
     layer_types: tuple[str, ...] | None = None  # hybrid targets (qwen35): the linear/full pattern
     attention: str = "standard"  # export --attention
     dtype: str = "fp32"  # export --dtype
-    released: str | None = None  # a released drafter config (FIXTURES) at this case's sizes (`block`: --block-size)
+    released: str | None = None  # a released drafter config (FIXTURES) at this case's sizes (`block`: --block-size,
+    # `draft_layers`: its last ones)
 
     @property
     def name(self) -> str:
@@ -82,14 +83,15 @@ def _source_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def shrink_released(cfg: dict, target_layers: int, hidden: int, vocab: int) -> dict:
+def shrink_released(cfg: dict, target_layers: int, hidden: int, vocab: int, layers: int = 3) -> dict:
     """A released drafter config with the same keys and structure at tiny sizes: the target's
-    width, vocabulary and depth (explicit tap ids scaled into it, derived ones left to derive),
-    4 heads (2 KV) of 8, at most its last 3 layers (a sliding/full mix stays), window 3."""
+    width, vocabulary and depth (explicit tap ids scaled into it, those that coincide in a
+    shallow target once; derived ones left to derive), 4 heads (2 KV) of 8, at most its last
+    `layers` layers (a sliding/full mix stays), window 3."""
     c = copy.deepcopy(cfg)
     big_layers = c["num_target_layers"]
     c.update(hidden_size=hidden, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-             num_target_layers=target_layers, vocab_size=vocab, num_hidden_layers=min(c["num_hidden_layers"], 3))
+             num_target_layers=target_layers, vocab_size=vocab, num_hidden_layers=min(c["num_hidden_layers"], layers))
     if c.get("layer_types"):
         c["layer_types"] = c["layer_types"][-c["num_hidden_layers"]:]
     if c.get("sliding_window"):
@@ -97,7 +99,8 @@ def shrink_released(cfg: dict, target_layers: int, hidden: int, vocab: int) -> d
     nested = c.get("dflash_config")
     if nested is not None:
         if nested.get("target_layer_ids") is not None:
-            nested["target_layer_ids"] = [i * target_layers // big_layers for i in nested["target_layer_ids"]]
+            scaled = [i * target_layers // big_layers for i in nested["target_layer_ids"]]
+            nested["target_layer_ids"] = list(dict.fromkeys(scaled))
         if nested.get("mask_token_id") is not None:
             nested["mask_token_id"] = vocab - 2
     return c
@@ -113,7 +116,7 @@ def _released_drafter(case: Case, target_dir: Path, directory: Path) -> int | No
 
     tc = TargetConfig.load(target_dir)
     cfg = shrink_released(json.loads((FIXTURES / case.released).read_text()), tc.num_layers, tc.hidden_size,
-                          tc.vocab_size)
+                          tc.vocab_size, case.draft_layers)
     torch.manual_seed(case.seed)
     d = Drafter(DraftConfig.from_dict(cfg))
     with torch.no_grad():

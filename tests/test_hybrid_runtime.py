@@ -23,14 +23,14 @@ from dflash_export.runtime.ort import OrtBackend
 from dflash_export.testing import hf_model
 
 LIN, FULL = "linear_attention", "full_attention"
-CASE = Case("qwen35", layers=4, draft_layers=1, block=6, bias=2.0, hidden=32, max_context=200)  # L L L F
+CASE = Case("qwen35", layers=3, draft_layers=1, block=6, bias=2.0, hidden=32, max_context=200,
+            layer_types=(LIN, LIN, FULL))
 PATTERNS = {  # unbiased targets (varied greedy text), exported once each (tests/runtime_cases.py caches them)
     # attention first and linear last, tied embeddings, the ConditionalGeneration checkpoint layout
-    # and the released Qwen3.6-27B drafter's config (sliding/full layers), exported with --block-size 4
-    "full-first-vl": Case("qwen35-vl", layers=5, draft_layers=3, block=4, hidden=32, seed=1, tie=True,
-                          max_context=160, layer_types=(FULL, LIN, LIN, FULL, LIN),
-                          released="qwen3.6-27b-dflash.partial-config.json"),
-    "all-linear": Case("qwen35", layers=2, block=8, hidden=32, seed=2, max_context=160, layer_types=(LIN, LIN)),  # no K/V at all
+    # and the released Qwen3.6-27B drafter's config (its last sliding and full layer), exported with --block-size 4
+    "full-first-vl": Case("qwen35-vl", layers=2, draft_layers=2, block=4, hidden=32, seed=2, tie=True,
+                          max_context=160, layer_types=(FULL, LIN), released="qwen3.6-27b-dflash.partial-config.json"),
+    "all-linear": Case("qwen35", layers=1, block=8, hidden=32, seed=2, max_context=160, layer_types=(LIN,)),  # no K/V at all
 }
 
 
@@ -42,19 +42,19 @@ def pair():
 def test_manifest_describes_the_state_tensors(pair):
     _, _, out = pair
     m = M.load_manifest(out)
-    assert m.target_layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert m.target_layer_types == ["linear_attention"] * 2 + ["full_attention"]
     assert m.linear == dict(conv_kernel=4, conv_dim=2 * 2 * 8 + 4 * 12, k_heads=2, v_heads=4, k_dim=8, v_dim=12,
                             max_seq=64)
     spec = {t.name: t for g in (m.graphs[C.TARGET].inputs, m.graphs[C.TARGET].outputs) for t in g}
-    assert spec["conv_state.0"].shape == ["batch", 3, 80] and spec["rec_state.2"].shape == ["batch", 4, 8, 12]
+    assert spec["conv_state.0"].shape == ["batch", 3, 80] and spec["rec_state.1"].shape == ["batch", 4, 8, 12]
     assert spec["rec_state.0"].dtype == "float32" and spec["delta_u.1"].dtype == "float32"
-    assert spec["new_conv.0"].shape == ["batch", "seq", 80] and spec["delta_k.2"].shape == ["batch", "seq", 2, 8]
-    assert spec["delta_g.0"].shape == ["batch", "seq", 4] and spec["past_key.3"].shape[:2] == ["batch", "past"]
-    assert "past_key.0" not in spec and "conv_state.3" not in spec
+    assert spec["new_conv.0"].shape == ["batch", "seq", 80] and spec["delta_k.1"].shape == ["batch", "seq", 2, 8]
+    assert spec["delta_g.0"].shape == ["batch", "seq", 4] and spec["past_key.2"].shape[:2] == ["batch", "past"]
+    assert "past_key.0" not in spec and "conv_state.2" not in spec
     info = CliRunner().invoke(cli, ["info", str(out)])
     assert info.exit_code == 0, info.output
-    assert "conv_state.{i}         [batch, 3, 80] float32  i in [0, 1, 2]" in info.output
-    assert "past_key.{i}           [batch, past, 2, 16] float32  i in [3]" in info.output
+    assert "conv_state.{i}         [batch, 3, 80] float32  i in [0, 1]" in info.output
+    assert "past_key.{i}           [batch, past, 2, 16] float32  i in [2]" in info.output
 
 
 def test_check_parity_on_every_output(pair):
@@ -65,8 +65,8 @@ def test_check_parity_on_every_output(pair):
     rep = json.loads(r.stdout)
     rows = [row for g in rep["graphs"].values() for row in g]
     outs = {row["output"] for row in rows}
-    assert {"new_conv.0", "delta_k.1", "delta_u.2", "delta_g.0", "new_key.3", "rec_state.0 committed",
-            "conv_state.2 committed"} <= outs
+    assert {"new_conv.0", "delta_k.1", "delta_u.1", "delta_g.0", "new_key.2", "rec_state.0 committed",
+            "conv_state.1 committed"} <= outs
     worst = max(row["max"] for row in rows if row["max"] is not None)
     print(f"check: {len(rows)} rows, worst max abs error {worst:.2e}")
     assert worst <= 1e-4 and rep["end_to_end"]["identical"] == rep["end_to_end"]["cases"] == 6
@@ -228,7 +228,7 @@ def test_tensorrt_plan_profiles_the_state_tensors(pair):
     plan = build_plan(m)
     target = next(g for g in plan.graphs if g.graph == C.TARGET)
     for p in target.profiles:
-        assert p["shapes"]["rec_state.0"] == [[1, 4, 8, 12]] * 3 and p["shapes"]["conv_state.2"] == [[1, 3, 80]] * 3
+        assert p["shapes"]["rec_state.0"] == [[1, 4, 8, 12]] * 3 and p["shapes"]["conv_state.1"] == [[1, 3, 80]] * 3
     assert plan.limits.max_prompt == 64 and target.profiles[1]["shapes"]["input_ids"][2] == [1, 64]
     with pytest.raises(DFlashError, match="at most 64 positions per call"):
         build_plan(m, max_prompt=100)
@@ -290,8 +290,8 @@ def test_prompt_reuse_keeps_all_or_nothing(pair):
     assert generate(be, prompt, 12, stop_token_ids=()).tokens == first.tokens  # reuse 0: states reset
 
 
-HALF = Case("qwen35", layers=5, draft_layers=3, block=16, hidden=32, seed=4, max_context=160, dtype="fp16",
-            layer_types=(LIN, FULL, FULL, FULL, FULL), released="qwen3.5-27b-dflash.config.json")  # as released: block 16
+HALF = Case("qwen35", layers=2, draft_layers=1, block=16, hidden=32, seed=4, max_context=160, dtype="fp16",
+            layer_types=(LIN, FULL), released="qwen3.5-27b-dflash.config.json")  # as released: block 16
 
 
 @pytest.mark.parametrize("case", [PATTERNS["full-first-vl"], HALF], ids=lambda c: c.released)
@@ -304,14 +304,17 @@ def test_released_drafter_configs_export_for_hybrid_targets(case):
     tdir, ddir, out = artifact(case)
     m = M.load_manifest(out)
     released = json.loads((FIXTURES / case.released).read_text())
-    assert json.loads((ddir / "config.json").read_text()) == shrink_released(released, 5, 32, m.vocab_size)
-    assert m.target_layer_ids == [0, 1, 2, 3, 4] and m.draft_layers == 3 and m.block_size == case.block
+    n = case.draft_layers  # its last n layers: 3.6's last sliding and full one, one of 3.5's full ones
+    assert json.loads((ddir / "config.json").read_text()) == shrink_released(released, 2, 32, m.vocab_size, n)
+    assert m.target_layer_ids == [0, 1] and m.draft_layers == n and m.block_size == case.block  # 5 ids, 2 distinct
     dc = DraftConfig.load(ddir)
     if released["dflash_config"]["mask_token_id"] is None:  # given on the command line, as a user must
         assert dc.mask_token_id is None and m.mask_token_id == m.vocab_size - 3
     else:
         assert m.mask_token_id == dc.mask_token_id == m.vocab_size - 2
-    assert dc.layer_types == released["layer_types"][-3:]
+    assert dc.layer_types == released["layer_types"][-n:]
+    if released.get("sliding_window"):  # the 3.6 one: a sliding/full mix, as released
+        assert set(dc.layer_types) == {"sliding_attention", "full_attention"}, dc.layer_types
 
 
 def test_fp16_export_of_a_hybrid_target(tmp_path):

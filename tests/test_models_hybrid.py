@@ -149,7 +149,7 @@ def zoo(tmp_path_factory):
 def test_greedy_speculative_equals_transformers_generate(zoo):
     rng = np.random.default_rng(7)
     rejected_at, rounds = set(), 0
-    for case, k in enumerate([8, 3, 5, 2, 7, 4, 6, 8, 3]):
+    for case, k in enumerate([8, 3, 5, 2, 7, 4]):  # each target with each drafter
         target, hf, drafters = zoo[case % 3]
         inner = drafters[(case // 3) % 2]
         target.tap_ids = list(inner.config.target_layer_ids)
