@@ -17,9 +17,11 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(VENV)/bin/uv pip install --python $(PY) -q -c constraints-cpu.txt -e ".[cpu,export,serve,dev,ray]"
 	touch $@
 
-# Two workers, one test file each at a time (module fixtures stay in one process), the
-# slowest files first (tests/conftest.py); TEST_WORKERS=0 runs everything in this process.
-TEST_WORKERS ?= 2
+# Three workers on two cores, one test file each at a time (module fixtures stay in one
+# process), the slowest files first (tests/conftest.py): the Ray module's cluster mostly
+# waits while two workers compute (cold: 5 min 20 s vs 7 min 15 s with 2 workers, the same
+# CPU; docs/benchmarks.md). TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 3
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
