@@ -9,18 +9,20 @@ export OMP_WAIT_POLICY ?= PASSIVE
 setup: $(VENV)/.installed
 # torch goes in through pip, which reads this machine's pip config (where the local CPU wheel
 # lies); uv, which does not, installs the rest: the same versions, in a fraction of pip's time
-# (measured: 48 s vs 108 s of CPU for the whole setup). --no-compile: modules compile on import.
+# (measured: 48 s vs 108 s of CPU for the whole setup). uv compiles bytecode as pip does (a
+# fresh venv without it once missed Ray's 60 s proxy deadline in a suite run); torch compiles
+# on first import.
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile uv
 	$(PY) -m pip install -q --no-compile -c constraints-cpu.txt torch
-	$(VENV)/bin/uv pip install --python $(PY) -q -c constraints-cpu.txt -e ".[cpu,export,serve,dev,ray]"
+	$(VENV)/bin/uv pip install --python $(PY) -q --compile-bytecode -c constraints-cpu.txt -e ".[cpu,export,serve,dev,ray]"
 	touch $@
 
 # Three workers on two cores, one test file each at a time (module fixtures stay in one
-# process), the slowest files first (tests/conftest.py): the Ray module's cluster mostly
-# waits while two workers compute (cold: 5 min 20 s vs 7 min 15 s with 2 workers, the same
-# CPU; docs/benchmarks.md). TEST_WORKERS=0 runs everything in this process.
+# process), the slowest files first and the Ray module last (tests/conftest.py): its cluster
+# mostly waits (cold, Ray first: 5 min 20 s vs 7 min 15 s with 2 workers, the same CPU;
+# docs/benchmarks.md). TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 3
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
