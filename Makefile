@@ -9,7 +9,8 @@ export OMP_WAIT_POLICY ?= PASSIVE
 setup: $(VENV)/.installed
 # torch goes in through pip, which reads this machine's pip config (where the local CPU wheel
 # lies); uv, which does not, installs the rest: the same versions, in a fraction of pip's time
-# (measured: 48 s vs 108 s of CPU for the whole setup). uv compiles bytecode as pip does (a
+# (measured with pip compiling torch and uv compiling nothing: 48 s vs 108 s of user CPU for the
+# whole setup; this recipe was not timed on its own). uv compiles bytecode as pip does (a
 # fresh venv without it once missed Ray's 60 s proxy deadline in a suite run); torch compiles
 # on first import.
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt

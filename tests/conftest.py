@@ -23,5 +23,6 @@ LAST = ["test_ray.py"]
 
 
 def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)} | {name: 1000 + i for i, name in enumerate(LAST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: file and test order kept otherwise
+    rest = len(SLOW_FIRST)  # every other file, between the two lists
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)} | {name: rest + 1 + i for i, name in enumerate(LAST)}
+    items.sort(key=lambda item: rank.get(item.path.name, rest))  # stable: file and test order kept otherwise
