@@ -13,8 +13,8 @@ setup: $(VENV)/.installed
 # whole setup). uv compiles the bytecode of what it installs (a fresh venv without it once missed
 # Ray's 60 s proxy deadline in a suite run). torch's bytecode is compiled last, on every core:
 # where PYTHONDONTWRITEBYTECODE is set (as on these machines) nothing else ever writes it, and each
-# process would recompile torch on import (4.9 s vs 2.3 s; the cold suite took 356 s instead of
-# ~400 s with it). Its test helpers for Python 3.12 syntax are left out.
+# process would recompile torch on import (4.9 s vs 2.3 s; the cold suite saved ~30 s of CPU,
+# docs/benchmarks.md). Its test helpers for Python 3.12 syntax are left out.
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile uv
