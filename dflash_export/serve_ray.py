@@ -204,6 +204,8 @@ def build(options: ServeOptions, *, replicas: int | None = 1, autoscale: tuple[i
             "min_replicas": lo, "max_replicas": hi, "initial_replicas": lo,
             "target_ongoing_requests": options.slots,  # a replica is "full" when its slots are busy
             "upscale_delay_s": upscale_delay, "downscale_delay_s": downscale_delay,
+            # deprecated since Ray 2.60 but still what its replicas and routers push metrics by;
+            # a future Ray replaces it with RAY_SERVE_{REPLICA,HANDLE}_AUTOSCALING_METRIC_PUSH_INTERVAL_S
             "metrics_interval_s": min(10.0, max(0.5, upscale_delay / 2)),
             "look_back_period_s": min(30.0, max(1.0, upscale_delay)),
         }
