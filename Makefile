@@ -14,13 +14,14 @@ setup: $(VENV)/.installed
 # Ray's 60 s proxy deadline in a suite run). torch's bytecode is compiled last, on every core:
 # where PYTHONDONTWRITEBYTECODE is set (as on these machines) nothing else ever writes it, and each
 # process would recompile torch on import (4.9 s vs 2.3 s; the cold suite saved ~30 s of CPU,
-# docs/benchmarks.md). Its test helpers for Python 3.12 syntax are left out.
+# docs/benchmarks.md). Only a speed-up: a file that does not compile (torch ships test helpers in
+# Python 3.12 syntax) is skipped silently and compiles, or fails, on import as before.
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile uv
 	$(PY) -m pip install -q --no-compile -c constraints-cpu.txt torch
 	$(VENV)/bin/uv pip install --python $(PY) -q --compile-bytecode -c constraints-cpu.txt -e ".[cpu,export,serve,dev,ray]"
-	$(PY) -m compileall -q -j 0 -x '/torch/testing/_internal/' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch"
+	$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch" || true
 	touch $@
 
 # Three workers on two cores, one test file each at a time (module fixtures stay in one
