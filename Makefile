@@ -24,11 +24,11 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch" || true
 	touch $@
 
-# Three workers on two cores, one test file each at a time (module fixtures stay in one
-# process), the slowest files first and the Ray module last (tests/conftest.py): its cluster
-# mostly waits (cold, Ray first: 5 min 20 s vs 7 min 15 s with 2 workers, the same CPU;
-# docs/benchmarks.md). TEST_WORKERS=0 runs everything in this process.
-TEST_WORKERS ?= 3
+# Two workers on two cores, one test file each at a time (module fixtures stay in one process),
+# the slowest files first and the Ray module last (tests/conftest.py). A third worker paid off
+# only while the Ray module ran first; with it last, cold, 2 workers took 5 min 6 s and 511 s of
+# CPU against 5 min 43 s - 6 min 39 s with 3 (docs/benchmarks.md). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
