@@ -26,8 +26,8 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 
 # Two workers on two cores, one test file each at a time (module fixtures stay in one process),
 # the slowest files first and the Ray module last (tests/conftest.py). A third worker paid off
-# only while the Ray module ran first; with it last, cold, 2 workers took 5 min 6 s and 511 s of
-# CPU against 5 min 43 s - 6 min 39 s with 3 (docs/benchmarks.md). TEST_WORKERS=0: one process.
+# only while the Ray module ran first; with it last, cold, 2 workers took 5 min 6 s and 5 min 38 s
+# (511 s, 566 s of CPU), 3 took 5 min 43 s - 6 min 39 s (docs/benchmarks.md). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
