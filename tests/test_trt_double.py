@@ -186,7 +186,6 @@ def test_engines_that_do_not_match_are_refused_at_load(built, monkeypatch):
     with pytest.raises(DFlashError, match="target.engine has 2 optimization profiles but the manifest records 1"):
         TensorRTBackend(out, manifest=m)
     # TensorRT refuses to switch a context to the prefill profile: set_optimization_profile_async returns False
-    monkeypatch.setattr(trt_fake.SimIExecutionContext, "refuse_profile", True, raising=False)
     monkeypatch.setattr(trt_fake.SimIExecutionContext, "__init__", _refusing_init)
     with pytest.raises(DFlashError, match="target.engine: TensorRT refused optimization profile 1"):
         TensorRTBackend(out)

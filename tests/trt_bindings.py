@@ -71,8 +71,12 @@ def prepare(version: str) -> Path:
                 src = Path(tmp) / f"{lib}.c"
                 src.write_text("".join(f"void *{s}(void) {{ return 0; }}\n" for s in symbols))
                 so = f"{lib}.so.{major}"
-                subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(root / "tensorrt_bindings" / so),
-                                f"-Wl,-soname,{so}", str(src)], check=True)
+                try:
+                    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(root / "tensorrt_bindings" / so),
+                                    f"-Wl,-soname,{so}", str(src)], check=True)
+                except FileNotFoundError:
+                    raise SystemExit("error: the TensorRT binding stubs need a C compiler: install gcc "
+                                     "(apt-get install gcc) and run `make setup` again") from None
         (root / ".ready").write_text(version)
     return root / "tensorrt_bindings"
 
@@ -116,5 +120,6 @@ def require(version: str):
 
 if __name__ == "__main__":
     for v in VERSIONS:
-        print(f"tensorrt bindings {v}: {prepare(v)}")
+        if missing(v):
+            print(f"tensorrt bindings {v}: {prepare(v)}")
         load(v)  # imports here, or setup fails now rather than in the tests

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 PREFIXES = ("typing_extensions.", "typing.", "collections.abc.")
-MODULE = re.compile(r"\b\w*tensorrt\w*\.tensorrt\.|\btensorrt\.|\bnvinfer1::|\bnvonnxparser::")  # tensorrt_bindings.tensorrt., _tensorrt_11_4_0_106.tensorrt.
+MODULE = re.compile(r"\b\w*tensorrt\w*\.tensorrt\.|\btensorrt\.|\bnvinfer1::|\bnvonnxparser::|\bv_\d+_\d+::")  # tensorrt_bindings.tensorrt., _tensorrt_11_4_0_106.tensorrt.
 # C++ names pybind11 prints where a type was registered after the function using it
-CPP_ALIASES = {"IParserError": "ParserError"}  # after the C++ namespace (nvinfer1::, nvonnxparser::) is cut
+CPP_ALIASES = {"IParserError": "ParserError", "IBuilder": "Builder"}  # after the C++ namespace (nvinfer1::, nvonnxparser::) is cut
+GENERIC = re.compile(r"(Optional|List|list|Sequence|Iterable|Union|Callable|dict|Dict|set|tuple|Tuple)\[(.*)\]")
 ANY = {"object", "Any", "capsule", "CapsuleType", "handle"}
 
 
@@ -126,9 +127,11 @@ def member_signatures(cls, name: str) -> list[Sig]:
     if attr is None and isinstance(cls, type):
         for base in cls.__mro__:
             attr = base.__dict__.get(name, attr) if attr is None else attr
-    if isinstance(attr, property):
-        return signatures(attr.fget.__doc__)
+    if isinstance(attr, property):  # the getter's (or a write-only property's setter's)
+        return signatures((attr.fget or attr.fset).__doc__)
     obj = getattr(cls, name)
+    if name == "__init__" and (obj.__doc__ or "").startswith("Initialize self"):
+        return []  # no constructor (pybind11's "No constructor defined!"): only the library creates these
     return signatures(obj.__doc__, has_self=isinstance(cls, type))
 
 
@@ -155,12 +158,12 @@ def resolve(annot: str, trt):
 def known(annot: str, trt) -> bool:
     """Whether `accepts` understands this annotation (the conformance test wants all of them)."""
     a = norm(annot)
-    m = re.fullmatch(r"(Optional|List|list|Sequence|Iterable|Union|Callable|dict|Dict|set|tuple)\[(.*)\]", a)
+    m = GENERIC.fullmatch(a)
     if m:
         return m.group(1) == "Callable" or all(known(x, trt) for x in _split(m.group(2)))
     if "|" in a:
         return all(known(x, trt) for x in _split(a, "|"))
-    return a in ANY or a in _SCALARS or a in ("None", "Buffer", "buffer", "numpy.ndarray", "os.PathLike", "Callable") \
+    return a in ANY or a in _SCALARS or a in ("None", "Buffer", "buffer", "numpy.ndarray", "os.PathLike", "Callable", "function") \
         or resolve(a, trt) is not None
 
 
@@ -176,8 +179,14 @@ _SCALARS = {
     "bytes": lambda v: isinstance(v, (bytes, bytearray)),
     # pybind11's bool takes True/False, and in its converting pass None and anything with nb_bool
     "bool": lambda v: v is None or isinstance(v, (bool, int, float)) or type(v).__name__ == "bool_",
-    "tuple": lambda v: isinstance(v, tuple), "list": lambda v: isinstance(v, list), "dict": lambda v: isinstance(v, dict),
+    "slice": lambda v: isinstance(v, slice), "tuple": lambda v: isinstance(v, tuple), "list": lambda v: isinstance(v, list), "dict": lambda v: isinstance(v, dict),
 }
+
+
+# what the real bindings return for these (pybind11 casts to exactly these Python types)
+_RETURNED = {"int": lambda v: type(v) is int, "SupportsInt": lambda v: type(v) is int, "bool": lambda v: type(v) is bool,
+             "float": lambda v: type(v) is float, "SupportsFloat": lambda v: type(v) is float,
+             "str": lambda v: type(v) is str}
 
 
 def _buffer(v) -> bool:
@@ -188,27 +197,31 @@ def _buffer(v) -> bool:
         return False
 
 
-def accepts(annot: str, v, trt) -> bool:
-    """Would pybind11 convert `v` to this parameter type (or is `v` of this return type)?"""
+def accepts(annot: str, v, trt, returned: bool = False) -> bool:
+    """Would pybind11 convert `v` to this parameter type (`returned`: is `v` what the real call returns)?"""
     a = norm(annot)
-    m = re.fullmatch(r"(Optional|List|list|Sequence|Iterable|Union|Callable|dict|Dict|set|tuple)\[(.*)\]", a)
+    m = GENERIC.fullmatch(a)
     if m:
         kind, inner = m.group(1), _split(m.group(2))
         if kind == "Optional":
-            return v is None or accepts(inner[0], v, trt)
+            return v is None or accepts(inner[0], v, trt, returned)
         if kind == "Union":
-            return any(accepts(x, v, trt) for x in inner)
+            return any(accepts(x, v, trt, returned) for x in inner)
         if kind == "Callable":
             return callable(v)
+        if kind in ("tuple", "Tuple"):
+            return isinstance(v, tuple) and len(v) == len(inner) and all(accepts(t, x, trt, returned) for t, x in zip(inner, v))
         if kind in ("dict", "Dict"):
-            return isinstance(v, dict) and all(accepts(inner[0], k, trt) and accepts(inner[1], x, trt) for k, x in v.items())
+            return isinstance(v, dict) and all(accepts(inner[0], k, trt, returned) and accepts(inner[1], x, trt, returned) for k, x in v.items())
         if isinstance(v, (str, bytes, dict)) or not hasattr(v, "__iter__"):
             return False
-        return all(accepts(inner[0], x, trt) for x in v)
+        return all(accepts(inner[0], x, trt, returned) for x in v)
     if "|" in a:
-        return any(accepts(x, v, trt) for x in _split(a, "|"))
+        return any(accepts(x, v, trt, returned) for x in _split(a, "|"))
     if a in ANY:
         return True
+    if returned and a in _RETURNED:
+        return _RETURNED[a](v)
     if a in _SCALARS:
         return _SCALARS[a](v)
     if a == "None":
@@ -217,7 +230,7 @@ def accepts(annot: str, v, trt) -> bool:
         return _buffer(v)
     if a == "numpy.ndarray":
         return type(v).__name__ == "ndarray"
-    if a in ("os.PathLike", "Callable"):
+    if a in ("os.PathLike", "Callable", "function"):
         return isinstance(v, str) or hasattr(v, "__fspath__") if a == "os.PathLike" else callable(v)
     cls = resolve(a, trt)
     if cls is None:
@@ -289,7 +302,7 @@ def check_return(owner, name: str, sig: Sig, value, trt):
     cls = resolve(a, trt)
     if cls is not None and not is_value_type(cls, trt) and not isinstance(value, Checked | HostMemory):
         return wrap(cls, value, trt)
-    if not accepts(a, value, trt):
+    if not accepts(a, value, trt, returned=True):
         raise TypeError(f"the simulation of {owner.__name__}.{name} returned {value!r}, "
                         f"but the real one returns {sig.ret}" + (" or None" if sig.optional_ret else ""))
     return value
@@ -313,6 +326,8 @@ def _get(real, sim, trt, proxy, name):
     attr = getattr(real, name)
     prop = _property(real, name)
     if prop is not None:
+        if prop.fget is None:
+            raise AttributeError(f"property '{name}' of '{real.__name__}' object has no getter")
         if not hasattr(type(sim), name) and name not in getattr(sim, "__dict__", {}):
             raise NotSimulated(f"{real.__name__}.{name} (a real property) is not simulated")
         value = getattr(sim, name)

@@ -112,8 +112,8 @@ class SimINetworkDefinition:
     def __len__(self):  # layers: the simulation parses no ONNX nodes
         return 0
 
-    def __getitem__(self, index):
-        raise IndexError(index)
+    def __getitem__(self, arg0):
+        raise IndexError(arg0)
 
 
 class SimParserError:
@@ -322,8 +322,6 @@ def _view(addr, dtype, shape):
 
 
 class SimIExecutionContext:
-    runs = 0  # executed enqueues, all contexts
-
     def __init__(self, engine):
         self.e, self.profile, self.shapes, self.addrs = engine, 0, {}, {}
         self.refuse_profile = False  # a test sets it to see set_optimization_profile_async fail
@@ -356,7 +354,6 @@ class SimIExecutionContext:
         feeds = {n: _view(self.addrs[n], np_type[self.e.dtype[n]], self.shapes[n]).copy() for n in self.e.inputs}
         for n, v in zip(self.e.outputs, self.e.sess.run(self.e.outputs, feeds)):
             _view(self.addrs[n], v.dtype, v.shape)[...] = v
-        SimIExecutionContext.runs += 1
         return True
 
 
