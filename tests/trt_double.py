@@ -21,6 +21,7 @@ Polygraphy treats as "not in this TensorRT version" and would hide).
 
 from __future__ import annotations
 
+import importlib.machinery
 import re
 import types
 from dataclasses import dataclass
@@ -497,6 +498,7 @@ def double(version: str) -> types.ModuleType:
     mod = types.ModuleType("tensorrt", f"Test double of TensorRT {version} (tests/trt_double.py)")
     mod.__dict__.update({k: v for k, v in vars(real).items() if not k.startswith("__") or k == "__version__"})
     mod.__real__ = real
+    mod.__spec__ = importlib.machinery.ModuleSpec("tensorrt", None)  # importlib.util.find_spec("tensorrt") works, as installed
     for name, sim in trt_fake.FACTORIES.items():
         setattr(mod, name, factory(real, getattr(real, name), sim))
     for name, impl in trt_fake.FUNCTIONS.items():
