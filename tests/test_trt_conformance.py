@@ -321,3 +321,12 @@ def test_simulated_returns_are_checked(objs, monkeypatch):
     monkeypatch.delattr(trt_fake.SimICudaEngine, "get_tensor_shape", raising=False)
     with pytest.raises(D.NotSimulated):  # real but not simulated: loud, and not an AttributeError
         objs.engine.get_tensor_shape("taps")
+
+
+def test_context_managers_are_the_real_helpers(objs):
+    with pytest.warns(DeprecationWarning, match="Context managers for TensorRT types are deprecated"):
+        with objs.engine as e:
+            assert e is objs.engine
+    with pytest.raises(TypeError, match="context manager"):
+        with objs.profile:  # IOptimizationProfile has none
+            pass

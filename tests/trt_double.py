@@ -416,14 +416,13 @@ class Checked:
             return self._dunder("__bool__")
         return self._dunder("__len__") > 0 if hasattr(self._real, "__len__") else True
 
-    def __enter__(self):
-        return _get(self._real, self._sim, self._trt, self, "__enter__")() if hasattr(self._real, "__enter__") \
-            else self._dunder("__enter__")
+    def __enter__(self):  # the real package's own Python helpers (deprecated; they warn, as on TensorRT)
+        if not hasattr(self._real, "__enter__"):
+            raise TypeError(f"'{self._real.__name__}' object does not support the context manager protocol")
+        return self._real.__enter__(self)
 
     def __exit__(self, *exc):
-        if not hasattr(self._real, "__exit__"):
-            raise TypeError(f"'{self._real.__name__}' object does not support the context manager protocol")
-        return getattr(self._real, "__exit__")(self, *exc)
+        return self._real.__exit__(self, *exc)
 
     def __str__(self):
         if "__str__" in self._real.__dict__:
