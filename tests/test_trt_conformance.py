@@ -318,6 +318,12 @@ def test_simulated_returns_are_checked(objs, monkeypatch):
     with pytest.raises(TypeError, match="returns bool"):  # the docs do not say None: not allowed
         objs.ctx.set_input_shape("taps", (1, 2, 96))
     assert objs.trt.Runtime(objs.trt.Logger()).deserialize_cuda_engine(b"not a plan") is None  # documented None
+    monkeypatch.setattr(trt_fake.SimICudaEngine, "create_execution_context", lambda self: None)
+    with pytest.raises(TypeError, match="returns .*IExecutionContext"):  # not documented to return None
+        objs.engine.create_execution_context()
+    monkeypatch.setattr(trt_fake.SimINetworkDefinition, "get_input", lambda self, index: object())
+    with pytest.raises(TypeError, match="returns .*ITensor"):  # not a simulation of the annotated class
+        objs.network.get_input(0)
     monkeypatch.delattr(trt_fake.SimICudaEngine, "get_tensor_shape", raising=False)
     with pytest.raises(D.NotSimulated):  # real but not simulated: loud, and not an AttributeError
         objs.engine.get_tensor_shape("taps")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib.machinery
 import re
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 PREFIXES = ("typing_extensions.", "typing.", "collections.abc.")
@@ -301,12 +301,15 @@ def check_return(owner, name: str, sig: Sig, value, trt):
     if value is None and (sig.optional_ret or a == "None"):
         return None
     cls = resolve(a, trt)
-    if cls is not None and not is_value_type(cls, trt) and not isinstance(value, Checked | HostMemory):
-        return wrap(cls, value, trt)
-    if not accepts(a, value, trt, returned=True):
-        raise TypeError(f"the simulation of {owner.__name__}.{name} returned {value!r}, "
-                        f"but the real one returns {sig.ret}" + (" or None" if sig.optional_ret else ""))
-    return value
+    if cls is not None and value is not None and not is_value_type(cls, trt) \
+            and not isinstance(value, Checked | HostMemory):
+        # a library object: the simulation of exactly that class (a plan: bytes), wrapped
+        if type(value).__name__ == f"Sim{cls.__name__}" or (cls.__name__ == "IHostMemory" and isinstance(value, bytes)):
+            return wrap(cls, value, trt)
+    elif accepts(a, value, trt, returned=True):
+        return value
+    raise TypeError(f"the simulation of {owner.__name__}.{name} returned {value!r}, "
+                    f"but the real one returns {sig.ret}" + (" or None" if sig.optional_ret else ""))
 
 
 def wrap(cls, sim, trt):
@@ -332,8 +335,11 @@ def _get(real, sim, trt, proxy, name):
         if not hasattr(type(sim), name) and name not in getattr(sim, "__dict__", {}):
             raise NotSimulated(f"{real.__name__}.{name} (a real property) is not simulated")
         value = getattr(sim, name)
-        sig = signatures(prop.fget.__doc__)
-        return check_return(real, name, sig[0], value, trt) if sig else value
+        (sig,) = signatures(prop.fget.__doc__)
+        cls = resolve(sig.ret, trt)
+        if cls is not None and not is_value_type(cls, trt):  # a pointer property never set reads None
+            sig = replace(sig, optional_ret=True)
+        return check_return(real, name, sig, value, trt)
     if isinstance(attr, type) or not callable(attr):
         return attr  # nested enums and constants: the real ones
     if isinstance(attr, types.FunctionType):  # a Python-level helper of the real package: run it as is
