@@ -167,12 +167,14 @@ class TensorRTBackend(Backend):
         for graph, e in self.eng.items():
             names = {e.engine.get_tensor_name(i) for i in range(e.engine.num_io_tensors)}
             ins, outs = C.io(graph, m)
-            for t, mode in [(t, trt.TensorIOMode.INPUT) for t in self.inputs[graph]] + [(t, trt.TensorIOMode.OUTPUT) for t in outs]:
+            bound = [(t, trt.TensorIOMode.INPUT) for t in self.inputs[graph]] + [(t, trt.TensorIOMode.OUTPUT) for t in outs]
+            for t, mode in bound:
                 where = f"{ENGINE_FILES[graph]}: {t.name}"
                 if t.name not in names:
                     raise DFlashError(f"{ENGINE_FILES[graph]} has no tensor {t.name}; rebuild the engines for this export")
                 if e.engine.get_tensor_mode(t.name) != mode:
-                    raise DFlashError(f"{where} is not an {mode.name.lower()} of the engine; rebuild the engines for this export")
+                    raise DFlashError(f"{where} is not an {mode.name.lower()} of the engine; "
+                                      "rebuild the engines for this export")
                 got, want = size.get(e.engine.get_tensor_dtype(t.name)), C.dtype(t, m)
                 if got != ITEMSIZE[want]:
                     raise DFlashError(f"{where} is {e.engine.get_tensor_dtype(t.name)} in the "

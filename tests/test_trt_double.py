@@ -185,6 +185,11 @@ def test_engines_that_do_not_match_are_refused_at_load(built, monkeypatch):
     m.engines = dict(e, profiles=dict(e["profiles"], target=e["profiles"]["target"][:1]))
     with pytest.raises(DFlashError, match="target.engine has 2 optimization profiles but the manifest records 1"):
         TensorRTBackend(out, manifest=m)
+    # an engine whose input is an output (another graph's engine under this name)
+    with monkeypatch.context() as mp:
+        mp.setattr(trt_fake.SimICudaEngine, "get_tensor_mode", lambda self, name: trt.TensorIOMode.OUTPUT)
+        with pytest.raises(DFlashError, match="target.engine: input_ids is not an input of the engine"):
+            TensorRTBackend(out)
     # TensorRT refuses to switch a context to the prefill profile: set_optimization_profile_async returns False
     monkeypatch.setattr(trt_fake.SimIExecutionContext, "__init__", _refusing_init)
     with pytest.raises(DFlashError, match="target.engine: TensorRT refused optimization profile 1"):

@@ -28,9 +28,10 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 PREFIXES = ("typing_extensions.", "typing.", "collections.abc.")
-MODULE = re.compile(r"\b\w*tensorrt\w*\.tensorrt\.|\btensorrt\.|\bnvinfer1::|\bnvonnxparser::|\bv_\d+_\d+::")  # tensorrt_bindings.tensorrt., _tensorrt_11_4_0_106.tensorrt.
+# module and C++ namespace prefixes: tensorrt_bindings.tensorrt., _tensorrt_11_4_0_106.tensorrt., nvinfer1::, v_1_0::
+MODULE = re.compile(r"\b\w*tensorrt\w*\.tensorrt\.|\btensorrt\.|\bnvinfer1::|\bnvonnxparser::|\bv_\d+_\d+::")
 # C++ names pybind11 prints where a type was registered after the function using it
-CPP_ALIASES = {"IParserError": "ParserError", "IBuilder": "Builder"}  # after the C++ namespace (nvinfer1::, nvonnxparser::) is cut
+CPP_ALIASES = {"IParserError": "ParserError", "IBuilder": "Builder"}  # C++ names (namespace cut) -> Python
 GENERIC = re.compile(r"(Optional|List|list|Sequence|Iterable|Union|Callable|dict|Dict|set|tuple|Tuple)\[(.*)\]")
 ANY = {"object", "Any", "capsule", "CapsuleType", "handle"}
 
@@ -180,7 +181,8 @@ _SCALARS = {
     "bytes": lambda v: isinstance(v, (bytes, bytearray)),
     # pybind11's bool takes True/False, and in its converting pass None and anything with nb_bool
     "bool": lambda v: v is None or isinstance(v, (bool, int, float)) or type(v).__name__ == "bool_",
-    "slice": lambda v: isinstance(v, slice), "tuple": lambda v: isinstance(v, tuple), "list": lambda v: isinstance(v, list), "dict": lambda v: isinstance(v, dict),
+    "slice": lambda v: isinstance(v, slice), "tuple": lambda v: isinstance(v, tuple),
+    "list": lambda v: isinstance(v, list), "dict": lambda v: isinstance(v, dict),
 }
 
 
@@ -211,9 +213,11 @@ def accepts(annot: str, v, trt, returned: bool = False) -> bool:
         if kind == "Callable":
             return callable(v)
         if kind in ("tuple", "Tuple"):
-            return isinstance(v, tuple) and len(v) == len(inner) and all(accepts(t, x, trt, returned) for t, x in zip(inner, v))
+            return isinstance(v, tuple) and len(v) == len(inner) \
+                and all(accepts(t, x, trt, returned) for t, x in zip(inner, v))
         if kind in ("dict", "Dict"):
-            return isinstance(v, dict) and all(accepts(inner[0], k, trt, returned) and accepts(inner[1], x, trt, returned) for k, x in v.items())
+            return isinstance(v, dict) and all(accepts(inner[0], k, trt, returned) and accepts(inner[1], x, trt, returned)
+                                               for k, x in v.items())
         if isinstance(v, (str, bytes, dict)) or not hasattr(v, "__iter__"):
             return False
         return all(accepts(inner[0], x, trt, returned) for x in v)
