@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from .runtime import contract as C
 from .runtime.errors import DFlashError
 from .runtime.sampling import check_sampling
 from .serve.text import load_tokenizer
@@ -227,7 +228,7 @@ def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bo
         rates = {t: rate(spec) for t, (spec, _) in runs.items()}
         best = max(rates, key=rates.get)
         be, spec = backends[best], runs[best][0]
-        if be.draft_conf is None:
+        if C.DRAFT_CONF not in {t.name for t in be.manifest.graphs[C.DRAFT_BLOCK].outputs}:
             raise DFlashError(f"{out}: draft_block has no draft_conf output (exported by an older version); "
                               "re-export to calibrate adaptive verify")
         log(f"threads: speculative tok/s by count {', '.join(f'{t}: {r:.0f}' for t, r in rates.items())} -> {best}")

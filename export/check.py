@@ -202,14 +202,14 @@ def committed_state_rows(target, m: M.Manifest, session, seed: int, strict: bool
         feeds = dict(zip(names_in, [_np(ids[:, P:]), np.arange(P, P + K)[None], *map(_np, past)]))
         got = dict(zip(names_out, session.run(names_out, feeds)))
         cache.append(target(ids[:, P:], torch.arange(P, P + K)[None], cache.view())[2], n)
-    names, mine, ref = [], [], []
+    names, mine, ref, N = [], [], [], C.names_of(m)
     for i, (conv_ref, state_ref) in enumerate(cache.view()):
         if not m.is_linear(i):
             continue
-        conv = np.concatenate([feeds[C.conv_state(i)][0], got[C.new_conv(i)][0, :n]], 0)[-conv_ref.shape[1]:]
-        state = feeds[C.rec_state(i)][0].copy()
-        commit_state(state, *(got[name][0, :n] for name in C.delta(i)))
-        names += [f"{C.conv_state(i)} committed", f"{C.rec_state(i)} committed"]
+        conv = np.concatenate([feeds[N.conv_state[i]][0], got[N.new_conv[i]][0, :n]], 0)[-conv_ref.shape[1]:]
+        state = feeds[N.rec_state[i]][0].copy()
+        commit_state(state, *(got[name][0, :n] for name in N.delta[i]))
+        names += [f"{N.conv_state[i]} committed", f"{N.rec_state[i]} committed"]
         mine += [conv[None], state[None]]
         ref += [_np(conv_ref), _np(state_ref)]
     return compare(C.TARGET, f"commit {n} of verify P={P} S={K}", names, mine, ref, strict)

@@ -29,7 +29,7 @@ import numpy as np
 import onnxruntime as ort
 
 from . import contract as C, manifest as M
-from .backend import Backend, TargetOut
+from .backend import Backend, Draft, TargetOut
 from .errors import DFlashError
 from .hybrid import LinearStates
 
@@ -120,6 +120,7 @@ class OrtBackend(Backend):
         self.directory = Path(directory)
         self._provider = resolve_provider(provider)
         self.manifest = m = M.load_manifest(self.directory, verify=verify)
+        self.names = C.names_of(m)
         self.max_len = m.max_context
         self.max_chunk = max(max_chunk, m.block_size)
         self.device = "cpu" if self._provider == PROVIDERS["cpu"] else "cuda"
@@ -310,11 +311,10 @@ class OrtBackend(Backend):
         never move and the binding keeps them across runs (rebinding 4 per layer cost ~0.1 ms
         a call at 6 layers). Not the lengths: binding copies a host input the kernel wants on
         the GPU at bind time, so they are bound after their values are written, every call."""
-        g = C.TARGET
+        g, N = C.TARGET, self.names
         for i in range(self.manifest.target_layers):
             k, v = self.kv[2 * i], self.kv[2 * i + 1]
-            for name, buf in ((C.past_key(i), k), (C.past_value(i), v), (C.PRESENT_KV[0].at(i).name, k),
-                              (C.PRESENT_KV[1].at(i).name, v)):
+            for name, buf in ((N.past_key[i], k), (N.past_value[i], v), (N.present_key[i], k), (N.present_value[i], v)):
                 self._bind(g, name, buf)
         self._static_bound = True
 
@@ -324,8 +324,8 @@ class OrtBackend(Backend):
 
     # -- the interface -------------------------------------------------------------------
 
-    def target(self, ids: np.ndarray, want_logits: bool = False) -> TargetOut:
-        m, P, S, g = self.manifest, self.target_len, len(ids), C.TARGET
+    def _target(self, ids: np.ndarray, want_logits: bool) -> TargetOut:
+        m, P, S, g, N = self.manifest, self.target_len, len(ids), C.TARGET, self.names
         if not 1 <= S <= self.max_chunk:
             raise DFlashError(f"internal: target call with {S} tokens (1..{self.max_chunk})")
         if P + S > self.max_len:
@@ -343,16 +343,16 @@ class OrtBackend(Backend):
         for i in () if self.in_place else range(m.target_layers):  # ort flavour: bound once, above
             if m.is_linear(i):  # committed states in, per-position outputs to commit out
                 buf = self.states.buf
-                for name in (C.conv_state(i), C.rec_state(i)):
+                for name in (N.conv_state[i], N.rec_state[i]):
                     self._bind(g, name, buf[name])
-                for name in (C.new_conv(i), *C.delta(i)):
+                for name in (N.new_conv[i], *N.delta[i]):
                     self._bind(g, name, buf[name], seq=S)
                 continue
             k, v = self.kv[2 * i], self.kv[2 * i + 1]
-            self._bind(g, C.past_key(i), k, past=P)
-            self._bind(g, C.past_value(i), v, past=P)
-            self._bind(g, C.new_key(i), k, P, seq=S)
-            self._bind(g, C.new_value(i), v, P, seq=S)
+            self._bind(g, N.past_key[i], k, past=P)
+            self._bind(g, N.past_value[i], v, past=P)
+            self._bind(g, N.new_key[i], k, P, seq=S)
+            self._bind(g, N.new_value[i], v, P, seq=S)
         self._bind(g, C.TAPS, self.taps, seq=S)
         self._bind(g, C.NEXT_IDS, self.next_ids, seq=S)
         io = self._io[g]
@@ -362,38 +362,36 @@ class OrtBackend(Backend):
         else:
             self._bind(g, C.LOGITS, self.logits if want_logits else self._logits_scratch, seq=S)
         self.sessions[g].run_with_iobinding(io)
-        self._pending = S
         logits = None
         if want_logits:
             logits = io.get_outputs()[-1].numpy()[0] if big else self.logits[0, :S]
         return TargetOut(self.next_ids[0, :S], logits)
 
     def draft_context(self, n: int) -> None:
-        m, P, g = self.manifest, self.context_len, C.DRAFT_CONTEXT
+        m, P, g, N = self.manifest, self.context_len, C.DRAFT_CONTEXT, self.names
         if not 0 < n <= self.max_chunk or P + n > self.max_len:
             raise DFlashError(f"internal: draft_context({n}) at {P} (max {self.max_len})")
         self._bind(g, C.TAPS, self.taps, ctx=n)
         self._bind(g, C.CTX_POSITION_IDS, self.positions, P, ctx=n)
         for j in range(m.draft_layers):
-            self._bind(g, C.ctx_key(j), self.ctx[2 * j], P, ctx=n)
-            self._bind(g, C.ctx_value(j), self.ctx[2 * j + 1], P, ctx=n)
+            self._bind(g, N.ctx_key[j], self.ctx[2 * j], P, ctx=n)
+            self._bind(g, N.ctx_value[j], self.ctx[2 * j + 1], P, ctx=n)
         self.sessions[g].run_with_iobinding(self._io[g])
         self.context_len += n
 
-    def draft_block(self, anchor: int) -> np.ndarray:
-        m, P, g = self.manifest, self.context_len, C.DRAFT_BLOCK
+    def draft_block(self, anchor: int) -> Draft:
+        m, P, g, N = self.manifest, self.context_len, C.DRAFT_BLOCK, self.names
         self.block_ids[0, 0] = anchor
         self._bind(g, C.BLOCK_IDS, self.block_ids)
         self._bind(g, C.BLOCK_POSITION_IDS, self.positions, P)
         for j in range(m.draft_layers):
-            self._bind(g, C.past_ctx_key(j), self.ctx[2 * j], past_ctx=P)
-            self._bind(g, C.past_ctx_value(j), self.ctx[2 * j + 1], past_ctx=P)
+            self._bind(g, N.past_ctx_key[j], self.ctx[2 * j], past_ctx=P)
+            self._bind(g, N.past_ctx_value[j], self.ctx[2 * j + 1], past_ctx=P)
         self._bind(g, C.DRAFT_IDS, self.draft_ids)
         self._bind(g, C.DRAFT_LOGITS, self._draft_logits)
         self._bind(g, C.DRAFT_CONF, self._conf)
         self.sessions[g].run_with_iobinding(self._io[g])
-        self.draft_conf = self._conf[0]
-        return self.draft_ids[0]
+        return Draft(self.draft_ids[0], self._conf[0])
 
     def close(self) -> None:
         self.sessions = {}  # forks keep theirs: a session is freed with its last user

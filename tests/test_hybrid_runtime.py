@@ -17,6 +17,7 @@ from dflash_export.cli import cli
 from dflash_export.models import Drafter, Target, speculative_generate
 from dflash_export.models.config import DraftConfig
 from dflash_export.runtime import contract as C, manifest as M
+from dflash_export.runtime.backend import Draft
 from dflash_export.runtime.hybrid import commit_state
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort import OrtBackend
@@ -85,11 +86,11 @@ class ForcedDrafts:
 
     def draft_block(self, anchor):
         k, p = self.inner.manifest.block_size, self.inner.context_len  # p: the anchor's position
-        self.inner.draft_block(anchor)
+        d = self.inner.draft_block(anchor)
         drafts = np.array((self.seq[p + 1 : p + k] + [0] * k)[: k - 1], np.int64)
         if self.j < k - 1:
             drafts[self.j] = (drafts[self.j] + 1) % self.inner.manifest.vocab_size
-        return drafts
+        return Draft(drafts, d.conf)
 
 
 def rejected_everywhere(be, prompt: list[int], n: int, ref: list[int]) -> None:
