@@ -34,7 +34,7 @@ import numpy as np
 
 from . import contract as C
 from .manifest import Manifest
-from .errors import DFlashError
+from .errors import DFlashError, InternalError
 from .hybrid import LinearStates
 
 
@@ -91,7 +91,7 @@ class Backend(ABC):
         The other S - n slots stay scratch (this is the whole rollback).
         """
         if not 0 <= n <= self._pending:
-            raise DFlashError(f"internal: commit({n}) but the last target call wrote {self._pending} positions")
+            raise InternalError(f"commit({n}) but the last target call wrote {self._pending} positions")
         if self.states is not None:  # a hybrid target's rollback: only n positions reach the states
             self.states.commit(n)
         self.target_len += n
@@ -128,10 +128,10 @@ class Backend(ABC):
         """Keep only the first n positions of both caches: a new sequence that starts with
         the same n tokens as the last one (prompt reuse) prefills only what follows."""
         if not 0 <= n <= self.target_len:
-            raise DFlashError(f"internal: keep({n}) but the target cache holds {self.target_len} positions")
+            raise InternalError(f"keep({n}) but the target cache holds {self.target_len} positions")
         if self.states is not None and n != self.target_len:
             if n:
-                raise DFlashError(f"internal: keep({n}) of {self.target_len} positions: a hybrid target keeps all or none")
+                raise InternalError(f"keep({n}) of {self.target_len} positions: a hybrid target keeps all or none")
             self.states.reset()
         self.target_len, self.context_len, self._pending = n, min(self.context_len, n), 0
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import Backend
-from .errors import DFlashError
+from .errors import DFlashError, InternalError
 from .sampling import accept, check_request, check_sampling, choose, cut_at_stop, position_uniforms
 from .settings import VerifyPolicy
 
@@ -107,7 +107,7 @@ def stream(
     t0 = clock()
 
     if not 0 <= reuse < len(prompt) or (draft and reuse > backend.context_len):
-        raise DFlashError(f"internal: reuse {reuse} of a {len(prompt)}-token prompt (drafter context {backend.context_len})")
+        raise InternalError(f"reuse {reuse} of a {len(prompt)}-token prompt (drafter context {backend.context_len})")
     backend.keep(reuse)
     for i in range(reuse, len(prompt), chunk):
         ids = prompt[i : i + chunk]

@@ -30,15 +30,20 @@ import onnxruntime as ort
 
 from . import contract as C, manifest as M
 from .backend import Backend, Draft, TargetOut
-from .errors import DFlashError
+from .errors import DFlashError, InternalError
 from .hybrid import LinearStates
+from .shared import ONNX_TYPE, STORAGE, shared_weights, tied_head_graphs
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
-# TensorProto.DataType; uint8: weight-only quantized tensors (MatMulNBits, docs/quantization.md); int32: the
-# ort attention flavour's lengths (contract.TARGET_ORT)
-ONNX_TYPE = {"float32": 1, "float16": 10, "bfloat16": 16, "int64": 7, "uint8": 2, "int32": 6}
-STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int64": np.int64, "uint8": np.uint8,
-           "int32": np.int32}
+
+
+def load_hint(first: str) -> str:
+    """What to do about an ONNX Runtime load failure, from its first line; nothing when the cause is unclear."""
+    if any(k in first for k in ("INVALID_PROTOBUF", "NO_SUCHFILE", "external data", "INVALID_GRAPH")):
+        return " (the file is damaged or incomplete: re-export the directory)"
+    if any(k in first for k in ("NOT_IMPLEMENTED", "Could not find an implementation", "opset")):
+        return " (this onnxruntime cannot run an op of the graph: install the version `dflash-export info` lists)"
+    return ""
 
 
 def available_providers() -> list[str]:
@@ -57,44 +62,6 @@ def resolve_provider(name: str) -> str:
             "for cuda install the gpu extra (onnxruntime-gpu)"
         )
     return PROVIDERS[name]
-
-
-# -- shared weights, memory-mapped from the manifest's table ----------------------------
-
-
-def shared_weights(directory: Path, m: M.Manifest) -> dict[str, tuple[np.ndarray, int]]:
-    """name -> (array over its bytes in shared.data, onnx element type), one array per
-    distinct (file, offset): tied names share it. Mapped copy-on-write: the pages are the
-    file's (no copy at load); nothing is ever written back."""
-    maps: dict[str, np.memmap] = {}
-    seen: dict[tuple, np.ndarray] = {}
-    out = {}
-    for name, t in m.shared.items():
-        path = (directory / t.file).resolve()
-        if directory.resolve() not in path.parents:
-            raise DFlashError(f"{directory}: shared weight {name} points outside the directory ({t.file}); re-export it")
-        if t.dtype not in STORAGE:
-            raise DFlashError(f"{directory}: shared weight {name} has unsupported dtype {t.dtype}; re-export it")
-        mm = maps.get(t.file)
-        if mm is None:
-            mm = maps[t.file] = np.memmap(path, np.uint8, mode="c")
-        dtype = np.dtype(STORAGE[t.dtype])
-        if t.length != int(np.prod(t.shape)) * dtype.itemsize or t.offset + t.length > mm.size:
-            raise DFlashError(f"{directory}: shared weight {name} does not fit {t.file}; re-export the directory")
-        key = (t.file, t.offset)
-        if key not in seen:
-            seen[key] = mm[t.offset : t.offset + t.length].view(dtype).reshape(t.shape)
-        out[name] = (seen[key], ONNX_TYPE[t.dtype])
-    return out
-
-
-def tied_head_graphs(m: M.Manifest, shared: dict) -> set[str]:
-    """Graphs whose LM head is the fp32 embedding table itself (tied, read transposed): these
-    are built without ORT's constant folding (fp16 needs it: CPU MatMul casts folded to fp32)."""
-    embed, head = C.SHARED_INITIALIZERS
-    if m.dtype != "fp32" or head not in shared or embed not in shared or shared[head][0] is not shared[embed][0]:
-        return set()
-    return set(m.shared[head].graphs)
 
 
 # -- the backend -----------------------------------------------------------------------
@@ -269,7 +236,8 @@ class OrtBackend(Backend):
             if self.manifest.dtype == "bf16" and self._provider == PROVIDERS["cpu"]:
                 raise DFlashError(f"{path}: ONNX Runtime's CPU provider cannot run bf16 graphs (not run here); use "
                                   "--provider cuda or the TensorRT backend, or export with --dtype fp16/fp32") from None
-            raise DFlashError(f"{path}: onnxruntime cannot load it ({first}); re-export the directory") from None
+            raise DFlashError(f"{path}: onnxruntime {ort.__version__} with {self._provider} cannot load the {graph} "
+                              f"graph: {first}{load_hint(first)}") from None
 
     def _alloc(self, shape: tuple, dtype: str):
         if self.device == "cpu":
@@ -327,7 +295,7 @@ class OrtBackend(Backend):
     def _target(self, ids: np.ndarray, want_logits: bool) -> TargetOut:
         m, P, S, g, N = self.manifest, self.target_len, len(ids), C.TARGET, self.names
         if not 1 <= S <= self.max_chunk:
-            raise DFlashError(f"internal: target call with {S} tokens (1..{self.max_chunk})")
+            raise InternalError(f"target call with {S} tokens (1..{self.max_chunk})")
         if P + S > self.max_len:
             raise DFlashError(f"sequence of {P + S} positions exceeds the exported max context {self.max_len}")
         self.ids[0, :S] = ids
@@ -370,7 +338,7 @@ class OrtBackend(Backend):
     def draft_context(self, n: int) -> None:
         m, P, g, N = self.manifest, self.context_len, C.DRAFT_CONTEXT, self.names
         if not 0 < n <= self.max_chunk or P + n > self.max_len:
-            raise DFlashError(f"internal: draft_context({n}) at {P} (max {self.max_len})")
+            raise InternalError(f"draft_context({n}) at {P} (max {self.max_len})")
         self._bind(g, C.TAPS, self.taps, ctx=n)
         self._bind(g, C.CTX_POSITION_IDS, self.positions, P, ctx=n)
         for j in range(m.draft_layers):

@@ -25,7 +25,7 @@ from .backend import Backend, Draft, TargetOut
 from . import contract as C
 from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, draft_vocab_size
 from .manifest import Manifest, load_manifest
-from .errors import DFlashError
+from .errors import DFlashError, InternalError
 from .hybrid import LinearStates
 from .trt_profiles import ENGINE_FILES, check_engine_record, check_trt_version
 
@@ -216,10 +216,10 @@ class TensorRTBackend(Backend):
     def _bind(self, ctx, shapes: dict[str, tuple], addrs: dict[str, int]) -> None:
         for name, shape in shapes.items():
             if not ctx.set_input_shape(name, shape):
-                raise DFlashError(f"internal: TensorRT refused shape {shape} for {name}; rebuild the engines")
+                raise InternalError(f"TensorRT refused shape {shape} for {name}; rebuild the engines")
         for name, ptr in addrs.items():
             if not ctx.set_tensor_address(name, ptr):
-                raise DFlashError(f"internal: TensorRT refused the address of {name}")
+                raise InternalError(f"TensorRT refused the address of {name}")
 
     def _run(self, graph: str, prof: int, addrs: dict, **dynamic: int) -> None:
         """Enqueue one engine call on the stream (execute_async_v3); input shapes from the contract."""
@@ -227,7 +227,7 @@ class TensorRTBackend(Backend):
         shapes = {t.name: C.shape(t, self.manifest, batch=1, **dynamic) for t in self.inputs[graph]}
         self._bind(ctx, shapes, addrs)
         if not ctx.execute_async_v3(self.handle):
-            raise DFlashError("internal: TensorRT execute_async_v3 failed (see the TensorRT log above)")
+            raise InternalError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
 
     def _out_addr(self, base: int, pos: int, row: int, scratch: int) -> tuple[int, bool]:
         """Address for new rows at `pos` of a cache buffer: in place if aligned, else scratch."""
@@ -242,7 +242,7 @@ class TensorRTBackend(Backend):
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         s, p = int(ids.size), self.target_len
         if s < 1:
-            raise DFlashError("internal: target() needs at least one token")
+            raise InternalError("target() needs at least one token")
         if p + s > self.max_len:
             raise DFlashError(f"sequence of {p + s} positions exceeds the engines' max context {self.max_len}; "
                               "rebuild with a larger `dflash-export build --max-context` or shorten the request")
@@ -300,7 +300,7 @@ class TensorRTBackend(Backend):
         N = self.names
         c, p = int(n), self.context_len
         if not 0 < c <= self._taps_n:
-            raise DFlashError(f"internal: draft_context({c}) but the last target call kept {self._taps_n} taps")
+            raise InternalError(f"draft_context({c}) but the last target call kept {self._taps_n} taps")
         if p + c > self.max_len:
             raise DFlashError(f"drafter context of {p + c} positions exceeds the engines' max context {self.max_len}")
         self.h_cpos[:c] = np.arange(p, p + c)
@@ -323,7 +323,7 @@ class TensorRTBackend(Backend):
         m, k = self.manifest, self.k
         p = self.context_len
         if p < 1:
-            raise DFlashError("internal: draft_block() before any context (prefill first)")
+            raise InternalError("draft_block() before any context (prefill first)")
         if p >= self.max_len:
             raise DFlashError(f"a block at position {p} is past the engines' max context {self.max_len}")
         self.h_bids[0] = int(anchor)

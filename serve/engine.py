@@ -18,6 +18,7 @@ import os
 import socket
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -233,6 +234,7 @@ class Engine:
                 self._run(slot, job)
             except Exception as e:  # a bug, not bad input (the app validated it): report, keep serving
                 slot.seq = []
+                traceback.print_exc()  # the server's log: what a bug report needs
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 _emit(job, ("error", f"generation failed: {msg}"))
             with self.lock:
