@@ -90,7 +90,7 @@ def open_backend(work: Path, name: str, threads: str, variant: str, drafter: boo
 def do_calibrate(work: Path, name: str, prompts: int, new_tokens: int) -> dict:
     import numpy as np
 
-    from dflash_export.cmd_run import calibrate
+    from dflash_export.runtime.calibrate import calibrate
     from dflash_export.runtime.calibrate import thread_candidates
 
     from dflash_export.runtime import manifest as M

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from .options import num_prompts_option
 from .runtime.errors import DFlashError
 
 
@@ -131,8 +132,7 @@ def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantiz
               help="The target directory OUT was exported from (required).")
 @click.option("--draft", "draft_dir", type=click.Path(path_type=Path),
               help="The drafter directory OUT was exported from (required).")
-@click.option("--prompts", type=int, default=20, show_default=True,
-              help="Random prompts decoded end to end (ONNX Runtime vs the PyTorch oracle); 0 skips.")
+@num_prompts_option(20, "Random prompts decoded end to end (ONNX Runtime vs the PyTorch oracle); 0 skips.")
 @click.option("--max-new-tokens", type=int, default=24, show_default=True, help="Tokens per end-to-end prompt.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the random inputs and prompts.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
@@ -140,7 +140,7 @@ def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantiz
               help="Write inputs and both sides' outputs as Polygraphy JSON into this directory.")
 @click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="ONNX Runtime execution provider for the exported side.")
-def check(out, target_dir, draft_dir, prompts, max_new_tokens, seed, as_json, save_polygraphy, provider):
+def check(out, target_dir, draft_dir, num_prompts, prompts_file, max_new_tokens, seed, as_json, save_polygraphy, provider):
     """Check an exported directory OUT against the PyTorch modules it came from.
 
     Runs every graph in ONNX Runtime (--provider, CPU by default) and in PyTorch on
@@ -148,7 +148,7 @@ def check(out, target_dir, draft_dir, prompts, max_new_tokens, seed, as_json, sa
     prefill (past 0), a 1-token step and a K-token verify on a past; the drafter's context
     graph; the block graph with and without context. Prints max / mean / p99 absolute
     error per output against the tolerance (fp32: 1e-4 on logits, taps and K/V; ids
-    exact). Then decodes --prompts random prompts greedily through the graphs and through
+    exact). Then decodes --num-prompts random prompts greedily through the graphs and through
     the PyTorch oracle: tokens and acceptance lengths must be identical.
 
     fp16/bf16 exports report the statistics and top-1 agreement without failing on fp32
@@ -158,7 +158,7 @@ def check(out, target_dir, draft_dir, prompts, max_new_tokens, seed, as_json, sa
     \b
     Examples:
       dflash-export check art --target Qwen3-8B --draft Qwen3-8B-DFlash
-      dflash-export check art --target t --draft d --prompts 50 --json
+      dflash-export check art --target t --draft d --num-prompts 50 --json
       dflash-export check art --target t --draft d --save-polygraphy pg
       polygraphy run art/target.onnx --onnxrt \\
           --load-inputs pg/target.prefill_P0_S7.inputs.json \\
@@ -166,9 +166,11 @@ def check(out, target_dir, draft_dir, prompts, max_new_tokens, seed, as_json, sa
     """
     from .export.check import run_check
 
-    if prompts < 0 or max_new_tokens < 1:
-        raise DFlashError("--prompts must be >= 0 and --max-new-tokens >= 1")
-    report = run_check(out, target_dir, draft_dir, prompts=prompts, max_new_tokens=max_new_tokens, seed=seed,
+    if prompts_file is not None:
+        raise DFlashError(f"--prompts {prompts_file}: check decodes random token prompts; give their number with --num-prompts N")
+    if num_prompts < 0 or max_new_tokens < 1:
+        raise DFlashError("--num-prompts must be >= 0 and --max-new-tokens >= 1")
+    report = run_check(out, target_dir, draft_dir, prompts=num_prompts, max_new_tokens=max_new_tokens, seed=seed,
                        save_polygraphy=save_polygraphy, provider=provider, progress=not as_json)
     if as_json:
         click.echo(json.dumps(report.to_json()))

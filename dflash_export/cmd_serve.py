@@ -21,8 +21,10 @@ from pathlib import Path
 
 import click
 
-from .cmd_run import spin_option, threads_option, verify_option
+from .options import device_options, ray_options
 from .runtime.errors import DFlashError
+from .runtime.load import settings_for
+from .runtime.settings import check_options
 
 DEMO_CONTEXT = 2048
 
@@ -163,37 +165,12 @@ def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, ma
 @click.option("--no-draft", is_flag=True, help="Load without the drafter: plain decoding only.")
 @click.option("--shutdown-timeout", default=10.0, show_default=True, type=float,
               help="Seconds in-flight requests may finish after Ctrl-C / SIGTERM before they are cancelled.")
-@click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
-              help="ort: ONNX Runtime (see --provider); trt: the TensorRT engines of `dflash-export build` (--slots 1).")
-@click.option("--provider", default="cpu", show_default=True, help="ONNX Runtime execution provider: cpu | cuda | tensorrt.")
-@threads_option
-@spin_option
-@verify_option
-@click.option("--ray", "use_ray", is_flag=True,
-              help="Run as a Ray Serve application (replicas across nodes; needs the ray extra). See docs/ray.md.")
-@click.option("--replicas", type=int, help="--ray: a fixed number of replicas [default: 1].")
-@click.option("--autoscale", metavar="MIN:MAX", help="--ray: autoscale between MIN and MAX replicas on ongoing requests.")
-@click.option("--ray-address", help="--ray: an existing cluster (e.g. 10.0.0.5:6379) [default: a local head on 127.0.0.1].")
-@click.option("--replica-cpus", type=float, default=1.0, show_default=True, help="--ray: CPUs reserved per replica.")
-@click.option("--replica-gpus", type=float, default=0.0, show_default=True,
-              help="--ray: GPUs per replica (1 with --provider cuda: one GPU each).")
-@click.option("--max-replicas-per-node", type=int, help="--ray: at most this many replicas on one node (1: spread).")
-@click.option("--max-ongoing", type=int, help="--ray: requests Ray sends a replica at once [default: slots + queue + 8].")
-@click.option("--upscale-delay", type=float, default=30.0, show_default=True, help="--autoscale: seconds of load before adding a replica.")
-@click.option("--downscale-delay", type=float, default=600.0, show_default=True,
-              help="--autoscale: seconds of low load before removing one.")
-@click.option("--health-check-period", type=float, default=10.0, show_default=True,
-              help="--ray: seconds between replica health checks (slot threads alive, artifact files unchanged).")
-@click.option("--proxy", type=click.Choice(["HeadOnly", "EveryNode"]), default="HeadOnly", show_default=True,
-              help="--ray: Ray Serve HTTP proxies on the head only, or on every node (same --host/--port each).")
+@device_options
+@ray_options
 def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_name, default_max_tokens, chat_template,
-          no_draft, shutdown_timeout, backend, provider, threads, spin, verify, use_ray, replicas, autoscale, ray_address, replica_cpus,
-          replica_gpus, max_replicas_per_node, max_ongoing, upscale_delay, downscale_delay, health_check_period, proxy):
+          no_draft, shutdown_timeout, backend, provider, threads, spin, verify, ray: dict):
     """An OpenAI-compatible server over an exported directory OUT (or --demo):
     /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize."""
-    from .runtime import manifest as M
-    from .runtime.settings import check_options, device_key, resolve
-
     _need_serve_extra()
     if (out is None) == (not demo):
         raise DFlashError("give an exported directory OUT or --demo (not both)")
@@ -212,8 +189,10 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
     check_options(threads, verify)  # before --demo's first export, not after it
     if slots > 1 and backend != "ort":
         raise DFlashError(f"--slots {slots} needs --backend ort (its slots share one copy of the weights)")
-    ray_kw = _ray_options(use_ray, replicas, autoscale, ray_address, replica_cpus, replica_gpus, max_replicas_per_node,
-                          max_ongoing, upscale_delay, downscale_delay, health_check_period)
+    use_ray = ray["use_ray"]
+    ray_kw = _ray_options(use_ray, ray["replicas"], ray["autoscale"], ray["ray_address"], ray["replica_cpus"],
+                          ray["replica_gpus"], ray["max_replicas_per_node"], ray["max_ongoing"], ray["upscale_delay"],
+                          ray["downscale_delay"], ray["health_check_period"])
     template = None
     if chat_template is not None:
         if not chat_template.is_file():
@@ -223,8 +202,7 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
     if use_ray:
         directory = Path(directory).resolve()  # every replica opens this path on its own node
     # a wrong folder, --threads or runtime.json is one line now, not after binding
-    resolve(directory, M.load_manifest(directory, verify=False), device_key(backend, provider), threads=threads,
-            spin=spin, verify=verify)
+    settings_for(directory, backend, provider, threads=threads, spin=spin, verify=verify)
 
     import uvicorn
 
@@ -240,7 +218,7 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
     if use_ray:
         from .serve.ray import run
 
-        return run(options, host=host, port=port, address=ray_address, proxy=proxy, shutdown_timeout=shutdown_timeout,
+        return run(options, host=host, port=port, address=ray["ray_address"], proxy=ray["proxy"], shutdown_timeout=shutdown_timeout,
                    **ray_kw)
     sock = _bind(host, port)
     port = sock.getsockname()[1]

@@ -270,7 +270,7 @@ def run_check(
     import torch
 
     from ..models import speculative_generate
-    from ..runtime.backend import open_backend
+    from ..runtime.load import open_backend
     from .progress import Phases
 
     root = Path(root)

@@ -149,29 +149,3 @@ class Backend(ABC):
     def provider(self) -> str:
         """What runs the graphs, for reports ("onnxruntime:CPUExecutionProvider", "tensorrt")."""
         return type(self).__name__
-
-
-def open_backend(directory, backend: str = "ort", provider: str = "cpu", **kwargs) -> Backend:
-    """The named backend over an exported directory: "ort" (provider cpu | cuda | tensorrt) or
-    "trt" (TensorRT engines from `dflash-export build`). Each is imported only when asked for."""
-    if backend == "ort":
-        return ort_backend_class()(directory, provider, **kwargs)
-    if backend == "trt":
-        from .trt_backend import TensorRTBackend
-
-        return TensorRTBackend(directory, **kwargs)
-    raise DFlashError(f"unknown backend {backend!r}; choose ort or trt")
-
-
-def ort_backend_class():
-    """OrtBackend, or a one-line install hint when onnxruntime is missing."""
-    try:
-        from .ort import OrtBackend
-    except ModuleNotFoundError as e:
-        if e.name != "onnxruntime":
-            raise
-        raise DFlashError(
-            'ONNX Runtime is not installed: pip install "dflash-export[cpu]" (or "dflash-export[gpu]" '
-            "for CUDA; the two are alternatives, never install both)"
-        ) from None
-    return OrtBackend

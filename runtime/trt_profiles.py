@@ -61,6 +61,15 @@ def check_precision(export_dtype: str, precision: str | None) -> str:
     )
 
 
+def refuse_quantized(manifest: Manifest) -> None:
+    """Weight-only quantized graphs hold ONNX Runtime's MatMulNBits, which TensorRT's parser does not take."""
+    q = manifest.quantization
+    if q is not None:
+        raise DFlashError(f"this export is quantized ({q['scheme']} weights as ONNX Runtime MatMulNBits), which TensorRT "
+                          "cannot parse (its quantization uses Q/DQ nodes, not supported here); build from an export "
+                          "without --quantize")
+
+
 # ---------------------------------------------------------------------------------------
 # Profiles
 # ---------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def test_half_export(tmp_path, dtype, np_name, itemsize, kv_width):
         assert lint(onnx.load(str(out / f), load_external_data=False)) == []
 
     r = CliRunner().invoke(cli, ["check", str(out), "--target", str(target), "--draft", str(draft),
-                                 "--prompts", "5", "--max-new-tokens", "12", "--json"])
+                                 "--num-prompts", "5", "--max-new-tokens", "12", "--json"])
     report = json.loads(r.stdout)
     if dtype == "bf16":
         assert r.exit_code == 1 and not report["passed"]

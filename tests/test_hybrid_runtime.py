@@ -60,7 +60,7 @@ def test_manifest_describes_the_state_tensors(pair):
 
 def test_check_parity_on_every_output(pair):
     tdir, ddir, out = pair
-    r = CliRunner().invoke(cli, ["check", str(out), "--target", str(tdir), "--draft", str(ddir), "--prompts", "6",
+    r = CliRunner().invoke(cli, ["check", str(out), "--target", str(tdir), "--draft", str(ddir), "--num-prompts", "6",
                                  "--json"])
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
@@ -338,7 +338,7 @@ def test_fp16_export_of_a_hybrid_target(tmp_path):
     assert sum(k == ("MatMul", fp32) for k in kinds) >= 10  # the chunk's products (the inverse alone: 10)
     assert ("MatMul", onnx.TensorProto.FLOAT16) in kinds  # the projections
 
-    r = CliRunner().invoke(cli, ["check", str(out), "--target", str(tdir), "--draft", str(ddir), "--prompts", "5",
+    r = CliRunner().invoke(cli, ["check", str(out), "--target", str(tdir), "--draft", str(ddir), "--num-prompts", "5",
                                  "--max-new-tokens", "12", "--json"])
     rep = json.loads(r.stdout)
     assert r.exit_code == 0 and rep["passed"] and rep["tolerance"] is None, r.output

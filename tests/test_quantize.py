@@ -223,7 +223,7 @@ def test_export_quantize_end_to_end(tmp_path):
     m = M.load_manifest(out)
     assert m.quantization["scheme"] == "int4" and len(m.quantization["weights"]["draft_block"]) == 7
     r = CliRunner().invoke(cli, ["check", str(out), "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"),
-                                 "--prompts", "4", "--json"])
+                                 "--num-prompts", "4", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["end_to_end"]["speculative_equals_plain"] == 4
 
