@@ -56,6 +56,9 @@ def plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset=No
         raise DFlashError(f"--opset {opset} is not supported: torch's dynamo exporter writes opset {MIN_OPSET} or higher")
     if max_context <= k:
         raise DFlashError(f"--max-context {max_context} must exceed the block size {k}")
+    if max_context > tc.max_position_embeddings:  # allowed (RoPE extrapolates), but the model never saw them
+        print(f"warning: --max-context {max_context} exceeds the target's max_position_embeddings "
+              f"{tc.max_position_embeddings}: positions past it were not trained and may decode poorly", file=sys.stderr)
     return tc, dc, k, mask
 
 
