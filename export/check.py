@@ -32,6 +32,7 @@ import numpy as np
 
 from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
+from .polygraphy_json import write_polygraphy
 
 TOLERANCE = 1e-4  # fp32 absolute, on logits, taps and K/V alike
 
@@ -389,25 +390,3 @@ def end_to_end(backend, target, drafter, m: M.Manifest, prompts: int, max_new_to
 
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def write_polygraphy(directory: Path, saved) -> None:
-    """Per graph and regime: <graph>.<case>.inputs.json (a list of feed dicts, as
-    `polygraphy run --load-inputs` reads) and .outputs.json (RunResults with a `pytorch`
-    and an `onnxruntime` runner, for `--load-outputs`)."""
-    import contextlib
-    import sys
-
-    with contextlib.redirect_stdout(sys.stderr):  # Polygraphy logs to stdout; keep --json's stdout clean
-        from polygraphy.comparator import RunResults
-        from polygraphy.comparator.struct import IterationResult
-        from polygraphy.json import save_json
-
-        directory.mkdir(parents=True, exist_ok=True)
-        for graph, case, feeds, ref, got in saved:
-            stem = f"{graph}.{case.replace(' ', '_').replace('=', '')}"
-            save_json([feeds], str(directory / f"{stem}.inputs.json"))
-            results = RunResults()
-            results.append(("pytorch", [IterationResult(ref, runner_name="pytorch")]))
-            results.append(("onnxruntime", [IterationResult(got, runner_name="onnxruntime")]))
-            results.save(str(directory / f"{stem}.outputs.json"))
