@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import peak_rss_bytes, run_child  # noqa: E402
+from common import peak_rss_bytes, run_child
 
 
 def make_checkpoint(work: Path, vocab: int, hidden: int, layers: int, inter: int, heads: int | None = None,

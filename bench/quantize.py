@@ -30,8 +30,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).parent))
-from common import ROOT, peak_rss_bytes, run_child  # noqa: E402
+from common import ROOT, peak_rss_bytes, run_child
 
 VARIANTS = {  # name -> QuantOptions arguments (None: the float export itself)
     "fp32": None,

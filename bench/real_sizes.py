@@ -26,8 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import run_child  # noqa: E402
+from common import run_child
 
 SHAPE = dict(vocab=151936, hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, inter=3072)
 
