@@ -6,6 +6,7 @@ tensorrt) inside the function, so `generate` and `bench` run where torch is not 
 
 from __future__ import annotations
 
+import importlib
 import traceback
 
 import click
@@ -52,8 +53,6 @@ def cli() -> None:
 
 
 def _register() -> None:
-    import importlib
-
     for name in ("cmd_export", "cmd_info", "cmd_run", "cmd_trt", "cmd_train", "cmd_demo", "cmd_serve"):
         for command in importlib.import_module(f".{name}", __package__).COMMANDS:
             cli.add_command(command)

@@ -9,21 +9,29 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from importlib import resources
 from pathlib import Path
 
 import click
+from rich.console import Console
+from rich.table import Table
+from tokenizers import Tokenizer
 
+from .cmd_export import print_report
 from .cmd_run import BUILTIN_PROMPTS
 from .options import num_prompts_option, spin_option, threads_option, verify_option
 from .runtime.calibrate import calibrate, thread_candidates
 from .runtime.errors import DFlashError
+from .runtime.lazy import lazy_import
 from .runtime.load import open_backend, settings_for
 from .runtime.loop import Generation, generate, stream
 from .runtime.measure import rate, summarize
 from .runtime.settings import VerifyPolicy, describe_policy, policy_json
 
+export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: only when the demo runs
+export_check = lazy_import("dflash_export.export.check")
 STREAMED = 3  # prompts printed as they decode; the rest are measured quietly
 
 
@@ -71,10 +79,6 @@ def demo(out, prompt, num_prompts, prompts_file, max_new_tokens, pair, verbose, 
     adaptive verify: runtime.json) -> streamed speculative decoding on held-out prompts (ONNX
     Runtime, CPU) -> tau, tokens/s and speedup vs plain decoding.
     """
-    import tempfile
-
-    from rich.console import Console
-
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     console = Console()
     pair = Path(pair) if pair else demo_dir() / "pair"
@@ -89,20 +93,15 @@ def demo(out, prompt, num_prompts, prompts_file, max_new_tokens, pair, verbose, 
     clock = time.perf_counter
 
     console.rule("[bold]1. export (PyTorch -> ONNX, fp32, --attention ort)")
-    from .export.artifact import export_artifact
-
     t0 = clock()
     # the ORT-optimized target (in-place GroupQueryAttention, fused rotary and norms): the demo
     # runs on ONNX Runtime only, and it measured faster than the standard graph (docs/speed.md)
-    export_artifact(target_dir, draft_dir, art, dtype="fp32", max_context=1024, force=True, attention="ort")
+    export_artifact.export_artifact(target_dir, draft_dir, art, dtype="fp32", max_context=1024, force=True, attention="ort")
     t_export = clock() - t0
 
     console.rule("[bold]2. parity check (ONNX Runtime vs PyTorch)")
-    from .cmd_export import print_report
-    from .export.check import run_check
-
     t0 = clock()
-    report = run_check(art, target_dir, draft_dir, prompts=4, max_new_tokens=32)
+    report = export_check.run_check(art, target_dir, draft_dir, prompts=4, max_new_tokens=32)
     if verbose:
         print_report(report)
     console.print(report.summary(), style="green" if report.passed else "red", markup=False, highlight=False)
@@ -111,8 +110,6 @@ def demo(out, prompt, num_prompts, prompts_file, max_new_tokens, pair, verbose, 
         raise DFlashError(f"the parity check failed for {art}; rerun with --verbose for the table")
 
     console.rule("[bold]3. calibration (threads, adaptive verify -> runtime.json)")
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(art / "tokenizer.json"))
     base = settings_for(art, "ort", "cpu", threads=threads, spin=spin, verify="full")
     candidates = thread_candidates() if threads is None else [base.threads]
@@ -138,8 +135,6 @@ def decode(console, art: Path, texts: list[str], max_new_tokens: int, cfg, candi
     """Stream the first prompts (prompt first, then the continuation), measure all of them
     speculative (with `cfg`'s threads and verify policy) and plain (at every candidate thread
     count: the best is the fair baseline), and return the bench report (runtime/measure.py)."""
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(art / "tokenizer.json"))
     backends = {t: open_backend(art, "ort", "cpu", threads=t, spin=cfg.spin) for t in sorted(set(candidates) | {cfg.threads})}
     backend = backends[cfg.threads]
@@ -180,8 +175,6 @@ def decode(console, art: Path, texts: list[str], max_new_tokens: int, cfg, candi
 
 
 def print_result(console, r: dict, prompts: int, max_new_tokens: int) -> None:
-    from rich.table import Table
-
     table = Table(title=f"demo: {prompts} held-out prompt(s) x {max_new_tokens} new tokens, block {r['block_size']}, "
                   "ONNX Runtime CPU, greedy", title_justify="left")
     table.add_column("")

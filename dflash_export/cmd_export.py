@@ -11,8 +11,16 @@ from pathlib import Path
 
 import click
 
+from rich.console import Console
+from rich.table import Table
+
 from .options import num_prompts_option
+from .runtime.lazy import lazy_import
 from .runtime.errors import DFlashError
+
+export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: only when a command runs
+export_check = lazy_import("dflash_export.export.check")
+export_quantize = lazy_import("dflash_export.export.quantize")
 
 
 def quant_options(f):
@@ -35,10 +43,8 @@ def quant_options(f):
 
 def quant_request(quantize, block_size, asymmetric, draft, lm_head, accuracy_level):
     """The QuantOptions asked for, or None; the sub-options alone are a mistake."""
-    from .export.quantize import QuantOptions
-
     if quantize is not None:
-        return QuantOptions(quantize, block_size, not asymmetric, draft, lm_head, accuracy_level)
+        return export_quantize.QuantOptions(quantize, block_size, not asymmetric, draft, lm_head, accuracy_level)
     if draft or lm_head or asymmetric or accuracy_level is not None:
         raise DFlashError("--quantize-draft, --quantize-lm-head, --quant-asymmetric and --quant-accuracy-level "
                           "need --quantize int4|int8")
@@ -93,10 +99,8 @@ def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_
       dflash-export export --target t --draft d --out art4 --quantize int4 --quantize-draft
       dflash-export export --target t --draft d --out art --draft-vocab 32768 --draft-vocab-data corpus.jsonl
     """
-    from .export.artifact import export_artifact
-
     q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level)
-    export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
+    export_artifact.export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
                     mask_token_id=mask_token_id, opset=opset, attention=attention, force=force, progress=not quiet,
                     quantize=q,
                     draft_vocab=draft_vocab, draft_vocab_data=draft_vocab_data, room_check=not no_room_check)
@@ -118,12 +122,10 @@ def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantiz
       dflash-export quantize art --out art-int4 --quantize int4
       dflash-export quantize art --out art-int8 --quantize int8 --quantize-draft --quantize-lm-head
     """
-    from .export.quantize import quantize_artifact
-
     q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level)
     if q is None:
         raise DFlashError("quantize needs --quantize int4|int8")
-    quantize_artifact(src, out_dir, q, force=force, progress=not quiet)
+    export_quantize.quantize_artifact(src, out_dir, q, force=force, progress=not quiet)
 
 
 @click.command()
@@ -164,13 +166,11 @@ def check(out, target_dir, draft_dir, num_prompts, prompts_file, max_new_tokens,
           --load-inputs pg/target.prefill_P0_S7.inputs.json \\
           --load-outputs pg/target.prefill_P0_S7.outputs.json --atol 1e-4 --rtol 0
     """
-    from .export.check import run_check
-
     if prompts_file is not None:
         raise DFlashError(f"--prompts {prompts_file}: check decodes random token prompts; give their number with --num-prompts N")
     if num_prompts < 0 or max_new_tokens < 1:
         raise DFlashError("--num-prompts must be >= 0 and --max-new-tokens >= 1")
-    report = run_check(out, target_dir, draft_dir, prompts=num_prompts, max_new_tokens=max_new_tokens, seed=seed,
+    report = export_check.run_check(out, target_dir, draft_dir, prompts=num_prompts, max_new_tokens=max_new_tokens, seed=seed,
                        save_polygraphy=save_polygraphy, provider=provider, progress=not as_json)
     if as_json:
         click.echo(json.dumps(report.to_json()))
@@ -180,9 +180,6 @@ def check(out, target_dir, draft_dir, num_prompts, prompts_file, max_new_tokens,
 
 
 def print_report(report) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console(width=max(Console().width, 132))  # one row per output, unwrapped even when piped
     q = report.quantization
     what = report.dtype if q is None else (f"{report.dtype} export, {q['scheme']} weights; vs = PyTorch with the "

@@ -11,6 +11,7 @@ torch is never imported here: `--demo` exports the shipped pair in a child proce
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import ipaddress
 import os
 import socket
@@ -21,12 +22,19 @@ from pathlib import Path
 
 import click
 
+from .cmd_demo import demo_dir
 from .options import device_options, ray_options
+from .runtime import contract as C, manifest as M
 from .runtime.errors import DFlashError
+from .runtime.lazy import lazy_import
 from .runtime.load import settings_for
 from .runtime.settings import check_options
 
 DEMO_CONTEXT = 2048
+
+uvicorn = lazy_import("uvicorn")  # the serve extra, only when a server starts
+serve_app = lazy_import("dflash_export.serve.app")
+serve_ray = lazy_import("dflash_export.serve.ray")
 
 
 def _need_serve_extra() -> None:
@@ -42,8 +50,6 @@ def _need_serve_extra() -> None:
 
 def demo_cache_dir(pair: Path) -> Path:
     """Where the demo pair's export lives: keyed by the pair's content, the context and the artifact format."""
-    from .runtime import contract as C
-
     files = sorted(p for p in pair.rglob("*") if p.is_file()) if pair.is_dir() else []
     if not files:
         raise DFlashError(f"the shipped demo pair is missing ({pair}); restore demo/pair/ or pass an exported directory")
@@ -56,11 +62,7 @@ def demo_cache_dir(pair: Path) -> Path:
 
 def demo_artifact(pair: Path | None = None) -> Path:
     """The shipped demo pair exported once into ~/.cache/dflash-export/ (again when this version cannot read it)."""
-    from .runtime import contract as C, manifest as M
-
     if pair is None:
-        from .cmd_demo import demo_dir  # package data; imports no torch
-
         pair = demo_dir() / "pair"
     out = demo_cache_dir(pair)
     if (out / C.MANIFEST).is_file():
@@ -84,8 +86,6 @@ def demo_artifact(pair: Path | None = None) -> Path:
 
 
 def _importable(name: str) -> bool:
-    import importlib.util
-
     try:
         return importlib.util.find_spec(name) is not None
     except (ValueError, ImportError):  # e.g. sys.modules[name] is None
@@ -204,11 +204,7 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
     # a wrong folder, --threads or runtime.json is one line now, not after binding
     settings_for(directory, backend, provider, threads=threads, spin=spin, verify=verify)
 
-    import uvicorn
-
-    from .serve.app import ServeOptions, create_app
-
-    options = ServeOptions(Path(directory), model_name=model_name or ("dflash-demo" if demo else None), slots=slots,
+    options = serve_app.ServeOptions(Path(directory), model_name=model_name or ("dflash-demo" if demo else None), slots=slots,
                            max_queue=max_queue, api_key=api_key, backend=backend, provider=provider, threads=threads,
                            spin=spin, verify=verify,
                            default_max_tokens=default_max_tokens, chat_template=template, speculative=not no_draft)
@@ -216,13 +212,11 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
         click.echo(f"warning: listening on {host} without an API key: anyone who can reach it can use it "
                    "(set --api-key or DFLASH_API_KEY)", err=True)
     if use_ray:
-        from .serve.ray import run
-
-        return run(options, host=host, port=port, address=ray["ray_address"], proxy=ray["proxy"], shutdown_timeout=shutdown_timeout,
+        return serve_ray.run(options, host=host, port=port, address=ray["ray_address"], proxy=ray["proxy"], shutdown_timeout=shutdown_timeout,
                    **ray_kw)
     sock = _bind(host, port)
     port = sock.getsockname()[1]
-    app = create_app(options)
+    app = serve_app.create_app(options)
     holder = app.state.holder
 
     def cancel_in_flight():  # the bound: streams then end with an error event, waiting requests get a 503

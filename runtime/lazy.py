@@ -11,7 +11,7 @@ import types
 from .errors import DFlashError
 
 EXTRAS = {"torch": "export", "onnx": "export", "onnxscript": "export", "onnxruntime": "cpu", "tensorrt": "trt",
-          "fastapi": "serve", "ray": "ray", "matplotlib": "dev"}  # optional dependency -> the extra installing it
+          "fastapi": "serve", "uvicorn": "serve", "ray": "ray", "matplotlib": "dev"}  # optional dependency -> the extra installing it
 # our modules that import them (serve's engine and text import none: they are the torch-free half)
 HEAVY = ("dflash_export.export", "dflash_export.models", "dflash_export.train", "dflash_export.serve.app",
          "dflash_export.serve.requests", "dflash_export.serve.ray", "dflash_export.runtime.ort",

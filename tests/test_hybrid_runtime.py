@@ -274,14 +274,14 @@ def test_tensorrt_backend_is_lossless_on_a_hybrid_target(tmp_path, monkeypatch):
 def test_prompt_reuse_keeps_all_or_nothing(pair):
     """Serving reuses a cached prompt prefix (`keep`): a recurrent state cannot go back to a
     shorter prefix, so a hybrid backend reuses the whole cached sequence or nothing."""
-    from dflash_export.runtime.errors import DFlashError
+    from dflash_export.runtime.errors import InternalError
 
     be = OrtBackend(pair[2])
     prompt = prompts(1, be.manifest.vocab_size, seed=11)[0] + [3, 4]
     first = generate(be, prompt, 12, stop_token_ids=())
     held = be.target_len
     assert be.reusable(held) == held and be.reusable(held - 1) == 0 and be.reusable(0) == 0
-    with pytest.raises(DFlashError, match="all or none"):
+    with pytest.raises(InternalError, match="all or none"):  # a caller that did not ask `reusable`: a bug
         be.keep(held - 1)
     seq = (prompt + first.tokens)[:held]
     longer = seq + [5, 6, 7]
