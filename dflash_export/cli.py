@@ -46,7 +46,7 @@ def cli() -> None:
       dflash-export info OUT                                what OUT is: graphs, I/O, sizes, hashes
       dflash-export generate OUT --prompt "..."             speculative decoding (ORT)
       dflash-export bench OUT                               speedup vs plain decoding
-      dflash-export build OUT                               TensorRT engines (never run here)
+      dflash-export build OUT                               TensorRT engines (needs an NVIDIA GPU)
       dflash-export serve OUT                               OpenAI-compatible server
     Try it: dflash-export demo (the shipped pair, end to end, offline).
     """

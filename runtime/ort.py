@@ -234,7 +234,7 @@ class OrtBackend(Backend):
         except Exception as e:  # ORT raises its own types; one line for the user
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if self.manifest.dtype == "bf16" and self._provider == PROVIDERS["cpu"]:
-                raise DFlashError(f"{path}: ONNX Runtime's CPU provider cannot run bf16 graphs (not run here); use "
+                raise DFlashError(f"{path}: ONNX Runtime's CPU provider cannot run bf16 graphs; use "
                                   "--provider cuda or the TensorRT backend, or export with --dtype fp16/fp32") from None
             raise DFlashError(f"{path}: onnxruntime {ort.__version__} with {self._provider} cannot load the {graph} "
                               f"graph: {first}{load_hint(first)}") from None

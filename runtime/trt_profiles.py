@@ -66,7 +66,7 @@ def refuse_quantized(manifest: Manifest) -> None:
     q = manifest.quantization
     if q is not None:
         raise DFlashError(f"this export is quantized ({q['scheme']} weights as ONNX Runtime MatMulNBits), which TensorRT "
-                          "cannot parse (its quantization uses Q/DQ nodes, not supported here); build from an export "
+                          "cannot parse (TensorRT quantizes through Q/DQ nodes, which dflash-export does not write); build from an export "
                           "without --quantize")
 
 
@@ -117,7 +117,7 @@ def resolve_limits(manifest: Manifest, max_context: int | None = None, max_promp
     if mc > manifest.max_context:
         raise DFlashError(
             f"--max-context {mc} exceeds the export's max_context {manifest.max_context}; "
-            "re-export with a larger --max-context or lower it here"
+            "re-export with a larger --max-context or pass a smaller --max-context to build"
         )
     if mc < k + 1:
         raise DFlashError(f"--max-context {mc} is too small for block size {k}: it must be at least {k + 1}")
@@ -192,14 +192,14 @@ def check_engine_record(record: dict | None, trt_version: str, compute_capabilit
     if built != trt_version:
         raise DFlashError(
             f"the engines were built with TensorRT {built} but this process has TensorRT {trt_version}; "
-            f"rebuild them here with `dflash-export build OUT` (or install tensorrt=={built})"
+            f"rebuild them with this TensorRT: `dflash-export build OUT` (or install tensorrt=={built})"
         )
     cc = str(record.get("compute_capability", "?"))
     if cc != compute_capability:
         gpu = record.get("gpu", "another GPU")
         raise DFlashError(
             f"the engines were built for compute capability {cc} ({gpu}) but this GPU is {compute_capability}; "
-            "engines do not move between GPU architectures: rebuild them on this machine with `dflash-export build OUT`"
+            "engines do not move between GPU architectures: rebuild them on this GPU with `dflash-export build OUT`"
         )
 
 

@@ -3,7 +3,7 @@
 fp16 runs in ONNX Runtime's CPU provider, so `check` reports real error statistics and
 top-1 agreement (not held to fp32 tolerances). The CPU provider has no bf16 kernels:
 the bf16 artifact is validated statically, and `check` and `generate` say in one line
-that it does not run here.
+that the CPU provider cannot run it.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_half_export(tmp_path, dtype, np_name, itemsize, kv_width):
         assert "CPU provider cannot run bf16" in report["notes"][0]
         r = CliRunner().invoke(cli, ["generate", str(out), "--prompt-ids", "1,2,3", "--json"])  # the runtime too
         assert r.exit_code == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
-        assert "CPU provider cannot run bf16 graphs (not run here)" in r.stderr and not r.stdout
+        assert "CPU provider cannot run bf16 graphs; use --provider cuda" in r.stderr and not r.stdout
         return
     assert r.exit_code == 0 and report["passed"] and report["tolerance"] is None
     logits = [row for rows in report["graphs"].values() for row in rows if row["output"] in ("logits", "draft_logits")]
