@@ -95,7 +95,7 @@ def demo(out, prompt, num_prompts, prompts_file, max_new_tokens, pair, verbose, 
     console.rule("[bold]1. export (PyTorch -> ONNX, fp32, --attention ort)")
     t0 = clock()
     # the ORT-optimized target (in-place GroupQueryAttention, fused rotary and norms): the demo
-    # runs on ONNX Runtime only, and it measured faster than the standard graph (docs/speed.md)
+    # runs on ONNX Runtime only, and it measured faster than the standard graph (docs/results.md)
     export_artifact.export_artifact(target_dir, draft_dir, art, dtype="fp32", max_context=1024, force=True, attention="ort")
     t_export = clock() - t0
 

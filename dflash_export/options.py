@@ -72,7 +72,7 @@ def num_prompts_option(default: int, help: str):
 
         wrapper = click.option("--prompts", "prompts_file", callback=deprecated, metavar="FILE",
                                help="A file of prompts, one per line (or *.jsonl with a \"prompt\" field); "
-                                    "an integer here is the old spelling of --num-prompts.")(wrapper)
+                                    "an integer N still works as --num-prompts N (the old spelling).")(wrapper)
         return click.option("--num-prompts", default=default, show_default=True, type=int, help=help)(wrapper)
 
     return decorate

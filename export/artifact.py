@@ -70,7 +70,7 @@ def _chunk() -> int:
 
 # -- room: memory and disk, before anything is loaded -----------------------------------
 
-EXPORT_PEAK = 1.3  # export peak RSS / weight bytes: 1.26 measured (bench/export_2gb.py, docs/real_sizes.md)
+EXPORT_PEAK = 1.3  # export peak RSS / weight bytes: 1.26 measured (bench/export_2gb.py, docs/results.md)
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 

@@ -16,8 +16,8 @@ in memory, used in place by all. The embedding is read in place; the LM head
 is prepacked per session (one packed copy each, the fast path; a tied head is read
 transposed from the table: those sessions skip constant folding so that ORT packs it
 straight from the table instead of also keeping a folded transposed copy, see
-docs/real_sizes.md); `low_memory=True` turns prepacking off too so the one copy is all
-there is, at the price of slower GEMMs (README, Runtime).
+docs/performance.md, "Memory"); `low_memory=True` turns prepacking off too so the one copy is all
+there is, at the price of slower GEMMs (docs/runtime.md).
 """
 
 from __future__ import annotations

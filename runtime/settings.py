@@ -7,7 +7,7 @@ calibrating never touches a graph hash. One entry per device key ("ort:cpu", "or
 "trt"), so one artifact can carry the choices of several devices.
 
 Defaults without a calibration never make things slower than the measured alternatives on
-a shared 2-vCPU machine (docs/speed.md): spinning off, the full block, and 1 thread for
+a shared 2-vCPU machine (docs/results.md, docs/performance.md): spinning off, the full block, and 1 thread for
 small graphs (hidden < 1024), where a second thread only adds synchronisation, else one
 thread per CPU (real-size graphs are memory-bound and gain from it).
 """
