@@ -116,3 +116,32 @@ def test_checker_refuses_drift():
     assert "no option --frobnicate" in _check(["generate", "OUT", "--frobnicate", "3"])
     assert _check(["generate", "OUT", "--no-draft", "--temperature=0.8"]) is None
     assert "no option --out" in _check(["info", "OUT", "--out", "x"])
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings."""
+    slugs = set()
+    for heading in re.findall(r"^#+ (.+)$", FENCE.sub("", doc.read_text()), re.M):
+        slugs.add(re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-"))
+    return slugs
+
+
+def test_doc_links_resolve():
+    """Every relative link of the README and the guides names a file (and heading) that exists."""
+    broken = []
+    for doc in DOCS:
+        if not doc.exists():
+            continue
+        for target in LINK.findall(FENCE.sub("", doc.read_text())):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "broken links:\n" + "\n".join(broken)
