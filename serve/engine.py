@@ -318,6 +318,6 @@ def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, b
                                verify=verify)
     if slots > 1 and not hasattr(first, "fork"):
         raise DFlashError(f"--slots {slots} needs a backend that shares its weights between sequences "
-                          "(--backend ort); use --slots 1 here")
+                          "(--backend ort); with this backend use --slots 1")
     backends = [first] + [first.fork() for _ in range(slots - 1)]
     return Engine(backends, text, model, max_queue, cfg.verify)
