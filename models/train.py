@@ -34,6 +34,7 @@ from ..runtime.errors import DFlashError
 from . import train_data as D
 from .generate import speculative_generate
 from .train_data import Shard
+from .train_forward import block_logits
 from .train_state import Schedule, TrainState, load_checkpoint, save_checkpoint, save_drafter
 
 # -- the training forward --------------------------------------------------------------
@@ -43,27 +44,6 @@ def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
     """w_k = exp(-(k-1)/gamma) for the K-1 predicted positions k = 1..K-1."""
     k = torch.arange(1, block_size, dtype=torch.float32)
     return torch.exp(-(k - 1) / gamma)
-
-
-def block_logits(drafter, target, ctx_kv, seq_index: torch.Tensor, block_ids: torch.Tensor,
-                 anchors: torch.Tensor) -> torch.Tensor:
-    """Draft logits [N, K-1, V] for N blocks, block i over context `ctx_kv[seq_index[i]]` before anchor i.
-
-    The inference computation itself (`Drafter.block`, same layer loop and mask rule), with
-    a per-block context mask (`Drafter.block_mask`) instead of a per-block context cache.
-    """
-    k = block_ids.shape[1]
-    rows, counts = torch.unique_consecutive(seq_index, return_counts=True)
-    if len(rows) * int(counts[0]) == len(seq_index) and bool((counts == counts[0]).all()):
-        # the usual case, each sequence's blocks side by side: expand (its gradient is a sum)
-        # instead of gathering (whose gradient, an index_put, cost ~15% of a step)
-        n = int(counts[0])
-        ctx = [tuple(c[rows][:, None].expand(-1, n, *c.shape[1:]).reshape(-1, *c.shape[1:]) for c in kv) for kv in ctx_kv]
-    else:
-        ctx = [(kc[seq_index], vc[seq_index]) for kc, vc in ctx_kv]
-    positions = anchors[:, None] + torch.arange(k)[None]
-    hidden = drafter.block(target.embed(block_ids), positions, ctx, anchors)
-    return target.lm_head(hidden[:, 1:]).float()
 
 
 def sample_anchors(shard: Shard, rows: torch.Tensor, per_seq: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,8 +76,8 @@ def block_batch(tokens: torch.Tensor, length: torch.Tensor, seq_index: torch.Ten
 
 def draft_step(target, drafter, tokens: torch.Tensor, length: torch.Tensor, seq_index: torch.Tensor,
                anchors: torch.Tensor, block_size: int, mask_token_id: int, weights: torch.Tensor,
-               autocast: bool = False, taps: torch.Tensor | None = None):
-    """-> (weighted loss, correct [N,K-1] bool, valid [N,K-1] bool) for blocks at `anchors`.
+               autocast: bool = False, taps: torch.Tensor | None = None, correct: bool = True):
+    """-> (weighted loss, correct [N,K-1] bool (None unless `correct`), valid [N,K-1] bool) for blocks at `anchors`.
 
     `taps`: the target's features of `tokens` when cached (train_cache.FeatureCache); else
     the target runs here. `autocast`: bf16 autocast (faster only on CPUs with native bf16).
@@ -114,7 +94,7 @@ def draft_step(target, drafter, tokens: torch.Tensor, length: torch.Tensor, seq_
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(labels.shape)
     w = weights[None, :] * valid
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
-    return loss, logits.argmax(-1) == labels, valid
+    return loss, (logits.detach().argmax(-1) == labels) if correct else None, valid
 
 
 # -- the whole run -----------------------------------------------------------------------
@@ -317,7 +297,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
             for g in opt.param_groups:
                 g["lr"] = lr
             loss, _, valid = draft_step(target, drafter, s.tokens[rows], s.length[rows], seq_index, anc, k, mask_id,
-                                        weights, bf16, feats.get(names[i], s, rows))
+                                        weights, bf16, feats.get(names[i], s, rows), correct=False)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

@@ -65,25 +65,29 @@ def test_training_forward_equals_inference(tiny, layer_types, window):
             if p.dim() > 1:
                 p.normal_(0, 0.1)
     tokens = torch.randint(3, 100, (2, 20))
-    anchors, seq_index = torch.tensor([5, 11, 9, 0, 16]), torch.tensor([0, 0, 1, 1, 0])
+    # blocks in any order (per-block gathered context), and sequence-major with equal counts
+    # (train_forward.grouped_block, the path training takes): both must equal inference
+    layouts = [(torch.tensor([5, 11, 9, 0, 16]), torch.tensor([0, 0, 1, 1, 0])),
+               (torch.tensor([16, 2, 9, 0, 7, 12]), torch.tensor([0, 0, 0, 1, 1, 1]))]
     with torch.no_grad():
         pos = torch.arange(20)[None].expand(2, 20)
         _, taps, _ = target(tokens, pos, target.empty_kv(2))
         ctx = drafter.context_kv(taps, pos)
-        block, _, _ = T.block_batch(tokens, torch.tensor([20, 20]), seq_index, anchors, 4, 1)
-        got = T.block_logits(drafter, target, ctx, seq_index, block, anchors)
-        for i, (b, a) in enumerate(zip(seq_index.tolist(), anchors.tolist())):
-            cache = drafter.context_kv(taps[b : b + 1, :a], pos[:1, :a])  # positions < a only
-            want = drafter.draft_logits(target, block[i : i + 1], torch.arange(a, a + 4)[None], cache)
-            torch.testing.assert_close(got[i : i + 1], want, atol=1e-5, rtol=1e-5)
+        for anchors, seq_index in layouts[::-1]:
+            block, _, _ = T.block_batch(tokens, torch.tensor([20, 20]), seq_index, anchors, 4, 1)
+            got = T.block_logits(drafter, target, ctx, seq_index, block, anchors)
+            for i, (b, a) in enumerate(zip(seq_index.tolist(), anchors.tolist())):
+                cache = drafter.context_kv(taps[b : b + 1, :a], pos[:1, :a])  # positions < a only
+                want = drafter.draft_logits(target, block[i : i + 1], torch.arange(a, a + 4)[None], cache)
+                torch.testing.assert_close(got[i : i + 1], want, atol=1e-5, rtol=1e-5)
+            if window:  # the sliding layer's own mask matters too: the full-attention drafter differs
+                full = new_drafter(tc, num_layers=2, block_size=4, target_layer_ids=[1, 3], mask_token_id=1)
+                full.load_state_dict(drafter.state_dict())
+                assert (T.block_logits(full, target, ctx, seq_index, block, anchors) - got).abs().max() > 1e-4
         # and the anchor's own features would change the result: the mask matters
         leak = drafter.context_kv(taps[:1, :6], pos[:1, :6])
         leaked = drafter.draft_logits(target, block[:1], torch.arange(5, 9)[None], leak)
         assert (leaked - got[:1]).abs().max() > 1e-4
-        if window:  # the sliding layer's own mask matters too: the full-attention drafter differs
-            full = new_drafter(tc, num_layers=2, block_size=4, target_layer_ids=[1, 3], mask_token_id=1)
-            full.load_state_dict(drafter.state_dict())
-            assert (T.block_logits(full, target, ctx, seq_index, block, anchors) - got).abs().max() > 1e-4
 
 
 def test_continue_batch_labels_are_plain_greedy_decoding(tiny):
