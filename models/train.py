@@ -259,6 +259,10 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
         if train_s < (cfg.minutes * 60 - state.elapsed if cfg.minutes else float("inf")):
             log(f"--max-total-minutes: training gets {_mins(max(train_s, 0))} of this run")
     sched = Schedule(cfg.lr, warmup=cfg.warmup, steps=cfg.steps, seconds=state.elapsed + train_s if cfg.minutes else 0.0)
+    initial = None
+    if not cfg.resume:  # the held-out loss before training, for training.json's before/after
+        initial = teacher_forced(target, drafter, eval_shards, k, mask_id, weights, seed=cfg.seed, autocast=bf16)
+        log(f"held-out teacher-forced loss before training: {initial['tf_loss']:.3f}")
     run_t0, run_elapsed0 = time.time(), state.elapsed
 
     def evaluate(n_prompts: int, final: bool = False) -> dict:
@@ -350,7 +354,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
         "train_minutes": round(state.elapsed / 60, 2), "supervised_tokens": state.tokens, "tokens_per_s": round(tps),
         "features": {"computed_rows": feats.computed, "reused_rows": feats.reused},
         "eval_seconds": round(eval_seconds, 1), "wall_seconds": round(wall, 1),
-        "final": res, "log": state.log,
+        "initial": initial, "final": res, "log": state.log,
     }
     (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     log(f"done: {state.step} steps, {state.elapsed / 60:.1f} min of training ({tps:.0f} tok/s this run); held-out real "

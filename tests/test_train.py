@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -137,6 +138,56 @@ def test_training_reduces_weighted_loss(tiny):
         opt.step()
     after = held_loss()
     assert after < 0.8 * before, (before, after)
+
+
+def test_cli_training_reduces_weighted_loss(tiny):
+    """The same claim through `train-draft --steps N` (its schedule, precision and cached features):
+    the held-out weighted loss falls. --data takes several files after one flag."""
+    root, target = tiny
+    (root / "a.txt").write_text(SAMPLE * 6)
+    (root / "b.txt").write_text(SAMPLE * 6)
+    args = ["train-draft", "--target", str(target), "--out", str(root / "cli-loss"), "--data", str(root / "a.txt"),
+            str(root / "b.txt"), "--block-size", "4", "--target-layer-ids", "1,2", "--sequences", "64", "--gen-tokens",
+            "24", "--gen-batch", "8", "--batch", "8", "--anchors", "16", "--lr", "3e-3", "--steps", "40",
+            "--eval-tokens", "8", "--threads", "1"]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    assert "precision (training): " in r.output and "total wall" in r.output
+    log = json.loads((root / "cli-loss" / "training.json").read_text())
+    before, after = log["initial"]["tf_loss"], log["final"]["tf_loss"]
+    assert log["train_steps"] == 40 and after < 0.8 * before, (before, after)
+    assert log["features"]["computed_rows"] > 0 and log["features"]["reused_rows"] > 0
+
+
+def test_schedule_follows_the_budget():
+    """Warmup and decay scale with the budget: 2 minutes and 2 hours both reach the peak and end at 10%."""
+    from dflash_export.models.train_state import Schedule
+
+    for seconds in (120.0, 7200.0):
+        s = Schedule(1e-3, warmup=0.05, seconds=seconds)
+        assert s(0, 0.0) < 1e-4
+        assert s(50, 0.05 * seconds) == pytest.approx(1e-3, rel=0.01)
+        assert s(999, seconds) == pytest.approx(1e-4)
+    s = Schedule(1e-3, warmup=0.05, steps=100)
+    assert s(4, 0.0) == pytest.approx(1e-3, rel=0.01) and s(99, 0.0) == pytest.approx(1e-4)
+
+
+def test_precision_is_measured_once_and_cached(tmp_path, monkeypatch):
+    from dflash_export.models import train_speed as P
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def probe(bf16):  # bf16 made 10x slower on purpose: auto must pick fp32
+        calls.append(bf16)
+        time.sleep(0.02 if bf16 else 0.002)
+    lines = []
+    assert P.choose("training", "auto", "test shape", probe, lines.append) == "fp32"
+    n = len(calls)
+    assert n >= 2 and "measured now" in lines[-1]
+    assert P.choose("training", "auto", "test shape", probe, lines.append) == "fp32"
+    assert len(calls) == n and "cached" in lines[-1]  # no second measurement
+    assert P.choose("training", "bf16", "test shape", probe, lines.append) == "bf16"
 
 
 def _train(root, target, out, *extra):
