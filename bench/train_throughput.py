@@ -8,7 +8,7 @@ forward + backward + AdamW. Variants, interleaved round by round in one run:
 - `pre-issue`: the training step as it was before (models/train.py at PRE_COMMIT, loaded
   from git): the target runs every step, each block gathers its context; fp32 and bf16.
 - `now`: the current step, target features cached (as `train-draft` does); fp32 and bf16.
-FLOPs per step: `train_speed.step_flops` (drafter forward + backward and the LM head over the
+FLOPs per step: `train.speed.step_flops` (drafter forward + backward and the LM head over the
 supervised positions; the target excluded); the GEMM rate is fp32 (and bf16) at the LM-head
 shape (5760 x H x V) and at 2048^3. Prints one JSON object.
 """
@@ -33,13 +33,18 @@ PRE_COMMIT = "3647842"  # main before the training-speed work
 
 
 def load_pre_issue():
-    """The pre-issue training module, executed from git inside the current package (its relative imports)."""
-    import dflash_export.models.train as cur
+    """The pre-issue training module, executed from git as part of dflash_export.models (where it lived),
+    its old sibling modules aliased to where they live now."""
+    import dflash_export.models
+    import dflash_export.train.data
+    import dflash_export.train.state
 
+    sys.modules.setdefault("dflash_export.models.train_data", dflash_export.train.data)
+    sys.modules.setdefault("dflash_export.models.train_state", dflash_export.train.state)
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{PRE_COMMIT}:models/train.py"], capture_output=True,
                          text=True, check=True).stdout
-    mod = types.ModuleType(cur.__package__ + "._train_pre_issue")
-    mod.__package__ = cur.__package__
+    mod = types.ModuleType("dflash_export.models._train_pre_issue")
+    mod.__package__ = "dflash_export.models"
     sys.modules[mod.__name__] = mod  # dataclasses look their module up
     exec(compile(src, "pre-issue models/train.py", "exec"), mod.__dict__)
     return mod
@@ -67,9 +72,9 @@ def main() -> None:
 
     from dflash_export.demo import __file__ as demo_init
     from dflash_export.models import Target, TargetConfig, new_drafter
-    from dflash_export.models import train as T
-    from dflash_export.models.train_data import Shard
-    from dflash_export.models.train_speed import step_flops
+    from dflash_export.train import train as T
+    from dflash_export.train.data import Shard
+    from dflash_export.train.speed import step_flops
 
     tdir = Path(demo_init).parent / "pair" / "target"
     tc = TargetConfig.load(tdir)

@@ -1,6 +1,6 @@
 """`dflash-export train-draft`: train a DFlash drafter for a target, on the target's own text.
 
-The options become one `models.train.TrainConfig`; `models.train.run_training` does the run.
+The options become one `train.train.TrainConfig`; `train.train.run_training` does the run.
 Heavy imports (torch, models) stay inside the function so the CLI starts fast.
 """
 
@@ -80,7 +80,7 @@ def train_draft(target_dir, out, data, more_data, eval_prompts, block_size, laye
     --data takes several files (`--data a.py b.py`, a glob, or --data repeated).
     """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from .models.train import TrainConfig, run_training
+    from .train.train import TrainConfig, run_training
 
     run_training(TrainConfig(
         target_dir, out, list(data) + list(more_data), steps=steps, minutes=minutes,

@@ -14,8 +14,8 @@ from train_fixtures import SAMPLE, make_tokenized_target
 
 from dflash_export.cli import cli
 from dflash_export.models import Drafter, Target, TargetConfig, autoregressive_generate, new_drafter
-from dflash_export.models import train as T
-from dflash_export.models import train_data as D
+from dflash_export.train import train as T
+from dflash_export.train import data as D
 
 torch.set_num_threads(1)
 
@@ -67,7 +67,7 @@ def test_training_forward_equals_inference(tiny, layer_types, window):
                 p.normal_(0, 0.1)
     tokens = torch.randint(3, 100, (2, 20))
     # blocks in any order (per-block gathered context), and sequence-major with equal counts
-    # (train_forward.grouped_block, the path training takes): both must equal inference
+    # (train.forward.grouped_block, the path training takes): both must equal inference
     layouts = [(torch.tensor([5, 11, 9, 0, 16]), torch.tensor([0, 0, 1, 1, 0])),
                (torch.tensor([16, 2, 9, 0, 7, 12]), torch.tensor([0, 0, 0, 1, 1, 1]))]
     with torch.no_grad():
@@ -161,7 +161,7 @@ def test_cli_training_reduces_weighted_loss(tiny):
 
 def test_schedule_follows_the_budget():
     """Warmup and decay scale with the budget: 2 minutes and 2 hours both reach the peak and end at 10%."""
-    from dflash_export.models.train_state import Schedule
+    from dflash_export.train.state import Schedule
 
     for seconds in (120.0, 7200.0):
         s = Schedule(1e-3, warmup=0.05, seconds=seconds)
@@ -173,7 +173,7 @@ def test_schedule_follows_the_budget():
 
 
 def test_precision_is_measured_once_and_cached(tmp_path, monkeypatch):
-    from dflash_export.models import train_speed as P
+    from dflash_export.train import speed as P
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []

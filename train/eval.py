@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .generate import speculative_generate
+from ..models.generate import speculative_generate
 from .train import draft_step, sample_anchors
-from .train_data import Shard
+from .data import Shard
 
 
 def accepted_prefix(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

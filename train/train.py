@@ -1,12 +1,12 @@
 """Training a DFlash drafter against a frozen target (the library behind `train-draft`).
 
-Data: prompts -> the target's own continuations (models/train_data.py), cached in shards.
+Data: prompts -> the target's own continuations (train/data.py), cached in shards.
 `run_training` is the whole run behind the command, configured by one `TrainConfig`;
-precision (fp32 or bf16 autocast) is chosen by measurement (models/train_speed.py).
+precision (fp32 or bf16 autocast) is chosen by measurement (train/speed.py).
 
 One training step takes a few sequences of equal length and, for each:
 - takes the frozen target's taps at every position (computed once per sequence and cached,
-  models/train_cache.py);
+  train/cache.py);
 - runs the drafter's context projection once over the whole sequence (`context_kv`);
 - picks many random anchors `a` in the greedy part; each block `[tok[a], MASK, ...]` at
   positions `a..a+K-1` attends to context positions `< a` (the anchor's own features
@@ -31,11 +31,11 @@ import torch
 from torch.nn import functional as F
 
 from ..runtime.errors import DFlashError
-from . import train_data as D
-from .generate import speculative_generate
-from .train_data import Shard
-from .train_forward import block_logits
-from .train_state import Schedule, TrainState, load_checkpoint, save_checkpoint, save_drafter
+from . import data as D
+from ..models.generate import speculative_generate
+from .data import Shard
+from .forward import block_logits
+from .state import Schedule, TrainState, load_checkpoint, save_checkpoint, save_drafter
 
 # -- the training forward --------------------------------------------------------------
 
@@ -79,7 +79,7 @@ def draft_step(target, drafter, tokens: torch.Tensor, length: torch.Tensor, seq_
                autocast: bool = False, taps: torch.Tensor | None = None, correct: bool = True):
     """-> (weighted loss, correct [N,K-1] bool (None unless `correct`), valid [N,K-1] bool) for blocks at `anchors`.
 
-    `taps`: the target's features of `tokens` when cached (train_cache.FeatureCache); else
+    `taps`: the target's features of `tokens` when cached (train.cache.FeatureCache); else
     the target runs here. `autocast`: bf16 autocast (faster only on CPUs with native bf16).
     """
     b, t = tokens.shape
@@ -159,12 +159,12 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from . import train_cache as C
-    from . import train_speed as P
-    from .train_eval import real_tau, teacher_forced
-    from .config import DraftConfig, TargetConfig
-    from .drafter import Drafter, draft_config_dict, new_drafter
-    from .target import Target
+    from ..models.config import DraftConfig, TargetConfig
+    from ..models.drafter import Drafter, draft_config_dict, new_drafter
+    from ..models.target import Target
+    from . import cache as C
+    from . import speed as P
+    from .eval import real_tau, teacher_forced
 
     t_start = time.time()
     cfg.check()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .layers import apply_rope, rope_cos_sin
+from ..models.layers import apply_rope, rope_cos_sin
 
 
 def block_logits(drafter, target, ctx_kv, seq_index: torch.Tensor, block_ids: torch.Tensor,

@@ -1,6 +1,6 @@
 """What a training run caches under --work, each keyed by exactly what it depends on.
 
-- continuations (models/train_data.py shards): the target, the training prompts, the generation
+- continuations (train/data.py shards): the target, the training prompts, the generation
   settings and precision. The held-out split never depends on --eval-prompts, so evaluation
   settings never invalidate training data.
 - target features (the tapped hidden states of every continuation): the continuations, the tap
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..runtime.errors import DFlashError
-from . import train_data as D
+from . import data as D
 
 
 def key(*parts) -> str:
