@@ -221,9 +221,12 @@ def test_cli_saves_zlab_drafter_and_resumes(tiny):
 
     ck = torch.load(root / "draft.work" / "checkpoint.pt", weights_only=False)
     assert ck["step"] == 6
-    r = _train(root, target, out, "--steps", "9", "--resume")
+    # resumed with other evaluation prompts: the training continuations and features are reused
+    (root / "held.jsonl").write_text(json.dumps({"prompt": SAMPLE[:40]}) + "\n")
+    r = _train(root, target, out, "--steps", "9", "--resume", "--eval-prompts", str(root / "held.jsonl"))
     assert r.exit_code == 0, r.output
     assert "resumed at step 6" in r.output
+    assert "continuations x 16 tokens (0 of " in r.output, r.output
     assert json.loads((out / "training.json").read_text())["train_steps"] == 9
     ck2 = torch.load(root / "draft.work" / "checkpoint.pt", weights_only=False)
     assert ck2["step"] == 9 and not torch.equal(ck["drafter"]["fc.weight"], ck2["drafter"]["fc.weight"])
