@@ -159,6 +159,17 @@ def test_cli_training_reduces_weighted_loss(tiny):
     assert log["features"]["computed_rows"] > 0 and log["features"]["reused_rows"] > 0
 
 
+def test_cli_max_total_minutes_bounds_the_run(tiny):
+    """--max-total-minutes: a step count that cannot fit is cut, evaluation still runs, the wall is reported."""
+    root, target = tiny
+    r = _train(root, target, root / "bounded", "--steps", "100000", "--max-total-minutes", "0.12")
+    assert r.exit_code == 0, r.output
+    assert "stopped at step" in r.output and "total wall" in r.output
+    log = json.loads((root / "bounded" / "training.json").read_text())
+    assert 0 < log["train_steps"] < 100000 and log["wall_seconds"] < 0.12 * 60 + 3, log["wall_seconds"]
+    assert log["final"]["real_tau"] >= 1.0
+
+
 def test_schedule_follows_the_budget():
     """Warmup and decay scale with the budget: 2 minutes and 2 hours both reach the peak and end at 10%."""
     from dflash_export.train.state import Schedule

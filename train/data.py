@@ -134,6 +134,11 @@ def bucket_batches(prompt_ids: list[list[int]], batch: int, min_len: int, max_le
     return batches
 
 
+def shard_name(i: int, prompts: torch.Tensor) -> str:
+    """A shard's cache name: its index (seeds and sampling depend on it) and its prompts."""
+    return f"shard-{i:05d}-{hashlib.sha256(prompts.numpy().tobytes()).hexdigest()[:10]}"
+
+
 def generate_shards(
     target,
     batches: list[torch.Tensor],
@@ -158,7 +163,7 @@ def generate_shards(
     shards, names, made_now = [], [], 0
     t0 = time.time()
     for i, prompts in enumerate(batches):
-        name = f"shard-{i:05d}-{hashlib.sha256(prompts.numpy().tobytes()).hexdigest()[:10]}"
+        name = shard_name(i, prompts)
         path = cache_dir / f"{name}.pt"
         if seconds and shards and time.time() - t0 > seconds and not path.is_file():
             break

@@ -208,15 +208,15 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     t = time.perf_counter()
     g = speculative_generate(target, drafter, eval_ids[0], 16, mask_token_id=mask_id, block_size=k)
     round_s = (time.perf_counter() - t) / max(len(g.acceptance_lengths), 1)
-    cached = sum(1 for f in gen_dir.glob("shard-*.pt")) if gen_dir.is_dir() else 0
-    plan_gen = max(len(train_batches) - cached, 0) * cfg.gen_tokens * step_s * 1.3 + len(eval_batches) * cfg.gen_tokens * step_s
+    cached = sum((gen_dir / f"{D.shard_name(i, b)}.pt").is_file() for i, b in enumerate(train_batches))
+    plan_gen = (len(train_batches) - cached) * cfg.gen_tokens * step_s * 1.3 + len(eval_batches) * cfg.gen_tokens * step_s
     plan_eval = len(eval_ids) * cfg.eval_tokens * round_s + len(eval_batches) * 0.5
-    if cfg.gen_minutes:
-        plan_gen = min(plan_gen, cfg.gen_minutes * 60)
+    gen_cap = cfg.gen_minutes * 60 or float("inf")
     total_s = cfg.max_total_minutes * 60
     if total_s:  # generation gets what training and evaluation leave (at least one batch)
         reserve = (cfg.minutes * 60 if cfg.minutes else total_s / 2) + plan_eval
-        plan_gen = min(plan_gen, max(total_s - (time.time() - t_start) - reserve, 1.0))
+        gen_cap = min(gen_cap, max(total_s - (time.time() - t_start) - reserve, 1.0))
+    plan_gen = min(plan_gen, gen_cap)
     log(f"plan: generate {len(train_batches)} batches x {cfg.gen_batch} continuations x {cfg.gen_tokens} tokens "
         f"({cached} cached) ~{_mins(plan_gen)}; train {f'{cfg.minutes:g} min' if cfg.minutes else f'{cfg.steps} steps'}; "
         f"evaluate {len(eval_ids)} held-out prompts x {cfg.eval_tokens} tokens <= ~{_mins(plan_eval)} "
@@ -227,7 +227,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     p, upd = C.progress(console, "generate", len(train_batches))
     with p:
         shards, names, made = D.generate_shards(target, train_batches, gen_dir, cfg.gen_tokens, cfg.sample_prefix, stop,
-                                                cfg.seed, upd, seconds=cfg.gen_minutes * 60 or (plan_gen if total_s else 0),
+                                                cfg.seed, upd, seconds=0 if gen_cap == float("inf") else gen_cap,
                                                 bf16=gen_bf16)
     p, upd = C.progress(console, "held-out", len(eval_batches))
     with p:
@@ -236,8 +236,9 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     gen_seconds = time.time() - t0
     gen_count = sum(s.tokens.shape[0] for s in shards)
     log(f"data: {gen_count} continuations x {cfg.gen_tokens} tokens ({made} of {len(shards)} batches generated now, "
-        f"{len(shards) - made} from the cache in {gen_dir}; held-out: {eval_made} of {len(eval_shards)} generated) "
-        f"in {gen_seconds:.0f}s")
+        f"{len(shards) - made} from the cache in {gen_dir}"
+        f"{f'; stopped at {len(shards)} of {len(train_batches)} batches by the time limit' if len(shards) < len(train_batches) else ''}"
+        f"; held-out: {eval_made} of {len(eval_shards)} generated) in {gen_seconds:.0f}s")
     feats = C.FeatureCache(work / f"feat-{C.key(gen_dir.name, taps, bf16)}", target, bf16, cfg.feature_cache_gb * 2**30)
 
     # -- training ----------------------------------------------------------------------
