@@ -47,7 +47,8 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
 @click.option("--batch", default=8, show_default=True, help="sequences per step")
 @click.option("--anchors", default=48, show_default=True, help="random anchors (blocks) per sequence")
 @click.option("--steps", default=0, help="train for N steps ...")
-@click.option("--minutes", default=0.0, help="... or for M minutes of training (in all, across --resume; generation and evaluation not counted)")
+@click.option("--minutes", default=0.0,
+              help="... or for M minutes of training (in all, across --resume; generation and evaluation not counted)")
 @click.option("--max-total-minutes", default=0.0, help="bound the whole command (generation + training + evaluation); 0: none")
 @click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
               help="training matmuls: fp32 or bf16 autocast; auto: the faster, measured once per machine")
@@ -69,10 +70,10 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
 @click.option("--resume", is_flag=True, help="continue from the last checkpoint in --work")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=0, help="torch threads (default: all cores)")
-def train_draft(target_dir, out, data, more_data, eval_prompts, block_size, layers, target_layer_ids, intermediate_size, gamma,
-                lr, batch, anchors, steps, minutes, max_total_minutes, precision, gen_precision, warmup, sequences, gen_minutes, gen_tokens, gen_batch, sample_prefix,
-                prompt_max_tokens, mask_token_id, eval_every, eval_n, eval_tokens, save_dtype, work, resume, seed,
-                threads):
+def train_draft(target_dir, out, data, more_data, eval_prompts, block_size, layers, target_layer_ids, intermediate_size,
+                gamma, lr, batch, anchors, steps, minutes, max_total_minutes, precision, gen_precision, warmup, sequences,
+                gen_minutes, gen_tokens, gen_batch, sample_prefix, prompt_max_tokens, mask_token_id, eval_every, eval_n,
+                eval_tokens, save_dtype, work, resume, seed, threads):
     """Train a DFlash drafter on the target's own continuations of --data; writes a z-lab drafter.
 
     The target is frozen; the drafter borrows its embedding and LM head. At the end the
@@ -84,7 +85,8 @@ def train_draft(target_dir, out, data, more_data, eval_prompts, block_size, laye
 
     run_training(TrainConfig(
         target_dir, out, list(data) + list(more_data), steps=steps, minutes=minutes,
-        max_total_minutes=max_total_minutes, precision=precision, gen_precision=gen_precision, warmup=warmup, eval_prompts=eval_prompts, block_size=block_size,
+        max_total_minutes=max_total_minutes, precision=precision, gen_precision=gen_precision, warmup=warmup,
+        eval_prompts=eval_prompts, block_size=block_size,
         layers=layers, target_layer_ids=parse_layer_ids(target_layer_ids), intermediate_size=intermediate_size,
         gamma=gamma, lr=lr, batch=batch, anchors=anchors, sequences=sequences, gen_minutes=gen_minutes,
         gen_tokens=gen_tokens, gen_batch=gen_batch, sample_prefix=sample_prefix, prompt_max_tokens=prompt_max_tokens,
