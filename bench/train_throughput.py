@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    load_before = os.getloadavg()
 
     from dflash_export.demo import __file__ as demo_init
     from dflash_export.models import Target, TargetConfig, new_drafter
@@ -125,7 +126,7 @@ def main() -> None:
     g32 = gemm_rate(rows, tc.hidden_size, tc.vocab_size, torch.float32)
     g16 = gemm_rate(rows, tc.hidden_size, tc.vocab_size, torch.bfloat16)
     res = {
-        "load_before": os.getloadavg(), "threads": a.threads, "torch": torch.__version__,
+        "load_before": load_before, "threads": a.threads, "torch": torch.__version__,
         "shape": {"batch": batch, "anchors": anchors, "block": k, "seq_len": length, "greedy_from": start},
         "flops_per_step": flops, "flops_per_supervised_position": flops / rows,
         "gemm_gflops": {"lm_head_fp32": round(g32, 1), "lm_head_bf16": round(g16, 1),
