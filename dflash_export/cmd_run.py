@@ -13,8 +13,16 @@ from pathlib import Path
 import click
 import numpy as np
 
+from .options import device_options, sampling_options
+from .runtime.calibrate import calibrate, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
 from .runtime.errors import DFlashError
+from .runtime.load import open_artifact, open_backend, settings_for
+from .runtime.loop import Generation
+from .runtime.loop import stream as run
+from .runtime.manifest import load_manifest
+from .runtime.measure import measure_many, rate, summarize
 from .runtime.sampling import check_sampling
+from .runtime.settings import policy_json
 from .serve.text import load_tokenizer
 
 BUILTIN_PROMPTS = [
@@ -34,72 +42,20 @@ def _parse_ids(text: str, what: str) -> list[int]:
         raise DFlashError(f"{what} must be comma-separated integers (got {text!r})") from None
 
 
-def _settings(out, provider: str, backend: str, threads: int | None, spin: bool | None, verify: str):
-    """The run's settings: --threads/--spin/--verify over runtime.json over the defaults (runtime/settings.py)."""
-    from .runtime.manifest import load_manifest
-    from .runtime.settings import device_key, resolve
-
-    m = load_manifest(out, verify=False)  # the backend verifies the hashes when it loads
-    return resolve(out, m, device_key(backend, provider), threads=threads, spin=spin, verify=verify)
-
-
-def _backend(out, provider: str, drafter: bool = True, backend: str = "ort", threads: int | None = None,
-             spin: bool | None = None, verify: str = "auto"):
-    """(backend, settings): one place where generate, bench and demo (and serve) open a directory."""
-    from .runtime.backend import open_backend, ort_backend_class
-
-    if backend == "ort":
-        ort_backend_class()  # the install hint comes before anything about the directory
-    cfg = _settings(out, provider, backend, threads, spin, verify)
-    if backend == "trt":
-        return open_backend(out, "trt", drafter=drafter), cfg
-    return open_backend(out, "ort", provider, drafter=drafter, **cfg.ort_kwargs()), cfg
-
-
-provider_option = click.option(
-    "--provider", default="cpu", show_default=True, help="ONNX Runtime execution provider: cpu | cuda | tensorrt."
-)
-threads_option = click.option(
-    "--threads", type=int, default=None,
-    help="ONNX Runtime intra-op threads of every graph (default: runtime.json's calibrated count, else 1 for "
-         "small models and one per CPU from hidden size 1024).")
-spin_option = click.option(
-    "--spin/--no-spin", default=None,
-    help="Let ORT's idle threads spin (default off: spinning made calls ~2x slower on shared vCPUs).")
-verify_option = click.option(
-    "--verify", type=click.Choice(["auto", "full"]), default="auto", show_default=True,
-    help="auto: verify the drafter's confident prefix as runtime.json's calibrated policy says (the full block "
-         "when there is none); full: always the whole block.")
-backend_option = click.option(
-    "--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
-    help="ort: ONNX Runtime (see --provider); trt: the TensorRT engines of `dflash-export build`.",
-)
-
-
 @click.command()
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--prompt", help="Prompt text (needs tokenizer.json in OUT).")
 @click.option("--prompt-ids", help="Prompt as comma-separated token ids (no tokenizer needed).")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
-@click.option("--top-k", default=0, show_default=True, type=int, help="0 disables.")
-@click.option("--top-p", default=1.0, show_default=True, type=float, help="1 disables.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seeds the sampling stream (deterministic).")
+@sampling_options
 @click.option("--stop-ids", help="Comma-separated stop token ids (default: the manifest's eos_token_ids; '' for none).")
 @click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding of the target (the baseline).")
 @click.option("--stream", is_flag=True, help="Print tokens as each round is accepted.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with tokens and statistics.")
-@provider_option
-@backend_option
-@threads_option
-@spin_option
-@verify_option
+@device_options
 def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids, no_draft, stream, as_json, provider,
              backend, threads, spin, verify):
     """Speculative decoding of a prompt with an exported directory OUT."""
-    from .runtime.loop import Generation
-    from .runtime.loop import stream as run
-
     if (prompt is None) == (prompt_ids is None):
         raise DFlashError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     if stream and as_json:
@@ -107,7 +63,8 @@ def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p,
     check_sampling(temperature, top_k, top_p)
     stop = None if stop_ids is None else tuple(_parse_ids(stop_ids, "--stop-ids"))
     ids = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
-    backend, cfg = _backend(out, provider, drafter=not no_draft, backend=backend, threads=threads, spin=spin, verify=verify)
+    backend, cfg = open_artifact(out, backend=backend, provider=provider, drafter=not no_draft, threads=threads, spin=spin,
+                                 verify=verify)
     tok = load_tokenizer(out)
     if ids is None:
         if tok is None:
@@ -131,7 +88,7 @@ def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p,
         "acceptance_lengths": g.acceptance_lengths,
         "tau": g.tau,
         "mean_verify_len": g.mean_verify_len,
-        "verify": _policy_json(cfg.verify),
+        "verify": policy_json(cfg.verify),
         "threads": cfg.threads,
         "graph_threads": cfg.graph_threads or None,
         "tokens_per_second": g.tokens_per_second,
@@ -192,77 +149,6 @@ def _bench_prompts(path: Path | None, tok, vocab: int, n_random: int = 5, length
     return prompts, f"{n_random} random token prompts of {length} tokens (no tokenizer in the directory)"
 
 
-def _policy_json(policy) -> dict | str:
-    from dataclasses import asdict
-
-    return "full" if policy is None else asdict(policy)
-
-
-def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bool, prompts, max_new_tokens: int,
-              warmup: int, log=lambda msg: None) -> dict:
-    """Measure the thread counts, the prefill chunk and the verify policy; write them to runtime.json.
-
-    Threads: the speculative loop (full block) at each candidate count, interleaved, gives
-    the count of every graph; then each graph's own call at each count gives the per-graph
-    counts (`graph_threads`). Prefill chunk: the time to first token of a 512-token prompt
-    per chunk. Policy: the full-block rounds at the best count (drafter confidences and
-    acceptance lengths) replayed against this machine's measured verify cost per length
-    (runtime/calibrate.py).
-    """
-    from .runtime.backend import open_backend
-    from .runtime.calibrate import (CHUNKS, choose_policy, choose_threads, chunk_candidates, graph_ms, prefill_ms,
-                                    ttft_prompt, verify_costs, fastest)
-    from .runtime.settings import Settings, device_key, save_settings
-
-    def open_(t):
-        if backend == "trt":
-            return open_backend(out, "trt")
-        return open_backend(out, "ort", provider, threads=t, spin=spin, max_chunk=max(CHUNKS))
-
-    from .runtime.measure import measure_many, rate
-
-    backends = {t: open_(t) for t in candidates}
-    try:
-        runs = measure_many(backends, prompts, max_new_tokens, warmup)
-        rates = {t: rate(spec) for t, (spec, _) in runs.items()}
-        best = max(rates, key=rates.get)
-        be, spec = backends[best], runs[best][0]
-        if be.draft_conf is None:
-            raise DFlashError(f"{out}: draft_block has no draft_conf output (exported by an older version); "
-                              "re-export to calibrate adaptive verify")
-        log(f"threads: speculative tok/s by count {', '.join(f'{t}: {r:.0f}' for t, r in rates.items())} -> {best}")
-        by_graph = {t: graph_ms(b, prompts[0]) for t, b in backends.items()} if backend == "ort" else {}
-        graph_threads = choose_threads(by_graph) if len(by_graph) > 1 else {}
-        if graph_threads:
-            log("threads per graph: " + "; ".join(
-                f"{g} {', '.join(f'{t}: {ms[g]:.2f}' for t, ms in by_graph.items())} ms -> {graph_threads[g]}"
-                for g in graph_threads))
-        long = ttft_prompt(be)
-        chunks = prefill_ms(be, long, chunk_candidates(be, len(long)))
-        chunk = fastest(chunks)
-        log(f"prefill of {len(long)} tokens by chunk: "
-            f"{', '.join(f'{c}: {ms:.1f}' for c, ms in chunks.items())} ms -> {chunk}")
-        costs = verify_costs(be, prompts[0])
-        rounds = [(c, a - 1) for g in spec for c, a in zip(g.confidences, g.acceptance_lengths)]
-        draft_ms = sum(g.draft_s for g in spec) / len(rounds) * 1e3
-        policy, table = choose_policy(rounds, costs, draft_ms)
-    finally:
-        for b in backends.values():
-            b.close()
-    log(f"verify ms by length 1..{len(costs)}: {', '.join(f'{c:.2f}' for c in costs)}; draft {draft_ms:.2f} ms")
-    log(f"policy: {_policy_json(policy)}")
-    measured = {"speculative_tokens_per_second_by_threads": {str(t): r for t, r in rates.items()},
-                "graph_ms_by_threads": {str(t): ms for t, ms in by_graph.items()},
-                "prefill_ms_by_chunk": {str(c): ms for c, ms in chunks.items()},
-                "verify_ms_by_length": costs, "draft_ms": draft_ms, "rounds": len(rounds),
-                "replay": table, "cpu_count": __import__("os").cpu_count()}
-    settings = Settings(threads=best if backend == "ort" else None, spin=spin, verify=policy, measured=measured,
-                        graph_threads=graph_threads, prefill_chunk=chunk)
-    path = save_settings(out, device_key(backend, provider), settings)
-    return {"runtime_json": str(path), "threads": settings.threads, "graph_threads": graph_threads,
-            "prefill_chunk": chunk, "verify": _policy_json(policy), "verify_ms_by_length": costs, "draft_ms": draft_ms}
-
-
 def plot_bench(report: dict, path: Path) -> None:
     try:
         import matplotlib
@@ -302,11 +188,7 @@ def plot_bench(report: dict, path: Path) -> None:
                    "write them to OUT/runtime.json (graph hashes untouched), then bench with them.")
 @click.option("--context", "contexts", help="Comma-separated context lengths (e.g. 128,2048): also report the "
                                              "1-token step time after each (step_ms_by_context).")
-@provider_option
-@backend_option
-@threads_option
-@spin_option
-@verify_option
+@device_options
 def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate, contexts, provider, backend, threads,
           spin, verify):
     """Speculative vs plain decoding of OUT on the same prompts: tau, tokens/s, speedup.
@@ -314,11 +196,6 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     Without --threads every candidate thread count runs too (interleaved), which gives
     best_threads and speedup_vs_best_plain (plain decoding at its own best count).
     """
-    from .runtime.backend import open_backend
-    from .runtime.calibrate import prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
-    from .runtime.manifest import load_manifest
-    from .runtime.measure import measure_many, rate, summarize
-
     if plot is not None:
         from importlib.util import find_spec
 
@@ -337,13 +214,13 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         raise DFlashError(f"a prompt fills the max context {m.max_context}; use shorter prompts")
     n = min(max_new_tokens, room)
     sweep = backend == "ort" and threads is None
-    base = _settings(out, provider, backend, threads, spin, "full")
+    base = settings_for(out, backend, provider, threads=threads, spin=spin, verify="full")
     candidates = thread_candidates() if sweep else [base.threads]
     calibration = None
     if do_calibrate:
         log = (lambda msg: click.echo(f"calibrate: {msg}", err=True)) if not as_json else (lambda msg: None)
         calibration = calibrate(out, provider, backend, candidates, base.spin, prompts, n, warmup, log)
-    cfg = _settings(out, provider, backend, threads, spin, verify)
+    cfg = settings_for(out, backend, provider, threads=threads, spin=spin, verify=verify)
     labels = sorted(set(candidates) | {cfg.threads}) if sweep else [cfg.threads]
 
     def open_(t):
@@ -362,7 +239,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     main = backends[key]
     report = {"provider": main.provider, **summarize(*runs[key], m.block_size)}
     report.update(max_new_tokens=n, prompt_source=source, threads=cfg.threads, graph_threads=cfg.graph_threads or None,
-                  spin=cfg.spin, verify=_policy_json(cfg.verify), draft_vocab=(m.draft_vocab or {}).get("size"),
+                  spin=cfg.spin, verify=policy_json(cfg.verify), draft_vocab=(m.draft_vocab or {}).get("size"),
                   prefill_chunk=min(main.max_chunk, cfg.prefill_chunk or main.max_chunk))
     if sweep:
         by = {t: {"speculative": rate(sp), "autoregressive": rate(ba)} for t, (sp, ba) in runs.items() if t != "graphs"}

@@ -49,7 +49,6 @@ manifest: it is the one file the hash check allows without listing it.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from .errors import DFlashError
@@ -318,63 +317,37 @@ def dtype(t: Tensor, m) -> str:
     return NUMPY_DTYPE[m.dtype] if t.dtype == MODEL else t.dtype
 
 
-@functools.cache  # the runtime binds these by name every call: ~1.7 us each to rebuild
-def past_key(i: int) -> str:
-    return PAST_KV[0].at(i).name
+@dataclass(frozen=True)
+class Names:
+    """Every per-layer tensor name of one export, indexed by layer: built once per backend (and
+    per check), since the runtime binds by name on every call (~1.7 us to format one)."""
+
+    past_key: tuple[str, ...]
+    past_value: tuple[str, ...]
+    new_key: tuple[str, ...]
+    new_value: tuple[str, ...]
+    present_key: tuple[str, ...]  # ort flavour: bound to the same buffer as past_key
+    present_value: tuple[str, ...]
+    conv_state: tuple[str, ...]  # hybrid targets' linear-attention layers (unused names elsewhere)
+    rec_state: tuple[str, ...]
+    new_conv: tuple[str, ...]
+    delta: tuple[tuple[str, str, str], ...]  # delta_k, delta_u, delta_g: what `commit_state` reads
+    ctx_key: tuple[str, ...]  # drafter layers from here on
+    ctx_value: tuple[str, ...]
+    past_ctx_key: tuple[str, ...]
+    past_ctx_value: tuple[str, ...]
 
 
-@functools.cache
-def past_value(i: int) -> str:
-    return PAST_KV[1].at(i).name
+def layer_names(target_layers: int, draft_layers: int = 0) -> Names:
+    """The name table for `target_layers` target and `draft_layers` drafter layers."""
+    t, d = range(target_layers), range(draft_layers)
+    return Names(
+        *(tuple(x.at(i).name for i in t) for x in (*PAST_KV, *NEW_KV, *PRESENT_KV, *LINEAR_STATE, LINEAR_NEW[0])),
+        tuple(tuple(x.at(i).name for x in LINEAR_NEW[1:]) for i in t),
+        *(tuple(x.at(j).name for j in d) for x in (*CTX_KV, *PAST_CTX_KV)),
+    )
 
 
-@functools.cache
-def new_key(i: int) -> str:
-    return NEW_KV[0].at(i).name
-
-
-@functools.cache
-def new_value(i: int) -> str:
-    return NEW_KV[1].at(i).name
-
-
-@functools.cache
-def conv_state(i: int) -> str:
-    return LINEAR_STATE[0].at(i).name
-
-
-@functools.cache
-def rec_state(i: int) -> str:
-    return LINEAR_STATE[1].at(i).name
-
-
-@functools.cache
-def new_conv(i: int) -> str:
-    return LINEAR_NEW[0].at(i).name
-
-
-@functools.cache
-def delta(i: int) -> tuple[str, str, str]:
-    """delta_k, delta_u, delta_g of linear-attention layer i (what `commit_state` reads)."""
-    return tuple(t.at(i).name for t in LINEAR_NEW[1:])
-
-
-@functools.cache
-def ctx_key(j: int) -> str:
-    return CTX_KV[0].at(j).name
-
-
-@functools.cache
-def ctx_value(j: int) -> str:
-    return CTX_KV[1].at(j).name
-
-
-@functools.cache
-def past_ctx_key(j: int) -> str:
-    return PAST_CTX_KV[0].at(j).name
-
-
-@functools.cache
-def past_ctx_value(j: int) -> str:
-    return PAST_CTX_KV[1].at(j).name
-
+def names_of(m) -> Names:
+    """`layer_names` for a manifest (anything with target_layers and draft_layers)."""
+    return layer_names(m.target_layers, m.draft_layers)

@@ -44,6 +44,7 @@ class LinearStates:
             raise DFlashError("hybrid targets exported in bf16 are not supported by the host state commit; "
                               "export in fp32 or fp16")
         self.layers = m.linear_layers
+        self.names = C.layer_names(m.target_layers)
         self.changed = True  # the committed states moved since a device copy was last made of them
         self.buf = {}
         for i in self.layers:
@@ -55,17 +56,18 @@ class LinearStates:
     def commit(self, n: int) -> None:
         """Apply the first n positions of the last call to every layer's state."""
         self.changed = self.changed or n > 0
+        N = self.names
         for i in self.layers:
-            conv = self.buf[C.conv_state(i)]
+            conv = self.buf[N.conv_state[i]]
             if n:
-                conv[0] = np.concatenate([conv[0], self.buf[C.new_conv(i)][0, :n]], 0)[-conv.shape[1]:]
-            commit_state(self.buf[C.rec_state(i)][0], *(self.buf[name][0, :n] for name in C.delta(i)))
+                conv[0] = np.concatenate([conv[0], self.buf[N.new_conv[i]][0, :n]], 0)[-conv.shape[1]:]
+            commit_state(self.buf[N.rec_state[i]][0], *(self.buf[name][0, :n] for name in N.delta[i]))
 
     def reset(self) -> None:
         self.changed = True
         for i in self.layers:
-            self.buf[C.conv_state(i)][...] = 0
-            self.buf[C.rec_state(i)][...] = 0
+            self.buf[self.names.conv_state[i]][...] = 0
+            self.buf[self.names.rec_state[i]][...] = 0
 
     def nbytes(self, templates) -> int:
         """Bytes of the buffers of the given templates (C.LINEAR_STATE: committed; C.LINEAR_NEW: per call)."""

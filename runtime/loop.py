@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import Backend
-from .errors import DFlashError
+from .errors import DFlashError, InternalError
 from .sampling import accept, check_request, check_sampling, choose, cut_at_stop, position_uniforms
 from .settings import VerifyPolicy
 
@@ -107,7 +107,7 @@ def stream(
     t0 = clock()
 
     if not 0 <= reuse < len(prompt) or (draft and reuse > backend.context_len):
-        raise DFlashError(f"internal: reuse {reuse} of a {len(prompt)}-token prompt (drafter context {backend.context_len})")
+        raise InternalError(f"reuse {reuse} of a {len(prompt)}-token prompt (drafter context {backend.context_len})")
     backend.keep(reuse)
     for i in range(reuse, len(prompt), chunk):
         ids = prompt[i : i + chunk]
@@ -124,13 +124,14 @@ def stream(
 
     while not g.stopped and start + 1 < max_length:
         t1 = clock()
-        drafts = backend.draft_block(anchor).tolist() if draft else []
+        d = backend.draft_block(anchor) if draft else None
+        drafts = d.ids.tolist() if draft else []
         t2 = clock()
         s = min(k, max_length - start)
-        if draft and backend.draft_conf is not None:
-            g.confidences.append(backend.draft_conf.copy())
+        if draft and d.conf is not None:
+            g.confidences.append(d.conf.copy())
             if verify is not None:
-                s = verify.length(backend.draft_conf, s)
+                s = verify.length(d.conf, s)
         res = backend.target(np.asarray([anchor] + drafts[: s - 1], np.int64), want_logits=sample)
         t3 = clock()
         choice = (choose(res.logits, u[start + 1 :], temperature, top_k, top_p) if sample else res.next_ids).tolist()

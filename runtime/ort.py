@@ -29,16 +29,21 @@ import numpy as np
 import onnxruntime as ort
 
 from . import contract as C, manifest as M
-from .backend import Backend, TargetOut
-from .errors import DFlashError
+from .backend import Backend, Draft, TargetOut
+from .errors import DFlashError, InternalError
 from .hybrid import LinearStates
+from .shared import ONNX_TYPE, STORAGE, shared_weights, tied_head_graphs
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
-# TensorProto.DataType; uint8: weight-only quantized tensors (MatMulNBits, docs/quantization.md); int32: the
-# ort attention flavour's lengths (contract.TARGET_ORT)
-ONNX_TYPE = {"float32": 1, "float16": 10, "bfloat16": 16, "int64": 7, "uint8": 2, "int32": 6}
-STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int64": np.int64, "uint8": np.uint8,
-           "int32": np.int32}
+
+
+def load_hint(first: str) -> str:
+    """What to do about an ONNX Runtime load failure, from its first line; nothing when the cause is unclear."""
+    if any(k in first for k in ("INVALID_PROTOBUF", "NO_SUCHFILE", "external data", "INVALID_GRAPH")):
+        return " (the file is damaged or incomplete: re-export the directory)"
+    if any(k in first for k in ("NOT_IMPLEMENTED", "Could not find an implementation", "opset")):
+        return " (this onnxruntime cannot run an op of the graph: install the version `dflash-export info` lists)"
+    return ""
 
 
 def available_providers() -> list[str]:
@@ -57,44 +62,6 @@ def resolve_provider(name: str) -> str:
             "for cuda install the gpu extra (onnxruntime-gpu)"
         )
     return PROVIDERS[name]
-
-
-# -- shared weights, memory-mapped from the manifest's table ----------------------------
-
-
-def shared_weights(directory: Path, m: M.Manifest) -> dict[str, tuple[np.ndarray, int]]:
-    """name -> (array over its bytes in shared.data, onnx element type), one array per
-    distinct (file, offset): tied names share it. Mapped copy-on-write: the pages are the
-    file's (no copy at load); nothing is ever written back."""
-    maps: dict[str, np.memmap] = {}
-    seen: dict[tuple, np.ndarray] = {}
-    out = {}
-    for name, t in m.shared.items():
-        path = (directory / t.file).resolve()
-        if directory.resolve() not in path.parents:
-            raise DFlashError(f"{directory}: shared weight {name} points outside the directory ({t.file}); re-export it")
-        if t.dtype not in STORAGE:
-            raise DFlashError(f"{directory}: shared weight {name} has unsupported dtype {t.dtype}; re-export it")
-        mm = maps.get(t.file)
-        if mm is None:
-            mm = maps[t.file] = np.memmap(path, np.uint8, mode="c")
-        dtype = np.dtype(STORAGE[t.dtype])
-        if t.length != int(np.prod(t.shape)) * dtype.itemsize or t.offset + t.length > mm.size:
-            raise DFlashError(f"{directory}: shared weight {name} does not fit {t.file}; re-export the directory")
-        key = (t.file, t.offset)
-        if key not in seen:
-            seen[key] = mm[t.offset : t.offset + t.length].view(dtype).reshape(t.shape)
-        out[name] = (seen[key], ONNX_TYPE[t.dtype])
-    return out
-
-
-def tied_head_graphs(m: M.Manifest, shared: dict) -> set[str]:
-    """Graphs whose LM head is the fp32 embedding table itself (tied, read transposed): these
-    are built without ORT's constant folding (fp16 needs it: CPU MatMul casts folded to fp32)."""
-    embed, head = C.SHARED_INITIALIZERS
-    if m.dtype != "fp32" or head not in shared or embed not in shared or shared[head][0] is not shared[embed][0]:
-        return set()
-    return set(m.shared[head].graphs)
 
 
 # -- the backend -----------------------------------------------------------------------
@@ -120,6 +87,7 @@ class OrtBackend(Backend):
         self.directory = Path(directory)
         self._provider = resolve_provider(provider)
         self.manifest = m = M.load_manifest(self.directory, verify=verify)
+        self.names = C.names_of(m)
         self.max_len = m.max_context
         self.max_chunk = max(max_chunk, m.block_size)
         self.device = "cpu" if self._provider == PROVIDERS["cpu"] else "cuda"
@@ -268,7 +236,8 @@ class OrtBackend(Backend):
             if self.manifest.dtype == "bf16" and self._provider == PROVIDERS["cpu"]:
                 raise DFlashError(f"{path}: ONNX Runtime's CPU provider cannot run bf16 graphs (not run here); use "
                                   "--provider cuda or the TensorRT backend, or export with --dtype fp16/fp32") from None
-            raise DFlashError(f"{path}: onnxruntime cannot load it ({first}); re-export the directory") from None
+            raise DFlashError(f"{path}: onnxruntime {ort.__version__} with {self._provider} cannot load the {graph} "
+                              f"graph: {first}{load_hint(first)}") from None
 
     def _alloc(self, shape: tuple, dtype: str):
         if self.device == "cpu":
@@ -310,11 +279,10 @@ class OrtBackend(Backend):
         never move and the binding keeps them across runs (rebinding 4 per layer cost ~0.1 ms
         a call at 6 layers). Not the lengths: binding copies a host input the kernel wants on
         the GPU at bind time, so they are bound after their values are written, every call."""
-        g = C.TARGET
+        g, N = C.TARGET, self.names
         for i in range(self.manifest.target_layers):
             k, v = self.kv[2 * i], self.kv[2 * i + 1]
-            for name, buf in ((C.past_key(i), k), (C.past_value(i), v), (C.PRESENT_KV[0].at(i).name, k),
-                              (C.PRESENT_KV[1].at(i).name, v)):
+            for name, buf in ((N.past_key[i], k), (N.past_value[i], v), (N.present_key[i], k), (N.present_value[i], v)):
                 self._bind(g, name, buf)
         self._static_bound = True
 
@@ -324,10 +292,10 @@ class OrtBackend(Backend):
 
     # -- the interface -------------------------------------------------------------------
 
-    def target(self, ids: np.ndarray, want_logits: bool = False) -> TargetOut:
-        m, P, S, g = self.manifest, self.target_len, len(ids), C.TARGET
+    def _target(self, ids: np.ndarray, want_logits: bool) -> TargetOut:
+        m, P, S, g, N = self.manifest, self.target_len, len(ids), C.TARGET, self.names
         if not 1 <= S <= self.max_chunk:
-            raise DFlashError(f"internal: target call with {S} tokens (1..{self.max_chunk})")
+            raise InternalError(f"target call with {S} tokens (1..{self.max_chunk})")
         if P + S > self.max_len:
             raise DFlashError(f"sequence of {P + S} positions exceeds the exported max context {self.max_len}")
         self.ids[0, :S] = ids
@@ -343,16 +311,16 @@ class OrtBackend(Backend):
         for i in () if self.in_place else range(m.target_layers):  # ort flavour: bound once, above
             if m.is_linear(i):  # committed states in, per-position outputs to commit out
                 buf = self.states.buf
-                for name in (C.conv_state(i), C.rec_state(i)):
+                for name in (N.conv_state[i], N.rec_state[i]):
                     self._bind(g, name, buf[name])
-                for name in (C.new_conv(i), *C.delta(i)):
+                for name in (N.new_conv[i], *N.delta[i]):
                     self._bind(g, name, buf[name], seq=S)
                 continue
             k, v = self.kv[2 * i], self.kv[2 * i + 1]
-            self._bind(g, C.past_key(i), k, past=P)
-            self._bind(g, C.past_value(i), v, past=P)
-            self._bind(g, C.new_key(i), k, P, seq=S)
-            self._bind(g, C.new_value(i), v, P, seq=S)
+            self._bind(g, N.past_key[i], k, past=P)
+            self._bind(g, N.past_value[i], v, past=P)
+            self._bind(g, N.new_key[i], k, P, seq=S)
+            self._bind(g, N.new_value[i], v, P, seq=S)
         self._bind(g, C.TAPS, self.taps, seq=S)
         self._bind(g, C.NEXT_IDS, self.next_ids, seq=S)
         io = self._io[g]
@@ -362,38 +330,36 @@ class OrtBackend(Backend):
         else:
             self._bind(g, C.LOGITS, self.logits if want_logits else self._logits_scratch, seq=S)
         self.sessions[g].run_with_iobinding(io)
-        self._pending = S
         logits = None
         if want_logits:
             logits = io.get_outputs()[-1].numpy()[0] if big else self.logits[0, :S]
         return TargetOut(self.next_ids[0, :S], logits)
 
     def draft_context(self, n: int) -> None:
-        m, P, g = self.manifest, self.context_len, C.DRAFT_CONTEXT
+        m, P, g, N = self.manifest, self.context_len, C.DRAFT_CONTEXT, self.names
         if not 0 < n <= self.max_chunk or P + n > self.max_len:
-            raise DFlashError(f"internal: draft_context({n}) at {P} (max {self.max_len})")
+            raise InternalError(f"draft_context({n}) at {P} (max {self.max_len})")
         self._bind(g, C.TAPS, self.taps, ctx=n)
         self._bind(g, C.CTX_POSITION_IDS, self.positions, P, ctx=n)
         for j in range(m.draft_layers):
-            self._bind(g, C.ctx_key(j), self.ctx[2 * j], P, ctx=n)
-            self._bind(g, C.ctx_value(j), self.ctx[2 * j + 1], P, ctx=n)
+            self._bind(g, N.ctx_key[j], self.ctx[2 * j], P, ctx=n)
+            self._bind(g, N.ctx_value[j], self.ctx[2 * j + 1], P, ctx=n)
         self.sessions[g].run_with_iobinding(self._io[g])
         self.context_len += n
 
-    def draft_block(self, anchor: int) -> np.ndarray:
-        m, P, g = self.manifest, self.context_len, C.DRAFT_BLOCK
+    def draft_block(self, anchor: int) -> Draft:
+        m, P, g, N = self.manifest, self.context_len, C.DRAFT_BLOCK, self.names
         self.block_ids[0, 0] = anchor
         self._bind(g, C.BLOCK_IDS, self.block_ids)
         self._bind(g, C.BLOCK_POSITION_IDS, self.positions, P)
         for j in range(m.draft_layers):
-            self._bind(g, C.past_ctx_key(j), self.ctx[2 * j], past_ctx=P)
-            self._bind(g, C.past_ctx_value(j), self.ctx[2 * j + 1], past_ctx=P)
+            self._bind(g, N.past_ctx_key[j], self.ctx[2 * j], past_ctx=P)
+            self._bind(g, N.past_ctx_value[j], self.ctx[2 * j + 1], past_ctx=P)
         self._bind(g, C.DRAFT_IDS, self.draft_ids)
         self._bind(g, C.DRAFT_LOGITS, self._draft_logits)
         self._bind(g, C.DRAFT_CONF, self._conf)
         self.sessions[g].run_with_iobinding(self._io[g])
-        self.draft_conf = self._conf[0]
-        return self.draft_ids[0]
+        return Draft(self.draft_ids[0], self._conf[0])
 
     def close(self) -> None:
         self.sessions = {}  # forks keep theirs: a session is freed with its last user

@@ -50,6 +50,18 @@ class VerifyPolicy:
 FULL = VerifyPolicy()
 
 
+def policy_json(policy: VerifyPolicy | None) -> dict | str:
+    """The policy as reports and JSON outputs record it: "full" or {"theta": .., "min_len": ..}."""
+    return "full" if policy is None else asdict(policy)
+
+
+def describe_policy(policy: VerifyPolicy | None) -> str:
+    """The policy for people: "full block", or "confident prefix (theta 0.05, at least 3)"."""
+    if policy is None or policy.theta <= 0:
+        return "full block"
+    return f"confident prefix (theta {policy.theta:g}, at least {policy.min_len})"
+
+
 @dataclass
 class Settings:
     threads: int | None = None  # intra-op threads of every graph (None: default_threads)

@@ -5,11 +5,12 @@ execution API that TensorRT 10 introduced and 11 keeps (set_input_shape, set_ten
 execute_async_v3) and cuda-python's runtime bindings for memory and the stream. Shapes and
 limits come from runtime/trt_profiles.py; this file only moves bytes and runs engines.
 
-NOT EXECUTED IN DEVELOPMENT: this needs `tensorrt`, `cuda-python` and an NVIDIA GPU, none of
-which the development machines have. It was checked against the TensorRT 11 Python API
-(and its 10.x -> 11.x removed-API list) by reading, and runs here only against the stand-in
-in tests/trt_fake.py (our bookkeeping, not TensorRT) and in the GPU-gated tests
-(tests/test_trt_gpu.py), which skip here.
+NOT EXECUTED ON TENSORRT HARDWARE IN DEVELOPMENT: this needs `tensorrt`, `cuda-python` and an
+NVIDIA GPU, none of which the development machines have. Here it runs against a double of the
+real TensorRT 10.12 and 11.4 Python bindings (tests/trt_double.py: every attribute, call,
+argument and return value checked against NVIDIA's own signatures; what an engine computes is
+simulated with ONNX Runtime) and a hand-written cuda-python stand-in; on a GPU machine
+tests/test_trt_gpu.py runs it for real (docs/tensorrt.md).
 
 `tensorrt` and `cuda` are imported inside functions only: importing this module needs numpy.
 """
@@ -21,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import Backend, TargetOut
+from .backend import Backend, Draft, TargetOut
 from . import contract as C
 from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, draft_vocab_size
 from .manifest import Manifest, load_manifest
-from .errors import DFlashError
+from .errors import DFlashError, InternalError
 from .hybrid import LinearStates
 from .trt_profiles import ENGINE_FILES, check_engine_record, check_trt_version
 
@@ -103,6 +104,7 @@ class TensorRTBackend(Backend):
         self.trt, self.cudart = trt, cudart
         self.out = Path(out_dir)
         self.manifest = m = manifest or load_manifest(self.out)
+        self.names = C.names_of(m)
         cc, gpu = gpu_info(cudart, device)
         rec = m.engines
         check_engine_record(rec, trt.__version__, cc)
@@ -159,18 +161,31 @@ class TensorRTBackend(Backend):
         self._check_io()
 
     def _check_io(self) -> None:
-        """Every tensor this backend binds exists in the engine with the element size allocated for it."""
+        """Every tensor this backend binds exists in the engine as an input or output (as bound) with the
+        element size allocated for it, and every input's profile shapes are the manifest's record."""
         trt, m = self.trt, self.manifest
         size = {trt.float32: 4, trt.float16: 2, trt.bfloat16: 2, trt.int64: 8, trt.int32: 4}
         for graph, e in self.eng.items():
             names = {e.engine.get_tensor_name(i) for i in range(e.engine.num_io_tensors)}
-            for t in (*self.inputs[graph], *C.io(graph, m)[1]):
+            ins, outs = C.io(graph, m)
+            bound = [(t, trt.TensorIOMode.INPUT) for t in self.inputs[graph]] + [(t, trt.TensorIOMode.OUTPUT) for t in outs]
+            for t, mode in bound:
+                where = f"{ENGINE_FILES[graph]}: {t.name}"
                 if t.name not in names:
                     raise DFlashError(f"{ENGINE_FILES[graph]} has no tensor {t.name}; rebuild the engines for this export")
+                if e.engine.get_tensor_mode(t.name) != mode:
+                    raise DFlashError(f"{where} is not an {mode.name.lower()} of the engine; "
+                                      "rebuild the engines for this export")
                 got, want = size.get(e.engine.get_tensor_dtype(t.name)), C.dtype(t, m)
                 if got != ITEMSIZE[want]:
-                    raise DFlashError(f"{ENGINE_FILES[graph]}: {t.name} is {e.engine.get_tensor_dtype(t.name)} in the "
+                    raise DFlashError(f"{where} is {e.engine.get_tensor_dtype(t.name)} in the "
                                       f"engine but {want} in the graph contract; rebuild the engines for this export")
+            for i, prof in enumerate(self.record["profiles"][graph]):
+                for t in ins:
+                    got = [list(d) for d in e.engine.get_tensor_profile_shape(t.name, i)]
+                    if got != prof["shapes"][t.name]:
+                        raise DFlashError(f"{ENGINE_FILES[graph]}: profile {i} of {t.name} is {got} in the engine but "
+                                          f"{prof['shapes'][t.name]} in the manifest; rebuild with `dflash-export build`")
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -179,11 +194,14 @@ class TensorRTBackend(Backend):
         engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
         if engine is None:
             raise DFlashError(f"{path}: TensorRT could not deserialize this engine; rebuild with `dflash-export build`")
+        if engine.num_optimization_profiles != nprof:
+            raise DFlashError(f"{path} has {engine.num_optimization_profiles} optimization profiles but the manifest "
+                              f"records {nprof}; rebuild with `dflash-export build`")
         contexts = []
         for i in range(nprof):
             ctx = engine.create_execution_context()
-            if i:
-                ctx.set_optimization_profile_async(i, self.handle)
+            if i and not ctx.set_optimization_profile_async(i, self.handle):
+                raise DFlashError(f"{path}: TensorRT refused optimization profile {i}; rebuild with `dflash-export build`")
             contexts.append(ctx)
         cuda_check(self.cudart.cudaStreamSynchronize(self.stream))
         return _Engine(engine, contexts)
@@ -215,10 +233,10 @@ class TensorRTBackend(Backend):
     def _bind(self, ctx, shapes: dict[str, tuple], addrs: dict[str, int]) -> None:
         for name, shape in shapes.items():
             if not ctx.set_input_shape(name, shape):
-                raise DFlashError(f"internal: TensorRT refused shape {shape} for {name}; rebuild the engines")
+                raise InternalError(f"TensorRT refused shape {shape} for {name}; rebuild the engines")
         for name, ptr in addrs.items():
             if not ctx.set_tensor_address(name, ptr):
-                raise DFlashError(f"internal: TensorRT refused the address of {name}")
+                raise InternalError(f"TensorRT refused the address of {name}")
 
     def _run(self, graph: str, prof: int, addrs: dict, **dynamic: int) -> None:
         """Enqueue one engine call on the stream (execute_async_v3); input shapes from the contract."""
@@ -226,7 +244,7 @@ class TensorRTBackend(Backend):
         shapes = {t.name: C.shape(t, self.manifest, batch=1, **dynamic) for t in self.inputs[graph]}
         self._bind(ctx, shapes, addrs)
         if not ctx.execute_async_v3(self.handle):
-            raise DFlashError("internal: TensorRT execute_async_v3 failed (see the TensorRT log above)")
+            raise InternalError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
 
     def _out_addr(self, base: int, pos: int, row: int, scratch: int) -> tuple[int, bool]:
         """Address for new rows at `pos` of a cache buffer: in place if aligned, else scratch."""
@@ -235,12 +253,13 @@ class TensorRTBackend(Backend):
 
     # -- the Backend interface ------------------------------------------------------------
 
-    def target(self, ids: np.ndarray, want_logits: bool = False) -> TargetOut:
+    def _target(self, ids: np.ndarray, want_logits: bool) -> TargetOut:
+        N = self.names
         k = self.k
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         s, p = int(ids.size), self.target_len
         if s < 1:
-            raise DFlashError("internal: target() needs at least one token")
+            raise InternalError("target() needs at least one token")
         if p + s > self.max_len:
             raise DFlashError(f"sequence of {p + s} positions exceeds the engines' max context {self.max_len}; "
                               "rebuild with a larger `dflash-export build --max-context` or shorten the request")
@@ -261,8 +280,8 @@ class TensorRTBackend(Backend):
             if kv is None:  # a linear-attention layer: bound by _states_to_device
                 continue
             kb, vb = kv
-            for past, new, base, scr in ((C.past_key(i), C.new_key(i), kb, self.d_scratch[2 * i]),
-                                         (C.past_value(i), C.new_value(i), vb, self.d_scratch[2 * i + 1])):
+            for past, new, base, scr in ((N.past_key[i], N.new_key[i], kb, self.d_scratch[2 * i]),
+                                         (N.past_value[i], N.new_value[i], vb, self.d_scratch[2 * i + 1])):
                 addrs[past] = base
                 addrs[new], inplace = self._out_addr(base, p, self.row, scr)
                 if not inplace:
@@ -273,31 +292,32 @@ class TensorRTBackend(Backend):
         self._d2h(self.h_next[:s], self.d_next)
         if self.states is not None:  # the increments to commit, on the host (rows 0..s-1 of batch 0)
             for i in self.states.layers:
-                for name in (C.new_conv(i), *C.delta(i)):
+                for name in (N.new_conv[i], *N.delta[i]):
                     self._d2h(self.states.buf[name][0, :s], self.d_linear[name])
         if want_logits:
             self._d2h(self.h_logits[:s], self.d_logits)
         self._sync()
-        self._pending = s
         self._taps_n = s
         return TargetOut(next_ids=self.h_next[:s], logits=self.h_logits[:s] if want_logits else None)
 
     def _states_to_device(self, addrs: dict) -> None:
         """Bind every DeltaNet tensor to its device buffer; copy the committed states there first
         if a commit or reset moved them on the host since the last call."""
+        N = self.names
         buf = self.states.buf
         for name, ptr in self.d_linear.items():
             addrs[name] = ptr
         if self.states.changed:
             for i in self.states.layers:
-                for name in (C.conv_state(i), C.rec_state(i)):
+                for name in (N.conv_state[i], N.rec_state[i]):
                     self._h2d(self.d_linear[name], buf[name])
             self.states.changed = False
 
     def draft_context(self, n: int) -> None:
+        N = self.names
         c, p = int(n), self.context_len
         if not 0 < c <= self._taps_n:
-            raise DFlashError(f"internal: draft_context({c}) but the last target call kept {self._taps_n} taps")
+            raise InternalError(f"draft_context({c}) but the last target call kept {self._taps_n} taps")
         if p + c > self.max_len:
             raise DFlashError(f"drafter context of {p + c} positions exceeds the engines' max context {self.max_len}")
         self.h_cpos[:c] = np.arange(p, p + c)
@@ -305,7 +325,7 @@ class TensorRTBackend(Backend):
         addrs = {C.TAPS: self.d_taps, C.CTX_POSITION_IDS: self.d_cpos}
         copies = []
         for j, (kb, vb) in enumerate(self.ckv):
-            for name, base, scr in ((C.ctx_key(j), kb, self.d_scratch[2 * j]), (C.ctx_value(j), vb, self.d_scratch[2 * j + 1])):
+            for name, base, scr in ((N.ctx_key[j], kb, self.d_scratch[2 * j]), (N.ctx_value[j], vb, self.d_scratch[2 * j + 1])):
                 addrs[name], inplace = self._out_addr(base, p, self.drow, scr)
                 if not inplace:
                     copies.append((base + p * self.drow, scr, c * self.drow))
@@ -315,11 +335,12 @@ class TensorRTBackend(Backend):
         self._sync()
         self.context_len += c
 
-    def draft_block(self, anchor: int) -> np.ndarray:
+    def draft_block(self, anchor: int) -> Draft:
+        N = self.names
         m, k = self.manifest, self.k
         p = self.context_len
         if p < 1:
-            raise DFlashError("internal: draft_block() before any context (prefill first)")
+            raise InternalError("draft_block() before any context (prefill first)")
         if p >= self.max_len:
             raise DFlashError(f"a block at position {p} is past the engines' max context {self.max_len}")
         self.h_bids[0] = int(anchor)
@@ -332,14 +353,13 @@ class TensorRTBackend(Backend):
         if self.d_conf is not None:
             addrs[C.DRAFT_CONF] = self.d_conf
         for j, (kb, vb) in enumerate(self.ckv):
-            addrs[C.past_ctx_key(j)], addrs[C.past_ctx_value(j)] = kb, vb
+            addrs[N.past_ctx_key[j]], addrs[N.past_ctx_value[j]] = kb, vb
         self._run(DRAFT_BLOCK, 0, addrs, past_ctx=p)
         self._d2h(self.h_draft[: k - 1], self.d_draft)
         if self.d_conf is not None:
             self._d2h(self.h_conf[: k - 1], self.d_conf)
         self._sync()
-        self.draft_conf = self.h_conf[: k - 1] if self.d_conf is not None else None
-        return self.h_draft[: k - 1]
+        return Draft(self.h_draft[: k - 1], self.h_conf[: k - 1] if self.d_conf is not None else None)
 
     # -- lifecycle ------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from . import contract as C
 from .contract import BATCH, CTX, DRAFT_BLOCK, DRAFT_CONTEXT, PAST, PAST_CTX, SEQ, TARGET
 from .manifest import Manifest
-from .errors import DFlashError
+from .errors import DFlashError, InternalError
 
 # Supported TensorRT: >= 10.12 (the release that deprecated weak typing; from it on the same
 # strongly typed build and runtime code serves 10.x and 11.x) and < 12. Same range as the
@@ -61,6 +61,15 @@ def check_precision(export_dtype: str, precision: str | None) -> str:
     )
 
 
+def refuse_quantized(manifest: Manifest) -> None:
+    """Weight-only quantized graphs hold ONNX Runtime's MatMulNBits, which TensorRT's parser does not take."""
+    q = manifest.quantization
+    if q is not None:
+        raise DFlashError(f"this export is quantized ({q['scheme']} weights as ONNX Runtime MatMulNBits), which TensorRT "
+                          "cannot parse (its quantization uses Q/DQ nodes, not supported here); build from an export "
+                          "without --quantize")
+
+
 # ---------------------------------------------------------------------------------------
 # Profiles
 # ---------------------------------------------------------------------------------------
@@ -86,7 +95,7 @@ class Profile:
         for t in C.io(graph, manifest)[0]:
             missing = [r for r in t.dims if r in C.DYNAMIC and r not in self.ranges]
             if missing:
-                raise DFlashError(f"internal: {graph} input {t.name} has the dynamic dim {missing[0]!r} "
+                raise InternalError(f"{graph} input {t.name} has the dynamic dim {missing[0]!r} "
                                   f"but TensorRT profile {self.name!r} gives it no range")
             out[t.name] = tuple(C.shape(t, manifest, **{r: v[i] for r, v in self.ranges.items()}) for i in range(3))
         return out

@@ -41,7 +41,8 @@ def test_half_export(tmp_path, dtype, np_name, itemsize, kv_width):
     m = M.load_manifest(out)
     assert m.dtype == dtype
     t = {x.name: x.dtype for x in m.graphs[C.TARGET].inputs + m.graphs[C.TARGET].outputs}
-    kv = [f(i) for i in range(m.target_layers) for f in (C.past_key, C.past_value, C.new_key, C.new_value)]
+    N = C.names_of(m)
+    kv = [*N.past_key, *N.past_value, *N.new_key, *N.new_value]
     assert {t[n] for n in kv} == {t["taps"]} == {np_name}  # every layer's K/V
     assert t["logits"] == "float32" and t["next_ids"] == "int64"
     b = {x.name: x.dtype for x in m.graphs[C.DRAFT_BLOCK].outputs}
@@ -55,7 +56,7 @@ def test_half_export(tmp_path, dtype, np_name, itemsize, kv_width):
         assert lint(onnx.load(str(out / f), load_external_data=False)) == []
 
     r = CliRunner().invoke(cli, ["check", str(out), "--target", str(target), "--draft", str(draft),
-                                 "--prompts", "5", "--max-new-tokens", "12", "--json"])
+                                 "--num-prompts", "5", "--max-new-tokens", "12", "--json"])
     report = json.loads(r.stdout)
     if dtype == "bf16":
         assert r.exit_code == 1 and not report["passed"]

@@ -223,7 +223,7 @@ def test_export_quantize_end_to_end(tmp_path):
     m = M.load_manifest(out)
     assert m.quantization["scheme"] == "int4" and len(m.quantization["weights"]["draft_block"]) == 7
     r = CliRunner().invoke(cli, ["check", str(out), "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"),
-                                 "--prompts", "4", "--json"])
+                                 "--num-prompts", "4", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["end_to_end"]["speculative_equals_plain"] == 4
 
@@ -271,8 +271,9 @@ def test_quantized_logits_are_close_to_float(made):
     ids = np.array([[3, 14, 15, 9, 26, 5]], np.int64)
     feeds = {"input_ids": ids, "position_ids": np.arange(6)[None]}
     m = M.load_manifest(src)
+    N = C.names_of(m)
     for i in range(m.target_layers):
-        for n in (C.past_key(i), C.past_value(i)):
+        for n in (N.past_key[i], N.past_value[i]):
             feeds[n] = np.zeros((1, 0, m.target_kv_heads, m.target_head_dim), np.float32)
     from dflash_export.export.validate import ort_session
 
