@@ -162,11 +162,12 @@ def test_cli_training_reduces_weighted_loss(tiny):
 def test_cli_max_total_minutes_bounds_the_run(tiny):
     """--max-total-minutes: a step count that cannot fit is cut, evaluation still runs, the wall is reported."""
     root, target = tiny
-    r = _train(root, target, root / "bounded", "--steps", "100000", "--max-total-minutes", "0.12")
+    r = _train(root, target, root / "bounded", "--steps", "100000", "--max-total-minutes", "0.2")
     assert r.exit_code == 0, r.output
     assert "stopped at step" in r.output and "total wall" in r.output
     log = json.loads((root / "bounded" / "training.json").read_text())
-    assert 0 < log["train_steps"] < 100000 and log["wall_seconds"] < 0.12 * 60 + 3, log["wall_seconds"]
+    assert 0 < log["train_steps"] < 100000, log
+    assert log["wall_seconds"] < 0.2 * 60 + 6, log["wall_seconds"]  # + slack for a loaded machine
     assert log["final"]["real_tau"] >= 1.0
 
 

@@ -211,7 +211,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     cached = sum((gen_dir / f"{D.shard_name(i, b)}.pt").is_file() for i, b in enumerate(train_batches))
     plan_gen = (len(train_batches) - cached) * cfg.gen_tokens * step_s * 1.3 + len(eval_batches) * cfg.gen_tokens * step_s
     # at tau 1, with a margin: a trained drafter's rounds cost a little more, shared CPUs vary
-    plan_eval = 1.3 * len(eval_ids) * cfg.eval_tokens * round_s + len(eval_batches) + 10
+    plan_eval = 1.3 * len(eval_ids) * cfg.eval_tokens * round_s + len(eval_batches)
     gen_cap = cfg.gen_minutes * 60 or float("inf")
     total_s = cfg.max_total_minutes * 60
     if total_s:  # generation gets what training and evaluation leave (at least one batch)
