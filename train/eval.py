@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..models.generate import speculative_generate
-from .train import draft_step, sample_anchors
+from .forward import draft_step, sample_anchors
 from .data import Shard
 
 

@@ -12,8 +12,10 @@ tests/test_train.py checks both paths against inference block by block.
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
 from ..models.layers import apply_rope, rope_cos_sin
+from .data import Shard
 
 
 def block_logits(drafter, target, ctx_kv, seq_index: torch.Tensor, block_ids: torch.Tensor,
@@ -74,3 +76,54 @@ def grouped_attend(q, kc, vc, kb, vb, mask: torch.Tensor, per: int) -> torch.Ten
     out = torch.matmul(probs[..., :c].reshape(b, hkv, per * g * k, c), vc.transpose(1, 2)).view(b, hkv, per, g * k, d)
     out = out + torch.matmul(probs[..., c:], vb.reshape(b, per, k, hkv, d).permute(0, 3, 1, 2, 4))
     return out.view(b, hkv, per, g, k, d).permute(0, 2, 4, 1, 3, 5).reshape(n, k, h * d)
+
+
+def sample_anchors(shard: Shard, rows: torch.Tensor, per_seq: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seq_index [N], anchors [N]): `per_seq` anchors per row, in [start-1, length-2]."""
+    lo = max(shard.start - 1, 0)
+    seq_index, anchors = [], []
+    for r, row in enumerate(rows.tolist()):
+        hi = int(shard.length[row]) - 2  # at least one label after the anchor
+        if hi < lo:
+            continue
+        a = torch.randint(lo, hi + 1, (per_seq,), generator=gen)
+        seq_index.append(torch.full((per_seq,), r))
+        anchors.append(a)
+    if not anchors:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    return torch.cat(seq_index), torch.cat(anchors)
+
+
+def block_batch(tokens: torch.Tensor, length: torch.Tensor, seq_index: torch.Tensor, anchors: torch.Tensor,
+                block_size: int, mask_token_id: int):
+    """Block ids [N,K] = [anchor, MASK...], labels [N,K-1], valid [N,K-1] (inside the sequence)."""
+    k = block_size
+    offs = anchors[:, None] + torch.arange(1, k)[None]
+    valid = offs < length[seq_index][:, None]
+    labels = tokens[seq_index[:, None], offs.clamp(max=tokens.shape[1] - 1)]
+    block = torch.full((len(anchors), k), mask_token_id, dtype=torch.long)
+    block[:, 0] = tokens[seq_index, anchors]
+    return block, labels, valid
+
+
+def draft_step(target, drafter, tokens: torch.Tensor, length: torch.Tensor, seq_index: torch.Tensor,
+               anchors: torch.Tensor, block_size: int, mask_token_id: int, weights: torch.Tensor,
+               autocast: bool = False, taps: torch.Tensor | None = None, correct: bool = True):
+    """-> (weighted loss, correct [N,K-1] bool (None unless `correct`), valid [N,K-1] bool) for blocks at `anchors`.
+
+    `taps`: the target's features of `tokens` when cached (train.cache.FeatureCache); else
+    the target runs here. `autocast`: bf16 autocast (faster only on CPUs with native bf16).
+    """
+    b, t = tokens.shape
+    pos = torch.arange(t)[None].expand(b, t)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        if taps is None:
+            with torch.no_grad():
+                _, taps, _ = target(tokens, pos, target.empty_kv(b))  # once per sequence
+        ctx_kv = drafter.context_kv(taps if autocast else taps.float(), pos)  # once per sequence, shared by its blocks
+        block, labels, valid = block_batch(tokens, length, seq_index, anchors, block_size, mask_token_id)
+        logits = block_logits(drafter, target, ctx_kv, seq_index, block, anchors)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(labels.shape)
+    w = weights[None, :] * valid
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    return loss, (logits.detach().argmax(-1) == labels) if correct else None, valid
