@@ -34,7 +34,9 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
 @click.command("train-draft")
 @click.option("--target", "target_dir", required=True, type=click.Path(path_type=Path), help="HF target checkpoint (with tokenizer.json)")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="drafter directory to write (z-lab format)")
-@click.option("--data", multiple=True, required=True, type=click.Path(path_type=Path), help="text files or JSONL prompts (repeatable)")
+@click.option("--data", multiple=True, required=True, type=click.Path(path_type=Path),
+              help="text files or JSONL prompts: --data a.py b.py (a shell glob works) or repeated --data")
+@click.argument("more_data", nargs=-1, type=click.Path(path_type=Path), metavar="[MORE_DATA_FILES]...")
 @click.option("--eval-prompts", type=click.Path(path_type=Path), default=None, help="held-out prompts (default: 5% of --data)")
 @click.option("--block-size", default=16, show_default=True)
 @click.option("--layers", default=1, show_default=True, type=click.IntRange(1, 8), help="drafter depth (1-8)")
@@ -45,7 +47,14 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
 @click.option("--batch", default=8, show_default=True, help="sequences per step")
 @click.option("--anchors", default=48, show_default=True, help="random anchors (blocks) per sequence")
 @click.option("--steps", default=0, help="train for N steps ...")
-@click.option("--minutes", default=0.0, help="... or for M minutes of training (generation not counted)")
+@click.option("--minutes", default=0.0,
+              help="... or for M minutes of training (in all, across --resume; generation and evaluation not counted)")
+@click.option("--max-total-minutes", default=0.0, help="bound the whole command (generation + training + evaluation); 0: none")
+@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
+              help="training matmuls: fp32 or bf16 autocast; auto: the faster, measured once per machine")
+@click.option("--gen-precision", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
+              help="the target's continuation generation, chosen the same way (bf16 flips a few near-tie labels)")
+@click.option("--warmup", default=0.05, show_default=True, help="LR warmup as a fraction of the budget (steps or minutes)")
 @click.option("--sequences", default=2048, show_default=True, help="continuations to generate (cached)")
 @click.option("--gen-minutes", default=0.0, help="stop generating new continuations after M minutes (0: all --sequences)")
 @click.option("--gen-tokens", default=256, show_default=True, help="new tokens per continuation")
@@ -61,20 +70,23 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
 @click.option("--resume", is_flag=True, help="continue from the last checkpoint in --work")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=0, help="torch threads (default: all cores)")
-def train_draft(target_dir, out, data, eval_prompts, block_size, layers, target_layer_ids, intermediate_size, gamma,
-                lr, batch, anchors, steps, minutes, sequences, gen_minutes, gen_tokens, gen_batch, sample_prefix,
-                prompt_max_tokens, mask_token_id, eval_every, eval_n, eval_tokens, save_dtype, work, resume, seed,
-                threads):
+def train_draft(target_dir, out, data, more_data, eval_prompts, block_size, layers, target_layer_ids, intermediate_size,
+                gamma, lr, batch, anchors, steps, minutes, max_total_minutes, precision, gen_precision, warmup, sequences,
+                gen_minutes, gen_tokens, gen_batch, sample_prefix, prompt_max_tokens, mask_token_id, eval_every, eval_n,
+                eval_tokens, save_dtype, work, resume, seed, threads):
     """Train a DFlash drafter on the target's own continuations of --data; writes a z-lab drafter.
 
     The target is frozen; the drafter borrows its embedding and LM head. At the end the
     drafter is reloaded from OUT and measured by real speculative decoding on held-out prompts.
+    --data takes several files (`--data a.py b.py`, a glob, or --data repeated).
     """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from .train.train import TrainConfig, run_training
 
     run_training(TrainConfig(
-        target_dir, out, list(data), steps=steps, minutes=minutes, eval_prompts=eval_prompts, block_size=block_size,
+        target_dir, out, list(data) + list(more_data), steps=steps, minutes=minutes,
+        max_total_minutes=max_total_minutes, precision=precision, gen_precision=gen_precision, warmup=warmup,
+        eval_prompts=eval_prompts, block_size=block_size,
         layers=layers, target_layer_ids=parse_layer_ids(target_layer_ids), intermediate_size=intermediate_size,
         gamma=gamma, lr=lr, batch=batch, anchors=anchors, sequences=sequences, gen_minutes=gen_minutes,
         gen_tokens=gen_tokens, gen_batch=gen_batch, sample_prefix=sample_prefix, prompt_max_tokens=prompt_max_tokens,

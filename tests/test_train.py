@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -65,25 +66,29 @@ def test_training_forward_equals_inference(tiny, layer_types, window):
             if p.dim() > 1:
                 p.normal_(0, 0.1)
     tokens = torch.randint(3, 100, (2, 20))
-    anchors, seq_index = torch.tensor([5, 11, 9, 0, 16]), torch.tensor([0, 0, 1, 1, 0])
+    # blocks in any order (per-block gathered context), and sequence-major with equal counts
+    # (train.forward.grouped_block, the path training takes): both must equal inference
+    layouts = [(torch.tensor([5, 11, 9, 0, 16]), torch.tensor([0, 0, 1, 1, 0])),
+               (torch.tensor([16, 2, 9, 0, 7, 12]), torch.tensor([0, 0, 0, 1, 1, 1]))]
     with torch.no_grad():
         pos = torch.arange(20)[None].expand(2, 20)
         _, taps, _ = target(tokens, pos, target.empty_kv(2))
         ctx = drafter.context_kv(taps, pos)
-        block, _, _ = T.block_batch(tokens, torch.tensor([20, 20]), seq_index, anchors, 4, 1)
-        got = T.block_logits(drafter, target, ctx, seq_index, block, anchors)
-        for i, (b, a) in enumerate(zip(seq_index.tolist(), anchors.tolist())):
-            cache = drafter.context_kv(taps[b : b + 1, :a], pos[:1, :a])  # positions < a only
-            want = drafter.draft_logits(target, block[i : i + 1], torch.arange(a, a + 4)[None], cache)
-            torch.testing.assert_close(got[i : i + 1], want, atol=1e-5, rtol=1e-5)
+        for anchors, seq_index in layouts[::-1]:
+            block, _, _ = T.block_batch(tokens, torch.tensor([20, 20]), seq_index, anchors, 4, 1)
+            got = T.block_logits(drafter, target, ctx, seq_index, block, anchors)
+            for i, (b, a) in enumerate(zip(seq_index.tolist(), anchors.tolist())):
+                cache = drafter.context_kv(taps[b : b + 1, :a], pos[:1, :a])  # positions < a only
+                want = drafter.draft_logits(target, block[i : i + 1], torch.arange(a, a + 4)[None], cache)
+                torch.testing.assert_close(got[i : i + 1], want, atol=1e-5, rtol=1e-5)
+            if window:  # the sliding layer's own mask matters too: the full-attention drafter differs
+                full = new_drafter(tc, num_layers=2, block_size=4, target_layer_ids=[1, 3], mask_token_id=1)
+                full.load_state_dict(drafter.state_dict())
+                assert (T.block_logits(full, target, ctx, seq_index, block, anchors) - got).abs().max() > 1e-4
         # and the anchor's own features would change the result: the mask matters
         leak = drafter.context_kv(taps[:1, :6], pos[:1, :6])
         leaked = drafter.draft_logits(target, block[:1], torch.arange(5, 9)[None], leak)
         assert (leaked - got[:1]).abs().max() > 1e-4
-        if window:  # the sliding layer's own mask matters too: the full-attention drafter differs
-            full = new_drafter(tc, num_layers=2, block_size=4, target_layer_ids=[1, 3], mask_token_id=1)
-            full.load_state_dict(drafter.state_dict())
-            assert (T.block_logits(full, target, ctx, seq_index, block, anchors) - got).abs().max() > 1e-4
 
 
 def test_continue_batch_labels_are_plain_greedy_decoding(tiny):
@@ -135,6 +140,68 @@ def test_training_reduces_weighted_loss(tiny):
     assert after < 0.8 * before, (before, after)
 
 
+def test_cli_training_reduces_weighted_loss(tiny):
+    """The same claim through `train-draft --steps N` (its schedule, precision and cached features):
+    the held-out weighted loss falls. --data takes several files after one flag."""
+    root, target = tiny
+    (root / "a.txt").write_text(SAMPLE * 6)
+    (root / "b.txt").write_text(SAMPLE * 6)
+    args = ["train-draft", "--target", str(target), "--out", str(root / "cli-loss"), "--data", str(root / "a.txt"),
+            str(root / "b.txt"), "--block-size", "4", "--target-layer-ids", "1,2", "--sequences", "64", "--gen-tokens",
+            "24", "--gen-batch", "8", "--batch", "8", "--anchors", "16", "--lr", "3e-3", "--steps", "40",
+            "--eval-tokens", "8", "--threads", "1"]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    assert "precision (training): " in r.output and "total wall" in r.output
+    log = json.loads((root / "cli-loss" / "training.json").read_text())
+    before, after = log["initial"]["tf_loss"], log["final"]["tf_loss"]
+    assert log["train_steps"] == 40 and after < 0.8 * before, (before, after)
+    assert log["features"]["computed_rows"] > 0 and log["features"]["reused_rows"] > 0
+
+
+def test_cli_max_total_minutes_bounds_the_run(tiny):
+    """--max-total-minutes: a step count that cannot fit is cut, evaluation still runs, the wall is reported."""
+    root, target = tiny
+    r = _train(root, target, root / "bounded", "--steps", "100000", "--max-total-minutes", "0.2")
+    assert r.exit_code == 0, r.output
+    assert "stopped at step" in r.output and "total wall" in r.output
+    log = json.loads((root / "bounded" / "training.json").read_text())
+    assert 0 < log["train_steps"] < 100000, log
+    assert log["wall_seconds"] < 0.2 * 60 + 6, log["wall_seconds"]  # + slack for a loaded machine
+    assert log["final"]["real_tau"] >= 1.0
+
+
+def test_schedule_follows_the_budget():
+    """Warmup and decay scale with the budget: 2 minutes and 2 hours both reach the peak and end at 10%."""
+    from dflash_export.train.state import Schedule
+
+    for seconds in (120.0, 7200.0):
+        s = Schedule(1e-3, warmup=0.05, seconds=seconds)
+        assert s(0, 0.0) < 1e-4
+        assert s(50, 0.05 * seconds) == pytest.approx(1e-3, rel=0.01)
+        assert s(999, seconds) == pytest.approx(1e-4)
+    s = Schedule(1e-3, warmup=0.05, steps=100)
+    assert s(4, 0.0) == pytest.approx(1e-3, rel=0.01) and s(99, 0.0) == pytest.approx(1e-4)
+
+
+def test_precision_is_measured_once_and_cached(tmp_path, monkeypatch):
+    from dflash_export.train import speed as P
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def probe(bf16):  # bf16 made 10x slower on purpose: auto must pick fp32
+        calls.append(bf16)
+        time.sleep(0.02 if bf16 else 0.002)
+    lines = []
+    assert P.choose("training", "auto", "test shape", probe, lines.append) == "fp32"
+    n = len(calls)
+    assert n >= 2 and "measured now" in lines[-1]
+    assert P.choose("training", "auto", "test shape", probe, lines.append) == "fp32"
+    assert len(calls) == n and "cached" in lines[-1]  # no second measurement
+    assert P.choose("training", "bf16", "test shape", probe, lines.append) == "bf16"
+
+
 def _train(root, target, out, *extra):
     args = ["train-draft", "--target", str(target), "--out", str(out), "--data", str(root / "data.txt"),
             "--block-size", "4", "--layers", "1", "--target-layer-ids", "1,2", "--sequences", "32",
@@ -166,9 +233,12 @@ def test_cli_saves_zlab_drafter_and_resumes(tiny):
 
     ck = torch.load(root / "draft.work" / "checkpoint.pt", weights_only=False)
     assert ck["step"] == 6
-    r = _train(root, target, out, "--steps", "9", "--resume")
+    # resumed with other evaluation prompts: the training continuations and features are reused
+    (root / "held.jsonl").write_text(json.dumps({"prompt": SAMPLE[:40]}) + "\n")
+    r = _train(root, target, out, "--steps", "9", "--resume", "--eval-prompts", str(root / "held.jsonl"))
     assert r.exit_code == 0, r.output
     assert "resumed at step 6" in r.output
+    assert "continuations x 16 tokens (0 of " in r.output, r.output
     assert json.loads((out / "training.json").read_text())["train_steps"] == 9
     ck2 = torch.load(root / "draft.work" / "checkpoint.pt", weights_only=False)
     assert ck2["step"] == 9 and not torch.equal(ck["drafter"]["fc.weight"], ck2["drafter"]["fc.weight"])

@@ -71,12 +71,18 @@ def continue_batch(
     temperature: float = 1.0,
     stop_ids: tuple[int, ...] = (),
     generator: torch.Generator | None = None,
+    bf16: bool = False,
 ) -> Shard:
-    """Batched continuation [B, P] -> [B, P + new] in fp32: `sample_prefix` sampled tokens, then greedy.
+    """Batched continuation [B, P] -> [B, P + new]: `sample_prefix` sampled tokens, then greedy.
 
-    fp32: the labels must be the greedy tokens the fp32 target picks at inference (bf16
-    flips near-ties, and was no faster here for batched 1-token steps).
+    fp32 by default: the labels are then the greedy tokens the fp32 target picks at inference.
+    `bf16` (autocast) flips a few near-ties, and is worth it only where it is much faster.
     """
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        return _continue(target, prompts, new_tokens, sample_prefix, temperature, stop_ids, generator)
+
+
+def _continue(target, prompts, new_tokens, sample_prefix, temperature, stop_ids, generator) -> Shard:
     b, p = prompts.shape
     hybrid = hasattr(target, "new_cache")  # K/V plus committed DeltaNet states (models/qwen35.py)
     cache = target.new_cache(p + new_tokens, batch=b) if hybrid else KVCache.for_model(target, p + new_tokens, batch=b)
@@ -91,7 +97,7 @@ def continue_batch(
         cache.commit(ids.shape[1])
         length = cache.length
         if i < sample_prefix:
-            ids = torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator)
+            ids = torch.multinomial(torch.softmax(last.float() / temperature, -1), 1, generator=generator)
         else:
             ids = last.argmax(-1, keepdim=True)
         out.append(ids)
@@ -128,6 +134,11 @@ def bucket_batches(prompt_ids: list[list[int]], batch: int, min_len: int, max_le
     return batches
 
 
+def shard_name(i: int, prompts: torch.Tensor) -> str:
+    """A shard's cache name: its index (seeds and sampling depend on it) and its prompts."""
+    return f"shard-{i:05d}-{hashlib.sha256(prompts.numpy().tobytes()).hexdigest()[:10]}"
+
+
 def generate_shards(
     target,
     batches: list[torch.Tensor],
@@ -138,18 +149,22 @@ def generate_shards(
     seed: int,
     progress=None,
     seconds: float = 0.0,
-) -> list[Shard]:
+    bf16: bool = False,
+) -> tuple[list[Shard], list[str], int]:
     """One shard per prompt batch, each saved as it is made; existing shards are reused.
 
-    With `seconds` > 0, stops making new shards once that much time has passed (at least one).
+    A shard's file is named by its batch's content and index (the folder by the settings), so
+    any run whose prompts batch the same way finds it. With `seconds` > 0, stops making new
+    shards once that much time has passed (at least one). -> (shards, their names, number made now).
     """
     import time
 
     cache_dir.mkdir(parents=True, exist_ok=True)
-    shards = []
+    shards, names, made_now = [], [], 0
     t0 = time.time()
     for i, prompts in enumerate(batches):
-        path = cache_dir / f"shard-{i:05d}.pt"
+        name = shard_name(i, prompts)
+        path = cache_dir / f"{name}.pt"
         if seconds and shards and time.time() - t0 > seconds and not path.is_file():
             break
         made = 0
@@ -159,15 +174,17 @@ def generate_shards(
         else:
             g = torch.Generator().manual_seed(seed * 100003 + i)
             sp = sample_prefix if i % 2 else 0  # half the shards pure greedy, half sampled-then-greedy
-            s = continue_batch(target, prompts, new_tokens, sp, stop_ids=stop_ids, generator=g)
+            s = continue_batch(target, prompts, new_tokens, sp, stop_ids=stop_ids, generator=g, bf16=bf16)
             tmp = path.with_suffix(".tmp")
             torch.save({"tokens": s.tokens, "start": s.start, "length": s.length}, tmp)
             tmp.replace(path)
             shards.append(s)
             made = int(s.tokens.shape[0] * new_tokens)
+            made_now += 1
+        names.append(name)
         if progress is not None:
             progress(i + 1, len(batches), made)  # tokens/s counts generated tokens, not cache hits
-    return shards
+    return shards, names, made_now
 
 
 def default_taps(num_layers: int) -> list[int]:

@@ -15,19 +15,24 @@ from ..runtime.errors import DFlashError
 
 @dataclass
 class Schedule:
-    """Linear warmup, then cosine to 10% over the budget (steps, or seconds when `steps` is 0)."""
+    """Linear warmup over the first `warmup` fraction of the budget, then cosine to 10% at its end.
+
+    The budget is `steps`, or `seconds` of training when `steps` is 0: both derive from it, so a
+    2-minute run leaves warmup after 6 s and a 2-hour run after 6 min.
+    """
 
     lr: float
-    warmup: int = 50
+    warmup: float = 0.05
     steps: int = 0
     seconds: float = 0.0
 
     def fraction(self, step: int, elapsed: float) -> float:
-        return step / self.steps if self.steps else elapsed / max(self.seconds, 1e-9)
+        return (step + 1) / self.steps if self.steps else elapsed / max(self.seconds, 1e-9)
 
     def __call__(self, step: int, elapsed: float) -> float:
         f = min(self.fraction(step, elapsed), 1.0)
-        return self.lr * min(1.0, (step + 1) / self.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * f)))
+        warm = min(1.0, max(f, 1e-3) / self.warmup) if self.warmup > 0 else 1.0
+        return self.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * f)))
 
 
 @dataclass

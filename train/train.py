@@ -1,10 +1,12 @@
 """Training a DFlash drafter against a frozen target (the library behind `train-draft`).
 
 Data: prompts -> the target's own continuations (train/data.py), cached in shards.
-`run_training` is the whole run behind the command, configured by one `TrainConfig`.
+`run_training` is the whole run behind the command, configured by one `TrainConfig`;
+precision (fp32 or bf16 autocast) is chosen by measurement (train/speed.py).
 
 One training step takes a few sequences of equal length and, for each:
-- runs the frozen target once to get its taps at every position;
+- takes the frozen target's taps at every position (computed once per sequence and cached,
+  train/cache.py);
 - runs the drafter's context projection once over the whole sequence (`context_kv`);
 - picks many random anchors `a` in the greedy part; each block `[tok[a], MASK, ...]` at
   positions `a..a+K-1` attends to context positions `< a` (the anchor's own features
@@ -19,22 +21,18 @@ teacher-forced accuracy per block position is reported beside it as a diagnostic
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from torch.nn import functional as F
 
 from ..runtime.errors import DFlashError
 from . import data as D
 from ..models.generate import speculative_generate
-from .data import Shard
+from .forward import block_batch, block_logits, draft_step, sample_anchors  # noqa: F401 (the training API)
 from .state import Schedule, TrainState, load_checkpoint, save_checkpoint, save_drafter
 
 # -- the training forward --------------------------------------------------------------
@@ -44,115 +42,6 @@ def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
     """w_k = exp(-(k-1)/gamma) for the K-1 predicted positions k = 1..K-1."""
     k = torch.arange(1, block_size, dtype=torch.float32)
     return torch.exp(-(k - 1) / gamma)
-
-
-def block_logits(drafter, target, ctx_kv, seq_index: torch.Tensor, block_ids: torch.Tensor,
-                 anchors: torch.Tensor) -> torch.Tensor:
-    """Draft logits [N, K-1, V] for N blocks, block i over context `ctx_kv[seq_index[i]]` before anchor i.
-
-    The inference computation itself (`Drafter.block`, same layer loop and mask rule), with
-    a per-block context mask (`Drafter.block_mask`) instead of a per-block context cache.
-    """
-    k = block_ids.shape[1]
-    ctx = [(kc[seq_index], vc[seq_index]) for kc, vc in ctx_kv]
-    positions = anchors[:, None] + torch.arange(k)[None]
-    hidden = drafter.block(target.embed(block_ids), positions, ctx, anchors)
-    return target.lm_head(hidden[:, 1:]).float()
-
-
-def sample_anchors(shard: Shard, rows: torch.Tensor, per_seq: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(seq_index [N], anchors [N]): `per_seq` anchors per row, in [start-1, length-2]."""
-    lo = max(shard.start - 1, 0)
-    seq_index, anchors = [], []
-    for r, row in enumerate(rows.tolist()):
-        hi = int(shard.length[row]) - 2  # at least one label after the anchor
-        if hi < lo:
-            continue
-        a = torch.randint(lo, hi + 1, (per_seq,), generator=gen)
-        seq_index.append(torch.full((per_seq,), r))
-        anchors.append(a)
-    if not anchors:
-        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-    return torch.cat(seq_index), torch.cat(anchors)
-
-
-def block_batch(tokens: torch.Tensor, length: torch.Tensor, seq_index: torch.Tensor, anchors: torch.Tensor,
-                block_size: int, mask_token_id: int):
-    """Block ids [N,K] = [anchor, MASK...], labels [N,K-1], valid [N,K-1] (inside the sequence)."""
-    k = block_size
-    offs = anchors[:, None] + torch.arange(1, k)[None]
-    valid = offs < length[seq_index][:, None]
-    labels = tokens[seq_index[:, None], offs.clamp(max=tokens.shape[1] - 1)]
-    block = torch.full((len(anchors), k), mask_token_id, dtype=torch.long)
-    block[:, 0] = tokens[seq_index, anchors]
-    return block, labels, valid
-
-
-def draft_step(target, drafter, tokens: torch.Tensor, length: torch.Tensor, seq_index: torch.Tensor,
-               anchors: torch.Tensor, block_size: int, mask_token_id: int, weights: torch.Tensor,
-               autocast: bool = True):
-    """-> (weighted loss, correct [N,K-1] bool, valid [N,K-1] bool) for blocks at `anchors`."""
-    b, t = tokens.shape
-    pos = torch.arange(t)[None].expand(b, t)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        with torch.no_grad():
-            _, taps, _ = target(tokens, pos, target.empty_kv(b))  # once per sequence
-        ctx_kv = drafter.context_kv(taps, pos)  # once per sequence, shared by all its blocks
-        block, labels, valid = block_batch(tokens, length, seq_index, anchors, block_size, mask_token_id)
-        logits = block_logits(drafter, target, ctx_kv, seq_index, block, anchors)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(labels.shape)
-    w = weights[None, :] * valid
-    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
-    return loss, logits.argmax(-1) == labels, valid
-
-
-def accepted_prefix(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Per block: the number of leading correct drafts (a teacher-forced acceptance length - 1)."""
-    ok = (correct & valid).int()
-    return ok.cumprod(1).sum(1)
-
-
-# -- evaluation ------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def teacher_forced(target, drafter, shards: list[Shard], block_size: int, mask_token_id: int,
-                   weights: torch.Tensor, per_seq: int = 32, seed: int = 0) -> dict:
-    """Held-out teacher-forced loss, accuracy per block position and tau on cached continuations."""
-    gen = torch.Generator().manual_seed(seed)
-    correct = torch.zeros(block_size - 1)
-    count = torch.zeros(block_size - 1)
-    losses, prefixes = [], []
-    for s in shards:
-        rows = torch.arange(s.tokens.shape[0])
-        seq_index, anchors = sample_anchors(s, rows, per_seq, gen)
-        if len(anchors) == 0:
-            continue
-        loss, ok, valid = draft_step(target, drafter, s.tokens, s.length, seq_index, anchors, block_size,
-                                     mask_token_id, weights)
-        losses.append(loss.item())
-        correct += (ok & valid).sum(0).float()
-        count += valid.sum(0).float()
-        full = valid.all(1)  # tau only over blocks that fit inside the sequence
-        prefixes.append(accepted_prefix(ok, valid)[full].float())
-    acc = (correct / count.clamp(min=1)).tolist()
-    pre = torch.cat(prefixes) if prefixes else torch.zeros(1)
-    return {"tf_loss": float(np.mean(losses)) if losses else float("nan"),
-            "tf_acc": [round(a, 4) for a in acc], "tf_tau": round(1 + pre.mean().item(), 3)}
-
-
-def real_tau(target, drafter, prompts: list[list[int]], max_new_tokens: int, mask_token_id: int,
-             block_size: int, stop_ids: tuple[int, ...] = ()) -> dict:
-    """Real speculative decoding (the reference generator, greedy) on held-out prompts."""
-    lengths, per_prompt = [], []
-    for p in prompts:
-        g = speculative_generate(target, drafter, p, max_new_tokens, mask_token_id=mask_token_id,
-                                 block_size=block_size, stop_token_ids=stop_ids)
-        lengths += g.acceptance_lengths
-        per_prompt.append(round(g.tau, 2))
-    hist = np.bincount(lengths, minlength=block_size + 1)[1:].tolist() if lengths else []
-    return {"real_tau": round(float(np.mean(lengths)), 3) if lengths else 0.0, "rounds": len(lengths),
-            "per_prompt_tau": per_prompt, "accept_hist": hist}
 
 
 # -- the whole run -----------------------------------------------------------------------
@@ -166,7 +55,8 @@ class TrainConfig:
     out: Path
     data: list[Path]
     steps: int = 0  # train for N steps ...
-    minutes: float = 0.0  # ... or for M minutes (generation not counted)
+    minutes: float = 0.0  # ... or for M minutes of training (in all, across --resume)
+    max_total_minutes: float = 0.0  # bound on the whole command's wall time (0: none)
     eval_prompts: Path | None = None
     block_size: int = 16
     layers: int = 1
@@ -174,6 +64,7 @@ class TrainConfig:
     intermediate_size: int | None = None
     gamma: float = 7.0
     lr: float = 1e-3
+    warmup: float = 0.05  # fraction of the budget
     batch: int = 8
     anchors: int = 48
     sequences: int = 2048
@@ -187,6 +78,9 @@ class TrainConfig:
     eval_n: int = 8
     eval_tokens: int = 128
     save_dtype: str = "fp32"
+    precision: str = "auto"
+    gen_precision: str = "auto"
+    feature_cache_gb: float = 8.0
     work: Path | None = None
     resume: bool = False
     seed: int = 0
@@ -197,58 +91,13 @@ class TrainConfig:
             raise DFlashError("give exactly one of --steps N or --minutes M")
         if self.block_size < 2:
             raise DFlashError(f"--block-size must be >= 2 (got {self.block_size})")
+        if self.max_total_minutes and self.minutes and self.max_total_minutes <= self.minutes:
+            raise DFlashError(f"--max-total-minutes {self.max_total_minutes:g} leaves no time beside --minutes "
+                              f"{self.minutes:g} of training; raise it or lower --minutes")
 
 
-def _hash(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def _progress(console, name: str, total: int):
-    """A rich progress bar over generation batches with a tokens/s column, and its update."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    p = Progress(TextColumn(f"[bold]{name}"), BarColumn(), TextColumn("{task.completed}/{task.total} batches"),
-                 TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
-    task = p.add_task(name, total=total, tps="-")
-    t0, made = time.time(), [0]
-
-    def update(i, n, new):
-        made[0] += new
-        p.update(task, completed=i, tps=f"{made[0] / max(time.time() - t0, 1e-9):.0f}")
-    return p, update
-
-
-def prepare_data(cfg: TrainConfig, target, tok, work: Path, stop: tuple, log, console):
-    """-> (training shards, held-out shards, held-out prompt ids, seconds spent generating)."""
-    texts = D.read_prompts(list(cfg.data), seed=cfg.seed)
-    random.Random(cfg.seed).shuffle(texts)
-    if cfg.eval_prompts:
-        eval_texts = D.read_prompts([cfg.eval_prompts], seed=cfg.seed)
-    else:
-        n_eval = max(4, len(texts) // 20)
-        if len(texts) <= n_eval:
-            raise DFlashError(f"only {len(texts)} prompts in --data; give more data or --eval-prompts")
-        texts, eval_texts = texts[n_eval:], texts[:n_eval]
-    ids = [e.ids for e in tok.encode_batch(texts[: cfg.sequences])]
-    eval_ids = [p for p in (e.ids[-cfg.prompt_max_tokens :] for e in tok.encode_batch(eval_texts)) if p]
-    if not eval_ids:
-        raise DFlashError("no non-empty held-out prompts")
-    train_batches = D.bucket_batches(ids, cfg.gen_batch, 8, cfg.prompt_max_tokens, cfg.seed)
-    eval_batches = D.bucket_batches(eval_ids, cfg.gen_batch, 1, cfg.prompt_max_tokens, cfg.seed)
-    fp = D.target_fingerprint(Path(cfg.target_dir))
-    gen_dir = work / f"gen-{_hash(fp, texts[: cfg.sequences], cfg.gen_tokens, cfg.gen_batch, cfg.sample_prefix, cfg.prompt_max_tokens, cfg.seed)}"
-    eval_dir = work / f"eval-{_hash(fp, eval_texts, cfg.gen_tokens, cfg.gen_batch, cfg.prompt_max_tokens)}"
-    log(f"data: {sum(len(b) for b in train_batches)} training prompts, {len(eval_ids)} held-out prompts; "
-        f"continuations cached in {work}")
-    t0 = time.time()
-    p, upd = _progress(console, "generate", len(train_batches))
-    with p:
-        shards = D.generate_shards(target, train_batches, gen_dir, cfg.gen_tokens, cfg.sample_prefix, stop, cfg.seed,
-                                   upd, seconds=cfg.gen_minutes * 60)
-    p, upd = _progress(console, "held-out", len(eval_batches))
-    with p:
-        eval_shards = D.generate_shards(target, eval_batches, eval_dir, cfg.gen_tokens, 0, stop, cfg.seed + 1, upd)
-    return shards, eval_shards, eval_ids, time.time() - t0
+def _mins(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min"
 
 
 def run_training(cfg: TrainConfig, log=print) -> dict:
@@ -260,7 +109,11 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     from ..models.config import DraftConfig, TargetConfig
     from ..models.drafter import Drafter, draft_config_dict, new_drafter
     from ..models.target import Target
+    from . import cache as C
+    from . import speed as P
+    from .eval import real_tau, teacher_forced
 
+    t_start = time.time()
     cfg.check()
     console = Console(stderr=True)
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
@@ -284,16 +137,62 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     drafter = new_drafter(tc, **shape).train()
     stop = tuple(tc.eos_token_ids)
     log(f"target {target_dir}: {tc.num_layers} layers, hidden {tc.hidden_size}, taps {taps}, mask id {mask_id}")
-    shards, eval_shards, eval_ids, gen_seconds = prepare_data(cfg, target, tok, work, stop, log, console)
+    ids, eval_ids, _ = C.split_prompts(cfg, tok)
+
+    # -- precision by measurement, then the plan ----------------------------------------
+    rows = cfg.batch * cfg.anchors * (k - 1)
+    bf16 = P.choose("training", cfg.precision, f"LM-head matmul fwd+bwd {rows}x{tc.hidden_size}x{tc.vocab_size}",
+                    lambda b: P.lm_head_probe(rows, tc.hidden_size, tc.vocab_size, b), log) == "bf16"
+    probe_ids = torch.randint(2, tc.vocab_size, (min(cfg.gen_batch, len(ids)), 64), generator=torch.Generator().manual_seed(0))
+    gen_bf16 = P.choose("generation", cfg.gen_precision, f"8 batched decode steps, batch {len(probe_ids)}",
+                        lambda b: D.continue_batch(target, probe_ids, 8, bf16=b), log) == "bf16"
+    gen_dir, eval_dir = C.gen_dirs(cfg, work, "bf16" if gen_bf16 else "fp32")
+    train_batches = D.bucket_batches(ids, cfg.gen_batch, 8, cfg.prompt_max_tokens, cfg.seed)
+    eval_batches = D.bucket_batches(eval_ids, cfg.gen_batch, 1, cfg.prompt_max_tokens, cfg.seed)
+    t = time.perf_counter()
+    D.continue_batch(target, probe_ids, 8, bf16=gen_bf16)
+    step_s = (time.perf_counter() - t) / 8
+    t = time.perf_counter()
+    g = speculative_generate(target, drafter, eval_ids[0], 16, mask_token_id=mask_id, block_size=k)
+    round_s = (time.perf_counter() - t) / max(len(g.acceptance_lengths), 1)
+    cached = sum((gen_dir / f"{D.shard_name(i, b)}.pt").is_file() for i, b in enumerate(train_batches))
+    plan_gen = (len(train_batches) - cached) * cfg.gen_tokens * step_s * 1.3 + len(eval_batches) * cfg.gen_tokens * step_s
+    # at tau 1, with a margin: a trained drafter's rounds cost a little more, shared CPUs vary
+    plan_eval = 1.3 * len(eval_ids) * cfg.eval_tokens * round_s + len(eval_batches)
+    gen_cap = cfg.gen_minutes * 60 or float("inf")
+    total_s = cfg.max_total_minutes * 60
+    if total_s:  # generation gets what training and evaluation leave (at least one batch)
+        reserve = (cfg.minutes * 60 if cfg.minutes else total_s / 2) + plan_eval
+        gen_cap = min(gen_cap, max(total_s - (time.time() - t_start) - reserve, 1.0))
+    plan_gen = min(plan_gen, gen_cap)
+    log(f"plan: generate {len(train_batches)} batches x {cfg.gen_batch} continuations x {cfg.gen_tokens} tokens "
+        f"({cached} cached) ~{_mins(plan_gen)}; train {f'{cfg.minutes:g} min' if cfg.minutes else f'{cfg.steps} steps'}; "
+        f"evaluate {len(eval_ids)} held-out prompts x {cfg.eval_tokens} tokens <= ~{_mins(plan_eval)} "
+        f"(bound: tau 1, 30% margin){f'; whole command <= {cfg.max_total_minutes:g} min' if total_s else ''}")
+
+    # -- data ---------------------------------------------------------------------------
+    t0 = time.time()
+    p, upd = C.progress(console, "generate", len(train_batches))
+    with p:
+        shards, names, made = D.generate_shards(target, train_batches, gen_dir, cfg.gen_tokens, cfg.sample_prefix, stop,
+                                                cfg.seed, upd, seconds=0 if gen_cap == float("inf") else gen_cap,
+                                                bf16=gen_bf16)
+    p, upd = C.progress(console, "held-out", len(eval_batches))
+    with p:
+        eval_shards, _, eval_made = D.generate_shards(target, eval_batches, eval_dir, cfg.gen_tokens, 0, stop,
+                                                      cfg.seed + 1, upd, bf16=gen_bf16)
+    gen_seconds = time.time() - t0
     gen_count = sum(s.tokens.shape[0] for s in shards)
-    log(f"data ready: {gen_count} continuations x {cfg.gen_tokens} tokens in {gen_seconds:.0f}s (cached runs are instant)")
+    log(f"data: {gen_count} continuations x {cfg.gen_tokens} tokens ({made} of {len(shards)} batches generated now, "
+        f"{len(shards) - made} from the cache in {gen_dir}"
+        f"{f'; stopped at {len(shards)} of {len(train_batches)} batches by the time limit' if len(shards) < len(train_batches) else ''}"
+        f"; held-out: {eval_made} of {len(eval_shards)} generated) in {gen_seconds:.0f}s")
+    feats = C.FeatureCache(work / f"feat-{C.key(gen_dir.name, taps, bf16)}", target, bf16, cfg.feature_cache_gb * 2**30)
 
     # -- training ----------------------------------------------------------------------
     for p_ in drafter.parameters():
         p_.requires_grad_(True)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    warmup = min(50, max(cfg.steps // 10, 1)) if cfg.steps else 50
-    sched = Schedule(cfg.lr, warmup=warmup, steps=cfg.steps, seconds=cfg.minutes * 60)
     gen = torch.Generator().manual_seed(cfg.seed)
     ckpt = work / "checkpoint.pt"
     state = TrainState()
@@ -303,38 +202,55 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
         state = load_checkpoint(ckpt, drafter, opt, gen)
         log(f"resumed at step {state.step} ({state.elapsed / 60:.1f} min trained)")
     weights = loss_weights(k, cfg.gamma)
+    train_s = cfg.minutes * 60 - state.elapsed if cfg.minutes else float("inf")  # this run's share
+    if total_s:
+        train_s = min(train_s, total_s - (time.time() - t_start) - plan_eval)
+        if train_s < (cfg.minutes * 60 - state.elapsed if cfg.minutes else float("inf")):
+            log(f"--max-total-minutes: training gets {_mins(max(train_s, 0))} of this run")
+    sched = Schedule(cfg.lr, warmup=cfg.warmup, steps=cfg.steps, seconds=state.elapsed + train_s if cfg.minutes else 0.0)
+    initial = None
+    if not cfg.resume:  # the held-out loss before training, for training.json's before/after
+        initial = teacher_forced(target, drafter, eval_shards, k, mask_id, weights, seed=cfg.seed, autocast=bf16)
+        log(f"held-out teacher-forced loss before training: {initial['tf_loss']:.3f}")
+    run_t0, run_elapsed0 = time.time(), state.elapsed
 
     def evaluate(n_prompts: int, final: bool = False) -> dict:
         drafter.eval()
         d = Drafter.from_pretrained(out) if final else drafter
         res = {"step": state.step, "minutes": round(state.elapsed / 60, 2)}
-        res.update(teacher_forced(target, d, eval_shards, k, mask_id, weights, seed=cfg.seed))
+        res.update(teacher_forced(target, d, eval_shards, k, mask_id, weights, seed=cfg.seed, autocast=bf16))
         res.update(real_tau(target, d, eval_ids[:n_prompts], cfg.eval_tokens, mask_id, k, stop))
         drafter.train()
         return res
 
     def done() -> bool:
-        return state.step >= cfg.steps if cfg.steps else state.elapsed >= cfg.minutes * 60
+        if state.elapsed - run_elapsed0 >= train_s:
+            return True
+        return state.step >= cfg.steps if cfg.steps else False
 
     total = cfg.steps if cfg.steps else cfg.minutes * 60
     cols = [TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.fields[step]}"),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-            TimeElapsedColumn(), TimeRemainingColumn()]
+            TextColumn("loss {task.fields[loss]}"), TextColumn("lr {task.fields[lr]}"),
+            TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn(), TimeRemainingColumn()]
     order: list[int] = []
     t_last, loss_avg, last_print = time.time(), None, time.time()
+    tokens0 = state.tokens
     with Progress(*cols, console=console) as prog:
-        task = prog.add_task("train", total=total, step=state.step, loss="-", tps="-")
+        task = prog.add_task("train", total=total, step=state.step, loss="-", lr="-", tps="-")
         while not done():
             if not order:
                 order = torch.randperm(len(shards), generator=gen).tolist()
-            s = shards[order.pop()]
+            i = order.pop()
+            s = shards[i]
             rows = torch.randperm(s.tokens.shape[0], generator=gen)[: cfg.batch]
             seq_index, anc = sample_anchors(s, rows, cfg.anchors, gen)
             if len(anc) == 0:
                 continue
+            lr = sched(state.step, state.elapsed)
             for g in opt.param_groups:
-                g["lr"] = sched(state.step, state.elapsed)
-            loss, _, valid = draft_step(target, drafter, s.tokens[rows], s.length[rows], seq_index, anc, k, mask_id, weights)
+                g["lr"] = lr
+            loss, _, valid = draft_step(target, drafter, s.tokens[rows], s.length[rows], seq_index, anc, k, mask_id,
+                                        weights, bf16, feats.get(names[i], s, rows), correct=False)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -345,13 +261,14 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
             state.step += 1
             state.tokens += int(valid.sum())
             loss_avg = loss.item() if loss_avg is None else 0.95 * loss_avg + 0.05 * loss.item()
+            tps = (state.tokens - tokens0) / max(state.elapsed - run_elapsed0, 1e-9)
             prog.update(task, completed=state.step if cfg.steps else min(state.elapsed, total), step=state.step,
-                        loss=f"{loss_avg:.3f}", tps=f"{state.tokens / max(state.elapsed, 1e-9):.0f}")
+                        loss=f"{loss_avg:.3f}", lr=f"{lr:.1e}", tps=f"{tps:.0f}")
             if now - last_print > 60:
                 last_print = now
-                log(f"step {state.step} {state.elapsed / 60:.1f}min loss {loss_avg:.3f} "
-                    f"lr {opt.param_groups[0]['lr']:.2e} {state.tokens / state.elapsed:.0f} tok/s")
-                state.log.append({"step": state.step, "minutes": round(state.elapsed / 60, 2), "loss": round(loss_avg, 4)})
+                log(f"step {state.step} {state.elapsed / 60:.1f}min loss {loss_avg:.3f} lr {lr:.2e} {tps:.0f} tok/s")
+                state.log.append({"step": state.step, "minutes": round(state.elapsed / 60, 2), "loss": round(loss_avg, 4),
+                                  "lr": lr, "tokens_per_s": round(tps)})
             if cfg.eval_every and state.step % cfg.eval_every == 0 and not done():
                 res = evaluate(cfg.eval_n)
                 state.log.append(res)
@@ -359,25 +276,40 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
                     f"teacher-forced tau {res['tf_tau']}")
                 save_checkpoint(ckpt, drafter, opt, state, gen)
                 save_drafter(drafter, out, cfg.save_dtype)
+                feats.save()
                 t_last = time.time()  # evaluation time is not training time
+    train_wall = time.time() - run_t0
+    if cfg.steps and state.step < cfg.steps:
+        log(f"stopped at step {state.step} of {cfg.steps}: --max-total-minutes reached")
     save_checkpoint(ckpt, drafter, opt, state, gen)
     save_drafter(drafter, out, cfg.save_dtype)
+    feats.save()
 
     # -- final: reload what was written and decode for real ----------------------------
+    t0 = time.time()
     res = evaluate(len(eval_ids), final=True)
+    eval_seconds = time.time() - t0
     state.log.append(res)
-    keep = ("block_size", "layers", "gamma", "lr", "batch", "anchors", "gen_tokens", "gen_minutes", "sample_prefix")
+    wall = time.time() - t_start
+    tps = (state.tokens - tokens0) / max(state.elapsed - run_elapsed0, 1e-9)
+    keep = ("block_size", "layers", "gamma", "lr", "warmup", "batch", "anchors", "gen_tokens", "gen_minutes",
+            "sample_prefix", "max_total_minutes")
     summary = {
         "target": str(target_dir), "target_layer_ids": taps, "mask_token_id": mask_id,
         **{f: v for f, v in asdict(cfg).items() if f in keep},
+        "precision": "bf16" if bf16 else "fp32", "gen_precision": "bf16" if gen_bf16 else "fp32",
         "drafter_params": sum(p.numel() for p in drafter.parameters()),
         "sequences": gen_count, "generation_seconds": round(gen_seconds, 1), "train_steps": state.step,
-        "train_minutes": round(state.elapsed / 60, 2), "supervised_tokens": state.tokens,
-        "final": res, "log": state.log,
+        "train_minutes": round(state.elapsed / 60, 2), "supervised_tokens": state.tokens, "tokens_per_s": round(tps),
+        "features": {"computed_rows": feats.computed, "reused_rows": feats.reused},
+        "eval_seconds": round(eval_seconds, 1), "wall_seconds": round(wall, 1),
+        "initial": initial, "final": res, "log": state.log,
     }
     (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
-    log(f"done: {state.step} steps in {state.elapsed / 60:.1f} min; held-out real tau {res['real_tau']} "
-        f"({len(eval_ids)} prompts, {cfg.eval_tokens} new tokens, block {k}); "
+    log(f"done: {state.step} steps, {state.elapsed / 60:.1f} min of training ({tps:.0f} tok/s this run); held-out real "
+        f"tau {res['real_tau']} ({len(eval_ids)} prompts, {cfg.eval_tokens} new tokens, block {k}); "
         f"teacher-forced tau {res['tf_tau']}; acc per position {res['tf_acc'][:6]}...")
+    log(f"total wall {_mins(wall)}: generation {gen_seconds:.0f}s, training {train_wall:.0f}s, "
+        f"evaluation {eval_seconds:.0f}s, setup {wall - gen_seconds - train_wall - eval_seconds:.0f}s")
     log(f"wrote {out} (z-lab format) and {out / 'training.json'}")
     return summary
