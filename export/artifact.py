@@ -270,7 +270,7 @@ def export_artifact(
         target_layers=tc.num_layers, target_kv_heads=tc.num_kv_heads, target_head_dim=tc.head_dim,
         draft_layers=dc.num_layers, draft_kv_heads=dc.num_kv_heads, draft_head_dim=dc.head_dim,
         architecture=tc.architecture, eos_token_ids=eos,
-        opset=0, graphs={}, tools=tool_versions(), attention=attention, draft_vocab=vocab_record, **hybrid_fields(tc),
+        opset=0, graphs={}, tools=tool_versions(), attention=attention, draft_vocab=vocab_record, ragged=True, **hybrid_fields(tc),
     )
     ui = Phases(progress)
     for p in stale:

@@ -139,10 +139,12 @@ class Drafter(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
-    def draft_logits(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV):
+    def draft_logits(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
+                     ctx_lengths: torch.Tensor | None = None):
         """Logits [B,K-1,V] (fp32) for the masked positions, with the target's embedding and head
-        ([B,K-1,N] over the draft vocabulary when one is set)."""
-        hidden = self.block(target.embed(block_ids), block_position_ids, past_ctx)[:, 1:]
+        ([B,K-1,N] over the draft vocabulary when one is set). `ctx_lengths` [B]: each row's
+        valid context (a ragged batch: slot == position, so it is the row's anchor position)."""
+        hidden = self.block(target.embed(block_ids), block_position_ids, past_ctx, ctx_lengths)[:, 1:]
         if self.vocab_head is not None:
             return torch.nn.functional.linear(hidden, self.vocab_head).float()
         return target.lm_head(hidden).float()

@@ -16,7 +16,7 @@ from torch import nn
 
 from .config import TargetConfig
 from .kvcache import KV, KVCache
-from .layers import MLP, RMSNorm, apply_rope, attend, rope_cos_sin
+from .layers import MLP, RMSNorm, apply_rope, attend, causal_visible, rope_cos_sin
 
 
 class Attention(nn.Module):
@@ -99,14 +99,16 @@ class Target(nn.Module):
         """Final hidden states (after the norm, as `hidden` returns them) -> fp32 logits."""
         return self.lm_head(x).float()
 
-    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: KV | KVCache):
-        """The decoder stack: last hidden state (after the final norm), taps, new K/V."""
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: KV | KVCache,
+               past_lengths: torch.Tensor | None = None):
+        """The decoder stack: last hidden state (after the final norm), taps, new K/V.
+
+        `past_lengths` [B]: each row's valid past positions (a ragged batch, layers.causal_visible)."""
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
         cache = past if isinstance(past, KVCache) else None
         s, p = input_ids.shape[1], cache.length if cache else past[0][0].shape[1]
-        # causal over [past; new]: new query i sits at index p + i
-        visible = torch.arange(p + s, device=x.device)[None, :] <= (p + torch.arange(s, device=x.device))[:, None]
+        visible = causal_visible(p, s, past_lengths, x.device)  # new query i sits at index p + i
         outs, new = {}, []
         for i, layer in enumerate(self.model.layers):
             if cache:

@@ -97,6 +97,38 @@ def tied_head_graphs(m: M.Manifest, shared: dict) -> set[str]:
     return set(m.shared[head].graphs)
 
 
+# -- rows of a batch -------------------------------------------------------------------
+
+
+def check_batch(m: M.Manifest, max_batch: int, device: str, directory) -> int:
+    """max_batch, or one line on why this export or provider cannot run that many rows."""
+    if max_batch < 1:
+        raise DFlashError(f"--batch must be at least 1 (got {max_batch})")
+    if max_batch > 1 and not C.ragged(m):
+        raise DFlashError(f"{directory} was exported before batched decoding (batch 1 only); re-export it with this "
+                          "dflash-export to run --batch > 1")
+    if max_batch > 1 and device != "cpu":
+        raise DFlashError("--batch > 1 runs on the CPU provider here (the batched caches are host arrays); "
+                          "use --provider cpu or --batch 1")
+    return max_batch
+
+
+def _scatter(cache: np.ndarray, new: np.ndarray, rows, lengths: np.ndarray, s: int, counts) -> None:
+    """Write each row's new positions ([layers, R, s, ...] in `new`) into the position-major
+    cache [layers, max_len, B, ...] at that row's own length: counts[r] of them."""
+    L, n = cache.shape[0], cache.shape[1]
+    view = new[:, : len(rows) * s * int(np.prod(cache.shape[3:]))].reshape(L, len(rows), s, *cache.shape[3:])
+    for r, b in enumerate(rows):
+        at = int(lengths[b])
+        w = min(int(counts[r]), n - at)
+        cache[:, at : at + w, b] = view[:, r, :w]
+
+
+def _gather_row(cache: np.ndarray, out: np.ndarray, b: int, p: int) -> None:
+    """Row b's first p positions of every layer, contiguous in out [layers, p, 1, ...]."""
+    out[:, : p * int(np.prod(cache.shape[3:]))].reshape(cache.shape[0], p, *cache.shape[3:])[:] = cache[:, :p, b]
+
+
 # -- the backend -----------------------------------------------------------------------
 
 
@@ -116,6 +148,7 @@ class OrtBackend(Backend):
         verify: bool = True,
         low_memory: bool = False,
         release_mapped: bool = True,
+        max_batch: int = 1,
     ):
         self.directory = Path(directory)
         self._provider = resolve_provider(provider)
@@ -128,6 +161,7 @@ class OrtBackend(Backend):
             # copies them in and the increments out each call. Not executed here: no GPU.)
             self.max_chunk = min(self.max_chunk, C.max_seq(m))
         self.has_drafter = drafter
+        self.max_batch = check_batch(m, max_batch, self.device, self.directory)
         self.low_memory = low_memory
         self.trace: list | None = None  # set to [] to record every bound (name, ptr, shape)
         self._geom: dict[int, tuple] = {}  # id(buffer) -> (pointer, row bytes, device), see _bind
@@ -174,15 +208,20 @@ class OrtBackend(Backend):
                 os.close(fd)
 
     def _alloc_state(self) -> None:
-        """The per-sequence state: KV buffers, taps, ids and one IO binding per session.
+        """The per-sequence state: KV buffers, taps, ids and the IO bindings.
 
         Everything else (sessions, shared weights, manifest) is read-only after load, so
-        `fork` can hand it to another sequence.
+        `fork` can hand it to another sequence. Caches of one row are [1, max_len, Hkv, D]
+        (the same bytes as the ragged graphs' position-major [max_len, 1, Hkv, D]); of
+        max_batch > 1 rows, one position-major array for all layers (`kv_all`), whose valid
+        prefix of every row is one view, plus a scratch the new rows land in (`kv_new`).
         """
-        m = self.manifest
+        m, B = self.manifest, self.max_batch
         self._geom = {}
         self._io = {k: s.io_binding() for k, s in self.sessions.items()}
-        self._static_bound = False  # ort flavour: cache buffers bound (on the first call)
+        self._io_target: dict = {}  # ort flavour: one binding per cache view (all rows, or row b), bound once
+        self._rows = None
+        self.ragged = C.ragged(m)
 
         # every tensor a call binds, from the contract: (is output, dtype, shape with dynamic roles)
         self._specs: dict[tuple[str, str], tuple[bool, str, list]] = {}
@@ -194,30 +233,52 @@ class OrtBackend(Backend):
                     dims = [d if d in C.DYNAMIC else static[d] for d in t.dims]
                     self._specs[graph, t.name] = (output, C.dtype(t, m), dims)
         kv_type = C.dtype(C.PAST_KV[0], m)
-        L, Hkv, D = m.target_layers, m.target_kv_heads, m.target_head_dim
+        L, Hkv, D, n = m.target_layers, m.target_kv_heads, m.target_head_dim, self.max_len
         self.in_place = C.flavour(m) == "ort"  # head-major cache, past and present one buffer (contract.TARGET_ORT)
-        kv_shape = (1, Hkv, self.max_len, D) if self.in_place else (1, self.max_len, Hkv, D)
-        self.kv = [None if m.is_linear(i) else self._alloc(kv_shape, kv_type)
-                   for i in range(L) for _ in (0, 1)]  # k0 v0 k1 v1 ... (none for linear-attention layers)
-        self.states = LinearStates(m, self.max_chunk) if m.linear_layers else None
-        self.lengths = np.zeros(1, np.int32), np.zeros((), np.int32)  # ort flavour: seqlens_k, total_sequence_length
-        self.taps = self._alloc((1, self.max_chunk, static[C.TAPS_WIDTH]), C.dtype(C.tensor(C.TARGET, C.TAPS, m), m))
+        att = [i for i in range(L) if not m.is_linear(i)]
+        self.kv_all = self.ctx_all = None
+        self._views: dict[str, list] = {}
+        if self.in_place or B == 1:
+            shape = (B, Hkv, n, D) if self.in_place else (1, n, Hkv, D)
+            self.kv = [None if m.is_linear(i) else self._alloc(shape, kv_type) for i in range(L) for _ in (0, 1)]
+        else:  # views held in lists: _bind caches each buffer's geometry by id
+            slot = {i: j for j, i in enumerate(att)}
+            self._kv_slot = [None if m.is_linear(i) else 2 * slot[i] + e for i in range(L) for e in (0, 1)]
+            self.kv_all = np.zeros((2 * len(att), n, B, Hkv, D), STORAGE[kv_type])
+            self.kv_new = np.zeros((2 * len(att), B * self.max_chunk * Hkv * D), STORAGE[kv_type])
+            self._row_kv = np.zeros((2 * len(att), n * Hkv * D), STORAGE[kv_type])  # one row's prefix, gathered
+            self._views = {k: list(getattr(self, k)) for k in ("kv_all", "kv_new", "_row_kv")}
+            self.kv = [None if j is None else self._views["kv_all"][j] for j in self._kv_slot]
+        self.states = LinearStates(m, self.max_chunk, B) if m.linear_layers else None
+        self.lengths_in = np.zeros(B, np.int32), np.zeros((), np.int32)  # ort flavour: seqlens_k, total_sequence_length
+        width = static[C.TAPS_WIDTH]
+        self.taps = self._alloc((B, self.max_chunk, width), C.dtype(C.tensor(C.TARGET, C.TAPS, m), m))
         K, V = m.block_size, m.vocab_size
-        self.logits = np.empty((1, K, V), np.float32)  # host: verify logits when sampling
-        self.next_ids = np.empty((1, self.max_chunk), np.int64)
-        self.ids = np.empty((1, self.max_chunk), np.int64)
+        self.logits = np.empty((B, K, V), np.float32)  # host: verify logits when sampling
+        self.next_ids = np.empty((B, self.max_chunk), np.int64)
+        self.ids = np.empty((B, self.max_chunk), np.int64)
         self.positions = np.arange(self.max_len + K, dtype=np.int64)[None]
-        if self.device == "cpu":
-            self._logits_scratch = self.logits  # logits not asked for still land somewhere preallocated
-        else:
-            self._logits_scratch = self._alloc((1, K, V), "float32")
+        self.row_pos = np.empty((B, self.max_chunk), np.int64)  # several rows' positions, per call
+        self.picks = np.empty((B, self.max_chunk), np.int64)  # logits_index
+        self.past_lengths = np.zeros(B, np.int64)
+        self._logits_scratch = self.logits if self.device == "cpu" else self._alloc((B, K, V), "float32")
+        self._last_seq = 0  # S of the last target call (its taps are [R, S] for draft_context)
         if self.has_drafter:
             dL, dH, dD = m.draft_layers, m.draft_kv_heads, m.draft_head_dim
-            self.ctx = [self._alloc((1, self.max_len, dH, dD), C.dtype(C.CTX_KV[0], m)) for _ in range(2 * dL)]
-            self.block_ids = np.full((1, K), m.mask_token_id, np.int64)
-            self.draft_ids = np.empty((1, K - 1), np.int64)
-            self._draft_logits = self._alloc((1, K - 1, C.draft_vocab_size(m)), "float32")
-            self._conf = np.empty((1, K - 1), np.float32)
+            ctx_type = C.dtype(C.CTX_KV[0], m)
+            if B == 1:
+                self.ctx = [self._alloc((1, n, dH, dD), ctx_type) for _ in range(2 * dL)]
+            else:
+                self.ctx_all = np.zeros((2 * dL, n, B, dH, dD), STORAGE[ctx_type])
+                self.ctx_new = np.zeros((2 * dL, B * self.max_chunk * dH * dD), STORAGE[ctx_type])
+                self._row_ctx = np.zeros((2 * dL, n * dH * dD), STORAGE[ctx_type])
+                self._views.update({k: list(getattr(self, k)) for k in ("ctx_all", "ctx_new", "_row_ctx")})
+                self.ctx = self._views["ctx_all"]
+            self.block_ids = np.full((B, K), m.mask_token_id, np.int64)
+            self.ctx_lengths_in = np.zeros(B, np.int64)
+            self.draft_ids = np.empty((B, K - 1), np.int64)
+            self._draft_logits = self._alloc((B, K - 1, C.draft_vocab_size(m)), "float32")
+            self._conf = np.empty((B, K - 1), np.float32)
 
     def fork(self) -> "OrtBackend":
         """Another sequence over the same sessions (one copy of the weights): its own KV
@@ -297,7 +358,7 @@ class OrtBackend(Backend):
         which at 4 bindings per layer was several percent of a small model's step.
         """
         output, dtype, dims = self._specs[graph, name]
-        shape = [d if isinstance(d, int) else 1 if d == C.BATCH else dynamic[d] for d in dims]
+        shape = [d if isinstance(d, int) else dynamic.get(d, 1) if d == C.BATCH else dynamic[d] for d in dims]
         base, row, device = self._geometry(buf, dtype)
         ptr = base + offset_rows * row
         raw = self._io[graph]._iobinding
@@ -305,18 +366,26 @@ class OrtBackend(Backend):
         if self.trace is not None:
             self.trace.append((name, ptr, tuple(shape)))
 
-    def _bind_static(self) -> None:
-        """The ort flavour's target: bind the whole cache buffers (past and present) once; they
-        never move and the binding keeps them across runs (rebinding 4 per layer cost ~0.1 ms
-        a call at 6 layers). Not the lengths: binding copies a host input the kernel wants on
-        the GPU at bind time, so they are bound after their values are written, every call."""
-        g = C.TARGET
+    def _target_io(self, row: int | None):
+        """The ort flavour's target binding for all rows (None) or row b: its cache buffers
+        (past and present, the rows' slices) are bound once, when it is made; they never move
+        and the binding keeps them across runs (rebinding 4 per layer cost ~0.1 ms a call at
+        6 layers). Not the lengths: binding copies a host input the kernel wants on the GPU at
+        bind time, so they are bound after their values are written, every call."""
+        io = self._io_target.get(row)
+        if io is not None:
+            return io
+        io = self._io_target[row] = self._io[C.TARGET] if row in (None, 0) and self.max_batch == 1 \
+            else self.sessions[C.TARGET].io_binding()
+        saved, self._io[C.TARGET] = self._io[C.TARGET], io
+        rows, at = (self.max_batch, 0) if row is None else (1, row * self.manifest.target_kv_heads)
         for i in range(self.manifest.target_layers):
             k, v = self.kv[2 * i], self.kv[2 * i + 1]
             for name, buf in ((C.past_key(i), k), (C.past_value(i), v), (C.PRESENT_KV[0].at(i).name, k),
                               (C.PRESENT_KV[1].at(i).name, v)):
-                self._bind(g, name, buf)
-        self._static_bound = True
+                self._bind(C.TARGET, name, buf, at, batch=rows)
+        self._io[C.TARGET] = saved
+        return io
 
     @property
     def provider(self) -> str:
@@ -325,75 +394,185 @@ class OrtBackend(Backend):
     # -- the interface -------------------------------------------------------------------
 
     def target(self, ids: np.ndarray, want_logits: bool = False) -> TargetOut:
-        m, P, S, g = self.manifest, self.target_len, len(ids), C.TARGET
+        res = self.target_rows([0], np.asarray(ids, np.int64)[None], [len(ids)], None, want_logits)
+        return TargetOut(res.next_ids[0], None if res.logits is None else res.logits[0])
+
+    def draft_context(self, n: int) -> None:
+        self.draft_context_rows([0], [n])
+
+    def draft_block(self, anchor: int) -> np.ndarray:
+        ids, conf = self.draft_block_rows([0], [anchor])
+        self.draft_conf = None if conf is None else conf[0]
+        return ids[0]
+
+    def target_rows(self, rows, ids, counts, picks=None, want_logits=False) -> TargetOut:
+        m, g, lengths, B = self.manifest, C.TARGET, self.lengths, self.max_batch
+        R, S = ids.shape
         if not 1 <= S <= self.max_chunk:
             raise DFlashError(f"internal: target call with {S} tokens (1..{self.max_chunk})")
-        if P + S > self.max_len:
-            raise DFlashError(f"sequence of {P + S} positions exceeds the exported max context {self.max_len}")
-        self.ids[0, :S] = ids
-        self._bind(g, C.INPUT_IDS, self.ids, seq=S)
-        self._bind(g, C.POSITION_IDS, self.positions, P, seq=S)
-        if self.in_place:  # GroupQueryAttention writes rows [P, P + S) of the buffers it reads
-            seqlens, total = self.lengths
-            seqlens[0], total[()] = P + S - 1, P + S
-            self._bind(g, C.SEQLENS_K, seqlens)
+        for b, c in zip(rows, counts):
+            if lengths[b] + c > self.max_len:
+                raise DFlashError(f"sequence of {lengths[b] + c} positions exceeds the exported max context {self.max_len}")
+        if self.in_place and R > 1 and S > 1:  # GroupQueryAttention: several new tokens with a past, one row a call
+            return self._target_each(rows, ids, counts, picks, want_logits)
+        return self._target_call(rows, ids, counts, picks, want_logits, 0)
+
+    def _target_each(self, rows, ids, counts, picks, want_logits) -> TargetOut:
+        R, S = ids.shape
+        N = S if picks is None else picks.shape[1]
+        next_ids, logits = np.zeros((R, N), np.int64), np.zeros((R, N, self.manifest.vocab_size), np.float32)
+        for r, b in enumerate(rows):
+            c = int(counts[r])
+            if c == 0:  # an idle row
+                continue
+            at = np.minimum(np.arange(N) if picks is None else picks[r], c - 1)[None]
+            res = self._target_call([b], ids[r : r + 1, :c], [c], at, want_logits, r * S)
+            next_ids[r] = res.next_ids[0]
+            if want_logits:
+                logits[r] = res.logits[0]
+        self._last_seq = S
+        return TargetOut(next_ids, logits if want_logits else None)
+
+    def _target_call(self, rows, ids, counts, picks, want_logits, taps_at: int) -> TargetOut:
+        """One session run over `rows` (one row, or all); taps written `taps_at` positions in."""
+        m, g, lengths, B = self.manifest, C.TARGET, self.lengths, self.max_batch
+        R, S = ids.shape
+        one = R == 1
+        b0 = rows[0]
+        P = int(lengths[b0]) if one else int(lengths.max())
+        N = S if picks is None or not self.ragged else picks.shape[1]
+        io = self._target_io(b0 if one else None) if self.in_place else self._io[g]
+        self._io[g], saved = io, self._io[g]
+        self.ids.ravel()[: R * S] = np.asarray(ids).ravel()  # a call's [R, S] from the buffer's start
+        self._bind(g, C.INPUT_IDS, self.ids, batch=R, seq=S)
+        if one:
+            self._bind(g, C.POSITION_IDS, self.positions, P, seq=S)
+        else:
+            pos = self.row_pos.ravel()[: R * S].reshape(R, S)
+            np.add(lengths[rows, None], np.arange(S), out=pos)
+            self._bind(g, C.POSITION_IDS, self.row_pos, batch=R, seq=S)
+        if self.ragged:
+            pick = self.picks.ravel()[: R * N].reshape(R, N)
+            pick[:] = np.arange(S) if picks is None else picks
+            self._bind(g, C.LOGITS_INDEX, self.picks, batch=R, picks=N)
+        if self.in_place:  # GroupQueryAttention writes rows [P_b, P_b + S) of the buffers it reads
+            seqlens, total = self.lengths_in
+            seqlens[:R] = lengths[rows] + S - 1
+            total[()] = P + S
+            self._bind(g, C.SEQLENS_K, seqlens, batch=R)
             self._bind(g, C.TOTAL_LEN, total)
-            if not self._static_bound:
-                self._bind_static()
-        for i in () if self.in_place else range(m.target_layers):  # ort flavour: bound once, above
+        else:
+            if self.ragged:
+                self.past_lengths[:R] = lengths[rows]
+                self._bind(g, C.PAST_LENGTHS, self.past_lengths, batch=R)
+            self._bind_target_caches(rows, P, S)
+        self._bind(g, C.TAPS, self.taps, taps_at, batch=R, seq=S)
+        self._bind(g, C.NEXT_IDS, self.next_ids, batch=R, picks=N, seq=N)
+        big = R * N > B * m.block_size
+        if big:  # a prefill chunk's every position: ORT allocates its logits
+            io.bind_output(C.LOGITS, "cpu" if want_logits else self.device)
+        else:
+            self._bind(g, C.LOGITS, self.logits if want_logits else self._logits_scratch, batch=R, picks=N, seq=N)
+        self.sessions[g].run_with_iobinding(io)
+        self._io[g] = saved
+        if self.kv_all is not None and not self.in_place:
+            _scatter(self.kv_all, self.kv_new, rows, lengths, S, counts)
+        self.pending[rows] = counts
+        self._last_seq = S
+        next_ids = self.next_ids.ravel()[: R * N].reshape(R, N)
+        logits = None
+        if want_logits:
+            logits = io.get_outputs()[-1].numpy() if big else self.logits.ravel()[: R * N * m.vocab_size].reshape(R, N, -1)
+        if not self.ragged and picks is not None:  # older graphs compute every position
+            next_ids, logits = next_ids[:, picks[0]], None if logits is None else logits[:, picks[0]]
+        return TargetOut(next_ids, logits)
+
+    def _bind_target_caches(self, rows, P: int, S: int) -> None:
+        """Past K/V (and linear states) of `rows` in; the new positions' outputs out. One row of
+        a one-row backend: its cache prefix, the new K/V straight after it. All rows: their
+        position-major prefix [P, B]; the new K/V to kv_new, written per row after the run
+        (`_scatter`). One row of several: its prefix gathered (prefill chunks, reuse)."""
+        m, g, R, B = self.manifest, C.TARGET, len(rows), self.max_batch
+        if self.states is not None:
+            self.states.layout(R, S)
+        at = rows[0] if R == 1 else 0
+        gathered = R == 1 and B > 1 and P > 0
+        if gathered:
+            _gather_row(self.kv_all, self._row_kv, at, P)
+        for i in range(m.target_layers):
             if m.is_linear(i):  # committed states in, per-position outputs to commit out
                 buf = self.states.buf
                 for name in (C.conv_state(i), C.rec_state(i)):
-                    self._bind(g, name, buf[name])
+                    self._bind(g, name, buf[name], at * buf[name].shape[1], batch=R)
                 for name in (C.new_conv(i), *C.delta(i)):
-                    self._bind(g, name, buf[name], seq=S)
+                    self._bind(g, name, self.states.flat[name], batch=R, seq=S)
                 continue
-            k, v = self.kv[2 * i], self.kv[2 * i + 1]
-            self._bind(g, C.past_key(i), k, past=P)
-            self._bind(g, C.past_value(i), v, past=P)
-            self._bind(g, C.new_key(i), k, P, seq=S)
-            self._bind(g, C.new_value(i), v, P, seq=S)
-        self._bind(g, C.TAPS, self.taps, seq=S)
-        self._bind(g, C.NEXT_IDS, self.next_ids, seq=S)
-        io = self._io[g]
-        big = S > m.block_size
-        if big:  # prefill chunk: ORT allocates its logits (we only need the last row, if any)
-            io.bind_output(C.LOGITS, "cpu" if want_logits else self.device)
+            if B == 1:
+                k, v = self.kv[2 * i], self.kv[2 * i + 1]
+                self._bind(g, C.past_key(i), k, past=P)
+                self._bind(g, C.past_value(i), v, past=P)
+                self._bind(g, C.new_key(i), k, P, seq=S)
+                self._bind(g, C.new_value(i), v, P, seq=S)
+                continue
+            for e, (past, new) in enumerate(((C.past_key(i), C.new_key(i)), (C.past_value(i), C.new_value(i)))):
+                j = self._kv_slot[2 * i + e]
+                self._bind(g, past, self._views["_row_kv" if gathered else "kv_all"][j], batch=R, past=P)
+                self._bind(g, new, self._views["kv_new"][j], batch=R, seq=S)
+
+    def draft_context_rows(self, rows, n) -> None:
+        m, g, R, B = self.manifest, C.DRAFT_CONTEXT, len(rows), self.max_batch
+        lengths = self.ctx_lengths
+        c = int(n[0]) if R == 1 else self._last_seq  # several rows: each computes the whole last call
+        if c == 0:
+            return
+        for b, k in zip(rows, n):
+            if not 0 <= k <= self._last_seq or lengths[b] + k > self.max_len:
+                raise DFlashError(f"internal: draft_context({k}) of row {b} at {lengths[b]} (max {self.max_len})")
+        P = int(lengths[rows[0]])
+        self._bind(g, C.TAPS, self.taps, batch=R, ctx=c)
+        if R == 1:
+            self._bind(g, C.CTX_POSITION_IDS, self.positions, P, ctx=c)
         else:
-            self._bind(g, C.LOGITS, self.logits if want_logits else self._logits_scratch, seq=S)
-        self.sessions[g].run_with_iobinding(io)
-        self._pending = S
-        logits = None
-        if want_logits:
-            logits = io.get_outputs()[-1].numpy()[0] if big else self.logits[0, :S]
-        return TargetOut(self.next_ids[0, :S], logits)
-
-    def draft_context(self, n: int) -> None:
-        m, P, g = self.manifest, self.context_len, C.DRAFT_CONTEXT
-        if not 0 < n <= self.max_chunk or P + n > self.max_len:
-            raise DFlashError(f"internal: draft_context({n}) at {P} (max {self.max_len})")
-        self._bind(g, C.TAPS, self.taps, ctx=n)
-        self._bind(g, C.CTX_POSITION_IDS, self.positions, P, ctx=n)
-        for j in range(m.draft_layers):
-            self._bind(g, C.ctx_key(j), self.ctx[2 * j], P, ctx=n)
-            self._bind(g, C.ctx_value(j), self.ctx[2 * j + 1], P, ctx=n)
+            pos = self.row_pos.ravel()[: R * c].reshape(R, c)
+            np.add(lengths[rows, None], np.arange(c), out=pos)
+            self._bind(g, C.CTX_POSITION_IDS, self.row_pos, batch=R, ctx=c)
+        for j in range(2 * m.draft_layers):
+            name = C.ctx_key(j // 2) if j % 2 == 0 else C.ctx_value(j // 2)
+            if B == 1:
+                self._bind(g, name, self.ctx[j], P, ctx=c)
+            else:
+                self._bind(g, name, self._views["ctx_new"][j], batch=R, ctx=c)
         self.sessions[g].run_with_iobinding(self._io[g])
-        self.context_len += n
+        if B > 1:
+            _scatter(self.ctx_all, self.ctx_new, rows, lengths, c, n)
+        lengths[rows] += n
 
-    def draft_block(self, anchor: int) -> np.ndarray:
-        m, P, g = self.manifest, self.context_len, C.DRAFT_BLOCK
-        self.block_ids[0, 0] = anchor
-        self._bind(g, C.BLOCK_IDS, self.block_ids)
-        self._bind(g, C.BLOCK_POSITION_IDS, self.positions, P)
-        for j in range(m.draft_layers):
-            self._bind(g, C.past_ctx_key(j), self.ctx[2 * j], past_ctx=P)
-            self._bind(g, C.past_ctx_value(j), self.ctx[2 * j + 1], past_ctx=P)
-        self._bind(g, C.DRAFT_IDS, self.draft_ids)
-        self._bind(g, C.DRAFT_LOGITS, self._draft_logits)
-        self._bind(g, C.DRAFT_CONF, self._conf)
+    def draft_block_rows(self, rows, anchors):
+        m, g, R, B, K = self.manifest, C.DRAFT_BLOCK, len(rows), self.max_batch, self.manifest.block_size
+        lengths = self.ctx_lengths
+        P = int(lengths[rows[0]]) if R == 1 else int(lengths.max())
+        self.block_ids[:R, 0] = anchors
+        self._bind(g, C.BLOCK_IDS, self.block_ids, batch=R)
+        if R == 1:
+            self._bind(g, C.BLOCK_POSITION_IDS, self.positions, P)
+        else:
+            pos = self.row_pos.ravel()[: R * K].reshape(R, K)
+            np.add(lengths[rows, None], np.arange(K), out=pos)
+            self._bind(g, C.BLOCK_POSITION_IDS, self.row_pos, batch=R)
+        if self.ragged:
+            self.ctx_lengths_in[:R] = lengths[rows]
+            self._bind(g, C.CTX_LENGTHS, self.ctx_lengths_in, batch=R)
+        gathered = R == 1 and B > 1 and P > 0
+        if gathered:
+            _gather_row(self.ctx_all, self._row_ctx, rows[0], P)
+        for j in range(2 * m.draft_layers):
+            name = C.past_ctx_key(j // 2) if j % 2 == 0 else C.past_ctx_value(j // 2)
+            self._bind(g, name, self._views["_row_ctx"][j] if gathered else self.ctx[j], batch=R, past_ctx=P)
+        self._bind(g, C.DRAFT_IDS, self.draft_ids, batch=R)
+        self._bind(g, C.DRAFT_LOGITS, self._draft_logits, batch=R)
+        self._bind(g, C.DRAFT_CONF, self._conf, batch=R)
         self.sessions[g].run_with_iobinding(self._io[g])
-        self.draft_conf = self._conf[0]
-        return self.draft_ids[0]
+        return self.draft_ids[:R], self._conf[:R]
 
     def close(self) -> None:
         self.sessions = {}  # forks keep theirs: a session is freed with its last user
