@@ -319,13 +319,13 @@ def tensor(graph: str, name: str, m) -> Tensor:
 
 
 def find(graph: str, name: str, m=None) -> Tensor:
-    """The declared tensor (a template for per-layer ones) behind a concrete name (the batch-1
-    graphs without a manifest)."""
-    g = GRAPHS[graph] if m is None else spec(graph, m)
-    for t in (*g.inputs, *g.outputs):
-        prefix = t.name.split("{")[0]
-        if name == t.name or (t.per_layer and name.startswith(prefix) and name[len(prefix):].isdigit()):
-            return t
+    """The declared tensor (a template for per-layer ones) behind a concrete name (without a
+    manifest: the batch-1 graphs' first, then the ragged ones')."""
+    for g in (GRAPHS[graph], RAGGED[graph]) if m is None else (spec(graph, m),):
+        for t in (*g.inputs, *g.outputs):
+            prefix = t.name.split("{")[0]
+            if name == t.name or (t.per_layer and name.startswith(prefix) and name[len(prefix):].isdigit()):
+                return t
     raise DFlashError(f"{graph} has no tensor {name!r}; re-export the directory")
 
 
