@@ -177,9 +177,10 @@ def _flat(kv) -> list:
     return [t for pair in kv for t in pair]
 
 
-def _position_major(m: M.Manifest, kv) -> list:
-    """[B, P, ...] attention K/V -> the ragged graphs' [P, B, ...] (linear states stay as they are)."""
-    return [t if m.is_linear(i // 2) else t.transpose(0, 1).contiguous() for i, t in enumerate(_flat(kv))]
+def _position_major(m: M.Manifest | None, kv) -> list:
+    """[B, P, ...] attention K/V -> the ragged graphs' [P, B, ...] (a target's linear states,
+    given its manifest `m`, stay as they are)."""
+    return [t if m is not None and m.is_linear(i // 2) else t.transpose(0, 1).contiguous() for i, t in enumerate(_flat(kv))]
 
 
 def target_inputs(m: M.Manifest, kv, p: int, s: int, lengths=None) -> list:
@@ -208,7 +209,7 @@ def block_inputs(m: M.Manifest, ctx, p: int) -> list:
 
     if not C.ragged(m):
         return _flat(ctx)
-    return [torch.full((ctx[0][0].shape[0],), p, dtype=torch.long), *_position_major(m, ctx)]
+    return [torch.full((ctx[0][0].shape[0],), p, dtype=torch.long), *_position_major(None, ctx)]
 
 
 def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, strict: bool) -> list[Row]:
@@ -252,7 +253,7 @@ def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, stric
     for graph, inputs, which in (
         (C.TARGET, [ids, pos, *target_inputs(m, batch_past, P, S, lengths)], 0),
         (C.DRAFT_BLOCK, [torch.cat([r[2] for r in refs]), torch.stack([torch.arange(n, n + K) for n in lens]),
-                         lengths, *_position_major(m, batch_ctx)], 1),
+                         lengths, *_position_major(None, batch_ctx)], 1),
     ):
         names_in, names_out = C.names(graph, m)
         got = sessions[graph].run(names_out, dict(zip(names_in, (_np(t) for t in inputs))))

@@ -572,6 +572,7 @@ class OrtBackend(Backend):
         self._bind(g, C.DRAFT_LOGITS, self._draft_logits, batch=R)
         self._bind(g, C.DRAFT_CONF, self._conf, batch=R)
         self.sessions[g].run_with_iobinding(self._io[g])
+        self.draft_conf = self._conf[0]  # the first row's, as `draft_block` returns it
         return self.draft_ids[:R], self._conf[:R]
 
     def close(self) -> None:
