@@ -3,7 +3,7 @@
     .venv/bin/python bench/ray_serve.py                    # demo pair, 8 prompts, 64 tokens; writes bench/ray_serve.json
 
 Runs itself inside a loopback-only network and pid namespace (unshare, as the tests), with a
-local Ray head on 127.0.0.1 started through serve_ray.local_head (as `serve --ray` does):
+local Ray head on 127.0.0.1 started through serve/ray.py local_head (as `serve --ray` does):
 - per-request overhead at concurrency 1: the same streamed greedy requests through the plain
   server (`dflash-export serve`, 1 slot) and through Ray Serve (1 replica, 1 slot), interleaved,
   with `--max-tokens` new tokens and with 1 (the routing cost alone, median);
@@ -79,8 +79,8 @@ def aggregate(server, prompts, max_tokens, concurrency) -> dict:
 def inside(a) -> None:
     from ray import serve
 
-    from dflash_export import serve_ray
-    from dflash_export.serve_app import ServeOptions
+    from dflash_export.serve import ray as serve_ray
+    from dflash_export.serve.app import ServeOptions
 
     prompts = json.loads(Path(a.prompts_json).read_text())
     report: dict = {"artifact": str(a.artifact), "prompts": len(prompts), "max_tokens": a.max_tokens, "cpus": os.cpu_count()}

@@ -15,7 +15,7 @@ import numpy as np
 
 from .runtime.errors import DFlashError
 from .runtime.sampling import check_sampling
-from .serve_text import load_tokenizer
+from .serve.text import load_tokenizer
 
 BUILTIN_PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",

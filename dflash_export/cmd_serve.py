@@ -1,4 +1,4 @@
-"""`dflash-export serve`: the OpenAI-compatible server (uvicorn over serve_app.create_app).
+"""`dflash-export serve`: the OpenAI-compatible server (uvicorn over serve/app.py create_app).
 
 The process binds its socket first (so `--port 0` can print the port it got), answers
 /health with 503 while the model loads in the background, prints the URL when ready, and
@@ -114,7 +114,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, max_ongoing, up, down, health) -> dict:
-    """The --ray flags checked (one line each), as serve_ray.build's keywords."""
+    """The --ray flags checked (one line each), as serve/ray.py build's keywords."""
     given = [f for f, v in (("--replicas", replicas), ("--autoscale", autoscale), ("--ray-address", address),
                             ("--max-replicas-per-node", per_node), ("--max-ongoing", max_ongoing)) if v is not None]
     if not use_ray:
@@ -228,7 +228,7 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
 
     import uvicorn
 
-    from .serve_app import ServeOptions, create_app
+    from .serve.app import ServeOptions, create_app
 
     options = ServeOptions(Path(directory), model_name=model_name or ("dflash-demo" if demo else None), slots=slots,
                            max_queue=max_queue, api_key=api_key, backend=backend, provider=provider, threads=threads,
@@ -238,7 +238,7 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
         click.echo(f"warning: listening on {host} without an API key: anyone who can reach it can use it "
                    "(set --api-key or DFLASH_API_KEY)", err=True)
     if use_ray:
-        from .serve_ray import run
+        from .serve.ray import run
 
         return run(options, host=host, port=port, address=ray_address, proxy=proxy, shutdown_timeout=shutdown_timeout,
                    **ray_kw)

@@ -1,6 +1,6 @@
 """`dflash-export train-draft`: train a DFlash drafter for a target, on the target's own text.
 
-The options become one `models.train.TrainConfig`; `models.train.run_training` does the run.
+The options become one `train.train.TrainConfig`; `train.train.run_training` does the run.
 Heavy imports (torch, models) stay inside the function so the CLI starts fast.
 """
 
@@ -71,7 +71,7 @@ def train_draft(target_dir, out, data, eval_prompts, block_size, layers, target_
     drafter is reloaded from OUT and measured by real speculative decoding on held-out prompts.
     """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from .models.train import TrainConfig, run_training
+    from .train.train import TrainConfig, run_training
 
     run_training(TrainConfig(
         target_dir, out, list(data), steps=steps, minutes=minutes, eval_prompts=eval_prompts, block_size=block_size,

@@ -150,9 +150,9 @@ def test_serve_engine_runs_the_flavour_with_prompt_reuse(case, monkeypatch):
     head-major cache; a follow-up prompt reuses the cached prefix and still equals plain decoding."""
     import queue
 
-    from dflash_export.serve_engine import Job, Params, load_engine
+    from dflash_export.serve.engine import Job, Params, load_engine
 
-    monkeypatch.setattr("dflash_export.serve_text.Text", lambda *args: None)  # this artifact has no tokenizer
+    monkeypatch.setattr("dflash_export.serve.text.Text", lambda *args: None)  # this artifact has no tokenizer
     _, _, out = case
     be = OrtBackend(out, threads=1)
     engine = load_engine(out, slots=2, model="m", threads=1, verify="full")

@@ -12,6 +12,7 @@ where they fail: CI's machines can make namespaces, and these tests are the proo
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
 import shutil
@@ -42,7 +43,7 @@ def _missing(reason: str):
 
 
 try:
-    from dflash_export import serve_ray
+    from dflash_export.serve import ray as serve_ray
 except ImportError as e:  # the ray extra
     serve_ray = None
     _why = f"ray[serve] is not installed ({e}); pip install -e '.[ray]'"
@@ -165,7 +166,7 @@ def test_ray_flags_are_one_line(sr, art):
 
 
 def test_deployment_options(sr, art):
-    from dflash_export.serve_app import ServeOptions
+    from dflash_export.serve.app import ServeOptions
 
     o = ServeOptions(art, slots=2, max_queue=4)
     d = sr.build(o, replicas=3, num_gpus=1)._bound_deployment  # no public accessor in Ray 2.60
@@ -184,7 +185,11 @@ def test_config_file(sr, art):
     schema = ServeDeploySchema.model_validate(cfg)
     assert schema.http_options.host == "127.0.0.1"
     app = schema.applications[0]
-    assert app.import_path == "dflash_export.serve_ray:app_builder"
+    assert app.import_path == "dflash_export.serve.ray:app_builder"
+    with pytest.warns(DeprecationWarning, match="dflash_export.serve.ray"):  # the old path, kept for one release
+        sys.modules.pop("dflash_export.serve_ray", None)
+        old = importlib.import_module("dflash_export.serve_ray")
+    assert old.app_builder is sr.app_builder and old.proxy_middlewares is sr.proxy_middlewares
     dep = app.deployments[0]
     assert dep.name == sr.APP and dep.autoscaling_config["target_ongoing_requests"] == app.args["slots"]
     assert dep.max_ongoing_requests > app.args["slots"] + app.args["max_queue"]
@@ -229,7 +234,7 @@ def test_proxy_errors_become_json(sr):
 
 
 def test_plain_server_never_imports_ray():
-    code = ("import sys\nfrom dflash_export import cli, cmd_serve, serve_app, serve_engine\n"
+    code = ("import sys\nfrom dflash_export import cli, cmd_serve\nfrom dflash_export.serve import app, engine\n"
             "from click.testing import CliRunner\nCliRunner().invoke(cli.cli, ['serve', '--help'])\n"
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

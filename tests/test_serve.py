@@ -33,9 +33,9 @@ from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import Generation, generate, stream
 from dflash_export.runtime.ort import OrtBackend
-from dflash_export.serve_app import ServeOptions, create_app
-from dflash_export.serve_engine import Engine, Job, Params
-from dflash_export.serve_text import Text, TextStream
+from dflash_export.serve.app import ServeOptions, create_app
+from dflash_export.serve.engine import Engine, Job, Params
+from dflash_export.serve.text import Text, TextStream
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -659,7 +659,7 @@ async def _call(app, method: str, path: str, body: bytes = b"", disconnect=None)
 def test_health_is_503_until_the_engine_is_loaded(art):
     """The app answers before the model is loaded (and the factory takes an engine loaded elsewhere)."""
     from dflash_export.cmd_serve import _is_loopback
-    from dflash_export.serve_engine import load_engine
+    from dflash_export.serve.engine import load_engine
 
     options = ServeOptions(art)
     status, body, headers = asyncio.run(_call(create_app(options), "GET", "/health"))  # lifespan not run: not loaded

@@ -264,9 +264,9 @@ def test_speed_options_errors(art):
 
 def test_serve_engine_uses_the_calibrated_settings(art, monkeypatch):
     """serve resolves threads, spinning and the verify policy as generate/bench do."""
-    from dflash_export.serve_engine import load_engine
+    from dflash_export.serve.engine import load_engine
 
-    monkeypatch.setattr("dflash_export.serve_text.Text", lambda *args: None)  # this artifact has no tokenizer
+    monkeypatch.setattr("dflash_export.serve.text.Text", lambda *args: None)  # this artifact has no tokenizer
 
     save_settings(art, "ort:cpu", Settings(threads=1, verify=VerifyPolicy(0.2, 2)))
     engine = load_engine(art, model="m")

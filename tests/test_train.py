@@ -13,8 +13,8 @@ from train_fixtures import SAMPLE, make_tokenized_target
 
 from dflash_export.cli import cli
 from dflash_export.models import Drafter, Target, TargetConfig, autoregressive_generate, new_drafter
-from dflash_export.models import train as T
-from dflash_export.models import train_data as D
+from dflash_export.train import train as T
+from dflash_export.train import data as D
 
 torch.set_num_threads(1)
 

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from dflash_export.cli import cli
 from dflash_export.cmd_train import parse_layer_ids
-from dflash_export.models.train_data import default_taps
+from dflash_export.train.data import default_taps
 
 
 def test_layer_id_parsing_and_default_taps():

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..runtime.errors import DFlashError
-from .kvcache import KVCache
+from ..models.kvcache import KVCache
 
 
 def read_prompts(paths: list[str | Path], chunk_chars: tuple[int, int] = (200, 600), seed: int = 0) -> list[str]:

@@ -1,11 +1,11 @@
 """Recipe for the shipped demo pair: rebuilds demo/pair/{target,draft} from scratch on CPU.
 
-    python demo/recipe.py target --minutes 24 --snapshots 8 12 16   # tokenizer + target (snapshots)
-    python demo/recipe.py pair-target demo/work/target-16.0min      # the target we ship
-    python demo/recipe.py prompts                                   # training + held-out prompts
-    python demo/recipe.py draft --minutes 25                        # `dflash-export train-draft`
-    python demo/recipe.py draft --minutes 38 --resume --gen-minutes 3 --eval-every 0  # 2nd run
-    python demo/recipe.py draft --minutes 55 --resume --gen-minutes 3 --eval-every 0  # 3rd run (shipped)
+    python tools/demo_recipe.py target --minutes 24 --snapshots 8 12 16   # tokenizer + target (snapshots)
+    python tools/demo_recipe.py pair-target demo/work/target-16.0min      # the target we ship
+    python tools/demo_recipe.py prompts                                   # training + held-out prompts
+    python tools/demo_recipe.py draft --minutes 25                        # `dflash-export train-draft`
+    python tools/demo_recipe.py draft --minutes 38 --resume --gen-minutes 3 --eval-every 0  # 2nd run
+    python tools/demo_recipe.py draft --minutes 55 --resume --gen-minutes 3 --eval-every 0  # 3rd run (shipped)
 
 Extra options after `draft` go to train-draft (they override DRAFT_OPTIONS below).
 Budget and measured results: demo/RESULTS.md.
@@ -32,7 +32,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "demo"  # the shipped demo data (this script lives in tools/)
 WORK = HERE / "work"
 PAIR = HERE / "pair"
 PROMPTS = HERE / "prompts.jsonl"

@@ -1,6 +1,6 @@
 """What a request may say: OpenAI's error body, the request models, and their validation.
 
-Kept apart from serve_app.py (the routes) so that the rules a client meets read in one
+Kept apart from app.py (the routes) so that the rules a client meets read in one
 place: every failure here is an ApiError that the app turns into OpenAI's error body.
 """
 
@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .serve_engine import Engine, Params
+from .engine import Engine, Params
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",

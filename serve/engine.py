@@ -22,9 +22,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .runtime.errors import DFlashError
-from .runtime.loop import Generation, stream
-from .serve_text import TextStream
+from ..runtime.errors import DFlashError
+from ..runtime.loop import Generation, stream
+from .text import TextStream
 
 
 class QueueFull(Exception):
@@ -305,10 +305,10 @@ def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, b
     """Load the model once and fork it into `slots` sequences (weights shared). Threads (per
     graph), spinning, the prefill chunk and the verify policy resolve as in generate/bench
     (runtime/settings.py)."""
-    from .runtime.backend import open_backend
-    from .runtime.manifest import load_manifest
-    from .runtime.settings import device_key, resolve
-    from .serve_text import Text
+    from ..runtime.backend import open_backend
+    from ..runtime.manifest import load_manifest
+    from ..runtime.settings import device_key, resolve
+    from .text import Text
 
     if slots < 1:
         raise DFlashError(f"--slots must be >= 1 (got {slots})")

@@ -18,8 +18,8 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from .runtime.manifest import read_json
-from .runtime.errors import DFlashError
+from ..runtime.manifest import read_json
+from ..runtime.errors import DFlashError
 
 
 class Text:

@@ -26,13 +26,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .runtime.errors import DFlashError
-from .serve_engine import Engine, Job, Params, QueueFull, Unavailable, load_engine, replica
-from .serve_requests import (
+from ..runtime.errors import DFlashError
+from .engine import Engine, Job, Params, QueueFull, Unavailable, load_engine, replica
+from .requests import (
     ERROR_TYPES, ApiError, ChatRequest, Common, CompletionRequest, DetokenizeRequest, TokenizeRequest, build_params,
     check_common, check_ids, check_model, error_response, parse_body, render_chat,
 )
-from .serve_text import TextStream
+from .text import TextStream
 
 REPLICA = "x-dflash-replica"
 CANCELLED = "the server is shutting down: the generation was cancelled; retry"

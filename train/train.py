@@ -1,6 +1,6 @@
 """Training a DFlash drafter against a frozen target (the library behind `train-draft`).
 
-Data: prompts -> the target's own continuations (models/train_data.py), cached in shards.
+Data: prompts -> the target's own continuations (train/data.py), cached in shards.
 `run_training` is the whole run behind the command, configured by one `TrainConfig`.
 
 One training step takes a few sequences of equal length and, for each:
@@ -32,10 +32,10 @@ import torch
 from torch.nn import functional as F
 
 from ..runtime.errors import DFlashError
-from . import train_data as D
-from .generate import speculative_generate
-from .train_data import Shard
-from .train_state import Schedule, TrainState, load_checkpoint, save_checkpoint, save_drafter
+from . import data as D
+from ..models.generate import speculative_generate
+from .data import Shard
+from .state import Schedule, TrainState, load_checkpoint, save_checkpoint, save_drafter
 
 # -- the training forward --------------------------------------------------------------
 
@@ -257,9 +257,9 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from .config import DraftConfig, TargetConfig
-    from .drafter import Drafter, draft_config_dict, new_drafter
-    from .target import Target
+    from ..models.config import DraftConfig, TargetConfig
+    from ..models.drafter import Drafter, draft_config_dict, new_drafter
+    from ..models.target import Target
 
     cfg.check()
     console = Console(stderr=True)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: engine (slots, queue; no HTTP), request rules, text, the app, Ray Serve."""
