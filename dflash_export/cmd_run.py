@@ -44,7 +44,7 @@ def _settings(out, provider: str, backend: str, threads: int | None, spin: bool 
 
 
 def _backend(out, provider: str, drafter: bool = True, backend: str = "ort", threads: int | None = None,
-             spin: bool | None = None, verify: str = "auto"):
+             spin: bool | None = None, verify: str = "auto", max_batch: int = 1):
     """(backend, settings): one place where generate, bench and demo (and serve) open a directory."""
     from .runtime.backend import open_backend, ort_backend_class
 
@@ -52,8 +52,11 @@ def _backend(out, provider: str, drafter: bool = True, backend: str = "ort", thr
         ort_backend_class()  # the install hint comes before anything about the directory
     cfg = _settings(out, provider, backend, threads, spin, verify)
     if backend == "trt":
+        if max_batch > 1:
+            raise DFlashError("--batch > 1 runs on ONNX Runtime's CPU provider in this version (the TensorRT "
+                              "backend runs batch 1); use --backend ort or --batch 1")
         return open_backend(out, "trt", drafter=drafter), cfg
-    return open_backend(out, "ort", provider, drafter=drafter, **cfg.ort_kwargs()), cfg
+    return open_backend(out, "ort", provider, drafter=drafter, max_batch=max_batch, **cfg.ort_kwargs()), cfg
 
 
 provider_option = click.option(
@@ -80,6 +83,10 @@ backend_option = click.option(
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--prompt", help="Prompt text (needs tokenizer.json in OUT).")
 @click.option("--prompt-ids", help="Prompt as comma-separated token ids (no tokenizer needed).")
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
+              help="Many prompts, one per line (as bench --prompts): one output line each, run --batch at a time.")
+@click.option("--batch", default=1, show_default=True, type=int,
+              help="With --prompts: rows decoded together (one graph call per round for all of them).")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, type=int, help="0 disables.")
@@ -94,14 +101,29 @@ backend_option = click.option(
 @threads_option
 @spin_option
 @verify_option
-def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids, no_draft, stream, as_json, provider,
-             backend, threads, spin, verify):
-    """Speculative decoding of a prompt with an exported directory OUT."""
+def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, temperature, top_k, top_p, seed, stop_ids,
+             no_draft, stream, as_json, provider, backend, threads, spin, verify):
+    """Speculative decoding of a prompt (or of --prompts FILE, --batch at a time) with an exported directory OUT."""
+    from .cmd_batch import check_batch_value, generate_many
     from .runtime.loop import Generation
     from .runtime.loop import stream as run
 
-    if (prompt is None) == (prompt_ids is None):
-        raise DFlashError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    if sum(x is not None for x in (prompt, prompt_ids, prompts_file)) != 1:
+        raise DFlashError("give exactly one of --prompt TEXT, --prompt-ids 1,2,3 or --prompts FILE")
+    if check_batch_value(batch) > 1 and prompts_file is None:
+        raise DFlashError("--batch needs --prompts FILE (one prompt per line)")
+    if prompts_file is not None:
+        if stream:
+            raise DFlashError("--stream prints one prompt's tokens; with --prompts use --json (one line per prompt)")
+        check_sampling(temperature, top_k, top_p)
+        stop = None if stop_ids is None else tuple(_parse_ids(stop_ids, "--stop-ids"))
+        be, cfg = _backend(out, provider, drafter=not no_draft, backend=backend, threads=threads, spin=spin,
+                           verify=verify, max_batch=batch)
+        tok = load_tokenizer(out)
+        prompts, _ = _bench_prompts(prompts_file, tok, be.manifest.vocab_size)
+        generate_many(be, tok, prompts, max_new_tokens, batch, not no_draft, cfg.verify, as_json,
+                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop)
+        return
     if stream and as_json:
         raise DFlashError("--stream and --json are exclusive: --json prints one object at the end")
     check_sampling(temperature, top_k, top_p)
@@ -302,13 +324,16 @@ def plot_bench(report: dict, path: Path) -> None:
                    "write them to OUT/runtime.json (graph hashes untouched), then bench with them.")
 @click.option("--context", "contexts", help="Comma-separated context lengths (e.g. 128,2048): also report the "
                                              "1-token step time after each (step_ms_by_context).")
+@click.option("--batch", default=1, show_default=True, type=int,
+              help="Decode the prompts N rows at a time and report aggregate and per-request tokens/s, tau and "
+                   "occupancy against batch 1 in the same run (interleaved).")
 @provider_option
 @backend_option
 @threads_option
 @spin_option
 @verify_option
-def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate, contexts, provider, backend, threads,
-          spin, verify):
+def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate, contexts, batch, provider, backend,
+          threads, spin, verify):
     """Speculative vs plain decoding of OUT on the same prompts: tau, tokens/s, speedup.
 
     Without --threads every candidate thread count runs too (interleaved), which gives
@@ -336,6 +361,18 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     if room < 1:
         raise DFlashError(f"a prompt fills the max context {m.max_context}; use shorter prompts")
     n = min(max_new_tokens, room)
+    if batch != 1:
+        from .cmd_batch import bench_batch, check_batch_value, echo_bench_batch
+
+        check_batch_value(batch)
+        if do_calibrate or plot is not None or ctx:
+            raise DFlashError("--batch runs its own comparison; leave out --calibrate, --plot and --context")
+        cfg = _settings(out, provider, backend, threads, spin, verify)
+        report = bench_batch(lambda b: _backend(out, provider, backend=backend, threads=threads, spin=spin,
+                                                verify=verify, max_batch=b)[0], prompts, n, batch, warmup, cfg.verify)
+        report.update(prompt_source=source, threads=cfg.threads)
+        click.echo(json.dumps(report)) if as_json else echo_bench_batch(report)
+        return
     sweep = backend == "ort" and threads is None
     base = _settings(out, provider, backend, threads, spin, "full")
     candidates = thread_candidates() if sweep else [base.threads]
