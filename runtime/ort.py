@@ -32,6 +32,7 @@ from . import contract as C, manifest as M
 from .backend import Backend, TargetOut
 from .errors import DFlashError
 from .hybrid import LinearStates
+from .memory import check_cache_memory
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 # TensorProto.DataType; uint8: weight-only quantized tensors (MatMulNBits, docs/quantization.md); int32: the
@@ -162,6 +163,7 @@ class OrtBackend(Backend):
             self.max_chunk = min(self.max_chunk, C.max_seq(m))
         self.has_drafter = drafter
         self.max_batch = check_batch(m, max_batch, self.device, self.directory)
+        check_cache_memory(m, self.max_batch, self.max_len, drafter)
         self.low_memory = low_memory
         self.trace: list | None = None  # set to [] to record every bound (name, ptr, shape)
         self._geom: dict[int, tuple] = {}  # id(buffer) -> (pointer, row bytes, device), see _bind

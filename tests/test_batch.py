@@ -102,3 +102,37 @@ def test_batch_needs_a_ragged_export(tmp_path):
     be = OrtBackend(out, threads=1, max_batch=2)
     with pytest.raises(DFlashError, match="at most 2 rows"):
         generate_batch(be, [Request([1, 2], 3)], batch=3)
+
+
+def test_memory_check_refuses_a_batch_that_does_not_fit():
+    from dflash_export.runtime.manifest import load_manifest
+    from dflash_export.runtime.memory import cache_bytes_per_position, check_cache_memory
+
+    _, _, out = artifact(CASES["llama"])
+    m = load_manifest(out)
+    row = m.max_context * cache_bytes_per_position(m)
+    assert check_cache_memory(m, 4, m.max_context, available=5 * row) == 5 * row  # 4 rows + one gathered row
+    with pytest.raises(DFlashError, match=r"--batch 4 x max context 256 needs .* GB of KV cache .* lower --batch"):
+        check_cache_memory(m, 4, m.max_context, available=4 * row)
+
+
+def test_cli_generate_prompts_in_batches(tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import cli
+
+    _, _, out = artifact(CASES["qwen3"])
+    ps = prompts(4, 100, seed=2)
+    f = tmp_path / "p.txt"
+    f.write_text("\n".join(",".join(map(str, p)) for p in ps) + "\n")
+    r = CliRunner().invoke(cli, ["generate", str(out), "--prompts", str(f), "--batch", "3", "--max-new-tokens", "9",
+                                 "--json", "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    be = OrtBackend(out, threads=1)
+    assert [x["tokens"] for x in lines] == [generate(be, p, 9).tokens for p in ps]
+    for args, msg in ((["--batch", "0"], "--batch must be at least 1"), (["--batch", "2", "--prompt-ids", "1,2"],
+                                                                         "--batch needs --prompts")):
+        extra = [] if "--prompt-ids" in args else ["--prompts", str(f)]
+        r = CliRunner().invoke(cli, ["generate", str(out), *extra, *args])
+        assert r.exit_code != 0 and msg in r.output and "Traceback" not in r.output, r.output
