@@ -13,26 +13,10 @@ from pathlib import Path
 import click
 import numpy as np
 
+from .cmd_batch import BUILTIN_PROMPTS, _bench_prompts, _parse_ids  # noqa: F401 (BUILTIN_PROMPTS: cmd_demo)
 from .runtime.errors import DFlashError
 from .runtime.sampling import check_sampling
 from .serve.text import load_tokenizer
-
-BUILTIN_PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "The three laws of thermodynamics are",
-    "Question: A train travels 60 km in 45 minutes. What is its average speed in km/h?\nAnswer:",
-    "import numpy as np\n\ndef softmax(x):\n",
-    "Once upon a time, in a small village by the sea,",
-]
-
-
-def _parse_ids(text: str, what: str) -> list[int]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    try:
-        return [int(p) for p in parts]
-    except ValueError:
-        raise DFlashError(f"{what} must be comma-separated integers (got {text!r})") from None
-
 
 def _settings(out, provider: str, backend: str, threads: int | None, spin: bool | None, verify: str):
     """The run's settings: --threads/--spin/--verify over runtime.json over the defaults (runtime/settings.py)."""
@@ -112,22 +96,15 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
         raise DFlashError("give exactly one of --prompt TEXT, --prompt-ids 1,2,3 or --prompts FILE")
     if check_batch_value(batch) > 1 and prompts_file is None:
         raise DFlashError("--batch needs --prompts FILE (one prompt per line)")
-    if prompts_file is not None:
-        if stream:
-            raise DFlashError("--stream prints one prompt's tokens; with --prompts use --json (one line per prompt)")
-        check_sampling(temperature, top_k, top_p)
-        stop = None if stop_ids is None else tuple(_parse_ids(stop_ids, "--stop-ids"))
-        be, cfg = _backend(out, provider, drafter=not no_draft, backend=backend, threads=threads, spin=spin,
-                           verify=verify, max_batch=batch)
-        tok = load_tokenizer(out)
-        prompts, _ = _bench_prompts(prompts_file, tok, be.manifest.vocab_size)
-        generate_many(be, tok, prompts, max_new_tokens, batch, not no_draft, cfg.verify, as_json,
-                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop)
-        return
-    if stream and as_json:
-        raise DFlashError("--stream and --json are exclusive: --json prints one object at the end")
+    if stream and (as_json or prompts_file is not None):
+        raise DFlashError("--stream and --json (or --prompts) are exclusive: --stream prints one prompt as it comes")
     check_sampling(temperature, top_k, top_p)
     stop = None if stop_ids is None else tuple(_parse_ids(stop_ids, "--stop-ids"))
+    if prompts_file is not None:
+        be, cfg = _backend(out, provider, not no_draft, backend, threads, spin, verify, max_batch=batch)
+        generate_many(be, load_tokenizer(out), prompts_file, max_new_tokens, batch, not no_draft, cfg.verify, as_json,
+                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop)
+        return
     ids = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
     backend, cfg = _backend(out, provider, drafter=not no_draft, backend=backend, threads=threads, spin=spin, verify=verify)
     tok = load_tokenizer(out)
@@ -183,35 +160,6 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
 
 
 # -- bench ---------------------------------------------------------------------------------
-
-
-def _bench_prompts(path: Path | None, tok, vocab: int, n_random: int = 5, length: int = 32) -> tuple[list[list[int]], str]:
-    if path is not None:
-        if not path.is_file():
-            raise DFlashError(f"--prompts {path}: no such file")
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        if not lines:
-            raise DFlashError(f"--prompts {path}: no prompts in it (one per line)")
-        if path.suffix == ".jsonl":  # {"prompt": "..."} per line, as demo/prompts.jsonl
-            try:
-                lines = [json.loads(ln)["prompt"] for ln in lines]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DFlashError(f"--prompts {path}: each JSONL line needs a \"prompt\" string") from None
-        prompts = []
-        for ln in lines:
-            if all(p.strip().isdigit() for p in ln.split(",")):
-                prompts.append(_parse_ids(ln, f"--prompts {path}"))
-            elif tok is None:
-                raise DFlashError(f"--prompts {path}: text prompts need tokenizer.json in the exported directory; "
-                                  "write comma-separated token ids instead")
-            else:
-                prompts.append(tok.encode(ln).ids)
-        return prompts, f"{len(prompts)} prompts from {path}"
-    if tok is not None:
-        return [tok.encode(p).ids for p in BUILTIN_PROMPTS], f"{len(BUILTIN_PROMPTS)} built-in text prompts"
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, vocab, length).tolist() for _ in range(n_random)]
-    return prompts, f"{n_random} random token prompts of {length} tokens (no tokenizer in the directory)"
 
 
 def _policy_json(policy) -> dict | str:

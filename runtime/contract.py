@@ -376,63 +376,18 @@ def dtype(t: Tensor, m) -> str:
     return NUMPY_DTYPE[m.dtype] if t.dtype == MODEL else t.dtype
 
 
-@functools.cache  # the runtime binds these by name every call: ~1.7 us each to rebuild
-def past_key(i: int) -> str:
-    return PAST_KV[0].at(i).name
+def _namer(t: Tensor):
+    """The concrete name of template `t` for layer i, cached: the runtime binds these by name
+    every call (~1.7 us each to rebuild)."""
+    return functools.cache(lambda i: t.at(i).name)
 
 
-@functools.cache
-def past_value(i: int) -> str:
-    return PAST_KV[1].at(i).name
-
-
-@functools.cache
-def new_key(i: int) -> str:
-    return NEW_KV[0].at(i).name
-
-
-@functools.cache
-def new_value(i: int) -> str:
-    return NEW_KV[1].at(i).name
-
-
-@functools.cache
-def conv_state(i: int) -> str:
-    return LINEAR_STATE[0].at(i).name
-
-
-@functools.cache
-def rec_state(i: int) -> str:
-    return LINEAR_STATE[1].at(i).name
-
-
-@functools.cache
-def new_conv(i: int) -> str:
-    return LINEAR_NEW[0].at(i).name
+past_key, past_value, new_key, new_value = (_namer(t) for t in (*PAST_KV, *NEW_KV))
+conv_state, rec_state, new_conv = (_namer(t) for t in (*LINEAR_STATE, LINEAR_NEW[0]))
+ctx_key, ctx_value, past_ctx_key, past_ctx_value = (_namer(t) for t in (*CTX_KV, *PAST_CTX_KV))
 
 
 @functools.cache
 def delta(i: int) -> tuple[str, str, str]:
     """delta_k, delta_u, delta_g of linear-attention layer i (what `commit_state` reads)."""
     return tuple(t.at(i).name for t in LINEAR_NEW[1:])
-
-
-@functools.cache
-def ctx_key(j: int) -> str:
-    return CTX_KV[0].at(j).name
-
-
-@functools.cache
-def ctx_value(j: int) -> str:
-    return CTX_KV[1].at(j).name
-
-
-@functools.cache
-def past_ctx_key(j: int) -> str:
-    return PAST_CTX_KV[0].at(j).name
-
-
-@functools.cache
-def past_ctx_value(j: int) -> str:
-    return PAST_CTX_KV[1].at(j).name
-
