@@ -147,38 +147,39 @@ def stream_batch(
         raise DFlashError(f"batch {B}: the backend was loaded for at most {backend.max_batch} rows")
     if draft and not getattr(backend, "has_drafter", True):
         raise DFlashError("this backend was loaded without the drafter; use autoregressive mode (--no-draft)")
-    call_rows = list(range(backend.max_batch))  # one call carries every row the backend holds (idle ones padded)
     k = m.block_size if draft else 1
     chunk = min(prefill_chunk or backend.max_chunk, backend.max_chunk)  # the backend's: calibrated
     st = stats if stats is not None else BatchStats()
     st.batch = B
     waiting = iter(enumerate(requests))
-    rows: list[_Row | None] = [None] * backend.max_batch
+    rows: list[_Row] = []  # row b sits in the backend's slot b: the batch's rows are always slots 0..len-1
+    backend.set_width(0)
     t_start = clock()
     while True:
-        for slot in range(B):  # joins, at the round boundary
-            while rows[slot] is None:
-                nxt = next(waiting, None)
-                if nxt is None:
-                    break
-                row = _prefill(backend, slot, *nxt, draft, chunk, B)
-                if outs is not None:
-                    outs.append(row.gen)
-                yield row.index, [row.anchor]
-                if row.done:
-                    _leave(backend, row, slot, B, clock)
-                else:
-                    rows[slot] = row
-        active = [(b, r) for b, r in enumerate(rows) if r is not None]
-        if not active:
+        while len(rows) < B:  # joins, at the round boundary: a new row takes the next slot
+            nxt = next(waiting, None)
+            if nxt is None:
+                break
+            slot = len(rows)
+            backend.set_width(slot + 1)
+            row = _prefill(backend, slot, *nxt, draft, chunk)
+            if outs is not None:
+                outs.append(row.gen)
+            yield row.index, [row.anchor]
+            if row.done:
+                _leave(backend, rows, slot)
+            else:
+                rows.append(row)
+        if not rows:
             st.wall_s = clock() - t_start
             return
+        call_rows = list(range(len(rows)))
         t1 = clock()
-        anchors = np.array([0 if r is None else r.anchor for r in rows], np.int64)
+        anchors = np.array([r.anchor for r in rows], np.int64)
         drafts, conf = backend.draft_block_rows(call_rows, anchors) if draft else (None, None)
         t2 = clock()
         lens = np.zeros(len(rows), np.int64)
-        for b, r in active:
+        for b, r in enumerate(rows):
             s = min(k, r.max_length - r.start)
             if conf is not None:
                 r.gen.confidences.append(conf[b].copy())
@@ -190,12 +191,12 @@ def stream_batch(
         ids[:, 0] = anchors
         if draft and S > 1:
             ids[:, 1:] = drafts[:, : S - 1]
-        sample = any(r.u is not None for _, r in active)
+        sample = any(r.u is not None for r in rows)
         res = backend.target_rows(call_rows, ids, lens, None, want_logits=sample)
         t3 = clock()
         produced = np.zeros(len(rows), np.int64)
-        emitted_of = {}
-        for b, r in active:
+        emitted_of = []
+        for b, r in enumerate(rows):
             s, q = int(lens[b]), r.req
             if r.u is not None:
                 choice = choose(res.logits[b, :s], r.u[r.start + 1 :], q.temperature, q.top_k, q.top_p).tolist()
@@ -206,20 +207,20 @@ def stream_batch(
             emitted = (guess[:a] + [choice[a]])[: r.max_length - r.start - 1]
             emitted, r.gen.stopped = cut_at_stop(emitted, r.stop)
             produced[b] = len(emitted)
-            emitted_of[b] = emitted
+            emitted_of.append(emitted)
         backend.commit_rows(call_rows, produced)  # anchor + accepted drafts; the rest of each verify rolls back
-        for b, r in active:
+        for b, r in enumerate(rows):
             r.start += int(produced[b])
             r.anchor = emitted_of[b][-1]
         t4 = clock()
         if draft:  # the next round needs the features of what each continuing row kept
-            more = np.array([0 if r is None or r.done else produced[b] for b, r in enumerate(rows)], np.int64)
+            more = np.array([0 if r.done else produced[b] for b, r in enumerate(rows)], np.int64)
             if more.any():
                 backend.draft_context_rows(call_rows, more)
         t5 = clock()
         st.rounds += 1
-        st.busy_rows += len(active)
-        for b, r in active:
+        st.busy_rows += len(rows)
+        for b, r in enumerate(rows):
             g = r.gen
             g.round_s.append(((t2 - t1) + (t5 - t4), t3 - t2, t4 - t3))
             g.draft_s += g.round_s[-1][0]
@@ -229,12 +230,11 @@ def stream_batch(
             g.verify_lengths.append(int(lens[b]))
             g.total_s += t5 - t1  # the consumer's time between rounds is not ours
             yield r.index, emitted_of[b]
-            if r.done:
-                rows[b] = None
-                _leave(backend, r, b, B, clock)
+        for b in reversed([b for b, r in enumerate(rows) if r.done]):  # leaves, at the round boundary
+            _leave(backend, rows, b)
 
 
-def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, chunk: int, B: int) -> _Row:
+def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, chunk: int) -> _Row:
     """A joining row: its prompt through the target (and drafter context) on its slot alone;
     its first token from the last prompt position."""
     clock = time.perf_counter
@@ -271,10 +271,20 @@ def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, c
     return row
 
 
-def _leave(backend: Backend, row: _Row, slot: int, B: int, clock) -> None:
-    """A finished row frees its slot (a one-row backend keeps its caches for prompt reuse)."""
+def _leave(backend: Backend, rows: list[_Row], b: int) -> None:
+    """Row b (finished, or never started: b == len(rows)) frees its slot: the batch's last row
+    moves into it, so the rows stay in slots 0..len-1. A one-row backend keeps its caches
+    (prompt reuse)."""
+    last = len(rows) - 1 if b < len(rows) else b
     if backend.max_batch > 1:
-        backend.reset_row(slot)
+        if b != last:
+            backend.move_row(last, b)
+            rows[b] = rows[last]
+        else:
+            backend.reset_row(b)
+    if b < len(rows):
+        rows.pop()
+    backend.set_width(len(rows))
 
 
 def stream(
