@@ -12,9 +12,11 @@ back into its file under a lock) and SaveBytes. Written by hand, because Polygra
 not do them: the profiles (runtime/trt_profiles.py), the all-or-nothing swap of
 OUT/engines, the manifest record, the rich progress bars and one-line errors.
 
-NOT EXECUTED IN DEVELOPMENT against TensorRT: it needs `tensorrt` and an NVIDIA GPU, which
-the development machines do not have. Here it runs real Polygraphy against the stand-in
-in tests/trt_fake.py; on a GPU machine, tests/test_trt_gpu.py builds for real.
+NOT EXECUTED ON TENSORRT HARDWARE IN DEVELOPMENT: a build needs TensorRT's libraries and an
+NVIDIA GPU, which the development machines do not have. Here it runs real Polygraphy against a
+double of the real TensorRT 10.12 and 11.4 Python bindings (tests/trt_double.py: names,
+signatures, types and return values are NVIDIA's; the build itself is simulated); on a GPU
+machine, tests/test_trt_gpu.py builds for real.
 """
 
 from __future__ import annotations
@@ -143,7 +145,12 @@ def polygraphy_loaders(trt, out: Path, g: GraphPlan, plan: BuildPlan, timing_cac
     Calling the returned loader runs the build. The STRONGLY_TYPED network flag is set on
     TensorRT 10.x only: there it is what makes the build honour the graph's types; 11.x
     deprecated the flag (always strongly typed) and may drop it, and Polygraphy would then
-    fail on the missing attribute.
+    fail on the missing attribute. (The flag's number differs: 1 on 10.x, where EXPLICIT_BATCH
+    is 0; 0 on 11.x. Polygraphy reads it from the installed module.)
+
+    TF32 stays off (Polygraphy clears it unless asked): an fp32 export is the parity
+    reference (1e-4 against PyTorch), which TF32's 10-bit mantissa would not keep; for
+    speed, export fp16 or bf16.
     """
     from polygraphy.backend.common import SaveBytes
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, Profile
