@@ -318,7 +318,8 @@ def run_check(
             saved.append((graph, case, feeds, dict(zip(names_out, ref)), dict(zip(names_out, got))))
         if m.linear_layers:
             report.rows += committed_state_rows(ref_models[0], m, backend.sessions[C.TARGET], seed, report.strict)
-        report.rows += ragged_rows(*ref_models, m, backend.sessions, seed, report.strict)
+        against = "pytorch" if q is None else "dequantized" if ref_models[0] is not target else "float"
+        report.rows += ragged_rows(*ref_models, m, backend.sessions, seed, report.strict, against)
     if save_polygraphy is not None:
         with ui.phase("save", f"Polygraphy inputs/outputs to {save_polygraphy}"):
             write_polygraphy(Path(save_polygraphy), saved)

@@ -45,7 +45,8 @@ def block_inputs(m: M.Manifest, ctx, p: int) -> list:
     return [torch.full((ctx[0][0].shape[0],), p, dtype=torch.long), *_position_major(None, ctx)]
 
 
-def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, strict: bool) -> list:
+def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, strict: bool,
+                against: str = "pytorch") -> list:
     """Parity per row of a ragged batch: two rows with different past lengths (and verify
     lengths, the shorter padded) through the target and the block graph in one call each,
     every row's valid outputs against that row alone through PyTorch (batch 1)."""
@@ -97,5 +98,5 @@ def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, stric
             mine = [o[r : r + 1, :s] for o in got]
             case = f"ragged B=2 row {r} (past {lens[r]}, {s} of {S} new)" if graph == C.TARGET else \
                 f"ragged B=2 row {r} (context {lens[r]})"
-            rows += compare(graph, case, names_out, mine, ref, strict)
+            rows += compare(graph, case, names_out, mine, ref, strict, against)
     return rows
