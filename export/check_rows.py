@@ -45,7 +45,7 @@ def block_inputs(m: M.Manifest, ctx, p: int) -> list:
     return [torch.full((ctx[0][0].shape[0],), p, dtype=torch.long), *_position_major(None, ctx)]
 
 
-def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, strict: bool,
+def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, strict: bool, compare, to_numpy,
                 against: str = "pytorch") -> list:
     """Parity per row of a ragged batch: two rows with different past lengths (and verify
     lengths, the shorter padded) through the target and the block graph in one call each,
@@ -83,8 +83,7 @@ def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, stric
     ids = torch.cat([pad(r[:, n:n + s], S) for r, n, s in zip(rows_ids, lens, news)], 0)
     pos = torch.stack([torch.arange(n, n + S) for n in lens])
     lengths = torch.tensor(lens)
-    from .check import _np, compare
-
+    _np = to_numpy
     rows = []
     for graph, inputs, which in (
         (C.TARGET, [ids, pos, *target_inputs(m, batch_past, P, S, lengths)], 0),

@@ -47,7 +47,7 @@ def test_manifest(art):
 def test_check_passes(art):
     _, _, target, draft, out = art
     r = CliRunner().invoke(cli, ["check", str(out), "--target", str(target), "--draft", str(draft),
-                                 "--prompts", "20", "--max-new-tokens", "20", "--json"])
+                                 "--num-prompts", "20", "--max-new-tokens", "20", "--json"])
     report = json.loads(r.stdout)
     assert r.exit_code == 0 and report["passed"], r.stdout
     e2e = report["end_to_end"]

@@ -225,7 +225,7 @@ def test_export_quantize_end_to_end(tmp_path):
     m = M.load_manifest(out)
     assert m.quantization["scheme"] == "int4" and len(m.quantization["weights"]["draft_block"]) == 7
     r = CliRunner().invoke(cli, ["check", str(out), "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"),
-                                 "--prompts", "4", "--json"])
+                                 "--num-prompts", "4", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["end_to_end"]["speculative_equals_plain"] == 4
 
@@ -274,6 +274,7 @@ def test_quantized_logits_are_close_to_float(made):
     feeds = {"input_ids": ids, "position_ids": np.arange(6)[None], "past_lengths": np.zeros(1, np.int64),
              "logits_index": np.arange(6)[None]}
     m = M.load_manifest(src)
+    N = C.names_of(m)
     for i in range(m.target_layers):
         for n in (C.past_key(i), C.past_value(i)):
             feeds[n] = np.zeros((0, 1, m.target_kv_heads, m.target_head_dim), np.float32)  # position-major
