@@ -90,8 +90,8 @@ class Request:
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] | None = None
-    reuse: int = 0
-    sampling: str = "rejection"  # T > 0: "rejection" (drafts from q) or "compare" (runtime/sampling.py)  # prompt tokens already in the slot's caches (batch 1: a server slot's prompt reuse)
+    reuse: int = 0  # prompt tokens already in the slot's caches (batch 1: a server slot's prompt reuse)
+    sampling: str = "rejection"  # T > 0: "rejection" (drafts from q) or "compare" (runtime/sampling.py)
 
 
 @dataclass
