@@ -206,9 +206,11 @@ def plot_bench(report: dict, path: Path) -> None:
 @click.option("--batch", default=1, show_default=True, type=int,
               help="Decode the prompts N rows at a time and report aggregate and per-request tokens/s, tau and "
                    "occupancy against batch 1 in the same run (interleaved).")
+@click.option("--temperature", default=0.0, show_default=True, type=float,
+              help="> 0: sampled rounds (rejection sampling, seed = prompt index): tau at this temperature.")
 @device_options
-def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate, contexts, batch, provider, backend,
-          threads, spin, verify):
+def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate, contexts, batch, temperature, provider,
+          backend, threads, spin, verify):
     """Speculative vs plain decoding of OUT on the same prompts: tau, tokens/s, speedup.
 
     Without --threads every candidate thread count runs too (interleaved), which gives
@@ -226,6 +228,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     if ctx and max(ctx) + m.block_size > m.max_context:
         raise DFlashError(f"--context {max(ctx)} needs an export with --max-context >= {max(ctx) + m.block_size} "
                           f"(context + block size); {out} holds {m.max_context}")
+    check_sampling(temperature, 0, 1.0)
     prompts, source = _bench_prompts(prompts_file, load_tokenizer(out), m.vocab_size)
     room = m.max_context - max(len(p) for p in prompts)
     if room < 1:
@@ -233,8 +236,8 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     n = min(max_new_tokens, room)
     if batch != 1:
         check_batch_value(batch)
-        if do_calibrate or plot is not None or ctx:
-            raise DFlashError("--batch runs its own comparison; leave out --calibrate, --plot and --context")
+        if do_calibrate or plot is not None or ctx or temperature:
+            raise DFlashError("--batch runs its own comparison; leave out --calibrate, --plot, --context, --temperature")
         cfg = settings_for(out, backend, provider, threads=threads, spin=spin, verify=verify)
         report = bench_batch(lambda b: open_artifact(out, backend=backend, provider=provider, threads=threads, spin=spin,
                                                      verify=verify, max_batch=b)[0], prompts, n, batch, warmup, cfg.verify)
@@ -263,9 +266,9 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         backends[key] = open_backend(out, "ort", provider, **cfg.ort_kwargs())
         if not sweep:
             del backends[cfg.threads]
-    runs = measure_many(backends, prompts, n, warmup, cfg.verify)
+    runs = measure_many(backends, prompts, n, warmup, cfg.verify, temperature)
     main = backends[key]
-    report = {"provider": main.provider, **summarize(*runs[key], m.block_size)}
+    report = {"provider": main.provider, **summarize(*runs[key], m.block_size, temperature)}
     report.update(max_new_tokens=n, prompt_source=source, threads=cfg.threads, graph_threads=cfg.graph_threads or None,
                   spin=cfg.spin, verify=policy_json(cfg.verify), draft_vocab=(m.draft_vocab or {}).get("size"),
                   prefill_chunk=min(main.max_chunk, cfg.prefill_chunk or main.max_chunk))
@@ -293,7 +296,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
                f"{per_graph}, spin {'on' if r['spin'] else 'off'}, verify {r['verify']}")
     if r.get("draft_vocab"):
         click.echo(f"draft vocabulary: {r['draft_vocab']} of {m.vocab_size} tokens")
-    click.echo(f"tau {r['tau']:.2f}, mean verify length {r['mean_verify_len']:.2f}  histogram {r['acceptance_histogram']}")
+    click.echo(f"tau {r['tau']:.2f}{f' at temperature {temperature}' if temperature else ''}, mean verify length {r['mean_verify_len']:.2f}  histogram {r['acceptance_histogram']}")
     click.echo(f"speculative {t['speculative']:.1f} tok/s, autoregressive {t['autoregressive']:.1f} tok/s, "
                f"speedup {r['speedup']:.2f}x")
     if sweep:
@@ -308,7 +311,8 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         click.echo(f"{mode}: " + ", ".join(f"{k} {v:.3f}s" for k, v in s.items()))
     if ctx:
         click.echo("step ms by context: " + ", ".join(f"{k}: {v:.3f}" for k, v in r["step_ms_by_context"].items()))
-    click.echo(f"lossless (speculative == autoregressive tokens): {r['lossless']}; peak RSS {r['peak_rss_mb']:.0f} MB")
+    lossless = "not compared (sampled)" if r["lossless"] is None else r["lossless"]
+    click.echo(f"lossless (speculative == autoregressive tokens): {lossless}; peak RSS {r['peak_rss_mb']:.0f} MB")
     if plot is not None:
         click.echo(f"plot: {plot}")
 

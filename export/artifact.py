@@ -145,7 +145,8 @@ def plan_draft_vocab(n, data, target_dir, vocab_size: int, eos: list[int]):
     counts, source = DV.count_tokens(list(data), target_dir, vocab_size) if data else (None, DV.FALLBACK)
     ids = DV.choose(int(n), vocab_size, eos, counts)
     cov = DV.coverage(ids, counts)
-    return ids, {"size": int(n), "source": source, "data_coverage": None if cov is None else round(cov, 6)}
+    return ids, {"size": int(n), "source": source, "data_coverage": None if cov is None else round(cov, 6),
+                 "ids": [int(i) for i in ids]}  # the runtime's q over target ids (rejection sampling)
 
 
 # -- manifest -----------------------------------------------------------------------------

@@ -175,6 +175,24 @@ class Backend(ABC):
         d = self.draft_block(int(anchors[0]))
         return d.ids[None], None if d.conf is None else d.conf[None]
 
+    def draft_logits_rows(self, n: int) -> np.ndarray:
+        """The last `draft_block_rows` call's draft_logits [n, K-1, draft vocab] on the host
+        (after the drafter's logit transforms): rejection sampling's q. Read only when
+        `samples_drafts`."""
+        raise DFlashError(f"internal: {type(self).__name__} does not return draft logits")
+
+    @property
+    def samples_drafts(self) -> bool:
+        """Whether rejection sampling can run: draft logits on the host and, for a reduced draft
+        vocabulary, its ids in the manifest (else sampled rows compare argmax drafts)."""
+        return (type(self).draft_logits_rows is not Backend.draft_logits_rows and self.has_drafter
+                and (not getattr(self.manifest, "draft_vocab", None) or self.draft_vocab_ids is not None))
+
+    @property
+    def draft_vocab_ids(self) -> np.ndarray | None:
+        """Target ids of the draft logits' columns (a reduced draft vocabulary), None: all."""
+        return draft_vocab_ids(self.manifest)
+
     width: int = 1  # rows a call over all rows carries (runtime/loop.py keeps its rows in 0..width-1)
 
     def set_width(self, w: int) -> None:
@@ -232,3 +250,12 @@ class Backend(ABC):
     def provider(self) -> str:
         """What runs the graphs, for reports ("onnxruntime:CPUExecutionProvider", "tensorrt")."""
         return type(self).__name__
+
+
+def draft_vocab_ids(m: Manifest) -> np.ndarray | None:
+    """The manifest's draft vocabulary ids (exports since rejection sampling record them)."""
+    dv = getattr(m, "draft_vocab", None)
+    if not dv:
+        return None
+    ids = dv.get("ids")
+    return None if ids is None else np.asarray(ids, np.int64)

@@ -19,8 +19,9 @@ Adaptive verify (`verify=VerifyPolicy`, runtime/settings.py) verifies only the c
 prefix of the drafts, from the drafter's top-1 probabilities: on a CPU, where a verify
 costs in proportion to its length, the unlikely tail is not worth its time. Still
 lossless: the target chooses every emitted token, a shorter verify only ends the round
-sooner. Sampling draws the uniform of each absolute position (sampling.position_uniforms),
-so a sampled output does not depend on how many positions the rounds verified.
+sooner. Sampling (T > 0) is per row: rejection sampling with the drafter's q by default,
+sample-and-compare where a row asks for it or q is not available (runtime/sampling.py: the
+rules and the uniforms per absolute position, which make a row's output its seed's).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import numpy as np
 
 from .backend import Backend
 from .errors import DFlashError, InternalError
-from .sampling import accept, check_request, check_sampling, choose, cut_at_stop, position_uniforms
+from .sampling import (accept, check_request, check_sampling, choose, cut_at_stop, draft_uniforms, position_uniforms,
+                       probabilities, rejection, sample_drafts)
 from .settings import VerifyPolicy
 
 
@@ -88,6 +90,7 @@ class Request:
     seed: int = 0
     stop_token_ids: tuple[int, ...] | None = None
     reuse: int = 0  # prompt tokens already in the slot's caches (batch 1: a server slot's prompt reuse)
+    sampling: str = "rejection"  # T > 0: "rejection" (drafts from q) or "compare" (runtime/sampling.py)
 
 
 @dataclass
@@ -115,6 +118,7 @@ class _Row:
     stop: set
     max_length: int
     u: np.ndarray | None
+    ud: np.ndarray | None = None  # rejection sampling's draft / accept uniforms (None: argmax drafts)
     anchor: int = 0
     start: int = 0  # position of the anchor
     t_first: float = 0.0
@@ -179,6 +183,11 @@ def stream_batch(
         t1 = clock()
         anchors = np.array([r.anchor for r in rows], np.int64)
         drafts, conf = backend.draft_block_rows(call_rows, anchors) if draft else (None, None)
+        drafted = _sample_drafts(backend, rows, drafts) if draft and any(r.ud is not None for r in rows) else {}
+        if drafted:
+            drafts = drafts.copy()
+            for b, d in drafted.items():
+                drafts[b] = d.tokens
         t2 = clock()
         lens = np.zeros(len(rows), np.int64)
         for b, r in enumerate(rows):
@@ -200,13 +209,18 @@ def stream_batch(
         emitted_of = []
         for b, r in enumerate(rows):
             s, q = int(lens[b]), r.req
-            if r.u is not None:
-                choice = choose(res.logits[b, :s], r.u[r.start + 1 :], q.temperature, q.top_k, q.top_p).tolist()
-            else:
-                choice = res.next_ids[b, :s].tolist()
             guess = ids[b, 1:s].tolist()
-            a = accept(guess, choice[: s - 1])
-            emitted = (guess[:a] + [choice[a]])[: r.max_length - r.start - 1]
+            if b in drafted:  # rejection sampling against the target's p
+                p = probabilities(res.logits[b, :s], q.temperature, q.top_k, q.top_p)
+                a, last = rejection(drafted[b], s - 1, p, r.ud[r.start + 1 :, 1], r.u[r.start + 1 :])
+            else:
+                if r.u is not None:
+                    choice = choose(res.logits[b, :s], r.u[r.start + 1 :], q.temperature, q.top_k, q.top_p).tolist()
+                else:
+                    choice = res.next_ids[b, :s].tolist()
+                a = accept(guess, choice[: s - 1])
+                last = choice[a]
+            emitted = (guess[:a] + [last])[: r.max_length - r.start - 1]
             emitted, r.gen.stopped = cut_at_stop(emitted, r.stop)
             produced[b] = len(emitted)
             emitted_of.append(emitted)
@@ -237,16 +251,30 @@ def stream_batch(
             _leave(backend, rows, b)
 
 
+def _sample_drafts(backend: Backend, rows: list[_Row], drafts: np.ndarray) -> dict:
+    """Row b -> its drafts sampled from q (the draft logits of this round's call), for the rows
+    that sample by rejection."""
+    logits, ids = backend.draft_logits_rows(len(rows)), backend.draft_vocab_ids
+    out = {}
+    for b, r in enumerate(rows):
+        if r.ud is not None:
+            q = r.req
+            out[b] = sample_drafts(logits[b], r.ud[r.start + 1 :, 0], q.temperature, q.top_k, q.top_p, ids)
+    return out
+
+
 def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, chunk: int) -> _Row:
     """A joining row: its prompt through the target (and drafter context) on its slot alone;
     its first token from the last prompt position."""
     clock = time.perf_counter
-    check_sampling(q.temperature, q.top_k, q.top_p)
+    check_sampling(q.temperature, q.top_k, q.top_p, q.sampling)
     m = backend.manifest
     max_length = check_request(q.prompt, q.max_new_tokens, m.vocab_size, backend.max_len, "exported max context")
     g = Generation(prompt_len=len(q.prompt), reused=q.reuse)
     u = position_uniforms(q.seed, max_length + 1) if q.temperature > 0 else None  # u[t]: token at position t
     row = _Row(index, q, g, set(m.eos_token_ids if q.stop_token_ids is None else q.stop_token_ids), max_length, u)
+    if u is not None and draft and q.sampling == "rejection" and backend.samples_drafts:
+        row.ud = draft_uniforms(q.seed, max_length + 1)
     t0 = clock()
     reuse = q.reuse
     if not 0 <= reuse < len(q.prompt) or (draft and reuse > int(backend.ctx_lengths[slot])) or (reuse and slot):
@@ -305,6 +333,7 @@ def stream(
     reuse: int = 0,
     verify: VerifyPolicy | None = None,
     out: Generation | None = None,
+    sampling: str = "rejection",
 ) -> Iterator[list[int]]:
     """Yield the tokens of each round as it is accepted; statistics accumulate in `out`.
 
@@ -312,7 +341,7 @@ def stream(
     previous sequence started with them, as a server slot tracks); only the rest is
     prefilled. At least the last prompt token is always run, for the first choice.
     """
-    q = Request(list(prompt), max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, reuse)
+    q = Request(list(prompt), max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, reuse, sampling)
     outs: list[Generation] = []
     for _, tokens in stream_batch(backend, [q], batch=1, draft=draft, prefill_chunk=prefill_chunk, verify=verify,
                                   outs=outs):

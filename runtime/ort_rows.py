@@ -377,3 +377,6 @@ class RowCalls:
         self.sessions[g].run_with_iobinding(self._io[g])
         return self.draft_ids[:R], self._conf[:R]
 
+    def draft_logits_rows(self, n: int) -> np.ndarray:
+        x = self._draft_logits  # host memory on the CPU provider; a GPU provider's is copied here
+        return (x if isinstance(x, np.ndarray) else x.numpy())[:n]

@@ -152,7 +152,7 @@ class TensorRTBackend(Backend):
         self.h_next, self.h_logits = np.zeros(ms, np.int64), np.zeros((ms, m.vocab_size), np.float32)
         self.h_cpos = np.zeros(ms, np.int64)
         self.h_bids, self.h_bpos = np.zeros(self.k, np.int64), np.zeros(self.k, np.int64)
-        self.h_draft = np.zeros(self.k, np.int64)
+        self.h_draft, self.h_dlogits = np.zeros(self.k, np.int64), np.zeros((self.k, draft_vocab_size(m)), np.float32)
         has_conf = "draft_conf" in {t.name for t in m.graphs[DRAFT_BLOCK].outputs} if drafter else False
         self.d_conf = self._malloc(self.k * 4) if has_conf else None  # older exports lack it
         self.h_conf = np.zeros(self.k, np.float32)
@@ -374,6 +374,10 @@ class TensorRTBackend(Backend):
             self._d2h(self.h_conf[: k - 1], self.d_conf)
         self._sync()
         return Draft(self.h_draft[: k - 1], self.h_conf[: k - 1] if self.d_conf is not None else None)
+
+    def draft_logits_rows(self, n: int) -> np.ndarray:  # one row's, copied to the host (_sync returns None)
+        self._d2h(self.h_dlogits[: self.k - 1], self.d_dlogits)
+        return self._sync() or self.h_dlogits[None, : self.k - 1]
 
     # -- lifecycle ------------------------------------------------------------------------
 
