@@ -26,8 +26,7 @@ so a sampled output does not depend on how many positions the rounds verified.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +44,7 @@ class Generation:
     verify_lengths: list[int] = field(default_factory=list)  # positions the target verified per round
     confidences: list = field(default_factory=list)  # the drafter's top-1 probabilities per round (calibration)
     stopped: bool = False  # ended on a stop token
+    finished: bool = False  # the row left the batch (stop token or length): set before its last tokens are yielded
     prompt_len: int = 0
     reused: int = 0  # prompt positions found in the caches (not prefilled)
     prefill_s: float = 0.0
@@ -89,6 +89,7 @@ class Request:
     seed: int = 0
     stop_token_ids: tuple[int, ...] | None = None
     reuse: int = 0  # prompt tokens already in the slot's caches (batch 1: a server slot's prompt reuse)
+    speculative: bool = True  # False: this row verifies only its anchor (plain decoding) in a speculative batch
 
 
 @dataclass
@@ -133,6 +134,8 @@ def stream_batch(
     verify: VerifyPolicy | None = None,
     outs: list[Generation] | None = None,
     stats: BatchStats | None = None,
+    poll: Callable[[list[int], bool], list[tuple[int, Request]]] | None = None,
+    drop: Callable[[int], bool] | None = None,
 ) -> Iterator[tuple[int, list[int]]]:
     """Yield (request index, tokens) as each row's tokens are accepted; per-request
     statistics go to `outs` (appended in request order as rows join), the batch's to `stats`.
@@ -140,6 +143,11 @@ def stream_batch(
     Up to `batch` (default: the backend's max_batch) rows generate at once; greedy rows give
     exactly their own batch-1 output, sampled rows their own seed's, whatever else is in
     the batch (tests/test_batch.py; docs/batching.md says where float rounding could differ).
+
+    In flight (a server): `poll(free_rows, idle)` is asked at every round boundary for
+    (row, request) pairs to join, numbered on from the iterable's; with `idle` (no row
+    running) it may block, and an empty answer then ends the stream. `drop(index)` True
+    takes a running row out at the boundary (a cancelled request: freed within one round).
     """
     m, clock = backend.manifest, time.perf_counter
     B = batch or backend.max_batch
@@ -154,23 +162,42 @@ def stream_batch(
     st.batch = B
     waiting = iter(enumerate(requests))
     rows: list[_Row | None] = [None] * backend.max_batch
+    joined = 0  # requests taken so far (the next one's index)
     t_start = clock()
+
+    def join(slot: int, q: Request) -> Iterator[tuple[int, list[int]]]:
+        nonlocal joined
+        row = _prefill(backend, slot, joined, q, draft, chunk, B)
+        joined += 1
+        if outs is not None:
+            outs.append(row.gen)
+        row.gen.finished = row.done
+        yield row.index, [row.anchor]
+        if row.done:
+            _leave(backend, row, slot, B, clock)
+        else:
+            rows[slot] = row
+
     while True:
+        for b, r in enumerate(rows):  # cancelled rows leave at the round boundary
+            if r is not None and drop is not None and drop(r.index):
+                rows[b] = None
+                _leave(backend, r, b, B, clock)
         for slot in range(B):  # joins, at the round boundary
             while rows[slot] is None:
                 nxt = next(waiting, None)
                 if nxt is None:
                     break
-                row = _prefill(backend, slot, *nxt, draft, chunk, B)
-                if outs is not None:
-                    outs.append(row.gen)
-                yield row.index, [row.anchor]
-                if row.done:
-                    _leave(backend, row, slot, B, clock)
-                else:
-                    rows[slot] = row
+                yield from join(slot, nxt[1])
+        given = []
+        if poll is not None and (free := [s for s in range(B) if rows[s] is None]):
+            given = poll(free, len(free) == B)
+            for slot, q in given:
+                yield from join(slot, q)
         active = [(b, r) for b, r in enumerate(rows) if r is not None]
         if not active:
+            if given:  # every joining row finished at its prefill: ask again
+                continue
             st.wall_s = clock() - t_start
             return
         t1 = clock()
@@ -179,8 +206,8 @@ def stream_batch(
         t2 = clock()
         lens = np.zeros(len(rows), np.int64)
         for b, r in active:
-            s = min(k, r.max_length - r.start)
-            if conf is not None:
+            s = min(k if r.req.speculative else 1, r.max_length - r.start)
+            if conf is not None and r.req.speculative:
                 r.gen.confidences.append(conf[b].copy())
                 if verify is not None:
                     s = verify.length(conf[b], s)
@@ -228,6 +255,7 @@ def stream_batch(
             g.acceptance_lengths.append(int(produced[b]))
             g.verify_lengths.append(int(lens[b]))
             g.total_s += t5 - t1  # the consumer's time between rounds is not ours
+            g.finished = r.done
             yield r.index, emitted_of[b]
             if r.done:
                 rows[b] = None
