@@ -201,8 +201,11 @@ def stream_batch(
             st.wall_s = clock() - t_start
             return
         t1 = clock()
+        # a lone row runs alone (its calls gather its prefix) rather than padded beside idle rows
+        cr = [active[0][0]] if len(active) == 1 and len(call_rows) > 1 else call_rows
         anchors = np.array([0 if r is None else r.anchor for r in rows], np.int64)
-        drafts, conf = backend.draft_block_rows(call_rows, anchors) if draft else (None, None)
+        drafts, conf = (_spread(x, cr, len(rows)) for x in backend.draft_block_rows(cr, anchors[cr])) \
+            if draft else (None, None)
         t2 = clock()
         lens = np.zeros(len(rows), np.int64)
         for b, r in active:
@@ -218,7 +221,8 @@ def stream_batch(
         if draft and S > 1:
             ids[:, 1:] = drafts[:, : S - 1]
         sample = any(r.u is not None for _, r in active)
-        res = backend.target_rows(call_rows, ids, lens, None, want_logits=sample)
+        res = backend.target_rows(cr, ids[cr], lens[cr], None, want_logits=sample)
+        res.next_ids, res.logits = _spread(res.next_ids, cr, len(rows)), _spread(res.logits, cr, len(rows))
         t3 = clock()
         produced = np.zeros(len(rows), np.int64)
         emitted_of = {}
@@ -234,7 +238,7 @@ def stream_batch(
             emitted, r.gen.stopped = cut_at_stop(emitted, r.stop)
             produced[b] = len(emitted)
             emitted_of[b] = emitted
-        backend.commit_rows(call_rows, produced)  # anchor + accepted drafts; the rest of each verify rolls back
+        backend.commit_rows(cr, produced[cr])  # anchor + accepted drafts; the rest of each verify rolls back
         for b, r in active:
             r.start += int(produced[b])
             r.anchor = emitted_of[b][-1]
@@ -242,7 +246,7 @@ def stream_batch(
         if draft:  # the next round needs the features of what each continuing row kept
             more = np.array([0 if r is None or r.done else produced[b] for b, r in enumerate(rows)], np.int64)
             if more.any():
-                backend.draft_context_rows(call_rows, more)
+                backend.draft_context_rows(cr, more[cr])
         t5 = clock()
         st.rounds += 1
         st.busy_rows += len(active)
@@ -260,6 +264,15 @@ def stream_batch(
             if r.done:
                 rows[b] = None
                 _leave(backend, r, b, B, clock)
+
+
+def _spread(x: np.ndarray | None, cr: list[int], n: int) -> np.ndarray | None:
+    """A call's per-row results ([len(cr), ...]) at their rows of the batch ([n, ...])."""
+    if x is None or len(cr) == n:
+        return x
+    out = np.zeros((n, *x.shape[1:]), x.dtype)
+    out[cr] = x
+    return out
 
 
 def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, chunk: int, B: int) -> _Row:
