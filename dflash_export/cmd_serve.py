@@ -25,6 +25,7 @@ from .cmd_run import spin_option, threads_option, verify_option
 from .runtime.errors import DFlashError
 
 DEMO_CONTEXT = 2048
+DEFAULT_BATCH = 4  # rows per round when --max-batch is not given (docs/serve.md: measured)
 
 
 def _need_serve_extra() -> None:
@@ -113,6 +114,41 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _batch_rows(directory, m, max_batch: int | None, slots: int | None, backend: str, provider: str,
+                drafter: bool) -> tuple[int, int]:
+    """(max_batch, slots): --max-batch batches rows in one loop, --slots runs a loop per slot.
+    Neither: batch DEFAULT_BATCH rows where the export, backend and memory allow it (fewer
+    when only fewer fit), else one slot. An explicit batch that does not fit is refused."""
+    from .runtime import contract as C
+    from .runtime.memory import check_cache_memory
+
+    if max_batch is not None and slots is not None and max_batch > 1 and slots > 1:
+        raise DFlashError(f"give --max-batch {max_batch} or --slots {slots}, not both")
+    batchable = C.ragged(m) and backend == "ort" and provider == "cpu"
+    if max_batch is None:
+        if slots is not None or not batchable:
+            return 1, slots or 1
+        for b in range(DEFAULT_BATCH, 1, -1):
+            try:
+                check_cache_memory(m, b, m.max_context, drafter)
+                return b, 1
+            except DFlashError:
+                continue
+        return 1, 1
+    if max_batch > 1:
+        if backend != "ort" or provider != "cpu":
+            raise DFlashError(f"--max-batch {max_batch} runs on --backend ort --provider cpu here (the batched "
+                              "caches are host arrays); use --max-batch 1")
+        if not C.ragged(m):
+            raise DFlashError(f"{directory} was exported before batched decoding; re-export it with this dflash-export "
+                              "to use --max-batch > 1, or serve it with --max-batch 1")
+        try:
+            check_cache_memory(m, max_batch, m.max_context, drafter)
+        except DFlashError as e:
+            raise DFlashError(str(e).replace("--batch", "--max-batch")) from None
+    return max_batch, slots or 1
+
+
 def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, max_ongoing, up, down, health) -> dict:
     """The --ray flags checked (one line each), as serve/ray.py build's keywords."""
     given = [f for f, v in (("--replicas", replicas), ("--autoscale", autoscale), ("--ray-address", address),
@@ -150,10 +186,14 @@ def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, ma
 @click.option("--demo", is_flag=True, help="Serve the shipped demo pair (exported once into ~/.cache/dflash-export/).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (other than loopback: set an API key).")
 @click.option("--port", default=8000, show_default=True, type=int, help="TCP port; 0 picks a free one (printed).")
-@click.option("--slots", default=1, show_default=True, type=int,
-              help="Concurrent generations; they share the weights, each owns its KV buffers.")
+@click.option("--max-batch", type=int,
+              help="Requests generating at once as rows of one batched loop: they join at a round boundary and "
+                   "leave when done [default: 4 where the export and memory allow, else 1].")
+@click.option("--slots", type=int,
+              help="Instead of --max-batch: this many separate loops over shared weights, each reusing its last "
+                   "prompt's prefix (the older mode; docs/serve.md compares them).")
 @click.option("--max-queue", default=16, show_default=True, type=int,
-              help="Requests that may wait for a slot (FIFO); more get 429.")
+              help="Requests that may wait for a row or slot (FIFO); more get 429.")
 @click.option("--api-key", envvar="DFLASH_API_KEY", help="Require 'Authorization: Bearer KEY' (env: DFLASH_API_KEY).")
 @click.option("--api-key-file", type=click.Path(path_type=Path), help="Read the API key from this file.")
 @click.option("--model-name", help="The model id clients send [default: the directory's name].")
@@ -178,7 +218,8 @@ def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, ma
 @click.option("--replica-gpus", type=float, default=0.0, show_default=True,
               help="--ray: GPUs per replica (1 with --provider cuda: one GPU each).")
 @click.option("--max-replicas-per-node", type=int, help="--ray: at most this many replicas on one node (1: spread).")
-@click.option("--max-ongoing", type=int, help="--ray: requests Ray sends a replica at once [default: slots + queue + 8].")
+@click.option("--max-ongoing", type=int,
+              help="--ray: requests Ray sends a replica at once [default: batch rows (or slots) + queue + 8].")
 @click.option("--upscale-delay", type=float, default=30.0, show_default=True, help="--autoscale: seconds of load before adding a replica.")
 @click.option("--downscale-delay", type=float, default=600.0, show_default=True,
               help="--autoscale: seconds of low load before removing one.")
@@ -186,7 +227,7 @@ def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, ma
               help="--ray: seconds between replica health checks (slot threads alive, artifact files unchanged).")
 @click.option("--proxy", type=click.Choice(["HeadOnly", "EveryNode"]), default="HeadOnly", show_default=True,
               help="--ray: Ray Serve HTTP proxies on the head only, or on every node (same --host/--port each).")
-def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_name, default_max_tokens, chat_template,
+def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_file, model_name, default_max_tokens, chat_template,
           no_draft, shutdown_timeout, backend, provider, threads, spin, verify, use_ray, replicas, autoscale, ray_address, replica_cpus,
           replica_gpus, max_replicas_per_node, max_ongoing, upscale_delay, downscale_delay, health_check_period, proxy):
     """An OpenAI-compatible server over an exported directory OUT (or --demo):
@@ -206,11 +247,12 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
             raise DFlashError(f"--api-key-file {api_key_file}: {e.strerror}") from None
         if not api_key:
             raise DFlashError(f"--api-key-file {api_key_file} is empty")
-    for name, value, low in (("--slots", slots, 1), ("--max-queue", max_queue, 0), ("--max-tokens", default_max_tokens, 1)):
-        if value < low:
+    for name, value, low in (("--max-batch", max_batch, 1), ("--slots", slots, 1), ("--max-queue", max_queue, 0),
+                             ("--max-tokens", default_max_tokens, 1)):
+        if value is not None and value < low:
             raise DFlashError(f"{name} must be >= {low} (got {value})")
     check_options(threads, verify)  # before --demo's first export, not after it
-    if slots > 1 and backend != "ort":
+    if (slots or 1) > 1 and backend != "ort":
         raise DFlashError(f"--slots {slots} needs --backend ort (its slots share one copy of the weights)")
     ray_kw = _ray_options(use_ray, replicas, autoscale, ray_address, replica_cpus, replica_gpus, max_replicas_per_node,
                           max_ongoing, upscale_delay, downscale_delay, health_check_period)
@@ -223,15 +265,16 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
     if use_ray:
         directory = Path(directory).resolve()  # every replica opens this path on its own node
     # a wrong folder, --threads or runtime.json is one line now, not after binding
-    resolve(directory, M.load_manifest(directory, verify=False), device_key(backend, provider), threads=threads,
-            spin=spin, verify=verify)
+    manifest = M.load_manifest(directory, verify=False)
+    resolve(directory, manifest, device_key(backend, provider), threads=threads, spin=spin, verify=verify)
+    max_batch, slots = _batch_rows(directory, manifest, max_batch, slots, backend, provider, not no_draft)
 
     import uvicorn
 
     from .serve.app import ServeOptions, create_app
 
     options = ServeOptions(Path(directory), model_name=model_name or ("dflash-demo" if demo else None), slots=slots,
-                           max_queue=max_queue, api_key=api_key, backend=backend, provider=provider, threads=threads,
+                           max_batch=max_batch, max_queue=max_queue, api_key=api_key, backend=backend, provider=provider, threads=threads,
                            spin=spin, verify=verify,
                            default_max_tokens=default_max_tokens, chat_template=template, speculative=not no_draft)
     if not _is_loopback(host) and not api_key:
@@ -277,7 +320,8 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
         e = holder.engine
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
         mode = "speculative (DFlash)" if e.has_drafter else "plain decoding"
-        click.echo(f"dflash-export serve: ready at {url}  model {e.model!r}, {len(e.slots)} slot(s), "
+        rows = f"batch {max_batch}" if max_batch > 1 else f"{slots} slot(s)"
+        click.echo(f"dflash-export serve: ready at {url}  model {e.model!r}, {rows}, "
                    f"queue {max_queue}, {mode}, {e.slots[0].backend.provider}, context {e.max_len}")
         auth = ' -H "Authorization: Bearer $DFLASH_API_KEY"' if api_key else ""
         click.echo(f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "

@@ -64,7 +64,7 @@ class Job:
 class Metrics:
     """Prometheus metrics named after vLLM's (`vllm:` -> `dflash:`), in a registry of their own."""
 
-    def __init__(self, model: str, block_size: int):
+    def __init__(self, model: str, block_size: int, max_batch: int = 1):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
         disable_created_metrics()  # no *_created series (process-wide; vLLM does the same)
@@ -92,6 +92,11 @@ class Metrics:
                               buckets=buckets, registry=r)
         self.e2e = Histogram("dflash:e2e_request_latency_seconds", "End-to-end request latency.", lb,
                              buckets=buckets, registry=r)
+        self.queue = Histogram("dflash:request_queue_time_seconds", "Time a request waited for a slot or batch row.",
+                               lb, buckets=buckets, registry=r)
+        self.rows = Histogram("dflash:batch_rows_per_round", "Rows generating in each round of the batched loop "
+                              "(--max-batch; occupancy = rows / max_batch).", lb,
+                              buckets=tuple(range(1, max_batch + 1)), registry=r)
         info = Gauge("dflash:replica_info", "The replica these metrics describe (HOST/PID; Ray: HOST@NODE/PID).",
                      lb + ["replica"], registry=r)
         info.labels(replica=f"{NODE}/{os.getpid()}", **self.labels).set(1)
@@ -212,6 +217,7 @@ class Engine:
 
     def _assign(self, slot: Slot, job: Job) -> None:  # under the lock
         job.slot, slot.job = slot.index, job
+        self.metrics.queue.labels(**self.metrics.labels).observe(time.perf_counter() - job.submitted)
         self._gauges()
         slot.wake.set()
 
@@ -281,10 +287,15 @@ class Engine:
         finally:
             rounds.close()
             slot.seq = (p.prompt + g.tokens)[: b.target_len]
+        self._ended(job, g, finish)
+
+    def _ended(self, job: Job, g: Generation, finish: str) -> None:
+        """The request's counters and its end event (a stop string: only the tokens before it count)."""
+        mt = self.metrics
         if job.text is not None and job.text.stopped:  # usage, timings, metrics: the kept tokens
             del g.tokens[len(job.text.tokens):]
         tail = job.text.finish() if job.text is not None else ""
-        mt.prompt_tokens.labels(**mt.labels).inc(len(p.prompt))
+        mt.prompt_tokens.labels(**mt.labels).inc(len(job.params.prompt))
         mt.cached_tokens.labels(**mt.labels).inc(g.reused)
         mt.generation_tokens.labels(**mt.labels).inc(len(g.tokens))
         mt.success.labels(finished_reason=finish, **mt.labels).inc()
@@ -301,8 +312,9 @@ def _emit(job: Job, event: tuple) -> None:
 
 def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, backend: str = "ort",
                 provider: str = "cpu", threads: int | None = None, spin: bool | None = None, verify: str = "auto",
-                drafter: bool = True, chat_template: str | None = None) -> Engine:
-    """Load the model once and fork it into `slots` sequences (weights shared). Threads (per
+                drafter: bool = True, chat_template: str | None = None, max_batch: int = 1) -> Engine:
+    """Load the model once: `max_batch` > 1 rows of one batched loop (serve/batch.py), or
+    `slots` sequences forked from it (weights shared), each its own loop. Threads (per
     graph), spinning, the prefill chunk and the verify policy resolve as in generate/bench
     (runtime/settings.py)."""
     from ..runtime.backend import open_backend
@@ -314,10 +326,22 @@ def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, b
         raise DFlashError(f"--slots must be >= 1 (got {slots})")
     if max_queue < 0:
         raise DFlashError(f"--max-queue must be >= 0 (got {max_queue})")
+    if max_batch < 1:
+        raise DFlashError(f"--max-batch must be >= 1 (got {max_batch})")
+    if max_batch > 1 and slots > 1:
+        raise DFlashError(f"give --max-batch {max_batch} or --slots {slots}, not both")
+    if max_batch > 1 and backend != "ort":
+        raise DFlashError(f"--max-batch {max_batch} needs --backend ort (the TensorRT backend runs one row here); "
+                          "use --max-batch 1")
     text = Text(directory, chat_template)
     cfg = resolve(directory, load_manifest(directory, verify=False), device_key(backend, provider), threads=threads,
                   spin=spin, verify=verify)
     kwargs = {"drafter": drafter} | (cfg.ort_kwargs() if backend == "ort" else {})  # per-graph threads, chunk
+    if max_batch > 1:
+        from .batch import BatchEngine
+
+        return BatchEngine(open_backend(directory, backend, provider, max_batch=max_batch, **kwargs), text, model,
+                           max_queue, cfg.verify)
     first = open_backend(directory, backend, provider, **kwargs)
     if slots > 1 and not hasattr(first, "fork"):
         raise DFlashError(f"--slots {slots} needs a backend that shares its weights between sequences "
