@@ -12,7 +12,6 @@ status; bad input is never a 500 and never a traceback. Every response carries
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import secrets
 import sys
@@ -28,15 +27,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.errors import DFlashError
 from .engine import Engine, Job, Params, QueueFull, Unavailable, load_engine, replica
+from .guard import REPLICA, Guard
 from .requests import (
     ERROR_TYPES, ApiError, ChatRequest, Common, CompletionRequest, DetokenizeRequest, TokenizeRequest, build_params,
     check_common, check_ids, check_model, error_response, parse_body, render_chat,
 )
 from .text import TextStream
 
-REPLICA = "x-dflash-replica"
 CANCELLED = "the server is shutting down: the generation was cancelled; retry"
-OPEN_PATHS = ("/health", "/health/ready", "/metrics")  # no API key needed (as vLLM: /v1 and the rest need it)
 
 
 @dataclass
@@ -138,7 +136,7 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
     async def health():
         engine = holder.get()
         return {"status": "ok", "model": engine.model, "slots": len(engine.slots), "slots_idle": engine.idle_slots(),
-                "requests_waiting": len(engine.waiting)}
+                "requests_waiting": len(engine.waiting), "max_batch": engine.max_batch}
 
     @app.get("/metrics")
     async def metrics():
@@ -349,64 +347,3 @@ def _timings(engine: Engine, g, p: Params) -> dict:
 def _model_card(engine: Engine) -> dict:
     return {"id": engine.model, "object": "model", "created": 0, "owned_by": "dflash-export",
             "max_model_len": engine.max_len}
-
-
-class Guard:
-    """Pure ASGI middleware: replica header on every response, API key, body size limit (413)."""
-
-    def __init__(self, app, options: ServeOptions):
-        self.app, self.options = app, options
-        self.key = options.api_key.encode() if options.api_key else None
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def send_with_replica(message):
-            if message["type"] == "http.response.start":
-                headers = list(message.get("headers", []))
-                if not any(k.lower() == REPLICA.encode() for k, _ in headers):
-                    headers.append((REPLICA.encode(), replica().encode()))
-                message = {**message, "headers": headers}
-            await send(message)
-
-        headers = {k.lower(): v for k, v in scope.get("headers", [])}
-        if self.key is not None and scope.get("path") not in OPEN_PATHS:
-            given = headers.get(b"authorization", b"")
-            token = given[7:] if given[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token.strip(), self.key):  # constant time
-                resp = error_response(401, "missing or wrong API key (send Authorization: Bearer KEY)",
-                                      code="invalid_api_key", headers={"www-authenticate": "Bearer"})
-                return await resp(scope, receive, send_with_replica)
-        limit = self.options.max_body_bytes
-        try:
-            declared = int(headers.get(b"content-length", b"0"))
-        except ValueError:
-            declared = -1
-        if declared < 0:
-            return await error_response(400, "invalid Content-Length header")(scope, receive, send_with_replica)
-        if declared > limit:
-            return await error_response(413, f"the body has {declared} bytes; the limit is {limit}",
-                                        code="request_too_large")(scope, receive, send_with_replica)
-        if scope.get("method") != "POST":
-            return await self.app(scope, receive, send_with_replica)
-        body, more = bytearray(), True
-        while more:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
-            if len(body) > limit:
-                return await error_response(413, f"the body is over the limit of {limit} bytes",
-                                            code="request_too_large")(scope, receive, send_with_replica)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send_with_replica)

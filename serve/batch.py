@@ -43,7 +43,7 @@ class BatchEngine(Engine):
     """`max_batch` rows of one backend, one loop thread; the app sees the same interface as Engine's."""
 
     def __init__(self, backend, text, model: str, max_queue: int, verify=None):
-        self.manifest, self.backend = backend.manifest, backend
+        self.manifest, self.backend, self.max_batch = backend.manifest, backend, backend.max_batch
         self.verify = verify
         self.text, self.model, self.max_queue = text, model, max_queue
         self.metrics = Metrics(model, self.manifest.block_size, backend.max_batch)

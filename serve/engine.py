@@ -160,6 +160,8 @@ class Engine:
     def max_len(self) -> int:
         return self.slots[0].backend.max_len
 
+    max_batch = 1  # rows per round (serve/batch.py); slots run a loop each
+
     @property
     def has_drafter(self) -> bool:
         return getattr(self.slots[0].backend, "has_drafter", True)

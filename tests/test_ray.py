@@ -159,7 +159,8 @@ def test_ray_flags_are_one_line(sr, art):
         (["--ray", "--autoscale", "3:1"], "MIN:MAX"),
         (["--ray", "--autoscale", "x"], "MIN:MAX"),
         (["--ray", "--replicas", "0"], "--replicas must be >= 1"),
-        (["--ray", "--max-ongoing", "5", "--max-queue", "8"], "--max-ongoing must be > slots + queue = 9"),
+        (["--ray", "--max-ongoing", "5", "--max-queue", "8"], "--max-ongoing must be > rows + queue = 12"),  # 4 rows by default
+        (["--ray", "--max-ongoing", "5", "--max-queue", "8", "--slots", "1"], "--max-ongoing must be > rows + queue = 9"),
     ):
         res = r.invoke(cli, ["serve", str(art), *args])
         assert res.exit_code != 0 and msg in res.output and "Traceback" not in res.output, (args, res.output)
