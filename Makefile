@@ -24,13 +24,20 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch" || true
 	touch $@
 
+# The real TensorRT Python bindings (10.12 and 11.4) with stub libraries, in a cache outside the
+# venv (tests/trt_bindings.py): the TensorRT tests check the project's calls against them. Runs
+# every time: a no-op (~0.1 s) once the cache holds both; needs pip's registry and gcc the first time.
+setup:
+	$(PY) tests/trt_bindings.py
+
 # Two workers on two cores, one test file each at a time (module fixtures stay in one process),
 # the slowest files first and the Ray module last (tests/conftest.py). A third worker paid off
 # only while the Ray module ran first; with it last, cold, 2 workers took 5 min 6 s and 5 min 38 s
 # (511 s, 566 s of CPU), 3 took 5 min 43 s - 6 min 39 s (docs/benchmarks.md). TEST_WORKERS=0: one process.
+# DFLASH_REQUIRE_TRT_BINDINGS=1: a missing TensorRT bindings wheel fails its tests instead of skipping them.
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	DFLASH_REQUIRE_TRT_BINDINGS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 demo: setup
 	$(VENV)/bin/dflash-export demo

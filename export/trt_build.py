@@ -12,9 +12,11 @@ back into its file under a lock) and SaveBytes. Written by hand, because Polygra
 not do them: the profiles (runtime/trt_profiles.py), the all-or-nothing swap of
 OUT/engines, the manifest record, the rich progress bars and one-line errors.
 
-NOT EXECUTED IN DEVELOPMENT against TensorRT: it needs `tensorrt` and an NVIDIA GPU, which
-the development machines do not have. Here it runs real Polygraphy against the stand-in
-in tests/trt_fake.py; on a GPU machine, tests/test_trt_gpu.py builds for real.
+NOT EXECUTED ON TENSORRT HARDWARE IN DEVELOPMENT: a build needs TensorRT's libraries and an
+NVIDIA GPU, which the development machines do not have. Here it runs real Polygraphy against a
+double of the real TensorRT 10.12 and 11.4 Python bindings (tests/trt_double.py: names,
+signatures, types and return values are NVIDIA's; the build itself is simulated); on a GPU
+machine, tests/test_trt_gpu.py builds for real.
 """
 
 from __future__ import annotations
@@ -69,13 +71,13 @@ def refuse_quantized(manifest: Manifest) -> None:
 
 
 def build_plan(manifest: Manifest, precision: str | None = None, max_context: int | None = None,
-               max_prompt: int | None = None, workspace_gb: float = 4.0) -> BuildPlan:
+               max_prompt: int | None = None, workspace_gb: float = 4.0, max_batch: int = 1) -> BuildPlan:
     """The whole build decided from the manifest; raises DFlashError on impossible requests."""
     refuse_quantized(manifest)
     precision = check_precision(manifest.dtype, precision)
     if not workspace_gb > 0:
         raise DFlashError(f"--workspace {workspace_gb}: give the builder's workspace in GB, > 0")
-    limits = resolve_limits(manifest, max_context, max_prompt)
+    limits = resolve_limits(manifest, max_context, max_prompt, max_batch)
     record = profile_record(manifest, limits)
     return BuildPlan(
         precision=precision,
@@ -91,7 +93,7 @@ def describe(plan: BuildPlan) -> str:
     lines = [
         f"precision {plan.precision} (strongly typed: the export's types), "
         f"block {lim.block_size}, max context {lim.max_context}, max prompt {lim.max_prompt}, "
-        f"workspace {plan.workspace_bytes / (1 << 30):g} GB"
+        f"batch 1..{lim.max_batch}, workspace {plan.workspace_bytes / (1 << 30):g} GB"
     ]
     for g in plan.graphs:
         for i, p in enumerate(g.profiles):
@@ -143,7 +145,12 @@ def polygraphy_loaders(trt, out: Path, g: GraphPlan, plan: BuildPlan, timing_cac
     Calling the returned loader runs the build. The STRONGLY_TYPED network flag is set on
     TensorRT 10.x only: there it is what makes the build honour the graph's types; 11.x
     deprecated the flag (always strongly typed) and may drop it, and Polygraphy would then
-    fail on the missing attribute.
+    fail on the missing attribute. (The flag's number differs: 1 on 10.x, where EXPLICIT_BATCH
+    is 0; 0 on 11.x. Polygraphy reads it from the installed module.)
+
+    TF32 stays off (Polygraphy clears it unless asked): an fp32 export is the parity
+    reference (1e-4 against PyTorch), which TF32's 10-bit mantissa would not keep; for
+    speed, export fp16 or bf16.
     """
     from polygraphy.backend.common import SaveBytes
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, Profile
@@ -162,7 +169,7 @@ def polygraphy_loaders(trt, out: Path, g: GraphPlan, plan: BuildPlan, timing_cac
 
 def build_engines(out_dir: str | Path, precision: str | None = None, max_context: int | None = None,
                   max_prompt: int | None = None, timing_cache: str | Path | None = None,
-                  workspace_gb: float = 4.0, progress: bool = True, echo=print) -> Manifest:
+                  workspace_gb: float = 4.0, progress: bool = True, echo=print, max_batch: int = 1) -> Manifest:
     """Build OUT/engines/*.engine and record them in OUT's manifest; all or nothing."""
     from .trt_lint import check as lint_check
 
@@ -178,7 +185,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_context
         from .trt_lint import ORT_FLAVOUR
 
         raise DFlashError(f"{out}: {ORT_FLAVOUR}")
-    plan = build_plan(manifest, precision, max_context, max_prompt, workspace_gb)
+    plan = build_plan(manifest, precision, max_context, max_prompt, workspace_gb, max_batch)
     try:
         cc, gpu = gpu_info(cudart)
     except DFlashError as e:
@@ -235,6 +242,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_context
         "block_size": plan.limits.block_size,
         "max_context": plan.limits.max_context,
         "max_prompt": plan.limits.max_prompt,
+        "max_batch": plan.limits.max_batch,
         "workspace_bytes": plan.workspace_bytes,
         "files": {g.graph: g.engine for g in plan.graphs},
         "profiles": {g.graph: g.profiles for g in plan.graphs},

@@ -162,6 +162,18 @@ class Backend(ABC):
         ids = self.draft_block(int(anchors[0]))
         return ids[None], None if self.draft_conf is None else self.draft_conf[None]
 
+    width: int = 1  # rows a call over all rows carries (runtime/loop.py keeps its rows in 0..width-1)
+
+    def set_width(self, w: int) -> None:
+        """Calls over all rows carry rows 0..w-1 from now on (one-row backends: nothing to do)."""
+        if not 0 <= w <= self.max_batch:
+            raise DFlashError(f"internal: width {w} of a {self.max_batch}-row backend")
+        self.width = w
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row src's sequence moves to slot dst; src is freed (backends of several rows)."""
+        raise DFlashError(f"internal: {type(self).__name__} holds one row")
+
     def _one_row(self, rows) -> None:
         if list(rows) != [0]:
             raise DFlashError(f"internal: {type(self).__name__} runs one row (row 0), not rows {list(rows)}")

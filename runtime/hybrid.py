@@ -83,6 +83,13 @@ class LinearStates:
                     conv[b] = np.concatenate([conv[b], new_conv[r, :k]], 0)[-conv.shape[1]:]
                 commit_state(self.buf[C.rec_state(i)][b], *(d[r, :k] for d in deltas))
 
+    def move(self, src: int, dst: int) -> None:
+        """Row src's committed states to row dst (a batch's rows stay in its first slots)."""
+        self.changed = True
+        for i in self.layers:
+            for name in (C.conv_state(i), C.rec_state(i)):
+                self.buf[name][dst] = self.buf[name][src]
+
     def reset(self, row: int | None = None) -> None:
         """Zero the states of every row, or of one."""
         self.changed = True

@@ -134,7 +134,7 @@ def stream_batch(
     verify: VerifyPolicy | None = None,
     outs: list[Generation] | None = None,
     stats: BatchStats | None = None,
-    poll: Callable[[list[int], bool], list[tuple[int, Request]]] | None = None,
+    poll: Callable[[int, bool], list[Request]] | None = None,
     drop: Callable[[int], bool] | None = None,
 ) -> Iterator[tuple[int, list[int]]]:
     """Yield (request index, tokens) as each row's tokens are accepted; per-request
@@ -144,10 +144,10 @@ def stream_batch(
     exactly their own batch-1 output, sampled rows their own seed's, whatever else is in
     the batch (tests/test_batch.py; docs/batching.md says where float rounding could differ).
 
-    In flight (a server): `poll(free_rows, idle)` is asked at every round boundary for
-    (row, request) pairs to join, numbered on from the iterable's; with `idle` (no row
-    running) it may block, and an empty answer then ends the stream. `drop(index)` True
-    takes a running row out at the boundary (a cancelled request: freed within one round).
+    In flight (a server): `poll(free, idle)` is asked at every round boundary for up to
+    `free` requests to join, numbered on from the iterable's; with `idle` (no row running)
+    it may block, and an empty answer then ends the stream. `drop(index)` True takes a
+    running row out at the boundary (a cancelled request: freed within one round).
     """
     m, clock = backend.manifest, time.perf_counter
     B = batch or backend.max_batch
@@ -155,60 +155,55 @@ def stream_batch(
         raise DFlashError(f"batch {B}: the backend was loaded for at most {backend.max_batch} rows")
     if draft and not getattr(backend, "has_drafter", True):
         raise DFlashError("this backend was loaded without the drafter; use autoregressive mode (--no-draft)")
-    call_rows = list(range(backend.max_batch))  # one call carries every row the backend holds (idle ones padded)
     k = m.block_size if draft else 1
     chunk = min(prefill_chunk or backend.max_chunk, backend.max_chunk)  # the backend's: calibrated
     st = stats if stats is not None else BatchStats()
     st.batch = B
     waiting = iter(enumerate(requests))
-    rows: list[_Row | None] = [None] * backend.max_batch
+    rows: list[_Row] = []  # row b sits in the backend's slot b: the batch's rows are always slots 0..len-1
+    backend.set_width(0)
     joined = 0  # requests taken so far (the next one's index)
     t_start = clock()
 
-    def join(slot: int, q: Request) -> Iterator[tuple[int, list[int]]]:
+    def join(q: Request) -> Iterator[tuple[int, list[int]]]:  # a new row takes the next slot
         nonlocal joined
-        row = _prefill(backend, slot, joined, q, draft, chunk, B)
+        slot = len(rows)
+        backend.set_width(slot + 1)
+        row = _prefill(backend, slot, joined, q, draft, chunk)
         joined += 1
         if outs is not None:
             outs.append(row.gen)
         row.gen.finished = row.done
         yield row.index, [row.anchor]
         if row.done:
-            _leave(backend, row, slot, B, clock)
+            _leave(backend, rows, slot)
         else:
-            rows[slot] = row
+            rows.append(row)
 
     while True:
-        for b, r in enumerate(rows):  # cancelled rows leave at the round boundary
-            if r is not None and drop is not None and drop(r.index):
-                rows[b] = None
-                _leave(backend, r, b, B, clock)
-        for slot in range(B):  # joins, at the round boundary
-            while rows[slot] is None:
-                nxt = next(waiting, None)
-                if nxt is None:
-                    break
-                yield from join(slot, nxt[1])
-        given = []
-        if poll is not None and (free := [s for s in range(B) if rows[s] is None]):
-            given = poll(free, len(free) == B)
-            for slot, q in given:
-                yield from join(slot, q)
-        active = [(b, r) for b, r in enumerate(rows) if r is not None]
-        if not active:
+        if drop is not None:  # cancelled rows leave at the round boundary
+            for b in reversed([b for b, r in enumerate(rows) if drop(r.index)]):
+                _leave(backend, rows, b)
+        while len(rows) < B:  # joins, at the round boundary
+            nxt = next(waiting, None)
+            if nxt is None:
+                break
+            yield from join(nxt[1])
+        given = poll(B - len(rows), not rows) if poll is not None and len(rows) < B else []
+        for q in given:
+            yield from join(q)
+        if not rows:
             if given:  # every joining row finished at its prefill: ask again
                 continue
             st.wall_s = clock() - t_start
             return
+        call_rows = list(range(len(rows)))
         t1 = clock()
-        # a lone row runs alone (its calls gather its prefix) rather than padded beside idle rows
-        cr = [active[0][0]] if len(active) == 1 and len(call_rows) > 1 else call_rows
-        anchors = np.array([0 if r is None else r.anchor for r in rows], np.int64)
-        drafts, conf = (_spread(x, cr, len(rows)) for x in backend.draft_block_rows(cr, anchors[cr])) \
-            if draft else (None, None)
+        anchors = np.array([r.anchor for r in rows], np.int64)
+        drafts, conf = backend.draft_block_rows(call_rows, anchors) if draft else (None, None)
         t2 = clock()
         lens = np.zeros(len(rows), np.int64)
-        for b, r in active:
+        for b, r in enumerate(rows):
             s = min(k if r.req.speculative else 1, r.max_length - r.start)
             if conf is not None and r.req.speculative:
                 r.gen.confidences.append(conf[b].copy())
@@ -220,13 +215,12 @@ def stream_batch(
         ids[:, 0] = anchors
         if draft and S > 1:
             ids[:, 1:] = drafts[:, : S - 1]
-        sample = any(r.u is not None for _, r in active)
-        res = backend.target_rows(cr, ids[cr], lens[cr], None, want_logits=sample)
-        res.next_ids, res.logits = _spread(res.next_ids, cr, len(rows)), _spread(res.logits, cr, len(rows))
+        sample = any(r.u is not None for r in rows)
+        res = backend.target_rows(call_rows, ids, lens, None, want_logits=sample)
         t3 = clock()
         produced = np.zeros(len(rows), np.int64)
-        emitted_of = {}
-        for b, r in active:
+        emitted_of = []
+        for b, r in enumerate(rows):
             s, q = int(lens[b]), r.req
             if r.u is not None:
                 choice = choose(res.logits[b, :s], r.u[r.start + 1 :], q.temperature, q.top_k, q.top_p).tolist()
@@ -237,20 +231,20 @@ def stream_batch(
             emitted = (guess[:a] + [choice[a]])[: r.max_length - r.start - 1]
             emitted, r.gen.stopped = cut_at_stop(emitted, r.stop)
             produced[b] = len(emitted)
-            emitted_of[b] = emitted
-        backend.commit_rows(cr, produced[cr])  # anchor + accepted drafts; the rest of each verify rolls back
-        for b, r in active:
+            emitted_of.append(emitted)
+        backend.commit_rows(call_rows, produced)  # anchor + accepted drafts; the rest of each verify rolls back
+        for b, r in enumerate(rows):
             r.start += int(produced[b])
             r.anchor = emitted_of[b][-1]
         t4 = clock()
         if draft:  # the next round needs the features of what each continuing row kept
-            more = np.array([0 if r is None or r.done else produced[b] for b, r in enumerate(rows)], np.int64)
+            more = np.array([0 if r.done else produced[b] for b, r in enumerate(rows)], np.int64)
             if more.any():
-                backend.draft_context_rows(cr, more[cr])
+                backend.draft_context_rows(call_rows, more)
         t5 = clock()
         st.rounds += 1
-        st.busy_rows += len(active)
-        for b, r in active:
+        st.busy_rows += len(rows)
+        for b, r in enumerate(rows):
             g = r.gen
             g.round_s.append(((t2 - t1) + (t5 - t4), t3 - t2, t4 - t3))
             g.draft_s += g.round_s[-1][0]
@@ -261,21 +255,11 @@ def stream_batch(
             g.total_s += t5 - t1  # the consumer's time between rounds is not ours
             g.finished = r.done
             yield r.index, emitted_of[b]
-            if r.done:
-                rows[b] = None
-                _leave(backend, r, b, B, clock)
+        for b in reversed([b for b, r in enumerate(rows) if r.done]):  # leaves, at the round boundary
+            _leave(backend, rows, b)
 
 
-def _spread(x: np.ndarray | None, cr: list[int], n: int) -> np.ndarray | None:
-    """A call's per-row results ([len(cr), ...]) at their rows of the batch ([n, ...])."""
-    if x is None or len(cr) == n:
-        return x
-    out = np.zeros((n, *x.shape[1:]), x.dtype)
-    out[cr] = x
-    return out
-
-
-def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, chunk: int, B: int) -> _Row:
+def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, chunk: int) -> _Row:
     """A joining row: its prompt through the target (and drafter context) on its slot alone;
     its first token from the last prompt position."""
     clock = time.perf_counter
@@ -312,10 +296,20 @@ def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, c
     return row
 
 
-def _leave(backend: Backend, row: _Row, slot: int, B: int, clock) -> None:
-    """A finished row frees its slot (a one-row backend keeps its caches for prompt reuse)."""
+def _leave(backend: Backend, rows: list[_Row], b: int) -> None:
+    """Row b (finished, or never started: b == len(rows)) frees its slot: the batch's last row
+    moves into it, so the rows stay in slots 0..len-1. A one-row backend keeps its caches
+    (prompt reuse)."""
+    last = len(rows) - 1 if b < len(rows) else b
     if backend.max_batch > 1:
-        backend.reset_row(slot)
+        if b != last:
+            backend.move_row(last, b)
+            rows[b] = rows[last]
+        else:
+            backend.reset_row(b)
+    if b < len(rows):
+        rows.pop()
+    backend.set_width(len(rows))
 
 
 def stream(

@@ -86,18 +86,18 @@ class RowCalls:
         self.in_place = C.flavour(m) == "ort"  # head-major cache, past and present one buffer (contract.TARGET_ORT)
         att = [i for i in range(L) if not m.is_linear(i)]
         self.kv_all = self.ctx_all = None
-        self._views: dict[str, list] = {}
+        self._views, self._flat, self._tail, self._wcache = {}, {}, {}, {}
+        self.width = B  # rows a call over all rows carries (set_width: the loop keeps its rows in 0..width-1)
         if self.in_place or B == 1:
             shape = (B, Hkv, n, D) if self.in_place else (1, n, Hkv, D)
             self.kv = [None if m.is_linear(i) else self._alloc(shape, kv_type) for i in range(L) for _ in (0, 1)]
         else:  # views held in lists: _bind caches each buffer's geometry by id
             slot = {i: j for j, i in enumerate(att)}
             self._kv_slot = [None if m.is_linear(i) else 2 * slot[i] + e for i in range(L) for e in (0, 1)]
-            self.kv_all = np.zeros((2 * len(att), n, B, Hkv, D), STORAGE[kv_type])
+            self._flat["kv"], self._tail["kv"] = np.zeros((2 * len(att), n * B * Hkv * D), STORAGE[kv_type]), (Hkv, D)
             self.kv_new = np.zeros((2 * len(att), B * self.max_chunk * Hkv * D), STORAGE[kv_type])
             self._row_kv = np.zeros((2 * len(att), n * Hkv * D), STORAGE[kv_type])  # one row's prefix, gathered
-            self._views = {k: list(getattr(self, k)) for k in ("kv_all", "kv_new", "_row_kv")}
-            self.kv = [None if j is None else self._views["kv_all"][j] for j in self._kv_slot]
+            self._views = {k: list(getattr(self, k)) for k in ("kv_new", "_row_kv")}
         self.states = LinearStates(m, self.max_chunk, B) if m.linear_layers else None
         self.lengths_in = np.zeros(B, np.int32), np.zeros((), np.int32)  # ort flavour: seqlens_k, total_sequence_length
         width = static[C.TAPS_WIDTH]
@@ -118,16 +118,64 @@ class RowCalls:
             if B == 1:
                 self.ctx = [self._alloc((1, n, dH, dD), ctx_type) for _ in range(2 * dL)]
             else:
-                self.ctx_all = np.zeros((2 * dL, n, B, dH, dD), STORAGE[ctx_type])
+                self._flat["ctx"], self._tail["ctx"] = np.zeros((2 * dL, n * B * dH * dD), STORAGE[ctx_type]), (dH, dD)
                 self.ctx_new = np.zeros((2 * dL, B * self.max_chunk * dH * dD), STORAGE[ctx_type])
                 self._row_ctx = np.zeros((2 * dL, n * dH * dD), STORAGE[ctx_type])
-                self._views.update({k: list(getattr(self, k)) for k in ("ctx_all", "ctx_new", "_row_ctx")})
-                self.ctx = self._views["ctx_all"]
+                self._views.update({k: list(getattr(self, k)) for k in ("ctx_new", "_row_ctx")})
             self.block_ids = np.full((B, K), m.mask_token_id, np.int64)
             self.ctx_lengths_in = np.zeros(B, np.int64)
             self.draft_ids = np.empty((B, K - 1), np.int64)
             self._draft_logits = self._alloc((B, K - 1, C.draft_vocab_size(m)), "float32")
             self._conf = np.empty((B, K - 1), np.float32)
+        self._use_width()
+
+    def _wide(self, key: str, w: int) -> tuple[np.ndarray, list]:
+        """The position-major cache `key` laid out for w rows: [layers, max_len, w, ...] and one
+        view per layer (made once per width: _bind caches geometry by id)."""
+        c = self._wcache.get((key, w))
+        if c is None:
+            flat, tail = self._flat[key], self._tail[key]
+            arr = flat[:, : self.max_len * w * int(np.prod(tail))].reshape(flat.shape[0], self.max_len, w, *tail)
+            c = self._wcache[key, w] = (arr, list(arr))
+        return c
+
+    def _use_width(self) -> None:
+        if "kv" in self._flat:
+            self.kv_all, views = self._wide("kv", self.width)
+            self.kv = [None if j is None else views[j] for j in self._kv_slot]
+        if "ctx" in self._flat:
+            self.ctx_all, self.ctx = self._wide("ctx", self.width)
+
+    def set_width(self, w: int) -> None:
+        """Calls over all rows carry rows 0..w-1 from now on. Position-major caches are laid out
+        again for w columns (the kept rows' valid prefixes copied once: a join or a leave, not a
+        call); batch-major buffers (the ort flavour's, states) need nothing."""
+        if not 0 <= w <= self.max_batch:
+            raise DFlashError(f"internal: width {w} of a {self.max_batch}-row backend")
+        keep = min(self.width, w)
+        for key, lens in (("kv", self.lengths), ("ctx", self.ctx_lengths)):
+            p = int(lens[:keep].max()) if keep and key in self._flat else 0
+            if p and w != self.width:
+                rows = self._wide(key, self.width)[0][:, :p, :keep].copy()
+                self._wide(key, w)[0][:, :p, :keep] = rows
+        self.width = w
+        self._use_width()
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row src's sequence moves to slot dst (the loop keeps its rows in 0..width-1); src is freed."""
+        p, pc = int(self.lengths[src]), int(self.ctx_lengths[src])
+        if self.in_place:
+            for buf in (b for b in self.kv if b is not None):
+                buf[dst, :, :p] = buf[src, :, :p]
+        elif self.kv_all is not None:
+            self.kv_all[:, :p, dst] = self.kv_all[:, :p, src]
+        if self.ctx_all is not None:
+            self.ctx_all[:, :pc, dst] = self.ctx_all[:, :pc, src]
+        if self.states is not None:
+            self.states.move(src, dst)
+        for a in self._row_state():
+            a[dst] = a[src]
+        self.reset_row(src)
 
     def _target_io(self, row: int | None):
         """The ort flavour's target binding for all rows (None) or row b: its cache buffers
@@ -141,7 +189,7 @@ class RowCalls:
         io = self._io_target[row] = self._io[C.TARGET] if row in (None, 0) and self.max_batch == 1 \
             else self.sessions[C.TARGET].io_binding()
         saved, self._io[C.TARGET] = self._io[C.TARGET], io
-        rows, at = (self.max_batch, 0) if row is None else (1, row * self.manifest.target_kv_heads)
+        rows, at = (row[1], 0) if isinstance(row, tuple) else (1, row * self.manifest.target_kv_heads)
         for i in range(self.manifest.target_layers):
             k, v = self.kv[2 * i], self.kv[2 * i + 1]
             for name, buf in ((C.past_key(i), k), (C.past_value(i), v), (C.PRESENT_KV[0].at(i).name, k),
@@ -196,9 +244,9 @@ class RowCalls:
         R, S = ids.shape
         one = R == 1
         b0 = rows[0]
-        P = int(lengths[b0]) if one else int(lengths.max())
+        P = int(lengths[b0]) if one else int(lengths[rows].max())
         N = S if picks is None or not self.ragged else picks.shape[1]
-        io = self._target_io(b0 if one else None) if self.in_place else self._io[g]
+        io = self._target_io(b0 if one else ("all", R)) if self.in_place else self._io[g]
         self._io[g], saved = io, self._io[g]
         self.ids.ravel()[: R * S] = np.asarray(ids).ravel()  # a call's [R, S] from the buffer's start
         self._bind(g, C.INPUT_IDS, self.ids, batch=R, seq=S)
@@ -273,7 +321,7 @@ class RowCalls:
                 continue
             for e, (past, new) in enumerate(((C.past_key(i), C.new_key(i)), (C.past_value(i), C.new_value(i)))):
                 j = self._kv_slot[2 * i + e]
-                self._bind(g, past, self._views["_row_kv" if gathered else "kv_all"][j], batch=R, past=P)
+                self._bind(g, past, self._views["_row_kv"][j] if gathered else self.kv[2 * i + e], batch=R, past=P)
                 self._bind(g, new, self._views["kv_new"][j], batch=R, seq=S)
 
     def draft_context_rows(self, rows, n) -> None:
@@ -307,7 +355,7 @@ class RowCalls:
     def draft_block_rows(self, rows, anchors):
         m, g, R, B, K = self.manifest, C.DRAFT_BLOCK, len(rows), self.max_batch, self.manifest.block_size
         lengths = self.ctx_lengths
-        P = int(lengths[rows[0]]) if R == 1 else int(lengths.max())
+        P = int(lengths[rows[0]]) if R == 1 else int(lengths[rows].max())
         self.block_ids[:R, 0] = anchors
         self._bind(g, C.BLOCK_IDS, self.block_ids, batch=R)
         if R == 1:

@@ -5,11 +5,12 @@ execution API that TensorRT 10 introduced and 11 keeps (set_input_shape, set_ten
 execute_async_v3) and cuda-python's runtime bindings for memory and the stream. Shapes and
 limits come from runtime/trt_profiles.py; this file only moves bytes and runs engines.
 
-NOT EXECUTED IN DEVELOPMENT: this needs `tensorrt`, `cuda-python` and an NVIDIA GPU, none of
-which the development machines have. It was checked against the TensorRT 11 Python API
-(and its 10.x -> 11.x removed-API list) by reading, and runs here only against the stand-in
-in tests/trt_fake.py (our bookkeeping, not TensorRT) and in the GPU-gated tests
-(tests/test_trt_gpu.py), which skip here.
+NOT EXECUTED ON TENSORRT HARDWARE IN DEVELOPMENT: this needs `tensorrt`, `cuda-python` and an
+NVIDIA GPU, none of which the development machines have. Here it runs against a double of the
+real TensorRT 10.12 and 11.4 Python bindings (tests/trt_double.py: every attribute, call,
+argument and return value checked against NVIDIA's own signatures; what an engine computes is
+simulated with ONNX Runtime) and a hand-written cuda-python stand-in; on a GPU machine
+tests/test_trt_gpu.py runs it for real (docs/tensorrt.md).
 
 `tensorrt` and `cuda` are imported inside functions only: importing this module needs numpy.
 """
@@ -165,18 +166,31 @@ class TensorRTBackend(Backend):
         self._check_io()
 
     def _check_io(self) -> None:
-        """Every tensor this backend binds exists in the engine with the element size allocated for it."""
+        """Every tensor this backend binds exists in the engine as an input or output (as bound) with the
+        element size allocated for it, and every input's profile shapes are the manifest's record."""
         trt, m = self.trt, self.manifest
         size = {trt.float32: 4, trt.float16: 2, trt.bfloat16: 2, trt.int64: 8, trt.int32: 4}
         for graph, e in self.eng.items():
             names = {e.engine.get_tensor_name(i) for i in range(e.engine.num_io_tensors)}
-            for t in (*self.inputs[graph], *C.io(graph, m)[1]):
+            ins, outs = C.io(graph, m)
+            bound = [(t, trt.TensorIOMode.INPUT) for t in self.inputs[graph]] + [(t, trt.TensorIOMode.OUTPUT) for t in outs]
+            for t, mode in bound:
+                where = f"{ENGINE_FILES[graph]}: {t.name}"
                 if t.name not in names:
                     raise DFlashError(f"{ENGINE_FILES[graph]} has no tensor {t.name}; rebuild the engines for this export")
+                if e.engine.get_tensor_mode(t.name) != mode:
+                    raise DFlashError(f"{where} is not an {mode.name.lower()} of the engine; "
+                                      "rebuild the engines for this export")
                 got, want = size.get(e.engine.get_tensor_dtype(t.name)), C.dtype(t, m)
                 if got != ITEMSIZE[want]:
-                    raise DFlashError(f"{ENGINE_FILES[graph]}: {t.name} is {e.engine.get_tensor_dtype(t.name)} in the "
+                    raise DFlashError(f"{where} is {e.engine.get_tensor_dtype(t.name)} in the "
                                       f"engine but {want} in the graph contract; rebuild the engines for this export")
+            for i, prof in enumerate(self.record["profiles"][graph]):
+                for t in ins:
+                    got = [list(d) for d in e.engine.get_tensor_profile_shape(t.name, i)]
+                    if got != prof["shapes"][t.name]:
+                        raise DFlashError(f"{ENGINE_FILES[graph]}: profile {i} of {t.name} is {got} in the engine but "
+                                          f"{prof['shapes'][t.name]} in the manifest; rebuild with `dflash-export build`")
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -185,11 +199,14 @@ class TensorRTBackend(Backend):
         engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
         if engine is None:
             raise DFlashError(f"{path}: TensorRT could not deserialize this engine; rebuild with `dflash-export build`")
+        if engine.num_optimization_profiles != nprof:
+            raise DFlashError(f"{path} has {engine.num_optimization_profiles} optimization profiles but the manifest "
+                              f"records {nprof}; rebuild with `dflash-export build`")
         contexts = []
         for i in range(nprof):
             ctx = engine.create_execution_context()
-            if i:
-                ctx.set_optimization_profile_async(i, self.handle)
+            if i and not ctx.set_optimization_profile_async(i, self.handle):
+                raise DFlashError(f"{path}: TensorRT refused optimization profile {i}; rebuild with `dflash-export build`")
             contexts.append(ctx)
         cuda_check(self.cudart.cudaStreamSynchronize(self.stream))
         return _Engine(engine, contexts)

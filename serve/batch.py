@@ -5,7 +5,7 @@ for N rows. At each round boundary the loop asks `_poll` for waiting requests to
 free rows (FIFO; the thread sleeps while nothing runs and nothing waits) and `_drop`
 whether a running row should leave (cancelled, or ended on a stop string): a disconnected
 client frees its row before the next round. Each round advances every row at once: one
-drafter call and one verify call for all rows (a lone row calls alone).
+drafter call and one verify call for all running rows (calls carry only those).
 
 Isolation: each row has its own caches, lengths, sampling seed and stops; a request is
 checked before it joins (a bad one fails alone, never the batch), and the loop's greedy
@@ -100,13 +100,13 @@ class BatchEngine(Engine):
                     _emit(job, ("error", f"generation failed: {msg}"))
                 self.backend.reset()
 
-    def _poll(self, free: list[int], idle: bool) -> list[tuple[int, Request]]:
-        """Waiting requests for the free rows (FIFO); blocks while nothing runs and nothing waits."""
+    def _poll(self, free: int, idle: bool) -> list[Request]:
+        """Up to `free` waiting requests (FIFO); blocks while nothing runs and nothing waits."""
         given = []
         with self.lock:
             while idle and not self.waiting and not self.stopping:
                 self.more.wait()
-            while self.waiting and len(given) < len(free) and not self.stopping:
+            while self.waiting and len(given) < free and not self.stopping:
                 job = self.waiting.popleft()
                 if job.cancelled.is_set():
                     continue
@@ -122,10 +122,9 @@ class BatchEngine(Engine):
                 except DFlashError as e:  # alone: the batch never sees it
                     _emit(job, ("error", f"generation failed: {e}"))
                     continue
-                slot = free[len(given)]
                 self.jobs[self.gens.n + len(given)] = job
-                self._assign(self.slots[slot], job)
-                given.append((slot, q))
+                self._assign(next(s for s in self.slots if s.job is None), job)
+                given.append(q)
             self._gauges()
         return given
 

@@ -5,7 +5,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs 2 workers on 2 cores: one thread each, or they fight for the cores
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch (read when it is imported) and the processes tests start
-sys.path.insert(0, str(Path(__file__).parent))  # the helpers next to the tests (runtime_cases, train_fixtures, trt_fake)
+sys.path.insert(0, str(Path(__file__).parent))  # the helpers next to the tests (runtime_cases, train_fixtures, trt_*)
 
 # The longest files first (measured: docs/benchmarks.md "Test suite time"), so that with
 # `-n 2 --dist loadfile --no-loadscope-reorder` no long file starts last while the other idles.

@@ -25,12 +25,12 @@ def test_rows_join_while_others_run_and_a_dropped_row_leaves_within_one_round():
     def poll(free, idle):
         while True:  # idle with nothing waiting: a server blocks until a request arrives
             waiting.extend(arrivals.pop(len(asked), []))
-            asked.append((list(free), idle))
+            asked.append((free, idle))
             if waiting or not idle or not arrivals:
                 break
-        given = [(slot, waiting.pop(0)) for slot in free[: len(waiting)]]
-        joined.extend(i for _, i in given)
-        return [(slot, reqs[i]) for slot, i in given]
+        given = [waiting.pop(0) for _ in range(min(free, len(waiting)))]
+        joined.extend(given)
+        return [reqs[i] for i in given]
 
     def drop(index):  # the victim, after its second round
         return joined[index] == victim and len(outs[index].acceptance_lengths) >= 2
@@ -48,4 +48,4 @@ def test_rows_join_while_others_run_and_a_dropped_row_leaves_within_one_round():
             assert got[i] == ref and gen[i].finished, i
     assert all(set(gen[i].verify_lengths) == {1} for i in plain)
     assert all(max(gen[i].verify_lengths) > 1 for i in (0, 3, 5))
-    assert any(len(free) < 3 and not idle for free, idle in asked)  # requests joined a running batch
+    assert any(free < 3 and not idle for free, idle in asked)  # requests joined a running batch

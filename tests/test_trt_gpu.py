@@ -127,8 +127,8 @@ def test_manifest_json_lists_profiles(built):
 def test_trt_hybrid_tokens_match_ort(tmp_path):
     """A hybrid (Gated DeltaNet) artifact on real engines, the states committed on the host
     (runtime/hybrid.py): tokens == ONNX Runtime CPU's, plain and speculative, one prompt
-    prefilled in two 64-position chunks. Only ever run here against tests/trt_fake.py
-    (test_hybrid_runtime.py); this is the check on real TensorRT."""
+    prefilled in two 64-position chunks. Only ever run here against the double of the real
+    bindings (tests/trt_double.py, test_hybrid_runtime.py); this is the check on real TensorRT."""
     import shutil
 
     from test_hybrid_runtime import PATTERNS
