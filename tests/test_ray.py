@@ -176,6 +176,8 @@ def test_deployment_options(sr, art):
     a = sr.build(o, autoscale=(1, 4), upscale_delay=2, downscale_delay=5)._bound_deployment._deployment_config.autoscaling_config
     assert (a.min_replicas, a.max_replicas, a.target_ongoing_requests, a.upscale_delay_s, a.downscale_delay_s) == \
         (1, 4, 2, 2, 5)
+    b = sr.build(ServeOptions(art, max_batch=3, max_queue=4), autoscale=(1, 2))._bound_deployment  # batch rows count
+    assert b.max_ongoing_requests == 3 + 4 + sr.HEADROOM and b._deployment_config.autoscaling_config.target_ongoing_requests == 3
 
 
 def test_config_file(sr, art):
