@@ -10,10 +10,10 @@ drafter call and one verify call for all running rows (calls carry only those).
 Isolation: each row has its own caches, lengths, sampling seed and stops; a request is
 checked before it joins (a bad one fails alone, never the batch), and the loop's greedy
 rows equal their batch-1 output whatever else runs (tests/test_batch.py, tests/test_serve.py).
-Not here: prompt-prefix reuse. A finished row's lengths are reset because idle rows take
-part in every batched call (the in-place attention flavour writes at a row's length);
-keeping a finished row's cache intact for the next request would need the backend to
-skip idle rows. `--slots` (one loop per slot) keeps reusing prompts.
+Not here: prompt-prefix reuse. The running rows sit in the backend's first rows (calls
+carry only them): a finishing row's place is taken by the last running row, so a finished
+sequence's cache does not outlive it; reuse would need spare cache rows beside the running
+ones. `--slots` (one loop per slot) keeps reusing prompts.
 """
 
 from __future__ import annotations

@@ -194,8 +194,9 @@ def test_config_file(sr, art):
         old = importlib.import_module("dflash_export.serve_ray")
     assert old.app_builder is sr.app_builder and old.proxy_middlewares is sr.proxy_middlewares
     dep = app.deployments[0]
-    assert dep.name == sr.APP and dep.autoscaling_config["target_ongoing_requests"] == app.args["slots"]
-    assert dep.max_ongoing_requests > app.args["slots"] + app.args["max_queue"]
+    rows = max(app.args.get("max_batch", 1), app.args.get("slots", 1))
+    assert dep.name == sr.APP and dep.autoscaling_config["target_ongoing_requests"] == rows
+    assert dep.max_ongoing_requests > rows + app.args["max_queue"]
     built = sr.app_builder(app.args | {"directory": str(art)})
     assert built is not None
     with pytest.raises(Exception, match="directory"):
