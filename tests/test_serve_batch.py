@@ -162,6 +162,28 @@ def test_engine_cancel_frees_the_row_before_the_next_round(art):
         engine.close()
 
 
+def test_engine_refuses_a_bad_request_alone(art):
+    """A request the app would have refused (ids past the vocabulary, a prompt past the context)
+    handed to the engine directly fails alone, before it joins; the batch goes on."""
+    engine = BatchEngine(OrtBackend(art, threads=1, max_batch=2), Text(art), "m", max_queue=4)
+    try:
+        good, bad, long = queue.Queue(), queue.Queue(), queue.Queue()
+        engine.submit(Job(Params([9, 8, 7, 6], 40), emit=good.put))
+        engine.submit(Job(Params([5, 10**6], 5), emit=bad.put))
+        engine.submit(Job(Params([5] * 300, 5), emit=long.put))
+        for q in (bad, long):
+            ev = q.get(timeout=60)
+            assert ev[0] == "error" and "generation failed" in ev[1], ev
+        toks = []
+        while (ev := good.get(timeout=60))[0] == "round":
+            toks += ev[1]
+        from dflash_export.runtime.loop import generate
+
+        assert ev[1] == "length" and toks == generate(OrtBackend(art, threads=1), [9, 8, 7, 6], 40).tokens
+    finally:
+        engine.close()
+
+
 def test_api_key_queue_full_and_graceful_shutdown(art, tmp_path, offline, tok):
     s = Server(art, tmp_path / "serve.log", "--max-batch", 2, "--max-queue", 0, "--api-key", "s3cret")
     try:
