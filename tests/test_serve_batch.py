@@ -225,3 +225,18 @@ def test_a_batch_whose_caches_do_not_fit_is_refused_at_start(art, monkeypatch):
     assert res.exit_code != 0 and "Traceback" not in res.output, res.output
     line = res.output.strip()
     assert "\n" not in line and "--max-batch 8 x max context" in line and "lower --max-batch" in line, line
+
+
+def test_default_batch_is_what_fits(art, monkeypatch):
+    """No --max-batch: 4 rows where the export and memory allow, fewer when only fewer fit, 1
+    for --slots, the TensorRT backend or no memory at all."""
+    from dflash_export.cmd_serve import _batch_rows
+    from dflash_export.runtime import manifest as M, memory
+
+    m = M.load_manifest(art, verify=False)
+    row = m.max_context * memory.cache_bytes_per_position(m)
+    for free, want in ((100 * row, (4, 1)), (3.5 * row, (2, 1)), (2 * row, (1, 1))):
+        monkeypatch.setattr(memory, "available_memory", lambda free=free: int(free))
+        assert _batch_rows(art, m, None, None, "ort", "cpu", True) == want, free
+    assert _batch_rows(art, m, None, 3, "ort", "cpu", True) == (1, 3)
+    assert _batch_rows(art, m, None, None, "trt", "cpu", True) == (1, 1)
