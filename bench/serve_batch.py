@@ -17,6 +17,9 @@ Per run:
   aggregate decode rate of c concurrent requests, prefill excluded (NaN when c exceeds the
   server's rows or slots: the queued requests never decode beside the first ones);
 - e2e_tokens_per_s: all tokens over the wall time of the c requests (prefills included);
+- tokens_per_cpu_s: all tokens over the CPU time the server process used for them (all its
+  threads): what a token costs, which other jobs on a shared machine disturb far less than
+  the wall-clock rates (they take cores away, not add CPU seconds to ours);
 - lossless: every output equals the in-process batch-1 `generate` of its prompt (--check),
   else the two servers' outputs equal each other.
 An artifact whose runtime.json sets a verify policy (e.g. theta 2, min_len 6: every
@@ -45,20 +48,26 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run(server: Server, prompts: list, max_tokens: int, speculative: bool) -> dict:
     body = lambda p: {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "speculative": speculative,  # noqa: E731
                       "cache_prompt": False}
-    t0 = time.perf_counter()
+    c0, t0 = cpu_s(server.proc.pid), time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
         rs = list(pool.map(lambda p: server.post("/v1/completions", body(p)), prompts))
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, cpu_s(server.proc.pid) - c0
     # arrivals are relative to each request's own start; the requests start together (within ~ms)
     lo = max(r["arrivals"][0] for r in rs)
     hi = min(r["arrivals"][-1] for r in rs)
     inside = sum(len(ids) for r in rs for t, ids in zip(r["arrivals"], r["chunks"]) if lo < t <= hi)
     n = sum(len(r["tokens"]) for r in rs)
     return {"decode_tokens_per_s": inside / (hi - lo) if hi > lo and inside else float("nan"),
-            "decode_window_s": hi - lo, "e2e_tokens_per_s": n / wall, "tokens": n,
+            "decode_window_s": hi - lo, "e2e_tokens_per_s": n / wall, "tokens": n, "tokens_per_cpu_s": n / cpu,
             "tau": float(np.mean([r["timings"]["mean_acceptance_length"] for r in rs])),
             "outputs": [r["tokens"] for r in rs]}
 
@@ -141,16 +150,23 @@ def main() -> None:
                     run(s, prompts[:c], min(a.max_tokens, 24), sp)
             for c in levels:
                 best: dict = {}
+                paired = []  # batched / slots of runs made back to back
                 for _ in range(a.repeats):
+                    pair = {}
                     for name, s in servers.items():
-                        r = run(s, prompts[:c], a.max_tokens, sp)
+                        r = pair[name] = run(s, prompts[:c], a.max_tokens, sp)
                         if name not in best or r["decode_tokens_per_s"] > best[name]["decode_tokens_per_s"]:
                             best[name] = r
+                    paired.append({k: pair["batched"][k] / pair["slots"][k]
+                                   for k in ("decode_tokens_per_s", "e2e_tokens_per_s", "tokens_per_cpu_s")})
                 outs = {k: r.pop("outputs") for k, r in best.items()}
                 for name, r in best.items():
                     ok = outs[name] == want[sp][:c] if want else outs[name] == outs["slots"]
                     row = {"server": name, "speculative": sp, "concurrency": c, "lossless": ok,
                            **{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}}
+                    if name == "batched":
+                        row["paired_batched_over_slots_median"] = {
+                            k: round(float(np.nanmedian([x[k] for x in paired])), 3) for k in paired[0]}
                     report["runs"].append(row)
                     print(json.dumps(row), flush=True)
     finally:
@@ -165,17 +181,16 @@ def main() -> None:
 
 def ratios(runs: list[dict]) -> dict:
     """Decode aggregate at c concurrent requests over the same server's at 1, and batched over slots."""
-    at = {(r["server"], r["speculative"], r["concurrency"]): r["decode_tokens_per_s"] for r in runs}
     out = {}
-    for (name, sp, c), v in sorted(at.items()):
-        mode = "speculative" if sp else "plain"
-        one = at.get((name, sp, 1))
-        if one:
-            out[f"{name} {mode} c{c} / c1"] = round(v / one, 2)
-        if name == "batched" and at.get(("slots", sp, c)):
-            out[f"batched / slots {mode} c{c}"] = round(v / at[("slots", sp, c)], 2)
-        if name == "batched" and at.get(("slots", sp, 1)):
-            out[f"batched c{c} / slots c1 {mode}"] = round(v / at[("slots", sp, 1)], 2)
+    for key in ("decode_tokens_per_s", "tokens_per_cpu_s"):
+        at = {(r["server"], r["speculative"], r["concurrency"]): r[key] for r in runs}
+        for (name, sp, c), v in sorted(at.items()):
+            mode = "speculative" if sp else "plain"
+            one = at.get((name, sp, 1))
+            if one:
+                out[f"{key}: {name} {mode} c{c} / c1"] = round(v / one, 2)
+            if name == "batched" and at.get(("slots", sp, c)):
+                out[f"{key}: batched / slots {mode} c{c}"] = round(v / at[("slots", sp, c)], 2)
     return out
 
 

@@ -169,7 +169,7 @@ def stream_batch(
         nonlocal joined
         slot = len(rows)
         backend.set_width(slot + 1)
-        row = _prefill(backend, slot, joined, q, draft, chunk)
+        row = _prefill(backend, slot, joined, q, draft and q.speculative, chunk)
         joined += 1
         if outs is not None:
             outs.append(row.gen)
@@ -200,7 +200,8 @@ def stream_batch(
         call_rows = list(range(len(rows)))
         t1 = clock()
         anchors = np.array([r.anchor for r in rows], np.int64)
-        drafts, conf = backend.draft_block_rows(call_rows, anchors) if draft else (None, None)
+        spec = draft and any(r.req.speculative for r in rows)  # plain rows alone: no drafter calls
+        drafts, conf = backend.draft_block_rows(call_rows, anchors) if spec else (None, None)
         t2 = clock()
         lens = np.zeros(len(rows), np.int64)
         for b, r in enumerate(rows):
@@ -213,7 +214,7 @@ def stream_batch(
         S = int(lens.max())
         ids = np.zeros((len(rows), S), np.int64)
         ids[:, 0] = anchors
-        if draft and S > 1:
+        if spec and S > 1:
             ids[:, 1:] = drafts[:, : S - 1]
         sample = any(r.u is not None for r in rows)
         res = backend.target_rows(call_rows, ids, lens, None, want_logits=sample)
@@ -237,8 +238,9 @@ def stream_batch(
             r.start += int(produced[b])
             r.anchor = emitted_of[b][-1]
         t4 = clock()
-        if draft:  # the next round needs the features of what each continuing row kept
-            more = np.array([0 if r.done else produced[b] for b, r in enumerate(rows)], np.int64)
+        if spec:  # the next round needs the features of what each continuing speculative row kept
+            more = np.array([0 if r.done or not r.req.speculative else produced[b] for b, r in enumerate(rows)],
+                            np.int64)
             if more.any():
                 backend.draft_context_rows(call_rows, more)
         t5 = clock()

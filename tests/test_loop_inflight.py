@@ -5,14 +5,16 @@ own batch-1 output, token for token."""
 
 from __future__ import annotations
 
-from runtime_cases import CASES, artifact, prompts
+import pytest
+from runtime_cases import CASES, ORT_CASES, artifact, prompts
 
 from dflash_export.runtime.loop import Generation, Request, generate, stream_batch
 from dflash_export.runtime.ort import OrtBackend
 
 
-def test_rows_join_while_others_run_and_a_dropped_row_leaves_within_one_round():
-    _, _, out = artifact(CASES["qwen3"])
+@pytest.mark.parametrize("case", [CASES["qwen3"], ORT_CASES["qwen3-ort"]], ids=["standard", "ort"])
+def test_rows_join_while_others_run_and_a_dropped_row_leaves_within_one_round(case):
+    _, _, out = artifact(case)
     be1, be3 = OrtBackend(out, threads=1), OrtBackend(out, threads=1, max_batch=3)
     ps = prompts(6, be1.manifest.vocab_size, seed=11)
     plain, victim = {1, 4}, 2  # plain rows decode without drafts in the speculative batch; the victim is cancelled
