@@ -100,6 +100,8 @@ class BatchStats:
     rounds: int = 0
     busy_rows: int = 0  # sum over rounds of the rows that were generating
     wall_s: float = 0.0
+    prefill_s: float = 0.0  # joining rows' prefills
+    decode_s: float = 0.0  # the rounds (each row's first token comes from its prefill)
 
     @property
     def occupancy(self) -> float:
@@ -171,6 +173,7 @@ def stream_batch(
         backend.set_width(slot + 1)
         row = _prefill(backend, slot, joined, q, draft and q.speculative, chunk)
         joined += 1
+        st.prefill_s += row.gen.prefill_s
         if outs is not None:
             outs.append(row.gen)
         row.gen.finished = row.done
@@ -246,6 +249,7 @@ def stream_batch(
         t5 = clock()
         st.rounds += 1
         st.busy_rows += len(rows)
+        st.decode_s += t5 - t1
         for b, r in enumerate(rows):
             g = r.gen
             g.round_s.append(((t2 - t1) + (t5 - t4), t3 - t2, t4 - t3))
