@@ -109,6 +109,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, help="random token-id prompts of this length [default: the demo prompts]")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--modes", default="speculative,plain")
+    ap.add_argument("--same-prompt", action="store_true",
+                    help="every client sends the first prompt: the same work per request at every concurrency, so "
+                         "the ratios between concurrencies compare like with like (different prompts accept differently)")
     ap.add_argument("--check", action="store_true", help="also compare every output with in-process generate")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "serve_batch.json")
     a = ap.parse_args()
@@ -129,6 +132,8 @@ def main() -> None:
         tok = Tokenizer.from_file(str(art / "tokenizer.json"))
         lines = (ROOT / "demo" / "prompts.jsonl").read_text().splitlines()
         prompts = [tok.encode(json.loads(x)["prompt"]).ids for x in lines if x.strip()][: max(levels)]
+    if a.same_prompt:
+        prompts = [prompts[0]] * len(prompts)
     report = {"artifact": str(art), "hidden": m.hidden_size, "vocab": m.vocab_size, "block": m.block_size,
               "max_tokens": a.max_tokens, "prompt_tokens": [len(p) for p in prompts], "cpus": os.cpu_count(),
               "servers": {"batched": f"--max-batch {a.max_batch}", "slots": f"--slots {a.slots}"},
