@@ -52,7 +52,10 @@ class TargetGraph(nn.Module):
         self.linear = [getattr(layer, "kind", "") == "linear_attention" for layer in target.model.layers]
 
     def forward(self, input_ids, position_ids, past_lengths, logits_index, *past):
-        x, taps, new = self.target.hidden(input_ids, position_ids, _pairs(_rows_first(past, self.linear)), past_lengths)
+        if any(self.linear):  # hybrid: its attention layers take [B, P, ...]
+            x, taps, new = self.target.hidden(input_ids, position_ids, _pairs(_rows_first(past, self.linear)), past_lengths)
+        else:
+            x, taps, new = self.target.hidden(input_ids, position_ids, _pairs(past), past_lengths, position_major=True)
         return (*_picked(self.target, x, logits_index), taps, *_flat(new))
 
 
@@ -174,10 +177,11 @@ class DraftBlockGraph(nn.Module):
             self.shared.lm_head = None  # not traced: the graph must not hold the full head
 
     def forward(self, block_ids, block_position_ids, ctx_lengths, *past_ctx):
-        return self.run(block_ids, block_position_ids, ctx_lengths, [t.transpose(0, 1) for t in past_ctx])
+        return self.run(block_ids, block_position_ids, ctx_lengths, past_ctx, True)
 
-    def run(self, block_ids, block_position_ids, ctx_lengths, past_ctx):
-        logits = self.drafter.draft_logits(self.shared, block_ids, block_position_ids, _pairs(past_ctx), ctx_lengths)
+    def run(self, block_ids, block_position_ids, ctx_lengths, past_ctx, position_major: bool = False):
+        logits = self.drafter.draft_logits(self.shared, block_ids, block_position_ids, _pairs(past_ctx), ctx_lengths,
+                                           position_major)
         return self.drafter.draft_tokens(logits), logits, torch.softmax(logits, -1).amax(-1)
 
 

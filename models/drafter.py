@@ -118,7 +118,7 @@ class Drafter(nn.Module):
         return visible[0] if anchors is None else visible
 
     def block(self, block_emb: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
-              anchors: torch.Tensor | None = None) -> torch.Tensor:
+              anchors: torch.Tensor | None = None, position_major: bool = False) -> torch.Tensor:
         """Embedded block [B,K,H] over the context cache -> final hidden states [B,K,H].
 
         Training passes `anchors` [B]: each row's context is then a whole sequence's, and
@@ -127,24 +127,28 @@ class Drafter(nn.Module):
         x = block_emb
         b, k, _ = x.shape
         cos, sin = rope_cos_sin(block_position_ids, self.inv_freq, x.dtype)
-        p = past_ctx[0][0].shape[1]
+        p = past_ctx[0][0].shape[0 if position_major else 1]
         for j, layer in enumerate(self.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
             q = apply_rope(a.q_norm(a.q_proj(h).view(b, k, a.h, a.d)), cos, sin)
             kb, vb = a.kv(h, cos, sin)
-            keys = torch.cat([past_ctx[j][0].to(kb.dtype), kb], 1)  # .to: autocast training
-            values = torch.cat([past_ctx[j][1].to(vb.dtype), vb], 1)
+            if position_major:  # the ragged graph's cache [P, B, ...]: join on that axis, one transpose after
+                keys = torch.cat([past_ctx[j][0], kb.transpose(0, 1)], 0).transpose(0, 1)
+                values = torch.cat([past_ctx[j][1], vb.transpose(0, 1)], 0).transpose(0, 1)
+            else:
+                keys = torch.cat([past_ctx[j][0].to(kb.dtype), kb], 1)  # .to: autocast training
+                values = torch.cat([past_ctx[j][1].to(vb.dtype), vb], 1)
             x = x + a.o_proj(attend(q, keys, values, self.block_mask(j, p, k, anchors, x.device)))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
     def draft_logits(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
-                     ctx_lengths: torch.Tensor | None = None):
+                     ctx_lengths: torch.Tensor | None = None, position_major: bool = False):
         """Logits [B,K-1,V] (fp32) for the masked positions, with the target's embedding and head
         ([B,K-1,N] over the draft vocabulary when one is set). `ctx_lengths` [B]: each row's
         valid context (a ragged batch: slot == position, so it is the row's anchor position)."""
-        hidden = self.block(target.embed(block_ids), block_position_ids, past_ctx, ctx_lengths)[:, 1:]
+        hidden = self.block(target.embed(block_ids), block_position_ids, past_ctx, ctx_lengths, position_major)[:, 1:]
         if self.vocab_head is not None:
             return torch.nn.functional.linear(hidden, self.vocab_head).float()
         return target.lm_head(hidden).float()
