@@ -14,7 +14,7 @@ setup: $(VENV)/.installed
 # Ray's 60 s proxy deadline in a suite run). torch's bytecode is compiled last, on every core:
 # where PYTHONDONTWRITEBYTECODE is set (as on these machines) nothing else ever writes it, and each
 # process would recompile torch on import (4.9 s vs 2.3 s; the cold suite saved ~30 s of CPU,
-# docs/benchmarks.md). Only a speed-up: a file that does not compile (torch ships test helpers in
+# measured on a cold suite). Only a speed-up: a file that does not compile (torch ships test helpers in
 # Python 3.12 syntax) is skipped silently and compiles, or fails, on import as before.
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,7 @@ setup:
 # Two workers on two cores, one test file each at a time (module fixtures stay in one process),
 # the slowest files first and the Ray module last (tests/conftest.py). A third worker paid off
 # only while the Ray module ran first; with it last, cold, 2 workers took 5 min 6 s and 5 min 38 s
-# (511 s, 566 s of CPU), 3 took 5 min 43 s - 6 min 39 s (docs/benchmarks.md). TEST_WORKERS=0: one process.
+# (511 s, 566 s of CPU), 3 took 5 min 43 s - 6 min 39 s (cold, on a 2-vCPU machine). TEST_WORKERS=0: one process.
 # DFLASH_REQUIRE_TRT_BINDINGS=1: a missing TensorRT bindings wheel fails its tests instead of skipping them.
 TEST_WORKERS ?= 2
 test: setup

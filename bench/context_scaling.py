@@ -23,15 +23,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).parent))
-from common import bench_model  # noqa: E402
+from common import bench_model
 
-from dflash_export.runtime.ort import OrtBackend  # noqa: E402
+from dflash_export.runtime.ort import OrtBackend
 
 
 def time_calls(be: OrtBackend, P: int, repeats: int) -> dict[str, float]:

@@ -17,61 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import peak_rss_bytes, run_child  # noqa: E402
-
-
-def make_checkpoint(work: Path, vocab: int, hidden: int, layers: int, inter: int, heads: int | None = None,
-                    kv_heads: int | None = None, tie: bool = False, config: dict | None = None,
-                    drafter: dict | None = None) -> None:
-    """Random fp32 Qwen3 target (head_dim 128) + 1-layer drafter under work/target, work/draft
-    (`config`: config.json entries to override; `drafter`: new_drafter's keywords to override)."""
-    import torch
-    from safetensors.torch import save_file
-
-    from dflash_export.models import TargetConfig, new_drafter
-
-    heads, kv_heads, head_dim = heads or hidden // 128, kv_heads or max(1, hidden // 256), 128
-    cfg = {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-        "max_position_embeddings": 4096, "tie_word_embeddings": tie, "eos_token_id": vocab - 1, "dtype": "float32",
-    } | (config or {})
-    t = work / "target"
-    t.mkdir(parents=True)
-    (t / "config.json").write_text(json.dumps(cfg, indent=2))
-    g = torch.Generator().manual_seed(0)
-    rand = lambda *shape: torch.randn(*shape, generator=g) * 0.02  # noqa: E731
-    weight_map = {}
-
-    def shard(name: str, tensors: dict) -> None:  # one tensor group at a time: small writer RSS
-        save_file(tensors, str(t / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in tensors})
-
-    shard("embed.safetensors", {"model.embed_tokens.weight": rand(vocab, hidden)})
-    head = {} if tie else {"lm_head.weight": rand(vocab, hidden)}
-    shard("head.safetensors", {**head, "model.norm.weight": torch.ones(hidden)})
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shard(f"layer{i}.safetensors", {
-            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
-            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
-            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-            p + "self_attn.q_norm.weight": torch.ones(head_dim), p + "self_attn.k_norm.weight": torch.ones(head_dim),
-            p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
-            p + "mlp.down_proj.weight": rand(hidden, inter),
-            p + "input_layernorm.weight": torch.ones(hidden), p + "post_attention_layernorm.weight": torch.ones(hidden),
-        })
-    (t / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    tc = TargetConfig.load(t)
-    kw = dict(num_layers=1, block_size=16, mask_token_id=vocab - 2, target_layer_ids=[layers // 2], intermediate_size=hidden * 2)
-    new_drafter(tc, **kw | (drafter or {})).save_pretrained(work / "draft")
+from common import make_checkpoint, peak_rss_bytes, run_child
 
 
 def do_export(work: Path) -> dict:

@@ -30,13 +30,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).parent))
-from common import cached_export  # noqa: E402
+from common import cached_export
 
 LIN, FULL = "linear_attention", "full_attention"
 SHAPE = dict(vocab=32000, hidden=2560, heads=16, kv_heads=4, head_dim=256, intermediate=9216,

@@ -30,8 +30,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).parent))
-from common import ROOT, peak_rss_bytes, run_child  # noqa: E402
+from common import ROOT, make_checkpoint, peak_rss_bytes, run_child
 
 VARIANTS = {  # name -> QuantOptions arguments (None: the float export itself)
     "fp32": None,
@@ -93,8 +92,6 @@ def step_load(out: Path, threads: int) -> dict:
 
 def build(work: Path, a) -> dict[str, Path]:
     """Checkpoint, fp32 export and the quantized artifacts (each step skipped when present)."""
-    from export_2gb import make_checkpoint
-
     from dflash_export.export.artifact import export_artifact
     from dflash_export.export.quantize import QuantOptions, quantize_artifact
 

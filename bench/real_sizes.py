@@ -26,30 +26,18 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import run_child  # noqa: E402
+from common import make_checkpoint as write_checkpoint
+from common import mem, run_child
 
 SHAPE = dict(vocab=151936, hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, inter=3072)
 
 
-def mem() -> dict:
-    """VmRSS / VmHWM / RssAnon / RssFile of this process in MB (Linux /proc)."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, val = line.partition(":")
-        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
-            out[key] = round(int(val.split()[0]) / 1024)
-    return out
-
-
 def make_checkpoint(work: Path) -> None:
     """Qwen3-0.6B's config (tied, its eos/bos ids) with random weights, and a 1-layer drafter tapping 5 layers."""
-    from export_2gb import make_checkpoint as write
-
     from dflash_export.models.config import default_target_layer_ids
 
     s = SHAPE
-    write(work, s["vocab"], s["hidden"], s["layers"], s["inter"], heads=s["heads"], kv_heads=s["kv_heads"], tie=True,
+    write_checkpoint(work, s["vocab"], s["hidden"], s["layers"], s["inter"], heads=s["heads"], kv_heads=s["kv_heads"], tie=True,
           config={"max_position_embeddings": 40960, "eos_token_id": 151645, "bos_token_id": 151643},
           drafter={"mask_token_id": 151669 % s["vocab"], "target_layer_ids": default_target_layer_ids(s["layers"], 5),
                    "intermediate_size": None})
@@ -90,7 +78,7 @@ def open_backend(work: Path, name: str, threads: str, variant: str, drafter: boo
 def do_calibrate(work: Path, name: str, prompts: int, new_tokens: int) -> dict:
     import numpy as np
 
-    from dflash_export.cmd_run import calibrate
+    from dflash_export.runtime.calibrate import calibrate
     from dflash_export.runtime.calibrate import thread_candidates
 
     from dflash_export.runtime import manifest as M

@@ -19,17 +19,15 @@ import collections
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import ROOT  # noqa: E402
+from common import ROOT
 
-from dflash_export.runtime import manifest as M  # noqa: E402
-from dflash_export.runtime.loop import Generation, generate, stream  # noqa: E402
-from dflash_export.runtime.ort import OrtBackend  # noqa: E402
-from dflash_export.runtime.settings import VerifyPolicy, device_key, resolve  # noqa: E402
+from dflash_export.runtime import manifest as M
+from dflash_export.runtime.loop import Generation, generate, stream
+from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.settings import VerifyPolicy, device_key, resolve
 
 CALLS = ("draft_context", "draft_block", "target")
 

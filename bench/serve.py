@@ -110,7 +110,6 @@ def main() -> None:
     a = ap.parse_args()
     a.out = a.out or ROOT / "bench" / ("serve_overhead.json" if a.only_overhead else "serve.json")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    sys.path.insert(0, str(ROOT))
     from dflash_export.cmd_serve import demo_artifact
     from dflash_export.runtime.loop import generate
     from dflash_export.runtime.ort import OrtBackend

@@ -37,8 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import ROOT, source_digest  # noqa: E402
+from common import ROOT, source_digest
 
 VERSION = "0.3.36"  # llama-cpp-python sdist; vendors llama.cpp 0c1e570
 CACHE = Path(os.environ.get("DFLASH_LLAMACPP_CACHE", Path.home() / ".cache/dflash-export/llamacpp"))

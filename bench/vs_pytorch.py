@@ -16,13 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).parent))
-from common import bench_model, export_pair, random_prompts  # noqa: E402
+from common import bench_model, export_pair, random_prompts
 
 
 def main() -> None:

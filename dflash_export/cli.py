@@ -6,14 +6,18 @@ tensorrt) inside the function, so `generate` and `bench` run where torch is not 
 
 from __future__ import annotations
 
+import importlib
+import traceback
+
 import click
 
 from . import __version__
-from .runtime.errors import DFlashError
+from .runtime.errors import DFlashError, InternalError
 
 
 class Group(click.Group):
-    """Turns every DFlashError into one line on stderr and exit status 2: never a traceback."""
+    """Turns every DFlashError into one line on stderr and exit status 2: never a traceback.
+    An InternalError is a bug: its line asks for a report and the traceback follows (exit 3)."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -21,6 +25,9 @@ class Group(click.Group):
         except DFlashError as e:
             click.echo(f"error: {e}", err=True)
             ctx.exit(2)
+        except InternalError as e:
+            click.echo(f"internal error (please report): {e}\n{traceback.format_exc().rstrip()}", err=True)
+            ctx.exit(3)
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
             ctx.exit(130)
@@ -39,15 +46,13 @@ def cli() -> None:
       dflash-export info OUT                                what OUT is: graphs, I/O, sizes, hashes
       dflash-export generate OUT --prompt "..."             speculative decoding (ORT)
       dflash-export bench OUT                               speedup vs plain decoding
-      dflash-export build OUT                               TensorRT engines (never run here)
+      dflash-export build OUT                               TensorRT engines (needs an NVIDIA GPU)
       dflash-export serve OUT                               OpenAI-compatible server
     Try it: dflash-export demo (the shipped pair, end to end, offline).
     """
 
 
 def _register() -> None:
-    import importlib
-
     for name in ("cmd_export", "cmd_info", "cmd_run", "cmd_trt", "cmd_train", "cmd_demo", "cmd_serve"):
         for command in importlib.import_module(f".{name}", __package__).COMMANDS:
             cli.add_command(command)

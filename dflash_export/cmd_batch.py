@@ -1,4 +1,4 @@
-"""Prompt files, `generate --prompts FILE --batch N` and `bench --batch N`: many prompts through the
+"""`generate --prompts FILE --batch N` and `bench --batch N`: many prompts through the
 runtime's batched loop (runtime/loop.py `stream_batch`), torch-free like cmd_run.
 
 The bench runs the same requests at --batch N and at batch 1 in one process, interleaved
@@ -15,52 +15,6 @@ import click
 import numpy as np
 
 from .runtime.errors import DFlashError
-
-BUILTIN_PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "The three laws of thermodynamics are",
-    "Question: A train travels 60 km in 45 minutes. What is its average speed in km/h?\nAnswer:",
-    "import numpy as np\n\ndef softmax(x):\n",
-    "Once upon a time, in a small village by the sea,",
-]
-
-
-def _parse_ids(text: str, what: str) -> list[int]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    try:
-        return [int(p) for p in parts]
-    except ValueError:
-        raise DFlashError(f"{what} must be comma-separated integers (got {text!r})") from None
-
-
-def _bench_prompts(path: Path | None, tok, vocab: int, n_random: int = 5, length: int = 32) -> tuple[list[list[int]], str]:
-    if path is not None:
-        if not path.is_file():
-            raise DFlashError(f"--prompts {path}: no such file")
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        if not lines:
-            raise DFlashError(f"--prompts {path}: no prompts in it (one per line)")
-        if path.suffix == ".jsonl":  # {"prompt": "..."} per line, as demo/prompts.jsonl
-            try:
-                lines = [json.loads(ln)["prompt"] for ln in lines]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DFlashError(f"--prompts {path}: each JSONL line needs a \"prompt\" string") from None
-        prompts = []
-        for ln in lines:
-            if all(p.strip().isdigit() for p in ln.split(",")):
-                prompts.append(_parse_ids(ln, f"--prompts {path}"))
-            elif tok is None:
-                raise DFlashError(f"--prompts {path}: text prompts need tokenizer.json in the exported directory; "
-                                  "write comma-separated token ids instead")
-            else:
-                prompts.append(tok.encode(ln).ids)
-        return prompts, f"{len(prompts)} prompts from {path}"
-    if tok is not None:
-        return [tok.encode(p).ids for p in BUILTIN_PROMPTS], f"{len(BUILTIN_PROMPTS)} built-in text prompts"
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, vocab, length).tolist() for _ in range(n_random)]
-    return prompts, f"{n_random} random token prompts of {length} tokens (no tokenizer in the directory)"
-
 
 def batch_report(gens, stats) -> dict:
     """Aggregate and per-request rates of one batched run."""
@@ -104,10 +58,9 @@ def run_batch(backend, prompts: list[list[int]], max_new_tokens: int, batch: int
     return [by[i] for i in range(len(prompts))], stats
 
 
-def generate_many(backend, tok, prompts_file: Path, max_new_tokens: int, batch: int, draft: bool, verify,
+def generate_many(backend, tok, prompts: list[list[int]], max_new_tokens: int, batch: int, draft: bool, verify,
                   as_json: bool, **sampling) -> None:
     """`generate --prompts`: one output line per prompt, in input order."""
-    prompts, _ = _bench_prompts(prompts_file, tok, backend.manifest.vocab_size)
     gens, stats = run_batch(backend, prompts, max_new_tokens, batch, draft=draft, verify=verify, **sampling)
     for i, g in enumerate(gens):
         text = tok.decode(g.tokens) if tok is not None else None

@@ -9,15 +9,29 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from importlib import resources
 from pathlib import Path
 
 import click
+from rich.console import Console
+from rich.table import Table
+from tokenizers import Tokenizer
 
+from .cmd_export import print_report
+from .cmd_run import BUILTIN_PROMPTS
+from .options import num_prompts_option, spin_option, threads_option, verify_option
+from .runtime.calibrate import calibrate, thread_candidates
 from .runtime.errors import DFlashError
-from .cmd_run import spin_option, threads_option, verify_option
+from .runtime.lazy import lazy_import
+from .runtime.load import open_backend, settings_for
+from .runtime.loop import Generation, generate, stream
+from .runtime.measure import rate, summarize
+from .runtime.settings import VerifyPolicy, describe_policy, policy_json
 
+export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: only when the demo runs
+export_check = lazy_import("dflash_export.export.check")
 STREAMED = 3  # prompts printed as they decode; the rest are measured quietly
 
 
@@ -26,9 +40,23 @@ def demo_dir() -> Path:
     return Path(str(resources.files("dflash_export.demo")))
 
 
-def demo_prompts(prompt: str | None, n: int) -> list[str]:
+def demo_prompts(prompt: str | None, n: int, path: Path | None = None) -> list[str]:
+    """--prompt, else the first n of --prompts FILE (lines, or *.jsonl "prompt" fields), else of the shipped ones."""
     if prompt is not None:
         return [prompt]
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise DFlashError(f"--prompts {path}: no such file")
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        if path.suffix == ".jsonl":
+            try:
+                lines = [json.loads(ln)["prompt"] for ln in lines]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise DFlashError(f"--prompts {path}: each JSONL line needs a \"prompt\" string") from None
+        if not lines:
+            raise DFlashError(f"--prompts {path}: no prompts in it (one per line)")
+        return lines[:n]
     path = demo_dir() / "prompts.jsonl"
     if not path.is_file():
         raise DFlashError(f"{path} is missing; pass --prompt TEXT or reinstall dflash-export")
@@ -38,8 +66,7 @@ def demo_prompts(prompt: str | None, n: int) -> list[str]:
 @click.command()
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="where to export (default: a temporary folder)")
 @click.option("--prompt", default=None, help="your own prompt (default: the shipped held-out prompts)")
-@click.option("--prompts", "n_prompts", default=24, show_default=True,
-              help=f"how many held-out prompts to measure (the first {STREAMED} are streamed)")
+@num_prompts_option(24, f"how many held-out prompts to measure (the first {STREAMED} are streamed)")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--pair", type=click.Path(path_type=Path), default=None,
               help="folder with target/ and draft/ (default: the shipped pair)")
@@ -47,15 +74,11 @@ def demo_prompts(prompt: str | None, n: int) -> list[str]:
 @threads_option
 @spin_option
 @verify_option
-def demo(out, prompt, n_prompts, max_new_tokens, pair, verbose, threads, spin, verify):
+def demo(out, prompt, num_prompts, prompts_file, max_new_tokens, pair, verbose, threads, spin, verify):
     """The shipped pair end to end, offline: export -> parity check -> calibration (threads,
     adaptive verify: runtime.json) -> streamed speculative decoding on held-out prompts (ONNX
     Runtime, CPU) -> tau, tokens/s and speedup vs plain decoding.
     """
-    import tempfile
-
-    from rich.console import Console
-
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     console = Console()
     pair = Path(pair) if pair else demo_dir() / "pair"
@@ -63,27 +86,22 @@ def demo(out, prompt, n_prompts, max_new_tokens, pair, verbose, threads, spin, v
     for d in (target_dir, draft_dir):
         if not (d / "config.json").is_file():
             raise DFlashError(f"the shipped pair is missing ({d}); reinstall dflash-export or pass --pair DIR")
-    texts = demo_prompts(prompt, n_prompts)
+    texts = demo_prompts(prompt, num_prompts, prompts_file)
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="dflash-demo-"))
     art = root / "artifact"
     root.mkdir(parents=True, exist_ok=True)
     clock = time.perf_counter
 
     console.rule("[bold]1. export (PyTorch -> ONNX, fp32, --attention ort)")
-    from .export.artifact import export_artifact
-
     t0 = clock()
     # the ORT-optimized target (in-place GroupQueryAttention, fused rotary and norms): the demo
-    # runs on ONNX Runtime only, and it measured faster than the standard graph (docs/speed.md)
-    export_artifact(target_dir, draft_dir, art, dtype="fp32", max_context=1024, force=True, attention="ort")
+    # runs on ONNX Runtime only, and it measured faster than the standard graph (docs/results.md)
+    export_artifact.export_artifact(target_dir, draft_dir, art, dtype="fp32", max_context=1024, force=True, attention="ort")
     t_export = clock() - t0
 
     console.rule("[bold]2. parity check (ONNX Runtime vs PyTorch)")
-    from .cmd_export import print_report
-    from .export.check import run_check
-
     t0 = clock()
-    report = run_check(art, target_dir, draft_dir, prompts=4, max_new_tokens=32)
+    report = export_check.run_check(art, target_dir, draft_dir, prompts=4, max_new_tokens=32)
     if verbose:
         print_report(report)
     console.print(report.summary(), style="green" if report.passed else "red", markup=False, highlight=False)
@@ -92,20 +110,15 @@ def demo(out, prompt, n_prompts, max_new_tokens, pair, verbose, threads, spin, v
         raise DFlashError(f"the parity check failed for {art}; rerun with --verbose for the table")
 
     console.rule("[bold]3. calibration (threads, adaptive verify -> runtime.json)")
-    from tokenizers import Tokenizer
-
-    from .cmd_run import BUILTIN_PROMPTS, _settings, calibrate
-    from .runtime.calibrate import thread_candidates
-
     tok = Tokenizer.from_file(str(art / "tokenizer.json"))
-    base = _settings(art, "cpu", "ort", threads, spin, "full")
+    base = settings_for(art, "ort", "cpu", threads=threads, spin=spin, verify="full")
     candidates = thread_candidates() if threads is None else [base.threads]
     t0 = clock()
     if verify == "auto":  # calibrated on the built-in prompts, measured below on the held-out ones
         calibrate(art, "cpu", "ort", candidates, base.spin, [tok.encode(p).ids for p in BUILTIN_PROMPTS],
                   max_new_tokens, 1, log=lambda msg: console.print(f"calibrate: {msg}", markup=False))
     t_cal = clock() - t0
-    cfg = _settings(art, "cpu", "ort", threads, spin, verify)
+    cfg = settings_for(art, "ort", "cpu", threads=threads, spin=spin, verify=verify)
 
     console.rule(f"[bold]4. speculative decoding (ONNX Runtime, CPU, greedy, {cfg.threads} thread(s))")
     t0 = clock()
@@ -122,18 +135,11 @@ def decode(console, art: Path, texts: list[str], max_new_tokens: int, cfg, candi
     """Stream the first prompts (prompt first, then the continuation), measure all of them
     speculative (with `cfg`'s threads and verify policy) and plain (at every candidate thread
     count: the best is the fair baseline), and return the bench report (runtime/measure.py)."""
-    from tokenizers import Tokenizer
-
-    from .cmd_run import _policy_json
-    from .runtime.loop import Generation, generate, stream
-    from .runtime.measure import rate, summarize
-    from .runtime.ort import OrtBackend
-
     tok = Tokenizer.from_file(str(art / "tokenizer.json"))
-    backends = {t: OrtBackend(art, "cpu", threads=t, spin=cfg.spin) for t in sorted(set(candidates) | {cfg.threads})}
+    backends = {t: open_backend(art, "ort", "cpu", threads=t, spin=cfg.spin) for t in sorted(set(candidates) | {cfg.threads})}
     backend = backends[cfg.threads]
     if set(cfg.graph_threads.values()) - {cfg.threads}:  # the calibrated per-graph counts
-        backend = OrtBackend(art, "cpu", **cfg.ort_kwargs())
+        backend = open_backend(art, "ort", "cpu", **cfg.ort_kwargs())
     warm = tok.encode(texts[0]).ids
     for be in {*backends.values(), backend}:  # untimed warm-up of both paths
         generate(be, warm, 16, draft=True, verify=cfg.verify)
@@ -162,15 +168,13 @@ def decode(console, art: Path, texts: list[str], max_new_tokens: int, cfg, candi
             base_by[t].append(generate(be, ids, n, draft=False))
     r = summarize(spec, base_by[cfg.threads], backend.manifest.block_size)
     best = max(base_by, key=lambda t: rate(base_by[t]))
-    r.update(threads=cfg.threads, graph_threads=cfg.graph_threads or None, verify=_policy_json(cfg.verify), best_plain_threads=best,
+    r.update(threads=cfg.threads, graph_threads=cfg.graph_threads or None, verify=policy_json(cfg.verify), best_plain_threads=best,
              speedup_vs_best_plain=rate(spec) / rate(base_by[best]),
              lossless=r["lossless"] and all(s.tokens == b.tokens for bs in base_by.values() for s, b in zip(spec, bs)))
     return r
 
 
 def print_result(console, r: dict, prompts: int, max_new_tokens: int) -> None:
-    from rich.table import Table
-
     table = Table(title=f"demo: {prompts} held-out prompt(s) x {max_new_tokens} new tokens, block {r['block_size']}, "
                   "ONNX Runtime CPU, greedy", title_justify="left")
     table.add_column("")
@@ -180,7 +184,8 @@ def print_result(console, r: dict, prompts: int, max_new_tokens: int) -> None:
     table.add_row("tau (tokens per target call)", f"{r['tau']:.2f}", "1.00")
     table.add_row("positions verified per round", f"{r['mean_verify_len']:.1f}", "1.0")
     table.add_row("tokens/s (decode)", f"{t['speculative']:.0f}", f"{t['autoregressive']:.0f}")
-    table.add_row(f"speedup ({r['threads']} thread(s), verify {r['verify']})", f"{r['speedup']:.2f}x", "1.00x")
+    verify = describe_policy(None if r["verify"] == "full" else VerifyPolicy(**r["verify"]))
+    table.add_row(f"speedup ({r['threads']} thread(s), verify: {verify})", f"{r['speedup']:.2f}x", "1.00x")
     table.add_row(f"speedup vs plain at its best thread count ({r['best_plain_threads']})",
                   f"{r['speedup_vs_best_plain']:.2f}x", "")
     table.add_row("loop efficiency (speedup / ideal from call costs)", f"{r['loop_efficiency']:.3f}", "")

@@ -11,7 +11,16 @@ from pathlib import Path
 
 import click
 
+from rich.console import Console
+from rich.table import Table
+
+from .options import num_prompts_option
+from .runtime.lazy import lazy_import
 from .runtime.errors import DFlashError
+
+export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: only when a command runs
+export_check = lazy_import("dflash_export.export.check")
+export_quantize = lazy_import("dflash_export.export.quantize")
 
 
 def quant_options(f):
@@ -34,10 +43,8 @@ def quant_options(f):
 
 def quant_request(quantize, block_size, asymmetric, draft, lm_head, accuracy_level):
     """The QuantOptions asked for, or None; the sub-options alone are a mistake."""
-    from .export.quantize import QuantOptions
-
     if quantize is not None:
-        return QuantOptions(quantize, block_size, not asymmetric, draft, lm_head, accuracy_level)
+        return export_quantize.QuantOptions(quantize, block_size, not asymmetric, draft, lm_head, accuracy_level)
     if draft or lm_head or asymmetric or accuracy_level is not None:
         raise DFlashError("--quantize-draft, --quantize-lm-head, --quant-asymmetric and --quant-accuracy-level "
                           "need --quantize int4|int8")
@@ -92,10 +99,8 @@ def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_
       dflash-export export --target t --draft d --out art4 --quantize int4 --quantize-draft
       dflash-export export --target t --draft d --out art --draft-vocab 32768 --draft-vocab-data corpus.jsonl
     """
-    from .export.artifact import export_artifact
-
     q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level)
-    export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
+    export_artifact.export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
                     mask_token_id=mask_token_id, opset=opset, attention=attention, force=force, progress=not quiet,
                     quantize=q,
                     draft_vocab=draft_vocab, draft_vocab_data=draft_vocab_data, room_check=not no_room_check)
@@ -117,12 +122,10 @@ def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantiz
       dflash-export quantize art --out art-int4 --quantize int4
       dflash-export quantize art --out art-int8 --quantize int8 --quantize-draft --quantize-lm-head
     """
-    from .export.quantize import quantize_artifact
-
     q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level)
     if q is None:
         raise DFlashError("quantize needs --quantize int4|int8")
-    quantize_artifact(src, out_dir, q, force=force, progress=not quiet)
+    export_quantize.quantize_artifact(src, out_dir, q, force=force, progress=not quiet)
 
 
 @click.command()
@@ -131,8 +134,7 @@ def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantiz
               help="The target directory OUT was exported from (required).")
 @click.option("--draft", "draft_dir", type=click.Path(path_type=Path),
               help="The drafter directory OUT was exported from (required).")
-@click.option("--prompts", type=int, default=20, show_default=True,
-              help="Random prompts decoded end to end (ONNX Runtime vs the PyTorch oracle); 0 skips.")
+@num_prompts_option(20, "Random prompts decoded end to end (ONNX Runtime vs the PyTorch oracle); 0 skips.")
 @click.option("--max-new-tokens", type=int, default=24, show_default=True, help="Tokens per end-to-end prompt.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the random inputs and prompts.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
@@ -140,7 +142,7 @@ def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantiz
               help="Write inputs and both sides' outputs as Polygraphy JSON into this directory.")
 @click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="ONNX Runtime execution provider for the exported side.")
-def check(out, target_dir, draft_dir, prompts, max_new_tokens, seed, as_json, save_polygraphy, provider):
+def check(out, target_dir, draft_dir, num_prompts, prompts_file, max_new_tokens, seed, as_json, save_polygraphy, provider):
     """Check an exported directory OUT against the PyTorch modules it came from.
 
     Runs every graph in ONNX Runtime (--provider, CPU by default) and in PyTorch on
@@ -148,7 +150,7 @@ def check(out, target_dir, draft_dir, prompts, max_new_tokens, seed, as_json, sa
     prefill (past 0), a 1-token step and a K-token verify on a past; the drafter's context
     graph; the block graph with and without context. Prints max / mean / p99 absolute
     error per output against the tolerance (fp32: 1e-4 on logits, taps and K/V; ids
-    exact). Then decodes --prompts random prompts greedily through the graphs and through
+    exact). Then decodes --num-prompts random prompts greedily through the graphs and through
     the PyTorch oracle: tokens and acceptance lengths must be identical.
 
     fp16/bf16 exports report the statistics and top-1 agreement without failing on fp32
@@ -158,17 +160,17 @@ def check(out, target_dir, draft_dir, prompts, max_new_tokens, seed, as_json, sa
     \b
     Examples:
       dflash-export check art --target Qwen3-8B --draft Qwen3-8B-DFlash
-      dflash-export check art --target t --draft d --prompts 50 --json
+      dflash-export check art --target t --draft d --num-prompts 50 --json
       dflash-export check art --target t --draft d --save-polygraphy pg
       polygraphy run art/target.onnx --onnxrt \\
           --load-inputs pg/target.prefill_P0_S7.inputs.json \\
           --load-outputs pg/target.prefill_P0_S7.outputs.json --atol 1e-4 --rtol 0
     """
-    from .export.check import run_check
-
-    if prompts < 0 or max_new_tokens < 1:
-        raise DFlashError("--prompts must be >= 0 and --max-new-tokens >= 1")
-    report = run_check(out, target_dir, draft_dir, prompts=prompts, max_new_tokens=max_new_tokens, seed=seed,
+    if prompts_file is not None:
+        raise DFlashError(f"--prompts {prompts_file}: check decodes random token prompts; give their number with --num-prompts N")
+    if num_prompts < 0 or max_new_tokens < 1:
+        raise DFlashError("--num-prompts must be >= 0 and --max-new-tokens >= 1")
+    report = export_check.run_check(out, target_dir, draft_dir, prompts=num_prompts, max_new_tokens=max_new_tokens, seed=seed,
                        save_polygraphy=save_polygraphy, provider=provider, progress=not as_json)
     if as_json:
         click.echo(json.dumps(report.to_json()))
@@ -178,9 +180,6 @@ def check(out, target_dir, draft_dir, prompts, max_new_tokens, seed, as_json, sa
 
 
 def print_report(report) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console(width=max(Console().width, 132))  # one row per output, unwrapped even when piped
     q = report.quantization
     what = report.dtype if q is None else (f"{report.dtype} export, {q['scheme']} weights; vs = PyTorch with the "

@@ -13,54 +13,34 @@ from pathlib import Path
 import click
 import numpy as np
 
-from .cmd_batch import BUILTIN_PROMPTS, _bench_prompts, _parse_ids  # noqa: F401 (BUILTIN_PROMPTS: cmd_demo)
+from .cmd_batch import bench_batch, check_batch_value, echo_bench_batch, generate_many
+from .options import device_options, sampling_options
+from .runtime.calibrate import calibrate, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
 from .runtime.errors import DFlashError
+from .runtime.load import open_artifact, open_backend, settings_for
+from .runtime.loop import Generation
+from .runtime.loop import stream as run
+from .runtime.manifest import load_manifest
+from .runtime.measure import measure_many, rate, summarize
 from .runtime.sampling import check_sampling
+from .runtime.settings import policy_json
 from .serve.text import load_tokenizer
 
-def _settings(out, provider: str, backend: str, threads: int | None, spin: bool | None, verify: str):
-    """The run's settings: --threads/--spin/--verify over runtime.json over the defaults (runtime/settings.py)."""
-    from .runtime.manifest import load_manifest
-    from .runtime.settings import device_key, resolve
-
-    m = load_manifest(out, verify=False)  # the backend verifies the hashes when it loads
-    return resolve(out, m, device_key(backend, provider), threads=threads, spin=spin, verify=verify)
-
-
-def _backend(out, provider: str, drafter: bool = True, backend: str = "ort", threads: int | None = None,
-             spin: bool | None = None, verify: str = "auto", max_batch: int = 1):
-    """(backend, settings): one place where generate, bench and demo (and serve) open a directory."""
-    from .runtime.backend import open_backend, ort_backend_class
-
-    if backend == "ort":
-        ort_backend_class()  # the install hint comes before anything about the directory
-    cfg = _settings(out, provider, backend, threads, spin, verify)
-    if backend == "trt":
-        if max_batch > 1:
-            raise DFlashError("--batch > 1 runs on ONNX Runtime's CPU provider in this version (the TensorRT "
-                              "backend runs batch 1); use --backend ort or --batch 1")
-        return open_backend(out, "trt", drafter=drafter), cfg
-    return open_backend(out, "ort", provider, drafter=drafter, max_batch=max_batch, **cfg.ort_kwargs()), cfg
+BUILTIN_PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The three laws of thermodynamics are",
+    "Question: A train travels 60 km in 45 minutes. What is its average speed in km/h?\nAnswer:",
+    "import numpy as np\n\ndef softmax(x):\n",
+    "Once upon a time, in a small village by the sea,",
+]
 
 
-provider_option = click.option(
-    "--provider", default="cpu", show_default=True, help="ONNX Runtime execution provider: cpu | cuda | tensorrt."
-)
-threads_option = click.option(
-    "--threads", type=int, default=None,
-    help="ONNX Runtime intra-op threads of every graph (default: runtime.json's calibrated count, else 1 for "
-         "small models and one per CPU from hidden size 1024).")
-spin_option = click.option(
-    "--spin/--no-spin", default=None,
-    help="Let ORT's idle threads spin (default off: spinning made calls ~2x slower on shared vCPUs).")
-verify_option = click.option(
-    "--verify", type=click.Choice(["auto", "full"]), default="auto", show_default=True,
-    help="auto: verify the drafter's confident prefix as runtime.json's calibrated policy says (the full block "
-         "when there is none); full: always the whole block.")
-backend_option = click.option(
-    "--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
-    help="ort: ONNX Runtime (see --provider); trt: the TensorRT engines of `dflash-export build`.",
-)
+def _parse_ids(text: str, what: str) -> list[int]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise DFlashError(f"{what} must be comma-separated integers (got {text!r})") from None
 
 
 @click.command()
@@ -72,26 +52,15 @@ backend_option = click.option(
 @click.option("--batch", default=1, show_default=True, type=int,
               help="With --prompts: rows decoded together (one graph call per round for all of them).")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
-@click.option("--top-k", default=0, show_default=True, type=int, help="0 disables.")
-@click.option("--top-p", default=1.0, show_default=True, type=float, help="1 disables.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seeds the sampling stream (deterministic).")
+@sampling_options
 @click.option("--stop-ids", help="Comma-separated stop token ids (default: the manifest's eos_token_ids; '' for none).")
 @click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding of the target (the baseline).")
 @click.option("--stream", is_flag=True, help="Print tokens as each round is accepted.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with tokens and statistics.")
-@provider_option
-@backend_option
-@threads_option
-@spin_option
-@verify_option
+@device_options
 def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, temperature, top_k, top_p, seed, stop_ids,
              no_draft, stream, as_json, provider, backend, threads, spin, verify):
     """Speculative decoding of a prompt (or of --prompts FILE, --batch at a time) with an exported directory OUT."""
-    from .cmd_batch import check_batch_value, generate_many
-    from .runtime.loop import Generation
-    from .runtime.loop import stream as run
-
     if sum(x is not None for x in (prompt, prompt_ids, prompts_file)) != 1:
         raise DFlashError("give exactly one of --prompt TEXT, --prompt-ids 1,2,3 or --prompts FILE")
     if check_batch_value(batch) > 1 and prompts_file is None:
@@ -101,12 +70,16 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
     check_sampling(temperature, top_k, top_p)
     stop = None if stop_ids is None else tuple(_parse_ids(stop_ids, "--stop-ids"))
     if prompts_file is not None:
-        be, cfg = _backend(out, provider, not no_draft, backend, threads, spin, verify, max_batch=batch)
-        generate_many(be, load_tokenizer(out), prompts_file, max_new_tokens, batch, not no_draft, cfg.verify, as_json,
+        be, cfg = open_artifact(out, backend=backend, provider=provider, drafter=not no_draft, threads=threads,
+                                spin=spin, verify=verify, max_batch=batch)
+        tok = load_tokenizer(out)
+        prompts, _ = _bench_prompts(prompts_file, tok, be.manifest.vocab_size)
+        generate_many(be, tok, prompts, max_new_tokens, batch, not no_draft, cfg.verify, as_json,
                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop)
         return
     ids = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
-    backend, cfg = _backend(out, provider, drafter=not no_draft, backend=backend, threads=threads, spin=spin, verify=verify)
+    backend, cfg = open_artifact(out, backend=backend, provider=provider, drafter=not no_draft, threads=threads, spin=spin,
+                                 verify=verify)
     tok = load_tokenizer(out)
     if ids is None:
         if tok is None:
@@ -130,7 +103,7 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
         "acceptance_lengths": g.acceptance_lengths,
         "tau": g.tau,
         "mean_verify_len": g.mean_verify_len,
-        "verify": _policy_json(cfg.verify),
+        "verify": policy_json(cfg.verify),
         "threads": cfg.threads,
         "graph_threads": cfg.graph_threads or None,
         "tokens_per_second": g.tokens_per_second,
@@ -162,75 +135,33 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
 # -- bench ---------------------------------------------------------------------------------
 
 
-def _policy_json(policy) -> dict | str:
-    from dataclasses import asdict
-
-    return "full" if policy is None else asdict(policy)
-
-
-def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bool, prompts, max_new_tokens: int,
-              warmup: int, log=lambda msg: None) -> dict:
-    """Measure the thread counts, the prefill chunk and the verify policy; write them to runtime.json.
-
-    Threads: the speculative loop (full block) at each candidate count, interleaved, gives
-    the count of every graph; then each graph's own call at each count gives the per-graph
-    counts (`graph_threads`). Prefill chunk: the time to first token of a 512-token prompt
-    per chunk. Policy: the full-block rounds at the best count (drafter confidences and
-    acceptance lengths) replayed against this machine's measured verify cost per length
-    (runtime/calibrate.py).
-    """
-    from .runtime.backend import open_backend
-    from .runtime.calibrate import (CHUNKS, choose_policy, choose_threads, chunk_candidates, graph_ms, prefill_ms,
-                                    ttft_prompt, verify_costs, fastest)
-    from .runtime.settings import Settings, device_key, save_settings
-
-    def open_(t):
-        if backend == "trt":
-            return open_backend(out, "trt")
-        return open_backend(out, "ort", provider, threads=t, spin=spin, max_chunk=max(CHUNKS))
-
-    from .runtime.measure import measure_many, rate
-
-    backends = {t: open_(t) for t in candidates}
-    try:
-        runs = measure_many(backends, prompts, max_new_tokens, warmup)
-        rates = {t: rate(spec) for t, (spec, _) in runs.items()}
-        best = max(rates, key=rates.get)
-        be, spec = backends[best], runs[best][0]
-        if be.draft_conf is None:
-            raise DFlashError(f"{out}: draft_block has no draft_conf output (exported by an older version); "
-                              "re-export to calibrate adaptive verify")
-        log(f"threads: speculative tok/s by count {', '.join(f'{t}: {r:.0f}' for t, r in rates.items())} -> {best}")
-        by_graph = {t: graph_ms(b, prompts[0]) for t, b in backends.items()} if backend == "ort" else {}
-        graph_threads = choose_threads(by_graph) if len(by_graph) > 1 else {}
-        if graph_threads:
-            log("threads per graph: " + "; ".join(
-                f"{g} {', '.join(f'{t}: {ms[g]:.2f}' for t, ms in by_graph.items())} ms -> {graph_threads[g]}"
-                for g in graph_threads))
-        long = ttft_prompt(be)
-        chunks = prefill_ms(be, long, chunk_candidates(be, len(long)))
-        chunk = fastest(chunks)
-        log(f"prefill of {len(long)} tokens by chunk: "
-            f"{', '.join(f'{c}: {ms:.1f}' for c, ms in chunks.items())} ms -> {chunk}")
-        costs = verify_costs(be, prompts[0])
-        rounds = [(c, a - 1) for g in spec for c, a in zip(g.confidences, g.acceptance_lengths)]
-        draft_ms = sum(g.draft_s for g in spec) / len(rounds) * 1e3
-        policy, table = choose_policy(rounds, costs, draft_ms)
-    finally:
-        for b in backends.values():
-            b.close()
-    log(f"verify ms by length 1..{len(costs)}: {', '.join(f'{c:.2f}' for c in costs)}; draft {draft_ms:.2f} ms")
-    log(f"policy: {_policy_json(policy)}")
-    measured = {"speculative_tokens_per_second_by_threads": {str(t): r for t, r in rates.items()},
-                "graph_ms_by_threads": {str(t): ms for t, ms in by_graph.items()},
-                "prefill_ms_by_chunk": {str(c): ms for c, ms in chunks.items()},
-                "verify_ms_by_length": costs, "draft_ms": draft_ms, "rounds": len(rounds),
-                "replay": table, "cpu_count": __import__("os").cpu_count()}
-    settings = Settings(threads=best if backend == "ort" else None, spin=spin, verify=policy, measured=measured,
-                        graph_threads=graph_threads, prefill_chunk=chunk)
-    path = save_settings(out, device_key(backend, provider), settings)
-    return {"runtime_json": str(path), "threads": settings.threads, "graph_threads": graph_threads,
-            "prefill_chunk": chunk, "verify": _policy_json(policy), "verify_ms_by_length": costs, "draft_ms": draft_ms}
+def _bench_prompts(path: Path | None, tok, vocab: int, n_random: int = 5, length: int = 32) -> tuple[list[list[int]], str]:
+    if path is not None:
+        if not path.is_file():
+            raise DFlashError(f"--prompts {path}: no such file")
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        if not lines:
+            raise DFlashError(f"--prompts {path}: no prompts in it (one per line)")
+        if path.suffix == ".jsonl":  # {"prompt": "..."} per line, as demo/prompts.jsonl
+            try:
+                lines = [json.loads(ln)["prompt"] for ln in lines]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise DFlashError(f"--prompts {path}: each JSONL line needs a \"prompt\" string") from None
+        prompts = []
+        for ln in lines:
+            if all(p.strip().isdigit() for p in ln.split(",")):
+                prompts.append(_parse_ids(ln, f"--prompts {path}"))
+            elif tok is None:
+                raise DFlashError(f"--prompts {path}: text prompts need tokenizer.json in the exported directory; "
+                                  "write comma-separated token ids instead")
+            else:
+                prompts.append(tok.encode(ln).ids)
+        return prompts, f"{len(prompts)} prompts from {path}"
+    if tok is not None:
+        return [tok.encode(p).ids for p in BUILTIN_PROMPTS], f"{len(BUILTIN_PROMPTS)} built-in text prompts"
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, vocab, length).tolist() for _ in range(n_random)]
+    return prompts, f"{n_random} random token prompts of {length} tokens (no tokenizer in the directory)"
 
 
 def plot_bench(report: dict, path: Path) -> None:
@@ -275,11 +206,7 @@ def plot_bench(report: dict, path: Path) -> None:
 @click.option("--batch", default=1, show_default=True, type=int,
               help="Decode the prompts N rows at a time and report aggregate and per-request tokens/s, tau and "
                    "occupancy against batch 1 in the same run (interleaved).")
-@provider_option
-@backend_option
-@threads_option
-@spin_option
-@verify_option
+@device_options
 def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate, contexts, batch, provider, backend,
           threads, spin, verify):
     """Speculative vs plain decoding of OUT on the same prompts: tau, tokens/s, speedup.
@@ -287,11 +214,6 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     Without --threads every candidate thread count runs too (interleaved), which gives
     best_threads and speedup_vs_best_plain (plain decoding at its own best count).
     """
-    from .runtime.backend import open_backend
-    from .runtime.calibrate import prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
-    from .runtime.manifest import load_manifest
-    from .runtime.measure import measure_many, rate, summarize
-
     if plot is not None:
         from importlib.util import find_spec
 
@@ -310,25 +232,23 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         raise DFlashError(f"a prompt fills the max context {m.max_context}; use shorter prompts")
     n = min(max_new_tokens, room)
     if batch != 1:
-        from .cmd_batch import bench_batch, check_batch_value, echo_bench_batch
-
         check_batch_value(batch)
         if do_calibrate or plot is not None or ctx:
             raise DFlashError("--batch runs its own comparison; leave out --calibrate, --plot and --context")
-        cfg = _settings(out, provider, backend, threads, spin, verify)
-        report = bench_batch(lambda b: _backend(out, provider, backend=backend, threads=threads, spin=spin,
-                                                verify=verify, max_batch=b)[0], prompts, n, batch, warmup, cfg.verify)
+        cfg = settings_for(out, backend, provider, threads=threads, spin=spin, verify=verify)
+        report = bench_batch(lambda b: open_artifact(out, backend=backend, provider=provider, threads=threads, spin=spin,
+                                                     verify=verify, max_batch=b)[0], prompts, n, batch, warmup, cfg.verify)
         report.update(prompt_source=source, threads=cfg.threads)
         click.echo(json.dumps(report)) if as_json else echo_bench_batch(report)
         return
     sweep = backend == "ort" and threads is None
-    base = _settings(out, provider, backend, threads, spin, "full")
+    base = settings_for(out, backend, provider, threads=threads, spin=spin, verify="full")
     candidates = thread_candidates() if sweep else [base.threads]
     calibration = None
     if do_calibrate:
         log = (lambda msg: click.echo(f"calibrate: {msg}", err=True)) if not as_json else (lambda msg: None)
         calibration = calibrate(out, provider, backend, candidates, base.spin, prompts, n, warmup, log)
-    cfg = _settings(out, provider, backend, threads, spin, verify)
+    cfg = settings_for(out, backend, provider, threads=threads, spin=spin, verify=verify)
     labels = sorted(set(candidates) | {cfg.threads}) if sweep else [cfg.threads]
 
     def open_(t):
@@ -347,7 +267,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     main = backends[key]
     report = {"provider": main.provider, **summarize(*runs[key], m.block_size)}
     report.update(max_new_tokens=n, prompt_source=source, threads=cfg.threads, graph_threads=cfg.graph_threads or None,
-                  spin=cfg.spin, verify=_policy_json(cfg.verify), draft_vocab=(m.draft_vocab or {}).get("size"),
+                  spin=cfg.spin, verify=policy_json(cfg.verify), draft_vocab=(m.draft_vocab or {}).get("size"),
                   prefill_chunk=min(main.max_chunk, cfg.prefill_chunk or main.max_chunk))
     if sweep:
         by = {t: {"speculative": rate(sp), "autoregressive": rate(ba)} for t, (sp, ba) in runs.items() if t != "graphs"}

@@ -11,6 +11,7 @@ torch is never imported here: `--demo` exports the shipped pair in a child proce
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import ipaddress
 import os
 import socket
@@ -21,11 +22,20 @@ from pathlib import Path
 
 import click
 
-from .cmd_run import spin_option, threads_option, verify_option
+from .cmd_demo import demo_dir
+from .options import device_options, ray_options
+from .runtime import contract as C, manifest as M
 from .runtime.errors import DFlashError
+from .runtime.lazy import lazy_import
+from .runtime.load import settings_for
+from .runtime.settings import check_options
 
 DEMO_CONTEXT = 2048
 DEFAULT_BATCH = 4  # rows per round when --max-batch is not given (docs/serve.md: measured)
+
+uvicorn = lazy_import("uvicorn")  # the serve extra, only when a server starts
+serve_app = lazy_import("dflash_export.serve.app")
+serve_ray = lazy_import("dflash_export.serve.ray")
 
 
 def _need_serve_extra() -> None:
@@ -41,8 +51,6 @@ def _need_serve_extra() -> None:
 
 def demo_cache_dir(pair: Path) -> Path:
     """Where the demo pair's export lives: keyed by the pair's content, the context and the artifact format."""
-    from .runtime import contract as C
-
     files = sorted(p for p in pair.rglob("*") if p.is_file()) if pair.is_dir() else []
     if not files:
         raise DFlashError(f"the shipped demo pair is missing ({pair}); restore demo/pair/ or pass an exported directory")
@@ -55,11 +63,7 @@ def demo_cache_dir(pair: Path) -> Path:
 
 def demo_artifact(pair: Path | None = None) -> Path:
     """The shipped demo pair exported once into ~/.cache/dflash-export/ (again when this version cannot read it)."""
-    from .runtime import contract as C, manifest as M
-
     if pair is None:
-        from .cmd_demo import demo_dir  # package data; imports no torch
-
         pair = demo_dir() / "pair"
     out = demo_cache_dir(pair)
     if (out / C.MANIFEST).is_file():
@@ -83,8 +87,6 @@ def demo_artifact(pair: Path | None = None) -> Path:
 
 
 def _importable(name: str) -> bool:
-    import importlib.util
-
     try:
         return importlib.util.find_spec(name) is not None
     except (ValueError, ImportError):  # e.g. sys.modules[name] is None
@@ -119,7 +121,6 @@ def _batch_rows(directory, m, max_batch: int | None, slots: int | None, backend:
     """(max_batch, slots): --max-batch batches rows in one loop, --slots runs a loop per slot.
     Neither: batch DEFAULT_BATCH rows where the export, backend and memory allow it (fewer
     when only fewer fit), else one slot. An explicit batch that does not fit is refused."""
-    from .runtime import contract as C
     from .runtime.memory import check_cache_memory
 
     if max_batch is not None and slots is not None and max_batch > 1 and slots > 1:
@@ -203,38 +204,12 @@ def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, ma
 @click.option("--no-draft", is_flag=True, help="Load without the drafter: plain decoding only.")
 @click.option("--shutdown-timeout", default=10.0, show_default=True, type=float,
               help="Seconds in-flight requests may finish after Ctrl-C / SIGTERM before they are cancelled.")
-@click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
-              help="ort: ONNX Runtime (see --provider); trt: the TensorRT engines of `dflash-export build` (--slots 1).")
-@click.option("--provider", default="cpu", show_default=True, help="ONNX Runtime execution provider: cpu | cuda | tensorrt.")
-@threads_option
-@spin_option
-@verify_option
-@click.option("--ray", "use_ray", is_flag=True,
-              help="Run as a Ray Serve application (replicas across nodes; needs the ray extra). See docs/ray.md.")
-@click.option("--replicas", type=int, help="--ray: a fixed number of replicas [default: 1].")
-@click.option("--autoscale", metavar="MIN:MAX", help="--ray: autoscale between MIN and MAX replicas on ongoing requests.")
-@click.option("--ray-address", help="--ray: an existing cluster (e.g. 10.0.0.5:6379) [default: a local head on 127.0.0.1].")
-@click.option("--replica-cpus", type=float, default=1.0, show_default=True, help="--ray: CPUs reserved per replica.")
-@click.option("--replica-gpus", type=float, default=0.0, show_default=True,
-              help="--ray: GPUs per replica (1 with --provider cuda: one GPU each).")
-@click.option("--max-replicas-per-node", type=int, help="--ray: at most this many replicas on one node (1: spread).")
-@click.option("--max-ongoing", type=int,
-              help="--ray: requests Ray sends a replica at once [default: batch rows (or slots) + queue + 8].")
-@click.option("--upscale-delay", type=float, default=30.0, show_default=True, help="--autoscale: seconds of load before adding a replica.")
-@click.option("--downscale-delay", type=float, default=600.0, show_default=True,
-              help="--autoscale: seconds of low load before removing one.")
-@click.option("--health-check-period", type=float, default=10.0, show_default=True,
-              help="--ray: seconds between replica health checks (slot threads alive, artifact files unchanged).")
-@click.option("--proxy", type=click.Choice(["HeadOnly", "EveryNode"]), default="HeadOnly", show_default=True,
-              help="--ray: Ray Serve HTTP proxies on the head only, or on every node (same --host/--port each).")
-def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_file, model_name, default_max_tokens, chat_template,
-          no_draft, shutdown_timeout, backend, provider, threads, spin, verify, use_ray, replicas, autoscale, ray_address, replica_cpus,
-          replica_gpus, max_replicas_per_node, max_ongoing, upscale_delay, downscale_delay, health_check_period, proxy):
+@device_options
+@ray_options
+def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_file, model_name, default_max_tokens,
+          chat_template, no_draft, shutdown_timeout, backend, provider, threads, spin, verify, ray: dict):
     """An OpenAI-compatible server over an exported directory OUT (or --demo):
     /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize."""
-    from .runtime import manifest as M
-    from .runtime.settings import check_options, device_key, resolve
-
     _need_serve_extra()
     if (out is None) == (not demo):
         raise DFlashError("give an exported directory OUT or --demo (not both)")
@@ -254,8 +229,10 @@ def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_f
     check_options(threads, verify)  # before --demo's first export, not after it
     if (slots or 1) > 1 and backend != "ort":
         raise DFlashError(f"--slots {slots} needs --backend ort (its slots share one copy of the weights)")
-    ray_kw = _ray_options(use_ray, replicas, autoscale, ray_address, replica_cpus, replica_gpus, max_replicas_per_node,
-                          max_ongoing, upscale_delay, downscale_delay, health_check_period)
+    use_ray = ray["use_ray"]
+    ray_kw = _ray_options(use_ray, ray["replicas"], ray["autoscale"], ray["ray_address"], ray["replica_cpus"],
+                          ray["replica_gpus"], ray["max_replicas_per_node"], ray["max_ongoing"], ray["upscale_delay"],
+                          ray["downscale_delay"], ray["health_check_period"])
     template = None
     if chat_template is not None:
         if not chat_template.is_file():
@@ -266,28 +243,23 @@ def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_f
         directory = Path(directory).resolve()  # every replica opens this path on its own node
     # a wrong folder, --threads or runtime.json is one line now, not after binding
     manifest = M.load_manifest(directory, verify=False)
-    resolve(directory, manifest, device_key(backend, provider), threads=threads, spin=spin, verify=verify)
+    settings_for(directory, backend, provider, threads=threads, spin=spin, verify=verify)
     max_batch, slots = _batch_rows(directory, manifest, max_batch, slots, backend, provider, not no_draft)
 
-    import uvicorn
-
-    from .serve.app import ServeOptions, create_app
-
-    options = ServeOptions(Path(directory), model_name=model_name or ("dflash-demo" if demo else None), slots=slots,
-                           max_batch=max_batch, max_queue=max_queue, api_key=api_key, backend=backend, provider=provider, threads=threads,
+    options = serve_app.ServeOptions(Path(directory), model_name=model_name or ("dflash-demo" if demo else None), slots=slots,
+                           max_batch=max_batch, max_queue=max_queue, api_key=api_key, backend=backend, provider=provider,
+                           threads=threads,
                            spin=spin, verify=verify,
                            default_max_tokens=default_max_tokens, chat_template=template, speculative=not no_draft)
     if not _is_loopback(host) and not api_key:
         click.echo(f"warning: listening on {host} without an API key: anyone who can reach it can use it "
                    "(set --api-key or DFLASH_API_KEY)", err=True)
     if use_ray:
-        from .serve.ray import run
-
-        return run(options, host=host, port=port, address=ray_address, proxy=proxy, shutdown_timeout=shutdown_timeout,
+        return serve_ray.run(options, host=host, port=port, address=ray["ray_address"], proxy=ray["proxy"], shutdown_timeout=shutdown_timeout,
                    **ray_kw)
     sock = _bind(host, port)
     port = sock.getsockname()[1]
-    app = create_app(options)
+    app = serve_app.create_app(options)
     holder = app.state.holder
 
     def cancel_in_flight():  # the bound: streams then end with an error event, waiting requests get a 503

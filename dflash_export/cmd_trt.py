@@ -32,8 +32,11 @@ from .runtime.errors import DFlashError
 def build(out: Path, precision, max_context, max_prompt, max_batch, timing_cache, workspace, dry_run, no_progress) -> None:
     """Build TensorRT engines for OUT into OUT/engines and record them in its manifest.
 
+    Needs an NVIDIA GPU and TensorRT 10.12 to 11.x (the trt extra); --dry-run needs neither.
+    Takes exports with standard attention, not quantized ones.
+
     \b
-    target        profile 0 verify (seq = block size), profile 1 prefill (seq 1..max prompt)
+    target        profile 0 verify (seq 1..block size), profile 1 prefill (seq 1..max prompt)
     draft_context profile over the new-context length
     draft_block   block fixed at K, profile over the past-context length
     Engines are strongly typed (the export's dtype decides precision) and run only with the

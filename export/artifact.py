@@ -19,6 +19,7 @@ from pathlib import Path
 from ..runtime.memory import available_memory
 from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
+from .outdir import check_out_dir, commit, write_manifest_checked
 from .progress import Phases, report
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -34,15 +35,6 @@ def torch_dtype(dtype: str):
 
 
 # -- checks before anything is written ---------------------------------------------------
-
-
-def check_out_dir(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise DFlashError(f"--out {out} exists and is not a directory; choose another path")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise DFlashError(f"--out {out} exists and is not empty; pass --force to replace it or choose another path")
-    if not out.parent.exists():
-        raise DFlashError(f"the parent directory of --out {out} does not exist; create it first")
 
 
 def plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset=None):
@@ -65,6 +57,9 @@ def plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset=No
         raise DFlashError(f"--opset {opset} is not supported: torch's dynamo exporter writes opset {MIN_OPSET} or higher")
     if max_context <= k:
         raise DFlashError(f"--max-context {max_context} must exceed the block size {k}")
+    if max_context > tc.max_position_embeddings:  # allowed (RoPE extrapolates), but the model never saw them
+        print(f"warning: --max-context {max_context} exceeds the target's max_position_embeddings "
+              f"{tc.max_position_embeddings}: positions past it were not trained and may decode poorly", file=sys.stderr)
     return tc, dc, k, mask
 
 
@@ -76,7 +71,7 @@ def _chunk() -> int:
 
 # -- room: memory and disk, before anything is loaded -----------------------------------
 
-EXPORT_PEAK = 1.3  # export peak RSS / weight bytes: 1.26 measured (bench/export_2gb.py, docs/real_sizes.md)
+EXPORT_PEAK = 1.3  # export peak RSS / weight bytes: 1.26 measured (bench/export_2gb.py, docs/results.md)
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
@@ -302,21 +297,3 @@ def export_artifact(
     if quantize is None:
         report(ui, out, time.perf_counter() - t0)
     return manifest
-
-
-def write_manifest_checked(root: Path, manifest: M.Manifest) -> None:
-    M.write_manifest(root, manifest)
-    M.load_manifest(root, verify=True)  # what a runtime will do: must pass before we publish
-
-
-def commit(tmp: Path, out: Path) -> None:
-    """Move the finished directory onto `out` (replacing an old one only now)."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-

@@ -33,6 +33,7 @@ import numpy as np
 from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
 from .check_rows import block_inputs, ragged_rows, target_inputs
+from .polygraphy_json import write_polygraphy
 
 TOLERANCE = 1e-4  # fp32 absolute, on logits, taps and K/V alike
 
@@ -194,14 +195,14 @@ def committed_state_rows(target, m: M.Manifest, session, seed: int, strict: bool
                                     *map(_np, target_inputs(m, cache.view(), P, K))]))
         got = dict(zip(names_out, session.run(names_out, feeds)))
         cache.append(target(ids[:, P:], torch.arange(P, P + K)[None], cache.view())[2], n)
-    names, mine, ref = [], [], []
+    names, mine, ref, N = [], [], [], C.names_of(m)
     for i, (conv_ref, state_ref) in enumerate(cache.view()):
         if not m.is_linear(i):
             continue
-        conv = np.concatenate([feeds[C.conv_state(i)][0], got[C.new_conv(i)][0, :n]], 0)[-conv_ref.shape[1]:]
-        state = feeds[C.rec_state(i)][0].copy()
-        commit_state(state, *(got[name][0, :n] for name in C.delta(i)))
-        names += [f"{C.conv_state(i)} committed", f"{C.rec_state(i)} committed"]
+        conv = np.concatenate([feeds[N.conv_state[i]][0], got[N.new_conv[i]][0, :n]], 0)[-conv_ref.shape[1]:]
+        state = feeds[N.rec_state[i]][0].copy()
+        commit_state(state, *(got[name][0, :n] for name in N.delta[i]))
+        names += [f"{N.conv_state[i]} committed", f"{N.rec_state[i]} committed"]
         mine += [conv[None], state[None]]
         ref += [_np(conv_ref), _np(state_ref)]
     return compare(C.TARGET, f"commit {n} of verify P={P} S={K}", names, mine, ref, strict)
@@ -262,7 +263,7 @@ def run_check(
     import torch
 
     from ..models import speculative_generate
-    from ..runtime.backend import open_backend
+    from ..runtime.load import open_backend
     from .progress import Phases
 
     root = Path(root)
@@ -318,7 +319,8 @@ def run_check(
             saved.append((graph, case, feeds, dict(zip(names_out, ref)), dict(zip(names_out, got))))
         if m.linear_layers:
             report.rows += committed_state_rows(ref_models[0], m, backend.sessions[C.TARGET], seed, report.strict)
-        report.rows += ragged_rows(*ref_models, m, backend.sessions, seed, report.strict)
+        against = "pytorch" if q is None else "dequantized" if ref_models[0] is not target else "float"
+        report.rows += ragged_rows(*ref_models, m, backend.sessions, seed, report.strict, compare, _np, against)
     if save_polygraphy is not None:
         with ui.phase("save", f"Polygraphy inputs/outputs to {save_polygraphy}"):
             write_polygraphy(Path(save_polygraphy), saved)
@@ -383,25 +385,3 @@ def end_to_end(backend, target, drafter, m: M.Manifest, prompts: int, max_new_to
 
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def write_polygraphy(directory: Path, saved) -> None:
-    """Per graph and regime: <graph>.<case>.inputs.json (a list of feed dicts, as
-    `polygraphy run --load-inputs` reads) and .outputs.json (RunResults with a `pytorch`
-    and an `onnxruntime` runner, for `--load-outputs`)."""
-    import contextlib
-    import sys
-
-    with contextlib.redirect_stdout(sys.stderr):  # Polygraphy logs to stdout; keep --json's stdout clean
-        from polygraphy.comparator import RunResults
-        from polygraphy.comparator.struct import IterationResult
-        from polygraphy.json import save_json
-
-        directory.mkdir(parents=True, exist_ok=True)
-        for graph, case, feeds, ref, got in saved:
-            stem = f"{graph}.{case.replace(' ', '_').replace('=', '')}"
-            save_json([feeds], str(directory / f"{stem}.inputs.json"))
-            results = RunResults()
-            results.append(("pytorch", [IterationResult(ref, runner_name="pytorch")]))
-            results.append(("onnxruntime", [IterationResult(got, runner_name="onnxruntime")]))
-            results.save(str(directory / f"{stem}.outputs.json"))

@@ -45,7 +45,8 @@ def block_inputs(m: M.Manifest, ctx, p: int) -> list:
     return [torch.full((ctx[0][0].shape[0],), p, dtype=torch.long), *_position_major(None, ctx)]
 
 
-def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, strict: bool) -> list:
+def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, strict: bool, compare, to_numpy,
+                against: str = "pytorch") -> list:
     """Parity per row of a ragged batch: two rows with different past lengths (and verify
     lengths, the shorter padded) through the target and the block graph in one call each,
     every row's valid outputs against that row alone through PyTorch (batch 1)."""
@@ -82,8 +83,7 @@ def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, stric
     ids = torch.cat([pad(r[:, n:n + s], S) for r, n, s in zip(rows_ids, lens, news)], 0)
     pos = torch.stack([torch.arange(n, n + S) for n in lens])
     lengths = torch.tensor(lens)
-    from .check import _np, compare
-
+    _np = to_numpy
     rows = []
     for graph, inputs, which in (
         (C.TARGET, [ids, pos, *target_inputs(m, batch_past, P, S, lengths)], 0),
@@ -97,5 +97,5 @@ def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, stric
             mine = [o[r : r + 1, :s] for o in got]
             case = f"ragged B=2 row {r} (past {lens[r]}, {s} of {S} new)" if graph == C.TARGET else \
                 f"ragged B=2 row {r} (context {lens[r]})"
-            rows += compare(graph, case, names_out, mine, ref, strict)
+            rows += compare(graph, case, names_out, mine, ref, strict, against)
     return rows

@@ -18,7 +18,7 @@ import torch
 from onnxscript import values
 
 from ..models.layers import apply_rope, attend
-from .validate import register_ort_schemas
+from .ops import register_ort_schemas
 
 
 @torch.library.custom_op("dflash::gqa", mutates_args=())

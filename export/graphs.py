@@ -74,7 +74,7 @@ class TargetOrtGraph(nn.Module):
     max_context rows (head dims that are multiples of 16, as it requires; others rotate in
     the graph), and SkipSimplifiedLayerNormalization for each residual add + the next
     RMSNorm. Packing q/k/v and gate/up into one MatMul each was measured too and gave
-    nothing on CPU (docs/speed.md), so the weights stay as they are. Llama / Qwen2 / Qwen3
+    nothing on CPU (bench/context_scaling.py), so the weights stay as they are. Llama / Qwen2 / Qwen3
     decoder layers only (the hybrid targets keep the standard graph). position_ids is
     unused when GQA rotates: the runtime feeds positions equal to the cache rows, which is
     what GQA assumes.

@@ -23,9 +23,9 @@ import numpy as np
 
 from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
+from .ops import QUANT_OPS
 
 SCHEMES = {"int4": 4, "int8": 8}
-QUANT_OPS = (("com.microsoft", "MatMulNBits"),)  # what a quantized graph may hold beyond ai.onnx
 
 
 @dataclass
@@ -118,7 +118,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
 
     import onnx_ir as ir
 
-    from .artifact import check_out_dir, commit, write_manifest_checked
+    from .outdir import check_out_dir, commit, write_manifest_checked
     from .progress import Phases, report
     from .save import graph_spec, save_graphs
     from .trace import store_transposed

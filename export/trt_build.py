@@ -34,7 +34,7 @@ from ..runtime.manifest import Manifest, load_manifest, write_manifest
 from ..runtime.errors import DFlashError
 from ..runtime.trt_backend import gpu_info, import_tensorrt
 from ..runtime.trt_profiles import (
-    ENGINE_DIR, ENGINE_FILES, Limits, check_precision, profile_record, resolve_limits, trt_version_tuple,
+    ENGINE_DIR, ENGINE_FILES, Limits, check_precision, profile_record, refuse_quantized, resolve_limits, trt_version_tuple,
 )
 
 
@@ -59,15 +59,6 @@ def default_timing_cache() -> Path:
     """Timing cache shared by every build on this machine (TensorRT keys entries by device and version)."""
     base = os.environ.get("DFLASH_TRT_CACHE") or Path.home() / ".cache" / "dflash-export"
     return Path(base) / "trt-timing.cache"
-
-
-def refuse_quantized(manifest: Manifest) -> None:
-    """Weight-only quantized graphs hold ONNX Runtime's MatMulNBits, which TensorRT's parser does not take."""
-    q = manifest.quantization
-    if q is not None:
-        raise DFlashError(f"this export is quantized ({q['scheme']} weights as ONNX Runtime MatMulNBits), which TensorRT "
-                          "cannot parse (its quantization uses Q/DQ nodes, not supported here); build from an export "
-                          "without --quantize")
 
 
 def build_plan(manifest: Manifest, precision: str | None = None, max_context: int | None = None,

@@ -29,7 +29,7 @@ from ..runtime import contract as C
 from ..runtime.contract import GRAPH_FILES
 from ..runtime.manifest import Manifest, load_manifest
 from ..runtime.errors import DFlashError
-from ..runtime.trt_profiles import TRT_BELOW, TRT_MIN, axis_role, profiles, resolve_limits
+from ..runtime.trt_profiles import TRT_BELOW, TRT_MIN, axis_role, profiles, refuse_quantized, resolve_limits
 
 OPS_FILE = Path(__file__).with_name("trt_ops.json")
 ORT_FLAVOUR = ("exported with --attention ort (com.microsoft GroupQueryAttention, ONNX Runtime only): TensorRT "
@@ -268,8 +268,6 @@ def lint_model(model: onnx.ModelProto, graph: str, manifest: Manifest | None = N
 def lint_dir(out_dir: str | Path, manifest: Manifest | None = None, trt_version: str = MIN_VERSION,
              limits=None) -> list[Finding]:
     """Lint every graph of an exported directory (weights are not loaded)."""
-    from .trt_build import refuse_quantized
-
     out_dir = Path(out_dir)
     manifest = manifest or load_manifest(out_dir)
     refuse_quantized(manifest)

@@ -1,6 +1,6 @@
 """The reference speculative generator: the oracle every backend is compared with.
 
-Round structure (DESIGN.md section 1), with the z-lab reference's bookkeeping:
+Round structure (docs/design.md, "The loop"), with the z-lab reference's bookkeeping:
 prefill the prompt -> first token; then each round drafts a block [anchor, MASK...],
 verifies it in one target pass, accepts the longest matching prefix `a` plus the target's
 own choice at `a`, and keeps `a + 1` positions in the target cache (rollback = length).

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import contract as C
 from .manifest import Manifest
-from .errors import DFlashError
+from .errors import DFlashError, InternalError
 from .hybrid import LinearStates
 
 
@@ -41,6 +42,14 @@ from .hybrid import LinearStates
 class TargetOut:
     next_ids: np.ndarray  # [S] int64 (batch-1 calls) or [R, N] (target_rows): the target's argmax (in-graph)
     logits: np.ndarray | None  # [S, V] / [R, N, V] float32, only when asked for (sampling needs them)
+
+
+@dataclass
+class Draft:
+    """What one drafter pass proposes for the K-1 masked positions of the block."""
+
+    ids: np.ndarray  # [K-1] int64: the in-graph ArgMax
+    conf: np.ndarray | None = None  # [K-1] float32 top-1 probabilities (adaptive verify); None: not exported
 
 
 class Backend(ABC):
@@ -58,7 +67,7 @@ class Backend(ABC):
     max_chunk: int
     max_batch: int = 1
     has_drafter: bool = True
-    draft_conf: np.ndarray | None = None  # [K-1] top-1 probabilities of the last draft_block (None: not exported)
+    names: C.Names  # every per-layer tensor name, built once at load (contract.names_of)
     states: LinearStates | None = None  # hybrid targets: the committed DeltaNet states, host side (runtime/hybrid.py)
     _rows: tuple | None = None  # (lengths, ctx_lengths, pending), made on first use
 
@@ -86,7 +95,6 @@ class Backend(ABC):
 
     # -- the four operations the loop uses ------------------------------------------------
 
-    @abstractmethod
     def target(self, ids: np.ndarray, want_logits: bool = False) -> TargetOut:
         """Run the target over `ids` ([S] int64, S >= 1) at positions target_len .. target_len+S-1.
 
@@ -96,8 +104,14 @@ class Backend(ABC):
         move target_len: the caller `commit`s how many of the S positions are real.
         Must raise DFlashError if target_len + S > max_len or S > max_chunk. Used for prefill (S up to the
         prefill chunk), verify (S <= block_size) and plain 1-token decoding.
-        Implementations end with `self._pending = S`.
         """
+        out = self._target(ids, want_logits)
+        self._pending = len(ids)  # what `commit` may keep
+        return out
+
+    @abstractmethod
+    def _target(self, ids: np.ndarray, want_logits: bool) -> TargetOut:
+        """The graph call behind `target` (the checks above are the implementation's)."""
 
     def commit(self, n: int) -> None:
         """Keep the first n (0 <= n <= S) positions of the last `target` call: target_len += n.
@@ -111,7 +125,7 @@ class Backend(ABC):
         lengths, _, pending = self._row_state()
         for b, k in zip(rows, n):
             if not 0 <= k <= pending[b]:
-                raise DFlashError(f"internal: commit({k}) of row {b} but the last target call wrote {pending[b]} positions")
+                raise InternalError(f"commit({k}) of row {b} but the last target call wrote {pending[b]} positions")
         if self.states is not None:  # a hybrid target's rollback: only n positions reach the states
             self.states.commit_rows(rows, n)
         for b, k in zip(rows, n):
@@ -129,13 +143,12 @@ class Backend(ABC):
         """
 
     @abstractmethod
-    def draft_block(self, anchor: int) -> np.ndarray:
+    def draft_block(self, anchor: int) -> Draft:
         """One drafter pass over [anchor, mask x (K-1)] at positions context_len .. context_len+K-1.
 
         K is the manifest's block_size (static). Attends to context slots [0, context_len)
-        and the block (non-causal). Returns draft_ids [K-1] int64 (in-graph ArgMax) and sets
-        `draft_conf` (their top-1 probabilities, for adaptive verify) when the graph has it.
-        Caches nothing: the block's own K/V are never kept.
+        and the block (non-causal). Returns the Draft: ids [K-1] int64 (in-graph ArgMax) and,
+        when the graph has them, their top-1 probabilities (adaptive verify). Caches nothing: the block's own K/V are never kept.
         """
 
     # -- several rows per call (batch-1 backends: row 0 through the methods above) ----------
@@ -159,24 +172,24 @@ class Backend(ABC):
     def draft_block_rows(self, rows: list[int], anchors) -> tuple[np.ndarray, np.ndarray | None]:
         """`draft_block` per row at its own context length: (draft ids [R, K-1], conf [R, K-1] or None)."""
         self._one_row(rows)
-        ids = self.draft_block(int(anchors[0]))
-        return ids[None], None if self.draft_conf is None else self.draft_conf[None]
+        d = self.draft_block(int(anchors[0]))
+        return d.ids[None], None if d.conf is None else d.conf[None]
 
     width: int = 1  # rows a call over all rows carries (runtime/loop.py keeps its rows in 0..width-1)
 
     def set_width(self, w: int) -> None:
         """Calls over all rows carry rows 0..w-1 from now on (one-row backends: nothing to do)."""
         if not 0 <= w <= self.max_batch:
-            raise DFlashError(f"internal: width {w} of a {self.max_batch}-row backend")
+            raise InternalError(f"width {w} of a {self.max_batch}-row backend")
         self.width = w
 
     def move_row(self, src: int, dst: int) -> None:
         """Row src's sequence moves to slot dst; src is freed (backends of several rows)."""
-        raise DFlashError(f"internal: {type(self).__name__} holds one row")
+        raise InternalError(f"{type(self).__name__} holds one row")
 
     def _one_row(self, rows) -> None:
         if list(rows) != [0]:
-            raise DFlashError(f"internal: {type(self).__name__} runs one row (row 0), not rows {list(rows)}")
+            raise InternalError(f"{type(self).__name__} runs one row (row 0), not rows {list(rows)}")
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -198,10 +211,10 @@ class Backend(ABC):
         """Keep only the first n positions of both caches: a new sequence that starts with
         the same n tokens as the last one (prompt reuse) prefills only what follows."""
         if not 0 <= n <= self.target_len:
-            raise DFlashError(f"internal: keep({n}) but the target cache holds {self.target_len} positions")
+            raise InternalError(f"keep({n}) but the target cache holds {self.target_len} positions")
         if self.states is not None and n != self.target_len:
             if n:
-                raise DFlashError(f"internal: keep({n}) of {self.target_len} positions: a hybrid target keeps all or none")
+                raise InternalError(f"keep({n}) of {self.target_len} positions: a hybrid target keeps all or none")
             self.states.reset()
         self.target_len, self.context_len, self._pending = n, min(self.context_len, n), 0
 
@@ -219,29 +232,3 @@ class Backend(ABC):
     def provider(self) -> str:
         """What runs the graphs, for reports ("onnxruntime:CPUExecutionProvider", "tensorrt")."""
         return type(self).__name__
-
-
-def open_backend(directory, backend: str = "ort", provider: str = "cpu", **kwargs) -> Backend:
-    """The named backend over an exported directory: "ort" (provider cpu | cuda | tensorrt) or
-    "trt" (TensorRT engines from `dflash-export build`). Each is imported only when asked for."""
-    if backend == "ort":
-        return ort_backend_class()(directory, provider, **kwargs)
-    if backend == "trt":
-        from .trt_backend import TensorRTBackend
-
-        return TensorRTBackend(directory, **kwargs)
-    raise DFlashError(f"unknown backend {backend!r}; choose ort or trt")
-
-
-def ort_backend_class():
-    """OrtBackend, or a one-line install hint when onnxruntime is missing."""
-    try:
-        from .ort import OrtBackend
-    except ModuleNotFoundError as e:
-        if e.name != "onnxruntime":
-            raise
-        raise DFlashError(
-            'ONNX Runtime is not installed: pip install "dflash-export[cpu]" (or "dflash-export[gpu]" '
-            "for CUDA; the two are alternatives, never install both)"
-        ) from None
-    return OrtBackend

@@ -11,6 +11,7 @@
   count, and the count each graph runs fastest with (target and drafter differ at real sizes).
 - `prefill_ms` / `choose_chunk`: the time to first token of a 512-token prompt per prefill
   chunk, and the fastest chunk.
+- `calibrate`: the driver: all of the above on one directory, written to its runtime.json.
 All of it runs through the Backend interface: any backend, no torch.
 """
 
@@ -18,14 +19,18 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 
+from . import contract as C
 from .backend import Backend
 from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET
 from .errors import DFlashError
 from .loop import generate
-from .settings import FULL, VerifyPolicy
+from .load import open_backend
+from .measure import measure_many, rate
+from .settings import FULL, Settings, VerifyPolicy, device_key, policy_json, save_settings
 
 THETAS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
 MIN_LENS = (1, 2, 3, 4, 6)
@@ -184,3 +189,64 @@ def chunk_candidates(backend: Backend, prompt_len: int) -> list[int]:
     k, top = backend.manifest.block_size, backend.max_chunk
     ok = [c for c in CHUNKS if k <= c <= top]
     return [c for c in ok if c < prompt_len] + [c for c in ok if c >= prompt_len][:1] or [top]
+
+
+# -- the driver: `bench --calibrate` and `demo` -------------------------------------------
+
+
+def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bool, prompts, max_new_tokens: int,
+              warmup: int, log=lambda msg: None) -> dict:
+    """Measure the thread counts, the prefill chunk and the verify policy; write them to runtime.json.
+
+    Threads: the speculative loop (full block) at each candidate count, interleaved, gives
+    the count of every graph; then each graph's own call at each count gives the per-graph
+    counts (`graph_threads`). Prefill chunk: the time to first token of a 512-token prompt
+    per chunk. Policy: the full-block rounds at the best count (drafter confidences and
+    acceptance lengths) replayed against this machine's measured verify cost per length
+    (the measurements above).
+    """
+    def open_(t):
+        if backend == "trt":
+            return open_backend(out, "trt")
+        return open_backend(out, "ort", provider, threads=t, spin=spin, max_chunk=max(CHUNKS))
+
+    backends = {t: open_(t) for t in candidates}
+    try:
+        runs = measure_many(backends, prompts, max_new_tokens, warmup)
+        rates = {t: rate(spec) for t, (spec, _) in runs.items()}
+        best = max(rates, key=rates.get)
+        be, spec = backends[best], runs[best][0]
+        if C.DRAFT_CONF not in {t.name for t in be.manifest.graphs[C.DRAFT_BLOCK].outputs}:
+            raise DFlashError(f"{out}: draft_block has no draft_conf output (exported by an older version); "
+                              "re-export to calibrate adaptive verify")
+        log(f"threads: speculative tok/s by count {', '.join(f'{t}: {r:.0f}' for t, r in rates.items())} -> {best}")
+        by_graph = {t: graph_ms(b, prompts[0]) for t, b in backends.items()} if backend == "ort" else {}
+        graph_threads = choose_threads(by_graph) if len(by_graph) > 1 else {}
+        if graph_threads:
+            log("threads per graph: " + "; ".join(
+                f"{g} {', '.join(f'{t}: {ms[g]:.2f}' for t, ms in by_graph.items())} ms -> {graph_threads[g]}"
+                for g in graph_threads))
+        long = ttft_prompt(be)
+        chunks = prefill_ms(be, long, chunk_candidates(be, len(long)))
+        chunk = fastest(chunks)
+        log(f"prefill of {len(long)} tokens by chunk: "
+            f"{', '.join(f'{c}: {ms:.1f}' for c, ms in chunks.items())} ms -> {chunk}")
+        costs = verify_costs(be, prompts[0])
+        rounds = [(c, a - 1) for g in spec for c, a in zip(g.confidences, g.acceptance_lengths)]
+        draft_ms = sum(g.draft_s for g in spec) / len(rounds) * 1e3
+        policy, table = choose_policy(rounds, costs, draft_ms)
+    finally:
+        for b in backends.values():
+            b.close()
+    log(f"verify ms by length 1..{len(costs)}: {', '.join(f'{c:.2f}' for c in costs)}; draft {draft_ms:.2f} ms")
+    log(f"policy: {policy_json(policy)}")
+    measured = {"speculative_tokens_per_second_by_threads": {str(t): r for t, r in rates.items()},
+                "graph_ms_by_threads": {str(t): ms for t, ms in by_graph.items()},
+                "prefill_ms_by_chunk": {str(c): ms for c, ms in chunks.items()},
+                "verify_ms_by_length": costs, "draft_ms": draft_ms, "rounds": len(rounds),
+                "replay": table, "cpu_count": os.cpu_count()}
+    settings = Settings(threads=best if backend == "ort" else None, spin=spin, verify=policy, measured=measured,
+                        graph_threads=graph_threads, prefill_chunk=chunk)
+    path = save_settings(out, device_key(backend, provider), settings)
+    return {"runtime_json": str(path), "threads": settings.threads, "graph_threads": graph_threads,
+            "prefill_chunk": chunk, "verify": policy_json(policy), "verify_ms_by_length": costs, "draft_ms": draft_ms}

@@ -47,6 +47,7 @@ class LinearStates:
             raise DFlashError("hybrid targets exported in bf16 are not supported by the host state commit; "
                               "export in fp32 or fp16")
         self.layers = m.linear_layers
+        self.names = C.layer_names(m.target_layers)
         self.changed = True  # the committed states moved since a device copy was last made of them
         self.buf, self.flat, self.rows_seq = {}, {}, (1, max_chunk)
         for i in self.layers:

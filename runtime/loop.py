@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import Backend
-from .errors import DFlashError
+from .errors import DFlashError, InternalError
 from .sampling import accept, check_request, check_sampling, choose, cut_at_stop, position_uniforms
 from .settings import VerifyPolicy
 
@@ -278,7 +278,7 @@ def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, c
     t0 = clock()
     reuse = q.reuse
     if not 0 <= reuse < len(q.prompt) or (draft and reuse > int(backend.ctx_lengths[slot])) or (reuse and slot):
-        raise DFlashError(f"internal: reuse {reuse} of a {len(q.prompt)}-token prompt in slot {slot} "
+        raise InternalError(f"reuse {reuse} of a {len(q.prompt)}-token prompt in slot {slot} "
                           f"(drafter context {int(backend.ctx_lengths[slot])})")
     if slot == 0 and backend.max_batch == 1:
         backend.keep(reuse)

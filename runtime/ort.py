@@ -16,8 +16,8 @@ in memory, used in place by all. The embedding is read in place; the LM head
 is prepacked per session (one packed copy each, the fast path; a tied head is read
 transposed from the table: those sessions skip constant folding so that ORT packs it
 straight from the table instead of also keeping a folded transposed copy, see
-docs/real_sizes.md); `low_memory=True` turns prepacking off too so the one copy is all
-there is, at the price of slower GEMMs (README, Runtime).
+docs/performance.md, "Memory"); `low_memory=True` turns prepacking off too so the one copy is all
+there is, at the price of slower GEMMs (docs/runtime.md).
 """
 
 from __future__ import annotations
@@ -30,14 +30,21 @@ import onnxruntime as ort
 
 from . import contract as C, manifest as M
 from .backend import Backend
-from .errors import DFlashError
+from .errors import DFlashError, InternalError
 from .memory import check_cache_memory
-from .ort_rows import STORAGE, RowCalls, check_batch
+from .ort_rows import RowCalls, check_batch
+from .shared import ONNX_TYPE, STORAGE, shared_weights, tied_head_graphs
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
-# TensorProto.DataType; uint8: weight-only quantized tensors (MatMulNBits, docs/quantization.md); int32: the
-# ort attention flavour's lengths (contract.TARGET_ORT)
-ONNX_TYPE = {"float32": 1, "float16": 10, "bfloat16": 16, "int64": 7, "uint8": 2, "int32": 6}
+
+
+def load_hint(first: str) -> str:
+    """What to do about an ONNX Runtime load failure, from its first line; nothing when the cause is unclear."""
+    if any(k in first for k in ("INVALID_PROTOBUF", "NO_SUCHFILE", "external data", "INVALID_GRAPH")):
+        return " (the file is damaged or incomplete: re-export the directory)"
+    if any(k in first for k in ("NOT_IMPLEMENTED", "Could not find an implementation", "opset")):
+        return " (this onnxruntime cannot run an op of the graph: install the version `dflash-export info` lists)"
+    return ""
 
 
 def available_providers() -> list[str]:
@@ -56,44 +63,6 @@ def resolve_provider(name: str) -> str:
             "for cuda install the gpu extra (onnxruntime-gpu)"
         )
     return PROVIDERS[name]
-
-
-# -- shared weights, memory-mapped from the manifest's table ----------------------------
-
-
-def shared_weights(directory: Path, m: M.Manifest) -> dict[str, tuple[np.ndarray, int]]:
-    """name -> (array over its bytes in shared.data, onnx element type), one array per
-    distinct (file, offset): tied names share it. Mapped copy-on-write: the pages are the
-    file's (no copy at load); nothing is ever written back."""
-    maps: dict[str, np.memmap] = {}
-    seen: dict[tuple, np.ndarray] = {}
-    out = {}
-    for name, t in m.shared.items():
-        path = (directory / t.file).resolve()
-        if directory.resolve() not in path.parents:
-            raise DFlashError(f"{directory}: shared weight {name} points outside the directory ({t.file}); re-export it")
-        if t.dtype not in STORAGE:
-            raise DFlashError(f"{directory}: shared weight {name} has unsupported dtype {t.dtype}; re-export it")
-        mm = maps.get(t.file)
-        if mm is None:
-            mm = maps[t.file] = np.memmap(path, np.uint8, mode="c")
-        dtype = np.dtype(STORAGE[t.dtype])
-        if t.length != int(np.prod(t.shape)) * dtype.itemsize or t.offset + t.length > mm.size:
-            raise DFlashError(f"{directory}: shared weight {name} does not fit {t.file}; re-export the directory")
-        key = (t.file, t.offset)
-        if key not in seen:
-            seen[key] = mm[t.offset : t.offset + t.length].view(dtype).reshape(t.shape)
-        out[name] = (seen[key], ONNX_TYPE[t.dtype])
-    return out
-
-
-def tied_head_graphs(m: M.Manifest, shared: dict) -> set[str]:
-    """Graphs whose LM head is the fp32 embedding table itself (tied, read transposed): these
-    are built without ORT's constant folding (fp16 needs it: CPU MatMul casts folded to fp32)."""
-    embed, head = C.SHARED_INITIALIZERS
-    if m.dtype != "fp32" or head not in shared or embed not in shared or shared[head][0] is not shared[embed][0]:
-        return set()
-    return set(m.shared[head].graphs)
 
 
 # -- the backend -----------------------------------------------------------------------
@@ -120,6 +89,7 @@ class OrtBackend(RowCalls, Backend):
         self.directory = Path(directory)
         self._provider = resolve_provider(provider)
         self.manifest = m = M.load_manifest(self.directory, verify=verify)
+        self.names = C.names_of(m)
         self.max_len = m.max_context
         self.max_chunk = max(max_chunk, m.block_size)
         self.device = "cpu" if self._provider == PROVIDERS["cpu"] else "cuda"
@@ -222,9 +192,10 @@ class OrtBackend(RowCalls, Backend):
         except Exception as e:  # ORT raises its own types; one line for the user
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if self.manifest.dtype == "bf16" and self._provider == PROVIDERS["cpu"]:
-                raise DFlashError(f"{path}: ONNX Runtime's CPU provider cannot run bf16 graphs (not run here); use "
+                raise DFlashError(f"{path}: ONNX Runtime's CPU provider cannot run bf16 graphs; use "
                                   "--provider cuda or the TensorRT backend, or export with --dtype fp16/fp32") from None
-            raise DFlashError(f"{path}: onnxruntime cannot load it ({first}); re-export the directory") from None
+            raise DFlashError(f"{path}: onnxruntime {ort.__version__} with {self._provider} cannot load the {graph} "
+                              f"graph: {first}{load_hint(first)}") from None
 
     def _alloc(self, shape: tuple, dtype: str):
         if self.device == "cpu":

@@ -16,12 +16,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import contract as C, manifest as M
-from .backend import TargetOut
+from .backend import Draft, TargetOut
 from .errors import DFlashError
 from .hybrid import LinearStates
+from .shared import STORAGE
 
-STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int64": np.int64, "uint8": np.uint8,
-           "int32": np.int32}
 
 
 def check_batch(m: M.Manifest, max_batch: int, device: str, directory) -> int:
@@ -198,17 +197,16 @@ class RowCalls:
         self._io[C.TARGET] = saved
         return io
 
-    def target(self, ids: np.ndarray, want_logits: bool = False) -> TargetOut:
+    def _target(self, ids: np.ndarray, want_logits: bool = False) -> TargetOut:
         res = self.target_rows([0], np.asarray(ids, np.int64)[None], [len(ids)], None, want_logits)
         return TargetOut(res.next_ids[0], None if res.logits is None else res.logits[0])
 
     def draft_context(self, n: int) -> None:
         self.draft_context_rows([0], [n])
 
-    def draft_block(self, anchor: int) -> np.ndarray:
+    def draft_block(self, anchor: int) -> Draft:
         ids, conf = self.draft_block_rows([0], [anchor])
-        self.draft_conf = None if conf is None else conf[0]
-        return ids[0]
+        return Draft(ids[0], None if conf is None else conf[0])
 
     def target_rows(self, rows, ids, counts, picks=None, want_logits=False) -> TargetOut:
         m, g, lengths, B = self.manifest, C.TARGET, self.lengths, self.max_batch
@@ -377,6 +375,5 @@ class RowCalls:
         self._bind(g, C.DRAFT_LOGITS, self._draft_logits, batch=R)
         self._bind(g, C.DRAFT_CONF, self._conf, batch=R)
         self.sessions[g].run_with_iobinding(self._io[g])
-        self.draft_conf = self._conf[0]  # the first row's, as `draft_block` returns it
         return self.draft_ids[:R], self._conf[:R]
 

@@ -7,7 +7,7 @@ calibrating never touches a graph hash. One entry per device key ("ort:cpu", "or
 "trt"), so one artifact can carry the choices of several devices.
 
 Defaults without a calibration never make things slower than the measured alternatives on
-a shared 2-vCPU machine (docs/speed.md): spinning off, the full block, and 1 thread for
+a shared 2-vCPU machine (docs/results.md, docs/performance.md): spinning off, the full block, and 1 thread for
 small graphs (hidden < 1024), where a second thread only adds synchronisation, else one
 thread per CPU (real-size graphs are memory-bound and gain from it).
 """
@@ -48,6 +48,18 @@ class VerifyPolicy:
 
 
 FULL = VerifyPolicy()
+
+
+def policy_json(policy: VerifyPolicy | None) -> dict | str:
+    """The policy as reports and JSON outputs record it: "full" or {"theta": .., "min_len": ..}."""
+    return "full" if policy is None else asdict(policy)
+
+
+def describe_policy(policy: VerifyPolicy | None) -> str:
+    """The policy for people: "full block", or "confident prefix (theta 0.05, at least 3)"."""
+    if policy is None or policy.theta <= 0:
+        return "full block"
+    return f"confident prefix (theta {policy.theta:g}, at least {policy.min_len})"
 
 
 @dataclass

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import Backend, TargetOut
+from .backend import Backend, Draft, TargetOut
 from . import contract as C
 from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, draft_vocab_size
 from .manifest import Manifest, load_manifest
-from .errors import DFlashError
+from .errors import DFlashError, InternalError
 from .hybrid import LinearStates
 from .trt_profiles import ENGINE_FILES, check_engine_record, check_trt_version
 
@@ -104,6 +104,7 @@ class TensorRTBackend(Backend):
         self.trt, self.cudart = trt, cudart
         self.out = Path(out_dir)
         self.manifest = m = manifest or load_manifest(self.out)
+        self.names = C.names_of(m)
         cc, gpu = gpu_info(cudart, device)
         rec = m.engines
         check_engine_record(rec, trt.__version__, cc)
@@ -238,10 +239,10 @@ class TensorRTBackend(Backend):
     def _bind(self, ctx, shapes: dict[str, tuple], addrs: dict[str, int]) -> None:
         for name, shape in shapes.items():
             if not ctx.set_input_shape(name, shape):
-                raise DFlashError(f"internal: TensorRT refused shape {shape} for {name}; rebuild the engines")
+                raise InternalError(f"TensorRT refused shape {shape} for {name}; rebuild the engines")
         for name, ptr in addrs.items():
             if not ctx.set_tensor_address(name, ptr):
-                raise DFlashError(f"internal: TensorRT refused the address of {name}")
+                raise InternalError(f"TensorRT refused the address of {name}")
 
     def _run(self, graph: str, prof: int, addrs: dict, **dynamic: int) -> None:
         """Enqueue one engine call on the stream (execute_async_v3); input shapes from the contract."""
@@ -249,7 +250,7 @@ class TensorRTBackend(Backend):
         shapes = {t.name: C.shape(t, self.manifest, batch=1, **dynamic) for t in self.inputs[graph]}
         self._bind(ctx, shapes, addrs)
         if not ctx.execute_async_v3(self.handle):
-            raise DFlashError("internal: TensorRT execute_async_v3 failed (see the TensorRT log above)")
+            raise InternalError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
 
     def _out_addr(self, base: int, pos: int, row: int, scratch: int) -> tuple[int, bool]:
         """Address for new rows at `pos` of a cache buffer: in place if aligned, else scratch."""
@@ -258,12 +259,13 @@ class TensorRTBackend(Backend):
 
     # -- the Backend interface ------------------------------------------------------------
 
-    def target(self, ids: np.ndarray, want_logits: bool = False) -> TargetOut:
+    def _target(self, ids: np.ndarray, want_logits: bool) -> TargetOut:
+        N = self.names
         k = self.k
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         s, p = int(ids.size), self.target_len
         if s < 1:
-            raise DFlashError("internal: target() needs at least one token")
+            raise InternalError("target() needs at least one token")
         if p + s > self.max_len:
             raise DFlashError(f"sequence of {p + s} positions exceeds the engines' max context {self.max_len}; "
                               "rebuild with a larger `dflash-export build --max-context` or shorten the request")
@@ -288,8 +290,8 @@ class TensorRTBackend(Backend):
             if kv is None:  # a linear-attention layer: bound by _states_to_device
                 continue
             kb, vb = kv
-            for past, new, base, scr in ((C.past_key(i), C.new_key(i), kb, self.d_scratch[2 * i]),
-                                         (C.past_value(i), C.new_value(i), vb, self.d_scratch[2 * i + 1])):
+            for past, new, base, scr in ((N.past_key[i], N.new_key[i], kb, self.d_scratch[2 * i]),
+                                         (N.past_value[i], N.new_value[i], vb, self.d_scratch[2 * i + 1])):
                 addrs[past] = base
                 addrs[new], inplace = self._out_addr(base, p, self.row, scr)
                 if not inplace:
@@ -300,31 +302,32 @@ class TensorRTBackend(Backend):
         self._d2h(self.h_next[:s], self.d_next)
         if self.states is not None:  # the increments to commit, on the host (rows 0..s-1 of batch 0)
             for i in self.states.layers:
-                for name in (C.new_conv(i), *C.delta(i)):
+                for name in (N.new_conv[i], *N.delta[i]):
                     self._d2h(self.states.buf[name][0, :s], self.d_linear[name])
         if want_logits:
             self._d2h(self.h_logits[:s], self.d_logits)
         self._sync()
-        self._pending = s
         self._taps_n = s
         return TargetOut(next_ids=self.h_next[:s], logits=self.h_logits[:s] if want_logits else None)
 
     def _states_to_device(self, addrs: dict) -> None:
         """Bind every DeltaNet tensor to its device buffer; copy the committed states there first
         if a commit or reset moved them on the host since the last call."""
+        N = self.names
         buf = self.states.buf
         for name, ptr in self.d_linear.items():
             addrs[name] = ptr
         if self.states.changed:
             for i in self.states.layers:
-                for name in (C.conv_state(i), C.rec_state(i)):
+                for name in (N.conv_state[i], N.rec_state[i]):
                     self._h2d(self.d_linear[name], buf[name])
             self.states.changed = False
 
     def draft_context(self, n: int) -> None:
+        N = self.names
         c, p = int(n), self.context_len
         if not 0 < c <= self._taps_n:
-            raise DFlashError(f"internal: draft_context({c}) but the last target call kept {self._taps_n} taps")
+            raise InternalError(f"draft_context({c}) but the last target call kept {self._taps_n} taps")
         if p + c > self.max_len:
             raise DFlashError(f"drafter context of {p + c} positions exceeds the engines' max context {self.max_len}")
         self.h_cpos[:c] = np.arange(p, p + c)
@@ -332,7 +335,7 @@ class TensorRTBackend(Backend):
         addrs = {C.TAPS: self.d_taps, C.CTX_POSITION_IDS: self.d_cpos}
         copies = []
         for j, (kb, vb) in enumerate(self.ckv):
-            for name, base, scr in ((C.ctx_key(j), kb, self.d_scratch[2 * j]), (C.ctx_value(j), vb, self.d_scratch[2 * j + 1])):
+            for name, base, scr in ((N.ctx_key[j], kb, self.d_scratch[2 * j]), (N.ctx_value[j], vb, self.d_scratch[2 * j + 1])):
                 addrs[name], inplace = self._out_addr(base, p, self.drow, scr)
                 if not inplace:
                     copies.append((base + p * self.drow, scr, c * self.drow))
@@ -342,11 +345,12 @@ class TensorRTBackend(Backend):
         self._sync()
         self.context_len += c
 
-    def draft_block(self, anchor: int) -> np.ndarray:
+    def draft_block(self, anchor: int) -> Draft:
+        N = self.names
         m, k = self.manifest, self.k
         p = self.context_len
         if p < 1:
-            raise DFlashError("internal: draft_block() before any context (prefill first)")
+            raise InternalError("draft_block() before any context (prefill first)")
         if p >= self.max_len:
             raise DFlashError(f"a block at position {p} is past the engines' max context {self.max_len}")
         self.h_bids[0] = int(anchor)
@@ -363,14 +367,13 @@ class TensorRTBackend(Backend):
             self._h2d(self.d_clen, self.h_clen)
             addrs[C.CTX_LENGTHS] = self.d_clen
         for j, (kb, vb) in enumerate(self.ckv):
-            addrs[C.past_ctx_key(j)], addrs[C.past_ctx_value(j)] = kb, vb
+            addrs[N.past_ctx_key[j]], addrs[N.past_ctx_value[j]] = kb, vb
         self._run(DRAFT_BLOCK, 0, addrs, past_ctx=p)
         self._d2h(self.h_draft[: k - 1], self.d_draft)
         if self.d_conf is not None:
             self._d2h(self.h_conf[: k - 1], self.d_conf)
         self._sync()
-        self.draft_conf = self.h_conf[: k - 1] if self.d_conf is not None else None
-        return self.h_draft[: k - 1]
+        return Draft(self.h_draft[: k - 1], self.h_conf[: k - 1] if self.d_conf is not None else None)
 
     # -- lifecycle ------------------------------------------------------------------------
 

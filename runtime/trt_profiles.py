@@ -20,7 +20,7 @@ from pathlib import Path
 from . import contract as C
 from .contract import BATCH, CTX, DRAFT_BLOCK, DRAFT_CONTEXT, PAST, PAST_CTX, PICKS, SEQ, TARGET
 from .manifest import Manifest
-from .errors import DFlashError
+from .errors import DFlashError, InternalError
 
 # Supported TensorRT: >= 10.12 (the release that deprecated weak typing; from it on the same
 # strongly typed build and runtime code serves 10.x and 11.x) and < 12. Same range as the
@@ -61,6 +61,15 @@ def check_precision(export_dtype: str, precision: str | None) -> str:
     )
 
 
+def refuse_quantized(manifest: Manifest) -> None:
+    """Weight-only quantized graphs hold ONNX Runtime's MatMulNBits, which TensorRT's parser does not take."""
+    q = manifest.quantization
+    if q is not None:
+        raise DFlashError(f"this export is quantized ({q['scheme']} weights as ONNX Runtime MatMulNBits), which TensorRT "
+                          "cannot parse (TensorRT quantizes through Q/DQ nodes, which dflash-export does not write); build from an export "
+                          "without --quantize")
+
+
 # ---------------------------------------------------------------------------------------
 # Profiles
 # ---------------------------------------------------------------------------------------
@@ -86,7 +95,7 @@ class Profile:
         for t in C.io(graph, manifest)[0]:
             missing = [r for r in t.dims if r in C.DYNAMIC and r not in self.ranges]
             if missing:
-                raise DFlashError(f"internal: {graph} input {t.name} has the dynamic dim {missing[0]!r} "
+                raise InternalError(f"{graph} input {t.name} has the dynamic dim {missing[0]!r} "
                                   f"but TensorRT profile {self.name!r} gives it no range")
             out[t.name] = tuple(C.shape(t, manifest, **{r: v[i] for r, v in self.ranges.items()}) for i in range(3))
         return out
@@ -116,7 +125,7 @@ def resolve_limits(manifest: Manifest, max_context: int | None = None, max_promp
     if mc > manifest.max_context:
         raise DFlashError(
             f"--max-context {mc} exceeds the export's max_context {manifest.max_context}; "
-            "re-export with a larger --max-context or lower it here"
+            "re-export with a larger --max-context or pass a smaller --max-context to build"
         )
     if mc < k + 1:
         raise DFlashError(f"--max-context {mc} is too small for block size {k}: it must be at least {k + 1}")
@@ -194,14 +203,14 @@ def check_engine_record(record: dict | None, trt_version: str, compute_capabilit
     if built != trt_version:
         raise DFlashError(
             f"the engines were built with TensorRT {built} but this process has TensorRT {trt_version}; "
-            f"rebuild them here with `dflash-export build OUT` (or install tensorrt=={built})"
+            f"rebuild them with this TensorRT: `dflash-export build OUT` (or install tensorrt=={built})"
         )
     cc = str(record.get("compute_capability", "?"))
     if cc != compute_capability:
         gpu = record.get("gpu", "another GPU")
         raise DFlashError(
             f"the engines were built for compute capability {cc} ({gpu}) but this GPU is {compute_capability}; "
-            "engines do not move between GPU architectures: rebuild them on this machine with `dflash-export build OUT`"
+            "engines do not move between GPU architectures: rebuild them on this GPU with `dflash-export build OUT`"
         )
 
 

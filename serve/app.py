@@ -27,13 +27,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.errors import DFlashError
 from .engine import Engine, Job, Params, QueueFull, Unavailable, load_engine, replica
-from .guard import REPLICA, Guard
 from .requests import (
     ERROR_TYPES, ApiError, ChatRequest, Common, CompletionRequest, DetokenizeRequest, TokenizeRequest, build_params,
-    check_common, check_ids, check_model, error_response, parse_body, render_chat,
+    REPLICA, Guard, check_common, check_ids, check_model, error_response, parse_body, render_chat,
 )
 from .text import TextStream
 
+INTERNAL = "internal_error"  # the code of every 500: a bug (runtime.errors.InternalError or anything unforeseen)
 CANCELLED = "the server is shutting down: the generation was cancelled; retry"
 
 
@@ -129,7 +129,7 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
     async def _bug(request: Request, e: Exception):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"dflash-export serve: internal error on {request.url.path}: {first}", file=sys.stderr)
-        return error_response(500, f"internal error: {first}")
+        return error_response(500, f"internal error: {first}", code=INTERNAL)
 
     @app.get("/health")
     @app.get("/health/ready")
@@ -238,7 +238,7 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
             raise
         if first[0] == "error":
             watcher.cancel()
-            raise ApiError(500, first[1])
+            raise ApiError(500, first[1], code=INTERNAL)
         if first[0] == "end" and first[1] == "cancelled":
             watcher.cancel()
             raise ApiError(503, CANCELLED, code="shutting_down")
@@ -255,7 +255,7 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
                 watcher.cancel()
                 engine.cancel(job)
             if ev[0] == "error":
-                raise ApiError(500, ev[1])
+                raise ApiError(500, ev[1], code=INTERNAL)
             if ev[1] == "cancelled":  # only a shutdown sees this: a disconnected client is gone
                 raise ApiError(503, CANCELLED, code="shutting_down")
             _, finish, g, tail = ev
@@ -294,7 +294,7 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
                     yield chunk(ev[2], ev[1], None)
                     ev = await events.get()
                 if ev[0] == "error" or ev[1] == "cancelled":  # the status is sent: an error event (openai raises it)
-                    err = {"message": ev[1], "type": "server_error", "param": None, "code": None} if ev[0] == "error" \
+                    err = {"message": ev[1], "type": "server_error", "param": None, "code": INTERNAL} if ev[0] == "error" \
                         else {"message": CANCELLED, "type": ERROR_TYPES[503], "param": None, "code": "shutting_down"}
                     yield f"data: {json.dumps({'error': err})}\n\n"
                 else:

@@ -18,12 +18,15 @@ import os
 import socket
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..runtime.errors import DFlashError
+from ..runtime.load import open_artifact
 from ..runtime.loop import Generation, stream
+from . import text as text_module
 from .text import TextStream
 
 
@@ -241,6 +244,7 @@ class Engine:
                 self._run(slot, job)
             except Exception as e:  # a bug, not bad input (the app validated it): report, keep serving
                 slot.seq = []
+                traceback.print_exc()  # the server's log: what a bug report needs
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 _emit(job, ("error", f"generation failed: {msg}"))
             with self.lock:
@@ -319,11 +323,6 @@ def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, b
     `slots` sequences forked from it (weights shared), each its own loop. Threads (per
     graph), spinning, the prefill chunk and the verify policy resolve as in generate/bench
     (runtime/settings.py)."""
-    from ..runtime.backend import open_backend
-    from ..runtime.manifest import load_manifest
-    from ..runtime.settings import device_key, resolve
-    from .text import Text
-
     if slots < 1:
         raise DFlashError(f"--slots must be >= 1 (got {slots})")
     if max_queue < 0:
@@ -335,18 +334,15 @@ def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, b
     if max_batch > 1 and backend != "ort":
         raise DFlashError(f"--max-batch {max_batch} needs --backend ort (the TensorRT backend runs one row here); "
                           "use --max-batch 1")
-    text = Text(directory, chat_template)
-    cfg = resolve(directory, load_manifest(directory, verify=False), device_key(backend, provider), threads=threads,
-                  spin=spin, verify=verify)
-    kwargs = {"drafter": drafter} | (cfg.ort_kwargs() if backend == "ort" else {})  # per-graph threads, chunk
+    text = text_module.Text(directory, chat_template)
+    first, cfg = open_artifact(directory, backend=backend, provider=provider, drafter=drafter, threads=threads, spin=spin,
+                               verify=verify, max_batch=max_batch)
     if max_batch > 1:
         from .batch import BatchEngine
 
-        return BatchEngine(open_backend(directory, backend, provider, max_batch=max_batch, **kwargs), text, model,
-                           max_queue, cfg.verify)
-    first = open_backend(directory, backend, provider, **kwargs)
+        return BatchEngine(first, text, model, max_queue, cfg.verify)
     if slots > 1 and not hasattr(first, "fork"):
         raise DFlashError(f"--slots {slots} needs a backend that shares its weights between sequences "
-                          "(--backend ort); use --slots 1 here")
+                          "(--backend ort); with this backend use --slots 1")
     backends = [first] + [first.fork() for _ in range(slots - 1)]
     return Engine(backends, text, model, max_queue, cfg.verify)

@@ -7,7 +7,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs 2 workers on 2 cor
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch (read when it is imported) and the processes tests start
 sys.path.insert(0, str(Path(__file__).parent))  # the helpers next to the tests (runtime_cases, train_fixtures, trt_*)
 
-# The longest files first (measured: docs/benchmarks.md "Test suite time"), so that with
+# The longest files first (measured per file with --durations; docs/results.md gives the suite's time), so that with
 # `-n 2 --dist loadfile --no-loadscope-reorder` no long file starts last while the other idles.
 SLOW_FIRST = [
     "test_hybrid_runtime.py", "test_export_archs.py", "test_quantize.py", "test_attention_ort.py",

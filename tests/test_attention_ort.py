@@ -42,7 +42,7 @@ def test_manifest_and_graph_say_the_flavour(case):
     assert all(any(a.name == "do_rotary" and a.i == 1 for a in n.attribute) == rotary for n in gqa)
     assert all((len(n.input) == 9) == rotary for n in gqa)  # + cos_cache, sin_cache
     assert [i.name for i in model.graph.input][:4] == [C.INPUT_IDS, C.POSITION_IDS, C.SEQLENS_K, C.TOTAL_LEN]
-    cache = next(i for i in m.graphs[C.TARGET].inputs if i.name == C.past_key(0))
+    cache = next(i for i in m.graphs[C.TARGET].inputs if i.name == "past_key.0")
     assert cache.shape[1:] == [m.target_kv_heads, m.max_context, m.target_head_dim]  # head-major, whole buffer
     for g in (C.DRAFT_CONTEXT, C.DRAFT_BLOCK):  # the drafter graphs stay standard ops
         drafter = onnx.load(str(out / C.GRAPH_FILES[g]), load_external_data=False)
@@ -87,7 +87,7 @@ def test_cache_is_one_buffer_updated_in_place(case):
     for name, ptr, shape in be.trace:
         bound[name] = (ptr, shape)
     for i in range(m.target_layers):
-        past, present = bound[C.past_key(i)], bound[C.PRESENT_KV[0].at(i).name]
+        past, present = bound[be.names.past_key[i]], bound[be.names.present_key[i]]
         assert past == present == (be.kv[2 * i].ctypes.data, (1, m.target_kv_heads, m.max_context, m.target_head_dim))
     k = be.kv[0][0]  # [Hkv, max, D]: rows 0..7 written (5 committed + 3 pending), the rest untouched
     assert np.abs(k[:, :8]).sum(-1).min() > 0 and not k[:, 8:].any()
@@ -201,6 +201,6 @@ def test_info_shows_the_flavour(case):
     assert r.exit_code == 0 and "attention ort" in r.output and C.SEQLENS_K in r.output, r.output
     assert "present_key.{i}" in r.output and "new_key.{i}" not in r.output
     d = json.loads(CliRunner().invoke(cli, ["info", str(out), "--json", "--no-verify"]).output)
-    cache = next(t for t in d["graphs"][C.TARGET]["inputs"] if t["name"] == C.past_key(0))
+    cache = next(t for t in d["graphs"][C.TARGET]["inputs"] if t["name"] == "past_key.0")
     m = M.load_manifest(out, verify=False)
     assert d["attention"] == "ort" and cache["shape"] == ["batch", m.target_kv_heads, m.max_context, m.target_head_dim]

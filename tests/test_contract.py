@@ -22,8 +22,10 @@ def test_per_layer_tensors_expand_in_order():
     assert outs[:3] == ["logits", "next_ids", "taps"] and outs[3:5] == ["new_key.0", "new_value.0"] and len(outs) == 9
     assert C.names(C.DRAFT_CONTEXT, GEOM) == (["taps", "ctx_position_ids"], ["ctx_key.0", "ctx_value.0", "ctx_key.1", "ctx_value.1"])
     assert C.names(C.DRAFT_BLOCK, GEOM)[1] == ["draft_ids", "draft_logits", "draft_conf"]
-    assert [C.past_key(1), C.new_value(2), C.ctx_key(0), C.past_ctx_value(1)] == \
-        ["past_key.1", "new_value.2", "ctx_key.0", "past_ctx_value.1"]
+    N = C.names_of(GEOM)  # the per-layer name table a backend builds once
+    assert [N.past_key[1], N.new_value[2], N.ctx_key[0], N.past_ctx_value[1], N.present_key[0]] == \
+        ["past_key.1", "new_value.2", "ctx_key.0", "past_ctx_value.1", "present_key.0"]
+    assert len(N.past_key) == GEOM.target_layers and len(N.ctx_value) == GEOM.draft_layers
 
 
 def test_roles_sizes_shapes_and_dtypes():
@@ -67,4 +69,4 @@ def test_hybrid_target_layers_carry_their_states():
     assert C.dtype(C.tensor(C.TARGET, "delta_k.0", m), m) == "float16"
     assert C.role(C.TARGET, "delta_u.7", 1) == C.SEQ and C.role(C.TARGET, "conv_state.3", 1) == C.CONV_WINDOW
     assert C.max_seq(m) == 64 and C.max_seq(GEOM) is None
-    assert C.delta(2) == ("delta_k.2", "delta_u.2", "delta_g.2")
+    assert C.layer_names(3).delta[2] == ("delta_k.2", "delta_u.2", "delta_g.2")

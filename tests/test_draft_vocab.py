@@ -166,7 +166,7 @@ def test_manifest_records_n_and_source(exported):
 
 def test_check_parity_and_oracle_identity(exported):
     r = CliRunner().invoke(main, ["check", str(exported / "out"), "--target", str(exported / "t"),
-                                  "--draft", str(exported / "d"), "--prompts", "6", "--json"])
+                                  "--draft", str(exported / "d"), "--num-prompts", "6", "--json"])
     assert r.exit_code == 0, r.output
     rep = json.loads(r.output)
     assert rep["draft_vocab"] == 24 and rep["passed"]
@@ -218,7 +218,7 @@ def test_quantized_reduced_vocab_checks_against_its_dequantized_head(exported, t
     assert m.draft_vocab == M.load_manifest(exported / "out").draft_vocab
     assert "vocab_head" in m.quantization["weights"][C.DRAFT_BLOCK]
     r = CliRunner().invoke(main, ["check", str(q), "--target", str(exported / "t"), "--draft", str(exported / "d"),
-                                  "--prompts", "4", "--json"])
+                                  "--num-prompts", "4", "--json"])
     assert r.exit_code == 0, r.output
     rep = json.loads(r.output)
     assert rep["passed"] and rep["draft_vocab"] == 24 and not rep["notes"], rep["notes"]

@@ -131,7 +131,7 @@ def test_check_passes_and_tokens_match_the_oracle(art, tmp_path):
     target, draft, out, _ = art
     pg = tmp_path / "pg"
     r = CliRunner().invoke(cli, ["check", str(out), "--target", str(target), "--draft", str(draft),
-                                 "--prompts", "20", "--max-new-tokens", "16", "--json", "--save-polygraphy", str(pg)])
+                                 "--num-prompts", "20", "--max-new-tokens", "16", "--json", "--save-polygraphy", str(pg)])
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     assert report["passed"] is True
@@ -159,7 +159,7 @@ def test_check_fails_on_wrong_weights(art, tmp_path):
     data.tofile(bad / "target.data")
     m = M.load_manifest(bad, verify=False)
     M.write_manifest(bad, m)
-    r = CliRunner().invoke(cli, ["check", str(bad), "--target", str(target), "--draft", str(draft), "--prompts", "2"])
+    r = CliRunner().invoke(cli, ["check", str(bad), "--target", str(target), "--draft", str(draft), "--num-prompts", "2"])
     assert r.exit_code == 1
     assert "FAILED" in r.stdout and "target prefill P=0 S=7 logits: max abs" in r.stdout
 

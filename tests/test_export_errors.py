@@ -139,3 +139,14 @@ def test_help_teaches():
     for cmd in ("export", "check"):
         r = CliRunner().invoke(cli, [cmd, "--help"])
         assert r.exit_code == 0 and "Examples:" in r.output and "dflash-export " + cmd in r.output
+
+
+def test_max_context_past_the_trained_positions_warns(ckpts, capsys):
+    from dflash_export.export.artifact import plan
+
+    cfg = json.loads((ckpts / "t2" / "config.json").read_text())
+    plan(ckpts / "t2", ckpts / "d2", None, None, cfg["max_position_embeddings"])
+    assert "warning" not in capsys.readouterr().err
+    plan(ckpts / "t2", ckpts / "d2", None, None, cfg["max_position_embeddings"] + 1)
+    err = capsys.readouterr().err
+    assert err.startswith("warning: --max-context") and "max_position_embeddings" in err and err.count("\n") == 1

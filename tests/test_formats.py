@@ -57,12 +57,8 @@ def write_drafter(cfg: dict, directory: Path, seed: int = 0) -> Drafter:
 
 
 def test_all_fixtures_are_here():
-    shared = Path("/work/shared/fixtures/drafter-configs")
     names = sorted(p.name for p in FIXTURES.glob("*.json"))
     assert names == sorted(SUPPORTED + ["dflash2-unsupported.config.json"])
-    if shared.is_dir():  # the copy is the same data as the team's shared fixtures
-        for n in names:
-            assert json.loads((shared / n).read_text()) == fixture(n)
 
 
 def test_flat_config_derives_target_layer_ids():

@@ -17,6 +17,7 @@ from dflash_export.cli import cli
 from dflash_export.models import Drafter, Target, speculative_generate
 from dflash_export.models.config import DraftConfig
 from dflash_export.runtime import contract as C, manifest as M
+from dflash_export.runtime.backend import Draft
 from dflash_export.runtime.hybrid import commit_state
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort import OrtBackend
@@ -59,7 +60,7 @@ def test_manifest_describes_the_state_tensors(pair):
 
 def test_check_parity_on_every_output(pair):
     tdir, ddir, out = pair
-    r = CliRunner().invoke(cli, ["check", str(out), "--target", str(tdir), "--draft", str(ddir), "--prompts", "6",
+    r = CliRunner().invoke(cli, ["check", str(out), "--target", str(tdir), "--draft", str(ddir), "--num-prompts", "6",
                                  "--json"])
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
@@ -273,14 +274,14 @@ def test_tensorrt_backend_is_lossless_on_a_hybrid_target(tmp_path, monkeypatch):
 def test_prompt_reuse_keeps_all_or_nothing(pair):
     """Serving reuses a cached prompt prefix (`keep`): a recurrent state cannot go back to a
     shorter prefix, so a hybrid backend reuses the whole cached sequence or nothing."""
-    from dflash_export.runtime.errors import DFlashError
+    from dflash_export.runtime.errors import InternalError
 
     be = OrtBackend(pair[2])
     prompt = prompts(1, be.manifest.vocab_size, seed=11)[0] + [3, 4]
     first = generate(be, prompt, 12, stop_token_ids=())
     held = be.target_len
     assert be.reusable(held) == held and be.reusable(held - 1) == 0 and be.reusable(0) == 0
-    with pytest.raises(DFlashError, match="all or none"):
+    with pytest.raises(InternalError, match="all or none"):  # a caller that did not ask `reusable`: a bug
         be.keep(held - 1)
     seq = (prompt + first.tokens)[:held]
     longer = seq + [5, 6, 7]
@@ -337,7 +338,7 @@ def test_fp16_export_of_a_hybrid_target(tmp_path):
     assert sum(k == ("MatMul", fp32) for k in kinds) >= 10  # the chunk's products (the inverse alone: 10)
     assert ("MatMul", onnx.TensorProto.FLOAT16) in kinds  # the projections
 
-    r = CliRunner().invoke(cli, ["check", str(out), "--target", str(tdir), "--draft", str(ddir), "--prompts", "5",
+    r = CliRunner().invoke(cli, ["check", str(out), "--target", str(tdir), "--draft", str(ddir), "--num-prompts", "5",
                                  "--max-new-tokens", "12", "--json"])
     rep = json.loads(r.stdout)
     assert r.exit_code == 0 and rep["passed"] and rep["tolerance"] is None, r.output

@@ -182,14 +182,15 @@ def test_caches_are_bound_in_place_never_copied(pair, backend):
 
     kv_row = m.target_kv_heads * m.target_head_dim * 4
     ctx_row = m.draft_kv_heads * m.draft_head_dim * 4
+    N = C.names_of(m)
     base = {**{n: backend.kv[2 * i + j].ctypes.data for i in range(m.target_layers)
-               for j, n in enumerate((C.past_key(i), C.past_value(i)))},
+               for j, n in enumerate((N.past_key[i], N.past_value[i]))},
             **{n: backend.ctx[2 * i + j].ctypes.data for i in range(m.draft_layers)
-               for j, n in enumerate((C.past_ctx_key(i), C.past_ctx_value(i)))}}
-    out_base = {C.new_key(i): base[C.past_key(i)] for i in range(m.target_layers)}
-    out_base |= {C.new_value(i): base[C.past_value(i)] for i in range(m.target_layers)}
-    out_base |= {C.ctx_key(j): base[C.past_ctx_key(j)] for j in range(m.draft_layers)}
-    out_base |= {C.ctx_value(j): base[C.past_ctx_value(j)] for j in range(m.draft_layers)}
+               for j, n in enumerate((N.past_ctx_key[i], N.past_ctx_value[i]))}}
+    out_base = {N.new_key[i]: base[N.past_key[i]] for i in range(m.target_layers)}
+    out_base |= {N.new_value[i]: base[N.past_value[i]] for i in range(m.target_layers)}
+    out_base |= {N.ctx_key[j]: base[N.past_ctx_key[j]] for j in range(m.draft_layers)}
+    out_base |= {N.ctx_value[j]: base[N.past_ctx_value[j]] for j in range(m.draft_layers)}
     calls = 0
     for name, ptr, shape in trace:
         if name in base:  # prefix view: starts at the buffer, P rows long

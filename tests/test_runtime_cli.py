@@ -168,6 +168,21 @@ def test_bad_artifacts_are_one_line(out, tmp_path):
     assert r.exit_code == 2 and "no such file" in r.stderr
 
 
+def test_onnxruntime_load_failure_says_what_failed(out, tmp_path):
+    """The graph, the provider and ORT's own first line; the re-export hint only where it helps."""
+    from dflash_export.runtime.errors import DFlashError
+    from dflash_export.runtime.ort import OrtBackend
+
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    (bad / "draft_context.onnx").write_bytes(b"not a protobuf")
+    with pytest.raises(DFlashError) as e:
+        OrtBackend(bad, verify=False)  # the hash check would refuse it first: this is the load itself
+    msg = str(e.value)
+    assert "cannot load the draft_context graph" in msg and "CPUExecutionProvider" in msg and "\n" not in msg, msg
+    assert "INVALID_PROTOBUF" in msg and "re-export the directory" in msg, msg
+
+
 def test_missing_onnxruntime_is_one_line(monkeypatch, tmp_path):
     """Base install without the cpu/gpu extra: a one-line hint naming both flavours, exit 2."""
     import sys
@@ -182,3 +197,29 @@ def test_missing_onnxruntime_is_one_line(monkeypatch, tmp_path):
     assert r.exit_code == 2, r.output
     assert 'pip install "dflash-export[cpu]"' in r.output and "[gpu]" in r.output
     assert "Traceback" not in r.output
+
+
+def test_internal_errors_ask_for_a_report_with_the_traceback():
+    """A bug (InternalError) is not the user's: its own line, the traceback, exit 3; user errors stay one line, exit 2."""
+    import click
+
+    from dflash_export.cli import Group
+    from dflash_export.runtime.errors import DFlashError, InternalError
+
+    @click.group(cls=Group)
+    def g():
+        pass
+
+    @g.command()
+    def bug():
+        raise InternalError("keep(9) but the target cache holds 3 positions")
+
+    @g.command()
+    def user():
+        raise DFlashError("no such directory: x")
+
+    r = CliRunner().invoke(g, ["bug"])
+    assert r.exit_code == 3 and r.output.startswith("internal error (please report): keep(9) but"), r.output
+    assert "Traceback (most recent call last)" in r.output and 'raise InternalError("keep(9)' in r.output
+    r = CliRunner().invoke(g, ["user"])
+    assert r.exit_code == 2 and r.output == "error: no such directory: x\n"

@@ -30,7 +30,7 @@ from tokenizers import Tokenizer
 
 from dflash_export.cli import cli
 from dflash_export.runtime import contract as C, manifest as M
-from dflash_export.runtime.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError, InternalError
 from dflash_export.runtime.loop import Generation, generate, stream
 from dflash_export.runtime.ort import OrtBackend
 from dflash_export.serve.app import ServeOptions, create_app
@@ -577,7 +577,7 @@ def test_prompt_reuse_prefills_only_the_new_part(art, offline):
         assert reuse > len(p) // 2
         again = generate(backend, longer, 20, reuse=reuse)
         assert again.tokens == offline(longer, 20).tokens and again.reused == reuse
-        with pytest.raises(Exception, match="internal: reuse"):
+        with pytest.raises(InternalError, match="reuse"):
             generate(backend, [1, 2], 5, reuse=2)
 
 
@@ -744,3 +744,31 @@ def test_chat_templates_are_sandboxed(tmp_path):
         else:
             with pytest.raises(ValueError, match=words):
                 text.render([{"role": "user", "content": "x"}])
+
+
+class Broken:
+    """A backend whose verify breaks an invariant (a bug, as the runtime's InternalError says)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def target(self, ids, want_logits=False):
+        raise InternalError("commit(9) but the last target call wrote 3 positions")
+
+    def target_rows(self, *args, **kwargs):  # the loop's target call (runtime/backend.py: rows)
+        raise InternalError("commit(9) but the last target call wrote 3 positions")
+
+
+def test_a_bug_is_a_500_with_code_internal_error(art):
+    engine = Engine([Broken(OrtBackend(art, threads=1))], Text(art), "m", max_queue=2)
+    try:
+        body = json.dumps({"prompt": "z", "max_tokens": 5, "temperature": 0}).encode()
+        status, got, _ = asyncio.run(asyncio.wait_for(_call(create_app(ServeOptions(art), engine=engine), "POST",
+                                                            "/v1/completions", body), 60))
+        assert status == 500 and got["error"]["code"] == "internal_error", got
+        assert "commit(9)" in got["error"]["message"]
+    finally:
+        engine.close()

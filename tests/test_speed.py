@@ -24,7 +24,7 @@ from dflash_export.testing import make_target
 from dflash_export.cli import cli
 from dflash_export.models import Target, autoregressive_generate
 from dflash_export.runtime import contract as C, manifest as M
-from dflash_export.runtime.backend import Backend, TargetOut
+from dflash_export.runtime.backend import Backend, Draft, TargetOut
 from dflash_export.runtime.calibrate import choose_policy, replay
 from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import generate
@@ -115,13 +115,12 @@ class TorchBackend(Backend):
         assert n == 0
         self.reset()
 
-    def target(self, ids, want_logits=False):
+    def _target(self, ids, want_logits):
         n = len(ids)
         past = [(k[:, : self.target_len], v[:, : self.target_len]) for k, v in self.kv]
         with torch.no_grad():
             logits, self.taps, new = self.t(torch.tensor(np.asarray(ids))[None], torch.arange(self.target_len, self.target_len + n)[None], past)
         self.kv = [(torch.cat([pk, k], 1), torch.cat([pv, v], 1)) for (pk, pv), (k, v) in zip(past, new)]
-        self._pending = n
         return TargetOut(logits[0].argmax(-1).numpy(), logits[0].numpy())
 
     def draft_context(self, n):
@@ -136,8 +135,7 @@ class TorchBackend(Backend):
         pos = torch.arange(self.context_len, self.context_len + self.k)[None]
         with torch.no_grad():
             logits = self.d.draft_logits(self.t, block, pos, self.ctx)
-        self.draft_conf = self.rng.random(self.k - 1).astype(np.float32)
-        return logits[0].argmax(-1).numpy()
+        return Draft(logits[0].argmax(-1).numpy(), self.rng.random(self.k - 1).astype(np.float32))
 
 
 def test_adaptive_verify_keeps_the_target_distribution(tmp_path):

@@ -39,3 +39,28 @@ def test_demo_runs_on_tiny_pair(tmp_path):
     assert r.exit_code == 0, r.output
     assert "PASSED" in r.output and "output identical to plain greedy" in r.output
     assert (tmp_path / "o" / "artifact" / "manifest.json").is_file()
+
+
+def test_num_prompts_and_the_deprecated_spelling(tmp_path):
+    """--num-prompts N counts; --prompts N still does, with a warning (one release); --prompts FILE is a file."""
+    from dflash_export.cmd_demo import demo_prompts
+
+    for args in (["--prompts", "3"], ["--num-prompts", "3"]):
+        r = CliRunner().invoke(cli, ["demo", "--pair", str(tmp_path / "nothing"), *args])
+        assert r.exit_code == 2 and "error: the shipped pair is missing" in r.output, r.output
+        assert ("--prompts 3 is deprecated" in r.output and "use --num-prompts 3" in r.output) == (args[0] == "--prompts")
+    r = CliRunner().invoke(cli, ["check", str(tmp_path / "nothing"), "--target", "t", "--draft", "d", "--prompts", "2"])
+    assert r.exit_code == 2 and "use --num-prompts 2" in r.output, r.output
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n')
+    assert demo_prompts(None, 2, f) == ["a", "b"] and demo_prompts("x", 2, f) == ["x"]
+    r = CliRunner().invoke(cli, ["check", str(tmp_path / "nothing"), "--target", "t", "--draft", "d", "--prompts", str(f)])
+    assert r.exit_code == 2 and "give their number with --num-prompts N" in r.output, r.output
+
+
+def test_the_verify_policy_reads_as_words():
+    from dflash_export.runtime.settings import VerifyPolicy, describe_policy, policy_json
+
+    assert describe_policy(VerifyPolicy(theta=0.05, min_len=3)) == "confident prefix (theta 0.05, at least 3)"
+    assert describe_policy(None) == describe_policy(VerifyPolicy()) == "full block"
+    assert policy_json(VerifyPolicy(0.05, 3)) == {"theta": 0.05, "min_len": 3} and policy_json(None) == "full"

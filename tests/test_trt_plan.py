@@ -7,7 +7,7 @@ import pytest
 
 from dflash_export.export.trt_build import build_plan, describe
 from dflash_export.runtime.manifest import GraphSpec, Manifest, TensorSpec
-from dflash_export.runtime.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError, InternalError
 from dflash_export.runtime.trt_profiles import (
     ENGINE_FILES, Profile, check_engine_record, check_trt_version, default_cache_dir,
     ort_trt_provider_options,
@@ -105,7 +105,7 @@ def test_plan_refuses(kw, needle):
 
 
 def test_profile_must_cover_every_dynamic_dim():
-    with pytest.raises(DFlashError, match="input taps has the dynamic dim 'ctx' but TensorRT profile 'p' gives it no range"):
+    with pytest.raises(InternalError, match="input taps has the dynamic dim 'ctx' but TensorRT profile 'p' gives it no range"):
         Profile("p", {"batch": (1, 1, 1)}).shapes(manifest(), "draft_context")
 
 

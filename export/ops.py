@@ -1,0 +1,40 @@
+"""The operator sets a graph may hold: standard ai.onnx, and the ONNX Runtime contrib ops that a
+quantized export (MatMulNBits) or the "ort" attention flavour asks for; the onnx schemas of the latter."""
+
+from __future__ import annotations
+
+STANDARD_DOMAINS = ("", "ai.onnx")
+QUANT_OPS = (("com.microsoft", "MatMulNBits"),)  # what a quantized graph may hold beyond ai.onnx
+ORT_FLAVOUR_OPS = (("com.microsoft", "GroupQueryAttention"), ("com.microsoft", "SkipSimplifiedLayerNormalization"))  # the ort flavour's target
+
+
+def register_ort_schemas() -> None:
+    """onnx has no schemas for ORT's contrib ops; the checker (and the exporter, export/gqa.py)
+    need them for the two the ort flavour emits: their inputs, outputs and the attributes we set."""
+    import onnx
+    from onnx.defs import OpSchema
+
+    P, opt = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
+    T = ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")
+    ints = lambda *names, required=True: [OpSchema.Attribute(n, OpSchema.AttrType.INT, "", required=required)  # noqa: E731
+                                          for n in names]
+    schemas = {
+        "GroupQueryAttention": dict(
+            inputs=[P(n, "T") for n in ("query", "key", "value", "past_key", "past_value")]
+            + [P("seqlens_k", "M"), P("total_sequence_length", "M"), P("cos_cache", "T", param_option=opt),
+               P("sin_cache", "T", param_option=opt)],
+            outputs=[P(n, "T") for n in ("output", "present_key", "present_value")],
+            type_constraints=[T, ("M", ["tensor(int32)"], "")],
+            attributes=ints("num_heads", "kv_num_heads") + ints("do_rotary", required=False)),
+        "SkipSimplifiedLayerNormalization": dict(
+            inputs=[P(n, "T") for n in ("input", "skip", "gamma")],
+            outputs=[P("output", "T"), P("mean", "U", param_option=opt), P("inv_std_var", "U", param_option=opt),
+                     P("input_skip_bias_sum", "T", param_option=opt)],
+            type_constraints=[T, ("U", ["tensor(float)"], "")],
+            attributes=[OpSchema.Attribute("epsilon", OpSchema.AttrType.FLOAT, "")]),
+    }
+    for name, kw in schemas.items():
+        try:
+            onnx.defs.get_schema(name, 1, "com.microsoft")
+        except onnx.defs.SchemaError:
+            onnx.defs.register_schema(OpSchema(name, "com.microsoft", 1, **kw))

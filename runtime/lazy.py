@@ -1,0 +1,38 @@
+"""The one declared way to import what pulls in an optional dependency (as Polygraphy's
+`mod.lazy_import`): `torch = lazy_import("torch")` at the top of a file costs nothing until
+the first attribute is read, so a command imports only what it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+from .errors import DFlashError
+
+EXTRAS = {"torch": "export", "onnx": "export", "onnxscript": "export", "onnxruntime": "cpu", "tensorrt": "trt",
+          "fastapi": "serve", "uvicorn": "serve", "ray": "ray", "matplotlib": "dev"}  # optional dependency -> the extra installing it
+# our modules that import them (serve's engine and text import none: they are the torch-free half)
+HEAVY = ("dflash_export.export", "dflash_export.models", "dflash_export.train", "dflash_export.serve.app",
+         "dflash_export.serve.requests", "dflash_export.serve.ray", "dflash_export.runtime.ort",
+         "dflash_export.runtime.trt_backend", "dflash_export.serve_ray")  # the last: the deprecated alias of serve.ray
+
+
+class LazyModule(types.ModuleType):
+    """Stands for module `name` and imports it on the first attribute read."""
+
+    def __getattr__(self, attr: str):
+        try:
+            module = importlib.import_module(self.__name__)
+        except ModuleNotFoundError as e:
+            top = (e.name or "").split(".")[0]
+            if top in EXTRAS:
+                raise DFlashError(f"{self.__name__} needs {top}, which is not installed: pip install "
+                                  f"\"dflash-export[{EXTRAS[top]}]\"") from None
+            raise
+        return getattr(module, attr)
+
+
+def lazy_import(name: str) -> types.ModuleType:
+    """A stand-in for `import name` that imports on first use (an absolute module name)."""
+    return LazyModule(name)
