@@ -31,7 +31,7 @@ def check_batch(m: M.Manifest, max_batch: int, device: str, directory) -> int:
         raise DFlashError(f"{directory} was exported before batched decoding (batch 1 only); re-export it with this "
                           "dflash-export to run --batch > 1")
     if max_batch > 1 and device != "cpu":
-        raise DFlashError("--batch > 1 runs on the CPU provider here (the batched caches are host arrays); "
+        raise DFlashError("--batch > 1 runs on the CPU provider in this version (the batched caches are host arrays); "
                           "use --provider cpu or --batch 1")
     return max_batch
 
