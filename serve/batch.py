@@ -25,7 +25,7 @@ from collections import deque
 from ..runtime.errors import DFlashError
 from ..runtime.loop import BatchStats, Generation, Request, stream_batch
 from ..runtime.sampling import check_request, check_sampling
-from .engine import Engine, Job, Metrics, QueueFull, Slot, Unavailable, _emit
+from .jobs import EngineBase, Job, Metrics, QueueFull, Slot, Unavailable, _emit
 
 
 class _Joined(dict):
@@ -39,8 +39,8 @@ class _Joined(dict):
         self.n += 1
 
 
-class BatchEngine(Engine):
-    """`max_batch` rows of one backend, one loop thread; the app sees the same interface as Engine's."""
+class BatchEngine(EngineBase):
+    """`max_batch` rows of one backend, one loop thread; the app sees the same interface as the slots' Engine."""
 
     def __init__(self, backend, text, model: str, max_queue: int, verify=None):
         self.manifest, self.backend, self.max_batch = backend.manifest, backend, backend.max_batch

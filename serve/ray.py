@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ray import serve
 
-from . import engine as serve_engine
+from . import engine as serve_engine, jobs as serve_jobs
 from ..runtime import manifest as M
 from ..runtime.errors import DFlashError
 from .app import REPLICA, ServeOptions, create_app
@@ -141,7 +141,7 @@ class DFlashReplica:
         node = ray.get_runtime_context().get_node_id()
         if ray.util.get_node_ip_address() == "127.0.0.1":
             _loopback_grpc()
-        serve_engine.NODE = f"{socket.gethostname()}@{node[:8]}"  # several Ray nodes may share a host
+        serve_jobs.NODE = f"{socket.gethostname()}@{node[:8]}"  # several Ray nodes may share a host (replica())
         self.options = options
         try:  # OrtBackend hashes every listed file against the manifest before loading
             self.stamp = _stamp(options.directory)
