@@ -758,9 +758,6 @@ class Broken:
     def target_rows(self, *args, **kwargs):  # the loop's target call (runtime/backend.py: rows)
         raise InternalError("commit(9) but the last target call wrote 3 positions")
 
-    def target_rows(self, *args, **kwargs):  # the loop's target call (runtime/backend.py: rows)
-        raise InternalError("commit(9) but the last target call wrote 3 positions")
-
 
 def test_a_bug_is_a_500_with_code_internal_error(art):
     engine = Engine([Broken(OrtBackend(art, threads=1))], Text(art), "m", max_queue=2)
