@@ -31,6 +31,7 @@ from .runtime.load import settings_for
 from .runtime.settings import check_options
 
 DEMO_CONTEXT = 2048
+DEFAULT_BATCH = 4  # rows per round when --max-batch is not given (docs/serve.md: measured)
 
 uvicorn = lazy_import("uvicorn")  # the serve extra, only when a server starts
 serve_app = lazy_import("dflash_export.serve.app")
@@ -115,6 +116,40 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _batch_rows(directory, m, max_batch: int | None, slots: int | None, backend: str, provider: str,
+                drafter: bool) -> tuple[int, int]:
+    """(max_batch, slots): --max-batch batches rows in one loop, --slots runs a loop per slot.
+    Neither: batch DEFAULT_BATCH rows where the export, backend and memory allow it (fewer
+    when only fewer fit), else one slot. An explicit batch that does not fit is refused."""
+    from .runtime.memory import check_cache_memory
+
+    if max_batch is not None and slots is not None and max_batch > 1 and slots > 1:
+        raise DFlashError(f"give --max-batch {max_batch} or --slots {slots}, not both")
+    batchable = C.ragged(m) and backend == "ort" and provider == "cpu"
+    if max_batch is None:
+        if slots is not None or not batchable:
+            return 1, slots or 1
+        for b in range(DEFAULT_BATCH, 1, -1):
+            try:
+                check_cache_memory(m, b, m.max_context, drafter)
+                return b, 1
+            except DFlashError:
+                continue
+        return 1, 1
+    if max_batch > 1:
+        if backend != "ort" or provider != "cpu":
+            raise DFlashError(f"--max-batch {max_batch} runs on --backend ort --provider cpu here (the batched "
+                              "caches are host arrays); use --max-batch 1")
+        if not C.ragged(m):
+            raise DFlashError(f"{directory} was exported before batched decoding; re-export it with this dflash-export "
+                              "to use --max-batch > 1, or serve it with --max-batch 1")
+        try:
+            check_cache_memory(m, max_batch, m.max_context, drafter)
+        except DFlashError as e:
+            raise DFlashError(str(e).replace("--batch", "--max-batch")) from None
+    return max_batch, slots or 1
+
+
 def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, max_ongoing, up, down, health) -> dict:
     """The --ray flags checked (one line each), as serve/ray.py build's keywords."""
     given = [f for f, v in (("--replicas", replicas), ("--autoscale", autoscale), ("--ray-address", address),
@@ -152,10 +187,14 @@ def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, ma
 @click.option("--demo", is_flag=True, help="Serve the shipped demo pair (exported once into ~/.cache/dflash-export/).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (other than loopback: set an API key).")
 @click.option("--port", default=8000, show_default=True, type=int, help="TCP port; 0 picks a free one (printed).")
-@click.option("--slots", default=1, show_default=True, type=int,
-              help="Concurrent generations; they share the weights, each owns its KV buffers.")
+@click.option("--max-batch", type=int,
+              help="Requests generating at once as rows of one batched loop: they join at a round boundary and "
+                   "leave when done [default: 4 where the export and memory allow, else 1].")
+@click.option("--slots", type=int,
+              help="Instead of --max-batch: this many separate loops over shared weights, each reusing its last "
+                   "prompt's prefix (the older mode; docs/serve.md compares them).")
 @click.option("--max-queue", default=16, show_default=True, type=int,
-              help="Requests that may wait for a slot (FIFO); more get 429.")
+              help="Requests that may wait for a row or slot (FIFO); more get 429.")
 @click.option("--api-key", envvar="DFLASH_API_KEY", help="Require 'Authorization: Bearer KEY' (env: DFLASH_API_KEY).")
 @click.option("--api-key-file", type=click.Path(path_type=Path), help="Read the API key from this file.")
 @click.option("--model-name", help="The model id clients send [default: the directory's name].")
@@ -167,8 +206,8 @@ def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, ma
               help="Seconds in-flight requests may finish after Ctrl-C / SIGTERM before they are cancelled.")
 @device_options
 @ray_options
-def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_name, default_max_tokens, chat_template,
-          no_draft, shutdown_timeout, backend, provider, threads, spin, verify, ray: dict):
+def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_file, model_name, default_max_tokens,
+          chat_template, no_draft, shutdown_timeout, backend, provider, threads, spin, verify, ray: dict):
     """An OpenAI-compatible server over an exported directory OUT (or --demo):
     /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize."""
     _need_serve_extra()
@@ -183,11 +222,12 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
             raise DFlashError(f"--api-key-file {api_key_file}: {e.strerror}") from None
         if not api_key:
             raise DFlashError(f"--api-key-file {api_key_file} is empty")
-    for name, value, low in (("--slots", slots, 1), ("--max-queue", max_queue, 0), ("--max-tokens", default_max_tokens, 1)):
-        if value < low:
+    for name, value, low in (("--max-batch", max_batch, 1), ("--slots", slots, 1), ("--max-queue", max_queue, 0),
+                             ("--max-tokens", default_max_tokens, 1)):
+        if value is not None and value < low:
             raise DFlashError(f"{name} must be >= {low} (got {value})")
     check_options(threads, verify)  # before --demo's first export, not after it
-    if slots > 1 and backend != "ort":
+    if (slots or 1) > 1 and backend != "ort":
         raise DFlashError(f"--slots {slots} needs --backend ort (its slots share one copy of the weights)")
     use_ray = ray["use_ray"]
     ray_kw = _ray_options(use_ray, ray["replicas"], ray["autoscale"], ray["ray_address"], ray["replica_cpus"],
@@ -202,10 +242,13 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
     if use_ray:
         directory = Path(directory).resolve()  # every replica opens this path on its own node
     # a wrong folder, --threads or runtime.json is one line now, not after binding
+    manifest = M.load_manifest(directory, verify=False)
     settings_for(directory, backend, provider, threads=threads, spin=spin, verify=verify)
+    max_batch, slots = _batch_rows(directory, manifest, max_batch, slots, backend, provider, not no_draft)
 
     options = serve_app.ServeOptions(Path(directory), model_name=model_name or ("dflash-demo" if demo else None), slots=slots,
-                           max_queue=max_queue, api_key=api_key, backend=backend, provider=provider, threads=threads,
+                           max_batch=max_batch, max_queue=max_queue, api_key=api_key, backend=backend, provider=provider,
+                           threads=threads,
                            spin=spin, verify=verify,
                            default_max_tokens=default_max_tokens, chat_template=template, speculative=not no_draft)
     if not _is_loopback(host) and not api_key:
@@ -249,7 +292,8 @@ def serve(out, demo, host, port, slots, max_queue, api_key, api_key_file, model_
         e = holder.engine
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
         mode = "speculative (DFlash)" if e.has_drafter else "plain decoding"
-        click.echo(f"dflash-export serve: ready at {url}  model {e.model!r}, {len(e.slots)} slot(s), "
+        rows = f"batch {max_batch}" if max_batch > 1 else f"{slots} slot(s)"
+        click.echo(f"dflash-export serve: ready at {url}  model {e.model!r}, {rows}, "
                    f"queue {max_queue}, {mode}, {e.slots[0].backend.provider}, context {e.max_len}")
         auth = ' -H "Authorization: Bearer $DFLASH_API_KEY"' if api_key else ""
         click.echo(f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "

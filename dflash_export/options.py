@@ -88,7 +88,7 @@ RAY_FLAGS = (
     click.option("--replica-gpus", type=float, default=0.0, show_default=True,
                  help="--ray: GPUs per replica (1 with --provider cuda: one GPU each)."),
     click.option("--max-replicas-per-node", type=int, help="--ray: at most this many replicas on one node (1: spread)."),
-    click.option("--max-ongoing", type=int, help="--ray: requests Ray sends a replica at once [default: slots + queue + 8]."),
+    click.option("--max-ongoing", type=int, help="--ray: requests Ray sends a replica at once [default: batch rows (or slots) + queue + 8]."),
     click.option("--upscale-delay", type=float, default=30.0, show_default=True,
                  help="--autoscale: seconds of load before adding a replica."),
     click.option("--downscale-delay", type=float, default=600.0, show_default=True,

@@ -27,7 +27,7 @@ rules and the uniforms per absolute position, which make a row's output its seed
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +46,7 @@ class Generation:
     verify_lengths: list[int] = field(default_factory=list)  # positions the target verified per round
     confidences: list = field(default_factory=list)  # the drafter's top-1 probabilities per round (calibration)
     stopped: bool = False  # ended on a stop token
+    finished: bool = False  # the row left the batch (stop token or length): set before its last tokens are yielded
     prompt_len: int = 0
     reused: int = 0  # prompt positions found in the caches (not prefilled)
     prefill_s: float = 0.0
@@ -91,6 +92,7 @@ class Request:
     stop_token_ids: tuple[int, ...] | None = None
     reuse: int = 0  # prompt tokens already in the slot's caches (batch 1: a server slot's prompt reuse)
     sampling: str = "rejection"  # T > 0: "rejection" (drafts from q) or "compare" (runtime/sampling.py)
+    speculative: bool = True  # False: this row verifies only its anchor (plain decoding) in a speculative batch
 
 
 @dataclass
@@ -138,6 +140,8 @@ def stream_batch(
     verify: VerifyPolicy | None = None,
     outs: list[Generation] | None = None,
     stats: BatchStats | None = None,
+    poll: Callable[[int, bool], list[Request]] | None = None,
+    drop: Callable[[int], bool] | None = None,
 ) -> Iterator[tuple[int, list[int]]]:
     """Yield (request index, tokens) as each row's tokens are accepted; per-request
     statistics go to `outs` (appended in request order as rows join), the batch's to `stats`.
@@ -145,6 +149,11 @@ def stream_batch(
     Up to `batch` (default: the backend's max_batch) rows generate at once; greedy rows give
     exactly their own batch-1 output, sampled rows their own seed's, whatever else is in
     the batch (tests/test_batch.py; docs/batching.md says where float rounding could differ).
+
+    In flight (a server): `poll(free, idle)` is asked at every round boundary for up to
+    `free` requests to join, numbered on from the iterable's; with `idle` (no row running)
+    it may block, and an empty answer then ends the stream. `drop(index)` True takes a
+    running row out at the boundary (a cancelled request: freed within one round).
     """
     m, clock = backend.manifest, time.perf_counter
     B = batch or backend.max_batch
@@ -159,31 +168,48 @@ def stream_batch(
     waiting = iter(enumerate(requests))
     rows: list[_Row] = []  # row b sits in the backend's slot b: the batch's rows are always slots 0..len-1
     backend.set_width(0)
+    joined = 0  # requests taken so far (the next one's index)
     t_start = clock()
+
+    def join(q: Request) -> Iterator[tuple[int, list[int]]]:  # a new row takes the next slot
+        nonlocal joined
+        slot = len(rows)
+        backend.set_width(slot + 1)
+        row = _prefill(backend, slot, joined, q, draft and q.speculative, chunk)
+        joined += 1
+        st.prefill_s += row.gen.prefill_s
+        if outs is not None:
+            outs.append(row.gen)
+        row.gen.finished = row.done
+        yield row.index, [row.anchor]
+        if row.done:
+            _leave(backend, rows, slot)
+        else:
+            rows.append(row)
+
     while True:
-        while len(rows) < B:  # joins, at the round boundary: a new row takes the next slot
+        if drop is not None:  # cancelled rows leave at the round boundary
+            for b in reversed([b for b, r in enumerate(rows) if drop(r.index)]):
+                _leave(backend, rows, b)
+        while len(rows) < B:  # joins, at the round boundary
             nxt = next(waiting, None)
             if nxt is None:
                 break
-            slot = len(rows)
-            backend.set_width(slot + 1)
-            row = _prefill(backend, slot, *nxt, draft, chunk)
-            st.prefill_s += row.gen.prefill_s
-            if outs is not None:
-                outs.append(row.gen)
-            yield row.index, [row.anchor]
-            if row.done:
-                _leave(backend, rows, slot)
-            else:
-                rows.append(row)
+            yield from join(nxt[1])
+        given = poll(B - len(rows), not rows) if poll is not None and len(rows) < B else []
+        for q in given:
+            yield from join(q)
         if not rows:
+            if given:  # every joining row finished at its prefill: ask again
+                continue
             st.wall_s = clock() - t_start
             return
         call_rows = list(range(len(rows)))
         t1 = clock()
         anchors = np.array([r.anchor for r in rows], np.int64)
-        drafts, conf = backend.draft_block_rows(call_rows, anchors) if draft else (None, None)
-        drafted = _sample_drafts(backend, rows, drafts) if draft and any(r.ud is not None for r in rows) else {}
+        spec = draft and any(r.req.speculative for r in rows)  # plain rows alone: no drafter calls
+        drafts, conf = backend.draft_block_rows(call_rows, anchors) if spec else (None, None)
+        drafted = _sample_drafts(backend, rows, drafts) if spec and any(r.ud is not None for r in rows) else {}
         if drafted:
             drafts = drafts.copy()
             for b, d in drafted.items():
@@ -191,8 +217,8 @@ def stream_batch(
         t2 = clock()
         lens = np.zeros(len(rows), np.int64)
         for b, r in enumerate(rows):
-            s = min(k, r.max_length - r.start)
-            if conf is not None:
+            s = min(k if r.req.speculative else 1, r.max_length - r.start)
+            if conf is not None and r.req.speculative:
                 r.gen.confidences.append(conf[b].copy())
                 if verify is not None:
                     s = verify.length(conf[b], s)
@@ -200,7 +226,7 @@ def stream_batch(
         S = int(lens.max())
         ids = np.zeros((len(rows), S), np.int64)
         ids[:, 0] = anchors
-        if draft and S > 1:
+        if spec and S > 1:
             ids[:, 1:] = drafts[:, : S - 1]
         sample = any(r.u is not None for r in rows)
         res = backend.target_rows(call_rows, ids, lens, None, want_logits=sample)
@@ -229,8 +255,9 @@ def stream_batch(
             r.start += int(produced[b])
             r.anchor = emitted_of[b][-1]
         t4 = clock()
-        if draft:  # the next round needs the features of what each continuing row kept
-            more = np.array([0 if r.done else produced[b] for b, r in enumerate(rows)], np.int64)
+        if spec:  # the next round needs the features of what each continuing speculative row kept
+            more = np.array([0 if r.done or not r.req.speculative else produced[b] for b, r in enumerate(rows)],
+                            np.int64)
             if more.any():
                 backend.draft_context_rows(call_rows, more)
         t5 = clock()
@@ -246,6 +273,7 @@ def stream_batch(
             g.acceptance_lengths.append(int(produced[b]))
             g.verify_lengths.append(int(lens[b]))
             g.total_s += t5 - t1  # the consumer's time between rounds is not ours
+            g.finished = r.done
             yield r.index, emitted_of[b]
         for b in reversed([b for b, r in enumerate(rows) if r.done]):  # leaves, at the round boundary
             _leave(backend, rows, b)
@@ -346,14 +374,10 @@ def stream(
     for _, tokens in stream_batch(backend, [q], batch=1, draft=draft, prefill_chunk=prefill_chunk, verify=verify,
                                   outs=outs):
         if out is not None and outs[0] is not out:  # the caller's record: fill it as the loop's grows
-            _copy_into(out, outs[0])
+            out.__dict__.update(outs[0].__dict__)
         yield tokens
     if out is not None and outs and outs[0] is not out:
-        _copy_into(out, outs[0])
-
-
-def _copy_into(dst: Generation, src: Generation) -> None:
-    dst.__dict__.update(src.__dict__)
+        out.__dict__.update(outs[0].__dict__)
 
 
 def generate(backend: Backend, prompt: list[int], max_new_tokens: int, **kwargs) -> Generation:

@@ -299,7 +299,7 @@ class RowCalls:
         if self.states is not None:
             self.states.layout(R, S)
         at = rows[0] if R == 1 else 0
-        gathered = R == 1 and B > 1 and P > 0
+        gathered = R == 1 and self.width > 1 and P > 0  # width 1: the one row's prefix is contiguous, bound in place
         if gathered:
             _gather_row(self.kv_all, self._row_kv, at, P)
         for i in range(m.target_layers):
@@ -365,7 +365,7 @@ class RowCalls:
         if self.ragged:
             self.ctx_lengths_in[:R] = lengths[rows]
             self._bind(g, C.CTX_LENGTHS, self.ctx_lengths_in, batch=R)
-        gathered = R == 1 and B > 1 and P > 0
+        gathered = R == 1 and self.width > 1 and P > 0  # width 1: the one row's prefix is contiguous, bound in place
         if gathered:
             _gather_row(self.ctx_all, self._row_ctx, rows[0], P)
         for j in range(2 * m.draft_layers):

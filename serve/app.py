@@ -42,6 +42,7 @@ class ServeOptions:
     directory: Path
     model_name: str | None = None  # default: the directory's name
     slots: int = 1
+    max_batch: int = 1  # > 1: one batched loop of this many rows (serve/batch.py) instead of slots
     max_queue: int = 16
     api_key: str | None = None
     backend: str = "ort"
@@ -53,6 +54,11 @@ class ServeOptions:
     max_body_bytes: int = 4 << 20
     chat_template: str | None = None  # template text overriding the artifact's
     speculative: bool = True  # False: load without the drafter, plain decoding only
+
+    @property
+    def rows(self) -> int:
+        """Requests generating at once: batch rows, or slots."""
+        return max(self.max_batch, self.slots)
 
     @property
     def model(self) -> str:
@@ -73,9 +79,9 @@ class Holder:
         try:
             self.engine = load_engine(
                 options.directory, slots=options.slots, model=options.model, max_queue=options.max_queue,
-                backend=options.backend, provider=options.provider, threads=options.threads,
-                spin=options.spin, verify=options.verify,
-                drafter=options.speculative, chat_template=options.chat_template)
+                backend=options.backend, provider=options.provider, threads=options.threads, spin=options.spin,
+                verify=options.verify, drafter=options.speculative, chat_template=options.chat_template,
+                max_batch=options.max_batch)
         except DFlashError as e:
             self.error = str(e)
         except Exception as e:  # a load failure is reported in one line by the command
@@ -130,7 +136,7 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
     async def health():
         engine = holder.get()
         return {"status": "ok", "model": engine.model, "slots": len(engine.slots), "slots_idle": engine.idle_slots(),
-                "requests_waiting": len(engine.waiting)}
+                "requests_waiting": len(engine.waiting), "max_batch": engine.max_batch}
 
     @app.get("/metrics")
     async def metrics():

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ray import serve
 
-from . import engine as serve_engine
+from . import engine as serve_engine, jobs as serve_jobs
 from ..runtime import manifest as M
 from ..runtime.errors import DFlashError
 from .app import REPLICA, ServeOptions, create_app
@@ -141,14 +141,15 @@ class DFlashReplica:
         node = ray.get_runtime_context().get_node_id()
         if ray.util.get_node_ip_address() == "127.0.0.1":
             _loopback_grpc()
-        serve_engine.NODE = f"{socket.gethostname()}@{node[:8]}"  # several Ray nodes may share a host
+        serve_jobs.NODE = f"{socket.gethostname()}@{node[:8]}"  # several Ray nodes may share a host (replica())
         self.options = options
         try:  # OrtBackend hashes every listed file against the manifest before loading
             self.stamp = _stamp(options.directory)
             self.engine = load_engine(
                 options.directory, slots=options.slots, model=options.model, max_queue=options.max_queue,
                 backend=options.backend, provider=options.provider, threads=options.threads,
-                spin=options.spin, verify=options.verify, drafter=options.speculative, chat_template=options.chat_template)
+                spin=options.spin, verify=options.verify, drafter=options.speculative, chat_template=options.chat_template,
+                max_batch=options.max_batch)
         except DFlashError as e:
             raise _refuse(str(e)) from None
         log.info(f"dflash-export replica {serve_engine.replica()}: serving {options.directory} (verified)")
@@ -181,10 +182,10 @@ def build(options: ServeOptions, *, replicas: int | None = 1, autoscale: tuple[i
           max_replicas_per_node: int | None = None, upscale_delay: float = 30.0, downscale_delay: float = 600.0,
           health_period: float = 10.0, shutdown_timeout: float = 10.0) -> serve.Application:
     """The Ray Serve application: `replicas` fixed, or autoscaled in [MIN, MAX] on ongoing requests."""
-    least = options.slots + options.max_queue
+    least = options.rows + options.max_queue
     max_ongoing = least + HEADROOM if max_ongoing is None else max_ongoing
     if max_ongoing < least + 1:
-        raise DFlashError(f"--max-ongoing must be > slots + queue = {least} (got {max_ongoing}) so that the "
+        raise DFlashError(f"--max-ongoing must be > rows + queue = {least} (got {max_ongoing}) so that the "
                           "server's own queue, not Ray's, decides when to answer 429")
     if replicas is not None and replicas < 1:
         raise DFlashError(f"--replicas must be >= 1 (got {replicas})")
@@ -202,7 +203,7 @@ def build(options: ServeOptions, *, replicas: int | None = 1, autoscale: tuple[i
             raise DFlashError(f"--autoscale MIN:MAX needs 1 <= MIN <= MAX (got {lo}:{hi})")
         cfg["autoscaling_config"] = {
             "min_replicas": lo, "max_replicas": hi, "initial_replicas": lo,
-            "target_ongoing_requests": options.slots,  # a replica is "full" when its slots are busy
+            "target_ongoing_requests": options.rows,  # a replica is "full" when its rows (or slots) are busy
             "upscale_delay_s": upscale_delay, "downscale_delay_s": downscale_delay,
             # deprecated since Ray 2.60 but still what its replicas and routers push metrics by;
             # a future Ray replaces it with RAY_SERVE_{REPLICA,HANDLE}_AUTOSCALING_METRIC_PUSH_INTERVAL_S
@@ -221,6 +222,10 @@ def app_builder(args: dict) -> serve.Application:
     options = ServeOptions(Path(args.pop("directory")), **args)
     M.load_manifest(options.directory, verify=False)
     return build(options, replicas=None)
+
+
+def _rows(options: ServeOptions) -> str:
+    return f"batch {options.max_batch}" if options.max_batch > 1 else f"{options.slots} slot(s)"
 
 
 def _free_port(host: str) -> int:
@@ -277,7 +282,7 @@ def run(options: ServeOptions, *, host: str, port: int, address: str | None, pro
         how = (f"autoscaling {deploy['autoscale'][0]}..{deploy['autoscale'][1]} replicas" if deploy.get("autoscale")
                else f"{deploy.get('replicas', 1)} replica(s)")
         click.echo(f"dflash-export serve: ready at {url}  model {options.model!r} on Ray Serve, {how}, "
-                   f"{options.slots} slot(s) and queue {options.max_queue} each")
+                   f"{_rows(options)} and queue {options.max_queue} each")
         sys.stdout.flush()
         while not stop.wait(0.5):
             pass

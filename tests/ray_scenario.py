@@ -154,7 +154,7 @@ def main(art: Path, result: Path) -> None:
     cli = subprocess.Popen(
         [sys.executable, "-c", NO_TORCH + "from dflash_export.cli import cli\ncli(sys.argv[1:])\n", "serve", str(art),
          "--ray", "--port", str(PORT), "--autoscale", "1:2", "--max-replicas-per-node", "1", "--upscale-delay", "1",
-         "--downscale-delay", "2", "--health-check-period", "0.5", "--max-queue", "8", "--shutdown-timeout", "5"],
+         "--downscale-delay", "2", "--health-check-period", "0.5", "--max-queue", "8", "--max-batch", "2", "--shutdown-timeout", "5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []
     threading.Thread(target=lambda: [lines.append(x) for x in cli.stderr], daemon=True).start()
@@ -186,9 +186,9 @@ def main(art: Path, result: Path) -> None:
         res["sequential"] = [classify(dict(request(p, s), prompt=k), want) for k, p in enumerate(prompts[:4])
                              for s in (False, True)]
 
-        # 2. sustained load: autoscaling to 2 replicas, on different nodes (2 clients keep 2 requests
-        # ongoing: twice the target of 1 per replica (one slot each), so 2 replicas while they run)
-        load = Load(prompts, 2)
+        # 2. sustained load: autoscaling to 2 replicas, on different nodes (4 clients keep 4 requests
+        # ongoing: twice the target of 2 per replica (--max-batch 2: two batch rows each), so 2 replicas)
+        load = Load(prompts, 4)
         both = wait(lambda: len({node(r) for r in load.results[-8:] if r["status"] == 200}) == 2, 90)
         res["scale_up_s"] = time.monotonic() - T0 - res["ready_s"]
         res["up_replicas"] = replicas()

@@ -159,7 +159,8 @@ def test_ray_flags_are_one_line(sr, art):
         (["--ray", "--autoscale", "3:1"], "MIN:MAX"),
         (["--ray", "--autoscale", "x"], "MIN:MAX"),
         (["--ray", "--replicas", "0"], "--replicas must be >= 1"),
-        (["--ray", "--max-ongoing", "5", "--max-queue", "8"], "--max-ongoing must be > slots + queue = 9"),
+        (["--ray", "--max-ongoing", "5", "--max-queue", "8"], "--max-ongoing must be > rows + queue = 12"),  # 4 rows by default
+        (["--ray", "--max-ongoing", "5", "--max-queue", "8", "--slots", "1"], "--max-ongoing must be > rows + queue = 9"),
     ):
         res = r.invoke(cli, ["serve", str(art), *args])
         assert res.exit_code != 0 and msg in res.output and "Traceback" not in res.output, (args, res.output)
@@ -175,6 +176,8 @@ def test_deployment_options(sr, art):
     a = sr.build(o, autoscale=(1, 4), upscale_delay=2, downscale_delay=5)._bound_deployment._deployment_config.autoscaling_config
     assert (a.min_replicas, a.max_replicas, a.target_ongoing_requests, a.upscale_delay_s, a.downscale_delay_s) == \
         (1, 4, 2, 2, 5)
+    b = sr.build(ServeOptions(art, max_batch=3, max_queue=4), autoscale=(1, 2))._bound_deployment  # batch rows count
+    assert b.max_ongoing_requests == 3 + 4 + sr.HEADROOM and b._deployment_config.autoscaling_config.target_ongoing_requests == 3
 
 
 def test_config_file(sr, art):
@@ -191,8 +194,9 @@ def test_config_file(sr, art):
         old = importlib.import_module("dflash_export.serve_ray")
     assert old.app_builder is sr.app_builder and old.proxy_middlewares is sr.proxy_middlewares
     dep = app.deployments[0]
-    assert dep.name == sr.APP and dep.autoscaling_config["target_ongoing_requests"] == app.args["slots"]
-    assert dep.max_ongoing_requests > app.args["slots"] + app.args["max_queue"]
+    rows = max(app.args.get("max_batch", 1), app.args.get("slots", 1))
+    assert dep.name == sr.APP and dep.autoscaling_config["target_ongoing_requests"] == rows
+    assert dep.max_ongoing_requests > rows + app.args["max_queue"]
     built = sr.app_builder(app.args | {"directory": str(art)})
     assert built is not None
     with pytest.raises(Exception, match="directory"):

@@ -452,10 +452,11 @@ def test_api_key_queue_full_no_template_and_graceful_shutdown(art, tmp_path, off
         s.kill()
 
 
-def test_shutdown_cancels_what_outlasts_the_bound(art, tmp_path, offline, tok):
+@pytest.mark.parametrize("rows", [("--slots", 1), ("--max-batch", 2)])
+def test_shutdown_cancels_what_outlasts_the_bound(art, tmp_path, offline, tok, rows):
     """--shutdown-timeout 0.2 with ~1000 rounds of work in flight: the running stream ends with an error
     event, the waiting requests get 503, whatever finished is complete; exit 0, quickly, no traceback."""
-    s = Server(art, tmp_path / "serve.log", "--slots", 1, "--max-queue", 4, "--no-draft", "--shutdown-timeout", 0.2)
+    s = Server(art, tmp_path / "serve.log", *rows, "--max-queue", 4, "--no-draft", "--shutdown-timeout", 0.2)
     try:
         want = offline(tok.encode("zz").ids, 240, draft=False).tokens
         client = s.client()
