@@ -179,3 +179,16 @@ def test_bad_dflash2_configs_are_refused():
         DFlash2Config.from_dict(raw)
     with pytest.raises(DFlashError, match="is not DFlash2DraftModel"):
         DFlash2Config.from_dict({**raw, "architectures": ["DFlashDraftModel"]})
+
+
+def test_train_draft_refuses_dflash2(tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import cli
+
+    (tmp_path / "d.txt").write_text("some text\n")
+    r = CliRunner().invoke(cli, ["train-draft", "--target", str(tmp_path / "t"), "--out", str(tmp_path / "o"),
+                                 "--data", str(tmp_path / "d.txt"), "--family", "dflash2"])
+    assert r.exit_code == 2 and r.output.startswith("error: ") and r.output.count("\n") == 1, r.output
+    assert "training DFlash2 drafters" in r.output and "not supported" in r.output
+    assert not (tmp_path / "o").exists()
