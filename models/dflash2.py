@@ -10,7 +10,8 @@
 - Logits: the target's head, times `output_multiplier`, then `cap * tanh(x / cap)`.
 - The candidate selector: the top-k logits of each draft position are unary scores; the
   walk starts from the anchor and takes, position by position, the candidate c that
-  maximises `unary[c] + <pred_code[prev] * proj(h), succ_code[c]>` (greedy).
+  maximises `unary[c] + <pred_code[prev] * proj(h), succ_code[c]>` (greedy), or draws it
+  from softmax(scores / T) (`sample_walk`; its q is the draft distribution).
 
 The config is DFlash 1's (`DraftConfig`) plus the fields below; parsing stays strict.
 """
@@ -125,18 +126,37 @@ class CandidateSelector(nn.Module):
         """logits [B,N,V] -> (unary scores, candidate ids), both [B,N,k], best first."""
         return torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1)
 
+    def _scores(self, prev: torch.Tensor, h: torch.Tensor, unary: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+        """Scores [B,k] of one position's candidates after `prev` [B]: unary + pair."""
+        query = self.predecessor_codebook[prev].float() * h  # [B,R]
+        return unary.float() + torch.einsum("br,bkr->bk", query, self.successor_codebook[cand].float())
+
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """Greedy path [B,N] of token ids: hidden [B,N,H], logits [B,N,V], anchor ids [B]."""
         unary, cand = self.candidates(logits)
         h = self.hidden_projection(hidden).float()
         prev, path = anchor, []
         for i in range(cand.shape[1]):
-            query = self.predecessor_codebook[prev].float() * h[:, i]  # [B,R]
-            pair = torch.einsum("br,bkr->bk", query, self.successor_codebook[cand[:, i]].float())
-            best = (unary[:, i].float() + pair).argmax(-1)
+            best = self._scores(prev, h[:, i], unary[:, i], cand[:, i]).argmax(-1)
             prev = cand[:, i].gather(1, best[:, None])[:, 0]
             path.append(prev)
         return torch.stack(path, 1)
+
+    def sample_walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, temperature: float,
+                    u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The walk at temperature T > 0, one uniform per position (u [B,N]): each step draws from
+        q = softmax(scores / T) over its candidates. -> (path [B,N], candidates [B,N,k],
+        q [B,N,k]): q is the draft distribution that rejection sampling needs."""
+        unary, cand = self.candidates(logits)
+        h = self.hidden_projection(hidden).float()
+        prev, path, qs = anchor, [], []
+        for i in range(cand.shape[1]):
+            q = torch.softmax(self._scores(prev, h[:, i], unary[:, i], cand[:, i]) / temperature, -1)
+            pick = (q.cumsum(-1) <= u[:, i : i + 1]).sum(-1).clamp_max(q.shape[-1] - 1)  # inverse CDF
+            prev = cand[:, i].gather(1, pick[:, None])[:, 0]
+            path.append(prev)
+            qs.append(q)
+        return torch.stack(path, 1), cand, torch.stack(qs, 1)
 
 
 class DFlash2Drafter(Drafter):

@@ -221,3 +221,38 @@ def test_generator_refuses_what_it_does_not_do(pair, tmp_path):
     plain = autoregressive_generate(target, [3, 4, 5], 20).tokens
     got = dflash2_generate(target, ours, [3, 4, 5], 20, mask_token_id=99, stop_token_ids=(plain[6],))
     assert got.stopped and got.tokens == plain[: plain.index(plain[6]) + 1]
+
+
+def test_sampled_walk_q_equals_the_official(pair, tmp_path, monkeypatch):
+    """At T = 0.8 the official selector, made to take our sampled path, gives our q rows
+    (compared spread over the candidate ids: the two order their top-k differently)."""
+    dm = _official()
+    tdir, hf, target = pair
+    official, ddir = official_drafter(tmp_path / "d", target.config, CASES["sliding-b8-softcap"])
+    ours = DFlash2Drafter.from_pretrained(ddir)
+    sel, v = ours.candidate_selector, target.config.vocab_size
+    torch.manual_seed(3)
+    b, n = 4, 7
+    hidden, logits, anchor = torch.randn(b, n, target.config.hidden_size), 4 * torch.randn(b, n, v), torch.arange(b)
+    u = torch.rand(b, n)
+    with torch.inference_mode():
+        path, cand, q = sel.sample_walk(hidden, logits, anchor, 0.8, u)
+        # the official draws an index over its own candidates (topk, unsorted): make it ours, found by id
+        official_cand = torch.topk(logits, sel.top_k, dim=-1, sorted=False)[1]
+        step = iter(range(n))
+        monkeypatch.setattr(dm, "_sample_probs", lambda probs: (official_cand[:, (i := next(step))] == path[:, i, None]).int().argmax(-1))
+        want_path, want_cand, want_q = official.candidate_selector.select(hidden, logits, anchor, 0.8)
+    assert torch.equal(want_path, path)
+    ours_v = torch.zeros(b, n, v).scatter(-1, cand, q)
+    want_v = torch.zeros(b, n, v).scatter(-1, want_cand, want_q.float())
+    err = (ours_v - want_v).abs().max().item()
+    print(f"max |q - official q| = {err:.2e}")
+    assert err < 1e-5
+    assert ((q > 0.01).sum(-1) > 1).any(), "q should spread over several candidates at T = 0.8"
+    # the draws follow q: uniforms on a grid of 1000 pick each first-position candidate q * 1000 times (+-1)
+    m = 1000
+    grid = ((torch.arange(m) + 0.5) / m)[:, None].expand(m, n)
+    with torch.inference_mode():
+        p_m, c_m, q_m = sel.sample_walk(hidden[:1].expand(m, -1, -1), logits[:1].expand(m, -1, -1), anchor[:1].expand(m), 0.8, grid)
+    counts = (c_m[0, 0][:, None] == p_m[:, 0][None]).sum(-1).float()
+    assert (counts - q_m[0, 0] * m).abs().max() <= 1.0, (counts, q_m[0, 0] * m)
