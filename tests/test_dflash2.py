@@ -32,7 +32,7 @@ CASES = {
     "mixed-b6-noncausal": dict(block=6, layers=["sliding_attention", "full_attention"], causal=False, window=9,
                                kernel=3, group=8, cap=5.0, mult=1.3),
     "mixed-b5-causal": dict(block=5, layers=["full_attention", "sliding_attention"], causal=True, window=40,
-                            kernel=2, group=32, cap=None, mult=1.0),
+                            kernel=2, group=32, cap=None, mult=1.0, scale=1.5),
 }
 
 
@@ -48,7 +48,7 @@ def dflash2_config(tc: TargetConfig, case: dict, mask: int) -> dict:
         cfg["is_causal"] = case["causal"]
     cfg["dflash_config"].update(block_size=case["block"], conv_kernel_size=case["kernel"], conv_group_size=case["group"],
                                 selector_rank=8, selector_top_k=4, output_multiplier=case["mult"],
-                                final_logit_softcapping=case["cap"])
+                                final_logit_softcapping=case["cap"], input_embedding_scale=case.get("scale", 1.0))
     return cfg
 
 
@@ -98,7 +98,7 @@ def test_logits_and_selector_equal_the_official(pair, tmp_path, name):
     block[:, 0] = torch.tensor([5, 7, 30, 64])  # anchors
     ctx_pos, pos = torch.arange(c)[None].expand(b, c), torch.arange(c, c + k)[None].expand(b, k)
     with torch.inference_mode():
-        emb = hf.get_input_embeddings()(block)
+        emb = hf.get_input_embeddings()(block) * CASES[name].get("scale", 1.0)
         want_h = official(position_ids=torch.arange(c + k)[None].expand(b, -1), noise_embedding=emb,
                           target_hidden=taps)[:, 1:]
         want = official.compute_logits(want_h, hf.lm_head)
