@@ -27,8 +27,11 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 # The real TensorRT Python bindings (10.12 and 11.4) with stub libraries, in a cache outside the
 # venv (tests/trt_bindings.py): the TensorRT tests check the project's calls against them. Runs
 # every time: a no-op (~0.1 s) once the cache holds both; needs pip's registry and gcc the first time.
+# Then the official reference's `dflash/model.py` (tests/test_rejection.py, bench/rejection.py): the
+# `dflash` package without its pinned dependencies (it needs transformers >= 5.14, which dev has).
 setup:
 	$(PY) tests/trt_bindings.py
+	$(PY) -c "import importlib.util as u; exit(u.find_spec('dflash') is None)" || $(VENV)/bin/uv pip install --python $(PY) -q --no-deps dflash==0.1.0
 
 # Two workers on two cores, one test file each at a time (module fixtures stay in one process),
 # the slowest files first and the Ray module last (tests/conftest.py). A third worker paid off

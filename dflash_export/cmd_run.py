@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from .cmd_batch import bench_batch, check_batch_value, echo_bench_batch, generate_many
 from .options import device_options, sampling_options
 from .runtime.calibrate import calibrate, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
 from .runtime.errors import DFlashError
@@ -46,6 +47,10 @@ def _parse_ids(text: str, what: str) -> list[int]:
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--prompt", help="Prompt text (needs tokenizer.json in OUT).")
 @click.option("--prompt-ids", help="Prompt as comma-separated token ids (no tokenizer needed).")
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
+              help="Many prompts, one per line (as bench --prompts): one output line each, run --batch at a time.")
+@click.option("--batch", default=1, show_default=True, type=int,
+              help="With --prompts: rows decoded together (one graph call per round for all of them).")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
 @sampling_options
 @click.option("--stop-ids", help="Comma-separated stop token ids (default: the manifest's eos_token_ids; '' for none).")
@@ -53,15 +58,25 @@ def _parse_ids(text: str, what: str) -> list[int]:
 @click.option("--stream", is_flag=True, help="Print tokens as each round is accepted.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with tokens and statistics.")
 @device_options
-def generate(out, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids, no_draft, stream, as_json, provider,
-             backend, threads, spin, verify):
-    """Speculative decoding of a prompt with an exported directory OUT."""
-    if (prompt is None) == (prompt_ids is None):
-        raise DFlashError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
-    if stream and as_json:
-        raise DFlashError("--stream and --json are exclusive: --json prints one object at the end")
+def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, temperature, top_k, top_p, seed, stop_ids,
+             no_draft, stream, as_json, provider, backend, threads, spin, verify):
+    """Speculative decoding of a prompt (or of --prompts FILE, --batch at a time) with an exported directory OUT."""
+    if sum(x is not None for x in (prompt, prompt_ids, prompts_file)) != 1:
+        raise DFlashError("give exactly one of --prompt TEXT, --prompt-ids 1,2,3 or --prompts FILE")
+    if check_batch_value(batch) > 1 and prompts_file is None:
+        raise DFlashError("--batch needs --prompts FILE (one prompt per line)")
+    if stream and (as_json or prompts_file is not None):
+        raise DFlashError("--stream and --json (or --prompts) are exclusive: --stream prints one prompt as it comes")
     check_sampling(temperature, top_k, top_p)
     stop = None if stop_ids is None else tuple(_parse_ids(stop_ids, "--stop-ids"))
+    if prompts_file is not None:
+        be, cfg = open_artifact(out, backend=backend, provider=provider, drafter=not no_draft, threads=threads,
+                                spin=spin, verify=verify, max_batch=batch)
+        tok = load_tokenizer(out)
+        prompts, _ = _bench_prompts(prompts_file, tok, be.manifest.vocab_size)
+        generate_many(be, tok, prompts, max_new_tokens, batch, not no_draft, cfg.verify, as_json,
+                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop)
+        return
     ids = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
     backend, cfg = open_artifact(out, backend=backend, provider=provider, drafter=not no_draft, threads=threads, spin=spin,
                                  verify=verify)
@@ -188,9 +203,14 @@ def plot_bench(report: dict, path: Path) -> None:
                    "write them to OUT/runtime.json (graph hashes untouched), then bench with them.")
 @click.option("--context", "contexts", help="Comma-separated context lengths (e.g. 128,2048): also report the "
                                              "1-token step time after each (step_ms_by_context).")
+@click.option("--batch", default=1, show_default=True, type=int,
+              help="Decode the prompts N rows at a time and report aggregate and per-request tokens/s, tau and "
+                   "occupancy against batch 1 in the same run (interleaved).")
+@click.option("--temperature", default=0.0, show_default=True, type=float,
+              help="> 0: sampled rounds (rejection sampling, seed = prompt index): tau at this temperature.")
 @device_options
-def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate, contexts, provider, backend, threads,
-          spin, verify):
+def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate, contexts, batch, temperature, provider,
+          backend, threads, spin, verify):
     """Speculative vs plain decoding of OUT on the same prompts: tau, tokens/s, speedup.
 
     Without --threads every candidate thread count runs too (interleaved), which gives
@@ -208,11 +228,22 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     if ctx and max(ctx) + m.block_size > m.max_context:
         raise DFlashError(f"--context {max(ctx)} needs an export with --max-context >= {max(ctx) + m.block_size} "
                           f"(context + block size); {out} holds {m.max_context}")
+    check_sampling(temperature, 0, 1.0)
     prompts, source = _bench_prompts(prompts_file, load_tokenizer(out), m.vocab_size)
     room = m.max_context - max(len(p) for p in prompts)
     if room < 1:
         raise DFlashError(f"a prompt fills the max context {m.max_context}; use shorter prompts")
     n = min(max_new_tokens, room)
+    if batch != 1:
+        check_batch_value(batch)
+        if do_calibrate or plot is not None or ctx or temperature:
+            raise DFlashError("--batch runs its own comparison; leave out --calibrate, --plot, --context, --temperature")
+        cfg = settings_for(out, backend, provider, threads=threads, spin=spin, verify=verify)
+        report = bench_batch(lambda b: open_artifact(out, backend=backend, provider=provider, threads=threads, spin=spin,
+                                                     verify=verify, max_batch=b)[0], prompts, n, batch, warmup, cfg.verify)
+        report.update(prompt_source=source, threads=cfg.threads)
+        click.echo(json.dumps(report)) if as_json else echo_bench_batch(report)
+        return
     sweep = backend == "ort" and threads is None
     base = settings_for(out, backend, provider, threads=threads, spin=spin, verify="full")
     candidates = thread_candidates() if sweep else [base.threads]
@@ -235,9 +266,9 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         backends[key] = open_backend(out, "ort", provider, **cfg.ort_kwargs())
         if not sweep:
             del backends[cfg.threads]
-    runs = measure_many(backends, prompts, n, warmup, cfg.verify)
+    runs = measure_many(backends, prompts, n, warmup, cfg.verify, temperature)
     main = backends[key]
-    report = {"provider": main.provider, **summarize(*runs[key], m.block_size)}
+    report = {"provider": main.provider, **summarize(*runs[key], m.block_size, temperature)}
     report.update(max_new_tokens=n, prompt_source=source, threads=cfg.threads, graph_threads=cfg.graph_threads or None,
                   spin=cfg.spin, verify=policy_json(cfg.verify), draft_vocab=(m.draft_vocab or {}).get("size"),
                   prefill_chunk=min(main.max_chunk, cfg.prefill_chunk or main.max_chunk))
@@ -265,7 +296,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
                f"{per_graph}, spin {'on' if r['spin'] else 'off'}, verify {r['verify']}")
     if r.get("draft_vocab"):
         click.echo(f"draft vocabulary: {r['draft_vocab']} of {m.vocab_size} tokens")
-    click.echo(f"tau {r['tau']:.2f}, mean verify length {r['mean_verify_len']:.2f}  histogram {r['acceptance_histogram']}")
+    click.echo(f"tau {r['tau']:.2f}{f' at temperature {temperature}' if temperature else ''}, mean verify length {r['mean_verify_len']:.2f}  histogram {r['acceptance_histogram']}")
     click.echo(f"speculative {t['speculative']:.1f} tok/s, autoregressive {t['autoregressive']:.1f} tok/s, "
                f"speedup {r['speedup']:.2f}x")
     if sweep:
@@ -280,7 +311,8 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         click.echo(f"{mode}: " + ", ".join(f"{k} {v:.3f}s" for k, v in s.items()))
     if ctx:
         click.echo("step ms by context: " + ", ".join(f"{k}: {v:.3f}" for k, v in r["step_ms_by_context"].items()))
-    click.echo(f"lossless (speculative == autoregressive tokens): {r['lossless']}; peak RSS {r['peak_rss_mb']:.0f} MB")
+    lossless = "not compared (sampled)" if r["lossless"] is None else r["lossless"]
+    click.echo(f"lossless (speculative == autoregressive tokens): {lossless}; peak RSS {r['peak_rss_mb']:.0f} MB")
     if plot is not None:
         click.echo(f"plot: {plot}")
 

@@ -21,12 +21,15 @@ from .runtime.errors import DFlashError
                    "precision re-export with `export --dtype`.")
 @click.option("--max-context", type=int, default=None, help="Longest sequence the engines accept (default: the export's).")
 @click.option("--max-prompt", type=int, default=None, help="Longest prefill chunk (default: max context / 2).")
+@click.option("--max-batch", type=int, default=1, show_default=True,
+              help="Rows per call the engines take (profiles batch 1..N; ragged exports only). The TensorRT "
+                   "backend itself runs one row in this version.")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
               help="Timing cache file reused across builds (default: ~/.cache/dflash-export/trt-timing.cache).")
 @click.option("--workspace", type=float, default=4.0, show_default=True, help="Builder workspace limit in GB.")
 @click.option("--dry-run", is_flag=True, help="Lint the graphs for the supported TensorRT range and print the plan; build nothing (no TensorRT needed).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
-def build(out: Path, precision, max_context, max_prompt, timing_cache, workspace, dry_run, no_progress) -> None:
+def build(out: Path, precision, max_context, max_prompt, max_batch, timing_cache, workspace, dry_run, no_progress) -> None:
     """Build TensorRT engines for OUT into OUT/engines and record them in its manifest.
 
     Needs an NVIDIA GPU and TensorRT 10.12 to 11.x (the trt extra); --dry-run needs neither.
@@ -45,7 +48,7 @@ def build(out: Path, precision, max_context, max_prompt, timing_cache, workspace
         from .runtime.manifest import load_manifest
 
         manifest = load_manifest(out)
-        plan = build_plan(manifest, precision, max_context, max_prompt, workspace)
+        plan = build_plan(manifest, precision, max_context, max_prompt, workspace, max_batch)
         for w in check(out, manifest, limits=plan.limits):
             click.echo(f"warning: {w}", err=True)
         click.echo(f"lint: every graph passes the TensorRT {lint_range()} checks (operators, types, shapes)")
@@ -59,7 +62,7 @@ def build(out: Path, precision, max_context, max_prompt, timing_cache, workspace
     if workspace <= 0:
         raise DFlashError(f"--workspace {workspace}: give the builder's workspace in GB, > 0")
     build_engines(out, precision, max_context, max_prompt, timing_cache, workspace, progress=not no_progress,
-                  echo=click.echo)
+                  echo=click.echo, max_batch=max_batch)
 
 
 COMMANDS = [build]

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..runtime.memory import available_memory
 from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
 from .outdir import check_out_dir, commit, write_manifest_checked
@@ -96,25 +97,6 @@ def checkpoint_elements(directory: Path) -> int:
     return total
 
 
-def available_memory() -> int | None:
-    """Bytes this process can still take: MemAvailable, capped by a cgroup v2 limit (None: unknown)."""
-    avail = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max" and avail is not None:
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            avail = min(avail, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return avail
-
-
 def check_room(weight_bytes: int, out: Path, dtype: str) -> None:
     """Refuse, with a one-line hint, an export this machine's memory or disk cannot hold:
     better than being killed by the OS half-way (or filling the disk)."""
@@ -163,7 +145,8 @@ def plan_draft_vocab(n, data, target_dir, vocab_size: int, eos: list[int]):
     counts, source = DV.count_tokens(list(data), target_dir, vocab_size) if data else (None, DV.FALLBACK)
     ids = DV.choose(int(n), vocab_size, eos, counts)
     cov = DV.coverage(ids, counts)
-    return ids, {"size": int(n), "source": source, "data_coverage": None if cov is None else round(cov, 6)}
+    return ids, {"size": int(n), "source": source, "data_coverage": None if cov is None else round(cov, 6),
+                 "ids": [int(i) for i in ids]}  # the runtime's q over target ids (rejection sampling)
 
 
 # -- manifest -----------------------------------------------------------------------------
@@ -265,7 +248,7 @@ def export_artifact(
         target_layers=tc.num_layers, target_kv_heads=tc.num_kv_heads, target_head_dim=tc.head_dim,
         draft_layers=dc.num_layers, draft_kv_heads=dc.num_kv_heads, draft_head_dim=dc.head_dim,
         architecture=tc.architecture, eos_token_ids=eos,
-        opset=0, graphs={}, tools=tool_versions(), attention=attention, draft_vocab=vocab_record, **hybrid_fields(tc),
+        opset=0, graphs={}, tools=tool_versions(), attention=attention, draft_vocab=vocab_record, ragged=True, **hybrid_fields(tc),
     )
     ui = Phases(progress)
     for p in stale:

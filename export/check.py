@@ -32,6 +32,7 @@ import numpy as np
 
 from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
+from .check_rows import block_inputs, ragged_rows, target_inputs
 from .polygraphy_json import write_polygraphy
 
 TOLERANCE = 1e-4  # fp32 absolute, on logits, taps and K/V alike
@@ -154,7 +155,8 @@ def cases(target, drafter, m: M.Manifest, seed: int):
     K, P, S = m.block_size, 9, 7
     ids = lambda n: torch.randint(0, m.vocab_size, (1, n), generator=g)  # noqa: E731
     pos = lambda a, n: torch.arange(a, a + n)[None]  # noqa: E731
-    tg, cg, bg = (G.wrapper(g, target, drafter, C.flavour(m), m.max_context) for g in (C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK))
+    ragged = C.ragged(m)
+    tg, cg, bg = (G.wrapper(g, target, drafter, C.flavour(m), m.max_context, ragged) for g in (C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK))
     with torch.inference_mode():
         _, taps, past = target(ids(P), pos(0, P), target.empty_kv())
         ctx = drafter.context_kv(taps, pos(0, P))
@@ -162,25 +164,15 @@ def cases(target, drafter, m: M.Manifest, seed: int):
             cache = target.new_cache(P)
             cache.append(past)
             past = cache.view()
-    flat = lambda kv: [t for pair in kv for t in pair]  # noqa: E731
     block = lambda: torch.cat([ids(1), torch.full((1, K - 1), m.mask_token_id)], 1)  # noqa: E731
-    if C.flavour(m) == "ort":  # lengths + the whole head-major buffers holding the past (contract.TARGET_ORT)
-        def cached(kv, p: int, s: int) -> list:
-            bufs = []
-            for t in flat(kv):
-                buf = torch.zeros(1, t.shape[2], m.max_context, t.shape[3], dtype=t.dtype)
-                buf[:, :, :p] = t.transpose(1, 2)
-                bufs.append(buf)
-            return [torch.tensor([p + s - 1], dtype=torch.int32), torch.tensor(p + s, dtype=torch.int32), *bufs]
-    else:
-        cached = lambda kv, p, s: flat(kv)  # noqa: E731
+    cached = lambda kv, p, s: target_inputs(m, kv, p, s)  # noqa: E731
     yield C.TARGET, f"prefill P=0 S={S}", tg, [ids(S), pos(0, S), *cached(target.empty_kv(), 0, S)]
     yield C.TARGET, f"step P={P} S=1", tg, [ids(1), pos(P, 1), *cached(past, P, 1)]
     yield C.TARGET, f"verify P={P} S={K}", tg, [ids(K), pos(P, K), *cached(past, P, K)]
     yield C.DRAFT_CONTEXT, f"C={P}", cg, [taps, pos(0, P)]
     yield C.DRAFT_CONTEXT, "C=1", cg, [taps[:, -1:], pos(P - 1, 1)]
-    yield C.DRAFT_BLOCK, f"past_ctx=0 K={K}", bg, [block(), pos(0, K), *flat(drafter.empty_kv())]
-    yield C.DRAFT_BLOCK, f"past_ctx={P} K={K}", bg, [block(), pos(P, K), *flat(ctx)]
+    yield C.DRAFT_BLOCK, f"past_ctx=0 K={K}", bg, [block(), pos(0, K), *block_inputs(m, drafter.empty_kv(), 0)]
+    yield C.DRAFT_BLOCK, f"past_ctx={P} K={K}", bg, [block(), pos(P, K), *block_inputs(m, ctx, P)]
 
 
 def committed_state_rows(target, m: M.Manifest, session, seed: int, strict: bool) -> list[Row]:
@@ -199,8 +191,8 @@ def committed_state_rows(target, m: M.Manifest, session, seed: int, strict: bool
     names_in, names_out = C.names(C.TARGET, m)
     with torch.inference_mode():
         cache.append(target(ids[:, :P], torch.arange(P)[None], cache.view())[2])
-        past = [t for pair in cache.view() for t in pair]
-        feeds = dict(zip(names_in, [_np(ids[:, P:]), np.arange(P, P + K)[None], *map(_np, past)]))
+        feeds = dict(zip(names_in, [_np(ids[:, P:]), np.arange(P, P + K)[None],
+                                    *map(_np, target_inputs(m, cache.view(), P, K))]))
         got = dict(zip(names_out, session.run(names_out, feeds)))
         cache.append(target(ids[:, P:], torch.arange(P, P + K)[None], cache.view())[2], n)
     names, mine, ref, N = [], [], [], C.names_of(m)
@@ -320,12 +312,15 @@ def run_check(
                 if ref_models[0] is not target:
                     report.rows += compare(graph, case, names_out, got, ref, report.strict, "dequantized")
                 with torch.inference_mode():
-                    ref_float = [_np(t) for t in wrapper(graph, target, drafter, C.flavour(m), m.max_context)(*inputs)]
+                    ref_float = [_np(t) for t in wrapper(graph, target, drafter, C.flavour(m), m.max_context,
+                                                         C.ragged(m))(*inputs)]
                 report.rows += compare(graph, case, names_out, got, written_rows(feeds, names_out, ref_float), False,
                                        "float")
             saved.append((graph, case, feeds, dict(zip(names_out, ref)), dict(zip(names_out, got))))
         if m.linear_layers:
             report.rows += committed_state_rows(ref_models[0], m, backend.sessions[C.TARGET], seed, report.strict)
+        against = "pytorch" if q is None else "dequantized" if ref_models[0] is not target else "float"
+        report.rows += ragged_rows(*ref_models, m, backend.sessions, seed, report.strict, compare, _np, against)
     if save_polygraphy is not None:
         with ui.phase("save", f"Polygraphy inputs/outputs to {save_polygraphy}"):
             write_polygraphy(Path(save_polygraphy), saved)

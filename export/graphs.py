@@ -24,8 +24,23 @@ def _flat(pairs) -> list[torch.Tensor]:
     return [t for kv in pairs for t in kv]
 
 
+def _rows_first(past: tuple, linear: list[bool]) -> tuple:
+    """Position-major caches [P, B, ...] (contract.RAGGED) -> the models' [B, P, ...]; a
+    hybrid target's linear-attention states are batch-major already."""
+    return tuple(t if linear[i // 2] else t.transpose(0, 1) for i, t in enumerate(past))
+
+
+def _picked(target, x, logits_index):
+    """fp32 logits at the positions `logits_index` [B, N] picks from x [B, S, H], and their argmax."""
+    x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
+    logits = target.logits(x)
+    return logits, logits.argmax(-1)
+
+
 class TargetGraph(nn.Module):
-    """input_ids, position_ids, past K/V -> logits (fp32), next_ids, taps, new K/V.
+    """input_ids, position_ids, past_lengths, logits_index, past K/V -> logits at the picked
+    positions (fp32), next_ids, taps, new K/V (contract.RAGGED; `ragged=False`: the batch-1
+    graph of older exports, contract.GRAPHS).
 
     Hybrid targets: a linear-attention layer's pair is (conv_state, rec_state) in and its
     four per-position outputs (new_conv, delta_k, delta_u, delta_g) out (models/qwen35.py).
@@ -34,6 +49,18 @@ class TargetGraph(nn.Module):
     def __init__(self, target):
         super().__init__()
         self.target = target
+        self.linear = [getattr(layer, "kind", "") == "linear_attention" for layer in target.model.layers]
+
+    def forward(self, input_ids, position_ids, past_lengths, logits_index, *past):
+        if any(self.linear):  # hybrid: its attention layers take [B, P, ...]
+            x, taps, new = self.target.hidden(input_ids, position_ids, _pairs(_rows_first(past, self.linear)), past_lengths)
+        else:
+            x, taps, new = self.target.hidden(input_ids, position_ids, _pairs(past), past_lengths, position_major=True)
+        return (*_picked(self.target, x, logits_index), taps, *_flat(new))
+
+
+class TargetGraph1(TargetGraph):
+    """The batch-1 target graph of exports made before ragged batches (contract.GRAPHS)."""
 
     def forward(self, input_ids, position_ids, *past):
         logits, taps, new = self.target(input_ids, position_ids, _pairs(past))
@@ -63,8 +90,12 @@ class TargetOrtGraph(nn.Module):
             self.register_buffer("cos_cache", freqs.cos().to(dtype), persistent=False)
             self.register_buffer("sin_cache", freqs.sin().to(dtype), persistent=False)
 
-    def forward(self, input_ids, position_ids, seqlens_k, total, *cache):
+    def forward(self, input_ids, position_ids, seqlens_k, total, logits_index, *cache):
+        return self.run(input_ids, position_ids, seqlens_k, total, logits_index, cache)
+
+    def run(self, input_ids, position_ids, seqlens_k, total, logits_index, cache):
         from ..models.layers import apply_rope, rope_cos_sin
+
         from .gqa import gqa, skip_rms
 
         t, (b, s) = self.target, input_ids.shape
@@ -92,8 +123,17 @@ class TargetOrtGraph(nn.Module):
             outs[i] = x
         outs[len(layers) - 1] = h  # as Target.final: the last layer's tap is after the final norm
         taps = torch.cat([outs[i] for i in t.tap_ids], dim=-1) if t.tap_ids else h[..., :0]
+        if logits_index is not None:
+            return (*_picked(t, h, logits_index), taps, *present)
         logits = t.logits(h)
         return (logits, logits.argmax(-1), taps, *present)
+
+
+class TargetOrtGraph1(TargetOrtGraph):
+    """The ort flavour's batch-1 graph of exports made before ragged batches (contract.TARGET_ORT)."""
+
+    def forward(self, input_ids, position_ids, seqlens_k, total, *cache):
+        return self.run(input_ids, position_ids, seqlens_k, total, None, cache)
 
 
 class DraftContextGraph(nn.Module):
@@ -120,8 +160,10 @@ class SharedHead(nn.Module):
 
 
 class DraftBlockGraph(nn.Module):
-    """block ids + positions over the drafter's context cache -> draft_ids, draft_logits (fp32),
-    draft_conf (fp32 top-1 probability per position: adaptive verify's input).
+    """block ids + positions (+ per-row context lengths) over the drafter's context cache ->
+    draft_ids, draft_logits (fp32), draft_conf (fp32 top-1 probability per position:
+    adaptive verify's input). The ragged graph takes the cache position-major [PC, B, ...]
+    and hides each row's slots from its `ctx_lengths` on (Drafter.block_mask's anchors).
 
     With a draft vocabulary (Drafter.set_draft_vocab) the graph holds the [N, H] head and
     the N ids instead of reading the shared LM head: logits are [.., N], ids target ids, and
@@ -134,9 +176,20 @@ class DraftBlockGraph(nn.Module):
         if drafter.vocab_head is not None:
             self.shared.lm_head = None  # not traced: the graph must not hold the full head
 
-    def forward(self, block_ids, block_position_ids, *past_ctx):
-        logits = self.drafter.draft_logits(self.shared, block_ids, block_position_ids, _pairs(past_ctx))
+    def forward(self, block_ids, block_position_ids, ctx_lengths, *past_ctx):
+        return self.run(block_ids, block_position_ids, ctx_lengths, past_ctx, True)
+
+    def run(self, block_ids, block_position_ids, ctx_lengths, past_ctx, position_major: bool = False):
+        logits = self.drafter.draft_logits(self.shared, block_ids, block_position_ids, _pairs(past_ctx), ctx_lengths,
+                                           position_major)
         return self.drafter.draft_tokens(logits), logits, torch.softmax(logits, -1).amax(-1)
+
+
+class DraftBlockGraph1(DraftBlockGraph):
+    """The batch-1 block graph of exports made before ragged batches (contract.GRAPHS)."""
+
+    def forward(self, block_ids, block_position_ids, *past_ctx):
+        return self.run(block_ids, block_position_ids, None, past_ctx)
 
 
 def _sample_sizes(block_size: int) -> dict[str, int]:
@@ -167,6 +220,10 @@ def trace_inputs(graph: str, m, dtype: torch.dtype):
             x = torch.randn(size) * 0.1
         elif t.name in C.POSITIONS:
             x = torch.arange(start, start + size[1]).expand(*size).contiguous()
+        elif t.name in (C.PAST_LENGTHS, C.CTX_LENGTHS):  # every row full: the graph is checked ragged after export
+            x = torch.full(size, n[C.PAST] if t.name == C.PAST_LENGTHS else n[C.PAST_CTX], dtype=torch.long)
+        elif t.name == C.LOGITS_INDEX:
+            x = torch.randint(0, n[C.SEQ], size)
         elif t.name in (C.SEQLENS_K, C.TOTAL_LEN):
             x = torch.full(size, past_seq - (t.name == C.SEQLENS_K), dtype=torch.int32)
         elif t.name == C.BLOCK_IDS:
@@ -181,8 +238,13 @@ def trace_inputs(graph: str, m, dtype: torch.dtype):
     return tuple(args), nested
 
 
-def wrapper(graph: str, target, drafter, attention: str = "standard", max_context: int = 0) -> nn.Module:
+def wrapper(graph: str, target, drafter, attention: str = "standard", max_context: int = 0,
+            ragged: bool = True) -> nn.Module:
+    """The module export traces for `graph` (`ragged=False`: older exports' batch-1 graphs, for check)."""
     if graph == C.TARGET and attention == "ort":
-        return TargetOrtGraph(target, max_context)
-    return {C.TARGET: lambda: TargetGraph(target), C.DRAFT_CONTEXT: lambda: DraftContextGraph(drafter),
-            C.DRAFT_BLOCK: lambda: DraftBlockGraph(drafter, target)}[graph]()
+        return (TargetOrtGraph if ragged else TargetOrtGraph1)(target, max_context)
+    if graph == C.TARGET:
+        return (TargetGraph if ragged else TargetGraph1)(target)
+    if graph == C.DRAFT_BLOCK:
+        return (DraftBlockGraph if ragged else DraftBlockGraph1)(drafter, target)
+    return DraftContextGraph(drafter)

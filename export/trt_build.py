@@ -62,13 +62,13 @@ def default_timing_cache() -> Path:
 
 
 def build_plan(manifest: Manifest, precision: str | None = None, max_context: int | None = None,
-               max_prompt: int | None = None, workspace_gb: float = 4.0) -> BuildPlan:
+               max_prompt: int | None = None, workspace_gb: float = 4.0, max_batch: int = 1) -> BuildPlan:
     """The whole build decided from the manifest; raises DFlashError on impossible requests."""
     refuse_quantized(manifest)
     precision = check_precision(manifest.dtype, precision)
     if not workspace_gb > 0:
         raise DFlashError(f"--workspace {workspace_gb}: give the builder's workspace in GB, > 0")
-    limits = resolve_limits(manifest, max_context, max_prompt)
+    limits = resolve_limits(manifest, max_context, max_prompt, max_batch)
     record = profile_record(manifest, limits)
     return BuildPlan(
         precision=precision,
@@ -84,7 +84,7 @@ def describe(plan: BuildPlan) -> str:
     lines = [
         f"precision {plan.precision} (strongly typed: the export's types), "
         f"block {lim.block_size}, max context {lim.max_context}, max prompt {lim.max_prompt}, "
-        f"workspace {plan.workspace_bytes / (1 << 30):g} GB"
+        f"batch 1..{lim.max_batch}, workspace {plan.workspace_bytes / (1 << 30):g} GB"
     ]
     for g in plan.graphs:
         for i, p in enumerate(g.profiles):
@@ -160,7 +160,7 @@ def polygraphy_loaders(trt, out: Path, g: GraphPlan, plan: BuildPlan, timing_cac
 
 def build_engines(out_dir: str | Path, precision: str | None = None, max_context: int | None = None,
                   max_prompt: int | None = None, timing_cache: str | Path | None = None,
-                  workspace_gb: float = 4.0, progress: bool = True, echo=print) -> Manifest:
+                  workspace_gb: float = 4.0, progress: bool = True, echo=print, max_batch: int = 1) -> Manifest:
     """Build OUT/engines/*.engine and record them in OUT's manifest; all or nothing."""
     from .trt_lint import check as lint_check
 
@@ -176,7 +176,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_context
         from .trt_lint import ORT_FLAVOUR
 
         raise DFlashError(f"{out}: {ORT_FLAVOUR}")
-    plan = build_plan(manifest, precision, max_context, max_prompt, workspace_gb)
+    plan = build_plan(manifest, precision, max_context, max_prompt, workspace_gb, max_batch)
     try:
         cc, gpu = gpu_info(cudart)
     except DFlashError as e:
@@ -233,6 +233,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_context
         "block_size": plan.limits.block_size,
         "max_context": plan.limits.max_context,
         "max_prompt": plan.limits.max_prompt,
+        "max_batch": plan.limits.max_batch,
         "workspace_bytes": plan.workspace_bytes,
         "files": {g.graph: g.engine for g in plan.graphs},
         "profiles": {g.graph: g.profiles for g in plan.graphs},

@@ -240,7 +240,7 @@ def lint_model(model: onnx.ModelProto, graph: str, manifest: Manifest | None = N
             err(f"input {vi.name} has no shape; TensorRT needs the rank and a profile for each dynamic dim")
             continue
         for axis, d in enumerate(dims):
-            role = axis_role(graph, vi.name, axis)
+            role = axis_role(graph, vi.name, axis, manifest)
             fixed = d.HasField("dim_value") and d.dim_value > 0
             if role in C.DYNAMIC:
                 if fixed:

@@ -263,6 +263,9 @@ class DraftConfig:
     sliding_window: int | None
     is_causal: bool | None  # None: sliding layers causal, full layers not (z-lab rule)
     vocab_size: int | None = None
+    output_multiplier: float = 1.0  # draft logits times this, then
+    final_logit_softcapping: float | None = None  # cap * tanh(logits / cap) (None: off)
+    input_embedding_scale: float = 1.0  # the block's embedding (the target's table) times this
     raw: dict = field(default_factory=dict, repr=False)  # the original config, saved back as is
 
     @classmethod
@@ -274,10 +277,8 @@ class DraftConfig:
                 "DFlash2 selectors and convolutions are not implemented)"
             )
         nested = cfg.get("dflash_config") or {}
-        neutral = {"final_logit_softcapping": (None, 0, 0.0), "output_multiplier": (None, 1, 1.0),
-                   "input_embedding_scale": (None, 1, 1.0)}  # values z-lab's code treats as a no-op
-        unsupported = [k for k in ("selector_rank", "conv_kernel_size", "conv_group_size", *neutral)
-                       if nested.get(k, cfg.get(k)) not in neutral.get(k, (None,))]
+        unsupported = [k for k in ("selector_rank", "conv_kernel_size", "conv_group_size")
+                       if nested.get(k, cfg.get(k)) is not None]
         if unsupported:
             raise DFlashError(f"{where}: DFlash2 features are not supported: {', '.join(unsupported)}")
         if cfg.get("attention_bias"):
@@ -301,6 +302,18 @@ class DraftConfig:
         if int(block) < 1:
             raise DFlashError(f"{where}: block_size must be >= 1 (got {block})")
         mask = nested.get("mask_token_id", cfg.get("mask_token_id"))
+        # the logit transforms and the block's embedding scale, as z-lab reads them (dflash_config
+        # first, then the top level); absent, 1 / 0 / None: no-ops, exactly the drafter without them
+        knob = {k: nested.get(k, cfg.get(k)) for k in ("output_multiplier", "final_logit_softcapping",
+                                                       "input_embedding_scale")}
+        try:
+            mult, scale = (float(1.0 if knob[k] is None else knob[k]) for k in ("output_multiplier", "input_embedding_scale"))
+            cap = float(knob["final_logit_softcapping"] or 0.0)
+        except (TypeError, ValueError):
+            raise DFlashError(f"{where}: output_multiplier, final_logit_softcapping and input_embedding_scale must be "
+                              f"numbers (got {knob})") from None
+        if cap < 0:
+            raise DFlashError(f"{where}: final_logit_softcapping must be >= 0 (got {cap}); 0 or absent disables it")
         # as transformers' Qwen3Config (which z-lab's drafter uses): no window unless
         # use_sliding_window; without layer_types, layers >= max_window_layers slide
         window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
@@ -330,6 +343,9 @@ class DraftConfig:
             sliding_window=int(window) if window else None,
             is_causal=cfg.get("is_causal"),
             vocab_size=cfg.get("vocab_size"),
+            output_multiplier=mult,
+            final_logit_softcapping=cap or None,
+            input_embedding_scale=scale,
             raw=cfg,
         )
 

@@ -10,7 +10,9 @@ Two pieces, each a pure function of its inputs:
   `[context cache ; block]`, non-causal inside the block (sliding layers: see `block_mask`).
   The target's `lm_head` maps positions 1..K-1 to the draft logits.
 
-The drafter owns no embedding and no LM head: they are passed in from the target. With a
+The drafter owns no embedding and no LM head: they are passed in from the target (the
+block's embedding times `input_embedding_scale`, the logits through `transform_logits`
+when the config sets them). With a
 reduced draft vocabulary (`set_draft_vocab`) it scores only N candidate tokens with its
 own [N, H] slice of the target's head and maps the argmax back to target ids
 (`draft_tokens`); the target still verifies every draft, so the output is unchanged.
@@ -118,7 +120,7 @@ class Drafter(nn.Module):
         return visible[0] if anchors is None else visible
 
     def block(self, block_emb: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
-              anchors: torch.Tensor | None = None) -> torch.Tensor:
+              anchors: torch.Tensor | None = None, position_major: bool = False) -> torch.Tensor:
         """Embedded block [B,K,H] over the context cache -> final hidden states [B,K,H].
 
         Training passes `anchors` [B]: each row's context is then a whole sequence's, and
@@ -127,25 +129,46 @@ class Drafter(nn.Module):
         x = block_emb
         b, k, _ = x.shape
         cos, sin = rope_cos_sin(block_position_ids, self.inv_freq, x.dtype)
-        p = past_ctx[0][0].shape[1]
+        p = past_ctx[0][0].shape[0 if position_major else 1]
         for j, layer in enumerate(self.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
             q = apply_rope(a.q_norm(a.q_proj(h).view(b, k, a.h, a.d)), cos, sin)
             kb, vb = a.kv(h, cos, sin)
-            keys = torch.cat([past_ctx[j][0].to(kb.dtype), kb], 1)  # .to: autocast training
-            values = torch.cat([past_ctx[j][1].to(vb.dtype), vb], 1)
+            if position_major:  # the ragged graph's cache [P, B, ...]: join on that axis, one transpose after
+                keys = torch.cat([past_ctx[j][0], kb.transpose(0, 1)], 0).transpose(0, 1)
+                values = torch.cat([past_ctx[j][1], vb.transpose(0, 1)], 0).transpose(0, 1)
+            else:
+                keys = torch.cat([past_ctx[j][0].to(kb.dtype), kb], 1)  # .to: autocast training
+                values = torch.cat([past_ctx[j][1].to(vb.dtype), vb], 1)
             x = x + a.o_proj(attend(q, keys, values, self.block_mask(j, p, k, anchors, x.device)))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
-    def draft_logits(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV):
+    def draft_logits(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
+                     ctx_lengths: torch.Tensor | None = None, position_major: bool = False):
         """Logits [B,K-1,V] (fp32) for the masked positions, with the target's embedding and head
-        ([B,K-1,N] over the draft vocabulary when one is set)."""
-        hidden = self.block(target.embed(block_ids), block_position_ids, past_ctx)[:, 1:]
+        ([B,K-1,N] over the draft vocabulary when one is set). `ctx_lengths` [B]: each row's
+        valid context (a ragged batch: slot == position, so it is the row's anchor position)."""
+        c = self.config
+        emb = target.embed(block_ids)
+        if c.input_embedding_scale != 1.0:
+            emb = emb * c.input_embedding_scale
+        hidden = self.block(emb, block_position_ids, past_ctx, ctx_lengths, position_major)[:, 1:]
         if self.vocab_head is not None:
-            return torch.nn.functional.linear(hidden, self.vocab_head).float()
-        return target.lm_head(hidden).float()
+            return self.transform_logits(torch.nn.functional.linear(hidden, self.vocab_head).float())
+        return self.transform_logits(target.lm_head(hidden).float())
+
+    def transform_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The config's `output_multiplier`, then `cap * tanh(x / cap)` (final_logit_softcapping),
+        as z-lab's `compute_logits`; absent: the logits unchanged (not even an op in the graph).
+        Per token, so a reduced draft vocabulary gets exactly its tokens' full-vocabulary values."""
+        c = self.config
+        if c.output_multiplier != 1.0:
+            logits = logits * c.output_multiplier
+        if c.final_logit_softcapping:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
 
     def draft_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         """Target token ids of the drafts: argmax of `draft_logits`, mapped back from the draft vocabulary."""

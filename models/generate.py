@@ -7,10 +7,11 @@ own choice at `a`, and keeps `a + 1` positions in the target cache (rollback = l
 The tokens are the prefill token plus every round's `a + 1`:
 `len(tokens) == 1 + sum(acceptance_lengths)` (less when a stop token or the limit cuts).
 
-At temperature > 0 the target's choice at each verified position is a sample (the uniform
-of that absolute position, `runtime.sampling.position_uniforms` / `choose`), the drafts are
-the drafter's argmax, and acceptance compares them: every emitted token is a target sample
-given its prefix, so the output distribution is the target's own.
+At temperature > 0 (runtime/sampling.py has the rules and the randomness layout): by
+default the drafts are samples from the drafter's q and the round verifies them by
+rejection sampling against the target's p (the official reference's rule);
+`sampling="compare"` drafts the argmax and compares it with a target sample at each
+position. Either way every emitted token is an exact target sample given its prefix.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import numpy as np
 import torch
 
 from ..runtime.errors import DFlashError
-from ..runtime.sampling import accept, check_request, check_sampling, choose, cut_at_stop, position_uniforms
+from ..runtime.sampling import (accept, check_request, check_sampling, choose, cut_at_stop, draft_uniforms,
+                                position_uniforms, probabilities, rejection, sample_drafts)
 from .kvcache import KVCache
 
 
@@ -56,8 +58,9 @@ def speculative_generate(
     seed: int = 0,
     stop_token_ids: tuple[int, ...] = (),
     max_context: int | None = None,
+    sampling: str = "rejection",
 ) -> Generation:
-    check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p, sampling)
     k = drafter.config.block_size if block_size is None else block_size
     max_length = check_request(prompt, max_new_tokens, target.config.vocab_size, max_context)
     drafter.config.check_fits(target.config)
@@ -69,6 +72,7 @@ def speculative_generate(
     if not 0 <= mask_token_id < target.config.vocab_size:
         raise DFlashError(f"mask_token_id {mask_token_id} is outside the vocabulary [0, {target.config.vocab_size})")
     u = position_uniforms(seed, max_length + 1)  # u[t]: the token at absolute position t
+    ud = draft_uniforms(seed, max_length + 1) if temperature > 0 and sampling == "rejection" else None
     stop = set(stop_token_ids)
     n = len(prompt)
     tcache, dcache = _target_cache(target, max_length), KVCache.for_model(drafter, max_length)
@@ -84,14 +88,26 @@ def speculative_generate(
         dcache.append(drafter.context_kv(ctx_taps, ctx_pos))
         block = torch.tensor([[anchor] + [mask_token_id] * (k - 1)])
         positions = torch.arange(start, start + k)[None]
-        drafts = drafter.draft_tokens(drafter.draft_logits(target, block, positions, dcache.view()))[0].tolist()
+        dlogits = drafter.draft_logits(target, block, positions, dcache.view())
+        if ud is None:
+            drafts = drafter.draft_tokens(dlogits)[0].tolist()
+        else:  # samples of q at the draft uniforms of positions start+1 ..
+            ids = getattr(drafter, "vocab_ids", None)
+            ids = None if ids is None else ids.numpy()
+            drafted = sample_drafts(dlogits[0].numpy(), ud[start + 1 :, 0], temperature, top_k, top_p, ids)
+            drafts = drafted.tokens.tolist()
 
         s = min(k, max_length - start)  # verify no further than the generation can go
         verify = torch.tensor([[anchor] + drafts[: s - 1]])
         logits, taps, _ = target(verify, positions[:, :s], tcache)
-        choice = choose(logits[0].numpy(), u[start + 1 :], temperature, top_k, top_p).tolist()
-        a = accept(drafts[: s - 1], choice[: s - 1])
-        emitted = (drafts[:a] + [choice[a]])[: max_length - start - 1]
+        if ud is None:
+            choice = choose(logits[0].numpy(), u[start + 1 :], temperature, top_k, top_p).tolist()
+            a = accept(drafts[: s - 1], choice[: s - 1])
+            last = choice[a]
+        else:
+            p = probabilities(logits[0].numpy(), temperature, top_k, top_p)
+            a, last = rejection(drafted, s - 1, p, ud[start + 1 :, 1], u[start + 1 :])
+        emitted = (drafts[:a] + [last])[: max_length - start - 1]
         emitted, stopped = cut_at_stop(emitted, stop)
         produced = len(emitted)
 

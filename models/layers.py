@@ -50,6 +50,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
+def causal_visible(p: int, s: int, past_lengths: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    """Which of the P + S keys ([past; new]) each of the S new queries sees: causal, [S, P+S];
+    or per row [B, S, P+S] given `past_lengths` [B]: a row's past slots from its own length
+    up to P are padding (a ragged batch), masked like the future."""
+    t = torch.arange(p + s, device=device)
+    visible = t[None, :] <= (p + torch.arange(s, device=device))[:, None]
+    if past_lengths is None:
+        return visible
+    valid = (t[None, :] < past_lengths[:, None]) | (t[None, :] >= p)  # B T
+    return visible[None] & valid[:, None, :]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
     """q [B,S,H,D], k/v [B,T,Hkv,D] (GQA) -> [B,S,H*D].
 

@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 from . import gdn
 from .config import TargetConfig
-from .layers import MLP, attend, rope_cos_sin
+from .layers import MLP, attend, causal_visible, rope_cos_sin
 
 
 class OffsetRMSNorm(nn.Module):
@@ -240,10 +240,21 @@ class HybridTarget(nn.Module):
         s = input_ids.shape[1]
         if s > gdn.CHUNK:
             return self._chunked(input_ids, position_ids, past)
+        x, taps, new = self.hidden(input_ids, position_ids, past)
+        return self.logits(x), taps, new
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(x).float()
+
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: list,
+               past_lengths: torch.Tensor | None = None):
+        """One chunk through the stack: last hidden state (after the final norm), taps, new
+        K/V or GDN tuples. `past_lengths` [B]: each row's valid attention past (a ragged batch)."""
+        s = input_ids.shape[1]
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
         p = next((kv[0].shape[1] for layer, kv in zip(self.model.layers, past) if layer.kind != "linear_attention"), 0)
-        visible = torch.arange(p + s, device=x.device)[None, :] <= (p + torch.arange(s, device=x.device))[:, None]
+        visible = causal_visible(p, s, past_lengths, x.device)
         outs, new = {}, []
         for i, layer in enumerate(self.model.layers):
             x, upd = layer(x, cos, sin, past[i], visible)
@@ -251,9 +262,8 @@ class HybridTarget(nn.Module):
             outs[i] = x
         x = self.model.norm(x)
         outs[len(self.model.layers) - 1] = x  # transformers' last hidden_states entry is after the norm
-        logits = self.lm_head(x).float()
         taps = torch.cat([outs[i] for i in self.tap_ids], dim=-1) if self.tap_ids else x[..., :0]
-        return logits, taps, new
+        return x, taps, new
 
     def _chunked(self, input_ids, position_ids, past):
         cache = HybridCache(self, 0)

@@ -16,7 +16,7 @@ from torch import nn
 
 from .config import TargetConfig
 from .kvcache import KV, KVCache
-from .layers import MLP, RMSNorm, apply_rope, attend, rope_cos_sin
+from .layers import MLP, RMSNorm, apply_rope, attend, causal_visible, rope_cos_sin
 
 
 class Attention(nn.Module):
@@ -99,18 +99,25 @@ class Target(nn.Module):
         """Final hidden states (after the norm, as `hidden` returns them) -> fp32 logits."""
         return self.lm_head(x).float()
 
-    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: KV | KVCache):
-        """The decoder stack: last hidden state (after the final norm), taps, new K/V."""
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: KV | KVCache,
+               past_lengths: torch.Tensor | None = None, position_major: bool = False):
+        """The decoder stack: last hidden state (after the final norm), taps, new K/V.
+
+        `past_lengths` [B]: each row's valid past positions (a ragged batch, layers.causal_visible).
+        `position_major`: the past comes [P, B, Hkv, D] (the ragged graphs' cache); the new K/V
+        join it on that axis, so the exported graph transposes [past; new] once, as before."""
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
         cache = past if isinstance(past, KVCache) else None
-        s, p = input_ids.shape[1], cache.length if cache else past[0][0].shape[1]
-        # causal over [past; new]: new query i sits at index p + i
-        visible = torch.arange(p + s, device=x.device)[None, :] <= (p + torch.arange(s, device=x.device))[:, None]
+        s, p = input_ids.shape[1], cache.length if cache else past[0][0].shape[0 if position_major else 1]
+        visible = causal_visible(p, s, past_lengths, x.device)  # new query i sits at index p + i
         outs, new = {}, []
         for i, layer in enumerate(self.model.layers):
             if cache:
                 kv = lambda k, v, i=i: cache.update(i, k, v)  # noqa: E731
+            elif position_major:
+                kv = lambda k, v, i=i: tuple(torch.cat([past[i][e], t.transpose(0, 1)], 0).transpose(0, 1)  # noqa: E731
+                                             for e, t in enumerate((k, v)))
             else:
                 kv = lambda k, v, i=i: (torch.cat([past[i][0], k], 1), torch.cat([past[i][1], v], 1))  # noqa: E731
             x, k, v = layer(x, cos, sin, kv, visible)

@@ -4,7 +4,7 @@ A backend loads one exported directory (runtime/contract.py), owns the KV buffer
 runs the three graphs. It decides nothing: the loop (runtime/loop.py) picks tokens,
 accepts drafts and tells the backend how many positions to keep.
 
-State, all in positions of the one sequence being generated (batch 1):
+State, all in positions of the one sequence being generated (row 0; rows: see Backend):
 
     target_len    valid positions in the target KV cache (slots [0, target_len))
     context_len   valid positions in the drafter's context KV cache; the loop keeps
@@ -40,8 +40,8 @@ from .hybrid import LinearStates
 
 @dataclass
 class TargetOut:
-    next_ids: np.ndarray  # [S] int64: the target's argmax at each new position (in-graph ArgMax)
-    logits: np.ndarray | None  # [S, V] float32, only when asked for (sampling needs them)
+    next_ids: np.ndarray  # [S] int64 (batch-1 calls) or [R, N] (target_rows): the target's argmax (in-graph)
+    logits: np.ndarray | None  # [S, V] / [R, N, V] float32, only when asked for (sampling needs them)
 
 
 @dataclass
@@ -53,17 +53,45 @@ class Draft:
 
 
 class Backend(ABC):
-    """Runs target.onnx / draft_context.onnx / draft_block.onnx (or their engines)."""
+    """Runs target.onnx / draft_context.onnx / draft_block.onnx (or their engines).
+
+    Rows (ragged batches, runtime/loop.py): `max_batch` sequences share the buffers, each
+    with its own `lengths` / `ctx_lengths` / `pending`. The `*_rows` methods run one call
+    over several rows; the batch-1 methods (`target`, `commit`, ...) are row 0. A backend
+    that only runs batch 1 (max_batch 1) implements the batch-1 methods and inherits the
+    `*_rows` ones below, which call them.
+    """
 
     manifest: Manifest
     max_len: int
     max_chunk: int
+    max_batch: int = 1
     has_drafter: bool = True
-    target_len: int = 0
-    context_len: int = 0
     names: C.Names  # every per-layer tensor name, built once at load (contract.names_of)
-    _pending: int = 0  # positions written by the last `target` call, not yet committed
     states: LinearStates | None = None  # hybrid targets: the committed DeltaNet states, host side (runtime/hybrid.py)
+    _rows: tuple | None = None  # (lengths, ctx_lengths, pending), made on first use
+
+    # -- per-row lengths ------------------------------------------------------------------
+
+    def _row_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._rows is None or len(self._rows[0]) != self.max_batch:
+            self._rows = tuple(np.zeros(self.max_batch, np.int64) for _ in range(3))
+        return self._rows
+
+    lengths = property(lambda self: self._row_state()[0], doc="[max_batch] valid target cache positions per row")
+    ctx_lengths = property(lambda self: self._row_state()[1], doc="[max_batch] valid drafter context positions per row")
+    pending = property(lambda self: self._row_state()[2], doc="[max_batch] positions the last target call wrote per row")
+
+    def _row0(i: int):  # noqa: N805: row 0's entry of one of the arrays above, as an int attribute
+        def get(self):
+            return int(self._row_state()[i][0])
+
+        def put(self, v):
+            self._row_state()[i][0] = v
+        return property(get, put)
+
+    target_len, context_len, _pending = _row0(0), _row0(1), _row0(2)
+    del _row0
 
     # -- the four operations the loop uses ------------------------------------------------
 
@@ -90,12 +118,19 @@ class Backend(ABC):
 
         The other S - n slots stay scratch (this is the whole rollback).
         """
-        if not 0 <= n <= self._pending:
-            raise InternalError(f"commit({n}) but the last target call wrote {self._pending} positions")
+        self.commit_rows([0], [n])
+
+    def commit_rows(self, rows, n) -> None:
+        """`commit` for each of `rows` with its own n (the rows of the last target call)."""
+        lengths, _, pending = self._row_state()
+        for b, k in zip(rows, n):
+            if not 0 <= k <= pending[b]:
+                raise InternalError(f"commit({k}) of row {b} but the last target call wrote {pending[b]} positions")
         if self.states is not None:  # a hybrid target's rollback: only n positions reach the states
-            self.states.commit(n)
-        self.target_len += n
-        self._pending = 0
+            self.states.commit_rows(rows, n)
+        for b, k in zip(rows, n):
+            lengths[b] += k
+            pending[b] = 0
 
     @abstractmethod
     def draft_context(self, n: int) -> None:
@@ -116,13 +151,79 @@ class Backend(ABC):
         when the graph has them, their top-1 probabilities (adaptive verify). Caches nothing: the block's own K/V are never kept.
         """
 
+    # -- several rows per call (batch-1 backends: row 0 through the methods above) ----------
+
+    def target_rows(self, rows: list[int], ids: np.ndarray, counts: np.ndarray, picks: np.ndarray | None,
+                    want_logits: bool = False) -> TargetOut:
+        """One target call over `rows` (one row, or all max_batch rows): ids [R, S] (row r's
+        first counts[r] are real, the rest padding), each row at its own length. Returns the
+        argmax (and logits) at `picks` [R, N] (positions 0..S-1; None: all S)."""
+        self._one_row(rows)
+        res = self.target(np.asarray(ids[0, : counts[0]]), want_logits)
+        at = np.arange(int(counts[0])) if picks is None else np.asarray(picks[0])
+        return TargetOut(res.next_ids[at][None], None if res.logits is None else res.logits[at][None])
+
+    def draft_context_rows(self, rows: list[int], n) -> None:
+        """`draft_context` per row with its own n (the rows of the last target call; n may be 0)."""
+        self._one_row(rows)
+        if n[0]:
+            self.draft_context(int(n[0]))
+
+    def draft_block_rows(self, rows: list[int], anchors) -> tuple[np.ndarray, np.ndarray | None]:
+        """`draft_block` per row at its own context length: (draft ids [R, K-1], conf [R, K-1] or None)."""
+        self._one_row(rows)
+        d = self.draft_block(int(anchors[0]))
+        return d.ids[None], None if d.conf is None else d.conf[None]
+
+    def draft_logits_rows(self, n: int) -> np.ndarray:
+        """The last `draft_block_rows` call's draft_logits [n, K-1, draft vocab] on the host
+        (after the drafter's logit transforms): rejection sampling's q. Read only when
+        `samples_drafts`."""
+        raise DFlashError(f"internal: {type(self).__name__} does not return draft logits")
+
+    @property
+    def samples_drafts(self) -> bool:
+        """Whether rejection sampling can run: draft logits on the host and, for a reduced draft
+        vocabulary, its ids in the manifest (else sampled rows compare argmax drafts)."""
+        return (type(self).draft_logits_rows is not Backend.draft_logits_rows and self.has_drafter
+                and (not getattr(self.manifest, "draft_vocab", None) or self.draft_vocab_ids is not None))
+
+    @property
+    def draft_vocab_ids(self) -> np.ndarray | None:
+        """Target ids of the draft logits' columns (a reduced draft vocabulary), None: all."""
+        return draft_vocab_ids(self.manifest)
+
+    width: int = 1  # rows a call over all rows carries (runtime/loop.py keeps its rows in 0..width-1)
+
+    def set_width(self, w: int) -> None:
+        """Calls over all rows carry rows 0..w-1 from now on (one-row backends: nothing to do)."""
+        if not 0 <= w <= self.max_batch:
+            raise InternalError(f"width {w} of a {self.max_batch}-row backend")
+        self.width = w
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row src's sequence moves to slot dst; src is freed (backends of several rows)."""
+        raise InternalError(f"{type(self).__name__} holds one row")
+
+    def _one_row(self, rows) -> None:
+        if list(rows) != [0]:
+            raise InternalError(f"{type(self).__name__} runs one row (row 0), not rows {list(rows)}")
+
     # -- lifecycle ------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget the sequence (both lengths to 0); buffers are kept for the next one."""
-        self.target_len = self.context_len = self._pending = 0
+        """Forget the sequences (all lengths to 0); buffers are kept for the next ones."""
+        for a in self._row_state():
+            a[:] = 0
         if self.states is not None:
             self.states.reset()
+
+    def reset_row(self, b: int) -> None:
+        """Forget row b's sequence (a batch row that finished: its slot is free)."""
+        for a in self._row_state():
+            a[b] = 0
+        if self.states is not None:
+            self.states.reset(b)
 
     def keep(self, n: int) -> None:
         """Keep only the first n positions of both caches: a new sequence that starts with
@@ -149,3 +250,12 @@ class Backend(ABC):
     def provider(self) -> str:
         """What runs the graphs, for reports ("onnxruntime:CPUExecutionProvider", "tensorrt")."""
         return type(self).__name__
+
+
+def draft_vocab_ids(m: Manifest) -> np.ndarray | None:
+    """The manifest's draft vocabulary ids (exports since rejection sampling record them)."""
+    dv = getattr(m, "draft_vocab", None)
+    if not dv:
+        return None
+    ids = dv.get("ids")
+    return None if ids is None else np.asarray(ids, np.int64)

@@ -43,12 +43,24 @@ com.microsoft GroupQueryAttention, whose head-major cache `[1, Hkv, max_context,
 one buffer bound as both past and present and updated in place (`TARGET_ORT`): a step's
 cost then barely grows with the context. The drafter graphs are the same in both.
 
+Ragged batches (`Manifest.ragged`, every export since batching; docs/batching.md): each
+row of a batch has its own positions, valid cache length and number of new tokens. The
+standard flavour's caches are then position-major, `[max_context, max_batch, Hkv, D]`
+per layer, so the valid prefix of ALL rows (`[P, B, Hkv, D]`, P the longest row) is one
+contiguous view bound without a copy, and a row's slots past its own length are masked
+(`past_lengths` / `ctx_lengths`). New K/V come out `[B, S, ...]` and the runtime writes
+each row's at its own length. For one row this is the same memory as `[1, P, Hkv, D]`.
+`logits_index` `[B, N]` picks the positions whose logits (and argmax) the target
+computes: a prefill asks for its last position only, a verify for all of them. Manifests
+without `ragged` (older exports) keep the batch-1 graphs (`GRAPHS`) and run batch 1 only.
+
 `runtime.json` (runtime/settings.py: measured threads, verify policy) may sit beside the
 manifest: it is the one file the hash check allows without listing it.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .errors import DFlashError
@@ -81,8 +93,8 @@ TOKENIZER_FILES = (
 
 # -- dim roles ---------------------------------------------------------------------------
 # dynamic: sized per call (value: the smallest size a graph must take)
-BATCH, SEQ, PAST, CTX, PAST_CTX = "batch", "seq", "past", "ctx", "past_ctx"
-DYNAMIC = {BATCH: 1, SEQ: 1, PAST: 0, CTX: 1, PAST_CTX: 0}
+BATCH, SEQ, PAST, CTX, PAST_CTX, PICKS = "batch", "seq", "past", "ctx", "past_ctx", "picks"
+DYNAMIC = {BATCH: 1, SEQ: 1, PAST: 0, CTX: 1, PAST_CTX: 0, PICKS: 1}
 # static: fixed by the manifest (`sizes`)
 BLOCK, DRAFTS, VOCAB, TAPS_WIDTH, MAX_CTX = "block", "drafts", "vocab", "taps_width", "max_context"
 DRAFT_VOCAB = "draft_vocab"  # the tokens draft_block scores: the vocabulary, or N (export --draft-vocab)
@@ -104,6 +116,9 @@ BLOCK_IDS, BLOCK_POSITION_IDS, DRAFT_IDS, DRAFT_LOGITS = "block_ids", "block_pos
 DRAFT_CONF = "draft_conf"  # top-1 probability per draft: what adaptive verify reads
 SEQLENS_K, TOTAL_LEN = "seqlens_k", "total_sequence_length"  # ort flavour: past + seq - 1, past + seq
 POSITIONS = (POSITION_IDS, CTX_POSITION_IDS, BLOCK_POSITION_IDS)  # each graph's position input
+# ragged batches: valid target / drafter-context cache positions per row, and the target
+# positions whose logits are computed (per row, indices into the call's S positions)
+PAST_LENGTHS, CTX_LENGTHS, LOGITS_INDEX = "past_lengths", "ctx_lengths", "logits_index"
 
 
 @dataclass(frozen=True)
@@ -203,6 +218,41 @@ TARGET_ORT = Graph(
         *PRESENT_KV,
     ),
 )
+
+# -- ragged batches (Manifest.ragged): the same graphs with per-row lengths and logits picks --
+PAST_KV_ROWS = _kv("past", (PAST, BATCH, *_TKV))  # position-major: all rows' prefix is one view
+PAST_CTX_KV_ROWS = _kv("past_ctx", (PAST_CTX, BATCH, *_DKV))
+_PICKED = (Tensor(LOGITS, (BATCH, PICKS, VOCAB), FLOAT32), Tensor(NEXT_IDS, (BATCH, PICKS), INT64))
+RAGGED: dict[str, Graph] = {
+    TARGET: Graph(
+        "target.onnx", "target_layers",
+        inputs=(
+            Tensor(INPUT_IDS, (BATCH, SEQ), INT64),  # a row shorter than S is padded at its end
+            Tensor(POSITION_IDS, (BATCH, SEQ), INT64),
+            Tensor(PAST_LENGTHS, (BATCH,), INT64),  # valid past positions of each row (<= P)
+            Tensor(LOGITS_INDEX, (BATCH, PICKS), INT64),  # positions (0..S-1) whose logits are computed
+            *PAST_KV_ROWS,
+            *LINEAR_STATE,
+        ),
+        outputs=(*_PICKED, *GRAPHS[TARGET].outputs[2:]),
+    ),
+    DRAFT_CONTEXT: GRAPHS[DRAFT_CONTEXT],  # per position: a row's padding is computed and not kept
+    DRAFT_BLOCK: Graph(
+        "draft_block.onnx", "draft_layers",
+        inputs=(
+            Tensor(BLOCK_IDS, (BATCH, BLOCK), INT64),
+            Tensor(BLOCK_POSITION_IDS, (BATCH, BLOCK), INT64),
+            Tensor(CTX_LENGTHS, (BATCH,), INT64),  # valid context positions of each row (== its anchor's position)
+            *PAST_CTX_KV_ROWS,
+        ),
+        outputs=GRAPHS[DRAFT_BLOCK].outputs,
+    ),
+}
+TARGET_ORT_RAGGED = Graph(  # GroupQueryAttention takes per-row lengths already (seqlens_k)
+    "target.onnx", "target_layers",
+    inputs=(*TARGET_ORT.inputs[:4], Tensor(LOGITS_INDEX, (BATCH, PICKS), INT64), *CACHE_KV),
+    outputs=(*_PICKED, *TARGET_ORT.outputs[2:]),
+)
 GRAPH_FILES = {g: spec.file for g, spec in GRAPHS.items()}
 ID_LOGITS = {NEXT_IDS: LOGITS, DRAFT_IDS: DRAFT_LOGITS}  # each in-graph argmax and the logits it reads
 
@@ -234,9 +284,17 @@ def flavour(m) -> str:
     return getattr(m, "attention", "standard")
 
 
+def ragged(m) -> bool:
+    """Whether the export's graphs take ragged batches (False for exports made before them)."""
+    return bool(getattr(m, "ragged", False))
+
+
 def spec(graph: str, m) -> Graph:
-    """The declared graph for this manifest's attention flavour."""
-    return TARGET_ORT if graph == TARGET and flavour(m) == "ort" else GRAPHS[graph]
+    """The declared graph for this manifest's attention flavour and batching."""
+    r = ragged(m)
+    if graph == TARGET and flavour(m) == "ort":
+        return TARGET_ORT_RAGGED if r else TARGET_ORT
+    return (RAGGED if r else GRAPHS)[graph]
 
 
 def io(graph: str, m) -> tuple[list[Tensor], list[Tensor]]:
@@ -260,20 +318,21 @@ def tensor(graph: str, name: str, m) -> Tensor:
     raise DFlashError(f"{graph} has no tensor {name!r}; re-export the directory")
 
 
-def find(graph: str, name: str) -> Tensor:
-    """The declared tensor (a template for per-layer ones) behind a concrete name; no manifest needed."""
-    g = GRAPHS[graph]
-    for t in (*g.inputs, *g.outputs):
-        prefix = t.name.split("{")[0]
-        if name == t.name or (t.per_layer and name.startswith(prefix) and name[len(prefix):].isdigit()):
-            return t
+def find(graph: str, name: str, m=None) -> Tensor:
+    """The declared tensor (a template for per-layer ones) behind a concrete name (without a
+    manifest: the batch-1 graphs' first, then the ragged ones')."""
+    for g in (GRAPHS[graph], RAGGED[graph]) if m is None else (spec(graph, m),):
+        for t in (*g.inputs, *g.outputs):
+            prefix = t.name.split("{")[0]
+            if name == t.name or (t.per_layer and name.startswith(prefix) and name[len(prefix):].isdigit()):
+                return t
     raise DFlashError(f"{graph} has no tensor {name!r}; re-export the directory")
 
 
-def role(graph: str, name: str, axis: int) -> str:
+def role(graph: str, name: str, axis: int, m=None) -> str:
     """The role of one axis of a graph tensor (e.g. role("target", "past_key.3", 1) == PAST);
     dynamic when it is a key of DYNAMIC, else a static role that `sizes` gives."""
-    return find(graph, name).dims[axis]
+    return find(graph, name, m).dims[axis]
 
 
 def sizes(m) -> dict[str, int]:
@@ -315,6 +374,23 @@ def shape(t: Tensor, m, **dynamic: int) -> tuple[int, ...]:
 def dtype(t: Tensor, m) -> str:
     """numpy dtype name of `t` in an export of dtype m.dtype ("fp32" | "fp16" | "bf16")."""
     return NUMPY_DTYPE[m.dtype] if t.dtype == MODEL else t.dtype
+
+
+def _namer(t: Tensor):
+    """The concrete name of template `t` for layer i, cached: the runtime binds these by name
+    every call (~1.7 us each to rebuild)."""
+    return functools.cache(lambda i: t.at(i).name)
+
+
+past_key, past_value, new_key, new_value = (_namer(t) for t in (*PAST_KV, *NEW_KV))
+conv_state, rec_state, new_conv = (_namer(t) for t in (*LINEAR_STATE, LINEAR_NEW[0]))
+ctx_key, ctx_value, past_ctx_key, past_ctx_value = (_namer(t) for t in (*CTX_KV, *PAST_CTX_KV))
+
+
+@functools.cache
+def delta(i: int) -> tuple[str, str, str]:
+    """delta_k, delta_u, delta_g of linear-attention layer i (what `commit_state` reads)."""
+    return tuple(t.at(i).name for t in LINEAR_NEW[1:])
 
 
 @dataclass(frozen=True)

@@ -32,42 +32,72 @@ def commit_state(state: np.ndarray, k: np.ndarray, u: np.ndarray, g: np.ndarray)
 
 
 class LinearStates:
-    """Per linear-attention layer (batch 1): the committed conv window and recurrent state, and
-    the buffers a target call writes its per-position outputs into, all by contract name.
+    """Per linear-attention layer: the committed conv window and recurrent state of each batch
+    row ([max_batch, ...]), and the buffers a target call writes its per-position outputs
+    into, all by contract name.
 
     Host memory, shared by every backend: ONNX Runtime binds these buffers in place; the
     TensorRT backend copies the per-position outputs here after a call and the committed
-    states back to the device before the next one (`changed`)."""
+    states back to the device before the next one (`changed`). A call over R rows of S
+    positions writes its outputs as [R, S, ...] at the start of each buffer (`layout`);
+    `buf[name]` views them as [max_batch, max_chunk, ...] (one row: the same bytes)."""
 
-    def __init__(self, m: M.Manifest, max_chunk: int):
+    def __init__(self, m: M.Manifest, max_chunk: int, max_batch: int = 1):
         if m.dtype == "bf16":
             raise DFlashError("hybrid targets exported in bf16 are not supported by the host state commit; "
                               "export in fp32 or fp16")
         self.layers = m.linear_layers
         self.names = C.layer_names(m.target_layers)
         self.changed = True  # the committed states moved since a device copy was last made of them
-        self.buf = {}
+        self.buf, self.flat, self.rows_seq = {}, {}, (1, max_chunk)
         for i in self.layers:
             for t in C.LINEAR_STATE:
-                self.buf[t.at(i).name] = np.zeros(C.shape(t, m, batch=1), C.dtype(t, m))  # float32 | float16
+                self.buf[t.at(i).name] = np.zeros(C.shape(t, m, batch=max_batch), C.dtype(t, m))  # float32 | float16
             for t in C.LINEAR_NEW:
-                self.buf[t.at(i).name] = np.zeros(C.shape(t, m, batch=1, seq=max_chunk), C.dtype(t, m))
+                shape = C.shape(t, m, batch=max_batch, seq=max_chunk)
+                flat = self.flat[t.at(i).name] = np.zeros(int(np.prod(shape)), C.dtype(t, m))
+                self.buf[t.at(i).name] = flat.reshape(shape)
+
+    def layout(self, rows: int, seq: int) -> None:
+        """The next call writes [rows, seq, ...] outputs (see `view`)."""
+        self.rows_seq = (rows, seq)
+
+    def view(self, name: str) -> np.ndarray:
+        """The last call's per-position outputs of `name`, [rows, seq, ...]."""
+        r, s = self.rows_seq
+        flat = self.flat[name]
+        per_pos = flat.size // (self.buf[name].shape[0] * self.buf[name].shape[1])
+        return flat[: r * s * per_pos].reshape(r, s, *self.buf[name].shape[2:])
 
     def commit(self, n: int) -> None:
-        """Apply the first n positions of the last call to every layer's state."""
-        self.changed = self.changed or n > 0
-        N = self.names
-        for i in self.layers:
-            conv = self.buf[N.conv_state[i]]
-            if n:
-                conv[0] = np.concatenate([conv[0], self.buf[N.new_conv[i]][0, :n]], 0)[-conv.shape[1]:]
-            commit_state(self.buf[N.rec_state[i]][0], *(self.buf[name][0, :n] for name in N.delta[i]))
+        """Apply the first n positions of the last call to every layer's state (row 0)."""
+        self.commit_rows([0], [n])
 
-    def reset(self) -> None:
+    def commit_rows(self, rows, n) -> None:
+        """Row rows[r] of the state takes the first n[r] positions of the last call's row r."""
+        self.changed = self.changed or any(n)
+        for i in self.layers:
+            conv, new_conv = self.buf[C.conv_state(i)], self.view(C.new_conv(i))
+            deltas = [self.view(name) for name in C.delta(i)]
+            for r, (b, k) in enumerate(zip(rows, n)):
+                if k:
+                    conv[b] = np.concatenate([conv[b], new_conv[r, :k]], 0)[-conv.shape[1]:]
+                commit_state(self.buf[C.rec_state(i)][b], *(d[r, :k] for d in deltas))
+
+    def move(self, src: int, dst: int) -> None:
+        """Row src's committed states to row dst (a batch's rows stay in its first slots)."""
         self.changed = True
         for i in self.layers:
-            self.buf[self.names.conv_state[i]][...] = 0
-            self.buf[self.names.rec_state[i]][...] = 0
+            for name in (C.conv_state(i), C.rec_state(i)):
+                self.buf[name][dst] = self.buf[name][src]
+
+    def reset(self, row: int | None = None) -> None:
+        """Zero the states of every row, or of one."""
+        self.changed = True
+        at = slice(None) if row is None else row
+        for i in self.layers:
+            self.buf[C.conv_state(i)][at] = 0
+            self.buf[C.rec_state(i)][at] = 0
 
     def nbytes(self, templates) -> int:
         """Bytes of the buffers of the given templates (C.LINEAR_STATE: committed; C.LINEAR_NEW: per call)."""

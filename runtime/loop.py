@@ -1,5 +1,11 @@
 """The speculative loop: backend-agnostic, the one place that decides what is accepted.
 
+One loop advances a batch of rows (`stream_batch`); batch 1 (`stream`, `generate`) is the
+same loop with one row. Each round: one `draft_block` call for every row, one `target`
+call verifying every row's block (padded to the longest verify), then acceptance, stops,
+commit and rollback per row. A finished row leaves and a waiting request joins its slot
+at the round boundary, prefilled by its own calls (one row, chunked) before the next round.
+
 Same bookkeeping as the PyTorch oracle (models/generate.py `speculative_generate`), so the
 two agree token for token and round for round: prefill -> first token from the last
 prompt position; each round drafts [anchor, MASK x (K-1)], verifies s = min(K, room)
@@ -13,21 +19,23 @@ Adaptive verify (`verify=VerifyPolicy`, runtime/settings.py) verifies only the c
 prefix of the drafts, from the drafter's top-1 probabilities: on a CPU, where a verify
 costs in proportion to its length, the unlikely tail is not worth its time. Still
 lossless: the target chooses every emitted token, a shorter verify only ends the round
-sooner. Sampling draws the uniform of each absolute position (sampling.position_uniforms),
-so a sampled output does not depend on how many positions the rounds verified.
+sooner. Sampling (T > 0) is per row: rejection sampling with the drafter's q by default,
+sample-and-compare where a row asks for it or q is not available (runtime/sampling.py: the
+rules and the uniforms per absolute position, which make a row's output its seed's).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .backend import Backend
 from .errors import DFlashError, InternalError
-from .sampling import accept, check_request, check_sampling, choose, cut_at_stop, position_uniforms
+from .sampling import (accept, check_request, check_sampling, choose, cut_at_stop, draft_uniforms, position_uniforms,
+                       probabilities, rejection, sample_drafts)
 from .settings import VerifyPolicy
 
 
@@ -70,6 +78,246 @@ class Generation:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
+@dataclass
+class Request:
+    """One prompt of a batch and its own sampling settings (each row keeps its own seed)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] | None = None
+    reuse: int = 0  # prompt tokens already in the slot's caches (batch 1: a server slot's prompt reuse)
+    sampling: str = "rejection"  # T > 0: "rejection" (drafts from q) or "compare" (runtime/sampling.py)
+
+
+@dataclass
+class BatchStats:
+    """What a batched run measured: wall time, rounds, and how full the batch was."""
+
+    batch: int = 1
+    rounds: int = 0
+    busy_rows: int = 0  # sum over rounds of the rows that were generating
+    wall_s: float = 0.0
+    prefill_s: float = 0.0  # joining rows' prefills
+    decode_s: float = 0.0  # the rounds (each row's first token comes from its prefill)
+
+    @property
+    def occupancy(self) -> float:
+        """Mean fraction of the batch's rows generating per round."""
+        return self.busy_rows / (self.rounds * self.batch) if self.rounds else 0.0
+
+
+@dataclass
+class _Row:
+    index: int  # the request's position in the input
+    req: Request
+    gen: Generation
+    stop: set
+    max_length: int
+    u: np.ndarray | None
+    ud: np.ndarray | None = None  # rejection sampling's draft / accept uniforms (None: argmax drafts)
+    anchor: int = 0
+    start: int = 0  # position of the anchor
+    t_first: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.gen.stopped or self.start + 1 >= self.max_length
+
+
+def stream_batch(
+    backend: Backend,
+    requests: Iterable[Request],
+    *,
+    batch: int | None = None,
+    draft: bool = True,
+    prefill_chunk: int | None = None,
+    verify: VerifyPolicy | None = None,
+    outs: list[Generation] | None = None,
+    stats: BatchStats | None = None,
+) -> Iterator[tuple[int, list[int]]]:
+    """Yield (request index, tokens) as each row's tokens are accepted; per-request
+    statistics go to `outs` (appended in request order as rows join), the batch's to `stats`.
+
+    Up to `batch` (default: the backend's max_batch) rows generate at once; greedy rows give
+    exactly their own batch-1 output, sampled rows their own seed's, whatever else is in
+    the batch (tests/test_batch.py; docs/batching.md says where float rounding could differ).
+    """
+    m, clock = backend.manifest, time.perf_counter
+    B = batch or backend.max_batch
+    if not 1 <= B <= backend.max_batch:
+        raise DFlashError(f"batch {B}: the backend was loaded for at most {backend.max_batch} rows")
+    if draft and not getattr(backend, "has_drafter", True):
+        raise DFlashError("this backend was loaded without the drafter; use autoregressive mode (--no-draft)")
+    k = m.block_size if draft else 1
+    chunk = min(prefill_chunk or backend.max_chunk, backend.max_chunk)  # the backend's: calibrated
+    st = stats if stats is not None else BatchStats()
+    st.batch = B
+    waiting = iter(enumerate(requests))
+    rows: list[_Row] = []  # row b sits in the backend's slot b: the batch's rows are always slots 0..len-1
+    backend.set_width(0)
+    t_start = clock()
+    while True:
+        while len(rows) < B:  # joins, at the round boundary: a new row takes the next slot
+            nxt = next(waiting, None)
+            if nxt is None:
+                break
+            slot = len(rows)
+            backend.set_width(slot + 1)
+            row = _prefill(backend, slot, *nxt, draft, chunk)
+            st.prefill_s += row.gen.prefill_s
+            if outs is not None:
+                outs.append(row.gen)
+            yield row.index, [row.anchor]
+            if row.done:
+                _leave(backend, rows, slot)
+            else:
+                rows.append(row)
+        if not rows:
+            st.wall_s = clock() - t_start
+            return
+        call_rows = list(range(len(rows)))
+        t1 = clock()
+        anchors = np.array([r.anchor for r in rows], np.int64)
+        drafts, conf = backend.draft_block_rows(call_rows, anchors) if draft else (None, None)
+        drafted = _sample_drafts(backend, rows, drafts) if draft and any(r.ud is not None for r in rows) else {}
+        if drafted:
+            drafts = drafts.copy()
+            for b, d in drafted.items():
+                drafts[b] = d.tokens
+        t2 = clock()
+        lens = np.zeros(len(rows), np.int64)
+        for b, r in enumerate(rows):
+            s = min(k, r.max_length - r.start)
+            if conf is not None:
+                r.gen.confidences.append(conf[b].copy())
+                if verify is not None:
+                    s = verify.length(conf[b], s)
+            lens[b] = s
+        S = int(lens.max())
+        ids = np.zeros((len(rows), S), np.int64)
+        ids[:, 0] = anchors
+        if draft and S > 1:
+            ids[:, 1:] = drafts[:, : S - 1]
+        sample = any(r.u is not None for r in rows)
+        res = backend.target_rows(call_rows, ids, lens, None, want_logits=sample)
+        t3 = clock()
+        produced = np.zeros(len(rows), np.int64)
+        emitted_of = []
+        for b, r in enumerate(rows):
+            s, q = int(lens[b]), r.req
+            guess = ids[b, 1:s].tolist()
+            if b in drafted:  # rejection sampling against the target's p
+                p = probabilities(res.logits[b, :s], q.temperature, q.top_k, q.top_p)
+                a, last = rejection(drafted[b], s - 1, p, r.ud[r.start + 1 :, 1], r.u[r.start + 1 :])
+            else:
+                if r.u is not None:
+                    choice = choose(res.logits[b, :s], r.u[r.start + 1 :], q.temperature, q.top_k, q.top_p).tolist()
+                else:
+                    choice = res.next_ids[b, :s].tolist()
+                a = accept(guess, choice[: s - 1])
+                last = choice[a]
+            emitted = (guess[:a] + [last])[: r.max_length - r.start - 1]
+            emitted, r.gen.stopped = cut_at_stop(emitted, r.stop)
+            produced[b] = len(emitted)
+            emitted_of.append(emitted)
+        backend.commit_rows(call_rows, produced)  # anchor + accepted drafts; the rest of each verify rolls back
+        for b, r in enumerate(rows):
+            r.start += int(produced[b])
+            r.anchor = emitted_of[b][-1]
+        t4 = clock()
+        if draft:  # the next round needs the features of what each continuing row kept
+            more = np.array([0 if r.done else produced[b] for b, r in enumerate(rows)], np.int64)
+            if more.any():
+                backend.draft_context_rows(call_rows, more)
+        t5 = clock()
+        st.rounds += 1
+        st.busy_rows += len(rows)
+        st.decode_s += t5 - t1
+        for b, r in enumerate(rows):
+            g = r.gen
+            g.round_s.append(((t2 - t1) + (t5 - t4), t3 - t2, t4 - t3))
+            g.draft_s += g.round_s[-1][0]
+            g.verify_s += t3 - t2
+            g.tokens += emitted_of[b]
+            g.acceptance_lengths.append(int(produced[b]))
+            g.verify_lengths.append(int(lens[b]))
+            g.total_s += t5 - t1  # the consumer's time between rounds is not ours
+            yield r.index, emitted_of[b]
+        for b in reversed([b for b, r in enumerate(rows) if r.done]):  # leaves, at the round boundary
+            _leave(backend, rows, b)
+
+
+def _sample_drafts(backend: Backend, rows: list[_Row], drafts: np.ndarray) -> dict:
+    """Row b -> its drafts sampled from q (the draft logits of this round's call), for the rows
+    that sample by rejection."""
+    logits, ids = backend.draft_logits_rows(len(rows)), backend.draft_vocab_ids
+    out = {}
+    for b, r in enumerate(rows):
+        if r.ud is not None:
+            q = r.req
+            out[b] = sample_drafts(logits[b], r.ud[r.start + 1 :, 0], q.temperature, q.top_k, q.top_p, ids)
+    return out
+
+
+def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, chunk: int) -> _Row:
+    """A joining row: its prompt through the target (and drafter context) on its slot alone;
+    its first token from the last prompt position."""
+    clock = time.perf_counter
+    check_sampling(q.temperature, q.top_k, q.top_p, q.sampling)
+    m = backend.manifest
+    max_length = check_request(q.prompt, q.max_new_tokens, m.vocab_size, backend.max_len, "exported max context")
+    g = Generation(prompt_len=len(q.prompt), reused=q.reuse)
+    u = position_uniforms(q.seed, max_length + 1) if q.temperature > 0 else None  # u[t]: token at position t
+    row = _Row(index, q, g, set(m.eos_token_ids if q.stop_token_ids is None else q.stop_token_ids), max_length, u)
+    if u is not None and draft and q.sampling == "rejection" and backend.samples_drafts:
+        row.ud = draft_uniforms(q.seed, max_length + 1)
+    t0 = clock()
+    reuse = q.reuse
+    if not 0 <= reuse < len(q.prompt) or (draft and reuse > int(backend.ctx_lengths[slot])) or (reuse and slot):
+        raise InternalError(f"reuse {reuse} of a {len(q.prompt)}-token prompt in slot {slot} "
+                          f"(drafter context {int(backend.ctx_lengths[slot])})")
+    if slot == 0 and backend.max_batch == 1:
+        backend.keep(reuse)
+    else:
+        backend.reset_row(slot)
+    for i in range(reuse, len(q.prompt), chunk):
+        ids = np.asarray(q.prompt[i : i + chunk], np.int64)[None]
+        last = i + chunk >= len(q.prompt)
+        n = ids.shape[1]
+        res = backend.target_rows([slot], ids, [n], np.array([[n - 1]]), want_logits=u is not None and last)
+        backend.commit_rows([slot], [n])
+        if draft:
+            backend.draft_context_rows([slot], [n])
+    if u is not None:
+        row.anchor = int(choose(res.logits[0], u[len(q.prompt):], q.temperature, q.top_k, q.top_p)[0])
+    else:
+        row.anchor = int(res.next_ids[0, -1])
+    row.start, g.stopped = len(q.prompt), row.anchor in row.stop
+    g.tokens.append(row.anchor)
+    g.prefill_s = g.total_s = clock() - t0
+    return row
+
+
+def _leave(backend: Backend, rows: list[_Row], b: int) -> None:
+    """Row b (finished, or never started: b == len(rows)) frees its slot: the batch's last row
+    moves into it, so the rows stay in slots 0..len-1. A one-row backend keeps its caches
+    (prompt reuse)."""
+    last = len(rows) - 1 if b < len(rows) else b
+    if backend.max_batch > 1:
+        if b != last:
+            backend.move_row(last, b)
+            rows[b] = rows[last]
+        else:
+            backend.reset_row(b)
+    if b < len(rows):
+        rows.pop()
+    backend.set_width(len(rows))
+
+
 def stream(
     backend: Backend,
     prompt: list[int],
@@ -85,6 +333,7 @@ def stream(
     reuse: int = 0,
     verify: VerifyPolicy | None = None,
     out: Generation | None = None,
+    sampling: str = "rejection",
 ) -> Iterator[list[int]]:
     """Yield the tokens of each round as it is accepted; statistics accumulate in `out`.
 
@@ -92,68 +341,19 @@ def stream(
     previous sequence started with them, as a server slot tracks); only the rest is
     prefilled. At least the last prompt token is always run, for the first choice.
     """
-    check_sampling(temperature, top_k, top_p)
-    m = backend.manifest
-    max_length = check_request(prompt, max_new_tokens, m.vocab_size, backend.max_len, "exported max context")
-    if draft and not getattr(backend, "has_drafter", True):
-        raise DFlashError("this backend was loaded without the drafter; use autoregressive mode (--no-draft)")
-    g = out if out is not None else Generation()
-    stop = set(m.eos_token_ids if stop_token_ids is None else stop_token_ids)
-    u = position_uniforms(seed, max_length + 1) if temperature > 0 else None  # u[t]: token at position t
-    sample = temperature > 0
-    k = m.block_size if draft else 1
-    chunk = min(prefill_chunk or backend.max_chunk, backend.max_chunk)  # the backend's: calibrated
-    g.prompt_len, g.reused, clock = len(prompt), reuse, time.perf_counter
-    t0 = clock()
+    q = Request(list(prompt), max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, reuse, sampling)
+    outs: list[Generation] = []
+    for _, tokens in stream_batch(backend, [q], batch=1, draft=draft, prefill_chunk=prefill_chunk, verify=verify,
+                                  outs=outs):
+        if out is not None and outs[0] is not out:  # the caller's record: fill it as the loop's grows
+            _copy_into(out, outs[0])
+        yield tokens
+    if out is not None and outs and outs[0] is not out:
+        _copy_into(out, outs[0])
 
-    if not 0 <= reuse < len(prompt) or (draft and reuse > backend.context_len):
-        raise InternalError(f"reuse {reuse} of a {len(prompt)}-token prompt (drafter context {backend.context_len})")
-    backend.keep(reuse)
-    for i in range(reuse, len(prompt), chunk):
-        ids = prompt[i : i + chunk]
-        last = i + chunk >= len(prompt)
-        res = backend.target(np.asarray(ids, np.int64), want_logits=sample and last)
-        backend.commit(len(ids))
-        if draft:
-            backend.draft_context(len(ids))
-    anchor = int(choose(res.logits[-1:], u[len(prompt):], temperature, top_k, top_p)[0] if sample else res.next_ids[-1])
-    start, g.stopped = len(prompt), anchor in stop  # `start` = position of the anchor
-    g.tokens.append(anchor)
-    g.prefill_s = g.total_s = clock() - t0
-    yield [anchor]
 
-    while not g.stopped and start + 1 < max_length:
-        t1 = clock()
-        d = backend.draft_block(anchor) if draft else None
-        drafts = d.ids.tolist() if draft else []
-        t2 = clock()
-        s = min(k, max_length - start)
-        if draft and d.conf is not None:
-            g.confidences.append(d.conf.copy())
-            if verify is not None:
-                s = verify.length(d.conf, s)
-        res = backend.target(np.asarray([anchor] + drafts[: s - 1], np.int64), want_logits=sample)
-        t3 = clock()
-        choice = (choose(res.logits, u[start + 1 :], temperature, top_k, top_p) if sample else res.next_ids).tolist()
-        a = accept(drafts[: s - 1], choice[: s - 1])
-        emitted = (drafts[:a] + [choice[a]])[: max_length - start - 1]
-        emitted, g.stopped = cut_at_stop(emitted, stop)
-        produced = len(emitted)
-        backend.commit(produced)  # anchor + accepted drafts; the rest of the verify is rolled back
-        start += produced
-        anchor = emitted[-1]
-        t4 = clock()
-        if draft and not g.stopped and start + 1 < max_length:  # the next round needs their features
-            backend.draft_context(produced)
-        t5 = clock()
-        g.round_s.append(((t2 - t1) + (t5 - t4), t3 - t2, t4 - t3))
-        g.draft_s += g.round_s[-1][0]
-        g.verify_s += t3 - t2
-        g.tokens += emitted
-        g.acceptance_lengths.append(produced)
-        g.verify_lengths.append(s)
-        g.total_s += t5 - t1  # the consumer's time between rounds is not ours
-        yield emitted
+def _copy_into(dst: Generation, src: Generation) -> None:
+    dst.__dict__.update(src.__dict__)
 
 
 def generate(backend: Backend, prompt: list[int], max_new_tokens: int, **kwargs) -> Generation:
@@ -162,3 +362,15 @@ def generate(backend: Backend, prompt: list[int], max_new_tokens: int, **kwargs)
     for _ in stream(backend, prompt, max_new_tokens, out=g, **kwargs):
         pass
     return g
+
+
+def generate_batch(backend: Backend, requests: list[Request], **kwargs) -> tuple[list[Generation], BatchStats]:
+    """Run `stream_batch` to the end: one Generation per request (input order) and the batch's stats."""
+    outs: list[Generation] = []
+    stats = BatchStats()
+    order = []
+    for index, _ in stream_batch(backend, requests, outs=outs, stats=stats, **kwargs):
+        if len(order) < len(outs):
+            order.append(index)
+    by_index = dict(zip(order, outs))
+    return [by_index[i] for i in range(len(requests))], stats

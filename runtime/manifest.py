@@ -77,6 +77,9 @@ class Manifest:
     target_layer_types: list[str] = field(default_factory=list)
     linear: dict | None = None
     draft_vocab: dict | None = None  # reduced draft vocabulary: {"size": N, "source": ...}; None: full
+    # the graphs take ragged batches (contract.RAGGED: per-row lengths, position-major caches,
+    # logits_index); False for older exports, which run batch 1 only
+    ragged: bool = False
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 

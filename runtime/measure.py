@@ -22,8 +22,10 @@ def rate(gs: list[Generation]) -> float:
     return sum(len(g.tokens) - 1 for g in gs) / max(sum(g.decode_s for g in gs), 1e-12)
 
 
-def summarize(spec: list[Generation], base: list[Generation], block_size: int) -> dict:
-    """The bench report of paired speculative / plain generations of the same prompts."""
+def summarize(spec: list[Generation], base: list[Generation], block_size: int, temperature: float = 0.0) -> dict:
+    """The bench report of paired speculative / plain generations of the same prompts (sampled
+    at `temperature` > 0: tau of rejection sampling; `lossless` is then None, as speculative
+    and plain sampling draw different tokens from the same distribution)."""
     lengths = [a for g in spec for a in g.acceptance_lengths]
     rounds, steps = max(len(lengths), 1), max(sum(len(g.acceptance_lengths) for g in base), 1)
     tau = float(np.mean(lengths)) if lengths else 0.0
@@ -45,14 +47,16 @@ def summarize(spec: list[Generation], base: list[Generation], block_size: int) -
         "ideal_speedup": ideal,
         "loop_efficiency": speedup / ideal if ideal else 0.0,
         "time_split_s": {"speculative": split(spec), "autoregressive": split(base)},
-        "lossless": all(s.tokens == b.tokens for s, b in zip(spec, base)),
+        "temperature": temperature,
+        "lossless": all(s.tokens == b.tokens for s, b in zip(spec, base)) if temperature == 0 else None,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
     }
 
 
-def measure_many(backends: dict, prompts: list[list[int]], max_new_tokens: int, warmup: int = 1, verify=None) -> dict:
+def measure_many(backends: dict, prompts: list[list[int]], max_new_tokens: int, warmup: int = 1, verify=None,
+                 temperature: float = 0.0) -> dict:
     """{label: (speculative runs, plain runs)} of several backends (e.g. thread counts) on the
-    same prompts, interleaved prompt by prompt."""
+    same prompts, interleaved prompt by prompt (sampled: seed = the prompt's index)."""
     for be in backends.values():
         for p in prompts[:warmup]:
             generate(be, p, max_new_tokens, draft=True, verify=verify)
@@ -60,8 +64,9 @@ def measure_many(backends: dict, prompts: list[list[int]], max_new_tokens: int, 
     out = {label: ([], []) for label in backends}
     for p in prompts:
         for label, be in backends.items():
-            out[label][0].append(generate(be, p, max_new_tokens, draft=True, verify=verify))
-            out[label][1].append(generate(be, p, max_new_tokens, draft=False))
+            kw = dict(temperature=temperature, seed=len(out[label][0]))
+            out[label][0].append(generate(be, p, max_new_tokens, draft=True, verify=verify, **kw))
+            out[label][1].append(generate(be, p, max_new_tokens, draft=False, **kw))
     return out
 
 

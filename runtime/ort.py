@@ -29,9 +29,10 @@ import numpy as np
 import onnxruntime as ort
 
 from . import contract as C, manifest as M
-from .backend import Backend, Draft, TargetOut
+from .backend import Backend
 from .errors import DFlashError, InternalError
-from .hybrid import LinearStates
+from .memory import check_cache_memory
+from .ort_rows import RowCalls, check_batch
 from .shared import ONNX_TYPE, STORAGE, shared_weights, tied_head_graphs
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
@@ -67,7 +68,7 @@ def resolve_provider(name: str) -> str:
 # -- the backend -----------------------------------------------------------------------
 
 
-class OrtBackend(Backend):
+class OrtBackend(RowCalls, Backend):
     """ONNX Runtime sessions + preallocated buffers; see runtime/backend.py for the semantics."""
 
     def __init__(
@@ -83,6 +84,7 @@ class OrtBackend(Backend):
         verify: bool = True,
         low_memory: bool = False,
         release_mapped: bool = True,
+        max_batch: int = 1,
     ):
         self.directory = Path(directory)
         self._provider = resolve_provider(provider)
@@ -96,6 +98,8 @@ class OrtBackend(Backend):
             # copies them in and the increments out each call. Not executed here: no GPU.)
             self.max_chunk = min(self.max_chunk, C.max_seq(m))
         self.has_drafter = drafter
+        self.max_batch = check_batch(m, max_batch, self.device, self.directory)
+        check_cache_memory(m, self.max_batch, self.max_len, drafter)
         self.low_memory = low_memory
         self.trace: list | None = None  # set to [] to record every bound (name, ptr, shape)
         self._geom: dict[int, tuple] = {}  # id(buffer) -> (pointer, row bytes, device), see _bind
@@ -140,52 +144,6 @@ class OrtBackend(Backend):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages only: a hint, never a loss
             finally:
                 os.close(fd)
-
-    def _alloc_state(self) -> None:
-        """The per-sequence state: KV buffers, taps, ids and one IO binding per session.
-
-        Everything else (sessions, shared weights, manifest) is read-only after load, so
-        `fork` can hand it to another sequence.
-        """
-        m = self.manifest
-        self._geom = {}
-        self._io = {k: s.io_binding() for k, s in self.sessions.items()}
-        self._static_bound = False  # ort flavour: cache buffers bound (on the first call)
-
-        # every tensor a call binds, from the contract: (is output, dtype, shape with dynamic roles)
-        self._specs: dict[tuple[str, str], tuple[bool, str, list]] = {}
-        static = C.sizes(m)
-        for graph in self.sessions:
-            ins, outs = C.io(graph, m)
-            for output, tensors in ((False, ins), (True, outs)):
-                for t in tensors:
-                    dims = [d if d in C.DYNAMIC else static[d] for d in t.dims]
-                    self._specs[graph, t.name] = (output, C.dtype(t, m), dims)
-        kv_type = C.dtype(C.PAST_KV[0], m)
-        L, Hkv, D = m.target_layers, m.target_kv_heads, m.target_head_dim
-        self.in_place = C.flavour(m) == "ort"  # head-major cache, past and present one buffer (contract.TARGET_ORT)
-        kv_shape = (1, Hkv, self.max_len, D) if self.in_place else (1, self.max_len, Hkv, D)
-        self.kv = [None if m.is_linear(i) else self._alloc(kv_shape, kv_type)
-                   for i in range(L) for _ in (0, 1)]  # k0 v0 k1 v1 ... (none for linear-attention layers)
-        self.states = LinearStates(m, self.max_chunk) if m.linear_layers else None
-        self.lengths = np.zeros(1, np.int32), np.zeros((), np.int32)  # ort flavour: seqlens_k, total_sequence_length
-        self.taps = self._alloc((1, self.max_chunk, static[C.TAPS_WIDTH]), C.dtype(C.tensor(C.TARGET, C.TAPS, m), m))
-        K, V = m.block_size, m.vocab_size
-        self.logits = np.empty((1, K, V), np.float32)  # host: verify logits when sampling
-        self.next_ids = np.empty((1, self.max_chunk), np.int64)
-        self.ids = np.empty((1, self.max_chunk), np.int64)
-        self.positions = np.arange(self.max_len + K, dtype=np.int64)[None]
-        if self.device == "cpu":
-            self._logits_scratch = self.logits  # logits not asked for still land somewhere preallocated
-        else:
-            self._logits_scratch = self._alloc((1, K, V), "float32")
-        if self.has_drafter:
-            dL, dH, dD = m.draft_layers, m.draft_kv_heads, m.draft_head_dim
-            self.ctx = [self._alloc((1, self.max_len, dH, dD), C.dtype(C.CTX_KV[0], m)) for _ in range(2 * dL)]
-            self.block_ids = np.full((1, K), m.mask_token_id, np.int64)
-            self.draft_ids = np.empty((1, K - 1), np.int64)
-            self._draft_logits = self._alloc((1, K - 1, C.draft_vocab_size(m)), "float32")
-            self._conf = np.empty((1, K - 1), np.float32)
 
     def fork(self) -> "OrtBackend":
         """Another sequence over the same sessions (one copy of the weights): its own KV
@@ -266,7 +224,7 @@ class OrtBackend(Backend):
         which at 4 bindings per layer was several percent of a small model's step.
         """
         output, dtype, dims = self._specs[graph, name]
-        shape = [d if isinstance(d, int) else 1 if d == C.BATCH else dynamic[d] for d in dims]
+        shape = [d if isinstance(d, int) else dynamic.get(d, 1) if d == C.BATCH else dynamic[d] for d in dims]
         base, row, device = self._geometry(buf, dtype)
         ptr = base + offset_rows * row
         raw = self._io[graph]._iobinding
@@ -274,92 +232,11 @@ class OrtBackend(Backend):
         if self.trace is not None:
             self.trace.append((name, ptr, tuple(shape)))
 
-    def _bind_static(self) -> None:
-        """The ort flavour's target: bind the whole cache buffers (past and present) once; they
-        never move and the binding keeps them across runs (rebinding 4 per layer cost ~0.1 ms
-        a call at 6 layers). Not the lengths: binding copies a host input the kernel wants on
-        the GPU at bind time, so they are bound after their values are written, every call."""
-        g, N = C.TARGET, self.names
-        for i in range(self.manifest.target_layers):
-            k, v = self.kv[2 * i], self.kv[2 * i + 1]
-            for name, buf in ((N.past_key[i], k), (N.past_value[i], v), (N.present_key[i], k), (N.present_value[i], v)):
-                self._bind(g, name, buf)
-        self._static_bound = True
-
     @property
     def provider(self) -> str:
         return f"onnxruntime:{self._provider}"
 
     # -- the interface -------------------------------------------------------------------
-
-    def _target(self, ids: np.ndarray, want_logits: bool) -> TargetOut:
-        m, P, S, g, N = self.manifest, self.target_len, len(ids), C.TARGET, self.names
-        if not 1 <= S <= self.max_chunk:
-            raise InternalError(f"target call with {S} tokens (1..{self.max_chunk})")
-        if P + S > self.max_len:
-            raise DFlashError(f"sequence of {P + S} positions exceeds the exported max context {self.max_len}")
-        self.ids[0, :S] = ids
-        self._bind(g, C.INPUT_IDS, self.ids, seq=S)
-        self._bind(g, C.POSITION_IDS, self.positions, P, seq=S)
-        if self.in_place:  # GroupQueryAttention writes rows [P, P + S) of the buffers it reads
-            seqlens, total = self.lengths
-            seqlens[0], total[()] = P + S - 1, P + S
-            self._bind(g, C.SEQLENS_K, seqlens)
-            self._bind(g, C.TOTAL_LEN, total)
-            if not self._static_bound:
-                self._bind_static()
-        for i in () if self.in_place else range(m.target_layers):  # ort flavour: bound once, above
-            if m.is_linear(i):  # committed states in, per-position outputs to commit out
-                buf = self.states.buf
-                for name in (N.conv_state[i], N.rec_state[i]):
-                    self._bind(g, name, buf[name])
-                for name in (N.new_conv[i], *N.delta[i]):
-                    self._bind(g, name, buf[name], seq=S)
-                continue
-            k, v = self.kv[2 * i], self.kv[2 * i + 1]
-            self._bind(g, N.past_key[i], k, past=P)
-            self._bind(g, N.past_value[i], v, past=P)
-            self._bind(g, N.new_key[i], k, P, seq=S)
-            self._bind(g, N.new_value[i], v, P, seq=S)
-        self._bind(g, C.TAPS, self.taps, seq=S)
-        self._bind(g, C.NEXT_IDS, self.next_ids, seq=S)
-        io = self._io[g]
-        big = S > m.block_size
-        if big:  # prefill chunk: ORT allocates its logits (we only need the last row, if any)
-            io.bind_output(C.LOGITS, "cpu" if want_logits else self.device)
-        else:
-            self._bind(g, C.LOGITS, self.logits if want_logits else self._logits_scratch, seq=S)
-        self.sessions[g].run_with_iobinding(io)
-        logits = None
-        if want_logits:
-            logits = io.get_outputs()[-1].numpy()[0] if big else self.logits[0, :S]
-        return TargetOut(self.next_ids[0, :S], logits)
-
-    def draft_context(self, n: int) -> None:
-        m, P, g, N = self.manifest, self.context_len, C.DRAFT_CONTEXT, self.names
-        if not 0 < n <= self.max_chunk or P + n > self.max_len:
-            raise InternalError(f"draft_context({n}) at {P} (max {self.max_len})")
-        self._bind(g, C.TAPS, self.taps, ctx=n)
-        self._bind(g, C.CTX_POSITION_IDS, self.positions, P, ctx=n)
-        for j in range(m.draft_layers):
-            self._bind(g, N.ctx_key[j], self.ctx[2 * j], P, ctx=n)
-            self._bind(g, N.ctx_value[j], self.ctx[2 * j + 1], P, ctx=n)
-        self.sessions[g].run_with_iobinding(self._io[g])
-        self.context_len += n
-
-    def draft_block(self, anchor: int) -> Draft:
-        m, P, g, N = self.manifest, self.context_len, C.DRAFT_BLOCK, self.names
-        self.block_ids[0, 0] = anchor
-        self._bind(g, C.BLOCK_IDS, self.block_ids)
-        self._bind(g, C.BLOCK_POSITION_IDS, self.positions, P)
-        for j in range(m.draft_layers):
-            self._bind(g, N.past_ctx_key[j], self.ctx[2 * j], past_ctx=P)
-            self._bind(g, N.past_ctx_value[j], self.ctx[2 * j + 1], past_ctx=P)
-        self._bind(g, C.DRAFT_IDS, self.draft_ids)
-        self._bind(g, C.DRAFT_LOGITS, self._draft_logits)
-        self._bind(g, C.DRAFT_CONF, self._conf)
-        self.sessions[g].run_with_iobinding(self._io[g])
-        return Draft(self.draft_ids[0], self._conf[0])
 
     def close(self) -> None:
         self.sessions = {}  # forks keep theirs: a session is freed with its last user

@@ -1,22 +1,57 @@
 """Sampling and request rules shared by the PyTorch oracle and every runtime backend.
 
-Both sides call `choose` with float logits and uniforms from `position_uniforms`: one
-uniform per absolute position of the sequence, drawn once from the seed. The token at
-position t is the inverse CDF of the target's distribution at t evaluated at u[t], however
-many positions a round verified and however the rounds fell, so speculative sampling
-(full or adaptive verify) and plain sampling with the same seed and equal logits produce
-the same tokens, and each token is an exact target sample given its prefix.
-Temperature 0 is argmax (first index on ties, like torch.argmax and ONNX ArgMax).
+Temperature 0 is argmax (first index on ties, like torch.argmax and ONNX ArgMax): the
+drafts are the drafter's argmax and a round accepts the prefix where they equal the
+target's argmax. Lossless token for token.
+
+Temperature > 0, rejection sampling (the default; the official z-lab reference's rule):
+the drafts are samples from the drafter's distribution q (its logits after the same
+temperature / top-k / top-p as the target's p: `probabilities`), draft x at position t is
+accepted when u_accept[t] * q(x) < p(x), i.e. with probability min(1, p(x)/q(x)); the
+first rejected position takes a sample of the normalised residual max(0, p - q) (p where
+that is all zero), and a fully accepted block the bonus sampled from p. The output is an
+exact sample of the target (the standard speculative-sampling argument), and accepts more
+than sample-and-compare whenever q resembles p. With a reduced draft vocabulary q is zero
+outside its N tokens: the same rule, exactly.
+
+Temperature > 0, sample-and-compare (`sampling="compare"`): argmax drafts, the target's
+choice at each position is a sample from p, accept while they are equal. Also exact; it
+accepts less, but needs no drafter probabilities (an export whose draft vocabulary ids
+the runtime cannot read, a backend without draft logits) and its output does not depend
+on the drafts: speculative and plain decoding with the same seed give the same tokens.
+
+Randomness layout: every uniform belongs to an absolute position t of the sequence and
+is drawn once from the request's seed, so the same seed, artifact and settings give the
+same output whatever else is in the batch and however the rounds fell:
+
+    u[t]             position_uniforms(seed): the target's sample at t (plain decoding,
+                     the first token after the prompt, compare's choice, the residual
+                     or bonus sample of rejection sampling)
+    ud[t, 0]         draft_uniforms(seed): the draft sample at t (inverse CDF of q)
+    ud[t, 1]         draft_uniforms(seed): the accept test of the draft at t
+
+A position's uniforms are consumed by the round that emits its token; the drafts a round
+samples past its first rejection are discarded with it (q of every block position comes
+from one drafter pass over masks, so nothing emitted depends on them). Under rejection
+sampling the output depends on the drafts, hence on the drafter and on how many positions
+a round verified (adaptive verify); under compare it does not.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import DFlashError
 
 
-def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+SAMPLING = ("rejection", "compare")  # how a round verifies sampled drafts (module docstring)
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, sampling: str = "rejection") -> None:
+    if sampling not in SAMPLING:
+        raise DFlashError(f"unknown sampling {sampling!r}; choose rejection (the default) or compare")
     if not temperature >= 0:
         raise DFlashError(f"temperature must be >= 0 (got {temperature}); use 0 for greedy decoding")
     if top_k < 0:
@@ -50,6 +85,59 @@ def position_uniforms(seed: int, length: int) -> np.ndarray:
     return np.random.default_rng(seed).random(length)
 
 
+def draft_uniforms(seed: int, length: int) -> np.ndarray:
+    """[length, 2]: (draft sample, accept test) uniforms of every absolute position t < length,
+    a stream of the seed independent of position_uniforms'."""
+    return np.random.default_rng([seed, 1]).random((length, 2))
+
+
+def inverse_cdf(p: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Index per row of p [n, V] (probabilities) at the uniforms u [n]."""
+    cdf = np.cumsum(p, axis=-1)
+    idx = (cdf < (np.asarray(u, np.float64)[: p.shape[0]] * cdf[:, -1])[:, None]).sum(axis=-1)
+    return np.minimum(idx, p.shape[-1] - 1).astype(np.int64)
+
+
+@dataclass
+class Drafted:
+    """Drafts sampled from q: tokens [n] (target ids), q [n, N] over the scored tokens (`ids`
+    [N] their target ids; None: the whole vocabulary), qx [n] = q of each draft."""
+
+    tokens: np.ndarray
+    q: np.ndarray
+    qx: np.ndarray
+    ids: np.ndarray | None = None
+
+
+def sample_drafts(logits: np.ndarray, u: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                  ids: np.ndarray | None = None) -> Drafted:
+    """Drafts from the drafter's logits [n, N] (after its transforms) at the draft uniforms u [n]."""
+    q = probabilities(logits, temperature, top_k, top_p)
+    u = np.asarray(u, np.float64)[: len(q)]
+    j = inverse_cdf(q, np.pad(u, (0, len(q) - len(u)), constant_values=0.5))  # past the budget: never verified
+    return Drafted(j if ids is None else np.asarray(ids)[j], q, q[np.arange(len(j)), j], ids)
+
+
+def rejection(d: Drafted, m: int, p: np.ndarray, u_accept: np.ndarray, u_target: np.ndarray) -> tuple[int, int]:
+    """(accepted drafts a <= m, the token after them) for the first m drafts of `d` against the
+    target's probabilities p [m + 1, V] (rows: the positions of the drafts, then the next);
+    u_accept / u_target: the uniforms of those positions (see the layout above)."""
+    px = p[np.arange(m), d.tokens[:m]]
+    ok = np.asarray(u_accept[:m]) * d.qx[:m] < px
+    a = int(np.cumprod(ok).sum()) if m else 0
+    if a == m:
+        return a, int(inverse_cdf(p[m : m + 1], u_target[m : m + 1])[0])
+    r = p[a].copy()
+    if d.ids is None:
+        r -= d.q[a]
+    else:
+        np.subtract.at(r, d.ids, d.q[a])
+    r = np.maximum(r, 0.0)
+    total = r.sum()
+    r = r / total if total > 0 else p[a]
+    return a, int(inverse_cdf(r[None], u_target[a : a + 1])[0])
+
+
 def choose(
     logits: np.ndarray,
     u: np.ndarray | None,
@@ -62,11 +150,7 @@ def choose(
     logits = np.asarray(logits)
     if temperature == 0:
         return logits.argmax(axis=-1).astype(np.int64)
-    p = probabilities(logits, temperature, top_k, top_p)
-    u = np.asarray(u, dtype=np.float64)[: p.shape[0]]
-    cdf = np.cumsum(p, axis=-1)
-    idx = (cdf < (u * cdf[:, -1])[:, None]).sum(axis=-1)
-    return np.minimum(idx, p.shape[-1] - 1).astype(np.int64)
+    return inverse_cdf(probabilities(logits, temperature, top_k, top_p), u)
 
 
 def accept(draft: np.ndarray, choice: np.ndarray) -> int:

@@ -152,10 +152,16 @@ class TensorRTBackend(Backend):
         self.h_next, self.h_logits = np.zeros(ms, np.int64), np.zeros((ms, m.vocab_size), np.float32)
         self.h_cpos = np.zeros(ms, np.int64)
         self.h_bids, self.h_bpos = np.zeros(self.k, np.int64), np.zeros(self.k, np.int64)
-        self.h_draft = np.zeros(self.k, np.int64)
+        self.h_draft, self.h_dlogits = np.zeros(self.k, np.int64), np.zeros((self.k, draft_vocab_size(m)), np.float32)
         has_conf = "draft_conf" in {t.name for t in m.graphs[DRAFT_BLOCK].outputs} if drafter else False
         self.d_conf = self._malloc(self.k * 4) if has_conf else None  # older exports lack it
         self.h_conf = np.zeros(self.k, np.float32)
+        # ragged exports (contract.RAGGED): this backend runs one row, whole: its past length,
+        # every position's logits, its context length
+        self.ragged = C.ragged(m)
+        self.d_plen, self.d_picks, self.d_clen = self._malloc(8), self._malloc(ms * 8), self._malloc(8)
+        self.h_plen, self.h_picks, self.h_clen = np.zeros(1, np.int64), np.arange(ms, dtype=np.int64), np.zeros(1, np.int64)
+        self._h2d(self.d_picks, self.h_picks)  # logits_index = 0..S-1, a prefix of this, never changes
         self._taps_n = 0
         self.gpu = gpu
         self._check_io()
@@ -273,6 +279,10 @@ class TensorRTBackend(Backend):
         self._h2d(self.d_pos, self.h_pos[:s])
         addrs = {C.INPUT_IDS: self.d_ids, C.POSITION_IDS: self.d_pos, C.LOGITS: self.d_logits,
                  C.NEXT_IDS: self.d_next, C.TAPS: self.d_taps}
+        if self.ragged:
+            self.h_plen[0] = p
+            self._h2d(self.d_plen, self.h_plen)
+            addrs[C.PAST_LENGTHS], addrs[C.LOGITS_INDEX] = self.d_plen, self.d_picks
         copies = []
         if self.states is not None:
             self._states_to_device(addrs)
@@ -286,7 +296,7 @@ class TensorRTBackend(Backend):
                 addrs[new], inplace = self._out_addr(base, p, self.row, scr)
                 if not inplace:
                     copies.append((base + p * self.row, scr, s * self.row))
-        self._run(TARGET, prof, addrs, seq=s, past=p)
+        self._run(TARGET, prof, addrs, seq=s, past=p, picks=s)
         for dst, src, n in copies:
             self._d2d(dst, src, n)
         self._d2h(self.h_next[:s], self.d_next)
@@ -352,6 +362,10 @@ class TensorRTBackend(Backend):
                  C.DRAFT_IDS: self.d_draft, C.DRAFT_LOGITS: self.d_dlogits}
         if self.d_conf is not None:
             addrs[C.DRAFT_CONF] = self.d_conf
+        if self.ragged:
+            self.h_clen[0] = p
+            self._h2d(self.d_clen, self.h_clen)
+            addrs[C.CTX_LENGTHS] = self.d_clen
         for j, (kb, vb) in enumerate(self.ckv):
             addrs[N.past_ctx_key[j]], addrs[N.past_ctx_value[j]] = kb, vb
         self._run(DRAFT_BLOCK, 0, addrs, past_ctx=p)
@@ -360,6 +374,10 @@ class TensorRTBackend(Backend):
             self._d2h(self.h_conf[: k - 1], self.d_conf)
         self._sync()
         return Draft(self.h_draft[: k - 1], self.h_conf[: k - 1] if self.d_conf is not None else None)
+
+    def draft_logits_rows(self, n: int) -> np.ndarray:  # one row's, copied to the host (_sync returns None)
+        self._d2h(self.h_dlogits[: self.k - 1], self.d_dlogits)
+        return self._sync() or self.h_dlogits[None, : self.k - 1]
 
     # -- lifecycle ------------------------------------------------------------------------
 

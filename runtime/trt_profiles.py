@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import contract as C
-from .contract import BATCH, CTX, DRAFT_BLOCK, DRAFT_CONTEXT, PAST, PAST_CTX, SEQ, TARGET
+from .contract import BATCH, CTX, DRAFT_BLOCK, DRAFT_CONTEXT, PAST, PAST_CTX, PICKS, SEQ, TARGET
 from .manifest import Manifest
 from .errors import DFlashError, InternalError
 
@@ -74,10 +74,10 @@ def refuse_quantized(manifest: Manifest) -> None:
 # Profiles
 # ---------------------------------------------------------------------------------------
 
-def axis_role(graph: str, name: str, axis: int) -> str | None:
+def axis_role(graph: str, name: str, axis: int, manifest: Manifest | None = None) -> str | None:
     """The contract's role of one input axis (runtime/contract.py), None for a name or axis it lacks."""
     try:
-        return C.role(graph, name, axis)
+        return C.role(graph, name, axis, manifest)
     except (DFlashError, IndexError):
         return None
 
@@ -108,10 +108,18 @@ class Limits:
     block_size: int
     max_context: int
     max_prompt: int
+    max_batch: int = 1  # rows per call (ragged exports; the block stays static)
 
 
-def resolve_limits(manifest: Manifest, max_context: int | None = None, max_prompt: int | None = None) -> Limits:
-    """Defaults and checks: max_context <= the export's, prompt + one block must fit."""
+def resolve_limits(manifest: Manifest, max_context: int | None = None, max_prompt: int | None = None,
+                   max_batch: int = 1) -> Limits:
+    """Defaults and checks: max_context <= the export's, prompt + one block must fit, batches
+    only for exports with ragged graphs."""
+    if max_batch < 1:
+        raise DFlashError(f"--max-batch must be at least 1 (got {max_batch})")
+    if max_batch > 1 and not C.ragged(manifest):
+        raise DFlashError("--max-batch > 1: this directory was exported before batched decoding (batch 1 only); "
+                          "re-export it with this dflash-export")
     k = manifest.block_size
     mc = manifest.max_context if max_context is None else int(max_context)
     if mc > manifest.max_context:
@@ -133,7 +141,7 @@ def resolve_limits(manifest: Manifest, max_context: int | None = None, max_promp
             f"--max-prompt {mp} must be between 1 and max_context - block_size = {mc - k} "
             "(a full prompt plus one block has to fit in the context)"
         )
-    return Limits(block_size=k, max_context=mc, max_prompt=mp)
+    return Limits(block_size=k, max_context=mc, max_prompt=mp, max_batch=int(max_batch))
 
 
 def profiles(limits: Limits) -> dict[str, list[Profile]]:
@@ -146,18 +154,21 @@ def profiles(limits: Limits) -> dict[str, list[Profile]]:
     draft_block   0 block:   past_ctx in [1, max_context - 1] (the anchor's position; K static;
                     near the end the loop still drafts a full block and discards the overhang)
     opt is the middle of each range, except verify's seq (K) and ctx (K: the per-round size).
+    Every profile takes batch in [1, max_batch] (opt max_batch: a full batch is the hot path;
+    a joining row's prefill runs alone) and, ragged exports, `picks` (logits_index) in
+    [1, seq max]: a verify picks every position, a prefill its last.
     """
-    k, mc, mp = limits.block_size, limits.max_context, limits.max_prompt
+    k, mc, mp, mb = limits.block_size, limits.max_context, limits.max_prompt, limits.max_batch
 
     def rng(lo: int, hi: int, opt: int | None = None) -> tuple[int, int, int]:
         return (lo, (lo + hi) // 2 if opt is None else opt, hi)
 
-    one = (1, 1, 1)
+    one = (1, mb, mb)
     cmax = max(mp, k)
     return {
         TARGET: [
-            Profile("verify", {BATCH: one, SEQ: (1, k, k), PAST: rng(0, mc - 1)}),
-            Profile("prefill", {BATCH: one, SEQ: rng(1, mp), PAST: rng(0, mc - 1)}),
+            Profile("verify", {BATCH: one, SEQ: (1, k, k), PICKS: (1, k, k), PAST: rng(0, mc - 1)}),
+            Profile("prefill", {BATCH: one, SEQ: rng(1, mp), PICKS: (1, 1, mp), PAST: rng(0, mc - 1)}),
         ],
         DRAFT_CONTEXT: [Profile("context", {BATCH: one, CTX: rng(1, cmax, min(k, cmax))})],
         DRAFT_BLOCK: [Profile("block", {BATCH: one, PAST_CTX: rng(1, mc - 1)})],

@@ -71,7 +71,8 @@ def test_sampling_matches_plain_sampling(case):
     be = OrtBackend(out, threads=1)
     for seed, prompt in enumerate(prompts(3, be.manifest.vocab_size, seed=12)):
         kw = dict(temperature=0.8, top_k=20, seed=seed, stop_token_ids=())
-        assert generate(be, prompt, 20, **kw).tokens == generate(be, prompt, 20, draft=False, **kw).tokens
+        assert generate(be, prompt, 20, sampling="compare", **kw).tokens == generate(be, prompt, 20, draft=False, **kw).tokens
+        assert generate(be, prompt, 20, **kw).tokens == generate(be, prompt, 20, **kw).tokens  # rejection: its seed's
 
 
 def test_cache_is_one_buffer_updated_in_place(case):

@@ -195,6 +195,17 @@ def test_runtime_lossless_and_round_for_round(exported):
         assert g.acceptance_lengths == o.acceptance_lengths
         accepted += sum(a - 1 for a in g.acceptance_lengths)
     assert accepted > 0
+    # sampled: drafts from q over the N tokens (the manifest's ids, the graph's), rejection
+    # sampling against p over all V; the oracle does the same with its own q
+    assert be.samples_drafts and be.draft_vocab_ids.tolist() == ids.tolist()
+    accepted = 0
+    for seed, p in enumerate(prompts(4, 101, seed=5)):
+        kw = dict(temperature=0.9, top_k=30, seed=seed, stop_token_ids=(100,))
+        g = generate(be, p, 30, **kw)
+        o = speculative_generate(target, drafter, p, 30, mask_token_id=be.manifest.mask_token_id, block_size=6, **kw)
+        assert g.tokens == o.tokens and g.acceptance_lengths == o.acceptance_lengths
+        accepted += sum(a - 1 for a in g.acceptance_lengths)
+    assert accepted > 0
 
 
 def test_bench_reports_n(exported, tmp_path):

@@ -44,11 +44,14 @@ def test_manifest_describes_the_files(art):
     assert set(m.files) == {p.name for p in out.iterdir()} - {C.MANIFEST}
     assert {"torch", "onnx", "onnxruntime"} <= set(m.tools)
     t = m.graphs[C.TARGET]
-    assert [x.name for x in t.inputs][:4] == ["input_ids", "position_ids", "past_key.0", "past_value.0"]
+    assert m.ragged  # ragged batches: per-row lengths, position-major caches, logits picks (contract.RAGGED)
+    assert [x.name for x in t.inputs][:6] == ["input_ids", "position_ids", "past_lengths", "logits_index",
+                                              "past_key.0", "past_value.0"]
     assert [x.name for x in t.outputs][:4] == ["logits", "next_ids", "taps", "new_key.0"]
     spec = {x.name: x for x in t.inputs + t.outputs}
-    assert spec["past_key.1"].shape == ["batch", "past", 2, 16] and spec["past_key.1"].dtype == "float32"
-    assert spec["logits"].shape == ["batch", "seq", 101] and spec["next_ids"].dtype == "int64"
+    assert spec["past_key.1"].shape == ["past", "batch", 2, 16] and spec["past_key.1"].dtype == "float32"
+    assert spec["new_key.1"].shape == ["batch", "seq", 2, 16]
+    assert spec["logits"].shape == ["batch", "picks", 101] and spec["next_ids"].dtype == "int64"
     assert spec["taps"].shape == ["batch", "seq", 1 * 64]
     b = m.graphs[C.DRAFT_BLOCK]
     assert b.inputs[0].shape == ["batch", 4]  # static block

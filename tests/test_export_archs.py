@@ -36,8 +36,8 @@ def test_manifest(art):
     assert m.architecture == {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
     assert m.graphs[C.DRAFT_BLOCK].inputs[0].shape == ["batch", 16]
     assert m.graphs[C.DRAFT_BLOCK].outputs[1].shape == ["batch", 15, m.vocab_size]
-    assert len(m.graphs[C.TARGET].inputs) == 2 + 2 * m.target_layers
-    assert len(m.graphs[C.DRAFT_BLOCK].inputs) == 2 + 2 * m.draft_layers
+    assert len(m.graphs[C.TARGET].inputs) == 4 + 2 * m.target_layers  # + past_lengths, logits_index
+    assert len(m.graphs[C.DRAFT_BLOCK].inputs) == 3 + 2 * m.draft_layers  # + ctx_lengths
     ctx = [f"ctx_{kv}.{j}" for j in range(m.draft_layers) for kv in ("key", "value")]
     assert [x.name for x in m.graphs[C.DRAFT_CONTEXT].outputs] == ctx
     windows = [DraftConfig.load(draft).layer_window(j) for j in range(m.draft_layers)]

@@ -314,15 +314,21 @@ def test_bad_config_values_are_one_line_errors(tmp_path):
         ({"block_size": 0}, r"block_size must be >= 1"),
         ({"num_key_value_heads": 5}, r"divisible by num_key_value_heads"),
         ({"dflash_config": {}, "num_target_layers": None}, r"neither dflash_config\.target_layer_ids nor num_target_layers"),
-        ({"dflash_config": {"target_layer_ids": [1], "final_logit_softcapping": 30.0}},
-         r"DFlash2 features are not supported: final_logit_softcapping"),
+        ({"dflash_config": {"target_layer_ids": [1], "selector_rank": 64}},
+         r"DFlash2 features are not supported: selector_rank"),
+        ({"dflash_config": {"target_layer_ids": [1], "final_logit_softcapping": -1}},
+         r"final_logit_softcapping must be >= 0"),
+        ({"output_multiplier": "x"}, r"must be numbers"),
     ]
     for change, msg in cases:
         with pytest.raises(DFlashError, match=msg) as e:
             DraftConfig.from_dict({**base, **change})
         one_line(e)
     ok = DraftConfig.from_dict({**base, "dflash_config": {"target_layer_ids": [1], "final_logit_softcapping": 0}})
-    assert ok.target_layer_ids == [1]
+    assert ok.target_layer_ids == [1] and ok.final_logit_softcapping is None and ok.output_multiplier == 1.0
+    ok = DraftConfig.from_dict({**base, "output_multiplier": 0.5, "dflash_config": {
+        "target_layer_ids": [1], "final_logit_softcapping": 30.0, "input_embedding_scale": 2.0}})
+    assert (ok.output_multiplier, ok.final_logit_softcapping, ok.input_embedding_scale) == (0.5, 30.0, 2.0)
     with pytest.raises(DFlashError, match=r"rope_parameters / rope_scaling must be JSON objects"):
         DraftConfig.from_dict({**base, "rope_scaling": "llama3"})
     (tmp_path / "config.json").write_text("{not json")

@@ -17,7 +17,6 @@ from dflash_export.cli import cli
 from dflash_export.models import Drafter, Target, speculative_generate
 from dflash_export.models.config import DraftConfig
 from dflash_export.runtime import contract as C, manifest as M
-from dflash_export.runtime.backend import Draft
 from dflash_export.runtime.hybrid import commit_state
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort import OrtBackend
@@ -50,12 +49,12 @@ def test_manifest_describes_the_state_tensors(pair):
     assert spec["conv_state.0"].shape == ["batch", 3, 80] and spec["rec_state.1"].shape == ["batch", 4, 8, 12]
     assert spec["rec_state.0"].dtype == "float32" and spec["delta_u.1"].dtype == "float32"
     assert spec["new_conv.0"].shape == ["batch", "seq", 80] and spec["delta_k.1"].shape == ["batch", "seq", 2, 8]
-    assert spec["delta_g.0"].shape == ["batch", "seq", 4] and spec["past_key.2"].shape[:2] == ["batch", "past"]
+    assert spec["delta_g.0"].shape == ["batch", "seq", 4] and spec["past_key.2"].shape[:2] == ["past", "batch"]
     assert "past_key.0" not in spec and "conv_state.2" not in spec
     info = CliRunner().invoke(cli, ["info", str(out)])
     assert info.exit_code == 0, info.output
     assert "conv_state.{i}         [batch, 3, 80] float32  i in [0, 1]" in info.output
-    assert "past_key.{i}           [batch, past, 2, 16] float32  i in [2]" in info.output
+    assert "past_key.{i}           [past, batch, 2, 16] float32  i in [2]" in info.output
 
 
 def test_check_parity_on_every_output(pair):
@@ -84,13 +83,13 @@ class ForcedDrafts:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def draft_block(self, anchor):
+    def draft_block_rows(self, rows, anchors):  # the loop's call (runtime/backend.py: rows; here row 0)
         k, p = self.inner.manifest.block_size, self.inner.context_len  # p: the anchor's position
-        d = self.inner.draft_block(anchor)
+        _, conf = self.inner.draft_block_rows(rows, anchors)
         drafts = np.array((self.seq[p + 1 : p + k] + [0] * k)[: k - 1], np.int64)
         if self.j < k - 1:
             drafts[self.j] = (drafts[self.j] + 1) % self.inner.manifest.vocab_size
-        return Draft(drafts, d.conf)
+        return drafts[None], conf
 
 
 def rejected_everywhere(be, prompt: list[int], n: int, ref: list[int]) -> None:

@@ -29,7 +29,7 @@ def test_info_text_and_json(out):
     assert f"block size {m.block_size}, max context {m.max_context}" in r.output
     for g in C.GRAPHS.values():
         assert g.file in r.output
-    assert f"past_key.{{i}}           [batch, past, {m.target_kv_heads}, {m.target_head_dim}] float32  i < {m.target_layers}" in r.output
+    assert f"past_key.{{i}}           [past, batch, {m.target_kv_heads}, {m.target_head_dim}] float32  i < {m.target_layers}" in r.output
 
     d = json.loads(CliRunner().invoke(cli, ["info", str(out), "--json", "--no-verify"]).output)
     assert d["format_version"] == C.FORMAT_VERSION and d["hashes"] == "not checked"

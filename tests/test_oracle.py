@@ -264,9 +264,13 @@ def _exact_joint(target, prompt: list[int], temperature: float) -> np.ndarray:
     return joint
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen35"])  # dense, and hybrid (Gated DeltaNet + attention)
-def test_speculative_sampling_has_the_target_distribution(tmp_path, arch):
-    """First 3 tokens: speculative samples vs the exact target distribution and vs plain
+@pytest.mark.parametrize("arch,sampling", [("qwen3", "rejection"), ("qwen3", "compare"), ("qwen35", "rejection")])
+def test_speculative_sampling_has_the_target_distribution(tmp_path, arch, sampling):
+    """Both verify rules (rejection with the drafter's q, the default; sample-and-compare), on
+    a dense and a hybrid (Gated DeltaNet + attention) target. A q off by a factor fails the
+    rule's own check (tests/test_rejection.py).
+
+    First 3 tokens: speculative samples vs the exact target distribution and vs plain
     sampling, by chi-square (p >= 1e-3 for each of 4+2 tests; hybrid: the 4 against the exact
     distribution, from fewer samples); the same statistic rejects the distribution at half the
     temperature (p < 1e-6), so the test has the power to fail."""
@@ -285,7 +289,8 @@ def test_speculative_sampling_has_the_target_distribution(tmp_path, arch):
 
     spec, plain, accepted = [], [], 0
     for s in range(n_samples):
-        g = speculative_generate(target, drafter, prompt, 3, mask_token_id=8, block_size=4, temperature=TEMP, seed=s)
+        g = speculative_generate(target, drafter, prompt, 3, mask_token_id=8, block_size=4, temperature=TEMP, seed=s,
+                                 sampling=sampling)
         spec.append(g.tokens)
         accepted += g.acceptance_lengths[0] > 1
         if not hybrid:

@@ -131,17 +131,17 @@ class SlowBackend:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def target(self, ids, want_logits=False):
+    def target_rows(self, *args, **kwargs):  # the loop's calls (runtime/backend.py: rows)
         time.sleep(self.VERIFY)
-        return self.inner.target(ids, want_logits)
+        return self.inner.target_rows(*args, **kwargs)
 
-    def draft_block(self, anchor):
+    def draft_block_rows(self, *args):
         time.sleep(self.DRAFT / 2)
-        return self.inner.draft_block(anchor)
+        return self.inner.draft_block_rows(*args)
 
-    def draft_context(self, n):
+    def draft_context_rows(self, *args):
         time.sleep(self.DRAFT / 2)
-        return self.inner.draft_context(n)
+        return self.inner.draft_context_rows(*args)
 
 
 def test_time_split_attributes_each_call(backend):

@@ -129,6 +129,18 @@ def test_bench_json_and_plot(out, tmp_path):
     assert r.exit_code == 0 and "2 prompts from" in r.stdout and "loop efficiency" in r.stdout
 
 
+def test_bench_reports_tau_when_sampling(out):
+    """--temperature: the speculative rounds sample (rejection sampling); tau is theirs and the
+    greedy-only token comparison is not made."""
+    r = run("bench", out, "--max-new-tokens", "16", "--json", "--warmup", "0", "--threads", "1", "--temperature", "0.8")
+    assert r.exit_code == 0, r.output
+    j = json.loads(r.stdout)
+    assert j["temperature"] == 0.8 and j["lossless"] is None and j["tau"] >= 1
+    assert sum(j["acceptance_histogram"].values()) > 0
+    r = run("bench", out, "--temperature", "-1")
+    assert r.exit_code != 0 and "temperature must be >= 0" in r.output
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -682,11 +682,11 @@ class Gated:
     def __getattr__(self, name):
         return getattr(self.backend, name)
 
-    def target(self, *args, **kwargs):
+    def target_rows(self, *args, **kwargs):  # the loop's target call (runtime/backend.py: rows)
         self.calls += 1
         if self.calls > 1:
             assert self.gate.wait(60), "the gate was never opened"
-        return self.backend.target(*args, **kwargs)
+        return self.backend.target_rows(*args, **kwargs)
 
 
 def test_disconnect_cancels_a_non_streamed_request(art):
@@ -754,7 +754,7 @@ class Broken:
     def __getattr__(self, name):
         return getattr(self.backend, name)
 
-    def target(self, ids, want_logits=False):
+    def target_rows(self, *args, **kwargs):  # the loop's target call (runtime/backend.py: rows)
         raise InternalError("commit(9) but the last target call wrote 3 positions")
 
 

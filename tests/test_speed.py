@@ -83,13 +83,17 @@ def test_adaptive_verify_is_lossless_greedy(backend):
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
 def test_sampled_output_does_not_depend_on_verify_length(backend, temperature, top_k, top_p):
-    """One uniform per absolute position: full block, adaptive and plain sampling draw the same tokens."""
+    """Sample-and-compare, one uniform per absolute position: full block, adaptive and plain
+    sampling draw the same tokens. (Rejection sampling, the default, depends on the drafts and
+    so on the verify length; it repeats exactly with its seed.)"""
     for seed, prompt in enumerate(prompts(4, backend.manifest.vocab_size, seed=6)):
         kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         plain = generate(backend, prompt, 32, draft=False, **kw).tokens
-        assert generate(backend, prompt, 32, **kw).tokens == plain
+        assert generate(backend, prompt, 32, sampling="compare", **kw).tokens == plain
         for policy in POLICIES:
-            assert generate(backend, prompt, 32, verify=policy, **kw).tokens == plain
+            assert generate(backend, prompt, 32, verify=policy, sampling="compare", **kw).tokens == plain
+        rej = generate(backend, prompt, 32, verify=POLICIES[0], **kw).tokens
+        assert generate(backend, prompt, 32, verify=POLICIES[0], **kw).tokens == rej
 
 
 # -- the distribution with random verify lengths, on a 10-token target ---------------------
@@ -135,10 +139,16 @@ class TorchBackend(Backend):
         pos = torch.arange(self.context_len, self.context_len + self.k)[None]
         with torch.no_grad():
             logits = self.d.draft_logits(self.t, block, pos, self.ctx)
+        self.dlogits = logits[0].numpy()
         return Draft(logits[0].argmax(-1).numpy(), self.rng.random(self.k - 1).astype(np.float32))
+
+    def draft_logits_rows(self, n):  # rejection sampling's q: the loop's default at T > 0
+        return self.dlogits[None]
 
 
 def test_adaptive_verify_keeps_the_target_distribution(tmp_path):
+    """Rejection sampling (the loop's default) with random verify lengths: a round that
+    verifies s < K positions samples the bonus from p after s - 1 accepted drafts."""
     d = make_target(tmp_path / "small", arch="qwen3", seed=1, vocab=V_SMALL, hidden=32, layers=2, heads=4,
                     kv_heads=2, head_dim=8, intermediate=48)
     target = Target.from_pretrained(d, tap_ids=[0, 1])

@@ -152,3 +152,20 @@ def test_engine_record_checks():
         check_engine_record(rec, "10.13.0", "9.0")
     with pytest.raises(DFlashError, match=r"compute capability 9\.0 \(NVIDIA H100\) but this GPU is 8\.9"):
         check_engine_record(rec, "10.9.0.34", "8.9")
+
+
+def test_batch_profiles_for_ragged_exports():
+    """`build --max-batch N`: every profile takes batch 1..N (opt N) and the ragged inputs; the
+    block stays static. Exports made before ragged batches are refused in one line."""
+    m = manifest(k=4)
+    m.ragged = True
+    plan = build_plan(m, max_batch=4)
+    s = shapes(plan, "target")
+    assert s["verify"]["past_lengths"] == [[1], [4], [4]]
+    assert s["verify"]["logits_index"] == [[1, 1], [4, 4], [4, 4]] and s["prefill"]["logits_index"][1] == [4, 1]
+    assert s["verify"]["past_key.0"] == [[0, 1, H, D], [31, 4, H, D], [63, 4, H, D]]  # position-major
+    b = shapes(plan, "draft_block")["block"]
+    assert b["block_ids"] == [[1, 4], [4, 4], [4, 4]] and b["ctx_lengths"] == [[1], [4], [4]]
+    assert "batch 1..4" in describe(plan)
+    with pytest.raises(DFlashError, match="re-export"):
+        build_plan(manifest(), max_batch=2)

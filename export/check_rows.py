@@ -1,0 +1,101 @@
+"""`check`, ragged batches: the graphs' inputs for a given past (batch-1 and ragged
+contracts alike), and parity per row of a ragged batch against each row alone in PyTorch."""
+
+from __future__ import annotations
+
+from ..runtime import contract as C, manifest as M
+
+
+def _flat(kv) -> list:
+    return [t for pair in kv for t in pair]
+
+
+def _position_major(m: M.Manifest | None, kv) -> list:
+    """[B, P, ...] attention K/V -> the ragged graphs' [P, B, ...] (a target's linear states,
+    given its manifest `m`, stay as they are)."""
+    return [t if m is not None and m.is_linear(i // 2) else t.transpose(0, 1).contiguous() for i, t in enumerate(_flat(kv))]
+
+
+def target_inputs(m: M.Manifest, kv, p: int, s: int, lengths=None) -> list:
+    """The target graph's inputs after ids and positions, for past `kv` of p positions and s
+    new ones (`lengths`: each row's valid past, ragged graphs; default all p)."""
+    import torch
+
+    b = kv[0][0].shape[0] if kv else 1
+    lengths = torch.full((b,), p, dtype=torch.long) if lengths is None else lengths
+    picks = [torch.arange(s).expand(b, s).contiguous()] if C.ragged(m) else []
+    if C.flavour(m) == "ort":  # lengths + the whole head-major buffers holding the past (contract.TARGET_ORT)
+        bufs = []
+        for t in _flat(kv):
+            buf = torch.zeros(b, t.shape[2], m.max_context, t.shape[3], dtype=t.dtype)
+            buf[:, :, :p] = t.transpose(1, 2)
+            bufs.append(buf)
+        return [(lengths + s - 1).int(), torch.tensor(p + s, dtype=torch.int32), *picks, *bufs]
+    if not C.ragged(m):
+        return _flat(kv)
+    return [lengths, *picks, *_position_major(m, kv)]
+
+
+def block_inputs(m: M.Manifest, ctx, p: int) -> list:
+    """draft_block's inputs after ids and positions for a context of p positions."""
+    import torch
+
+    if not C.ragged(m):
+        return _flat(ctx)
+    return [torch.full((ctx[0][0].shape[0],), p, dtype=torch.long), *_position_major(None, ctx)]
+
+
+def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, strict: bool, compare, to_numpy,
+                against: str = "pytorch") -> list:
+    """Parity per row of a ragged batch: two rows with different past lengths (and verify
+    lengths, the shorter padded) through the target and the block graph in one call each,
+    every row's valid outputs against that row alone through PyTorch (batch 1)."""
+    import torch
+
+    if not C.ragged(m) or C.flavour(m) == "ort":  # the ort flavour verifies one row a call (docs/batching.md)
+        return []
+    from . import graphs as G
+
+    g = torch.Generator().manual_seed(seed + 11)
+    K, lens, news = m.block_size, [9, 4], [m.block_size, max(1, m.block_size // 2)]
+    P, S = max(lens), max(news)
+    rows_ids = [torch.randint(0, m.vocab_size, (1, n + s), generator=g) for n, s in zip(lens, news)]
+    tg, bg = G.wrapper(C.TARGET, target, drafter), G.wrapper(C.DRAFT_BLOCK, target, drafter)
+    refs, pasts, ctxs = [], [], []
+    with torch.inference_mode():
+        for ids, n, s in zip(rows_ids, lens, news):
+            _, taps, past = target(ids[:, :n], torch.arange(n)[None], target.empty_kv())
+            if hasattr(target, "new_cache"):
+                cache = target.new_cache(n)
+                cache.append(past)
+                past = cache.view()
+            ctx = drafter.context_kv(taps, torch.arange(n)[None])
+            t_ref = tg(ids[:, n:n + s], torch.arange(n, n + s)[None], *target_inputs(m, past, n, s))
+            blk = torch.cat([ids[:, n:n + 1], torch.full((1, K - 1), m.mask_token_id)], 1)
+            b_ref = bg(blk, torch.arange(n, n + K)[None], *block_inputs(m, ctx, n))
+            refs.append((t_ref, b_ref, blk))
+            pasts.append(past)
+            ctxs.append(ctx)
+    pad = lambda t, p: torch.cat([t, t.new_zeros(t.shape[0], p - t.shape[1], *t.shape[2:])], 1)  # noqa: E731
+    batch_past = [tuple(torch.cat([pad(p_[i][j], P) if not m.is_linear(i) else p_[i][j] for p_ in pasts], 0)
+                        for j in range(2)) for i in range(len(pasts[0]))]
+    batch_ctx = [tuple(torch.cat([pad(c[i][j], P) for c in ctxs], 0) for j in range(2)) for i in range(len(ctxs[0]))]
+    ids = torch.cat([pad(r[:, n:n + s], S) for r, n, s in zip(rows_ids, lens, news)], 0)
+    pos = torch.stack([torch.arange(n, n + S) for n in lens])
+    lengths = torch.tensor(lens)
+    _np = to_numpy
+    rows = []
+    for graph, inputs, which in (
+        (C.TARGET, [ids, pos, *target_inputs(m, batch_past, P, S, lengths)], 0),
+        (C.DRAFT_BLOCK, [torch.cat([r[2] for r in refs]), torch.stack([torch.arange(n, n + K) for n in lens]),
+                         lengths, *_position_major(None, batch_ctx)], 1),
+    ):
+        names_in, names_out = C.names(graph, m)
+        got = sessions[graph].run(names_out, dict(zip(names_in, (_np(t) for t in inputs))))
+        for r, s in enumerate(news if graph == C.TARGET else [K - 1] * 2):
+            ref = [_np(t)[:, :s] for t in refs[r][which]]  # every output is [B, positions, ...]
+            mine = [o[r : r + 1, :s] for o in got]
+            case = f"ragged B=2 row {r} (past {lens[r]}, {s} of {S} new)" if graph == C.TARGET else \
+                f"ragged B=2 row {r} (context {lens[r]})"
+            rows += compare(graph, case, names_out, mine, ref, strict, against)
+    return rows

@@ -1,0 +1,382 @@
+"""ONNX Runtime backend, part 2: the buffers of one or several rows and the calls over them.
+
+OrtBackend (runtime/ort.py) holds the sessions and binds tensors; this mixin owns what a
+sequence owns (its caches, taps, ids: `_alloc_state`) and runs the three graphs over one
+row or all of them (runtime/backend.py's `*_rows`). A backend of one row binds its caches'
+valid prefix in place and the new K/V straight after it, as always. Several rows share
+position-major caches ([layers, max_len, B, ...], contract.RAGGED): a call over all rows
+binds their common prefix [P, B] in place, each row masked to its own length, and the new
+positions land in a scratch written into each row at its own length after the call
+(`_scatter`: a call's new positions only, never the cache). A joining row's prefill runs
+alone; past its first chunk its prefix is gathered (`_gather_row`: one row, prefill only).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import contract as C, manifest as M
+from .backend import Draft, TargetOut
+from .errors import DFlashError
+from .hybrid import LinearStates
+from .shared import STORAGE
+
+
+
+def check_batch(m: M.Manifest, max_batch: int, device: str, directory) -> int:
+    """max_batch, or one line on why this export or provider cannot run that many rows."""
+    if max_batch < 1:
+        raise DFlashError(f"--batch must be at least 1 (got {max_batch})")
+    if max_batch > 1 and not C.ragged(m):
+        raise DFlashError(f"{directory} was exported before batched decoding (batch 1 only); re-export it with this "
+                          "dflash-export to run --batch > 1")
+    if max_batch > 1 and device != "cpu":
+        raise DFlashError("--batch > 1 runs on the CPU provider in this version (the batched caches are host arrays); "
+                          "use --provider cpu or --batch 1")
+    return max_batch
+
+
+def _scatter(cache: np.ndarray, new: np.ndarray, rows, lengths: np.ndarray, s: int, counts) -> None:
+    """Write each row's new positions ([layers, R, s, ...] in `new`) into the position-major
+    cache [layers, max_len, B, ...] at that row's own length: counts[r] of them."""
+    L, n = cache.shape[0], cache.shape[1]
+    view = new[:, : len(rows) * s * int(np.prod(cache.shape[3:]))].reshape(L, len(rows), s, *cache.shape[3:])
+    for r, b in enumerate(rows):
+        at = int(lengths[b])
+        w = min(int(counts[r]), n - at)
+        cache[:, at : at + w, b] = view[:, r, :w]
+
+
+def _gather_row(cache: np.ndarray, out: np.ndarray, b: int, p: int) -> None:
+    """Row b's first p positions of every layer, contiguous in out [layers, p, 1, ...]."""
+    out[:, : p * int(np.prod(cache.shape[3:]))].reshape(cache.shape[0], p, *cache.shape[3:])[:] = cache[:, :p, b]
+
+
+class RowCalls:
+    """The per-sequence state and the row calls of OrtBackend (see the module docstring)."""
+
+    def _alloc_state(self) -> None:
+        """The per-sequence state: KV buffers, taps, ids and the IO bindings.
+
+        Everything else (sessions, shared weights, manifest) is read-only after load, so
+        `fork` can hand it to another sequence. Caches of one row are [1, max_len, Hkv, D]
+        (the same bytes as the ragged graphs' position-major [max_len, 1, Hkv, D]); of
+        max_batch > 1 rows, one position-major array for all layers (`kv_all`), whose valid
+        prefix of every row is one view, plus a scratch the new rows land in (`kv_new`).
+        """
+        m, B = self.manifest, self.max_batch
+        self._geom = {}
+        self._io = {k: s.io_binding() for k, s in self.sessions.items()}
+        self._io_target: dict = {}  # ort flavour: one binding per cache view (all rows, or row b), bound once
+        self._rows = None
+        self.ragged = C.ragged(m)
+
+        # every tensor a call binds, from the contract: (is output, dtype, shape with dynamic roles)
+        self._specs: dict[tuple[str, str], tuple[bool, str, list]] = {}
+        static = C.sizes(m)
+        for graph in self.sessions:
+            ins, outs = C.io(graph, m)
+            for output, tensors in ((False, ins), (True, outs)):
+                for t in tensors:
+                    dims = [d if d in C.DYNAMIC else static[d] for d in t.dims]
+                    self._specs[graph, t.name] = (output, C.dtype(t, m), dims)
+        kv_type = C.dtype(C.PAST_KV[0], m)
+        L, Hkv, D, n = m.target_layers, m.target_kv_heads, m.target_head_dim, self.max_len
+        self.in_place = C.flavour(m) == "ort"  # head-major cache, past and present one buffer (contract.TARGET_ORT)
+        att = [i for i in range(L) if not m.is_linear(i)]
+        self.kv_all = self.ctx_all = None
+        self._views, self._flat, self._tail, self._wcache = {}, {}, {}, {}
+        self.width = B  # rows a call over all rows carries (set_width: the loop keeps its rows in 0..width-1)
+        if self.in_place or B == 1:
+            shape = (B, Hkv, n, D) if self.in_place else (1, n, Hkv, D)
+            self.kv = [None if m.is_linear(i) else self._alloc(shape, kv_type) for i in range(L) for _ in (0, 1)]
+        else:  # views held in lists: _bind caches each buffer's geometry by id
+            slot = {i: j for j, i in enumerate(att)}
+            self._kv_slot = [None if m.is_linear(i) else 2 * slot[i] + e for i in range(L) for e in (0, 1)]
+            self._flat["kv"], self._tail["kv"] = np.zeros((2 * len(att), n * B * Hkv * D), STORAGE[kv_type]), (Hkv, D)
+            self.kv_new = np.zeros((2 * len(att), B * self.max_chunk * Hkv * D), STORAGE[kv_type])
+            self._row_kv = np.zeros((2 * len(att), n * Hkv * D), STORAGE[kv_type])  # one row's prefix, gathered
+            self._views = {k: list(getattr(self, k)) for k in ("kv_new", "_row_kv")}
+        self.states = LinearStates(m, self.max_chunk, B) if m.linear_layers else None
+        self.lengths_in = np.zeros(B, np.int32), np.zeros((), np.int32)  # ort flavour: seqlens_k, total_sequence_length
+        width = static[C.TAPS_WIDTH]
+        self.taps = self._alloc((B, self.max_chunk, width), C.dtype(C.tensor(C.TARGET, C.TAPS, m), m))
+        K, V = m.block_size, m.vocab_size
+        self.logits = np.empty((B, K, V), np.float32)  # host: verify logits when sampling
+        self.next_ids = np.empty((B, self.max_chunk), np.int64)
+        self.ids = np.empty((B, self.max_chunk), np.int64)
+        self.positions = np.arange(self.max_len + K, dtype=np.int64)[None]
+        self.row_pos = np.empty((B, self.max_chunk), np.int64)  # several rows' positions, per call
+        self.picks = np.empty((B, self.max_chunk), np.int64)  # logits_index
+        self.past_lengths = np.zeros(B, np.int64)
+        self._logits_scratch = self.logits if self.device == "cpu" else self._alloc((B, K, V), "float32")
+        self._last_seq = 0  # S of the last target call (its taps are [R, S] for draft_context)
+        if self.has_drafter:
+            dL, dH, dD = m.draft_layers, m.draft_kv_heads, m.draft_head_dim
+            ctx_type = C.dtype(C.CTX_KV[0], m)
+            if B == 1:
+                self.ctx = [self._alloc((1, n, dH, dD), ctx_type) for _ in range(2 * dL)]
+            else:
+                self._flat["ctx"], self._tail["ctx"] = np.zeros((2 * dL, n * B * dH * dD), STORAGE[ctx_type]), (dH, dD)
+                self.ctx_new = np.zeros((2 * dL, B * self.max_chunk * dH * dD), STORAGE[ctx_type])
+                self._row_ctx = np.zeros((2 * dL, n * dH * dD), STORAGE[ctx_type])
+                self._views.update({k: list(getattr(self, k)) for k in ("ctx_new", "_row_ctx")})
+            self.block_ids = np.full((B, K), m.mask_token_id, np.int64)
+            self.ctx_lengths_in = np.zeros(B, np.int64)
+            self.draft_ids = np.empty((B, K - 1), np.int64)
+            self._draft_logits = self._alloc((B, K - 1, C.draft_vocab_size(m)), "float32")
+            self._conf = np.empty((B, K - 1), np.float32)
+        self._use_width()
+
+    def _wide(self, key: str, w: int) -> tuple[np.ndarray, list]:
+        """The position-major cache `key` laid out for w rows: [layers, max_len, w, ...] and one
+        view per layer (made once per width: _bind caches geometry by id)."""
+        c = self._wcache.get((key, w))
+        if c is None:
+            flat, tail = self._flat[key], self._tail[key]
+            arr = flat[:, : self.max_len * w * int(np.prod(tail))].reshape(flat.shape[0], self.max_len, w, *tail)
+            c = self._wcache[key, w] = (arr, list(arr))
+        return c
+
+    def _use_width(self) -> None:
+        if "kv" in self._flat:
+            self.kv_all, views = self._wide("kv", self.width)
+            self.kv = [None if j is None else views[j] for j in self._kv_slot]
+        if "ctx" in self._flat:
+            self.ctx_all, self.ctx = self._wide("ctx", self.width)
+
+    def set_width(self, w: int) -> None:
+        """Calls over all rows carry rows 0..w-1 from now on. Position-major caches are laid out
+        again for w columns (the kept rows' valid prefixes copied once: a join or a leave, not a
+        call); batch-major buffers (the ort flavour's, states) need nothing."""
+        if not 0 <= w <= self.max_batch:
+            raise DFlashError(f"internal: width {w} of a {self.max_batch}-row backend")
+        keep = min(self.width, w)
+        for key, lens in (("kv", self.lengths), ("ctx", self.ctx_lengths)):
+            p = int(lens[:keep].max()) if keep and key in self._flat else 0
+            if p and w != self.width:
+                rows = self._wide(key, self.width)[0][:, :p, :keep].copy()
+                self._wide(key, w)[0][:, :p, :keep] = rows
+        self.width = w
+        self._use_width()
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row src's sequence moves to slot dst (the loop keeps its rows in 0..width-1); src is freed."""
+        p, pc = int(self.lengths[src]), int(self.ctx_lengths[src])
+        if self.in_place:
+            for buf in (b for b in self.kv if b is not None):
+                buf[dst, :, :p] = buf[src, :, :p]
+        elif self.kv_all is not None:
+            self.kv_all[:, :p, dst] = self.kv_all[:, :p, src]
+        if self.ctx_all is not None:
+            self.ctx_all[:, :pc, dst] = self.ctx_all[:, :pc, src]
+        if self.states is not None:
+            self.states.move(src, dst)
+        for a in self._row_state():
+            a[dst] = a[src]
+        self.reset_row(src)
+
+    def _target_io(self, row: int | None):
+        """The ort flavour's target binding for all rows (None) or row b: its cache buffers
+        (past and present, the rows' slices) are bound once, when it is made; they never move
+        and the binding keeps them across runs (rebinding 4 per layer cost ~0.1 ms a call at
+        6 layers). Not the lengths: binding copies a host input the kernel wants on the GPU at
+        bind time, so they are bound after their values are written, every call."""
+        io = self._io_target.get(row)
+        if io is not None:
+            return io
+        io = self._io_target[row] = self._io[C.TARGET] if row in (None, 0) and self.max_batch == 1 \
+            else self.sessions[C.TARGET].io_binding()
+        saved, self._io[C.TARGET] = self._io[C.TARGET], io
+        rows, at = (row[1], 0) if isinstance(row, tuple) else (1, row * self.manifest.target_kv_heads)
+        for i in range(self.manifest.target_layers):
+            k, v = self.kv[2 * i], self.kv[2 * i + 1]
+            for name, buf in ((C.past_key(i), k), (C.past_value(i), v), (C.PRESENT_KV[0].at(i).name, k),
+                              (C.PRESENT_KV[1].at(i).name, v)):
+                self._bind(C.TARGET, name, buf, at, batch=rows)
+        self._io[C.TARGET] = saved
+        return io
+
+    def _target(self, ids: np.ndarray, want_logits: bool = False) -> TargetOut:
+        res = self.target_rows([0], np.asarray(ids, np.int64)[None], [len(ids)], None, want_logits)
+        return TargetOut(res.next_ids[0], None if res.logits is None else res.logits[0])
+
+    def draft_context(self, n: int) -> None:
+        self.draft_context_rows([0], [n])
+
+    def draft_block(self, anchor: int) -> Draft:
+        ids, conf = self.draft_block_rows([0], [anchor])
+        return Draft(ids[0], None if conf is None else conf[0])
+
+    def target_rows(self, rows, ids, counts, picks=None, want_logits=False) -> TargetOut:
+        m, g, lengths, B = self.manifest, C.TARGET, self.lengths, self.max_batch
+        R, S = ids.shape
+        if not 1 <= S <= self.max_chunk:
+            raise DFlashError(f"internal: target call with {S} tokens (1..{self.max_chunk})")
+        for b, c in zip(rows, counts):
+            if lengths[b] + c > self.max_len:
+                raise DFlashError(f"sequence of {lengths[b] + c} positions exceeds the exported max context {self.max_len}")
+        if self.in_place and R > 1 and S > 1:  # GroupQueryAttention: several new tokens with a past, one row a call
+            return self._target_each(rows, ids, counts, picks, want_logits)
+        return self._target_call(rows, ids, counts, picks, want_logits, 0)
+
+    def _target_each(self, rows, ids, counts, picks, want_logits) -> TargetOut:
+        R, S = ids.shape
+        N = S if picks is None else picks.shape[1]
+        next_ids, logits = np.zeros((R, N), np.int64), np.zeros((R, N, self.manifest.vocab_size), np.float32)
+        for r, b in enumerate(rows):
+            c = int(counts[r])
+            if c == 0:  # an idle row
+                continue
+            at = np.minimum(np.arange(N) if picks is None else picks[r], c - 1)[None]
+            res = self._target_call([b], ids[r : r + 1, :c], [c], at, want_logits, r * S)
+            next_ids[r] = res.next_ids[0]
+            if want_logits:
+                logits[r] = res.logits[0]
+        self._last_seq = S
+        return TargetOut(next_ids, logits if want_logits else None)
+
+    def _target_call(self, rows, ids, counts, picks, want_logits, taps_at: int) -> TargetOut:
+        """One session run over `rows` (one row, or all); taps written `taps_at` positions in."""
+        m, g, lengths, B = self.manifest, C.TARGET, self.lengths, self.max_batch
+        R, S = ids.shape
+        one = R == 1
+        b0 = rows[0]
+        P = int(lengths[b0]) if one else int(lengths[rows].max())
+        N = S if picks is None or not self.ragged else picks.shape[1]
+        io = self._target_io(b0 if one else ("all", R)) if self.in_place else self._io[g]
+        self._io[g], saved = io, self._io[g]
+        self.ids.ravel()[: R * S] = np.asarray(ids).ravel()  # a call's [R, S] from the buffer's start
+        self._bind(g, C.INPUT_IDS, self.ids, batch=R, seq=S)
+        if one:
+            self._bind(g, C.POSITION_IDS, self.positions, P, seq=S)
+        else:
+            pos = self.row_pos.ravel()[: R * S].reshape(R, S)
+            np.add(lengths[rows, None], np.arange(S), out=pos)
+            self._bind(g, C.POSITION_IDS, self.row_pos, batch=R, seq=S)
+        if self.ragged:
+            pick = self.picks.ravel()[: R * N].reshape(R, N)
+            pick[:] = np.arange(S) if picks is None else picks
+            self._bind(g, C.LOGITS_INDEX, self.picks, batch=R, picks=N)
+        if self.in_place:  # GroupQueryAttention writes rows [P_b, P_b + S) of the buffers it reads
+            seqlens, total = self.lengths_in
+            seqlens[:R] = lengths[rows] + S - 1
+            total[()] = P + S
+            self._bind(g, C.SEQLENS_K, seqlens, batch=R)
+            self._bind(g, C.TOTAL_LEN, total)
+        else:
+            if self.ragged:
+                self.past_lengths[:R] = lengths[rows]
+                self._bind(g, C.PAST_LENGTHS, self.past_lengths, batch=R)
+            self._bind_target_caches(rows, P, S)
+        self._bind(g, C.TAPS, self.taps, taps_at, batch=R, seq=S)
+        self._bind(g, C.NEXT_IDS, self.next_ids, batch=R, picks=N, seq=N)
+        big = R * N > B * m.block_size
+        if big:  # a prefill chunk's every position: ORT allocates its logits
+            io.bind_output(C.LOGITS, "cpu" if want_logits else self.device)
+        else:
+            self._bind(g, C.LOGITS, self.logits if want_logits else self._logits_scratch, batch=R, picks=N, seq=N)
+        self.sessions[g].run_with_iobinding(io)
+        self._io[g] = saved
+        if self.kv_all is not None and not self.in_place:
+            _scatter(self.kv_all, self.kv_new, rows, lengths, S, counts)
+        self.pending[rows] = counts
+        self._last_seq = S
+        next_ids = self.next_ids.ravel()[: R * N].reshape(R, N)
+        logits = None
+        if want_logits:
+            logits = io.get_outputs()[-1].numpy() if big else self.logits.ravel()[: R * N * m.vocab_size].reshape(R, N, -1)
+        if not self.ragged and picks is not None:  # older graphs compute every position
+            next_ids, logits = next_ids[:, picks[0]], None if logits is None else logits[:, picks[0]]
+        return TargetOut(next_ids, logits)
+
+    def _bind_target_caches(self, rows, P: int, S: int) -> None:
+        """Past K/V (and linear states) of `rows` in; the new positions' outputs out. One row of
+        a one-row backend: its cache prefix, the new K/V straight after it. All rows: their
+        position-major prefix [P, B]; the new K/V to kv_new, written per row after the run
+        (`_scatter`). One row of several: its prefix gathered (prefill chunks, reuse)."""
+        m, g, R, B = self.manifest, C.TARGET, len(rows), self.max_batch
+        if self.states is not None:
+            self.states.layout(R, S)
+        at = rows[0] if R == 1 else 0
+        gathered = R == 1 and B > 1 and P > 0
+        if gathered:
+            _gather_row(self.kv_all, self._row_kv, at, P)
+        for i in range(m.target_layers):
+            if m.is_linear(i):  # committed states in, per-position outputs to commit out
+                buf = self.states.buf
+                for name in (C.conv_state(i), C.rec_state(i)):
+                    self._bind(g, name, buf[name], at * buf[name].shape[1], batch=R)
+                for name in (C.new_conv(i), *C.delta(i)):
+                    self._bind(g, name, self.states.flat[name], batch=R, seq=S)
+                continue
+            if B == 1:
+                k, v = self.kv[2 * i], self.kv[2 * i + 1]
+                self._bind(g, C.past_key(i), k, past=P)
+                self._bind(g, C.past_value(i), v, past=P)
+                self._bind(g, C.new_key(i), k, P, seq=S)
+                self._bind(g, C.new_value(i), v, P, seq=S)
+                continue
+            for e, (past, new) in enumerate(((C.past_key(i), C.new_key(i)), (C.past_value(i), C.new_value(i)))):
+                j = self._kv_slot[2 * i + e]
+                self._bind(g, past, self._views["_row_kv"][j] if gathered else self.kv[2 * i + e], batch=R, past=P)
+                self._bind(g, new, self._views["kv_new"][j], batch=R, seq=S)
+
+    def draft_context_rows(self, rows, n) -> None:
+        m, g, R, B = self.manifest, C.DRAFT_CONTEXT, len(rows), self.max_batch
+        lengths = self.ctx_lengths
+        c = int(n[0]) if R == 1 else self._last_seq  # several rows: each computes the whole last call
+        if c == 0:
+            return
+        for b, k in zip(rows, n):
+            if not 0 <= k <= self._last_seq or lengths[b] + k > self.max_len:
+                raise DFlashError(f"internal: draft_context({k}) of row {b} at {lengths[b]} (max {self.max_len})")
+        P = int(lengths[rows[0]])
+        self._bind(g, C.TAPS, self.taps, batch=R, ctx=c)
+        if R == 1:
+            self._bind(g, C.CTX_POSITION_IDS, self.positions, P, ctx=c)
+        else:
+            pos = self.row_pos.ravel()[: R * c].reshape(R, c)
+            np.add(lengths[rows, None], np.arange(c), out=pos)
+            self._bind(g, C.CTX_POSITION_IDS, self.row_pos, batch=R, ctx=c)
+        for j in range(2 * m.draft_layers):
+            name = C.ctx_key(j // 2) if j % 2 == 0 else C.ctx_value(j // 2)
+            if B == 1:
+                self._bind(g, name, self.ctx[j], P, ctx=c)
+            else:
+                self._bind(g, name, self._views["ctx_new"][j], batch=R, ctx=c)
+        self.sessions[g].run_with_iobinding(self._io[g])
+        if B > 1:
+            _scatter(self.ctx_all, self.ctx_new, rows, lengths, c, n)
+        lengths[rows] += n
+
+    def draft_block_rows(self, rows, anchors):
+        m, g, R, B, K = self.manifest, C.DRAFT_BLOCK, len(rows), self.max_batch, self.manifest.block_size
+        lengths = self.ctx_lengths
+        P = int(lengths[rows[0]]) if R == 1 else int(lengths[rows].max())
+        self.block_ids[:R, 0] = anchors
+        self._bind(g, C.BLOCK_IDS, self.block_ids, batch=R)
+        if R == 1:
+            self._bind(g, C.BLOCK_POSITION_IDS, self.positions, P)
+        else:
+            pos = self.row_pos.ravel()[: R * K].reshape(R, K)
+            np.add(lengths[rows, None], np.arange(K), out=pos)
+            self._bind(g, C.BLOCK_POSITION_IDS, self.row_pos, batch=R)
+        if self.ragged:
+            self.ctx_lengths_in[:R] = lengths[rows]
+            self._bind(g, C.CTX_LENGTHS, self.ctx_lengths_in, batch=R)
+        gathered = R == 1 and B > 1 and P > 0
+        if gathered:
+            _gather_row(self.ctx_all, self._row_ctx, rows[0], P)
+        for j in range(2 * m.draft_layers):
+            name = C.past_ctx_key(j // 2) if j % 2 == 0 else C.past_ctx_value(j // 2)
+            self._bind(g, name, self._views["_row_ctx"][j] if gathered else self.ctx[j], batch=R, past_ctx=P)
+        self._bind(g, C.DRAFT_IDS, self.draft_ids, batch=R)
+        self._bind(g, C.DRAFT_LOGITS, self._draft_logits, batch=R)
+        self._bind(g, C.DRAFT_CONF, self._conf, batch=R)
+        self.sessions[g].run_with_iobinding(self._io[g])
+        return self.draft_ids[:R], self._conf[:R]
+
+    def draft_logits_rows(self, n: int) -> np.ndarray:
+        x = self._draft_logits  # host memory on the CPU provider; a GPU provider's is copied here
+        return (x if isinstance(x, np.ndarray) else x.numpy())[:n]

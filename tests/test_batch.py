@@ -1,0 +1,138 @@
+"""Ragged batches through the runtime's one loop: every row's output is that prompt's own
+batch-1 output, token for token, whatever else is in the batch.
+
+Mixed prompt lengths, rows that stop early (a stop token, a short max_new_tokens), rows
+that join late (more prompts than rows), with and without the drafter, adaptive verify
+(rows verify different lengths in one call), a prompt prefilled in several chunks while
+other rows hold context, every attention flavour and a hybrid (Gated DeltaNet) target.
+The batch-1 reference is the same artifact's batch-1 backend, which tests/test_runtime.py
+and tests/test_hybrid_runtime.py hold to the PyTorch oracle. Artifacts come from
+tests/runtime_cases.py's cache (the same cases as those tests).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from runtime_cases import CASES, ORT_CASES, Case, artifact, prompts
+
+from dflash_export.runtime.errors import DFlashError
+from dflash_export.runtime.loop import Request, generate, generate_batch
+from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.settings import VerifyPolicy
+
+LIN, FULL = "linear_attention", "full_attention"
+HYBRID = Case("qwen35", layers=3, draft_layers=1, block=6, bias=2.0, hidden=32, max_context=200,
+              layer_types=(LIN, LIN, FULL))  # tests/test_hybrid_runtime.py's CASE
+BATCH_CASES = {"qwen3": CASES["qwen3"], "llama": CASES["llama"], "qwen3-ort": ORT_CASES["qwen3-ort"],
+               "llama-ort": ORT_CASES["llama-ort"], "hybrid": HYBRID}
+
+
+def requests_for(be1: OrtBackend, n: int, seed: int, draft: bool) -> tuple[list[Request], list[list[int]]]:
+    """n requests of mixed prompt lengths and lengths to generate; a third of them stop early
+    on a token of their own greedy output (found on the batch-1 backend, which also gives
+    the references)."""
+    m = be1.manifest
+    rng = np.random.default_rng(seed)
+    reqs, refs = [], []
+    for i, p in enumerate(prompts(n, m.vocab_size, seed=seed)):
+        new = int(rng.integers(3, 24))
+        stop: tuple[int, ...] = ()
+        if i % 3 == 1:
+            full = generate(be1, p, new, draft=draft, stop_token_ids=()).tokens
+            stop = (full[min(len(full) - 1, 2)],)
+        reqs.append(Request(p, new, stop_token_ids=stop))
+        refs.append(generate(be1, p, new, draft=draft, stop_token_ids=stop).tokens)
+    return reqs, refs
+
+
+@pytest.mark.parametrize("name", list(BATCH_CASES))
+def test_greedy_rows_equal_their_batch1_output(name):
+    _, _, out = artifact(BATCH_CASES[name])
+    be1, be3 = OrtBackend(out, threads=1), OrtBackend(out, threads=1, max_batch=3)
+    for draft in (True, False):
+        reqs, refs = requests_for(be1, 8, seed=5, draft=draft)
+        gens, stats = generate_batch(be3, reqs, draft=draft)
+        got = [g.tokens for g in gens]
+        assert got == refs, (name, draft)
+        assert any(g.stopped for g in gens) and 0 < stats.occupancy <= 1 and stats.rounds > 0
+        print(f"{name} draft={draft}: 8 requests over 3 rows identical to batch 1, "
+              f"tau {np.mean([g.tau for g in gens if g.acceptance_lengths]):.2f}, occupancy {stats.occupancy:.2f}")
+
+
+def test_adaptive_verify_and_chunked_prefill_in_a_batch():
+    """Rows verify different lengths in one call (adaptive verify), and a joining row's long
+    prompt is prefilled in chunks over its own gathered past while the other rows wait."""
+    _, _, out = artifact(CASES["qwen3"])
+    be1, be4 = OrtBackend(out, threads=1), OrtBackend(out, threads=1, max_batch=4)
+    policy = VerifyPolicy(theta=0.5, min_len=2)
+    ps = prompts(6, be1.manifest.vocab_size, seed=3)
+    ps[4] = ps[4] + ps[0] + ps[1]  # a longer prompt: several chunks of 7
+    refs = [generate(be1, p, 30, verify=policy, prefill_chunk=7, stop_token_ids=()).tokens for p in ps]
+    gens, _ = generate_batch(be4, [Request(p, 30, stop_token_ids=()) for p in ps], verify=policy, prefill_chunk=7)
+    assert [g.tokens for g in gens] == refs
+    assert len({v for g in gens for v in g.verify_lengths}) > 1  # the rows' verify lengths did differ
+
+
+def test_sampled_row_depends_only_on_its_seed():
+    """A sampled request gives the same tokens alone and in a batch with other requests."""
+    _, _, out = artifact(CASES["qwen3"])
+    be1, be3 = OrtBackend(out, threads=1), OrtBackend(out, threads=1, max_batch=3)
+    ps = prompts(5, be1.manifest.vocab_size, seed=8)
+    reqs = [Request(p, 20, temperature=0.9, top_k=20, seed=100 + i, stop_token_ids=()) for i, p in enumerate(ps)]
+    alone = [generate(be1, q.prompt, 20, temperature=0.9, top_k=20, seed=q.seed, stop_token_ids=()).tokens for q in reqs]
+    gens, _ = generate_batch(be3, reqs)
+    assert [g.tokens for g in gens] == alone
+    assert len({tuple(t) for t in alone}) > 1
+
+
+def test_batch_needs_a_ragged_export(tmp_path):
+    """An export made before ragged batches loads and runs batch 1; --batch > 1 is one line."""
+    _, _, out = artifact(CASES["llama"])
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest.pop("ragged")
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DFlashError, match="re-export"):
+        OrtBackend(old, threads=1, max_batch=2)
+    be = OrtBackend(out, threads=1, max_batch=2)
+    with pytest.raises(DFlashError, match="at most 2 rows"):
+        generate_batch(be, [Request([1, 2], 3)], batch=3)
+
+
+def test_memory_check_refuses_a_batch_that_does_not_fit():
+    from dflash_export.runtime.manifest import load_manifest
+    from dflash_export.runtime.memory import cache_bytes_per_position, check_cache_memory
+
+    _, _, out = artifact(CASES["llama"])
+    m = load_manifest(out)
+    row = m.max_context * cache_bytes_per_position(m)
+    assert check_cache_memory(m, 4, m.max_context, available=5 * row) == 5 * row  # 4 rows + one gathered row
+    with pytest.raises(DFlashError, match=r"--batch 4 x max context 256 needs .* GB of KV cache .* lower --batch"):
+        check_cache_memory(m, 4, m.max_context, available=4 * row)
+
+
+def test_cli_generate_prompts_in_batches(tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import cli
+
+    _, _, out = artifact(CASES["qwen3"])
+    ps = prompts(4, 100, seed=2)
+    f = tmp_path / "p.txt"
+    f.write_text("\n".join(",".join(map(str, p)) for p in ps) + "\n")
+    r = CliRunner().invoke(cli, ["generate", str(out), "--prompts", str(f), "--batch", "3", "--max-new-tokens", "9",
+                                 "--json", "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    be = OrtBackend(out, threads=1)
+    assert [x["tokens"] for x in lines] == [generate(be, p, 9).tokens for p in ps]
+    for args, msg in ((["--batch", "0"], "--batch must be at least 1"), (["--batch", "2", "--prompt-ids", "1,2"],
+                                                                         "--batch needs --prompts")):
+        extra = [] if "--prompt-ids" in args else ["--prompts", str(f)]
+        r = CliRunner().invoke(cli, ["generate", str(out), *extra, *args])
+        assert r.exit_code != 0 and msg in r.output and "Traceback" not in r.output, r.output
