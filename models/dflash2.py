@@ -29,8 +29,7 @@ from .drafter import Drafter, KV
 from .layers import apply_rope, attend, rope_cos_sin
 
 DRAFT2_ARCH = "DFlash2DraftModel"
-_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-         "output_multiplier", "final_logit_softcapping", "input_embedding_scale")
+_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 @dataclass
@@ -39,9 +38,7 @@ class DFlash2Config(DraftConfig):
     conv_group_size: int = 16
     selector_rank: int = 256
     selector_top_k: int = 16
-    output_multiplier: float = 1.0
-    final_logit_softcapping: float | None = None  # None or <= 0: no cap (as z-lab)
-    input_embedding_scale: float = 1.0
+    # output_multiplier, final_logit_softcapping, input_embedding_scale: parsed by DraftConfig
 
     @classmethod
     def from_dict(cls, cfg: dict, where: str = "drafter") -> "DFlash2Config":
@@ -50,7 +47,7 @@ class DFlash2Config(DraftConfig):
             raise DFlashError(f"{where}: architecture {archs[0] if archs else None!r} is not {DRAFT2_ARCH}")
         nested = cfg.get("dflash_config") or {}
         value = {k: nested.get(k, cfg.get(k)) for k in _KEYS}  # dflash_config first, as z-lab reads them
-        missing = [k for k in _KEYS[:4] if value[k] is None]
+        missing = [k for k in _KEYS if value[k] is None]
         if missing:
             raise DFlashError(f"{where}: DFlash2 config lacks {', '.join(missing)} (in dflash_config)")
         # the DFlash 1 backbone parses with the DFlash 2 keys taken out
@@ -67,12 +64,8 @@ class DFlash2Config(DraftConfig):
             raise DFlashError(f"{where}: selector_rank and selector_top_k must be >= 1 (got {rank}, {top_k})")
         if base.vocab_size is None:
             raise DFlashError(f"{where}: config.json lacks 'vocab_size' (the selector's codebooks are per token)")
-        cap = value["final_logit_softcapping"]
         out = cls(**{f.name: getattr(base, f.name) for f in fields(DraftConfig)},
-                  conv_kernel_size=kernel, conv_group_size=group, selector_rank=rank, selector_top_k=top_k,
-                  output_multiplier=float(1.0 if value["output_multiplier"] is None else value["output_multiplier"]),
-                  final_logit_softcapping=float(cap) if cap is not None and float(cap) > 0 else None,
-                  input_embedding_scale=float(1.0 if value["input_embedding_scale"] is None else value["input_embedding_scale"]))
+                  conv_kernel_size=kernel, conv_group_size=group, selector_rank=rank, selector_top_k=top_k)
         out.raw = cfg
         return out
 
