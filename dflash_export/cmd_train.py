@@ -70,16 +70,21 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
 @click.option("--resume", is_flag=True, help="continue from the last checkpoint in --work")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=0, help="torch threads (default: all cores)")
+@click.option("--family", type=click.Choice(["dflash", "dflash2"]), default="dflash", show_default=True,
+              help="drafter family to train (only dflash: DFlash 2 training is not supported)")
 def train_draft(target_dir, out, data, more_data, eval_prompts, block_size, layers, target_layer_ids, intermediate_size,
                 gamma, lr, batch, anchors, steps, minutes, max_total_minutes, precision, gen_precision, warmup, sequences,
                 gen_minutes, gen_tokens, gen_batch, sample_prefix, prompt_max_tokens, mask_token_id, eval_every, eval_n,
-                eval_tokens, save_dtype, work, resume, seed, threads):
+                eval_tokens, save_dtype, work, resume, seed, threads, family):
     """Train a DFlash drafter on the target's own continuations of --data; writes a z-lab drafter.
 
     The target is frozen; the drafter borrows its embedding and LM head. At the end the
     drafter is reloaded from OUT and measured by real speculative decoding on held-out prompts.
     --data takes several files (`--data a.py b.py`, a glob, or --data repeated).
     """
+    if family == "dflash2":  # the official objective for the candidate selector is unreleased
+        raise DFlashError("train-draft trains DFlash drafters only: training DFlash2 drafters (selector, convolutions) "
+                          "is not supported; use --family dflash")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from .train.train import TrainConfig, run_training
 
