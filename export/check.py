@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime import contract as C, manifest as M
+from ..runtime.names import names_of
 from ..runtime.errors import DFlashError
 from .check_rows import block_inputs, ragged_rows, target_inputs
 from .polygraphy_json import write_polygraphy
@@ -195,7 +196,7 @@ def committed_state_rows(target, m: M.Manifest, session, seed: int, strict: bool
                                     *map(_np, target_inputs(m, cache.view(), P, K))]))
         got = dict(zip(names_out, session.run(names_out, feeds)))
         cache.append(target(ids[:, P:], torch.arange(P, P + K)[None], cache.view())[2], n)
-    names, mine, ref, N = [], [], [], C.names_of(m)
+    names, mine, ref, N = [], [], [], names_of(m)
     for i, (conv_ref, state_ref) in enumerate(cache.view()):
         if not m.is_linear(i):
             continue

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import contract as C
+from .names import Names
 from .manifest import Manifest
 from .errors import DFlashError, InternalError
 from .hybrid import LinearStates
@@ -67,7 +68,7 @@ class Backend(ABC):
     max_chunk: int
     max_batch: int = 1
     has_drafter: bool = True
-    names: C.Names  # every per-layer tensor name, built once at load (contract.names_of)
+    names: Names  # every per-layer tensor name, built once at load (names.names_of)
     states: LinearStates | None = None  # hybrid targets: the committed DeltaNet states, host side (runtime/hybrid.py)
     _rows: tuple | None = None  # (lengths, ctx_lengths, pending), made on first use
 

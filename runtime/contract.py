@@ -60,7 +60,6 @@ manifest: it is the one file the hash check allows without listing it.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from .errors import DFlashError
@@ -374,56 +373,3 @@ def shape(t: Tensor, m, **dynamic: int) -> tuple[int, ...]:
 def dtype(t: Tensor, m) -> str:
     """numpy dtype name of `t` in an export of dtype m.dtype ("fp32" | "fp16" | "bf16")."""
     return NUMPY_DTYPE[m.dtype] if t.dtype == MODEL else t.dtype
-
-
-def _namer(t: Tensor):
-    """The concrete name of template `t` for layer i, cached: the runtime binds these by name
-    every call (~1.7 us each to rebuild)."""
-    return functools.cache(lambda i: t.at(i).name)
-
-
-past_key, past_value, new_key, new_value = (_namer(t) for t in (*PAST_KV, *NEW_KV))
-conv_state, rec_state, new_conv = (_namer(t) for t in (*LINEAR_STATE, LINEAR_NEW[0]))
-ctx_key, ctx_value, past_ctx_key, past_ctx_value = (_namer(t) for t in (*CTX_KV, *PAST_CTX_KV))
-
-
-@functools.cache
-def delta(i: int) -> tuple[str, str, str]:
-    """delta_k, delta_u, delta_g of linear-attention layer i (what `commit_state` reads)."""
-    return tuple(t.at(i).name for t in LINEAR_NEW[1:])
-
-
-@dataclass(frozen=True)
-class Names:
-    """Every per-layer tensor name of one export, indexed by layer: built once per backend (and
-    per check), since the runtime binds by name on every call (~1.7 us to format one)."""
-
-    past_key: tuple[str, ...]
-    past_value: tuple[str, ...]
-    new_key: tuple[str, ...]
-    new_value: tuple[str, ...]
-    present_key: tuple[str, ...]  # ort flavour: bound to the same buffer as past_key
-    present_value: tuple[str, ...]
-    conv_state: tuple[str, ...]  # hybrid targets' linear-attention layers (unused names elsewhere)
-    rec_state: tuple[str, ...]
-    new_conv: tuple[str, ...]
-    delta: tuple[tuple[str, str, str], ...]  # delta_k, delta_u, delta_g: what `commit_state` reads
-    ctx_key: tuple[str, ...]  # drafter layers from here on
-    ctx_value: tuple[str, ...]
-    past_ctx_key: tuple[str, ...]
-    past_ctx_value: tuple[str, ...]
-
-
-def layer_names(target_layers: int, draft_layers: int = 0) -> Names:
-    """The name table for `target_layers` target and `draft_layers` drafter layers."""
-    t, d = range(target_layers), range(draft_layers)
-    return Names(
-        *(tuple(x.at(i).name for i in t) for x in (*PAST_KV, *NEW_KV, *PRESENT_KV, *LINEAR_STATE, LINEAR_NEW[0])),
-        tuple(tuple(x.at(i).name for x in LINEAR_NEW[1:]) for i in t),
-        *(tuple(x.at(j).name for j in d) for x in (*CTX_KV, *PAST_CTX_KV)),
-    )
-
-
-def names_of(m) -> Names:
-    """`layer_names` for a manifest (anything with target_layers and draft_layers)."""
-    return layer_names(m.target_layers, m.draft_layers)

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import contract as C, manifest as M
 from .errors import DFlashError
+from .names import layer_names
 
 
 def commit_state(state: np.ndarray, k: np.ndarray, u: np.ndarray, g: np.ndarray) -> None:
@@ -47,7 +48,7 @@ class LinearStates:
             raise DFlashError("hybrid targets exported in bf16 are not supported by the host state commit; "
                               "export in fp32 or fp16")
         self.layers = m.linear_layers
-        self.names = C.layer_names(m.target_layers)
+        self.names = layer_names(m.target_layers)
         self.changed = True  # the committed states moved since a device copy was last made of them
         self.buf, self.flat, self.rows_seq = {}, {}, (1, max_chunk)
         for i in self.layers:
@@ -77,18 +78,18 @@ class LinearStates:
         """Row rows[r] of the state takes the first n[r] positions of the last call's row r."""
         self.changed = self.changed or any(n)
         for i in self.layers:
-            conv, new_conv = self.buf[C.conv_state(i)], self.view(C.new_conv(i))
-            deltas = [self.view(name) for name in C.delta(i)]
+            conv, new_conv = self.buf[self.names.conv_state[i]], self.view(self.names.new_conv[i])
+            deltas = [self.view(name) for name in self.names.delta[i]]
             for r, (b, k) in enumerate(zip(rows, n)):
                 if k:
                     conv[b] = np.concatenate([conv[b], new_conv[r, :k]], 0)[-conv.shape[1]:]
-                commit_state(self.buf[C.rec_state(i)][b], *(d[r, :k] for d in deltas))
+                commit_state(self.buf[self.names.rec_state[i]][b], *(d[r, :k] for d in deltas))
 
     def move(self, src: int, dst: int) -> None:
         """Row src's committed states to row dst (a batch's rows stay in its first slots)."""
         self.changed = True
         for i in self.layers:
-            for name in (C.conv_state(i), C.rec_state(i)):
+            for name in (self.names.conv_state[i], self.names.rec_state[i]):
                 self.buf[name][dst] = self.buf[name][src]
 
     def reset(self, row: int | None = None) -> None:
@@ -96,8 +97,8 @@ class LinearStates:
         self.changed = True
         at = slice(None) if row is None else row
         for i in self.layers:
-            self.buf[C.conv_state(i)][at] = 0
-            self.buf[C.rec_state(i)][at] = 0
+            self.buf[self.names.conv_state[i]][at] = 0
+            self.buf[self.names.rec_state[i]][at] = 0
 
     def nbytes(self, templates) -> int:
         """Bytes of the buffers of the given templates (C.LINEAR_STATE: committed; C.LINEAR_NEW: per call)."""

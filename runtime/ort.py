@@ -32,6 +32,7 @@ from . import contract as C, manifest as M
 from .backend import Backend
 from .errors import DFlashError, InternalError
 from .memory import check_cache_memory
+from .names import names_of
 from .ort_rows import RowCalls, check_batch
 from .shared import ONNX_TYPE, STORAGE, shared_weights, tied_head_graphs
 
@@ -89,7 +90,7 @@ class OrtBackend(RowCalls, Backend):
         self.directory = Path(directory)
         self._provider = resolve_provider(provider)
         self.manifest = m = M.load_manifest(self.directory, verify=verify)
-        self.names = C.names_of(m)
+        self.names = names_of(m)
         self.max_len = m.max_context
         self.max_chunk = max(max_chunk, m.block_size)
         self.device = "cpu" if self._provider == PROVIDERS["cpu"] else "cuda"

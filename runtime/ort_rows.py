@@ -191,8 +191,8 @@ class RowCalls:
         rows, at = (row[1], 0) if isinstance(row, tuple) else (1, row * self.manifest.target_kv_heads)
         for i in range(self.manifest.target_layers):
             k, v = self.kv[2 * i], self.kv[2 * i + 1]
-            for name, buf in ((C.past_key(i), k), (C.past_value(i), v), (C.PRESENT_KV[0].at(i).name, k),
-                              (C.PRESENT_KV[1].at(i).name, v)):
+            for name, buf in ((self.names.past_key[i], k), (self.names.past_value[i], v), (self.names.present_key[i], k),
+                              (self.names.present_value[i], v)):
                 self._bind(C.TARGET, name, buf, at, batch=rows)
         self._io[C.TARGET] = saved
         return io
@@ -305,19 +305,19 @@ class RowCalls:
         for i in range(m.target_layers):
             if m.is_linear(i):  # committed states in, per-position outputs to commit out
                 buf = self.states.buf
-                for name in (C.conv_state(i), C.rec_state(i)):
+                for name in (self.names.conv_state[i], self.names.rec_state[i]):
                     self._bind(g, name, buf[name], at * buf[name].shape[1], batch=R)
-                for name in (C.new_conv(i), *C.delta(i)):
+                for name in (self.names.new_conv[i], *self.names.delta[i]):
                     self._bind(g, name, self.states.flat[name], batch=R, seq=S)
                 continue
             if B == 1:
                 k, v = self.kv[2 * i], self.kv[2 * i + 1]
-                self._bind(g, C.past_key(i), k, past=P)
-                self._bind(g, C.past_value(i), v, past=P)
-                self._bind(g, C.new_key(i), k, P, seq=S)
-                self._bind(g, C.new_value(i), v, P, seq=S)
+                self._bind(g, self.names.past_key[i], k, past=P)
+                self._bind(g, self.names.past_value[i], v, past=P)
+                self._bind(g, self.names.new_key[i], k, P, seq=S)
+                self._bind(g, self.names.new_value[i], v, P, seq=S)
                 continue
-            for e, (past, new) in enumerate(((C.past_key(i), C.new_key(i)), (C.past_value(i), C.new_value(i)))):
+            for e, (past, new) in enumerate(((self.names.past_key[i], self.names.new_key[i]), (self.names.past_value[i], self.names.new_value[i]))):
                 j = self._kv_slot[2 * i + e]
                 self._bind(g, past, self._views["_row_kv"][j] if gathered else self.kv[2 * i + e], batch=R, past=P)
                 self._bind(g, new, self._views["kv_new"][j], batch=R, seq=S)
@@ -340,7 +340,7 @@ class RowCalls:
             np.add(lengths[rows, None], np.arange(c), out=pos)
             self._bind(g, C.CTX_POSITION_IDS, self.row_pos, batch=R, ctx=c)
         for j in range(2 * m.draft_layers):
-            name = C.ctx_key(j // 2) if j % 2 == 0 else C.ctx_value(j // 2)
+            name = self.names.ctx_key[j // 2] if j % 2 == 0 else self.names.ctx_value[j // 2]
             if B == 1:
                 self._bind(g, name, self.ctx[j], P, ctx=c)
             else:
@@ -369,7 +369,7 @@ class RowCalls:
         if gathered:
             _gather_row(self.ctx_all, self._row_ctx, rows[0], P)
         for j in range(2 * m.draft_layers):
-            name = C.past_ctx_key(j // 2) if j % 2 == 0 else C.past_ctx_value(j // 2)
+            name = self.names.past_ctx_key[j // 2] if j % 2 == 0 else self.names.past_ctx_value[j // 2]
             self._bind(g, name, self._views["_row_ctx"][j] if gathered else self.ctx[j], batch=R, past_ctx=P)
         self._bind(g, C.DRAFT_IDS, self.draft_ids, batch=R)
         self._bind(g, C.DRAFT_LOGITS, self._draft_logits, batch=R)

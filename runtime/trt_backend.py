@@ -24,6 +24,7 @@ import numpy as np
 
 from .backend import Backend, Draft, TargetOut
 from . import contract as C
+from .names import names_of
 from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, draft_vocab_size
 from .manifest import Manifest, load_manifest
 from .errors import DFlashError, InternalError
@@ -104,7 +105,7 @@ class TensorRTBackend(Backend):
         self.trt, self.cudart = trt, cudart
         self.out = Path(out_dir)
         self.manifest = m = manifest or load_manifest(self.out)
-        self.names = C.names_of(m)
+        self.names = names_of(m)
         cc, gpu = gpu_info(cudart, device)
         rec = m.engines
         check_engine_record(rec, trt.__version__, cc)

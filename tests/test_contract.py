@@ -8,6 +8,7 @@ import pytest
 from runtime_cases import CASES, artifact
 
 from dflash_export.runtime import contract as C, manifest as M
+from dflash_export.runtime.names import layer_names, names_of
 from dflash_export.runtime.errors import DFlashError
 
 GEOM = SimpleNamespace(target_layers=3, draft_layers=2, block_size=8, vocab_size=50, target_layer_ids=[0, 2],
@@ -22,7 +23,7 @@ def test_per_layer_tensors_expand_in_order():
     assert outs[:3] == ["logits", "next_ids", "taps"] and outs[3:5] == ["new_key.0", "new_value.0"] and len(outs) == 9
     assert C.names(C.DRAFT_CONTEXT, GEOM) == (["taps", "ctx_position_ids"], ["ctx_key.0", "ctx_value.0", "ctx_key.1", "ctx_value.1"])
     assert C.names(C.DRAFT_BLOCK, GEOM)[1] == ["draft_ids", "draft_logits", "draft_conf"]
-    N = C.names_of(GEOM)  # the per-layer name table a backend builds once
+    N = names_of(GEOM)  # the per-layer name table a backend builds once
     assert [N.past_key[1], N.new_value[2], N.ctx_key[0], N.past_ctx_value[1], N.present_key[0]] == \
         ["past_key.1", "new_value.2", "ctx_key.0", "past_ctx_value.1", "present_key.0"]
     assert len(N.past_key) == GEOM.target_layers and len(N.ctx_value) == GEOM.draft_layers
@@ -69,4 +70,4 @@ def test_hybrid_target_layers_carry_their_states():
     assert C.dtype(C.tensor(C.TARGET, "delta_k.0", m), m) == "float16"
     assert C.role(C.TARGET, "delta_u.7", 1) == C.SEQ and C.role(C.TARGET, "conv_state.3", 1) == C.CONV_WINDOW
     assert C.max_seq(m) == 64 and C.max_seq(GEOM) is None
-    assert C.layer_names(3).delta[2] == ("delta_k.2", "delta_u.2", "delta_g.2")
+    assert layer_names(3).delta[2] == ("delta_k.2", "delta_u.2", "delta_g.2")

@@ -19,6 +19,7 @@ from dflash_export.cli import cli
 from dflash_export.export.artifact import export_artifact
 from dflash_export.export.validate import lint
 from dflash_export.runtime import contract as C, manifest as M
+from dflash_export.runtime.names import names_of
 from dflash_export.testing import make_drafter, make_target
 
 
@@ -41,7 +42,7 @@ def test_half_export(tmp_path, dtype, np_name, itemsize, kv_width):
     m = M.load_manifest(out)
     assert m.dtype == dtype
     t = {x.name: x.dtype for x in m.graphs[C.TARGET].inputs + m.graphs[C.TARGET].outputs}
-    N = C.names_of(m)
+    N = names_of(m)
     kv = [*N.past_key, *N.past_value, *N.new_key, *N.new_value]
     assert {t[n] for n in kv} == {t["taps"]} == {np_name}  # every layer's K/V
     assert t["logits"] == "float32" and t["next_ids"] == "int64"

@@ -19,6 +19,7 @@ from dflash_export.export.check import TOLERANCE, run_check
 from dflash_export.export.quantize import QuantOptions, quantize_artifact
 from dflash_export.export.validate import lint
 from dflash_export.runtime import contract as C, manifest as M
+from dflash_export.runtime.names import names_of
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort import OrtBackend
 
@@ -274,9 +275,9 @@ def test_quantized_logits_are_close_to_float(made):
     feeds = {"input_ids": ids, "position_ids": np.arange(6)[None], "past_lengths": np.zeros(1, np.int64),
              "logits_index": np.arange(6)[None]}
     m = M.load_manifest(src)
-    N = C.names_of(m)
+    N = names_of(m)
     for i in range(m.target_layers):
-        for n in (C.past_key(i), C.past_value(i)):
+        for n in (N.past_key[i], N.past_value[i]):
             feeds[n] = np.zeros((0, 1, m.target_kv_heads, m.target_head_dim), np.float32)  # position-major
     from dflash_export.export.validate import ort_session
 

@@ -18,6 +18,7 @@ from runtime_cases import CASES, artifact, prompts
 from dflash_export.models import Drafter, Target, autoregressive_generate, speculative_generate
 from dflash_export.models.config import DraftConfig
 from dflash_export.runtime import contract as C
+from dflash_export.runtime.names import names_of
 from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import Generation, generate, stream
 from dflash_export.runtime.ort import OrtBackend, resolve_provider
@@ -182,7 +183,7 @@ def test_caches_are_bound_in_place_never_copied(pair, backend):
 
     kv_row = m.target_kv_heads * m.target_head_dim * 4
     ctx_row = m.draft_kv_heads * m.draft_head_dim * 4
-    N = C.names_of(m)
+    N = names_of(m)
     base = {**{n: backend.kv[2 * i + j].ctypes.data for i in range(m.target_layers)
                for j, n in enumerate((N.past_key[i], N.past_value[i]))},
             **{n: backend.ctx[2 * i + j].ctypes.data for i in range(m.draft_layers)
