@@ -5,12 +5,11 @@ execution API that TensorRT 10 introduced and 11 keeps (set_input_shape, set_ten
 execute_async_v3) and cuda-python's runtime bindings for memory and the stream. Shapes and
 limits come from runtime/trt_profiles.py; this file only moves bytes and runs engines.
 
-NOT EXECUTED ON TENSORRT HARDWARE IN DEVELOPMENT: this needs `tensorrt`, `cuda-python` and an
-NVIDIA GPU, none of which the development machines have. Here it runs against a double of the
-real TensorRT 10.12 and 11.4 Python bindings (tests/trt_double.py: every attribute, call,
-argument and return value checked against NVIDIA's own signatures; what an engine computes is
-simulated with ONNX Runtime) and a hand-written cuda-python stand-in; on a GPU machine
-tests/test_trt_gpu.py runs it for real (docs/tensorrt.md).
+NOT YET EXECUTED ON TENSORRT HARDWARE: it needs `tensorrt`, `cuda-python` and an NVIDIA GPU.
+The test suite runs it against a double of the real TensorRT 10.12 and 11.4 Python bindings
+(tests/trt_double.py: every attribute, call, argument and return value checked against
+NVIDIA's own signatures; what an engine computes is simulated with ONNX Runtime) and a
+hand-written cuda-python stand-in; on a GPU machine tests/test_trt_gpu.py runs it for real.
 
 `tensorrt` and `cuda` are imported inside functions only: importing this module needs numpy.
 """
