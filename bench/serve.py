@@ -47,13 +47,14 @@ class Server:
         threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
 
     def post(self, path: str, body: dict) -> dict:
-        """One streamed request: arrival time and tokens of every chunk, and the final timings."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+        """One streamed request: arrival time and tokens of every chunk (a round's, for the decode
+        window), and the final timings."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         t0 = time.perf_counter()
         conn.request("POST", path, json.dumps(body | {"stream": True}), {"Content-Type": "application/json"})
         r = conn.getresponse()
         assert r.status == 200, r.read()
-        arrivals, tokens, timings = [], [], None
+        arrivals, chunks, timings = [], [], None
         for line in r:
             if not line.startswith(b"data: {"):
                 continue
@@ -61,10 +62,11 @@ class Server:
             ids = c["choices"][0].get("token_ids", []) if c["choices"] else []
             if ids:
                 arrivals.append(time.perf_counter() - t0)
-                tokens += ids
+                chunks.append(ids)
             timings = c.get("timings", timings)
         conn.close()
-        return {"arrivals": arrivals, "tokens": tokens, "total": time.perf_counter() - t0, "timings": timings}
+        return {"arrivals": arrivals, "chunks": chunks, "tokens": [t for c in chunks for t in c],
+                "total": time.perf_counter() - t0, "timings": timings}
 
     def rss_mb(self) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():

@@ -72,33 +72,6 @@ def run(server: Server, prompts: list, max_tokens: int, speculative: bool) -> di
             "outputs": [r["tokens"] for r in rs]}
 
 
-def post_chunks(self: Server, path: str, body: dict) -> dict:
-    """bench/serve.py's post, keeping each chunk's tokens (a round's, for the decode window)."""
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
-    t0 = time.perf_counter()
-    conn.request("POST", path, json.dumps(body | {"stream": True}), {"Content-Type": "application/json"})
-    r = conn.getresponse()
-    assert r.status == 200, r.read()
-    arrivals, chunks, timings = [], [], None
-    for line in r:
-        if not line.startswith(b"data: {"):
-            continue
-        c = json.loads(line[6:])
-        ids = c["choices"][0].get("token_ids", []) if c["choices"] else []
-        if ids:
-            arrivals.append(time.perf_counter() - t0)
-            chunks.append(ids)
-        timings = c.get("timings", timings)
-    conn.close()
-    return {"arrivals": arrivals, "chunks": chunks, "tokens": [t for c in chunks for t in c],
-            "total": time.perf_counter() - t0, "timings": timings}
-
-
-Server.post = post_chunks
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--artifact", type=Path, help="exported directory [default: the demo pair, exported once]")

@@ -43,6 +43,19 @@ def _target_cache(target, max_len: int):
     return target.new_cache(max_len) if hasattr(target, "new_cache") else KVCache.for_model(target, max_len)
 
 
+def check_pair(target, drafter, prompt: list[int], max_new_tokens: int, max_context: int | None,
+               mask_token_id: int) -> int:
+    """Refuse, in one line, a request or a target/drafter pair the oracle cannot run; the max length."""
+    max_length = check_request(prompt, max_new_tokens, target.config.vocab_size, max_context)
+    drafter.config.check_fits(target.config)
+    if list(target.tap_ids) != list(drafter.config.target_layer_ids):
+        raise DFlashError(f"the target taps layers {list(target.tap_ids)} but the drafter reads "
+                          f"{drafter.config.target_layer_ids}; load the target with tap_ids=drafter.config.target_layer_ids")
+    if not 0 <= mask_token_id < target.config.vocab_size:
+        raise DFlashError(f"mask_token_id {mask_token_id} is outside the vocabulary [0, {target.config.vocab_size})")
+    return max_length
+
+
 @torch.inference_mode()
 def speculative_generate(
     target,
@@ -62,15 +75,9 @@ def speculative_generate(
 ) -> Generation:
     check_sampling(temperature, top_k, top_p, sampling)
     k = drafter.config.block_size if block_size is None else block_size
-    max_length = check_request(prompt, max_new_tokens, target.config.vocab_size, max_context)
-    drafter.config.check_fits(target.config)
-    if list(target.tap_ids) != list(drafter.config.target_layer_ids):
-        raise DFlashError(f"the target taps layers {list(target.tap_ids)} but the drafter reads "
-                          f"{drafter.config.target_layer_ids}; load the target with tap_ids=drafter.config.target_layer_ids")
+    max_length = check_pair(target, drafter, prompt, max_new_tokens, max_context, mask_token_id)
     if k < 1:
         raise DFlashError(f"block size must be >= 1 (got {k})")
-    if not 0 <= mask_token_id < target.config.vocab_size:
-        raise DFlashError(f"mask_token_id {mask_token_id} is outside the vocabulary [0, {target.config.vocab_size})")
     u = position_uniforms(seed, max_length + 1)  # u[t]: the token at absolute position t
     ud = draft_uniforms(seed, max_length + 1) if temperature > 0 and sampling == "rejection" else None
     stop = set(stop_token_ids)

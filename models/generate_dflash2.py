@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from ..runtime.errors import DFlashError
-from ..runtime.sampling import accept, check_request, cut_at_stop
+from ..runtime.sampling import accept, cut_at_stop
 from .dflash2 import DFlash2Drafter
-from .generate import Generation, _target_cache
+from .generate import Generation, _target_cache, check_pair
 from .kvcache import KVCache
 
 
@@ -33,15 +33,9 @@ def dflash2_generate(
     if temperature != 0:
         raise DFlashError("DFlash2 sampling (temperature > 0) is not implemented yet; use temperature 0")
     k = drafter.config.block_size if block_size is None else block_size
-    max_length = check_request(prompt, max_new_tokens, target.config.vocab_size, max_context)
-    drafter.config.check_fits(target.config)
-    if list(target.tap_ids) != list(drafter.config.target_layer_ids):
-        raise DFlashError(f"the target taps layers {list(target.tap_ids)} but the drafter reads "
-                          f"{drafter.config.target_layer_ids}; load the target with tap_ids=drafter.config.target_layer_ids")
+    max_length = check_pair(target, drafter, prompt, max_new_tokens, max_context, mask_token_id)
     if k < 2:
         raise DFlashError(f"block size must be >= 2 for a DFlash2 drafter (got {k})")
-    if not 0 <= mask_token_id < target.config.vocab_size:
-        raise DFlashError(f"mask_token_id {mask_token_id} is outside the vocabulary [0, {target.config.vocab_size})")
     stop = set(stop_token_ids)
     n = len(prompt)
     tcache, dcache = _target_cache(target, max_length), KVCache.for_model(drafter, max_length)
