@@ -11,24 +11,35 @@ export leaves nothing behind.
 from __future__ import annotations
 
 import os
+import json
 import shutil
+import struct
 import sys
 import time
 from pathlib import Path
+from importlib.metadata import PackageNotFoundError, version
 
 from ..runtime.memory import available_memory
 from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
+from . import draft_vocab as DV, trace as T
 from .outdir import check_out_dir, commit, write_manifest_checked
 from .progress import Phases, report
+from .quantize import check_options, quantize_artifact
+from .save import copy_tokenizer, graph_spec, opset_of, save_graphs
+from .validate import validate_artifact
+
+torch = lazy_import("torch")  # torch and the reference models: on first use (runtime/lazy.py)
+reference = lazy_import("dflash_export.models")
+gdn = lazy_import("dflash_export.models.gdn")
+graphs = lazy_import("dflash_export.export.graphs")
 
 DTYPES = ("fp32", "fp16", "bf16")
 MIN_OPSET = 18
 
 
 def torch_dtype(dtype: str):
-    import torch
-
     if dtype not in DTYPES:
         raise DFlashError(f"dtype {dtype!r} is not supported (choose one of {', '.join(DTYPES)})")
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
@@ -39,10 +50,8 @@ def torch_dtype(dtype: str):
 
 def plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset=None):
     """Read both configs and refuse any mismatch before loading a single weight."""
-    from ..models.config import DraftConfig, TargetConfig
-
-    tc = TargetConfig.load(target_dir)
-    dc = DraftConfig.load(draft_dir)
+    tc = reference.TargetConfig.load(target_dir)
+    dc = reference.DraftConfig.load(draft_dir)
     dc.check_fits(tc, f"drafter {draft_dir}")
     k = int(block_size or dc.block_size)
     if k < 2:
@@ -64,8 +73,6 @@ def plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset=No
 
 
 def _chunk() -> int:
-    from ..models import gdn
-
     return gdn.CHUNK
 
 
@@ -77,9 +84,6 @@ BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 def checkpoint_elements(directory: Path) -> int:
     """Elements of every tensor in a directory's *.safetensors, from their headers (nothing loaded)."""
-    import json
-    import struct
-
     total = 0
     for f in sorted(Path(directory).glob("*.safetensors")):
         try:
@@ -100,15 +104,13 @@ def checkpoint_elements(directory: Path) -> int:
 def check_room(weight_bytes: int, out: Path, dtype: str) -> None:
     """Refuse, with a one-line hint, an export this machine's memory or disk cannot hold:
     better than being killed by the OS half-way (or filling the disk)."""
-    import shutil as sh
-
     gb = lambda b: f"{b / 1e9:.1f} GB"  # noqa: E731
     smaller = "export with --dtype fp16 or bf16 (half the bytes)" if dtype == "fp32" else "export on a larger machine"
     need, avail = int(EXPORT_PEAK * weight_bytes), available_memory()
     if avail is not None and need > avail:
         raise DFlashError(f"export needs about {gb(need)} of memory for {gb(weight_bytes)} of {dtype} weights, but only "
                           f"{gb(avail)} is available; {smaller}, free memory, or pass --no-room-check to try anyway")
-    free = sh.disk_usage(out.parent).free
+    free = shutil.disk_usage(out.parent).free
     if weight_bytes > free:
         raise DFlashError(f"export writes about {gb(weight_bytes)} to {out.parent}, which has {gb(free)} free; "
                           f"free disk space, choose another --out, or {smaller}")
@@ -136,8 +138,6 @@ def clean_stale_staging(out: Path) -> list[Path]:
 
 def plan_draft_vocab(n, data, target_dir, vocab_size: int, eos: list[int]):
     """-> (the N ids or None, the manifest's draft_vocab record or None), before any weight is loaded."""
-    from . import draft_vocab as DV
-
     if n is None:
         if data:
             raise DFlashError("--draft-vocab-data needs --draft-vocab N (how many tokens the drafter scores)")
@@ -163,8 +163,6 @@ def hybrid_fields(tc) -> dict:
 
 
 def tool_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {"python": sys.version.split()[0]}
     for pkg in ("dflash-export", "torch", "onnx", "onnxscript", "onnx-ir", "onnxruntime"):
         try:
@@ -175,8 +173,6 @@ def tool_versions() -> dict[str, str]:
 
 
 def eos_ids(target_dir: Path, config_eos: list[int]) -> list[int]:
-    import json
-
     ids = list(config_eos)
     gen = Path(target_dir) / "generation_config.json"
     if gen.is_file():
@@ -215,12 +211,6 @@ def export_artifact(
 
     quantize: an export/quantize.py QuantOptions: the float export is written first (to a
     hidden directory), then quantized into `out` (quantize_artifact)."""
-    from .graphs import wrapper
-    from .quantize import check_options, quantize_artifact
-    from .save import copy_tokenizer, graph_spec, opset_of, save_graphs
-    from .trace import fold_shape_constants, rename_initializers, store_transposed, trace
-    from .validate import validate_artifact
-
     target_dir, draft_dir, out = Path(target_dir), Path(draft_dir), Path(out_dir).absolute()
     tdtype = torch_dtype(dtype)
     if quantize is not None:
@@ -259,21 +249,17 @@ def export_artifact(
     try:
         tmp.mkdir()
         with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
-            from ..models import Drafter, Target
-
-            target = Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
-            drafter = Drafter.from_pretrained(draft_dir, tdtype)
+            target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
+            drafter = reference.Drafter.from_pretrained(draft_dir, tdtype)
             if vocab_ids is not None:
-                import torch
-
                 drafter.set_draft_vocab(torch.from_numpy(vocab_ids), target.lm_head.weight)
         with ui.phase("trace", f"3 graphs, block size {k} (torch.onnx dynamo)"):
-            models = {g: trace(g, wrapper(g, target, drafter, attention, manifest.max_context), manifest, tdtype, opset) for g in C.GRAPHS}
+            models = {g: T.trace(g, graphs.wrapper(g, target, drafter, attention, manifest.max_context), manifest, tdtype, opset) for g in C.GRAPHS}
             for model in models.values():
-                fold_shape_constants(model)
-                rename_initializers(model, tc.tie_word_embeddings)
+                T.fold_shape_constants(model)
+                T.rename_initializers(model, tc.tie_word_embeddings)
                 # tied embeddings: the head keeps reading the lookup table's bytes
-                store_transposed(model, keep=C.SHARED_INITIALIZERS[1:] if tc.tie_word_embeddings else ())
+                T.store_transposed(model, keep=C.SHARED_INITIALIZERS[1:] if tc.tie_word_embeddings else ())
         with ui.phase("save", "graphs + external data + tokenizer"):
             shared = save_graphs(tmp, models, tc.tie_word_embeddings)
             tokenizer = copy_tokenizer(target_dir, tmp)

@@ -31,10 +31,25 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime import contract as C, manifest as M
+from ..runtime.hybrid import commit_state
+from ..runtime.lazy import lazy_import
+from ..runtime.load import open_backend
+from ..runtime.loop import generate
 from ..runtime.names import names_of
 from ..runtime.errors import DFlashError
+from .artifact import torch_dtype
 from .check_rows import block_inputs, ragged_rows, target_inputs
 from .polygraphy_json import write_polygraphy
+from .progress import Phases
+from .quantize import dequantized_sources
+
+torch = lazy_import("torch")  # torch, onnx, the reference models: on first use (runtime/lazy.py)
+ml_dtypes = lazy_import("ml_dtypes")
+onnx = lazy_import("onnx")
+numpy_helper = lazy_import("onnx.numpy_helper")
+onnx_data = lazy_import("onnx.external_data_helper")
+reference = lazy_import("dflash_export.models")
+G = lazy_import("dflash_export.export.graphs")
 
 TOLERANCE = 1e-4  # fp32 absolute, on logits, taps and K/V alike
 
@@ -105,23 +120,17 @@ class Report:
 
 def load_sources(root: Path, manifest: M.Manifest, target_dir, draft_dir):
     """The PyTorch modules an artifact came from; refuse sources that do not match it."""
-    import torch
-
-    from ..models import Drafter, Target
-    from ..models.config import DraftConfig, TargetConfig
-    from .artifact import torch_dtype
-
     if target_dir is None or draft_dir is None:
         raise DFlashError("check compares against the PyTorch source: pass --target DIR --draft DIR (the directories given to export)")
-    tc, dc = TargetConfig.load(target_dir), DraftConfig.load(draft_dir)
+    tc, dc = reference.TargetConfig.load(target_dir), reference.DraftConfig.load(draft_dir)
     mine = (tc.architecture, tc.vocab_size, tc.hidden_size, tc.num_layers, dc.num_layers, list(dc.target_layer_ids))
     theirs = (manifest.architecture, manifest.vocab_size, manifest.hidden_size, manifest.target_layers,
               manifest.draft_layers, manifest.target_layer_ids)
     if mine != theirs:
         raise DFlashError(f"--target/--draft do not match {root} (architecture, vocab, hidden, layers, taps: {mine} vs {theirs}); pass the directories it was exported from")
     dtype = torch_dtype(manifest.dtype)
-    drafter = Drafter.from_pretrained(draft_dir, dtype)
-    target = Target.from_pretrained(target_dir, drafter.config.target_layer_ids, dtype)
+    drafter = reference.Drafter.from_pretrained(draft_dir, dtype)
+    target = reference.Target.from_pretrained(target_dir, drafter.config.target_layer_ids, dtype)
     if manifest.draft_vocab:  # the reference scores the same N tokens, read back from the graph
         drafter.set_draft_vocab(torch.tensor(draft_vocab_ids(root, manifest)), target.lm_head.weight)
     torch.manual_seed(0)
@@ -130,15 +139,11 @@ def load_sources(root: Path, manifest: M.Manifest, target_dir, draft_dir):
 
 def draft_vocab_ids(root: Path, m: M.Manifest) -> np.ndarray:
     """The N target ids of a reduced draft vocabulary, as draft_block.onnx holds them."""
-    import onnx
-    from onnx import numpy_helper
-    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
-
     path = root / m.graphs[C.DRAFT_BLOCK].file
     for t in onnx.load(str(path), load_external_data=False).graph.initializer:
         if t.name == "vocab_ids":
-            if uses_external_data(t):
-                load_external_data_for_tensor(t, str(root))
+            if onnx_data.uses_external_data(t):
+                onnx_data.load_external_data_for_tensor(t, str(root))
             ids = numpy_helper.to_array(t)
             if ids.shape != (m.draft_vocab["size"],):
                 break
@@ -148,10 +153,6 @@ def draft_vocab_ids(root: Path, m: M.Manifest) -> np.ndarray:
 
 def cases(target, drafter, m: M.Manifest, seed: int):
     """(graph, case, torch module, inputs in graph order) for every regime that matters."""
-    import torch
-
-    from . import graphs as G
-
     g = torch.Generator().manual_seed(seed)
     K, P, S = m.block_size, 9, 7
     ids = lambda n: torch.randint(0, m.vocab_size, (1, n), generator=g)  # noqa: E731
@@ -180,10 +181,6 @@ def committed_state_rows(target, m: M.Manifest, session, seed: int, strict: bool
     """Hybrid targets: the states the runtime commits from a verify's outputs (a prefix of
     it: a rollback; runtime/hybrid.py) against the PyTorch cache's own commit (held to the
     fp32 tolerance only where the graphs' own outputs are: `strict`)."""
-    import torch
-
-    from ..runtime.hybrid import commit_state
-
     g = torch.Generator().manual_seed(seed + 7)
     P, K = 9, m.block_size
     n = max(1, K // 2)
@@ -210,11 +207,7 @@ def committed_state_rows(target, m: M.Manifest, session, seed: int, strict: bool
 
 
 def _np(t) -> np.ndarray:
-    import torch
-
     if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
         return t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
 
@@ -261,12 +254,6 @@ def run_check(
     provider: str = "cpu",
     progress: bool = True,
 ) -> Report:
-    import torch
-
-    from ..models import speculative_generate
-    from ..runtime.load import open_backend
-    from .progress import Phases
-
     root = Path(root)
     m = M.load_manifest(root, verify=True)
     ui = Phases(progress)
@@ -277,8 +264,6 @@ def run_check(
         target, drafter = load_sources(root, m, target_dir, draft_dir)
         ref_models = (target, drafter)
         if q is not None:  # the reference for parity: the source with the graphs' own (dequantized) weights
-            from .quantize import dequantized_sources
-
             dequantized, why = dequantized_sources(root, target, drafter)
             if dequantized is None:
                 report.notes.append(f"no dequantized reference ({why}); reported against the float source only")
@@ -298,8 +283,6 @@ def run_check(
             raise
     saved = []
     with ui.phase("parity", "every graph in every regime vs PyTorch"):
-        from .graphs import wrapper
-
         for graph, case, module, inputs in cases(*ref_models, m, seed):
             names_in, names_out = C.names(graph, m)
             with torch.inference_mode():
@@ -313,7 +296,7 @@ def run_check(
                 if ref_models[0] is not target:
                     report.rows += compare(graph, case, names_out, got, ref, report.strict, "dequantized")
                 with torch.inference_mode():
-                    ref_float = [_np(t) for t in wrapper(graph, target, drafter, C.flavour(m), m.max_context,
+                    ref_float = [_np(t) for t in G.wrapper(graph, target, drafter, C.flavour(m), m.max_context,
                                                          C.ragged(m))(*inputs)]
                 report.rows += compare(graph, case, names_out, got, written_rows(feeds, names_out, ref_float), False,
                                        "float")
@@ -327,7 +310,7 @@ def run_check(
             write_polygraphy(Path(save_polygraphy), saved)
     if prompts > 0:
         with ui.phase("generate", f"{prompts} prompts x {max_new_tokens} tokens, runtime loop on ORT vs speculative_generate"):
-            report.end_to_end = end_to_end(backend, *ref_models, m, prompts, max_new_tokens, seed, speculative_generate,
+            report.end_to_end = end_to_end(backend, *ref_models, m, prompts, max_new_tokens, seed, reference.speculative_generate,
                                            float_models=None if q is None else (target, drafter))
     return report
 
@@ -347,8 +330,6 @@ def end_to_end(backend, target, drafter, m: M.Manifest, prompts: int, max_new_to
     the ORT backend) vs the oracle on (target, drafter). Quantized (float_models: the float
     source): also decode each prompt plainly through target.onnx with the same loop
     (speculative == plain) and measure the greedy agreement length with the float source."""
-    from ..runtime.loop import generate
-
     rng = np.random.default_rng(seed + 1)
     identical, same_lengths, lengths, failures = 0, 0, [], []
     self_same, agree, self_failures = 0, [], []

@@ -4,6 +4,10 @@ contracts alike), and parity per row of a ragged batch against each row alone in
 from __future__ import annotations
 
 from ..runtime import contract as C, manifest as M
+from ..runtime.lazy import lazy_import
+
+torch = lazy_import("torch")  # torch and the graphs: on first use (runtime/lazy.py)
+G = lazy_import("dflash_export.export.graphs")
 
 
 def _flat(kv) -> list:
@@ -19,8 +23,6 @@ def _position_major(m: M.Manifest | None, kv) -> list:
 def target_inputs(m: M.Manifest, kv, p: int, s: int, lengths=None) -> list:
     """The target graph's inputs after ids and positions, for past `kv` of p positions and s
     new ones (`lengths`: each row's valid past, ragged graphs; default all p)."""
-    import torch
-
     b = kv[0][0].shape[0] if kv else 1
     lengths = torch.full((b,), p, dtype=torch.long) if lengths is None else lengths
     picks = [torch.arange(s).expand(b, s).contiguous()] if C.ragged(m) else []
@@ -38,8 +40,6 @@ def target_inputs(m: M.Manifest, kv, p: int, s: int, lengths=None) -> list:
 
 def block_inputs(m: M.Manifest, ctx, p: int) -> list:
     """draft_block's inputs after ids and positions for a context of p positions."""
-    import torch
-
     if not C.ragged(m):
         return _flat(ctx)
     return [torch.full((ctx[0][0].shape[0],), p, dtype=torch.long), *_position_major(None, ctx)]
@@ -50,12 +50,8 @@ def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, stric
     """Parity per row of a ragged batch: two rows with different past lengths (and verify
     lengths, the shorter padded) through the target and the block graph in one call each,
     every row's valid outputs against that row alone through PyTorch (batch 1)."""
-    import torch
-
     if not C.ragged(m) or C.flavour(m) == "ort":  # the ort flavour verifies one row a call (docs/batching.md)
         return []
-    from . import graphs as G
-
     g = torch.Generator().manual_seed(seed + 11)
     K, lens, news = m.block_size, [9, 4], [m.block_size, max(1, m.block_size // 2)]
     P, S = max(lens), max(news)

@@ -23,15 +23,17 @@ import json
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
+
+torch = lazy_import("torch")  # on first use (runtime/lazy.py)
 
 FALLBACK = "fallback: the lowest ids (BPE merge order) plus the stop tokens"
 
 
 def _ids_from_shards(paths: list[Path], counts: np.ndarray) -> None:
-    import torch
-
     for p in paths:
         try:
             s = torch.load(p, map_location="cpu", weights_only=True)
@@ -56,8 +58,6 @@ def _tokenizer(target_dir: Path, source: Path):
     if not f.is_file():
         raise DFlashError(f"--draft-vocab-data {source} is text, but the target has no tokenizer.json to "
                           "tokenize it; pass token ids (.jsonl with a 'tokens' list, or train-draft shards)")
-    from tokenizers import Tokenizer
-
     return Tokenizer.from_file(str(f))
 
 

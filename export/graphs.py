@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..models.layers import apply_rope, rope_cos_sin
 from ..runtime import contract as C
+from .gqa import gqa, skip_rms
 
 
 
@@ -94,10 +96,6 @@ class TargetOrtGraph(nn.Module):
         return self.run(input_ids, position_ids, seqlens_k, total, logits_index, cache)
 
     def run(self, input_ids, position_ids, seqlens_k, total, logits_index, cache):
-        from ..models.layers import apply_rope, rope_cos_sin
-
-        from .gqa import gqa, skip_rms
-
         t, (b, s) = self.target, input_ids.shape
         layers = t.model.layers
         x = t.embed(input_ids)

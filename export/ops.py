@@ -3,6 +3,10 @@ quantized export (MatMulNBits) or the "ort" attention flavour asks for; the onnx
 
 from __future__ import annotations
 
+from ..runtime.lazy import lazy_import
+
+onnx = lazy_import("onnx")  # on first use (runtime/lazy.py)
+
 STANDARD_DOMAINS = ("", "ai.onnx")
 QUANT_OPS = (("com.microsoft", "MatMulNBits"),)  # what a quantized graph may hold beyond ai.onnx
 ORT_FLAVOUR_OPS = (("com.microsoft", "GroupQueryAttention"), ("com.microsoft", "SkipSimplifiedLayerNormalization"))  # the ort flavour's target
@@ -11,9 +15,7 @@ ORT_FLAVOUR_OPS = (("com.microsoft", "GroupQueryAttention"), ("com.microsoft", "
 def register_ort_schemas() -> None:
     """onnx has no schemas for ORT's contrib ops; the checker (and the exporter, export/gqa.py)
     need them for the two the ort flavour emits: their inputs, outputs and the attributes we set."""
-    import onnx
-    from onnx.defs import OpSchema
-
+    OpSchema = onnx.defs.OpSchema
     P, opt = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
     T = ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")
     ints = lambda *names, required=True: [OpSchema.Attribute(n, OpSchema.AttrType.INT, "", required=required)  # noqa: E731

@@ -7,14 +7,15 @@ import resource
 import time
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
 
 class Phases:
     """One status line per phase on stderr, then its time and the process's peak RSS so far
     (where memory goes on big models); silent when disabled."""
 
     def __init__(self, enabled: bool):
-        from rich.console import Console
-
         self.console = Console(stderr=True, quiet=not enabled)
 
     @contextlib.contextmanager
@@ -28,8 +29,6 @@ class Phases:
 
 def report(ui: Phases, out: Path, seconds: float) -> None:
     """The files of a finished export and their sizes."""
-    from rich.table import Table
-
     table = Table(title=f"{out} ({seconds:.1f} s)", title_justify="left")
     table.add_column("file")
     table.add_column("size", justify="right")

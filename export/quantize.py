@@ -15,15 +15,33 @@ TensorRT's parser does not take it (export/trt_lint.py refuses such graphs).
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import logging
+import os
+import shutil
 import sys
+import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
 from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 from .ops import QUANT_OPS
+from .outdir import check_out_dir, commit, write_manifest_checked
+from .progress import Phases, report
+from .save import graph_spec, save_graphs
+from .trace import store_transposed
+from .validate import validate_artifact
+
+ir = lazy_import("onnx_ir")  # onnx, onnxruntime's quantizer, torch: on first use (runtime/lazy.py)
+nbits = lazy_import("onnxruntime.quantization.matmul_nbits_quantizer")
+onnx = lazy_import("onnx")
+numpy_helper = lazy_import("onnx.numpy_helper")
+torch = lazy_import("torch")
 
 SCHEMES = {"int4": 4, "int8": 8}
 
@@ -73,9 +91,6 @@ def check_options(q: QuantOptions, dtype: str) -> None:
 
 def quantize_graph(model, q: QuantOptions, graph: str):
     """onnx_ir model -> (quantized onnx_ir model, names of the weights that were quantized)."""
-    import onnx_ir as ir
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
     for i, node in enumerate(model.graph):  # the quantizer selects nodes by name
         node.name = node.name or f"node_{i}"
     ir.external_data.load_to_model(model)  # the quantizer reads weights as arrays from the proto
@@ -83,7 +98,7 @@ def quantize_graph(model, q: QuantOptions, graph: str):
     inits = {t.name for t in proto.graph.initializer}
     linear = [n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
     exclude = [n.name for n in linear if not q.quantizes(graph, n.input[1])]
-    quantizer = MatMulNBitsQuantizer(proto, bits=q.bits, block_size=q.block_size, is_symmetric=q.symmetric,
+    quantizer = nbits.MatMulNBitsQuantizer(proto, bits=q.bits, block_size=q.block_size, is_symmetric=q.symmetric,
                                      accuracy_level=q.accuracy_level, nodes_to_exclude=exclude)
     logger = logging.getLogger("onnxruntime.quantization")
     level = logger.level
@@ -110,20 +125,6 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
     like the export writes them (shared tensors once in shared.data, the rest as external
     data of their graph), validated and described in a new manifest. Atomic like `export`.
     """
-    import dataclasses
-    import os
-    import shutil
-    import time
-    from pathlib import Path
-
-    import onnx_ir as ir
-
-    from .outdir import check_out_dir, commit, write_manifest_checked
-    from .progress import Phases, report
-    from .save import graph_spec, save_graphs
-    from .trace import store_transposed
-    from .validate import validate_artifact
-
     src, out = Path(src), Path(out).absolute()
     m = M.load_manifest(src, verify=True)
     if m.quantization is not None:
@@ -216,11 +217,6 @@ def dequantize(node, arrays: dict) -> np.ndarray:
 
 def dequantized_weights(root) -> dict[str, dict[str, np.ndarray]]:
     """graph -> {float weight name: [N, K] float32} for every MatMulNBits of a quantized artifact."""
-    from pathlib import Path
-
-    import onnx
-    from onnx import numpy_helper
-
     out = {}
     for graph, f in C.GRAPH_FILES.items():
         model = onnx.load(str(Path(root) / f), load_external_data=False)
@@ -241,10 +237,6 @@ def dequantized_weights(root) -> dict[str, dict[str, np.ndarray]]:
 def dequantized_sources(root: Path, target, drafter):
     """Copies of the PyTorch modules holding the weights the quantized graphs multiply by, or
     (None, why) when a quantized weight is not a parameter of the source."""
-    import copy
-
-    import torch
-
     qt, qd = copy.deepcopy(target), copy.deepcopy(drafter)
     head = C.SHARED_INITIALIZERS[1]
     for graph, weights in dequantized_weights(root).items():

@@ -12,8 +12,15 @@ import hashlib
 import shutil
 from pathlib import Path
 
+import numpy as np
+
 from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
+
+onnx = lazy_import("onnx")  # on first use (runtime/lazy.py)
+ir = lazy_import("onnx_ir")
+helper = lazy_import("onnx.helper")
 
 ALIGN = 4096  # external-data offsets of large tensors, so ORT can mmap them
 INLINE_BELOW = 1024  # bytes: smaller initializers stay in the .onnx file
@@ -36,8 +43,6 @@ def shared_names(models: dict) -> dict[str, list[str]]:
 
 
 def _digest(t) -> str:
-    import numpy as np
-
     return hashlib.sha256(np.ascontiguousarray(t.numpy()).view(np.uint8)).hexdigest()
 
 
@@ -85,8 +90,6 @@ class DataWriter:
         return entry
 
     def externalize(self, graph: str, model) -> None:
-        import onnx_ir as ir
-
         for value in list(model.graph.initializers.values()):
             t = value.const_value
             if value.name in self.share:
@@ -109,9 +112,6 @@ class DataWriter:
 
 
 def save_graph(model, path: Path) -> None:
-    import onnx
-    import onnx_ir as ir
-
     proto = ir.serde.serialize_model(model)  # initializers are external references: small
     for node in proto.graph.node:  # the exporter's per-node stack traces: most of the file, no use
         del node.metadata_props[:]
@@ -142,9 +142,6 @@ def copy_tokenizer(target_dir: Path, out: Path) -> list[str]:
 
 
 def graph_spec(path: Path) -> M.GraphSpec:
-    import onnx
-    from onnx import helper
-
     model = onnx.load(str(path), load_external_data=False)
 
     def spec(v) -> M.TensorSpec:
@@ -157,7 +154,5 @@ def graph_spec(path: Path) -> M.GraphSpec:
 
 
 def opset_of(path: Path) -> int:
-    import onnx
-
     model = onnx.load(str(path), load_external_data=False)
     return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))

@@ -12,22 +12,25 @@ import logging
 import sys
 import warnings
 
+import numpy as np
+
 from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
+
+torch = lazy_import("torch")  # torch, onnx and the graphs: on first use (runtime/lazy.py)
+optimizer = lazy_import("onnxscript.optimizer")
+ir = lazy_import("onnx_ir")
+graphs = lazy_import("dflash_export.export.graphs")
+gqa = lazy_import("dflash_export.export.gqa")
 
 
 def trace(graph: str, module, m: M.Manifest, dtype, opset: int | None):
     """torch.onnx.export (dynamo) of one graph's wrapper -> onnx_ir.Model checked against the contract."""
-    import torch
-
-    from .graphs import trace_inputs
-
-    args, dynamic_shapes = trace_inputs(graph, m, dtype)
+    args, dynamic_shapes = graphs.trace_inputs(graph, m, dtype)
     extra = {}
     if graph == C.TARGET and C.flavour(m) == "ort":
-        from .gqa import TRANSLATION
-
-        extra["custom_translation_table"] = TRANSLATION
+        extra["custom_translation_table"] = gqa.TRANSLATION
     inputs, outputs = C.names(graph, m)
     loggers = [logging.getLogger(n) for n in ("torch.onnx", "onnxscript")]
     levels = [lg.level for lg in loggers]
@@ -83,8 +86,6 @@ def fold_shape_constants(model) -> None:
     Transpose(weight) into new unnamed copies (for small weights only), which would break
     the shared embedding/LM head names, so any node that reads an initializer is skipped.
     """
-    from onnxscript import optimizer
-
     weights = set(model.graph.initializers)
 
     def should_fold(node):
@@ -102,8 +103,6 @@ def rename_initializers(model, tied: bool) -> None:
     the head's MatMul), that point at the same bytes of shared.data, so every graph that
     holds the shared tensors holds both names.
     """
-    import onnx_ir as ir
-
     embed, head = C.SHARED_INITIALIZERS
     for value in list(model.graph.initializers.values()):
         prefix, _, rest = value.name.partition(".")
@@ -135,9 +134,6 @@ def store_transposed(model, keep: tuple[str, ...] = ()) -> list[str]:
     they are (the LM head of tied embeddings, whose bytes are the lookup table's). Returns
     the transposed names.
     """
-    import numpy as np
-    import onnx_ir as ir
-
     done = []
     for node in list(model.graph):
         w = node.inputs[0] if node.op_type == "Transpose" and node.inputs else None

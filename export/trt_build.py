@@ -28,14 +28,24 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..runtime.contract import BATCH, GRAPH_FILES, GRAPHS
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ..runtime.contract import BATCH, GRAPH_FILES, GRAPHS
 from ..runtime.manifest import Manifest, load_manifest, write_manifest
 from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 from ..runtime.trt_backend import gpu_info, import_tensorrt
 from ..runtime.trt_profiles import (
     ENGINE_DIR, ENGINE_FILES, Limits, check_precision, profile_record, refuse_quantized, resolve_limits, trt_version_tuple,
 )
+
+# polygraphy (the trt extra) and the lint (onnx): on first use (runtime/lazy.py)
+pcommon = lazy_import("polygraphy.backend.common")
+ptrt = lazy_import("polygraphy.backend.trt")
+pexception = lazy_import("polygraphy.exception")
+plogger = lazy_import("polygraphy.logger")
+trt_lint = lazy_import("dflash_export.export.trt_lint")
 
 
 
@@ -100,8 +110,6 @@ def describe(plan: BuildPlan) -> str:
 
 def _progress_monitor(trt, console):
     """A trt.IProgressMonitor that shows the builder's phases as rich progress bars."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     class Monitor(trt.IProgressMonitor):
         def __init__(self):
             trt.IProgressMonitor.__init__(self)
@@ -143,39 +151,31 @@ def polygraphy_loaders(trt, out: Path, g: GraphPlan, plan: BuildPlan, timing_cac
     reference (1e-4 against PyTorch), which TF32's 10-bit mantissa would not keep; for
     speed, export fp16 or bf16.
     """
-    from polygraphy.backend.common import SaveBytes
-    from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, Profile
-
-    network = NetworkFromOnnxPath(str(out / g.onnx), strongly_typed=trt_version_tuple(trt.__version__) < (11, 0))
+    network = ptrt.NetworkFromOnnxPath(str(out / g.onnx), strongly_typed=trt_version_tuple(trt.__version__) < (11, 0))
     profiles = []
     for p in g.profiles:
-        prof = Profile()
+        prof = ptrt.Profile()
         for name, (lo, opt, hi) in p["shapes"].items():
             prof.add(name, min=tuple(lo), opt=tuple(opt), max=tuple(hi))
         profiles.append(prof)
-    config = CreateConfig(profiles=profiles, memory_pool_limits={trt.MemoryPoolType.WORKSPACE: plan.workspace_bytes},
+    config = ptrt.CreateConfig(profiles=profiles, memory_pool_limits={trt.MemoryPoolType.WORKSPACE: plan.workspace_bytes},
                           load_timing_cache=str(timing_cache), progress_monitor=monitor)
-    return SaveBytes(EngineBytesFromNetwork(network, config, save_timing_cache=str(timing_cache)), str(dest))
+    return pcommon.SaveBytes(ptrt.EngineBytesFromNetwork(network, config, save_timing_cache=str(timing_cache)), str(dest))
 
 
 def build_engines(out_dir: str | Path, precision: str | None = None, max_context: int | None = None,
                   max_prompt: int | None = None, timing_cache: str | Path | None = None,
                   workspace_gb: float = 4.0, progress: bool = True, echo=print, max_batch: int = 1) -> Manifest:
     """Build OUT/engines/*.engine and record them in OUT's manifest; all or nothing."""
-    from .trt_lint import check as lint_check
-
     trt, cudart = import_tensorrt()  # first: without TensorRT nothing else happens
-    try:
-        from polygraphy.exception import PolygraphyException
-        from polygraphy.logger import G_LOGGER
+    try:  # polygraphy is probed here, after TensorRT
+        G_LOGGER, PolygraphyException = plogger.G_LOGGER, pexception.PolygraphyException
     except ImportError:
         raise DFlashError('the TensorRT build needs polygraphy: pip install "dflash-export[trt]"') from None
     out = Path(out_dir)
     manifest = load_manifest(out)
     if manifest.attention == "ort":
-        from .trt_lint import ORT_FLAVOUR
-
-        raise DFlashError(f"{out}: {ORT_FLAVOUR}")
+        raise DFlashError(f"{out}: {trt_lint.ORT_FLAVOUR}")
     plan = build_plan(manifest, precision, max_context, max_prompt, workspace_gb, max_batch)
     try:
         cc, gpu = gpu_info(cudart)
@@ -184,7 +184,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_context
     if plan.precision == "bf16" and tuple(int(x) for x in cc.split(".")) < (8, 0):
         raise DFlashError(f"bf16 engines need compute capability >= 8.0; this GPU ({gpu}) is {cc}: "
                           "re-export with --dtype fp16")
-    for w in lint_check(out, manifest, trt.__version__, plan.limits):
+    for w in trt_lint.check(out, manifest, trt.__version__, plan.limits):
         echo(f"warning: {w}")
     echo(describe(plan))
 
@@ -195,7 +195,6 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_context
     G_LOGGER.colors = False  # else Polygraphy asks for the optional `colored` package
     console = None
     if progress:
-        from rich.console import Console
         console = Console(stderr=True)
     staging = out.parent / f".{out.name}.engines.partial"
     shutil.rmtree(staging, ignore_errors=True)

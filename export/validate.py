@@ -13,8 +13,11 @@ from pathlib import Path
 
 from ..runtime import contract as C
 from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 from .ops import ORT_FLAVOUR_OPS, QUANT_OPS, STANDARD_DOMAINS, register_ort_schemas
 
+onnx = lazy_import("onnx")  # on first use (runtime/lazy.py)
+ort = lazy_import("onnxruntime")
 
 
 def lint(model, allowed: tuple[tuple[str, str], ...] = ()) -> list[str]:
@@ -48,8 +51,6 @@ def _nodes(graph):
 
 def check_graph(path: Path, allowed: tuple[tuple[str, str], ...] = ()) -> None:
     """onnx.checker with full (strict) shape inference, on the path so external data is read."""
-    import onnx
-
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except Exception as e:  # checker and inference raise several types
@@ -60,8 +61,6 @@ def check_graph(path: Path, allowed: tuple[tuple[str, str], ...] = ()) -> None:
 
 
 def ort_session(path: Path, providers=("CPUExecutionProvider",), load_only: bool = False):
-    import onnxruntime as ort
-
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     if load_only:  # no folded or prepacked weight copies: a load check should not double the memory
