@@ -9,12 +9,13 @@ import torch
 from torch import nn
 
 from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
+
+safetensors_torch = lazy_import("safetensors.torch")  # on first use (runtime/lazy.py)
 
 
 def load_state_dict(directory: str | Path, what: str) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory: one file, or shards listed by an index."""
-    from safetensors.torch import load_file
-
     d = Path(directory)
     index = d / "model.safetensors.index.json"
     if index.is_file():
@@ -32,7 +33,7 @@ def load_state_dict(directory: str | Path, what: str) -> dict[str, torch.Tensor]
         if not path.is_file():
             raise DFlashError(f"{what} directory {d}: shard {name} listed in the index is missing")
         try:
-            state.update(load_file(path))
+            state.update(safetensors_torch.load_file(path))
         except Exception as e:  # safetensors raises its own error types across versions
             raise DFlashError(f"{path}: unreadable safetensors file ({e})") from None
     return state
@@ -60,6 +61,4 @@ def strict_load(model: nn.Module, state: dict[str, torch.Tensor], where: str, dt
 
 
 def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path), metadata={"format": "pt"})
+    safetensors_torch.save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path), metadata={"format": "pt"})

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
+
+torch = lazy_import("torch")  # only for inv_freq: the configs themselves are read without torch
 
 TARGET_ARCHS = {
     # architecture -> (q/k/v bias default, per-head q/k RMSNorm)
@@ -38,8 +41,6 @@ class Rope:
 
     def inv_freq(self, head_dim: int) -> list[float]:
         """Per-pair rotation frequencies, scaled as transformers' rope init functions do."""
-        import torch
-
         inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if self.kind == "linear":
             inv = inv / self.factor

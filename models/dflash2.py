@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..runtime.errors import DFlashError
+from .checkpoint import load_state_dict, strict_load
 from .config import DRAFT_ARCH, DraftConfig, read_config
 from .drafter import Drafter, KV
 from .layers import apply_rope, attend, rope_cos_sin
@@ -211,8 +212,6 @@ class DFlash2Drafter(Drafter):
 
     @classmethod
     def from_pretrained(cls, directory, dtype: torch.dtype = torch.float32) -> "DFlash2Drafter":
-        from .checkpoint import load_state_dict, strict_load
-
         config = DFlash2Config.load(directory)
         with torch.device("meta"):
             model = cls(config)

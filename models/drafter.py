@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import DRAFT_ARCH, DraftConfig, TargetConfig
+from .checkpoint import load_state_dict, save_state_dict, strict_load
+from .config import DRAFT_ARCH, DraftConfig, TargetConfig, default_target_layer_ids
 from .layers import MLP, RMSNorm, apply_rope, attend, rope_cos_sin
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -179,8 +180,6 @@ class Drafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> "Drafter":
-        from .checkpoint import load_state_dict, strict_load
-
         config = DraftConfig.load(directory)
         with torch.device("meta"):
             model = cls(config)
@@ -190,8 +189,6 @@ class Drafter(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write config.json + model.safetensors in the z-lab layout (loadable by z-lab's code)."""
-        from .checkpoint import save_state_dict
-
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         (d / "config.json").write_text(json.dumps(self.config.raw, indent=2) + "\n")
@@ -213,8 +210,6 @@ def draft_config_dict(
 ) -> dict:
     """A fresh drafter config in the z-lab layout, sized for `target` (training, tests)."""
     if target_layer_ids is None:
-        from .config import default_target_layer_ids
-
         target_layer_ids = default_target_layer_ids(target.num_layers, num_layers)
     heads = num_heads or target.num_heads
     cfg = {

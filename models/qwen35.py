@@ -25,7 +25,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..runtime.errors import DFlashError
 from . import gdn
+from .checkpoint import load_state_dict, strict_load
 from .config import TargetConfig
 from .layers import MLP, attend, causal_visible, rope_cos_sin
 
@@ -192,8 +194,6 @@ class HybridCache:
         self.append(new, n)
 
     def append(self, new: list[tuple], n: int | None = None) -> None:
-        from ..runtime.errors import DFlashError
-
         n = new[0][0].shape[1] if n is None else n
         max_len = next((a.shape[1] for layer, (a, _) in zip(self.model.model.layers, self.layers)
                         if layer.kind != "linear_attention"), None)
@@ -284,8 +284,6 @@ class HybridTarget(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, tap_ids: list[int] = (), dtype: torch.dtype = torch.float32):
-        from .checkpoint import load_state_dict, strict_load
-
         config = TargetConfig.load(directory)
         with torch.device("meta"):
             model = cls(config, tap_ids)

@@ -14,9 +14,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..runtime.errors import DFlashError
+from .checkpoint import load_state_dict, strict_load
 from .config import TargetConfig
 from .kvcache import KV, KVCache
 from .layers import MLP, RMSNorm, apply_rope, attend, causal_visible, rope_cos_sin
+from .qwen35 import HybridTarget
 
 
 class Attention(nn.Module):
@@ -138,16 +141,11 @@ class Target(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, tap_ids: list[int] = (), dtype: torch.dtype = torch.float32):
-        from .checkpoint import load_state_dict, strict_load
-
         config = TargetConfig.load(directory)
         bad = [i for i in tap_ids if not 0 <= i < config.num_layers]
         if bad:
-            from ..runtime.errors import DFlashError
-
             raise DFlashError(f"tap layer ids {bad} are outside the target's {config.num_layers} layers")
         if config.hybrid:  # Qwen3.5 / 3.6: Gated DeltaNet + gated attention
-            from .qwen35 import HybridTarget
 
             return HybridTarget.from_pretrained(directory, tap_ids, dtype)
         with torch.device("meta"):
