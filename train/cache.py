@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..runtime.errors import DFlashError
 from . import data as D
@@ -28,8 +29,6 @@ def key(*parts) -> str:
 
 def progress(console, name: str, total: int):
     """A rich progress bar over generation batches with a tokens/s column, and its update."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
     p = Progress(TextColumn(f"[bold]{name}"), BarColumn(), TextColumn("{task.completed}/{task.total} batches"),
                  TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
     task = p.add_task(name, total=total, tps="-")

@@ -10,10 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from ..runtime.errors import DFlashError
 from ..models.kvcache import KVCache
@@ -157,8 +159,6 @@ def generate_shards(
     any run whose prompts batch the same way finds it. With `seconds` > 0, stops making new
     shards once that much time has passed (at least one). -> (shards, their names, number made now).
     """
-    import time
-
     cache_dir.mkdir(parents=True, exist_ok=True)
     shards, names, made_now = [], [], 0
     t0 = time.time()
@@ -197,8 +197,6 @@ def default_taps(num_layers: int) -> list[int]:
 
 
 def load_tokenizer(target_dir: Path):
-    from tokenizers import Tokenizer
-
     path = target_dir / "tokenizer.json"
     if not path.is_file():
         raise DFlashError(f"target {target_dir} has no tokenizer.json; train-draft needs it to tokenize --data")

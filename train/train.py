@@ -28,10 +28,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..runtime.errors import DFlashError
-from . import data as D
+from . import cache as C, data as D, speed as P
+from ..models.config import DraftConfig, TargetConfig
+from ..models.drafter import Drafter, draft_config_dict, new_drafter
 from ..models.generate import speculative_generate
+from ..models.target import Target
+from .eval import real_tau, teacher_forced
 from .forward import block_batch, block_logits, draft_step, sample_anchors  # noqa: F401 (the training API)
 from .state import Schedule, TrainState, load_checkpoint, save_checkpoint, save_drafter
 
@@ -103,16 +109,6 @@ def _mins(seconds: float) -> str:
 def run_training(cfg: TrainConfig, log=print) -> dict:
     """Train a drafter for the target on its own continuations; write OUT (z-lab) and
     OUT/training.json; the final numbers come from the drafter reloaded from OUT."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from ..models.config import DraftConfig, TargetConfig
-    from ..models.drafter import Drafter, draft_config_dict, new_drafter
-    from ..models.target import Target
-    from . import cache as C
-    from . import speed as P
-    from .eval import real_tau, teacher_forced
-
     t_start = time.time()
     cfg.check()
     console = Console(stderr=True)
