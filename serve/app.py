@@ -23,6 +23,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.errors import DFlashError
@@ -140,8 +141,6 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
         engine = holder.get()
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -23,6 +23,7 @@ from ..runtime.errors import DFlashError
 from ..runtime.load import open_artifact
 from ..runtime.loop import Generation, stream
 from . import text as text_module
+from .batch import BatchEngine
 from .jobs import (  # noqa: F401 (the engine's names, as before)
     EngineBase, Job, Metrics, Params, QueueFull, Slot, Unavailable, _emit, replica,
 )
@@ -174,8 +175,6 @@ def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, b
     first, cfg = open_artifact(directory, backend=backend, provider=provider, drafter=drafter, threads=threads, spin=spin,
                                verify=verify, max_batch=max_batch)
     if max_batch > 1:
-        from .batch import BatchEngine
-
         return BatchEngine(first, text, model, max_queue, cfg.verify)
     if slots > 1 and not hasattr(first, "fork"):
         raise DFlashError(f"--slots {slots} needs a backend that shares its weights between sequences "

@@ -15,8 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..runtime.lazy import lazy_import
 from ..runtime.loop import Generation
 from .text import TextStream
+
+prometheus = lazy_import("prometheus_client")  # the serve extra, when a server starts (runtime/lazy.py)
 
 
 class QueueFull(Exception):
@@ -57,11 +60,10 @@ class Metrics:
     """Prometheus metrics named after vLLM's (`vllm:` -> `dflash:`), in a registry of their own."""
 
     def __init__(self, model: str, block_size: int, max_batch: int = 1):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+        Counter, Gauge, Histogram = prometheus.Counter, prometheus.Gauge, prometheus.Histogram
+        prometheus.disable_created_metrics()  # no *_created series (process-wide; vLLM does the same)
 
-        disable_created_metrics()  # no *_created series (process-wide; vLLM does the same)
-
-        self.registry = r = CollectorRegistry()
+        self.registry = r = prometheus.CollectorRegistry()
         lb = ["model_name"]
         self.labels = {"model_name": model}
 

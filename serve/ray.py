@@ -25,7 +25,11 @@ import sys
 import threading
 from pathlib import Path
 
+import click
+import ray
 from ray import serve
+from ray.serve._private import replica as ray_replica
+from starlette.middleware import Middleware
 
 from . import engine as serve_engine, jobs as serve_jobs
 from ..runtime import manifest as M
@@ -110,17 +114,13 @@ class JsonErrors:
 
 def proxy_middlewares() -> list:
     """RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=dflash_export.serve.ray:proxy_middlewares (set by `run`)."""
-    from starlette.middleware import Middleware
-
     return [Middleware(JsonErrors)]
 
 
 def _loopback_grpc() -> None:
     """Ray Serve 2.60 replicas open an inter-deployment gRPC server on [::]:0 (every interface)
     whatever the node IP; on a loopback-only cluster (node IP 127.0.0.1) bind it to 127.0.0.1."""
-    from ray.serve._private import replica as R
-
-    add = R.add_port_to_grpc_server
+    add = ray_replica.add_port_to_grpc_server
     if getattr(add, "loopback", False):
         return
 
@@ -128,7 +128,7 @@ def _loopback_grpc() -> None:
         return add(server, address.replace("[::]:", "127.0.0.1:", 1))
 
     loopback.loopback = True
-    R.add_port_to_grpc_server = loopback
+    ray_replica.add_port_to_grpc_server = loopback
 
 
 @serve.ingress()
@@ -136,8 +136,6 @@ class DFlashReplica:
     """One replica: verify and load the artifact, then serve `create_app` over that engine."""
 
     def __init__(self, options: ServeOptions):
-        import ray
-
         node = ray.get_runtime_context().get_node_id()
         if ray.util.get_node_ip_address() == "127.0.0.1":
             _loopback_grpc()
@@ -249,8 +247,6 @@ def ray_env() -> None:
 
 def local_head() -> str:
     """Start a Ray head on 127.0.0.1 (no dashboard, a small object store) owned by this process; its GCS address."""
-    import ray
-
     ray_env()
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
              object_store_memory=int(os.environ.get("DFLASH_RAY_OBJECT_STORE", 100 << 20)), configure_logging=False)
@@ -259,9 +255,6 @@ def local_head() -> str:
 
 def run(options: ServeOptions, *, host: str, port: int, address: str | None, proxy: str, **deploy) -> None:
     """Deploy on a Ray cluster (`address`) or on a local head bound to 127.0.0.1; serve until SIGINT/SIGTERM."""
-    import click
-    import ray
-
     application = build(options, **deploy)  # bad flags are one line before anything starts
     if port == 0:
         port = _free_port(host)

@@ -18,8 +18,14 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from ..runtime.manifest import read_json
 from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
+
+jinja2 = lazy_import("jinja2")  # the serve extra, on the first chat template (runtime/lazy.py)
+jinja2_sandbox = lazy_import("jinja2.sandbox")
 
 
 class Text:
@@ -47,8 +53,6 @@ class Text:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat as the model was trained to see it; ValueError with the template's message."""
-        import jinja2
-
         if self.template is None:
             raise ValueError("this model has no chat template (tokenizer_config.json has no \"chat_template\"); "
                              "use /v1/completions, or start the server with --chat-template FILE")
@@ -64,8 +68,6 @@ def load_tokenizer(directory: Path):
     path = Path(directory) / "tokenizer.json"
     if not path.is_file():
         return None
-    from tokenizers import Tokenizer
-
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:
@@ -77,13 +79,10 @@ def _token_text(t) -> str | None:
 
 
 def _compile(source: str):
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message):
         raise jinja2.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = jinja2_sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
