@@ -23,6 +23,8 @@ there is, at the price of slower GEMMs (docs/runtime.md).
 from __future__ import annotations
 
 import copy
+import mmap
+import os
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +37,7 @@ from .memory import check_cache_memory
 from .names import names_of
 from .ort_rows import RowCalls, check_batch
 from .shared import ONNX_TYPE, STORAGE, shared_weights, tied_head_graphs
+from .trt_profiles import ort_trt_provider_options
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
@@ -128,9 +131,6 @@ class OrtBackend(RowCalls, Backend):
         faults back a page per row it reads: otherwise each fault maps the large page-cache
         folio around it (the build read the file sequentially), and a 512-token prompt of
         random ids pulled 315 MB back in. Copy-on-write pages are never written: nothing is lost."""
-        import mmap
-        import os
-
         arrays = [a for a, _ in self._shared.values()]
         maps = {id(m): m for m in (getattr(a, "_mmap", None) for a in arrays) if m is not None}
         for m in maps.values():
@@ -183,8 +183,6 @@ class OrtBackend(RowCalls, Backend):
         try:
             providers = [self._provider]
             if self._provider == PROVIDERS["tensorrt"]:  # explicit profiles + engine cache outside OUT (runtime/trt_profiles.py)
-                from .trt_profiles import ort_trt_provider_options
-
                 m = self.manifest
                 self.max_chunk = min(self.max_chunk, m.max_context - m.block_size)  # the profile's longest prefill
                 opts_trt = ort_trt_provider_options(m, graph, max_prompt=self.max_chunk)
