@@ -35,7 +35,7 @@ import numpy as np
 from . import contract as C
 from .names import Names
 from .manifest import Manifest
-from .errors import DFlashError, InternalError
+from .errors import InternalError
 from .hybrid import LinearStates
 
 
@@ -180,7 +180,7 @@ class Backend(ABC):
         """The last `draft_block_rows` call's draft_logits [n, K-1, draft vocab] on the host
         (after the drafter's logit transforms): rejection sampling's q. Read only when
         `samples_drafts`."""
-        raise DFlashError(f"internal: {type(self).__name__} does not return draft logits")
+        raise InternalError(f"{type(self).__name__} does not return draft logits")
 
     @property
     def samples_drafts(self) -> bool:

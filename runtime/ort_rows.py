@@ -17,7 +17,7 @@ import numpy as np
 
 from . import contract as C, manifest as M
 from .backend import Draft, TargetOut
-from .errors import DFlashError
+from .errors import DFlashError, InternalError
 from .hybrid import LinearStates
 from .shared import STORAGE
 
@@ -150,7 +150,7 @@ class RowCalls:
         again for w columns (the kept rows' valid prefixes copied once: a join or a leave, not a
         call); batch-major buffers (the ort flavour's, states) need nothing."""
         if not 0 <= w <= self.max_batch:
-            raise DFlashError(f"internal: width {w} of a {self.max_batch}-row backend")
+            raise InternalError(f"width {w} of a {self.max_batch}-row backend")
         keep = min(self.width, w)
         for key, lens in (("kv", self.lengths), ("ctx", self.ctx_lengths)):
             p = int(lens[:keep].max()) if keep and key in self._flat else 0
@@ -212,7 +212,7 @@ class RowCalls:
         m, g, lengths, B = self.manifest, C.TARGET, self.lengths, self.max_batch
         R, S = ids.shape
         if not 1 <= S <= self.max_chunk:
-            raise DFlashError(f"internal: target call with {S} tokens (1..{self.max_chunk})")
+            raise InternalError(f"target call with {S} tokens (1..{self.max_chunk})")
         for b, c in zip(rows, counts):
             if lengths[b] + c > self.max_len:
                 raise DFlashError(f"sequence of {lengths[b] + c} positions exceeds the exported max context {self.max_len}")
@@ -330,7 +330,7 @@ class RowCalls:
             return
         for b, k in zip(rows, n):
             if not 0 <= k <= self._last_seq or lengths[b] + k > self.max_len:
-                raise DFlashError(f"internal: draft_context({k}) of row {b} at {lengths[b]} (max {self.max_len})")
+                raise InternalError(f"draft_context({k}) of row {b} at {lengths[b]} (max {self.max_len})")
         P = int(lengths[rows[0]])
         self._bind(g, C.TAPS, self.taps, batch=R, ctx=c)
         if R == 1:
