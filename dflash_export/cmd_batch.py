@@ -15,6 +15,7 @@ import click
 import numpy as np
 
 from .runtime.errors import DFlashError
+from .runtime.loop import BatchStats, Request, stream_batch
 
 def batch_report(gens, stats) -> dict:
     """Aggregate and per-request rates of one batched run."""
@@ -40,8 +41,6 @@ def run_batch(backend, prompts: list[list[int]], max_new_tokens: int, batch: int
               verify=None, **sampling) -> tuple[list, object]:
     """All prompts through `stream_batch` at `batch` rows -> (Generations in prompt order, BatchStats).
     Generation.total_s of each request is its wall time from joining to finishing."""
-    from .runtime.loop import BatchStats, Request, stream_batch
-
     stats, outs, order, start, done = BatchStats(), [], [], {}, {}
     reqs = [Request(p, max_new_tokens, **sampling) for p in prompts]
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import click
@@ -217,8 +218,6 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     best_threads and speedup_vs_best_plain (plain decoding at its own best count).
     """
     if plot is not None:
-        from importlib.util import find_spec
-
         if find_spec("matplotlib") is None:  # fail before minutes of benchmarking
             raise DFlashError("--plot needs matplotlib: pip install 'dflash-export[dev]' (or matplotlib)")
     ctx = sorted({int(c) for c in _parse_ids(contexts, "--context")}) if contexts else []

@@ -28,6 +28,7 @@ from .runtime import contract as C, manifest as M
 from .runtime.errors import DFlashError
 from .runtime.lazy import lazy_import
 from .runtime.load import settings_for
+from .runtime.memory import check_cache_memory
 from .runtime.settings import check_options
 
 DEMO_CONTEXT = 2048
@@ -121,8 +122,6 @@ def _batch_rows(directory, m, max_batch: int | None, slots: int | None, backend:
     """(max_batch, slots): --max-batch batches rows in one loop, --slots runs a loop per slot.
     Neither: batch DEFAULT_BATCH rows where the export, backend and memory allow it (fewer
     when only fewer fit), else one slot. An explicit batch that does not fit is refused."""
-    from .runtime.memory import check_cache_memory
-
     if max_batch is not None and slots is not None and max_batch > 1 and slots > 1:
         raise DFlashError(f"give --max-batch {max_batch} or --slots {slots}, not both")
     batchable = C.ragged(m) and backend == "ort" and provider == "cpu"

@@ -1,7 +1,7 @@
 """`dflash-export train-draft`: train a DFlash drafter for a target, on the target's own text.
 
 The options become one `train.train.TrainConfig`; `train.train.run_training` does the run.
-Heavy imports (torch, models) stay inside the function so the CLI starts fast.
+Heavy imports (torch, models) are lazy (runtime/lazy.py) so the CLI starts fast.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from pathlib import Path
 import click
 
 from .runtime.errors import DFlashError
+from .runtime.lazy import lazy_import
+
+train = lazy_import("dflash_export.train.train")  # torch: only when the command runs
 
 
 def parse_layer_ids(text: str | None) -> list[int] | None:
@@ -86,9 +89,7 @@ def train_draft(target_dir, out, data, more_data, eval_prompts, block_size, laye
         raise DFlashError("train-draft trains DFlash drafters only: training DFlash2 drafters (selector, convolutions) "
                           "is not supported; use --family dflash")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from .train.train import TrainConfig, run_training
-
-    run_training(TrainConfig(
+    train.run_training(train.TrainConfig(
         target_dir, out, list(data) + list(more_data), steps=steps, minutes=minutes,
         max_total_minutes=max_total_minutes, precision=precision, gen_precision=gen_precision, warmup=warmup,
         eval_prompts=eval_prompts, block_size=block_size,

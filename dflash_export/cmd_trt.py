@@ -12,6 +12,13 @@ from pathlib import Path
 import click
 
 from .runtime.errors import DFlashError
+from .runtime.lazy import lazy_import
+from .runtime.manifest import load_manifest
+
+# TensorRT, polygraphy and onnx: only when the command runs (runtime/lazy.py)
+trt_backend = lazy_import("dflash_export.runtime.trt_backend")
+trt_build = lazy_import("dflash_export.export.trt_build")
+trt_lint = lazy_import("dflash_export.export.trt_lint")
 
 
 @click.command("build")
@@ -43,26 +50,18 @@ def build(out: Path, precision, max_context, max_prompt, max_batch, timing_cache
     same TensorRT version on the same GPU architecture.
     """
     if dry_run:
-        from .export.trt_build import build_plan, describe
-        from .export.trt_lint import check, lint_range
-        from .runtime.manifest import load_manifest
-
         manifest = load_manifest(out)
-        plan = build_plan(manifest, precision, max_context, max_prompt, workspace, max_batch)
-        for w in check(out, manifest, limits=plan.limits):
+        plan = trt_build.build_plan(manifest, precision, max_context, max_prompt, workspace, max_batch)
+        for w in trt_lint.check(out, manifest, limits=plan.limits):
             click.echo(f"warning: {w}", err=True)
-        click.echo(f"lint: every graph passes the TensorRT {lint_range()} checks (operators, types, shapes)")
-        click.echo(describe(plan))
+        click.echo(f"lint: every graph passes the TensorRT {trt_lint.lint_range()} checks (operators, types, shapes)")
+        click.echo(trt_build.describe(plan))
         return
-    from .runtime.trt_backend import import_tensorrt
-
-    import_tensorrt()  # fail fast, before touching OUT
-    from .export.trt_build import build_engines
-
+    trt_backend.import_tensorrt()  # fail fast, before touching OUT
     if workspace <= 0:
         raise DFlashError(f"--workspace {workspace}: give the builder's workspace in GB, > 0")
-    build_engines(out, precision, max_context, max_prompt, timing_cache, workspace, progress=not no_progress,
-                  echo=click.echo, max_batch=max_batch)
+    trt_build.build_engines(out, precision, max_context, max_prompt, timing_cache, workspace, progress=not no_progress,
+                            echo=click.echo, max_batch=max_batch)
 
 
 COMMANDS = [build]

@@ -12,6 +12,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
+from .runtime.lazy import lazy_import
+
+# torch, transformers, the reference models, the exporter, ONNX Runtime: on first use (runtime/lazy.py)
+torch = lazy_import("torch")
+transformers = lazy_import("transformers")
+reference = lazy_import("dflash_export.models")
+artifact = lazy_import("dflash_export.export.artifact")
+ort = lazy_import("dflash_export.runtime.ort")
+
 ARCHS = ("llama", "qwen2", "qwen3")
 HYBRID = ("qwen35", "qwen35-vl")  # Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration (hybrid)
 
@@ -36,9 +47,6 @@ def make_target(
 ) -> Path:
     """Write a random HF checkpoint of `arch`; returns the directory. Hybrid archs: `linear`
     overrides the Gated DeltaNet config fields (e.g. the real widths, bench/hybrid.py)."""
-    import torch
-    import transformers
-
     torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab,
@@ -92,8 +100,6 @@ def make_target(
 
 def _qwen35(arch: str, common: dict, layer_types, head_dim: int, tie: bool, linear: dict):
     """A tiny hybrid Qwen3.5 with transformers' own classes (partial rotary, gated attention, GDN)."""
-    import transformers
-
     layers = common["num_hidden_layers"]
     text = dict(
         **common, head_dim=head_dim, tie_word_embeddings=tie,
@@ -121,14 +127,10 @@ def make_drafter(
     **kwargs,
 ) -> Path:
     """Write a random z-lab-format drafter sized for the target at `target_dir`."""
-    import torch
-
-    from .models import TargetConfig, new_drafter
-
     torch.manual_seed(seed)
-    tc = TargetConfig.load(target_dir)
+    tc = reference.TargetConfig.load(target_dir)
     mask = tc.vocab_size - 2 if mask_token_id is None else mask_token_id
-    drafter = new_drafter(tc, num_layers=layers, block_size=block_size, mask_token_id=mask, **kwargs)
+    drafter = reference.new_drafter(tc, num_layers=layers, block_size=block_size, mask_token_id=mask, **kwargs)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if p.dim() > 1:
@@ -139,21 +141,13 @@ def make_drafter(
 
 def hf_model(directory: str | Path):
     """transformers' own model for a tiny target directory (the reference implementation)."""
-    import torch
-    import transformers
-
     return transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
 
 
 def exported_taps_error(out: str | Path, target_dir: str | Path, n: int = 9, seed: int = 0) -> float:
     """Max abs error of the exported target's taps (run by the ORT backend) against
     transformers' own `output_hidden_states[i + 1]` for every tap id of the artifact."""
-    import numpy as np
-    import torch
-
-    from .runtime.ort import OrtBackend
-
-    be = OrtBackend(out, verify=False)
+    be = ort.OrtBackend(out, verify=False)
     ids = torch.randint(0, be.manifest.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         hs = hf_model(target_dir)(ids, output_hidden_states=True, use_cache=False).hidden_states
@@ -164,10 +158,8 @@ def exported_taps_error(out: str | Path, target_dir: str | Path, n: int = 9, see
 
 def export_tiny_pair(root: str | Path, block_size: int, max_context: int, dtype: str = "fp32") -> Path:
     """A 2-layer, 32-wide target + 1-layer drafter under root/{t,d}, exported to root/out."""
-    from .export.artifact import export_artifact
-
     root = Path(root)
     make_target(root / "t", layers=2, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64)
     make_drafter(root / "d", root / "t", layers=1, block_size=block_size)
-    export_artifact(root / "t", root / "d", root / "out", dtype=dtype, max_context=max_context, progress=False)
+    artifact.export_artifact(root / "t", root / "d", root / "out", dtype=dtype, max_context=max_context, progress=False)
     return root / "out"
