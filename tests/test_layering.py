@@ -4,6 +4,7 @@ no cycles among the package's modules (imports inside functions count), optional
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,9 @@ def imports(name: str, top_only: bool = False) -> set[str]:
                  if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
     out = set()
     for node in nodes:
-        if isinstance(node, ast.ImportFrom):
+        if lazy(node) and not top_only:  # `x = lazy_import("dflash_export.y")`: an import all the same, on first use
+            out.add(node.args[0].value)
+        elif isinstance(node, ast.ImportFrom):
             target = ".".join(base[: len(base) - node.level + 1] + [node.module] if node.level else [node.module]) \
                 if node.module else ".".join(base[: len(base) - node.level + 1])
             subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in MODULES]
@@ -47,6 +50,61 @@ def imports(name: str, top_only: bool = False) -> set[str]:
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
     return {n if n in MODULES or n.startswith("dflash_export") else n.split(".")[0] for n in out}
+
+
+def lazy(node) -> bool:
+    """A call of the declared helper with a constant module name: `lazy_import("torch")`."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "lazy_import"
+            and len(node.args) == 1 and isinstance(node.args[0], ast.Constant))
+
+
+# The only import statements inside functions: each probes whether an optional dependency is installed,
+# where the helper's generic message would not do.
+INNER_IMPORTS = {
+    ("dflash_export.runtime.load", "ort_backend_class"): "onnxruntime or not: the hint names both flavours (cpu, gpu)",
+    ("dflash_export.runtime.trt_backend", "import_tensorrt"): "tensorrt and cuda-python or not: one line names every missing package",
+    ("dflash_export.cmd_run", "plot_bench"): "matplotlib or not; matplotlib.use('Agg') must run before pyplot is imported",
+}
+
+
+def test_imports_at_the_top():
+    """Imports are at the top of the file (optional dependencies through lazy_import), never inside a function,
+    except the probes in INNER_IMPORTS: so a module's dependencies are read at its top."""
+    found = {}
+    for m, f in MODULES.items():
+        def visit(node, fn):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.Import, ast.ImportFrom)) and fn:
+                    found.setdefault((m, fn), []).append(f"{f.relative_to(ROOT)}:{child.lineno} {ast.unparse(child)}")
+                visit(child, child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else fn)
+        visit(ast.parse(f.read_text()), None)
+    bad = [line for key, lines in found.items() if key not in INNER_IMPORTS for line in lines]
+    assert not bad, "imports inside functions (move them to the top; lazy_import for optional ones):\n" + "\n".join(bad)
+    assert set(INNER_IMPORTS) <= set(found), f"stale INNER_IMPORTS entries: {sorted(set(INNER_IMPORTS) - set(found))}"
+
+
+def _installed(name: str) -> bool | None:
+    """Whether module `name` exists, found on disk without importing it; None: its package is not installed."""
+    spec = importlib.util.find_spec(name.split(".")[0])  # a top-level name: nothing is imported
+    if spec is None:
+        return None
+    paths = [Path(p) for p in spec.submodule_search_locations or []]
+    for part in name.split(".")[1:]:
+        pkgs = [d / part for d in paths if (d / part / "__init__.py").is_file()]
+        if not pkgs:
+            return any((d / f"{part}.py").is_file() or any(d.glob(f"{part}.*.so")) for d in paths) and part == name.split(".")[-1]
+        paths = pkgs
+    return True
+
+
+def test_lazy_imports_name_real_modules():
+    """Every lazy_import names a module that exists (a typo would otherwise fail only on first use)."""
+    for m, f in MODULES.items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if lazy(node):
+                name = node.args[0].value
+                ok = name in MODULES if name.startswith("dflash_export") else _installed(name) is not False
+                assert ok, f"{m}: lazy_import({name!r}) names no module"
 
 
 def test_no_import_cycles():
