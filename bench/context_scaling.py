@@ -2,8 +2,8 @@
 
 The cache is bound in place (runtime/ort.py), so a step at context 2048 should cost a
 128-context step plus only the extra attention. Measures the three calls the loop makes
-(1-token target step, K-token verify, drafter block) with the cache filled to P positions;
-every call is rolled back (commit(0)), so P stays put. `--attention standard,ort` exports
+(1-token target step, K-token verify, drafter block) after P cached positions, with the
+measurements `bench --calibrate` makes (runtime/calibrate.py). `--attention standard,ort` exports
 the same model in both attention flavours (export --attention) and measures them
 interleaved, reporting each one's context cost (step at the longest context minus step at
 the shortest) and the ort / standard ratio of those costs (the issue's goal: <= 0.5, with
@@ -22,40 +22,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import numpy as np
 from common import bench_model
 
+from dflash_export.runtime import contract as C
+from dflash_export.runtime.calibrate import graph_ms, step_ms_by_context
 from dflash_export.runtime.ort import OrtBackend
 
 
 def time_calls(be: OrtBackend, P: int, repeats: int) -> dict[str, float]:
-    """Median ms of each call with P valid positions in both caches."""
-    import numpy as np
-
-    K = be.manifest.block_size
-    be.reset()
-    be.target_len = be.context_len = P  # the buffers are preallocated: any prefix is valid memory
-    one, block = np.array([5], np.int64), np.arange(5, 5 + K, dtype=np.int64)
-    calls = {
-        "step": lambda: (be.target(one), be.commit(0)),
-        "verify": lambda: (be.target(block), be.commit(0)),
-        "draft": lambda: be.draft_block(5),
-    }
-    out = {}
-    for name, call in calls.items():
-        for _ in range(3):
-            call()
-        ts = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            call()
-            ts.append(time.perf_counter() - t)
-        out[name] = statistics.median(ts) * 1e3
-    return out
+    """Median ms of each call the loop makes at a cached context of P positions, measured as
+    `bench --calibrate` measures them (runtime/calibrate.py): the 1-token step after P positions
+    (step_ms_by_context), and a round's verify and drafter block after a P-token prompt
+    (graph_ms: one position committed per repeat, so the context grows by `repeats` at most)."""
+    prompt = np.random.default_rng(P).integers(0, be.manifest.vocab_size - 2, P).tolist()
+    step = step_ms_by_context(be, [P], repeats)[str(P)]
+    calls = graph_ms(be, prompt, repeats)
+    return {"step": step, "verify": calls[C.TARGET], "draft": calls[C.DRAFT_BLOCK]}
 
 
 def node_counts(out: Path) -> dict[str, int]:
