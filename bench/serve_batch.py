@@ -32,16 +32,14 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from serve import Server  # bench/serve.py's server process and streamed POST
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).parent))
-from serve import Server  # noqa: E402 (bench/serve.py's server process and streamed POST)
 
 
 def uptime() -> str:
@@ -89,7 +87,6 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "serve_batch.json")
     a = ap.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    sys.path.insert(0, str(ROOT))
     from dflash_export.cmd_serve import demo_artifact
     from dflash_export.runtime.manifest import load_manifest
 
