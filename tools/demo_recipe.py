@@ -24,13 +24,24 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import sysconfig
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+from dflash_export.models import Target, TargetConfig  # noqa: E402
+from dflash_export.runtime.lazy import lazy_import  # noqa: E402
+
+transformers = lazy_import("transformers")  # optional: without it the config is written by hand (target_config_dict)
 
 HERE = Path(__file__).resolve().parents[1] / "demo"  # the shipped demo data (this script lives in tools/)
 WORK = HERE / "work"
@@ -70,8 +81,6 @@ def read(path: Path) -> str:
 
 def make_tokenizer(out: Path, train: list[Path], vocab: int) -> None:
     """Byte-level BPE with <|endoftext|> (id 0) and a dedicated <|mask|> (id 1) for DFlash."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -95,9 +104,6 @@ def make_tokenizer(out: Path, train: list[Path], vocab: int) -> None:
 
 def encode_files(tokenizer_dir: Path, files: list[Path]):
     """One token stream: every file followed by <|endoftext|>."""
-    import numpy as np
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     eos = tok.token_to_id("<|endoftext|>")
     ids: list[int] = []
@@ -111,14 +117,10 @@ def encode_files(tokenizer_dir: Path, files: list[Path]):
 
 def target_config_dict(tokenizer_dir: Path) -> dict:
     """An HF Qwen3ForCausalLM config.json (transformers' own when installed)."""
-    from tokenizers import Tokenizer
-
     eos = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id("<|endoftext|>")
     kw = dict(TARGET, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
               tie_word_embeddings=True, attention_bias=False, bos_token_id=None, eos_token_id=eos, pad_token_id=eos)
     try:
-        import transformers
-
         cfg = transformers.Qwen3Config(**kw).to_dict()
     except ImportError:
         cfg = dict(kw, model_type="qwen3", use_sliding_window=False, sliding_window=None)
@@ -129,11 +131,6 @@ def target_config_dict(tokenizer_dir: Path) -> dict:
 
 def save_target(model, cfg: dict, tokenizer_dir: Path, out: Path) -> None:
     """HF layout, bf16 safetensors (tied lm_head omitted, as transformers writes it)."""
-    import shutil
-
-    import torch
-    from safetensors.torch import save_file
-
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -146,12 +143,6 @@ def save_target(model, cfg: dict, tokenizer_dir: Path, out: Path) -> None:
 
 def train_target(args) -> None:
     """Causal-LM training of models.Target with bf16 autocast; snapshots along the way."""
-    import numpy as np
-    import torch
-    from torch.nn import functional as F
-
-    from dflash_export.models import Target, TargetConfig
-
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     train, held = corpus_files()
@@ -290,8 +281,6 @@ DRAFT_OPTIONS = ["--block-size", "16", "--layers", "1", "--target-layer-ids", "1
 
 def pair_target(args) -> None:
     """Ship a trained target (a snapshot or the final one) as demo/pair/target."""
-    import shutil
-
     src = Path(args.source)
     dst = PAIR / "target"
     shutil.rmtree(dst, ignore_errors=True)
