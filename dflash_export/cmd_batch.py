@@ -31,13 +31,14 @@ def batch_report(gens, stats) -> dict:
         "per_request_tokens_per_second": float(np.mean(per_request)) if per_request else 0.0,
         "tau": float(np.mean(lengths)) if lengths else 0.0,
         "rounds": stats.rounds,
+        "plain_rounds": stats.plain_rounds,  # rounds that drafted nothing
         "mean_occupancy": stats.occupancy,
         "time_s": {"prefill": stats.prefill_s, "rounds": stats.decode_s},
     }
 
 
 def run_batch(backend, prompts: list[list[int]], max_new_tokens: int, batch: int, *, draft: bool = True,
-              verify=None, **sampling) -> tuple[list, object]:
+              verify=None, control=None, **sampling) -> tuple[list, object]:
     """All prompts through `stream_batch` at `batch` rows -> (Generations in prompt order, BatchStats).
     Generation.total_s of each request is its wall time from joining to finishing."""
     from .runtime.loop import BatchStats, Request, stream_batch
@@ -45,7 +46,8 @@ def run_batch(backend, prompts: list[list[int]], max_new_tokens: int, batch: int
     stats, outs, order, start, done = BatchStats(), [], [], {}, {}
     reqs = [Request(p, max_new_tokens, **sampling) for p in prompts]
     t0 = time.perf_counter()
-    for i, _ in stream_batch(backend, reqs, batch=batch, draft=draft, verify=verify, outs=outs, stats=stats):
+    for i, _ in stream_batch(backend, reqs, batch=batch, draft=draft, verify=verify, outs=outs, stats=stats,
+                             control=control):
         now = time.perf_counter()
         if len(order) < len(outs):
             order.append(i)
@@ -59,9 +61,10 @@ def run_batch(backend, prompts: list[list[int]], max_new_tokens: int, batch: int
 
 
 def generate_many(backend, tok, prompts: list[list[int]], max_new_tokens: int, batch: int, draft: bool, verify,
-                  as_json: bool, **sampling) -> None:
+                  as_json: bool, control=None, **sampling) -> None:
     """`generate --prompts`: one output line per prompt, in input order."""
-    gens, stats = run_batch(backend, prompts, max_new_tokens, batch, draft=draft, verify=verify, **sampling)
+    gens, stats = run_batch(backend, prompts, max_new_tokens, batch, draft=draft, verify=verify, control=control,
+                            **sampling)
     for i, g in enumerate(gens):
         text = tok.decode(g.tokens) if tok is not None else None
         if as_json:
@@ -72,7 +75,8 @@ def generate_many(backend, tok, prompts: list[list[int]], max_new_tokens: int, b
     r = batch_report(gens, stats)
     click.echo(f"{r['requests']} prompts, batch {batch}: {r['new_tokens']} tokens in {r['wall_s']:.2f} s, "
                f"{r['aggregate_tokens_per_second']:.1f} tok/s aggregate, {r['per_request_tokens_per_second']:.1f} "
-               f"tok/s per request, tau {r['tau']:.2f}, occupancy {r['mean_occupancy']:.2f} [{backend.provider}]",
+               f"tok/s per request, tau {r['tau']:.2f}, occupancy {r['mean_occupancy']:.2f}, rounds "
+               f"{r['rounds'] - r['plain_rounds']} drafted / {r['plain_rounds']} plain [{backend.provider}]",
                err=True)
 
 

@@ -14,7 +14,8 @@ import click
 import numpy as np
 
 from .cmd_batch import bench_batch, check_batch_value, echo_bench_batch, generate_many
-from .options import device_options, sampling_options
+from .options import device_options, sampling_options, speculation_option
+from .runtime.controller import controller_for, rounds_of
 from .runtime.calibrate import calibrate, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
 from .runtime.errors import DFlashError
 from .runtime.load import open_artifact, open_backend, settings_for
@@ -54,12 +55,13 @@ def _parse_ids(text: str, what: str) -> list[int]:
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
 @sampling_options
 @click.option("--stop-ids", help="Comma-separated stop token ids (default: the manifest's eos_token_ids; '' for none).")
-@click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding of the target (the baseline).")
+@click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding of the target (= --speculation never).")
+@speculation_option
 @click.option("--stream", is_flag=True, help="Print tokens as each round is accepted.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with tokens and statistics.")
 @device_options
 def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, temperature, top_k, top_p, seed, stop_ids,
-             no_draft, stream, as_json, provider, backend, threads, spin, verify):
+             no_draft, speculation, stream, as_json, provider, backend, threads, spin, verify):
     """Speculative decoding of a prompt (or of --prompts FILE, --batch at a time) with an exported directory OUT."""
     if sum(x is not None for x in (prompt, prompt_ids, prompts_file)) != 1:
         raise DFlashError("give exactly one of --prompt TEXT, --prompt-ids 1,2,3 or --prompts FILE")
@@ -69,12 +71,16 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
         raise DFlashError("--stream and --json (or --prompts) are exclusive: --stream prints one prompt as it comes")
     check_sampling(temperature, top_k, top_p)
     stop = None if stop_ids is None else tuple(_parse_ids(stop_ids, "--stop-ids"))
+    if no_draft and speculation == "always":
+        raise DFlashError("--no-draft means --speculation never; leave out one of them")
+    no_draft = no_draft or speculation == "never"
     if prompts_file is not None:
         be, cfg = open_artifact(out, backend=backend, provider=provider, drafter=not no_draft, threads=threads,
                                 spin=spin, verify=verify, max_batch=batch)
         tok = load_tokenizer(out)
         prompts, _ = _bench_prompts(prompts_file, tok, be.manifest.vocab_size)
         generate_many(be, tok, prompts, max_new_tokens, batch, not no_draft, cfg.verify, as_json,
+                      control=controller_for(speculation, cfg.costs, be.manifest.block_size),
                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop)
         return
     ids = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
@@ -89,7 +95,8 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
     g = Generation()
     shown = ""
     for new in run(backend, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                   stop_token_ids=stop, draft=not no_draft, verify=cfg.verify, out=g):
+                   stop_token_ids=stop, draft=not no_draft, verify=cfg.verify, out=g,
+                   control=controller_for(speculation, cfg.costs, backend.manifest.block_size)):
         if stream:
             if tok is not None:
                 text = tok.decode(g.tokens)
@@ -110,6 +117,8 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
         "prompt_tokens": len(ids),
         "stopped": g.stopped,
         "mode": "autoregressive" if no_draft else "speculative",
+        "speculation": speculation,
+        "rounds": rounds_of([g]),  # {"drafted": n, "plain": m}
         "provider": backend.provider,
         "time_s": {"prefill": g.prefill_s, "draft": g.draft_s, "verify": g.verify_s, "host": g.host_s, "total": g.total_s},
         "round_ms": [[round(x * 1e3, 3) for x in r] for r in g.round_s],  # [draft, verify, host] per round
@@ -124,7 +133,8 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
     else:
         click.echo(result.get("text", " ".join(map(str, g.tokens))))
     click.echo(
-        f"{len(g.tokens)} tokens, tau {g.tau:.2f} (verified {g.mean_verify_len:.1f}/round), "
+        f"{len(g.tokens)} tokens, tau {g.tau:.2f} (verified {g.mean_verify_len:.1f}/round; rounds "
+        f"{result['rounds']['drafted']} drafted, {result['rounds']['plain']} plain), "
         f"{g.tokens_per_second:.1f} tok/s (decode), "
         f"prefill {g.prefill_s * 1e3:.1f} ms, draft {g.draft_s * 1e3:.1f} ms, verify {g.verify_s * 1e3:.1f} ms, "
         f"host {g.host_s * 1e3:.1f} ms [{backend.provider}]",

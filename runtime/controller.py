@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import DFlashError
+
 ALPHA = 0.3  # weight of the newest drafted round in a row's averages
 PRIOR = 4.0  # tokens per drafted round assumed for a new row (it drafts its first rounds)
 PROBE_BOUND = 0.02  # probes cost at most this fraction of plain throughput once the gap is at its maximum
@@ -177,7 +179,13 @@ def controller_for(mode: str, costs: dict | None, block_size: int) -> Controller
     """The controller of `--speculation auto` (None for always/never: the loop's `draft` says
     which): runtime.json's calibrated costs, else the default model."""
     if mode not in MODES:
-        raise ValueError(f"--speculation must be one of {', '.join(MODES)} (got {mode!r})")
+        raise DFlashError(f"--speculation must be one of {', '.join(MODES)} (got {mode!r})")
     if mode != "auto":
         return None
     return Controller(Costs.from_json(costs) if costs else default_costs(block_size), block_size)
+
+
+def rounds_of(gens) -> dict:
+    """{"drafted": rounds that verified drafts, "plain": plain steps} over generations' rows."""
+    drafted = sum(sum(g.drafted) for g in gens)
+    return {"drafted": drafted, "plain": sum(len(g.drafted) for g in gens) - drafted}
