@@ -80,20 +80,22 @@ def generate_many(backend, tok, prompts: list[list[int]], max_new_tokens: int, b
                err=True)
 
 
-def bench_batch(open_, prompts: list[list[int]], n: int, batch: int, warmup: int, verify, repeats: int = 2) -> dict:
+def bench_batch(open_, prompts: list[list[int]], n: int, batch: int, warmup: int, verify, repeats: int = 2,
+                control=None, draft: bool = True) -> dict:
     """Speculative and plain decoding of the requests at `batch` rows and at batch 1, interleaved;
     `open_(max_batch)` opens a backend. Requests: the prompts, repeated to 2 x batch when fewer."""
     reqs = [prompts[i % len(prompts)] for i in range(max(len(prompts), 2 * batch))]
     backends = {batch: open_(batch), 1: open_(1)}
     for be in backends.values():
-        for draft in (True, False):
+        for d in (True, False):
             for _ in range(warmup):
-                run_batch(be, reqs[: be.max_batch], n, be.max_batch, draft=draft, verify=verify)
+                run_batch(be, reqs[: be.max_batch], n, be.max_batch, draft=d and draft, verify=verify,
+                          control=control if d else None)
     runs = {(b, d): [] for b in backends for d in (True, False)}
     for _ in range(repeats):
         for d in (True, False):
             for b, be in backends.items():
-                gens, stats = run_batch(be, reqs, n, b, draft=d, verify=verify)
+                gens, stats = run_batch(be, reqs, n, b, draft=d and draft, verify=verify, control=control if d else None)
                 runs[b, d].append(batch_report(gens, stats))
     out = {"batch": batch, "requests": len(reqs), "max_new_tokens": n, "repeats": repeats,
            "provider": backends[batch].provider}

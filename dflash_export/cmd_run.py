@@ -22,7 +22,7 @@ from .runtime.load import open_artifact, open_backend, settings_for
 from .runtime.loop import Generation
 from .runtime.loop import stream as run
 from .runtime.manifest import load_manifest
-from .runtime.measure import measure_many, rate, summarize
+from .runtime.measure import measure_many, random_text_prompts, rate, summarize
 from .runtime.sampling import check_sampling
 from .runtime.settings import policy_json
 from .serve.text import load_tokenizer
@@ -218,9 +218,13 @@ def plot_bench(report: dict, path: Path) -> None:
                    "occupancy against batch 1 in the same run (interleaved).")
 @click.option("--temperature", default=0.0, show_default=True, type=float,
               help="> 0: sampled rounds (rejection sampling, seed = prompt index): tau at this temperature.")
+@click.option("--off-domain", "off_domain", default=4, show_default=True, type=int,
+              help="Also measure on N off-domain prompts (128 random vocabulary tokens each, seed 0, decoded: "
+                   "what synthetic load generators send); 0 skips.")
+@speculation_option
 @device_options
-def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate, contexts, batch, temperature, provider,
-          backend, threads, spin, verify):
+def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate, contexts, batch, temperature, off_domain,
+          speculation, provider, backend, threads, spin, verify):
     """Speculative vs plain decoding of OUT on the same prompts: tau, tokens/s, speedup.
 
     Without --threads every candidate thread count runs too (interleaved), which gives
@@ -239,7 +243,10 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         raise DFlashError(f"--context {max(ctx)} needs an export with --max-context >= {max(ctx) + m.block_size} "
                           f"(context + block size); {out} holds {m.max_context}")
     check_sampling(temperature, 0, 1.0)
-    prompts, source = _bench_prompts(prompts_file, load_tokenizer(out), m.vocab_size)
+    if off_domain < 0:
+        raise DFlashError(f"--off-domain must be >= 0 (got {off_domain})")
+    tok = load_tokenizer(out)
+    prompts, source = _bench_prompts(prompts_file, tok, m.vocab_size)
     room = m.max_context - max(len(p) for p in prompts)
     if room < 1:
         raise DFlashError(f"a prompt fills the max context {m.max_context}; use shorter prompts")
@@ -250,8 +257,9 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
             raise DFlashError("--batch runs its own comparison; leave out --calibrate, --plot, --context, --temperature")
         cfg = settings_for(out, backend, provider, threads=threads, spin=spin, verify=verify)
         report = bench_batch(lambda b: open_artifact(out, backend=backend, provider=provider, threads=threads, spin=spin,
-                                                     verify=verify, max_batch=b)[0], prompts, n, batch, warmup, cfg.verify)
-        report.update(prompt_source=source, threads=cfg.threads)
+                                                     verify=verify, max_batch=b)[0], prompts, n, batch, warmup, cfg.verify,
+                             control=controller_for(speculation, cfg.costs, m.block_size), draft=speculation != "never")
+        report.update(prompt_source=source, threads=cfg.threads, speculation=speculation)
         click.echo(json.dumps(report)) if as_json else echo_bench_batch(report)
         return
     sweep = backend == "ort" and threads is None
@@ -276,9 +284,11 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         backends[key] = open_backend(out, "ort", provider, **cfg.ort_kwargs())
         if not sweep:
             del backends[cfg.threads]
-    runs = measure_many(backends, prompts, n, warmup, cfg.verify, temperature)
+    control, draft = controller_for(speculation, cfg.costs, m.block_size), speculation != "never"
+    runs = measure_many(backends, prompts, n, warmup, cfg.verify, temperature, control, draft)
     main = backends[key]
-    report = {"provider": main.provider, **summarize(*runs[key], m.block_size, temperature)}
+    report = {"provider": main.provider, "speculation": speculation, "costs": control.costs.source if control else None,
+              **summarize(*runs[key], m.block_size, temperature)}
     report.update(max_new_tokens=n, prompt_source=source, threads=cfg.threads, graph_threads=cfg.graph_threads or None,
                   spin=cfg.spin, verify=policy_json(cfg.verify), draft_vocab=(m.draft_vocab or {}).get("size"),
                   prefill_chunk=min(main.max_chunk, cfg.prefill_chunk or main.max_chunk))
@@ -289,6 +299,12 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         report["speedup_vs_best_plain"] = rate(runs[key][0]) / max(v["autoregressive"] for v in by.values())
     if calibration is not None:
         report["calibration"] = calibration
+    if off_domain and tok is not None:  # the same comparison on synthetic off-domain text
+        off = [tok.encode(t).ids[: m.max_context - n] for t in random_text_prompts(tok, m.vocab_size, off_domain)]
+        s = summarize(*measure_many({0: main}, off, n, 0, cfg.verify, temperature, control, draft)[0], m.block_size,
+                      temperature)
+        report["off_domain"] = {"prompts": len(off), "source": "128 random vocabulary tokens each, seed 0",
+                                **{k: s[k] for k in ("tau", "rounds", "tokens_per_second", "speedup", "lossless")}}
     if ctx:
         report["step_ms_by_context"] = step_ms_by_context(main, ctx)
     long = ttft_prompt(main)  # time to first token: prefill of target and drafter at the run's chunk
@@ -309,6 +325,14 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     click.echo(f"tau {r['tau']:.2f}{f' at temperature {temperature}' if temperature else ''}, mean verify length {r['mean_verify_len']:.2f}  histogram {r['acceptance_histogram']}")
     click.echo(f"speculative {t['speculative']:.1f} tok/s, autoregressive {t['autoregressive']:.1f} tok/s, "
                f"speedup {r['speedup']:.2f}x")
+    click.echo(f"speculation {r['speculation']}: {r['rounds']['drafted']} rounds drafted, {r['rounds']['plain']} plain"
+               + (f" (cost model: {r['costs']})" if r["costs"] else ""))
+    if "off_domain" in r:
+        o = r["off_domain"]
+        click.echo(f"off-domain ({o['prompts']} prompts, {o['source']}): speculative "
+                   f"{o['tokens_per_second']['speculative']:.1f} tok/s, autoregressive "
+                   f"{o['tokens_per_second']['autoregressive']:.1f} tok/s, speedup {o['speedup']:.2f}x, tau {o['tau']:.2f}, "
+                   f"rounds {o['rounds']['drafted']} drafted / {o['rounds']['plain']} plain")
     if sweep:
         click.echo(f"best threads {r['best_threads']}; speedup vs plain at its best thread count "
                    f"{r['speedup_vs_best_plain']:.2f}x; by threads {r['by_threads']}")
