@@ -2,19 +2,23 @@
 
 A drafted round of R rows costs one `draft_block` call, one verify of the longest row's
 length S and one `draft_context` call, and emits each row's accepted drafts plus one
-token; a plain step costs one 1-position target call (and, while drafting may resume, one
-`draft_context` call, so the drafter's context stays current) and emits one token per row.
-Drafting pays when the rows' mean expected tokens per drafted round exceeds
+token; a plain step costs one 1-position target call and emits one token per row. Drafting
+pays when the rows' mean expected tokens per drafted round exceeds the break-even
 
-    ratio(R, S) = (draft(R) + verify(R, S) + context(R)) / (step(R) + context(R))
+    ratio(R, S) = (draft(R) + verify(R, S) + context(R)) / step(R)
 
 Each row keeps an exponential average of the tokens its drafted rounds emitted (`ALPHA`,
-starting at `PRIOR`) and of its verify length. While a round goes plain every row counts
-its plain rounds and is drafted again (a probe) after `gap` of them; a probe that does not
-pay doubles the row's gap up to `max_gap(ratio)`, which bounds what probing costs: a probe
-still emits at least the one token a plain step would, so it adds at most (ratio - 1)
-step-times per `gap` plain steps, at most `PROBE_BOUND` (2%) of plain throughput once the gap
-has grown (the first probes of a stretch come sooner: gaps from `max_gap / 8`).
+starting at `PRIOR`) and of its verify length. A plain step's new position must still reach
+the drafter's context before the row drafts again: on a backend whose taps are host arrays
+(ONNX Runtime on CPU) the row keeps a copy of that position's taps and the next drafted
+round projects them all in one call; elsewhere each plain round makes the call.
+
+Probes: while plain, a row counts its plain rounds and drafts again after `gap` of them; a
+probe that does not pay doubles the gap, up to `max_gap`. A probe still emits at least the
+token a step would, so it adds at most `probe(R, S)` = ratio - 1 + context / step step-times
+per gap + 1 rounds: with the gap at its maximum, probing costs at most `PROBE_BOUND` = 2% of
+plain throughput. (The first gap of a plain stretch is max_gap / 8, at least 2, so the first
+probes of a stretch come sooner and cost more: up to 1/3 of `probe` per round at gap 2.)
 
 Lossless: the target chooses every token in either kind of round, so greedy rows give the
 target's greedy output whatever is decided. A sampled row that verifies by rejection
@@ -22,11 +26,13 @@ sampling (its tokens depend on which rounds drafted) decides for itself from its
 history and the batch-1 costs, so its output stays its seed's whatever else is in the
 batch; sample-and-compare rows draw the same tokens in either kind of round.
 
-Costs come from `bench --calibrate` (runtime.json `costs`: ms by rows and verify length);
-without them `DEFAULT_COSTS`, in units of a plain step: a verify of s positions costs
-1 + 0.08 (s - 1) steps, a draft 1 step, a context update 0.1 step (the ratios measured on a
-2-core CPU), which drafts a full 16-token block only at more than 3.0 tokens a round. On a GPU a verify costs about a step: calibrate there, and the break-even
-drops to ~1.2-1.5 tokens a round (`break_even`; docs/runtime.md shows the table).
+Costs come from `bench --calibrate` (runtime.json `costs`: ms by rows and verify length).
+Without them, `default_costs`, in units of a batch-1 step: a call over p positions costs
+1 + 0.08 (p - 1) steps (a 16-token verify 2.2 steps, as measured on 2-core CPUs), a draft
+1 step, a context update 0.1 step: a full 16-token block is drafted only above 3.3 tokens
+a round. That is cautious: where a verify costs about a step (a GPU at small batch) the
+break-even is ~1.2-1.4 tokens a round and drafting almost never stops (docs/runtime.md
+shows both); calibrate on the deployed hardware.
 """
 
 from __future__ import annotations
@@ -67,11 +73,16 @@ class Costs:
         return self._at(self.draft, r) + self._at([v[s - 1] for v in self.verify], r) + self._at(self.context, r)
 
     def plain_ms(self, r: int) -> float:
-        return self._at(self.step, r) + self._at(self.context, r)
+        return self._at(self.step, r)
 
     def ratio(self, r: int, s: int) -> float:
         """Tokens a drafted round must emit per row to match plain steps (the break-even)."""
         return self.spec_ms(r, s) / self.plain_ms(r)
+
+    def probe(self, r: int, s: int) -> float:
+        """What a probe may add, in plain steps: a drafted round instead of a step (which emits
+        at least the step's one token per row), plus the drafter's catch-up call."""
+        return (self.spec_ms(r, s) + self._at(self.context, r)) / self.plain_ms(r) - 1
 
     def to_json(self) -> dict:
         return {"rows": self.rows, "step_ms": self.step, "verify_ms": self.verify, "draft_ms": self.draft,
@@ -83,7 +94,8 @@ class Costs:
                 [[float(x) for x in v] for v in d["verify_ms"]], [float(x) for x in d["draft_ms"]],
                 [float(x) for x in d["context_ms"]], "calibrated")
         n = len(c.rows)
-        if not n or c.rows != sorted(set(c.rows)) or c.rows[0] < 1 or any(len(x) != n for x in (c.step, c.verify, c.draft, c.context)):
+        if not n or c.rows != sorted(set(c.rows)) or c.rows[0] < 1 or any(
+                len(x) != n for x in (c.step, c.verify, c.draft, c.context)):
             raise ValueError("costs need one entry per measured row count (ascending)")
         if any(not v or len(v) != len(c.verify[0]) for v in c.verify) or min(c.step) <= 0:
             raise ValueError("costs need positive step times and one verify length curve per row count")
@@ -99,9 +111,9 @@ def default_costs(block_size: int, rows: int = 8) -> Costs:
                  [call(r) for r in rs], [0.1 * call(r) for r in rs])
 
 
-def max_gap(ratio: float) -> int:
-    """The largest probe gap: (ratio - 1) / (gap + 1) <= PROBE_BOUND."""
-    return max(1, math.ceil((ratio - 1) / PROBE_BOUND) - 1)
+def max_gap(probe: float) -> int:
+    """The largest probe gap: a probe adding `probe` steps per gap + 1 rounds is <= PROBE_BOUND of them."""
+    return max(1, math.ceil(probe / PROBE_BOUND) - 1)
 
 
 @dataclass
@@ -115,6 +127,7 @@ class RowControl:
     drafts: bool = True  # this round: the row verifies its drafts
     own: bool = False  # decides for itself (rejection sampling: its tokens depend on it)
     seen: int = 0  # rounds of the row's Generation already read
+    taps: list = field(default_factory=list)  # its plain steps' taps, for the drafter's context (host backends)
 
 
 @dataclass
@@ -129,23 +142,24 @@ class Controller:
         ls = [r.ctl.length for r in rows if r.ctl.length > 0]
         return max(1, min(self.block_size, math.ceil(max(ls)) if ls else self.block_size))
 
-    def _ratio(self, c: RowControl, rows: int, s: int) -> float:
-        """The break-even a row is held to: a row that decides for itself, at batch 1 and its own length."""
+    def _ratio(self, c: RowControl, rows: int, s: int, what: str = "ratio") -> float:
+        """The break-even (or probe cost) a row is held to (one that decides for itself: at batch 1, its own length)."""
         if c.own:
-            return self.costs.ratio(1, math.ceil(c.length) if c.length else self.block_size)
-        return self.costs.ratio(rows, s)
+            rows, s = 1, math.ceil(c.length) if c.length else self.block_size
+        return getattr(self.costs, what)(rows, s)
 
     def _read(self, c: RowControl, g, rows: int, s: int) -> None:
         """The row's rounds since the last look (its Generation): averages, counts, gaps."""
         for a, v, d in zip(g.acceptance_lengths[c.seen :], g.verify_lengths[c.seen :], g.drafted[c.seen :]):
             if not d:
                 c.plain += 1
-                c.gap = c.gap or max(2, max_gap(self._ratio(c, rows, s)) // 8)
+                c.gap = c.gap or max(2, max_gap(self._ratio(c, rows, s, "probe")) // 8)
                 continue
             c.tokens += ALPHA * (a - c.tokens)
             c.length = float(v) if c.length == 0 else c.length + ALPHA * (v - c.length)
             if c.gap:  # a probe: back to drafting if it paid, else wait twice as long
-                c.gap = 0 if c.tokens > self._ratio(c, rows, s) else min(2 * c.gap, max_gap(self._ratio(c, rows, s)))
+                paid = c.tokens > self._ratio(c, rows, s)
+                c.gap = 0 if paid else min(2 * c.gap, max_gap(self._ratio(c, rows, s, "probe")))
             c.plain = 0
         c.seen = len(g.acceptance_lengths)
 
@@ -153,14 +167,24 @@ class Controller:
         """A row's own wish: its average pays, or its probe is due."""
         return c.tokens > ratio or (c.gap > 0 and c.plain >= c.gap)
 
-    def decide(self, rows) -> bool:
+    def decide(self, rows, backend=None) -> bool:
         """Whether this round drafts; sets each row's `ctl.drafts` (rows: the loop's `_Row`s,
-        `req.speculative` False / True (auto) / "always", `ud` set: rejection sampling)."""
-        R = len(rows)
+        `req.speculative` False / True (auto) / "always", `ud` set: rejection sampling). Before a
+        drafted round the rows' plain steps reach the drafter's context (`backend`)."""
         for r in rows:
             if r.ctl is None:
                 r.ctl = RowControl(own=r.ud is not None, seen=len(r.gen.acceptance_lengths))
-        S = self._length(rows)
+        spec, own = self.choose(rows)
+        for b, r in enumerate(rows):
+            r.ctl.drafts = spec and bool(r.req.speculative) and own.get(id(r), True)
+            if spec and r.ctl.taps:
+                backend.context_from_taps(b, np.stack(r.ctl.taps))
+                r.ctl.taps = []
+        return spec
+
+    def choose(self, rows) -> tuple[bool, dict]:
+        """(whether the round drafts, {id(row): its own wish} for the rows that decide for themselves)."""
+        R, S = len(rows), self._length(rows)
         auto = [r for r in rows if r.req.speculative is True]
         for r in auto:
             self._read(r.ctl, r.gen, R, S)
@@ -170,9 +194,23 @@ class Controller:
         gain = bool(shared) and (sum(r.ctl.tokens for r in shared) + R - len(shared)) / R > ratio
         probe = any(r.ctl.gap > 0 and r.ctl.plain >= r.ctl.gap for r in shared)
         spec = any(r.req.speculative == "always" for r in rows) or gain or probe or any(own.values())
-        for r in rows:
-            r.ctl.drafts = spec and bool(r.req.speculative) and own.get(id(r), True)
-        return spec
+        return spec, own
+
+    def plain_step(self, backend, rows, produced) -> None:
+        """After a plain round: each speculative row's new position must reach the drafter's
+        context before it drafts again. A backend with host taps (ONNX Runtime, CPU) keeps them
+        here (a copy of one position's features per row; projected in one call at the next
+        drafted round); any other projects them now (a draft_context call per plain round)."""
+        keep = [b for b, r in enumerate(rows) if r.req.speculative and not r.done]
+        if not keep:
+            return
+        taps = backend.last_taps(len(rows)) if hasattr(backend, "last_taps") else None
+        if taps is None:
+            more = np.array([produced[b] if b in keep else 0 for b in range(len(rows))], np.int64)
+            backend.draft_context_rows(list(range(len(rows))), more)
+            return
+        for b in keep:
+            rows[b].ctl.taps.append(taps[b])
 
 
 def controller_for(mode: str, costs: dict | None, block_size: int) -> Controller | None:

@@ -15,12 +15,11 @@ drafts equal the target's choices, adds the target's choice after it, and keeps 
 length. With `draft=False` the same loop is plain decoding (K = 1: no drafts, verify the
 anchor alone), the baseline every speedup is measured against.
 
-Adaptive verify (`verify`, runtime/settings.py) verifies only the confident prefix of the
-drafts (on a CPU a verify costs in proportion to its length); `control` (runtime/controller.py)
-picks drafting or plain steps each round from recent acceptance and calibrated costs. Both
-are lossless: the target chooses every token. Sampling (T > 0) is per row: rejection
-sampling with the drafter's q, or sample-and-compare where a row asks for it or q is not
-available (runtime/sampling.py: uniforms per absolute position make a row's output its seed's).
+Adaptive verify (`verify`, runtime/settings.py) verifies the confident prefix of the drafts
+(a CPU verify costs in proportion to its length); `control` (runtime/controller.py) picks
+drafting or plain steps each round from recent acceptance and calibrated costs. Both are
+lossless: the target chooses every token. Sampling (T > 0) is per row: rejection sampling with
+the drafter's q, or sample-and-compare where a row asks (or q is not available): runtime/sampling.py.
 """
 
 from __future__ import annotations
@@ -209,7 +208,7 @@ def stream_batch(
         call_rows = list(range(len(rows)))
         t1 = clock()
         anchors = np.array([r.anchor for r in rows], np.int64)
-        spec = draft and any(r.req.speculative for r in rows) and (control is None or control.decide(rows))
+        spec = draft and any(r.req.speculative for r in rows) and (control is None or control.decide(rows, backend))
         drafts, conf = backend.draft_block_rows(call_rows, anchors) if spec else (None, None)
         drafted = _sample_drafts(backend, rows, drafts) if spec and any(r.ud is not None for r in rows) else {}
         if drafted:
@@ -258,10 +257,12 @@ def stream_batch(
             r.start += int(produced[b])
             r.anchor = emitted_of[b][-1]
         t4 = clock()
-        if draft:  # the next round needs the features of what each continuing speculative row kept
+        if spec:  # the next round needs the features of what each continuing speculative row kept
             more = np.array([0 if r.done or not r.req.speculative else produced[b] for b, r in enumerate(rows)], np.int64)
             if more.any():
                 backend.draft_context_rows(call_rows, more)
+        elif control is not None:  # plain: the controller keeps those features for its next drafted round
+            control.plain_step(backend, rows, produced)
         t5 = clock()
         st.rounds, st.plain_rounds = st.rounds + 1, st.plain_rounds + (not spec)
         st.busy_rows += len(rows)
@@ -367,9 +368,8 @@ def stream(
     sampling: str = "rejection",
     control=None,
 ) -> Iterator[list[int]]:
-    """Yield the tokens of each round as it is accepted; statistics accumulate in `out`.
-    `reuse`: the first `reuse` prompt tokens are already in the backend's caches (a server
-    slot's previous sequence started with them); at least the last prompt token is run."""
+    """Yield each round's tokens as accepted (statistics in `out`). `reuse`: the first `reuse` prompt
+    tokens are already in the caches (a server slot's last sequence); the last one is always run."""
     q = Request(list(prompt), max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, reuse, sampling)
     outs: list[Generation] = []
     for _, tokens in stream_batch(backend, [q], batch=1, draft=draft, prefill_chunk=prefill_chunk, verify=verify,
