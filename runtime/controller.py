@@ -44,8 +44,9 @@ import numpy as np
 
 from .errors import DFlashError
 
-ALPHA = 0.3  # weight of the newest drafted round in a row's averages
-PRIOR = 4.0  # tokens per drafted round assumed for a new row (it drafts its first rounds)
+GAMMA = 0.9  # a row's drafted rounds count with weight GAMMA ** (drafted rounds since): about the last 10
+PRIOR = 1.0  # a new row's estimate: as if one drafted round had emitted the batch-1 break-even + PRIOR tokens
+ALPHA = 0.3  # weight of the newest drafted round in a row's average verify length
 PROBE_BOUND = 0.02  # probes cost at most this fraction of plain throughput once the gap is at its maximum
 MODES = ("auto", "always", "never")
 
@@ -120,13 +121,32 @@ def max_gap(probe: float) -> int:
 class RowControl:
     """One row's record: averages over its drafted rounds, and its probe schedule."""
 
-    tokens: float = PRIOR  # exponential average of tokens per drafted round
+    emitted: float = 0.0  # discounted sum of tokens its drafted rounds emitted
+    squares: float = 0.0  # ... of their squares
+    weight: float = 0.0  # discounted count of its drafted rounds
     length: float = 0.0  # exponential average of the verify length (0: none yet)
     plain: int = 0  # plain rounds since it last drafted
     gap: int = 0  # plain rounds before its next probe (0: not plain yet)
     drafts: bool = True  # this round: the row verifies its drafts
     own: bool = False  # decides for itself (rejection sampling: its tokens depend on it)
     seen: int = 0  # rounds of the row's Generation already read
+    prior: float = 4.0  # its estimate before any round (so one round of a single token stops a CPU row)
+
+    @property
+    def tokens(self) -> float:
+        """Expected tokens of its next drafted round: the discounted mean, PRIOR as one round's worth."""
+        return (self.prior + self.emitted) / (1 + self.weight)
+
+    @property
+    def hopeful(self) -> float:
+        """`tokens` plus one standard error of the rounds' mean: acceptance is bursty (many rounds
+        of 1-2 tokens, some of a whole block), so a row stops drafting only when the rounds
+        say clearly that it does not pay; rounds that all emit alike stop it at once."""
+        if self.weight < 1.5:
+            return self.tokens
+        mean = self.emitted / self.weight
+        var = max(0.0, self.squares / self.weight - mean * mean)
+        return self.tokens + math.sqrt(var / self.weight)
     taps: list = field(default_factory=list)  # its plain steps' taps, for the drafter's context (host backends)
 
 
@@ -155,17 +175,17 @@ class Controller:
                 c.plain += 1
                 c.gap = c.gap or max(2, max_gap(self._ratio(c, rows, s, "probe")) // 8)
                 continue
-            c.tokens += ALPHA * (a - c.tokens)
+            c.emitted, c.squares, c.weight = GAMMA * c.emitted + a, GAMMA * c.squares + a * a, GAMMA * c.weight + 1
             c.length = float(v) if c.length == 0 else c.length + ALPHA * (v - c.length)
-            if c.gap:  # a probe: back to drafting if it paid, else wait twice as long
-                paid = c.tokens > self._ratio(c, rows, s)
-                c.gap = 0 if paid else min(2 * c.gap, max_gap(self._ratio(c, rows, s, "probe")))
+            if c.gap:  # a probe: back to drafting if the estimate now pays; a probe that did not pay itself doubles the gap
+                ratio = self._ratio(c, rows, s)
+                c.gap = 0 if c.hopeful > ratio else c.gap if a > ratio else min(2 * c.gap, max_gap(self._ratio(c, rows, s, "probe")))
             c.plain = 0
         c.seen = len(g.acceptance_lengths)
 
     def _wants(self, c: RowControl, ratio: float) -> bool:
         """A row's own wish: its average pays, or its probe is due."""
-        return c.tokens > ratio or (c.gap > 0 and c.plain >= c.gap)
+        return c.hopeful > ratio or (c.gap > 0 and c.plain >= c.gap)
 
     def decide(self, rows, backend=None) -> bool:
         """Whether this round drafts; sets each row's `ctl.drafts` (rows: the loop's `_Row`s,
@@ -173,7 +193,8 @@ class Controller:
         drafted round the rows' plain steps reach the drafter's context (`backend`)."""
         for r in rows:
             if r.ctl is None:
-                r.ctl = RowControl(own=r.ud is not None, seen=len(r.gen.acceptance_lengths))
+                r.ctl = RowControl(own=r.ud is not None, seen=len(r.gen.acceptance_lengths),
+                                   prior=self.costs.ratio(1, self.block_size) + PRIOR)
         spec, own = self.choose(rows)
         for b, r in enumerate(rows):
             r.ctl.drafts = spec and bool(r.req.speculative) and own.get(id(r), True)
@@ -191,7 +212,7 @@ class Controller:
         ratio = self.costs.ratio(R, S)
         own = {id(r): self._wants(r.ctl, self._ratio(r.ctl, R, S)) for r in auto if r.ctl.own}
         shared = [r for r in auto if not r.ctl.own]
-        gain = bool(shared) and (sum(r.ctl.tokens for r in shared) + R - len(shared)) / R > ratio
+        gain = bool(shared) and (sum(r.ctl.hopeful for r in shared) + R - len(shared)) / R > ratio
         probe = any(r.ctl.gap > 0 and r.ctl.plain >= r.ctl.gap for r in shared)
         spec = any(r.req.speculative == "always" for r in rows) or gain or probe or any(own.values())
         return spec, own
