@@ -73,7 +73,8 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
     stop = None if stop_ids is None else tuple(_parse_ids(stop_ids, "--stop-ids"))
     if no_draft and speculation == "always":
         raise DFlashError("--no-draft means --speculation never; leave out one of them")
-    no_draft = no_draft or speculation == "never"
+    speculation = "never" if no_draft else speculation
+    no_draft = speculation == "never"
     if prompts_file is not None:
         be, cfg = open_artifact(out, backend=backend, provider=provider, drafter=not no_draft, threads=threads,
                                 spin=spin, verify=verify, max_batch=batch)

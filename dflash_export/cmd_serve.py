@@ -230,7 +230,8 @@ def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_f
     check_options(threads, verify)  # before --demo's first export, not after it
     if no_draft and speculation == "always":
         raise DFlashError("--no-draft means --speculation never; leave out one of them")
-    no_draft = no_draft or speculation == "never"
+    speculation = "never" if no_draft else speculation
+    no_draft = speculation == "never"
     if (slots or 1) > 1 and backend != "ort":
         raise DFlashError(f"--slots {slots} needs --backend ort (its slots share one copy of the weights)")
     use_ray = ray["use_ray"]

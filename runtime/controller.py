@@ -222,7 +222,7 @@ class Controller:
         context before it drafts again. A backend with host taps (ONNX Runtime, CPU) keeps them
         here (a copy of one position's features per row; projected in one call at the next
         drafted round); any other projects them now (a draft_context call per plain round)."""
-        keep = [b for b, r in enumerate(rows) if r.req.speculative and not r.done]
+        keep = [b for b, r in enumerate(rows) if r.req.speculative and not r.done and r.ctl is not None]
         if not keep:
             return
         taps = backend.last_taps(len(rows)) if hasattr(backend, "last_taps") else None

@@ -221,3 +221,24 @@ def test_costs_in_runtime_json(tmp_path):
         controller_for("sometimes", {}, 8)
     c = Controller(default_costs(16), 16)
     assert c._wants(RowControl(prior=c.costs.ratio(1, 16) + 1), c.costs.ratio(1, 16))  # a new row drafts its first round
+
+
+def test_cli_speculation_modes(tmp_path):
+    """`generate --speculation auto|always|never` (and the old --no-draft) give the same greedy
+    tokens and report the rounds each way; contradictory flags are one line."""
+    from click.testing import CliRunner
+
+    from dflash_export.cli import cli
+
+    _, _, out = artifact(CASES["qwen3"])
+    runs = {}
+    for mode in (["--speculation", "auto"], ["--speculation", "always"], ["--speculation", "never"], ["--no-draft"]):
+        r = CliRunner().invoke(cli, ["generate", str(out), "--prompt-ids", "5,9,13,2", "--max-new-tokens", "24",
+                                     "--json", "--threads", "1", *mode])
+        assert r.exit_code == 0, r.output
+        runs[" ".join(mode)] = json.loads(r.stdout.splitlines()[-1])
+    assert len({tuple(x["tokens"]) for x in runs.values()}) == 1
+    assert runs["--speculation never"]["rounds"]["drafted"] == 0 and runs["--no-draft"]["rounds"]["drafted"] == 0
+    assert runs["--speculation always"]["rounds"]["plain"] == 0 and runs["--speculation auto"]["speculation"] == "auto"
+    r = CliRunner().invoke(cli, ["generate", str(out), "--prompt-ids", "5,9", "--no-draft", "--speculation", "always"])
+    assert r.exit_code != 0 and "--no-draft means --speculation never" in r.output and "Traceback" not in r.output
