@@ -47,6 +47,9 @@ from .errors import DFlashError
 GAMMA = 0.9  # a row's drafted rounds count with weight GAMMA ** (drafted rounds since): about the last 10
 PRIOR = 1.0  # a new row's estimate: as if one drafted round had emitted the batch-1 break-even + PRIOR tokens
 ALPHA = 0.3  # weight of the newest drafted round in a row's average verify length
+HOPE = 1.0  # standard errors of optimism in a row's estimate
+MARGIN = 0.0  # a drafted round must beat plain steps by this fraction
+MEASURED_WEIGHT, MEASURED_MIN = 0.1, 8  # the measured round times: newest round's weight, rounds of each kind before use
 PROBE_BOUND = 0.02  # probes cost at most this fraction of plain throughput once the gap is at its maximum
 MODES = ("auto", "always", "never")
 
@@ -61,13 +64,18 @@ class Costs:
     draft: list[float]  # one draft_block call
     context: list[float]  # one draft_context call (a position or a few per row)
     source: str = "default"  # "calibrated" (runtime.json) or "default"
+    _memo: dict = field(default_factory=dict, repr=False)
 
     def _at(self, values: list[float], r: int) -> float:
         """Linear in rows between the measured ones; beyond the last, per row as the last."""
         xs = self.rows
         if r >= xs[-1]:
             return values[-1] * r / xs[-1]
-        return float(np.interp(r, xs, values))
+        i = next(i for i, x in enumerate(xs) if x >= r)
+        if xs[i] == r or i == 0:
+            return values[i]
+        w = (r - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return values[i - 1] + w * (values[i] - values[i - 1])
 
     def spec_ms(self, r: int, s: int) -> float:
         s = max(1, min(s, len(self.verify[0])))
@@ -78,7 +86,10 @@ class Costs:
 
     def ratio(self, r: int, s: int) -> float:
         """Tokens a drafted round must emit per row to match plain steps (the break-even)."""
-        return self.spec_ms(r, s) / self.plain_ms(r)
+        key = (r, s)
+        if key not in self._memo:  # the loop asks every round: a dict look-up, not the arithmetic
+            self._memo[key] = self.spec_ms(r, s) / self.plain_ms(r)
+        return self._memo[key]
 
     def probe(self, r: int, s: int) -> float:
         """What a probe may add, in plain steps: a drafted round instead of a step (which emits
@@ -131,6 +142,7 @@ class RowControl:
     own: bool = False  # decides for itself (rejection sampling: its tokens depend on it)
     seen: int = 0  # rounds of the row's Generation already read
     prior: float = 4.0  # its estimate before any round (so one round of a single token stops a CPU row)
+    clocked: int = -2  # its rounds at the last decision (the next round's time is then measured)
 
     @property
     def tokens(self) -> float:
@@ -146,7 +158,7 @@ class RowControl:
             return self.tokens
         mean = self.emitted / self.weight
         var = max(0.0, self.squares / self.weight - mean * mean)
-        return self.tokens + math.sqrt(var / self.weight)
+        return self.tokens + HOPE * math.sqrt(var / self.weight)
     taps: list = field(default_factory=list)  # its plain steps' taps, for the drafter's context (host backends)
 
 
@@ -157,6 +169,32 @@ class Controller:
 
     costs: Costs
     block_size: int
+    measured: dict = field(default_factory=dict)  # (rows, drafted) -> [mean ms of such rounds here, rounds, verify length]
+    _last: tuple = ()  # (rows, drafted, verify length) of the last decision
+
+    def _clock(self, rows) -> None:
+        """The last round's wall time (any row that ran it has it last in `round_s`): the costs
+        as this machine runs them now, load included, beside the calibrated ones."""
+        for r in rows:
+            g = r.gen
+            if self._last and r.ctl is not None and r.ctl.clocked == len(g.round_s) - 1:
+                R, kind, s = self._last
+                t = sum(g.round_s[-1]) * 1e3
+                m = self.measured.setdefault((R, kind), [t, 0, s])
+                m[0], m[1], m[2] = m[0] + MEASURED_WEIGHT * (t - m[0]), m[1] + 1, m[2] + MEASURED_WEIGHT * (s - m[2])
+                break
+        for r in rows:
+            if r.ctl is not None:
+                r.ctl.clocked = len(r.gen.round_s)
+
+    def correction(self, rows: int) -> float:
+        """Measured over calibrated break-even at this batch size (1 until both kinds of round
+        ran MEASURED_MIN times here): on a loaded machine a drafted round's calls may cost
+        relatively more (or less) than the calibration saw."""
+        d, p = self.measured.get((rows, True)), self.measured.get((rows, False))
+        if not d or not p or min(d[1], p[1]) < MEASURED_MIN:
+            return 1.0
+        return min(1.5, max(0.7, d[0] / p[0] / self.costs.ratio(rows, round(d[2]))))
 
     def _length(self, rows) -> int:
         ls = [r.ctl.length for r in rows if r.ctl.length > 0]
@@ -164,9 +202,9 @@ class Controller:
 
     def _ratio(self, c: RowControl, rows: int, s: int, what: str = "ratio") -> float:
         """The break-even (or probe cost) a row is held to (one that decides for itself: at batch 1, its own length)."""
-        if c.own:
-            rows, s = 1, math.ceil(c.length) if c.length else self.block_size
-        return getattr(self.costs, what)(rows, s)
+        if c.own:  # its own history and batch-1 costs only: nothing of the other rows
+            return getattr(self.costs, what)(1, math.ceil(c.length) if c.length else self.block_size)
+        return getattr(self.costs, what)(rows, s) * (self.correction(rows) * (1 + MARGIN) if what == "ratio" else 1.0)
 
     def _read(self, c: RowControl, g, rows: int, s: int) -> None:
         """The row's rounds since the last look (its Generation): averages, counts, gaps."""
@@ -195,7 +233,9 @@ class Controller:
             if r.ctl is None:
                 r.ctl = RowControl(own=r.ud is not None, seen=len(r.gen.acceptance_lengths),
                                    prior=self.costs.ratio(1, self.block_size) + PRIOR)
+        self._clock(rows)
         spec, own = self.choose(rows)
+        self._last = (len(rows), spec, self._length(rows) if spec else 1)
         for b, r in enumerate(rows):
             r.ctl.drafts = spec and bool(r.req.speculative) and own.get(id(r), True)
             if spec and r.ctl.taps:
@@ -209,7 +249,7 @@ class Controller:
         auto = [r for r in rows if r.req.speculative is True]
         for r in auto:
             self._read(r.ctl, r.gen, R, S)
-        ratio = self.costs.ratio(R, S)
+        ratio = self.costs.ratio(R, S) * self.correction(R) * (1 + MARGIN)
         own = {id(r): self._wants(r.ctl, self._ratio(r.ctl, R, S)) for r in auto if r.ctl.own}
         shared = [r for r in auto if not r.ctl.own]
         gain = bool(shared) and (sum(r.ctl.hopeful for r in shared) + R - len(shared)) / R > ratio
