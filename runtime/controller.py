@@ -26,7 +26,9 @@ sampling (its tokens depend on which rounds drafted) decides for itself from its
 history and the batch-1 costs, so its output stays its seed's whatever else is in the
 batch; sample-and-compare rows draw the same tokens in either kind of round.
 
-Costs come from `bench --calibrate` (runtime.json `costs`: ms by rows and verify length).
+Costs come from `bench --calibrate` (runtime.json `costs`: ms by rows and verify length);
+once MEASURED_MIN rounds of each kind ran, their mean wall time here corrects the break-even
+(`correction`, within 0.7-1.5x) for the rows that do not decide for themselves.
 Without them, `default_costs`, in units of a batch-1 step: a call over p positions costs
 1 + 0.08 (p - 1) steps (a 16-token verify 2.2 steps, as measured on 2-core CPUs), a draft
 1 step, a context update 0.1 step: a full 16-token block is drafted only above 3.3 tokens
