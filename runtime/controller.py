@@ -50,7 +50,6 @@ GAMMA = 0.9  # a row's drafted rounds count with weight GAMMA ** (drafted rounds
 PRIOR = 1.0  # a new row's estimate: as if one drafted round had emitted the batch-1 break-even + PRIOR tokens
 ALPHA = 0.3  # weight of the newest drafted round in a row's average verify length
 HOPE = 1.0  # standard errors of optimism in a row's estimate
-MARGIN = 0.0  # a drafted round must beat plain steps by this fraction
 MEASURED_WEIGHT, MEASURED_MIN = 0.1, 8  # the measured round times: newest round's weight, rounds of each kind before use
 PROBE_BOUND = 0.02  # probes cost at most this fraction of plain throughput once the gap is at its maximum
 MODES = ("auto", "always", "never")
@@ -97,10 +96,6 @@ class Costs:
         """What a probe may add, in plain steps: a drafted round instead of a step (which emits
         at least the step's one token per row), plus the drafter's catch-up call."""
         return (self.spec_ms(r, s) + self._at(self.context, r)) / self.plain_ms(r) - 1
-
-    def to_json(self) -> dict:
-        return {"rows": self.rows, "step_ms": self.step, "verify_ms": self.verify, "draft_ms": self.draft,
-                "context_ms": self.context}
 
     @classmethod
     def from_json(cls, d: dict) -> Costs:
@@ -206,7 +201,7 @@ class Controller:
         """The break-even (or probe cost) a row is held to (one that decides for itself: at batch 1, its own length)."""
         if c.own:  # its own history and batch-1 costs only: nothing of the other rows
             return getattr(self.costs, what)(1, math.ceil(c.length) if c.length else self.block_size)
-        return getattr(self.costs, what)(rows, s) * (self.correction(rows) * (1 + MARGIN) if what == "ratio" else 1.0)
+        return getattr(self.costs, what)(rows, s) * (self.correction(rows) if what == "ratio" else 1.0)
 
     def _read(self, c: RowControl, g, rows: int, s: int) -> None:
         """The row's rounds since the last look (its Generation): averages, counts, gaps."""
@@ -251,7 +246,7 @@ class Controller:
         auto = [r for r in rows if r.req.speculative is True]
         for r in auto:
             self._read(r.ctl, r.gen, R, S)
-        ratio = self.costs.ratio(R, S) * self.correction(R) * (1 + MARGIN)
+        ratio = self.costs.ratio(R, S) * self.correction(R)
         own = {id(r): self._wants(r.ctl, self._ratio(r.ctl, R, S)) for r in auto if r.ctl.own}
         shared = [r for r in auto if not r.ctl.own]
         gain = bool(shared) and (sum(r.ctl.hopeful for r in shared) + R - len(shared)) / R > ratio

@@ -73,7 +73,7 @@ class Settings:
     # memory-bound at real sizes, the drafter's small graphs may not gain from a second thread
     graph_threads: dict[str, int] = field(default_factory=dict)
     prefill_chunk: int | None = None  # positions per prefill call (None: DEFAULT_CHUNK)
-    # the speculation controller's cost model (runtime/controller.py Costs.to_json: ms by rows and verify
+    # the speculation controller's cost model (runtime/controller.py Costs.from_json: ms by rows and verify
     # length); {}: not calibrated (files written before it), the controller's default model
     costs: dict = field(default_factory=dict)
 
