@@ -32,19 +32,21 @@ def batch_report(gens, stats) -> dict:
         "per_request_tokens_per_second": float(np.mean(per_request)) if per_request else 0.0,
         "tau": float(np.mean(lengths)) if lengths else 0.0,
         "rounds": stats.rounds,
+        "plain_rounds": stats.plain_rounds,  # rounds that drafted nothing
         "mean_occupancy": stats.occupancy,
         "time_s": {"prefill": stats.prefill_s, "rounds": stats.decode_s},
     }
 
 
 def run_batch(backend, prompts: list[list[int]], max_new_tokens: int, batch: int, *, draft: bool = True,
-              verify=None, **sampling) -> tuple[list, object]:
+              verify=None, control=None, **sampling) -> tuple[list, object]:
     """All prompts through `stream_batch` at `batch` rows -> (Generations in prompt order, BatchStats).
     Generation.total_s of each request is its wall time from joining to finishing."""
     stats, outs, order, start, done = BatchStats(), [], [], {}, {}
     reqs = [Request(p, max_new_tokens, **sampling) for p in prompts]
     t0 = time.perf_counter()
-    for i, _ in stream_batch(backend, reqs, batch=batch, draft=draft, verify=verify, outs=outs, stats=stats):
+    for i, _ in stream_batch(backend, reqs, batch=batch, draft=draft, verify=verify, outs=outs, stats=stats,
+                             control=control):
         now = time.perf_counter()
         if len(order) < len(outs):
             order.append(i)
@@ -58,9 +60,10 @@ def run_batch(backend, prompts: list[list[int]], max_new_tokens: int, batch: int
 
 
 def generate_many(backend, tok, prompts: list[list[int]], max_new_tokens: int, batch: int, draft: bool, verify,
-                  as_json: bool, **sampling) -> None:
+                  as_json: bool, control=None, **sampling) -> None:
     """`generate --prompts`: one output line per prompt, in input order."""
-    gens, stats = run_batch(backend, prompts, max_new_tokens, batch, draft=draft, verify=verify, **sampling)
+    gens, stats = run_batch(backend, prompts, max_new_tokens, batch, draft=draft, verify=verify, control=control,
+                            **sampling)
     for i, g in enumerate(gens):
         text = tok.decode(g.tokens) if tok is not None else None
         if as_json:
@@ -71,24 +74,27 @@ def generate_many(backend, tok, prompts: list[list[int]], max_new_tokens: int, b
     r = batch_report(gens, stats)
     click.echo(f"{r['requests']} prompts, batch {batch}: {r['new_tokens']} tokens in {r['wall_s']:.2f} s, "
                f"{r['aggregate_tokens_per_second']:.1f} tok/s aggregate, {r['per_request_tokens_per_second']:.1f} "
-               f"tok/s per request, tau {r['tau']:.2f}, occupancy {r['mean_occupancy']:.2f} [{backend.provider}]",
+               f"tok/s per request, tau {r['tau']:.2f}, occupancy {r['mean_occupancy']:.2f}, rounds "
+               f"{r['rounds'] - r['plain_rounds']} drafted / {r['plain_rounds']} plain [{backend.provider}]",
                err=True)
 
 
-def bench_batch(open_, prompts: list[list[int]], n: int, batch: int, warmup: int, verify, repeats: int = 2) -> dict:
+def bench_batch(open_, prompts: list[list[int]], n: int, batch: int, warmup: int, verify, repeats: int = 2,
+                control=None, draft: bool = True) -> dict:
     """Speculative and plain decoding of the requests at `batch` rows and at batch 1, interleaved;
     `open_(max_batch)` opens a backend. Requests: the prompts, repeated to 2 x batch when fewer."""
     reqs = [prompts[i % len(prompts)] for i in range(max(len(prompts), 2 * batch))]
     backends = {batch: open_(batch), 1: open_(1)}
     for be in backends.values():
-        for draft in (True, False):
+        for d in (True, False):
             for _ in range(warmup):
-                run_batch(be, reqs[: be.max_batch], n, be.max_batch, draft=draft, verify=verify)
+                run_batch(be, reqs[: be.max_batch], n, be.max_batch, draft=d and draft, verify=verify,
+                          control=control if d else None)
     runs = {(b, d): [] for b in backends for d in (True, False)}
     for _ in range(repeats):
         for d in (True, False):
             for b, be in backends.items():
-                gens, stats = run_batch(be, reqs, n, b, draft=d, verify=verify)
+                gens, stats = run_batch(be, reqs, n, b, draft=d and draft, verify=verify, control=control if d else None)
                 runs[b, d].append(batch_report(gens, stats))
     out = {"batch": batch, "requests": len(reqs), "max_new_tokens": n, "repeats": repeats,
            "provider": backends[batch].provider}

@@ -21,18 +21,20 @@ from tokenizers import Tokenizer
 
 from .cmd_export import print_report
 from .cmd_run import BUILTIN_PROMPTS
-from .options import num_prompts_option, spin_option, threads_option, verify_option
+from .options import num_prompts_option, speculation_option, spin_option, threads_option, verify_option
+from .runtime.controller import controller_for
 from .runtime.calibrate import calibrate, thread_candidates
 from .runtime.errors import DFlashError
 from .runtime.lazy import lazy_import
 from .runtime.load import open_backend, settings_for
 from .runtime.loop import Generation, generate, stream
-from .runtime.measure import rate, summarize
+from .runtime.measure import measure_many, rate, summarize
 from .runtime.settings import VerifyPolicy, describe_policy, policy_json
 
 export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: only when the demo runs
 export_check = lazy_import("dflash_export.export.check")
 STREAMED = 3  # prompts printed as they decode; the rest are measured quietly
+OFF_DOMAIN = 8  # off-domain prompts measured (demo/prompts-offdomain.jsonl: random vocabulary text)
 
 
 def demo_dir() -> Path:
@@ -74,7 +76,8 @@ def demo_prompts(prompt: str | None, n: int, path: Path | None = None) -> list[s
 @threads_option
 @spin_option
 @verify_option
-def demo(out, prompt, num_prompts, prompts_file, max_new_tokens, pair, verbose, threads, spin, verify):
+@speculation_option
+def demo(out, prompt, num_prompts, prompts_file, max_new_tokens, pair, verbose, threads, spin, verify, speculation):
     """The shipped pair end to end, offline: export -> parity check -> calibration (threads,
     adaptive verify: runtime.json) -> streamed speculative decoding on held-out prompts (ONNX
     Runtime, CPU) -> tau, tokens/s and speedup vs plain decoding.
@@ -122,7 +125,7 @@ def demo(out, prompt, num_prompts, prompts_file, max_new_tokens, pair, verbose, 
 
     console.rule(f"[bold]4. speculative decoding (ONNX Runtime, CPU, greedy, {cfg.threads} thread(s))")
     t0 = clock()
-    result = decode(console, art, texts, max_new_tokens, cfg, candidates)
+    result = decode(console, art, texts, max_new_tokens, cfg, candidates, speculation)
     t_gen = clock() - t0
     print_result(console, result, len(texts), max_new_tokens)
     console.print(f"export {t_export:.0f}s, parity check {t_check:.0f}s, calibration {t_cal:.0f}s, "
@@ -131,7 +134,8 @@ def demo(out, prompt, num_prompts, prompts_file, max_new_tokens, pair, verbose, 
         raise DFlashError("speculative output differs from plain greedy decoding: the lossless property is broken")
 
 
-def decode(console, art: Path, texts: list[str], max_new_tokens: int, cfg, candidates: list[int]) -> dict:
+def decode(console, art: Path, texts: list[str], max_new_tokens: int, cfg, candidates: list[int],
+           speculation: str = "auto") -> dict:
     """Stream the first prompts (prompt first, then the continuation), measure all of them
     speculative (with `cfg`'s threads and verify policy) and plain (at every candidate thread
     count: the best is the fair baseline), and return the bench report (runtime/measure.py)."""
@@ -141,8 +145,9 @@ def decode(console, art: Path, texts: list[str], max_new_tokens: int, cfg, candi
     if set(cfg.graph_threads.values()) - {cfg.threads}:  # the calibrated per-graph counts
         backend = open_backend(art, "ort", "cpu", **cfg.ort_kwargs())
     warm = tok.encode(texts[0]).ids
+    control, draft = controller_for(speculation, cfg.costs, backend.manifest.block_size), speculation != "never"
     for be in {*backends.values(), backend}:  # untimed warm-up of both paths
-        generate(be, warm, 16, draft=True, verify=cfg.verify)
+        generate(be, warm, 16, draft=draft, verify=cfg.verify, control=control)
         generate(be, warm, 16, draft=False)
     spec, base_by = [], {t: [] for t in backends}
     for i, text in enumerate(texts):
@@ -155,13 +160,13 @@ def decode(console, art: Path, texts: list[str], max_new_tokens: int, cfg, candi
             console.print(f"[dim]--- prompt {i + 1}/{len(texts)} ({len(ids)} tokens) ---[/]")
             console.print(text.rstrip("\n")[-400:], style="dim", markup=False, highlight=False)
             console.print("[dim]--- continuation (speculative, streamed) ---[/]")
-            for emitted in stream(backend, ids, n, verify=cfg.verify, out=g):
+            for emitted in stream(backend, ids, n, verify=cfg.verify, out=g, control=control, draft=draft):
                 console.print(tok.decode(emitted), end="", style="bold green", markup=False, highlight=False, soft_wrap=True)
             console.print()
         else:
             if i == STREAMED:
                 console.print(f"[dim]--- prompts {STREAMED + 1}-{len(texts)}: measured without printing ---[/]")
-            for _ in stream(backend, ids, n, verify=cfg.verify, out=g):
+            for _ in stream(backend, ids, n, verify=cfg.verify, out=g, control=control, draft=draft):
                 pass
         spec.append(g)
         for t, be in backends.items():
@@ -170,7 +175,16 @@ def decode(console, art: Path, texts: list[str], max_new_tokens: int, cfg, candi
     best = max(base_by, key=lambda t: rate(base_by[t]))
     r.update(threads=cfg.threads, graph_threads=cfg.graph_threads or None, verify=policy_json(cfg.verify), best_plain_threads=best,
              speedup_vs_best_plain=rate(spec) / rate(base_by[best]),
-             lossless=r["lossless"] and all(s.tokens == b.tokens for bs in base_by.values() for s, b in zip(spec, bs)))
+             lossless=r["lossless"] and all(s.tokens == b.tokens for bs in base_by.values() for s, b in zip(spec, bs)),
+             speculation=speculation)
+    off_path = demo_dir() / "prompts-offdomain.jsonl"
+    if off_path.is_file():  # the same comparison off the drafter's domain (synthetic random-vocabulary text)
+        off = [tok.encode(t).ids[: backend.manifest.max_context - max_new_tokens]
+               for t in demo_prompts(None, OFF_DOMAIN, off_path)]
+        s = summarize(*measure_many({0: backend}, off, max_new_tokens, 0, cfg.verify, 0.0, control, draft)[0],
+                      backend.manifest.block_size)
+        r["off_domain"] = {"prompts": len(off), **{k: s[k] for k in ("tau", "rounds", "tokens_per_second", "speedup", "lossless")}}
+        r["lossless"] = r["lossless"] and s["lossless"]
     return r
 
 
@@ -192,6 +206,14 @@ def print_result(console, r: dict, prompts: int, max_new_tokens: int) -> None:
     split = r["time_split_s"]
     for k in ("prefill", "draft", "verify", "host"):
         table.add_row(f"time: {k} (s)", f"{split['speculative'][k]:.3f}", f"{split['autoregressive'][k]:.3f}")
+    table.add_row(f"rounds drafted / plain steps (speculation {r['speculation']})",
+                  f"{r['rounds']['drafted']} / {r['rounds']['plain']}", "")
+    if "off_domain" in r:
+        o = r["off_domain"]
+        table.add_row(f"off-domain: {o['prompts']} random-vocabulary prompts, tokens/s",
+                      f"{o['tokens_per_second']['speculative']:.0f}", f"{o['tokens_per_second']['autoregressive']:.0f}")
+        table.add_row("off-domain: speedup, tau, rounds drafted / plain",
+                      f"{o['speedup']:.2f}x, {o['tau']:.2f}, {o['rounds']['drafted']} / {o['rounds']['plain']}", "")
     table.add_row("output identical to plain greedy", "yes" if r["lossless"] else "[red]NO", "")
     console.print(table)
 

@@ -15,14 +15,15 @@ import click
 import numpy as np
 
 from .cmd_batch import bench_batch, check_batch_value, echo_bench_batch, generate_many
-from .options import device_options, sampling_options
+from .options import device_options, sampling_options, speculation_option
+from .runtime.controller import controller_for, rounds_of
 from .runtime.calibrate import calibrate, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
 from .runtime.errors import DFlashError
 from .runtime.load import open_artifact, open_backend, settings_for
 from .runtime.loop import Generation
 from .runtime.loop import stream as run
 from .runtime.manifest import load_manifest
-from .runtime.measure import measure_many, rate, summarize
+from .runtime.measure import measure_many, random_text_prompts, rate, summarize
 from .runtime.sampling import check_sampling
 from .runtime.settings import policy_json
 from .serve.text import load_tokenizer
@@ -55,12 +56,13 @@ def _parse_ids(text: str, what: str) -> list[int]:
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
 @sampling_options
 @click.option("--stop-ids", help="Comma-separated stop token ids (default: the manifest's eos_token_ids; '' for none).")
-@click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding of the target (the baseline).")
+@click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding of the target (= --speculation never).")
+@speculation_option
 @click.option("--stream", is_flag=True, help="Print tokens as each round is accepted.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with tokens and statistics.")
 @device_options
 def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, temperature, top_k, top_p, seed, stop_ids,
-             no_draft, stream, as_json, provider, backend, threads, spin, verify):
+             no_draft, speculation, stream, as_json, provider, backend, threads, spin, verify):
     """Speculative decoding of a prompt (or of --prompts FILE, --batch at a time) with an exported directory OUT."""
     if sum(x is not None for x in (prompt, prompt_ids, prompts_file)) != 1:
         raise DFlashError("give exactly one of --prompt TEXT, --prompt-ids 1,2,3 or --prompts FILE")
@@ -70,12 +72,17 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
         raise DFlashError("--stream and --json (or --prompts) are exclusive: --stream prints one prompt as it comes")
     check_sampling(temperature, top_k, top_p)
     stop = None if stop_ids is None else tuple(_parse_ids(stop_ids, "--stop-ids"))
+    if no_draft and speculation == "always":
+        raise DFlashError("--no-draft means --speculation never; leave out one of them")
+    speculation = "never" if no_draft else speculation
+    no_draft = speculation == "never"
     if prompts_file is not None:
         be, cfg = open_artifact(out, backend=backend, provider=provider, drafter=not no_draft, threads=threads,
                                 spin=spin, verify=verify, max_batch=batch)
         tok = load_tokenizer(out)
         prompts, _ = _bench_prompts(prompts_file, tok, be.manifest.vocab_size)
         generate_many(be, tok, prompts, max_new_tokens, batch, not no_draft, cfg.verify, as_json,
+                      control=controller_for(speculation, cfg.costs, be.manifest.block_size),
                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop)
         return
     ids = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
@@ -90,7 +97,8 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
     g = Generation()
     shown = ""
     for new in run(backend, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                   stop_token_ids=stop, draft=not no_draft, verify=cfg.verify, out=g):
+                   stop_token_ids=stop, draft=not no_draft, verify=cfg.verify, out=g,
+                   control=controller_for(speculation, cfg.costs, backend.manifest.block_size)):
         if stream:
             if tok is not None:
                 text = tok.decode(g.tokens)
@@ -111,6 +119,8 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
         "prompt_tokens": len(ids),
         "stopped": g.stopped,
         "mode": "autoregressive" if no_draft else "speculative",
+        "speculation": speculation,
+        "rounds": rounds_of([g]),  # {"drafted": n, "plain": m}
         "provider": backend.provider,
         "time_s": {"prefill": g.prefill_s, "draft": g.draft_s, "verify": g.verify_s, "host": g.host_s, "total": g.total_s},
         "round_ms": [[round(x * 1e3, 3) for x in r] for r in g.round_s],  # [draft, verify, host] per round
@@ -125,7 +135,8 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
     else:
         click.echo(result.get("text", " ".join(map(str, g.tokens))))
     click.echo(
-        f"{len(g.tokens)} tokens, tau {g.tau:.2f} (verified {g.mean_verify_len:.1f}/round), "
+        f"{len(g.tokens)} tokens, tau {g.tau:.2f} (verified {g.mean_verify_len:.1f}/round; rounds "
+        f"{result['rounds']['drafted']} drafted, {result['rounds']['plain']} plain), "
         f"{g.tokens_per_second:.1f} tok/s (decode), "
         f"prefill {g.prefill_s * 1e3:.1f} ms, draft {g.draft_s * 1e3:.1f} ms, verify {g.verify_s * 1e3:.1f} ms, "
         f"host {g.host_s * 1e3:.1f} ms [{backend.provider}]",
@@ -209,9 +220,13 @@ def plot_bench(report: dict, path: Path) -> None:
                    "occupancy against batch 1 in the same run (interleaved).")
 @click.option("--temperature", default=0.0, show_default=True, type=float,
               help="> 0: sampled rounds (rejection sampling, seed = prompt index): tau at this temperature.")
+@click.option("--off-domain", "off_domain", default=4, show_default=True, type=int,
+              help="Also measure on N off-domain prompts (128 random vocabulary tokens each, seed 0, decoded: "
+                   "what synthetic load generators send); 0 skips.")
+@speculation_option
 @device_options
-def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate, contexts, batch, temperature, provider,
-          backend, threads, spin, verify):
+def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate, contexts, batch, temperature, off_domain,
+          speculation, provider, backend, threads, spin, verify):
     """Speculative vs plain decoding of OUT on the same prompts: tau, tokens/s, speedup.
 
     Without --threads every candidate thread count runs too (interleaved), which gives
@@ -228,7 +243,10 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         raise DFlashError(f"--context {max(ctx)} needs an export with --max-context >= {max(ctx) + m.block_size} "
                           f"(context + block size); {out} holds {m.max_context}")
     check_sampling(temperature, 0, 1.0)
-    prompts, source = _bench_prompts(prompts_file, load_tokenizer(out), m.vocab_size)
+    if off_domain < 0:
+        raise DFlashError(f"--off-domain must be >= 0 (got {off_domain})")
+    tok = load_tokenizer(out)
+    prompts, source = _bench_prompts(prompts_file, tok, m.vocab_size)
     room = m.max_context - max(len(p) for p in prompts)
     if room < 1:
         raise DFlashError(f"a prompt fills the max context {m.max_context}; use shorter prompts")
@@ -239,8 +257,9 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
             raise DFlashError("--batch runs its own comparison; leave out --calibrate, --plot, --context, --temperature")
         cfg = settings_for(out, backend, provider, threads=threads, spin=spin, verify=verify)
         report = bench_batch(lambda b: open_artifact(out, backend=backend, provider=provider, threads=threads, spin=spin,
-                                                     verify=verify, max_batch=b)[0], prompts, n, batch, warmup, cfg.verify)
-        report.update(prompt_source=source, threads=cfg.threads)
+                                                     verify=verify, max_batch=b)[0], prompts, n, batch, warmup, cfg.verify,
+                             control=controller_for(speculation, cfg.costs, m.block_size), draft=speculation != "never")
+        report.update(prompt_source=source, threads=cfg.threads, speculation=speculation)
         click.echo(json.dumps(report)) if as_json else echo_bench_batch(report)
         return
     sweep = backend == "ort" and threads is None
@@ -265,9 +284,11 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         backends[key] = open_backend(out, "ort", provider, **cfg.ort_kwargs())
         if not sweep:
             del backends[cfg.threads]
-    runs = measure_many(backends, prompts, n, warmup, cfg.verify, temperature)
+    control, draft = controller_for(speculation, cfg.costs, m.block_size), speculation != "never"
+    runs = measure_many(backends, prompts, n, warmup, cfg.verify, temperature, control, draft)
     main = backends[key]
-    report = {"provider": main.provider, **summarize(*runs[key], m.block_size, temperature)}
+    report = {"provider": main.provider, "speculation": speculation, "costs": control.costs.source if control else None,
+              **summarize(*runs[key], m.block_size, temperature)}
     report.update(max_new_tokens=n, prompt_source=source, threads=cfg.threads, graph_threads=cfg.graph_threads or None,
                   spin=cfg.spin, verify=policy_json(cfg.verify), draft_vocab=(m.draft_vocab or {}).get("size"),
                   prefill_chunk=min(main.max_chunk, cfg.prefill_chunk or main.max_chunk))
@@ -278,6 +299,12 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         report["speedup_vs_best_plain"] = rate(runs[key][0]) / max(v["autoregressive"] for v in by.values())
     if calibration is not None:
         report["calibration"] = calibration
+    if off_domain and tok is not None:  # the same comparison on synthetic off-domain text
+        off = [tok.encode(t).ids[: m.max_context - n] for t in random_text_prompts(tok, m.vocab_size, off_domain)]
+        s = summarize(*measure_many({0: main}, off, n, 0, cfg.verify, temperature, control, draft)[0], m.block_size,
+                      temperature)
+        report["off_domain"] = {"prompts": len(off), "source": "128 random vocabulary tokens each, seed 0",
+                                **{k: s[k] for k in ("tau", "rounds", "tokens_per_second", "speedup", "lossless")}}
     if ctx:
         report["step_ms_by_context"] = step_ms_by_context(main, ctx)
     long = ttft_prompt(main)  # time to first token: prefill of target and drafter at the run's chunk
@@ -298,6 +325,14 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     click.echo(f"tau {r['tau']:.2f}{f' at temperature {temperature}' if temperature else ''}, mean verify length {r['mean_verify_len']:.2f}  histogram {r['acceptance_histogram']}")
     click.echo(f"speculative {t['speculative']:.1f} tok/s, autoregressive {t['autoregressive']:.1f} tok/s, "
                f"speedup {r['speedup']:.2f}x")
+    click.echo(f"speculation {r['speculation']}: {r['rounds']['drafted']} rounds drafted, {r['rounds']['plain']} plain"
+               + (f" (cost model: {r['costs']})" if r["costs"] else ""))
+    if "off_domain" in r:
+        o = r["off_domain"]
+        click.echo(f"off-domain ({o['prompts']} prompts, {o['source']}): speculative "
+                   f"{o['tokens_per_second']['speculative']:.1f} tok/s, autoregressive "
+                   f"{o['tokens_per_second']['autoregressive']:.1f} tok/s, speedup {o['speedup']:.2f}x, tau {o['tau']:.2f}, "
+                   f"rounds {o['rounds']['drafted']} drafted / {o['rounds']['plain']} plain")
     if sweep:
         click.echo(f"best threads {r['best_threads']}; speedup vs plain at its best thread count "
                    f"{r['speedup_vs_best_plain']:.2f}x; by threads {r['by_threads']}")

@@ -23,7 +23,7 @@ from pathlib import Path
 import click
 
 from .cmd_demo import demo_dir
-from .options import device_options, ray_options
+from .options import device_options, ray_options, speculation_option
 from .runtime import contract as C, manifest as M
 from .runtime.errors import DFlashError
 from .runtime.lazy import lazy_import
@@ -200,13 +200,14 @@ def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, ma
 @click.option("--max-tokens", "default_max_tokens", default=256, show_default=True, type=int,
               help="max_tokens when a request omits it (capped by the room left in the context).")
 @click.option("--chat-template", type=click.Path(path_type=Path), help="Jinja chat template file (overrides the artifact's).")
-@click.option("--no-draft", is_flag=True, help="Load without the drafter: plain decoding only.")
+@click.option("--no-draft", is_flag=True, help="Load without the drafter: plain decoding only (= --speculation never).")
+@speculation_option
 @click.option("--shutdown-timeout", default=10.0, show_default=True, type=float,
               help="Seconds in-flight requests may finish after Ctrl-C / SIGTERM before they are cancelled.")
 @device_options
 @ray_options
 def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_file, model_name, default_max_tokens,
-          chat_template, no_draft, shutdown_timeout, backend, provider, threads, spin, verify, ray: dict):
+          chat_template, no_draft, speculation, shutdown_timeout, backend, provider, threads, spin, verify, ray: dict):
     """An OpenAI-compatible server over an exported directory OUT (or --demo):
     /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize."""
     _need_serve_extra()
@@ -226,6 +227,10 @@ def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_f
         if value is not None and value < low:
             raise DFlashError(f"{name} must be >= {low} (got {value})")
     check_options(threads, verify)  # before --demo's first export, not after it
+    if no_draft and speculation == "always":
+        raise DFlashError("--no-draft means --speculation never; leave out one of them")
+    speculation = "never" if no_draft else speculation
+    no_draft = speculation == "never"
     if (slots or 1) > 1 and backend != "ort":
         raise DFlashError(f"--slots {slots} needs --backend ort (its slots share one copy of the weights)")
     use_ray = ray["use_ray"]
@@ -249,7 +254,8 @@ def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_f
                            max_batch=max_batch, max_queue=max_queue, api_key=api_key, backend=backend, provider=provider,
                            threads=threads,
                            spin=spin, verify=verify,
-                           default_max_tokens=default_max_tokens, chat_template=template, speculative=not no_draft)
+                           default_max_tokens=default_max_tokens, chat_template=template, speculative=not no_draft,
+                           speculation=speculation)
     if not _is_loopback(host) and not api_key:
         click.echo(f"warning: listening on {host} without an API key: anyone who can reach it can use it "
                    "(set --api-key or DFLASH_API_KEY)", err=True)
@@ -290,7 +296,7 @@ def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_f
             return
         e = holder.engine
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-        mode = "speculative (DFlash)" if e.has_drafter else "plain decoding"
+        mode = f"speculative (DFlash, speculation {speculation})" if e.has_drafter else "plain decoding"
         rows = f"batch {max_batch}" if max_batch > 1 else f"{slots} slot(s)"
         click.echo(f"dflash-export serve: ready at {url}  model {e.model!r}, {rows}, "
                    f"queue {max_queue}, {mode}, {e.slots[0].backend.provider}, context {e.max_len}")

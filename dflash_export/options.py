@@ -21,6 +21,10 @@ verify_option = click.option(
     "--verify", type=click.Choice(["auto", "full"]), default="auto", show_default=True,
     help="auto: verify the drafter's confident prefix as runtime.json's calibrated policy says (the full block "
          "when there is none); full: always the whole block.")
+speculation_option = click.option(
+    "--speculation", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
+    help="auto: draft while it pays (recent acceptance against runtime.json's calibrated costs), else plain steps "
+         "that probe now and then; always: draft every round; never: plain decoding of the target.")
 backend_option = click.option(
     "--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
     help="ort: ONNX Runtime (see --provider); trt: the TensorRT engines of `dflash-export build`.",

@@ -11,6 +11,8 @@
   count, and the count each graph runs fastest with (target and drafter differ at real sizes).
 - `prefill_ms` / `choose_chunk`: the time to first token of a 512-token prompt per prefill
   chunk, and the fastest chunk.
+- `round_costs`: ms of a plain step, a verify of each length, a draft and a context update
+  at each batch size: the speculation controller's cost model (runtime/controller.py).
 - `calibrate`: the driver: all of the above on one directory, written to its runtime.json.
 All of it runs through the Backend interface: any backend, no torch.
 """
@@ -150,6 +152,62 @@ def graph_ms(backend: Backend, prompt: list[int], repeats: int = 8) -> dict[str,
     return {g: _median_ms(ts[1:]) for g, ts in times.items()}
 
 
+COST_ROWS = (1, 2, 4)  # batch sizes whose round costs are measured (the controller interpolates between them)
+
+
+def _fill_rows(backend: Backend, prompt: list[int], rows: int) -> None:
+    """Rows 0..rows-1 each hold `prompt` in both caches (prefilled one row at a time, as the loop joins rows)."""
+    backend.reset()
+    backend.set_width(0)
+    for slot in range(rows):
+        backend.set_width(slot + 1)
+        n = len(prompt)
+        backend.target_rows([slot], np.asarray(prompt, np.int64)[None], [n], np.array([[n - 1]]))
+        backend.commit_rows([slot], [n])
+        backend.draft_context_rows([slot], [n])
+
+
+def round_costs(backend: Backend, prompt: list[int], rows: int, repeats: int = 21) -> dict:
+    """ms at `rows` rows after `prompt`: {"verify": [s = 1..K], "draft", "context"}, the calls
+    interleaved, each its 10th percentile (on a shared machine the delays other jobs add are
+    what varies; the controller needs the calls' ratios); "verify"[0] is the plain step.
+    "context" is one draft_context call (one position per row, kept: the caches grow by one
+    position per repeat)."""
+    k = backend.manifest.block_size
+    repeats = max(1, min(repeats, (backend.max_len - len(prompt) - k) // 2))
+    _fill_rows(backend, prompt, rows)
+    rs = list(range(rows))
+    ids = np.tile(np.asarray((prompt * k)[:k], np.int64), (rows, 1))
+    times: dict = {s: [] for s in range(1, k + 1)} | {"draft": [], "context": []}
+    clock = time.perf_counter
+    for _ in range(1 + repeats):  # the first pass warms every shape up
+        for s in range(1, k + 1):
+            t0 = clock()
+            backend.target_rows(rs, ids[:, :s], np.full(rows, s), None)
+            times[s].append(clock() - t0)
+            backend.commit_rows(rs, np.zeros(rows, np.int64))
+        t0 = clock()
+        backend.draft_block_rows(rs, ids[:, 0])
+        times["draft"].append(clock() - t0)
+        backend.target_rows(rs, ids[:, :1], np.ones(rows, np.int64), None)
+        backend.commit_rows(rs, np.ones(rows, np.int64))
+        t0 = clock()
+        backend.draft_context_rows(rs, np.ones(rows, np.int64))
+        times["context"].append(clock() - t0)
+    backend.reset()
+    backend.set_width(0)
+    med = {key: float(np.percentile(ts[1:], 10)) * 1e3 for key, ts in times.items()}
+    return {"verify": [med[s] for s in range(1, k + 1)], "draft": med["draft"], "context": med["context"]}
+
+
+def cost_model(by_rows: dict[int, dict]) -> dict:
+    """runtime.json's `costs` (runtime/controller.py Costs.from_json) from round_costs per batch size."""
+    rows = sorted(by_rows)
+    return {"rows": rows, "step_ms": [by_rows[r]["verify"][0] for r in rows],
+            "verify_ms": [by_rows[r]["verify"] for r in rows], "draft_ms": [by_rows[r]["draft"] for r in rows],
+            "context_ms": [by_rows[r]["context"] for r in rows]}
+
+
 def fastest(ms_by: dict, margin: float = MARGIN):
     """The smallest key within `margin` of the fastest: fewer threads / smaller chunks when it is a draw."""
     best = min(ms_by.values())
@@ -235,18 +293,32 @@ def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bo
         rounds = [(c, a - 1) for g in spec for c, a in zip(g.confidences, g.acceptance_lengths)]
         draft_ms = sum(g.draft_s for g in spec) / len(rounds) * 1e3
         policy, table = choose_policy(rounds, costs, draft_ms)
+        by_rows = {1: round_costs(be, prompts[0], 1)}
+        wide = [r for r in COST_ROWS if r > 1]
+        if backend == "ort" and provider == "cpu" and be.manifest.ragged and wide:  # rows > 1: ragged exports on CPU
+            many = open_backend(out, "ort", provider, threads=best, graph_threads=graph_threads, spin=spin,
+                                max_chunk=max(CHUNKS), max_batch=max(wide))
+            try:
+                by_rows |= {r: round_costs(many, prompts[0], r) for r in wide}
+            finally:
+                many.close()
+        round_model = cost_model(by_rows)
     finally:
         for b in backends.values():
             b.close()
     log(f"verify ms by length 1..{len(costs)}: {', '.join(f'{c:.2f}' for c in costs)}; draft {draft_ms:.2f} ms")
     log(f"policy: {policy_json(policy)}")
+    log("round costs (ms) by rows: " + "; ".join(
+        f"{r}: step {c['verify'][0]:.2f}, verify {c['verify'][-1]:.2f}, draft {c['draft']:.2f}, context {c['context']:.2f}"
+        for r, c in by_rows.items()))
     measured = {"speculative_tokens_per_second_by_threads": {str(t): r for t, r in rates.items()},
                 "graph_ms_by_threads": {str(t): ms for t, ms in by_graph.items()},
                 "prefill_ms_by_chunk": {str(c): ms for c, ms in chunks.items()},
                 "verify_ms_by_length": costs, "draft_ms": draft_ms, "rounds": len(rounds),
                 "replay": table, "cpu_count": os.cpu_count()}
     settings = Settings(threads=best if backend == "ort" else None, spin=spin, verify=policy, measured=measured,
-                        graph_threads=graph_threads, prefill_chunk=chunk)
+                        graph_threads=graph_threads, prefill_chunk=chunk, costs=round_model)
     path = save_settings(out, device_key(backend, provider), settings)
     return {"runtime_json": str(path), "threads": settings.threads, "graph_threads": graph_threads,
-            "prefill_chunk": chunk, "verify": policy_json(policy), "verify_ms_by_length": costs, "draft_ms": draft_ms}
+            "prefill_chunk": chunk, "verify": policy_json(policy), "verify_ms_by_length": costs, "draft_ms": draft_ms,
+            "costs": round_model}

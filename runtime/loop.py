@@ -15,13 +15,11 @@ drafts equal the target's choices, adds the target's choice after it, and keeps 
 length. With `draft=False` the same loop is plain decoding (K = 1: no drafts, verify the
 anchor alone), the baseline every speedup is measured against.
 
-Adaptive verify (`verify=VerifyPolicy`, runtime/settings.py) verifies only the confident
-prefix of the drafts, from the drafter's top-1 probabilities: on a CPU, where a verify
-costs in proportion to its length, the unlikely tail is not worth its time. Still
-lossless: the target chooses every emitted token, a shorter verify only ends the round
-sooner. Sampling (T > 0) is per row: rejection sampling with the drafter's q by default,
-sample-and-compare where a row asks for it or q is not available (runtime/sampling.py: the
-rules and the uniforms per absolute position, which make a row's output its seed's).
+Adaptive verify (`verify`, runtime/settings.py) verifies the confident prefix of the drafts
+(a CPU verify costs in proportion to its length); `control` (runtime/controller.py) picks
+drafting or plain steps each round from recent acceptance and calibrated costs. Both are
+lossless: the target chooses every token. Sampling (T > 0) is per row: rejection sampling with
+the drafter's q, or sample-and-compare where a row asks (or q is not available): runtime/sampling.py.
 """
 
 from __future__ import annotations
@@ -54,6 +52,7 @@ class Generation:
     verify_s: float = 0.0  # target calls of the rounds
     total_s: float = 0.0
     round_s: list[tuple[float, float, float]] = field(default_factory=list)  # (draft, verify, host) per round
+    drafted: list[bool] = field(default_factory=list)  # per round: whether this row verified drafts
 
     @property
     def tau(self) -> float:
@@ -92,7 +91,7 @@ class Request:
     stop_token_ids: tuple[int, ...] | None = None
     reuse: int = 0  # prompt tokens already in the slot's caches (batch 1: a server slot's prompt reuse)
     sampling: str = "rejection"  # T > 0: "rejection" (drafts from q) or "compare" (runtime/sampling.py)
-    speculative: bool = True  # False: this row verifies only its anchor (plain decoding) in a speculative batch
+    speculative: bool | str = True  # False: plain (its anchor alone); True: as `control` decides; "always"
 
 
 @dataclass
@@ -101,6 +100,7 @@ class BatchStats:
 
     batch: int = 1
     rounds: int = 0
+    plain_rounds: int = 0  # rounds that drafted nothing (the controller's, or no speculative row)
     busy_rows: int = 0  # sum over rounds of the rows that were generating
     wall_s: float = 0.0
     prefill_s: float = 0.0  # joining rows' prefills
@@ -123,7 +123,7 @@ class _Row:
     ud: np.ndarray | None = None  # rejection sampling's draft / accept uniforms (None: argmax drafts)
     anchor: int = 0
     start: int = 0  # position of the anchor
-    t_first: float = 0.0
+    ctl: object = None  # the controller's record of this row (runtime/controller.py RowControl)
 
     @property
     def done(self) -> bool:
@@ -142,6 +142,7 @@ def stream_batch(
     stats: BatchStats | None = None,
     poll: Callable[[int, bool], list[Request]] | None = None,
     drop: Callable[[int], bool] | None = None,
+    control=None,
 ) -> Iterator[tuple[int, list[int]]]:
     """Yield (request index, tokens) as each row's tokens are accepted; per-request
     statistics go to `outs` (appended in request order as rows join), the batch's to `stats`.
@@ -207,7 +208,7 @@ def stream_batch(
         call_rows = list(range(len(rows)))
         t1 = clock()
         anchors = np.array([r.anchor for r in rows], np.int64)
-        spec = draft and any(r.req.speculative for r in rows)  # plain rows alone: no drafter calls
+        spec = draft and any(r.req.speculative for r in rows) and (control is None or control.decide(rows, backend))
         drafts, conf = backend.draft_block_rows(call_rows, anchors) if spec else (None, None)
         drafted = _sample_drafts(backend, rows, drafts) if spec and any(r.ud is not None for r in rows) else {}
         if drafted:
@@ -216,8 +217,9 @@ def stream_batch(
                 drafts[b] = d.tokens
         t2 = clock()
         lens = np.zeros(len(rows), np.int64)
+        uses = [spec and bool(r.req.speculative) and (r.ctl is None or r.ctl.drafts) for r in rows]  # verifies drafts
         for b, r in enumerate(rows):
-            s = min(k if r.req.speculative else 1, r.max_length - r.start)
+            s = min(k if uses[b] else 1, r.max_length - r.start)
             if conf is not None and r.req.speculative:
                 r.gen.confidences.append(conf[b].copy())
                 if verify is not None:
@@ -256,12 +258,13 @@ def stream_batch(
             r.anchor = emitted_of[b][-1]
         t4 = clock()
         if spec:  # the next round needs the features of what each continuing speculative row kept
-            more = np.array([0 if r.done or not r.req.speculative else produced[b] for b, r in enumerate(rows)],
-                            np.int64)
+            more = np.array([0 if r.done or not r.req.speculative else produced[b] for b, r in enumerate(rows)], np.int64)
             if more.any():
                 backend.draft_context_rows(call_rows, more)
+        elif control is not None:  # plain: the controller keeps those features for its next drafted round
+            control.plain_step(backend, rows, produced)
         t5 = clock()
-        st.rounds += 1
+        st.rounds, st.plain_rounds = st.rounds + 1, st.plain_rounds + (not spec)
         st.busy_rows += len(rows)
         st.decode_s += t5 - t1
         for b, r in enumerate(rows):
@@ -272,6 +275,7 @@ def stream_batch(
             g.tokens += emitted_of[b]
             g.acceptance_lengths.append(int(produced[b]))
             g.verify_lengths.append(int(lens[b]))
+            g.drafted.append(uses[b])
             g.total_s += t5 - t1  # the consumer's time between rounds is not ours
             g.finished = r.done
             yield r.index, emitted_of[b]
@@ -362,17 +366,14 @@ def stream(
     verify: VerifyPolicy | None = None,
     out: Generation | None = None,
     sampling: str = "rejection",
+    control=None,
 ) -> Iterator[list[int]]:
-    """Yield the tokens of each round as it is accepted; statistics accumulate in `out`.
-
-    `reuse`: the first `reuse` prompt tokens are already in the backend's caches (the
-    previous sequence started with them, as a server slot tracks); only the rest is
-    prefilled. At least the last prompt token is always run, for the first choice.
-    """
+    """Yield each round's tokens as accepted (statistics in `out`). `reuse`: the first `reuse` prompt
+    tokens are already in the caches (a server slot's last sequence); the last one is always run."""
     q = Request(list(prompt), max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, reuse, sampling)
     outs: list[Generation] = []
     for _, tokens in stream_batch(backend, [q], batch=1, draft=draft, prefill_chunk=prefill_chunk, verify=verify,
-                                  outs=outs):
+                                  outs=outs, control=control):
         if out is not None and outs[0] is not out:  # the caller's record: fill it as the loop's grows
             out.__dict__.update(outs[0].__dict__)
         yield tokens
@@ -391,8 +392,7 @@ def generate(backend: Backend, prompt: list[int], max_new_tokens: int, **kwargs)
 def generate_batch(backend: Backend, requests: list[Request], **kwargs) -> tuple[list[Generation], BatchStats]:
     """Run `stream_batch` to the end: one Generation per request (input order) and the batch's stats."""
     outs: list[Generation] = []
-    stats = BatchStats()
-    order = []
+    stats, order = BatchStats(), []
     for index, _ in stream_batch(backend, requests, outs=outs, stats=stats, **kwargs):
         if len(order) < len(outs):
             order.append(index)

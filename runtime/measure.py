@@ -12,6 +12,7 @@ import resource
 
 import numpy as np
 
+from .controller import rounds_of
 from .loop import Generation, generate
 
 PHASES = ("prefill", "draft", "verify", "host", "total")
@@ -39,6 +40,7 @@ def summarize(spec: list[Generation], base: list[Generation], block_size: int, t
         "prompts": len(spec),
         "block_size": block_size,
         "tau": tau,
+        "rounds": rounds_of(spec),  # the speculative side's rounds: drafted, or plain steps (the controller's)
         "mean_verify_len": float(np.mean([s for g in spec for s in g.verify_lengths])) if lengths else 0.0,
         "acceptance_histogram": {str(i): lengths.count(i) for i in range(1, block_size + 1)},
         "tokens_per_second": {"speculative": rate(spec), "autoregressive": rate(base)},
@@ -54,18 +56,20 @@ def summarize(spec: list[Generation], base: list[Generation], block_size: int, t
 
 
 def measure_many(backends: dict, prompts: list[list[int]], max_new_tokens: int, warmup: int = 1, verify=None,
-                 temperature: float = 0.0) -> dict:
+                 temperature: float = 0.0, control=None, draft: bool = True) -> dict:
     """{label: (speculative runs, plain runs)} of several backends (e.g. thread counts) on the
-    same prompts, interleaved prompt by prompt (sampled: seed = the prompt's index)."""
+    same prompts, interleaved prompt by prompt (sampled: seed = the prompt's index). The
+    speculative side runs with `control` (runtime/controller.py; None: every round drafts)
+    and `draft` (False: --speculation never, both sides plain)."""
     for be in backends.values():
         for p in prompts[:warmup]:
-            generate(be, p, max_new_tokens, draft=True, verify=verify)
+            generate(be, p, max_new_tokens, draft=draft, verify=verify, control=control)
             generate(be, p, max_new_tokens, draft=False)
     out = {label: ([], []) for label in backends}
     for p in prompts:
         for label, be in backends.items():
             kw = dict(temperature=temperature, seed=len(out[label][0]))
-            out[label][0].append(generate(be, p, max_new_tokens, draft=True, verify=verify, **kw))
+            out[label][0].append(generate(be, p, max_new_tokens, draft=draft, verify=verify, control=control, **kw))
             out[label][1].append(generate(be, p, max_new_tokens, draft=False, **kw))
     return out
 
@@ -76,3 +80,13 @@ def run_bench(backend, prompts: list[list[int]], max_new_tokens: int, warmup: in
     report = summarize(spec, base, backend.manifest.block_size)
     draft_vocab = (backend.manifest.draft_vocab or {}).get("size")  # None: the drafter scores every token
     return {"provider": backend.provider, "max_new_tokens": max_new_tokens, "draft_vocab": draft_vocab, **report}
+
+
+def random_text_prompts(tok, vocab_size: int, n: int, length: int = 128, seed: int = 0) -> list[str]:
+    """Off-domain prompts as load generators make them (aiperf-style synthetic text): `length`
+    token ids drawn uniformly from the vocabulary (special tokens left out) with numpy's
+    default_rng(seed), decoded to a string; n of them."""
+    special = set(tok.get_added_tokens_decoder()) if tok is not None else set()
+    ids = np.array([i for i in range(vocab_size) if i not in special])
+    rng = np.random.default_rng(seed)
+    return [tok.decode(rng.choice(ids, length).tolist()) for _ in range(n)]

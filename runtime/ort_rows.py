@@ -380,3 +380,18 @@ class RowCalls:
     def draft_logits_rows(self, n: int) -> np.ndarray:
         x = self._draft_logits  # host memory on the CPU provider; a GPU provider's is copied here
         return (x if isinstance(x, np.ndarray) else x.numpy())[:n]
+
+    # -- plain steps between drafted rounds (runtime/controller.py) -------------------------
+
+    def last_taps(self, rows: int) -> np.ndarray | None:
+        """A host copy of the last one-position call's taps [rows, T*H] (None off the CPU)."""
+        return self.taps.reshape(-1, self.taps.shape[-1])[:rows].copy() if isinstance(self.taps, np.ndarray) else None
+
+    def context_from_taps(self, b: int, taps: np.ndarray) -> None:
+        """Row b's drafter context gains the positions of `taps` [n, T*H] (kept by `last_taps`)."""
+        flat = self.taps.reshape(-1, self.taps.shape[-1])
+        for i in range(0, len(taps), len(flat)):
+            piece = taps[i : i + len(flat)]
+            flat[: len(piece)] = piece
+            self._last_seq = len(piece)  # what draft_context_rows may take
+            self.draft_context_rows([b], [len(piece)])

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .contract import RUNTIME
+from .controller import Costs
 
 from .manifest import Manifest, read_json
 from .errors import DFlashError
@@ -72,6 +73,9 @@ class Settings:
     # memory-bound at real sizes, the drafter's small graphs may not gain from a second thread
     graph_threads: dict[str, int] = field(default_factory=dict)
     prefill_chunk: int | None = None  # positions per prefill call (None: DEFAULT_CHUNK)
+    # the speculation controller's cost model (runtime/controller.py Costs.from_json: ms by rows and verify
+    # length); {}: not calibrated (files written before it), the controller's default model
+    costs: dict = field(default_factory=dict)
 
     def ort_kwargs(self) -> dict:
         """What OrtBackend takes of these settings."""
@@ -107,7 +111,9 @@ def load_settings(root: str | Path, key: str) -> Settings:
         s = Settings(threads=entry.get("threads"), spin=bool(entry.get("spin", False)),
                      verify=VerifyPolicy(float(v["theta"]), int(v["min_len"])) if v else None,
                      measured=entry.get("measured", {}), graph_threads=dict(entry.get("graph_threads") or {}),
-                     prefill_chunk=entry.get("prefill_chunk"))
+                     prefill_chunk=entry.get("prefill_chunk"), costs=dict(entry.get("costs") or {}))
+        if s.costs:
+            Costs.from_json(s.costs)  # checked here: a bad file is one line at load, not an error mid-run
     except (TypeError, KeyError, ValueError, AttributeError) as e:
         raise DFlashError(f"{Path(root) / RUNTIME}: malformed entry {key!r} ({e}); rerun `dflash-export bench --calibrate`") from None
     counts = {"threads": s.threads, "prefill_chunk": s.prefill_chunk, **{f"graph_threads.{g}": n for g, n in s.graph_threads.items()}}
@@ -150,4 +156,5 @@ def resolve(root: str | Path, manifest: Manifest, key: str, *, threads: int | No
         measured=s.measured,
         graph_threads={} if threads else s.graph_threads,
         prefill_chunk=s.prefill_chunk,
+        costs=s.costs,
     )

@@ -55,6 +55,7 @@ class ServeOptions:
     max_body_bytes: int = 4 << 20
     chat_template: str | None = None  # template text overriding the artifact's
     speculative: bool = True  # False: load without the drafter, plain decoding only
+    speculation: str = "auto"  # auto: the controller decides per round; always: draft every round
 
     @property
     def rows(self) -> int:
@@ -82,7 +83,7 @@ class Holder:
                 options.directory, slots=options.slots, model=options.model, max_queue=options.max_queue,
                 backend=options.backend, provider=options.provider, threads=options.threads, spin=options.spin,
                 verify=options.verify, drafter=options.speculative, chat_template=options.chat_template,
-                max_batch=options.max_batch)
+                max_batch=options.max_batch, speculation=options.speculation)
         except DFlashError as e:
             self.error = str(e)
         except Exception as e:  # a load failure is reported in one line by the command
@@ -335,12 +336,14 @@ def _timings(engine: Engine, g, p: Params) -> dict:
     """llama.cpp's keys (+ rounds, mean_acceptance_length, cache_n)."""
     rounds = len(g.acceptance_lengths)
     k = engine.manifest.block_size if p.speculative else 1
+    drafted = [a for a, d in zip(g.acceptance_lengths, g.drafted) if d] if p.speculative else []
     predicted_ms = g.decode_s * 1e3
     return {"cache_n": g.reused, "prompt_n": g.prompt_len - g.reused, "prompt_ms": g.prefill_s * 1e3,
             "predicted_n": len(g.tokens), "predicted_ms": predicted_ms,
             "predicted_per_second": g.tokens_per_second,
-            "draft_n": rounds * (k - 1), "draft_n_accepted": sum(a - 1 for a in g.acceptance_lengths) if p.speculative else 0,
-            "rounds": rounds, "mean_acceptance_length": g.tau, "speculative": p.speculative}
+            "draft_n": len(drafted) * (k - 1), "draft_n_accepted": sum(a - 1 for a in drafted),
+            "rounds": rounds, "plain_rounds": rounds - len(drafted) if p.speculative else rounds,
+            "mean_acceptance_length": g.tau, "speculative": p.speculative}
 
 
 def _model_card(engine: Engine) -> dict:

@@ -42,9 +42,9 @@ class _Joined(dict):
 class BatchEngine(EngineBase):
     """`max_batch` rows of one backend, one loop thread; the app sees the same interface as the slots' Engine."""
 
-    def __init__(self, backend, text, model: str, max_queue: int, verify=None):
+    def __init__(self, backend, text, model: str, max_queue: int, verify=None, control=None):
         self.manifest, self.backend, self.max_batch = backend.manifest, backend, backend.max_batch
-        self.verify = verify
+        self.verify, self.control = verify, control  # control: the speculation controller (None: always draft)
         self.text, self.model, self.max_queue = text, model, max_queue
         self.metrics = Metrics(model, self.manifest.block_size, backend.max_batch)
         self.slots = [Slot(i, backend) for i in range(backend.max_batch)]  # a row each (health, gauges, header)
@@ -91,7 +91,8 @@ class BatchEngine(EngineBase):
             self._seen = (0, 0)
             try:
                 for index, new in stream_batch(self.backend, (), draft=self.has_drafter, verify=self.verify,
-                                               outs=self.gens, stats=self.stats, poll=self._poll, drop=self._drop):
+                                               outs=self.gens, stats=self.stats, poll=self._poll, drop=self._drop,
+                                               control=self.control):
                     self._round(index, new)
             except Exception as e:  # a bug, not bad input (requests are checked before they join): report, go on
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -152,7 +153,7 @@ class BatchEngine(EngineBase):
         if not g.acceptance_lengths:
             mt.ttft.labels(**mt.labels).observe(time.perf_counter() - job.submitted)
         elif job.params.speculative:
-            mt.round(len(new), self.manifest.block_size)
+            mt.round(len(new), self.manifest.block_size, g.drafted[-1])
         delta = job.text.push(new) if job.text is not None else ""
         finish = None
         if job.text is not None and job.text.stopped:  # a stop string: not the round's tokens after it

@@ -19,6 +19,7 @@ import time
 import traceback
 from collections import deque
 
+from ..runtime.controller import controller_for
 from ..runtime.errors import DFlashError
 from ..runtime.load import open_artifact
 from ..runtime.loop import Generation, stream
@@ -32,9 +33,10 @@ from .jobs import (  # noqa: F401 (the engine's names, as before)
 class Engine(EngineBase):
     """`slots` backends over one model; see the module docstring."""
 
-    def __init__(self, backends: list, text, model: str, max_queue: int, verify=None):
+    def __init__(self, backends: list, text, model: str, max_queue: int, verify=None, control=None):
         self.manifest = backends[0].manifest
         self.verify = verify  # the adaptive verify policy (None: the whole block)
+        self.control = control  # the speculation controller (runtime/controller.py; None: always draft)
         self.text, self.model, self.max_queue = text, model, max_queue
         self.metrics = Metrics(model, self.manifest.block_size)
         self.slots = [Slot(i, b) for i, b in enumerate(backends)]
@@ -126,7 +128,8 @@ class Engine(EngineBase):
         stop = tuple(dict.fromkeys(list(self.manifest.eos_token_ids) + list(p.stop_token_ids)))
         g = Generation()
         rounds = stream(b, p.prompt, p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                        seed=p.seed, stop_token_ids=stop, draft=p.speculative, reuse=reuse, verify=self.verify, out=g)
+                        seed=p.seed, stop_token_ids=stop, draft=bool(p.speculative), reuse=reuse, verify=self.verify, out=g,
+                        control=None if p.speculative == "always" else self.control)
         slot.seq = []  # the caches change from here on
         finish, k = "length", self.manifest.block_size
         try:
@@ -134,7 +137,7 @@ class Engine(EngineBase):
                 if i == 0:
                     mt.ttft.labels(**mt.labels).observe(time.perf_counter() - job.submitted)
                 elif p.speculative:
-                    mt.round(len(new), k)
+                    mt.round(len(new), k, g.drafted[-1])
                 delta = job.text.push(new) if job.text is not None else ""
                 if job.text is not None and job.text.stopped:  # a stop string: not the round's tokens after it
                     new = new[: len(new) - len(g.tokens) + len(job.text.tokens)]
@@ -155,11 +158,12 @@ class Engine(EngineBase):
 
 def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, backend: str = "ort",
                 provider: str = "cpu", threads: int | None = None, spin: bool | None = None, verify: str = "auto",
-                drafter: bool = True, chat_template: str | None = None, max_batch: int = 1) -> Engine:
+                drafter: bool = True, chat_template: str | None = None, max_batch: int = 1,
+                speculation: str = "auto") -> Engine:
     """Load the model once: `max_batch` > 1 rows of one batched loop (serve/batch.py), or
     `slots` sequences forked from it (weights shared), each its own loop. Threads (per
     graph), spinning, the prefill chunk and the verify policy resolve as in generate/bench
-    (runtime/settings.py)."""
+    (runtime/settings.py); `speculation` auto: the controller decides per round (runtime/controller.py)."""
     if slots < 1:
         raise DFlashError(f"--slots must be >= 1 (got {slots})")
     if max_queue < 0:
@@ -174,10 +178,11 @@ def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, b
     text = text_module.Text(directory, chat_template)
     first, cfg = open_artifact(directory, backend=backend, provider=provider, drafter=drafter, threads=threads, spin=spin,
                                verify=verify, max_batch=max_batch)
+    control = controller_for(speculation, cfg.costs, first.manifest.block_size) if drafter else None
     if max_batch > 1:
-        return BatchEngine(first, text, model, max_queue, cfg.verify)
+        return BatchEngine(first, text, model, max_queue, cfg.verify, control)
     if slots > 1 and not hasattr(first, "fork"):
         raise DFlashError(f"--slots {slots} needs a backend that shares its weights between sequences "
                           "(--backend ort); with this backend use --slots 1")
     backends = [first] + [first.fork() for _ in range(slots - 1)]
-    return Engine(backends, text, model, max_queue, cfg.verify)
+    return Engine(backends, text, model, max_queue, cfg.verify, control)

@@ -42,7 +42,7 @@ class Params:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's eos ids
     stop: tuple[str, ...] = ()
-    speculative: bool = True
+    speculative: bool | str = True  # False: plain; True: as the server's controller decides; "always"
     cache_prompt: bool = True
 
 
@@ -71,6 +71,8 @@ class Metrics:
             return Counter(f"dflash:{name}", doc, lb + list(extra), registry=r)
 
         self.drafts = counter("spec_decode_num_drafts", "Speculative rounds (one drafter block each).")
+        self.modes = counter("speculation_rounds", "Rounds of speculative requests by kind: drafted, or plain steps "
+                             "(the speculation controller's choice), counted per request.", ["mode"])
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed (block size - 1 per round).")
         self.accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.")
         self.per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the block.",
@@ -99,9 +101,15 @@ class Metrics:
             m.labels(**self.labels)  # present from the start, at 0
         for i in range(block_size - 1):
             self.per_pos.labels(position=str(i), **self.labels)
+        for mode in ("drafted", "plain"):
+            self.modes.labels(mode=mode, **self.labels)
 
-    def round(self, produced: int, block_size: int) -> None:
-        """One speculative round that emitted `produced` tokens (accepted drafts + the target's own)."""
+    def round(self, produced: int, block_size: int, drafted: bool = True) -> None:
+        """One round of a speculative request that emitted `produced` tokens (accepted drafts + the
+        target's own); `drafted` False: a plain step the controller chose (no draft counted)."""
+        self.modes.labels(mode="drafted" if drafted else "plain", **self.labels).inc()
+        if not drafted:
+            return
         self.drafts.labels(**self.labels).inc()
         self.draft_tokens.labels(**self.labels).inc(block_size - 1)
         self.accepted.labels(**self.labels).inc(produced - 1)

@@ -70,7 +70,8 @@ class Common(BaseModel):
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
     logit_bias: dict | None = None
-    speculative: bool | None = None  # extension: false runs plain decoding for this request
+    # extension: false: plain decoding; true: drafting allowed (the server's controller decides); "always": draft every round
+    speculative: bool | Literal["always"] | None = None
     cache_prompt: bool | None = None  # extension (llama.cpp): false: no reuse of the slot's cached prefix
 
 
@@ -219,7 +220,7 @@ def build_params(engine: Engine, body: Common, ids: list[int], max_tokens: int |
         raise ApiError(400, "stop: at most 16 strings of at most 256 characters", param="stop")
     stop_ids = list(body.stop_token_ids or [])
     check_ids(engine, stop_ids, "stop_token_ids")
-    speculative = body.speculative is not False
+    speculative = True if body.speculative is None else body.speculative
     if speculative and not engine.has_drafter:
         raise ApiError(400, "this server was started without the drafter (--no-draft); send speculative: false",
                        param="speculative")

@@ -15,8 +15,10 @@ from runtime_cases import CASES, artifact
 
 from dflash_export.cli import cli
 from dflash_export.runtime import manifest as M
+from dflash_export.runtime.controller import controller_for
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.settings import load_settings
 
 
 def char_tokenizer(path):
@@ -52,7 +54,7 @@ def run(*args):
 
 
 def test_generate_json_matches_the_loop(out):
-    r = run("generate", out, "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "30", "--json")
+    r = run("generate", out, "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "30", "--json", "--speculation", "always")
     assert r.exit_code == 0, r.output
     j = json.loads(r.stdout)
     g = generate(OrtBackend(out), [5, 6, 7, 8, 9], 30)
@@ -67,7 +69,9 @@ def test_generate_sampling_is_seeded(out):
             "--top-k", "30", "--top-p", "0.9", "--json"]
     a, b, c = (json.loads(run(*args, "--seed", s).stdout)["tokens"] for s in ("1", "1", "2"))
     assert a == b and a != c
-    g = generate(OrtBackend(out), [1, 2, 3], 20, temperature=0.8, top_k=30, top_p=0.9, seed=1)
+    be = OrtBackend(out)  # as generate runs it: speculation auto (a sampled row's draws follow its own rounds)
+    g = generate(be, [1, 2, 3], 20, temperature=0.8, top_k=30, top_p=0.9, seed=1,
+                 control=controller_for("auto", load_settings(out, "ort:cpu").costs, be.manifest.block_size))
     assert a == g.tokens
 
 

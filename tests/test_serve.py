@@ -30,9 +30,11 @@ from tokenizers import Tokenizer
 
 from dflash_export.cli import cli
 from dflash_export.runtime import contract as C, manifest as M
+from dflash_export.runtime.controller import controller_for
 from dflash_export.runtime.errors import DFlashError, InternalError
 from dflash_export.runtime.loop import Generation, generate, stream
 from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.settings import load_settings
 from dflash_export.serve.app import ServeOptions, create_app
 from dflash_export.serve.engine import Engine, Job, Params
 from dflash_export.serve.text import Text, TextStream
@@ -58,9 +60,16 @@ def art(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline(art):
-    """What `dflash-export generate` produces: the loop on a fresh backend (1 thread, as the server)."""
+    """What `dflash-export generate` produces: the loop on a fresh backend (1 thread, as the server),
+    speculation auto (a sampled row's draws depend on which of its rounds drafted)."""
     backend = OrtBackend(art, threads=1)
-    return lambda ids, n, **kw: generate(backend, ids, n, **kw)
+    costs = load_settings(art, "ort:cpu").costs
+
+    def run(ids, n, **kw):
+        if kw.get("draft", True):
+            kw.setdefault("control", controller_for("auto", costs, backend.manifest.block_size))
+        return generate(backend, ids, n, **kw)
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -194,15 +203,25 @@ def test_completions_equal_generate(server, offline, tok):
     assert [m.id for m in client.models.list().data] == ["tiny-chat"]
 
 
+def decode_ids(client, prompt: str, n: int, seed: int) -> list[int]:
+    """A seeded sampled completion's token ids (speculation as the server decides)."""
+    r = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=n, temperature=1.0, seed=seed)
+    return r.choices[0].model_extra["token_ids"]
+
+
 def test_sampling_is_seeded_and_stop_strings_never_leak(server, offline, tok):
     """temperature > 0 with a seed draws what the loop draws; a stop string found across chunk
     boundaries ends the text before it, streamed or not; token ids and usage end with the token
-    that completes it, though its round accepted more (as vLLM)."""
+    that completes it, though its round accepted more (as vLLM). `speculative: "always"`: every
+    round drafts (rounds of several tokens, whatever the controller would choose)."""
     client = server.client()
     ids = tok.encode("abc").ids
-    want = offline(ids, 120, temperature=1.0, seed=0)
+    want = offline(ids, 120, temperature=1.0, seed=0, control=None)
     full = decode(tok, want.tokens)
-    r = client.completions.create(model="tiny-chat", prompt="abc", max_tokens=120, temperature=1.0, seed=0)
+    always = {"speculative": "always"}
+    assert offline(ids, 120, temperature=1.0, seed=0).tokens == decode_ids(client, "abc", 120, seed=0)
+    r = client.completions.create(model="tiny-chat", prompt="abc", max_tokens=120, temperature=1.0, seed=0,
+                                  extra_body=always)
     assert r.choices[0].model_extra["token_ids"] == want.tokens and r.choices[0].text == full
     ends = set(itertools.accumulate(want.acceptance_lengths, initial=1))  # token counts at round ends
 
@@ -214,7 +233,8 @@ def test_sampling_is_seeded_and_stop_strings_never_leak(server, offline, tok):
     stop = full[at:at + 3]
     n = kept(stop)
     for streaming in (False, True):
-        kw = dict(model="tiny-chat", prompt="abc", max_tokens=120, temperature=1.0, seed=0, stop=[stop, "never!"])
+        kw = dict(model="tiny-chat", prompt="abc", max_tokens=120, temperature=1.0, seed=0, stop=[stop, "never!"],
+                  extra_body=always)
         if streaming:
             chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
             usage, chunks = chunks[-1].usage, chunks[:-1]

@@ -242,6 +242,9 @@ def test_bench_calibrate_then_generate_auto(art):
     assert j["lossless"] and 1 <= j["mean_verify_len"] <= j["block_size"]
     entry = json.loads((art / C.RUNTIME).read_text())["devices"]["ort:cpu"]
     assert entry["threads"] >= 1 and len(entry["measured"]["verify_ms_by_length"]) == j["block_size"]
+    costs = entry["costs"]  # the speculation controller's round costs (rows 1, 2, 4 where the export takes batches)
+    assert costs["rows"][0] == 1 and all(len(v) == j["block_size"] for v in costs["verify_ms"]) and min(costs["step_ms"]) > 0
+    assert j["speculation"] == "auto" and j["costs"] == "calibrated" and set(j["rounds"]) == {"drafted", "plain"}
     by_graph = entry["measured"]["graph_ms_by_threads"]  # each graph's call at each count -> its count
     if len(by_graph) > 1:
         assert set(entry["graph_threads"]) == {C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK}

@@ -1,0 +1,287 @@
+"""Speculation control: draft a round only when it is expected to beat plain steps.
+
+A drafted round of R rows costs one `draft_block` call, one verify of the longest row's
+length S and one `draft_context` call, and emits each row's accepted drafts plus one
+token; a plain step costs one 1-position target call and emits one token per row. Drafting
+pays when the rows' mean expected tokens per drafted round exceeds the break-even
+
+    ratio(R, S) = (draft(R) + verify(R, S) + context(R)) / step(R)
+
+Each row keeps an exponential average of the tokens its drafted rounds emitted (`ALPHA`,
+starting at `PRIOR`) and of its verify length. A plain step's new position must still reach
+the drafter's context before the row drafts again: on a backend whose taps are host arrays
+(ONNX Runtime on CPU) the row keeps a copy of that position's taps and the next drafted
+round projects them all in one call; elsewhere each plain round makes the call.
+
+Probes: while plain, a row counts its plain rounds and drafts again after `gap` of them; a
+probe that does not pay doubles the gap, up to `max_gap`. A probe still emits at least the
+token a step would, so it adds at most `probe(R, S)` = ratio - 1 + context / step step-times
+per gap + 1 rounds: with the gap at its maximum, probing costs at most `PROBE_BOUND` = 2% of
+plain throughput. (The first gap of a plain stretch is max_gap / 8, at least 2, so the first
+probes of a stretch come sooner and cost more: up to 1/3 of `probe` per round at gap 2.)
+
+Lossless: the target chooses every token in either kind of round, so greedy rows give the
+target's greedy output whatever is decided. A sampled row that verifies by rejection
+sampling (its tokens depend on which rounds drafted) decides for itself from its own
+history and the batch-1 costs, so its output stays its seed's whatever else is in the
+batch; sample-and-compare rows draw the same tokens in either kind of round.
+
+Costs come from `bench --calibrate` (runtime.json `costs`: ms by rows and verify length);
+once MEASURED_MIN rounds of each kind ran, their mean wall time here corrects the break-even
+(`correction`, within 0.7-1.5x) for the rows that do not decide for themselves.
+Without them, `default_costs`, in units of a batch-1 step: a call over p positions costs
+1 + 0.08 (p - 1) steps (a 16-token verify 2.2 steps, as measured on 2-core CPUs), a draft
+1 step, a context update 0.1 step: a full 16-token block is drafted only above 3.3 tokens
+a round. That is cautious: where a verify costs about a step (a GPU at small batch) the
+break-even is ~1.2-1.4 tokens a round and drafting almost never stops (docs/runtime.md
+shows both); calibrate on the deployed hardware.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import DFlashError
+
+GAMMA = 0.9  # a row's drafted rounds count with weight GAMMA ** (drafted rounds since): about the last 10
+PRIOR = 1.0  # a new row's estimate: as if one drafted round had emitted the batch-1 break-even + PRIOR tokens
+ALPHA = 0.3  # weight of the newest drafted round in a row's average verify length
+HOPE = 1.0  # standard errors of optimism in a row's estimate
+MEASURED_WEIGHT, MEASURED_MIN = 0.1, 8  # the measured round times: newest round's weight, rounds of each kind before use
+PROBE_BOUND = 0.02  # probes cost at most this fraction of plain throughput once the gap is at its maximum
+MODES = ("auto", "always", "never")
+
+
+@dataclass
+class Costs:
+    """ms (or any one unit) of a round's calls, by the batch rows measured (`rows`, ascending)."""
+
+    rows: list[int]
+    step: list[float]  # one plain step (the target over 1 position per row)
+    verify: list[list[float]]  # [rows][s - 1]: the target over s positions per row
+    draft: list[float]  # one draft_block call
+    context: list[float]  # one draft_context call (a position or a few per row)
+    source: str = "default"  # "calibrated" (runtime.json) or "default"
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    def _at(self, values: list[float], r: int) -> float:
+        """Linear in rows between the measured ones; beyond the last, per row as the last."""
+        xs = self.rows
+        if r >= xs[-1]:
+            return values[-1] * r / xs[-1]
+        i = next(i for i, x in enumerate(xs) if x >= r)
+        if xs[i] == r or i == 0:
+            return values[i]
+        w = (r - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return values[i - 1] + w * (values[i] - values[i - 1])
+
+    def spec_ms(self, r: int, s: int) -> float:
+        s = max(1, min(s, len(self.verify[0])))
+        return self._at(self.draft, r) + self._at([v[s - 1] for v in self.verify], r) + self._at(self.context, r)
+
+    def plain_ms(self, r: int) -> float:
+        return self._at(self.step, r)
+
+    def ratio(self, r: int, s: int) -> float:
+        """Tokens a drafted round must emit per row to match plain steps (the break-even)."""
+        key = (r, s)
+        if key not in self._memo:  # the loop asks every round: a dict look-up, not the arithmetic
+            self._memo[key] = self.spec_ms(r, s) / self.plain_ms(r)
+        return self._memo[key]
+
+    def probe(self, r: int, s: int) -> float:
+        """What a probe may add, in plain steps: a drafted round instead of a step (which emits
+        at least the step's one token per row), plus the drafter's catch-up call."""
+        return (self.spec_ms(r, s) + self._at(self.context, r)) / self.plain_ms(r) - 1
+
+    @classmethod
+    def from_json(cls, d: dict) -> Costs:
+        c = cls([int(r) for r in d["rows"]], [float(x) for x in d["step_ms"]],
+                [[float(x) for x in v] for v in d["verify_ms"]], [float(x) for x in d["draft_ms"]],
+                [float(x) for x in d["context_ms"]], "calibrated")
+        n = len(c.rows)
+        if not n or c.rows != sorted(set(c.rows)) or c.rows[0] < 1 or any(
+                len(x) != n for x in (c.step, c.verify, c.draft, c.context)):
+            raise ValueError("costs need one entry per measured row count (ascending)")
+        if any(not v or len(v) != len(c.verify[0]) for v in c.verify) or min(c.step) <= 0:
+            raise ValueError("costs need positive step times and one verify length curve per row count")
+        return c
+
+
+def default_costs(block_size: int, rows: int = 8) -> Costs:
+    """The uncalibrated model (see the module docstring), in units of one batch-1 step; a
+    batch of R rows costs as R rows of positions would at 0.08 step per extra position."""
+    rs = list(range(1, rows + 1))
+    call = lambda positions: 1 + 0.08 * (positions - 1)  # noqa: E731
+    return Costs(rs, [call(r) for r in rs], [[call(r * s) for s in range(1, block_size + 1)] for r in rs],
+                 [call(r) for r in rs], [0.1 * call(r) for r in rs])
+
+
+def max_gap(probe: float) -> int:
+    """The largest probe gap: a probe adding `probe` steps per gap + 1 rounds is <= PROBE_BOUND of them."""
+    return max(1, math.ceil(probe / PROBE_BOUND) - 1)
+
+
+@dataclass
+class RowControl:
+    """One row's record: averages over its drafted rounds, and its probe schedule."""
+
+    emitted: float = 0.0  # discounted sum of tokens its drafted rounds emitted
+    squares: float = 0.0  # ... of their squares
+    weight: float = 0.0  # discounted count of its drafted rounds
+    length: float = 0.0  # exponential average of the verify length (0: none yet)
+    plain: int = 0  # plain rounds since it last drafted
+    gap: int = 0  # plain rounds before its next probe (0: not plain yet)
+    drafts: bool = True  # this round: the row verifies its drafts
+    own: bool = False  # decides for itself (rejection sampling: its tokens depend on it)
+    seen: int = 0  # rounds of the row's Generation already read
+    prior: float = 4.0  # its estimate before any round (so one round of a single token stops a CPU row)
+    clocked: int = -2  # its rounds at the last decision (the next round's time is then measured)
+
+    @property
+    def tokens(self) -> float:
+        """Expected tokens of its next drafted round: the discounted mean, PRIOR as one round's worth."""
+        return (self.prior + self.emitted) / (1 + self.weight)
+
+    @property
+    def hopeful(self) -> float:
+        """`tokens` plus one standard error of the rounds' mean: acceptance is bursty (many rounds
+        of 1-2 tokens, some of a whole block), so a row stops drafting only when the rounds
+        say clearly that it does not pay; rounds that all emit alike stop it at once."""
+        if self.weight < 1.5:
+            return self.tokens
+        mean = self.emitted / self.weight
+        var = max(0.0, self.squares / self.weight - mean * mean)
+        return self.tokens + HOPE * math.sqrt(var / self.weight)
+    taps: list = field(default_factory=list)  # its plain steps' taps, for the drafter's context (host backends)
+
+
+@dataclass
+class Controller:
+    """Per round: draft (the verify policy's lengths) or plain steps; see the module docstring.
+    One controller serves any number of loops: a row's record lives on the row."""
+
+    costs: Costs
+    block_size: int
+    measured: dict = field(default_factory=dict)  # (rows, drafted) -> [mean ms of such rounds here, rounds, verify length]
+    _last: tuple = ()  # (rows, drafted, verify length) of the last decision
+
+    def _clock(self, rows) -> None:
+        """The last round's wall time (any row that ran it has it last in `round_s`): the costs
+        as this machine runs them now, load included, beside the calibrated ones."""
+        for r in rows:
+            g = r.gen
+            if self._last and r.ctl is not None and r.ctl.clocked == len(g.round_s) - 1:
+                R, kind, s = self._last
+                t = sum(g.round_s[-1]) * 1e3
+                m = self.measured.setdefault((R, kind), [t, 0, s])
+                m[0], m[1], m[2] = m[0] + MEASURED_WEIGHT * (t - m[0]), m[1] + 1, m[2] + MEASURED_WEIGHT * (s - m[2])
+                break
+        for r in rows:
+            if r.ctl is not None:
+                r.ctl.clocked = len(r.gen.round_s)
+
+    def correction(self, rows: int) -> float:
+        """Measured over calibrated break-even at this batch size (1 until both kinds of round
+        ran MEASURED_MIN times here): on a loaded machine a drafted round's calls may cost
+        relatively more (or less) than the calibration saw."""
+        d, p = self.measured.get((rows, True)), self.measured.get((rows, False))
+        if not d or not p or min(d[1], p[1]) < MEASURED_MIN:
+            return 1.0
+        return min(1.5, max(0.7, d[0] / p[0] / self.costs.ratio(rows, round(d[2]))))
+
+    def _length(self, rows) -> int:
+        ls = [r.ctl.length for r in rows if r.ctl.length > 0]
+        return max(1, min(self.block_size, math.ceil(max(ls)) if ls else self.block_size))
+
+    def _ratio(self, c: RowControl, rows: int, s: int, what: str = "ratio") -> float:
+        """The break-even (or probe cost) a row is held to (one that decides for itself: at batch 1, its own length)."""
+        if c.own:  # its own history and batch-1 costs only: nothing of the other rows
+            return getattr(self.costs, what)(1, math.ceil(c.length) if c.length else self.block_size)
+        return getattr(self.costs, what)(rows, s) * (self.correction(rows) if what == "ratio" else 1.0)
+
+    def _read(self, c: RowControl, g, rows: int, s: int) -> None:
+        """The row's rounds since the last look (its Generation): averages, counts, gaps."""
+        for a, v, d in zip(g.acceptance_lengths[c.seen :], g.verify_lengths[c.seen :], g.drafted[c.seen :]):
+            if not d:
+                c.plain += 1
+                c.gap = c.gap or max(2, max_gap(self._ratio(c, rows, s, "probe")) // 8)
+                continue
+            c.emitted, c.squares, c.weight = GAMMA * c.emitted + a, GAMMA * c.squares + a * a, GAMMA * c.weight + 1
+            c.length = float(v) if c.length == 0 else c.length + ALPHA * (v - c.length)
+            if c.gap:  # a probe: back to drafting if the estimate now pays; a probe that did not pay itself doubles the gap
+                ratio = self._ratio(c, rows, s)
+                c.gap = 0 if c.hopeful > ratio else c.gap if a > ratio else min(2 * c.gap, max_gap(self._ratio(c, rows, s, "probe")))
+            c.plain = 0
+        c.seen = len(g.acceptance_lengths)
+
+    def _wants(self, c: RowControl, ratio: float) -> bool:
+        """A row's own wish: its average pays, or its probe is due."""
+        return c.hopeful > ratio or (c.gap > 0 and c.plain >= c.gap)
+
+    def decide(self, rows, backend=None) -> bool:
+        """Whether this round drafts; sets each row's `ctl.drafts` (rows: the loop's `_Row`s,
+        `req.speculative` False / True (auto) / "always", `ud` set: rejection sampling). Before a
+        drafted round the rows' plain steps reach the drafter's context (`backend`)."""
+        for r in rows:
+            if r.ctl is None:
+                r.ctl = RowControl(own=r.ud is not None, seen=len(r.gen.acceptance_lengths),
+                                   prior=self.costs.ratio(1, self.block_size) + PRIOR)
+        self._clock(rows)
+        spec, own = self.choose(rows)
+        self._last = (len(rows), spec, self._length(rows) if spec else 1)
+        for b, r in enumerate(rows):
+            r.ctl.drafts = spec and bool(r.req.speculative) and own.get(id(r), True)
+            if spec and r.ctl.taps:
+                backend.context_from_taps(b, np.stack(r.ctl.taps))
+                r.ctl.taps = []
+        return spec
+
+    def choose(self, rows) -> tuple[bool, dict]:
+        """(whether the round drafts, {id(row): its own wish} for the rows that decide for themselves)."""
+        R, S = len(rows), self._length(rows)
+        auto = [r for r in rows if r.req.speculative is True]
+        for r in auto:
+            self._read(r.ctl, r.gen, R, S)
+        ratio = self.costs.ratio(R, S) * self.correction(R)
+        own = {id(r): self._wants(r.ctl, self._ratio(r.ctl, R, S)) for r in auto if r.ctl.own}
+        shared = [r for r in auto if not r.ctl.own]
+        gain = bool(shared) and (sum(r.ctl.hopeful for r in shared) + R - len(shared)) / R > ratio
+        probe = any(r.ctl.gap > 0 and r.ctl.plain >= r.ctl.gap for r in shared)
+        spec = any(r.req.speculative == "always" for r in rows) or gain or probe or any(own.values())
+        return spec, own
+
+    def plain_step(self, backend, rows, produced) -> None:
+        """After a plain round: each speculative row's new position must reach the drafter's
+        context before it drafts again. A backend with host taps (ONNX Runtime, CPU) keeps them
+        here (a copy of one position's features per row; projected in one call at the next
+        drafted round); any other projects them now (a draft_context call per plain round)."""
+        keep = [b for b, r in enumerate(rows) if r.req.speculative and not r.done and r.ctl is not None]
+        if not keep:
+            return
+        taps = backend.last_taps(len(rows)) if hasattr(backend, "last_taps") else None
+        if taps is None:
+            more = np.array([produced[b] if b in keep else 0 for b in range(len(rows))], np.int64)
+            backend.draft_context_rows(list(range(len(rows))), more)
+            return
+        for b in keep:
+            rows[b].ctl.taps.append(taps[b])
+
+
+def controller_for(mode: str, costs: dict | None, block_size: int) -> Controller | None:
+    """The controller of `--speculation auto` (None for always/never: the loop's `draft` says
+    which): runtime.json's calibrated costs, else the default model."""
+    if mode not in MODES:
+        raise DFlashError(f"--speculation must be one of {', '.join(MODES)} (got {mode!r})")
+    if mode != "auto":
+        return None
+    return Controller(Costs.from_json(costs) if costs else default_costs(block_size), block_size)
+
+
+def rounds_of(gens) -> dict:
+    """{"drafted": rounds that verified drafts, "plain": plain steps} over generations' rows."""
+    drafted = sum(sum(g.drafted) for g in gens)
+    return {"drafted": drafted, "plain": sum(len(g.drafted) for g in gens) - drafted}

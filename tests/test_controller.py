@@ -1,0 +1,244 @@
+"""The speculation controller (runtime/controller.py): rounds that switch between drafting and
+plain steps stay lossless, the drafter's context survives plain stretches, the cost model
+backs off where drafting does not pay and almost never where a verify costs about a step,
+probing stays within its bound, and runtime.json's costs load (or their absence: the default).
+
+Lossless here means: every greedy row equals the target's own plain greedy decoding (the
+same artifact, draft=False), on every cached tiny model (tests/runtime_cases.py: Qwen3,
+Llama, Qwen2, block 16, both attention flavours, a hybrid Gated DeltaNet target), many
+random prompts, batch 1 and batch 3 with rows joining late, with decisions forced by a coin
+and by a test cost model whose break-even sits inside the rows' acceptance.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from runtime_cases import CASES, ORT_CASES, artifact, prompts
+from test_batch import HYBRID
+
+from dflash_export.runtime.controller import (PROBE_BOUND, Controller, Costs, RowControl, controller_for,
+                                              default_costs, max_gap, rounds_of)
+from dflash_export.runtime.errors import DFlashError
+from dflash_export.runtime.loop import Generation, Request, generate, generate_batch
+from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.settings import Settings, load_settings, save_settings
+
+MODELS = {**CASES, **ORT_CASES, "hybrid": HYBRID}
+
+
+class Coin(Controller):
+    """Decides each round by a seeded coin (the bookkeeping and catch-up are the controller's)."""
+
+    def __init__(self, block_size: int, seed: int, p: float = 0.5):
+        super().__init__(default_costs(block_size), block_size)
+        self.rng, self.p = np.random.default_rng(seed), p
+
+    def choose(self, rows):
+        return bool(self.rng.random() < self.p), {}
+
+
+def flat_costs(block: int, ratio: float) -> Costs:
+    """A test cost model: verify free, so the break-even is `ratio` at every length and batch."""
+    return Costs([1], [1.0], [[1.0] * block], [ratio - 1.0], [0.0])
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_switching_rounds_equal_plain_greedy(name):
+    _, _, out = artifact(MODELS[name])
+    be1, be3 = OrtBackend(out, threads=1), OrtBackend(out, threads=1, max_batch=3)
+    K, V = be1.manifest.block_size, be1.manifest.vocab_size
+    ps = prompts(6, V, seed=11)
+    new = [int(n) for n in np.random.default_rng(11).integers(4, 40, len(ps))]
+    refs = [generate(be1, p, n, draft=False, stop_token_ids=()).tokens for p, n in zip(ps, new)]
+    kinds = set()
+    for i, ctl in enumerate([Coin(K, seed=1), Coin(K, seed=2, p=0.2), Controller(flat_costs(K, 2.0), K)]):
+        for p, n, ref in zip(ps, new, refs):
+            g = generate(be1, p, n, stop_token_ids=(), control=ctl)
+            assert g.tokens == ref, (name, i)
+            kinds |= set(g.drafted)
+        gens, stats = generate_batch(be3, [Request(p, n, stop_token_ids=()) for p, n in zip(ps, new)], control=ctl)
+        assert [g.tokens for g in gens] == refs, (name, i)
+        assert stats.plain_rounds == sum(1 for g in gens for d in g.drafted if not d) or stats.plain_rounds > 0
+    assert kinds == {True, False}  # both kinds of round ran
+
+
+def test_plain_stretches_keep_the_drafters_context():
+    """Plain steps' taps kept on the host reach the drafter's context at the next drafted round:
+    the drafted rounds accept exactly what they accept when every plain step projects its own
+    position (a backend without host taps), so the drafter saw the same context."""
+    _, _, out = artifact(CASES["qwen3"])
+    be = OrtBackend(out, threads=1)
+
+    class NoHostTaps:  # the backend seen as one without host taps: a draft_context call per plain round
+        def __init__(self, inner):
+            self.__dict__["inner"] = inner
+
+        def __getattr__(self, name):
+            if name == "last_taps":
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    for seed, p in enumerate(prompts(5, be.manifest.vocab_size, seed=4)):
+        kept = generate(be, p, 60, stop_token_ids=(), control=Coin(be.manifest.block_size, seed, p=0.3))
+        each = generate(NoHostTaps(be), p, 60, stop_token_ids=(), control=Coin(be.manifest.block_size, seed, p=0.3))
+        assert kept.drafted == each.drafted and False in kept.drafted
+        assert kept.acceptance_lengths == each.acceptance_lengths
+        assert kept.tokens == each.tokens == generate(be, p, 60, draft=False, stop_token_ids=()).tokens
+    assert max(kept.acceptance_lengths) > 1  # the drafter's context was right: drafts were accepted
+
+
+def test_sampled_rows_keep_their_seed_under_the_controller():
+    """Rejection-sampled rows decide for themselves (batch-1 costs, own history): alone or in a
+    batch, with switching, the same seed gives the same tokens; sample-and-compare rows draw
+    exactly the target's plain sampled tokens."""
+    _, _, out = artifact(CASES["qwen3"])
+    be1, be3 = OrtBackend(out, threads=1), OrtBackend(out, threads=1, max_batch=3)
+    K, V = be1.manifest.block_size, be1.manifest.vocab_size
+    ctl = Controller(flat_costs(K, 3.0), K)
+    ps = prompts(5, V, seed=9)
+    kw = dict(temperature=0.9, top_k=20, stop_token_ids=())
+    alone = [generate(be1, p, 30, seed=50 + i, control=ctl, **kw) for i, p in enumerate(ps)]
+    gens, _ = generate_batch(be3, [Request(p, 30, seed=50 + i, **kw) for i, p in enumerate(ps)], control=ctl)
+    assert [g.tokens for g in gens] == [g.tokens for g in alone]
+    assert {d for g in alone for d in g.drafted} == {True, False}
+    for i, p in enumerate(ps):
+        plain = generate(be1, p, 30, seed=50 + i, draft=False, **kw).tokens
+        assert generate(be1, p, 30, seed=50 + i, sampling="compare", control=Coin(K, i), **kw).tokens == plain
+
+
+def test_always_rows_draft_and_never_rows_do_not():
+    _, _, out = artifact(CASES["qwen3"])
+    be3 = OrtBackend(out, threads=1, max_batch=3)
+    K = be3.manifest.block_size
+    ctl = Controller(flat_costs(K, 100.0), K)  # drafting never pays
+    ps = prompts(3, be3.manifest.vocab_size, seed=2)
+    reqs = [Request(ps[0], 20, stop_token_ids=(), speculative="always"), Request(ps[1], 20, stop_token_ids=()),
+            Request(ps[2], 20, stop_token_ids=(), speculative=False)]
+    gens, stats = generate_batch(be3, reqs, control=ctl)
+    assert all(gens[0].drafted) and not any(gens[2].drafted)
+    gens, stats = generate_batch(be3, reqs[1:], control=ctl)
+    assert stats.plain_rounds > 0 and rounds_of(gens)["drafted"] < 3  # backed off after its first round or two
+
+
+# -- the cost model, without a backend ---------------------------------------------------------
+
+
+def simulate(costs: Costs, block: int, accept, rounds: int, rows: int = 1):
+    """The controller's decisions over rows whose drafted rounds emit accept(rng) tokens each:
+    (drafted rounds, plain rounds, tokens, time in the cost model's unit, mean tokens of a drafted row-round)."""
+    ctl, rng = Controller(costs, block), np.random.default_rng(0)
+    rs = [SimpleNamespace(req=SimpleNamespace(speculative=True), ud=None, ctl=None, gen=Generation(), done=False)
+          for _ in range(rows)]
+    drafted = plain = tokens = drafted_tokens = 0
+    spent, last = 0.0, None
+    for _ in range(rounds):
+        spec = ctl.decide(rs, backend=None)
+        for r in rs:
+            a = min(int(accept(rng)), block) if spec else 1
+            r.gen.acceptance_lengths.append(a)
+            r.gen.verify_lengths.append(block if spec else 1)
+            r.gen.drafted.append(spec)
+            tokens += a
+            drafted_tokens += a if spec else 0
+        catch_up = costs._at(costs.context, rows) if spec and last is False else 0.0  # the plain steps' context
+        spent += costs.spec_ms(rows, block) + catch_up if spec else costs.plain_ms(rows)
+        drafted, plain, last = drafted + spec, plain + (not spec), spec
+    return drafted, plain, tokens, spent, drafted_tokens / max(1, drafted * rows)
+
+
+DEMO_HISTOGRAM = [188, 124, 66, 38, 50, 24, 29, 31, 8, 14, 9, 3, 6, 6, 4, 53]  # demo/RESULTS.md, shipped drafter
+
+
+def demo_accept(rng):
+    p = np.array(DEMO_HISTOGRAM, float)
+    return 1 + rng.choice(16, p=p / p.sum())
+
+
+def test_gpu_like_costs_almost_never_back_off():
+    """A verify costing about a step (a GPU at small batch): the break-even is ~1.4 tokens a
+    round (1.5 at 4 rows); with the demo drafter's acceptance (tau 4.7, independent rounds)
+    under 3% of rounds go plain, within 2% of drafting every round, and even
+    a weak drafter (1 or 2 tokens a round, mean 1.5) keeps drafting most rounds."""
+    gpu = Costs([1, 4], [1.0, 1.1], [[1.0 + 0.005 * s for s in range(16)], [1.1 + 0.01 * s for s in range(16)]],
+                [0.25, 0.3], [0.05, 0.06])
+    assert gpu.ratio(1, 16) < 1.4 and gpu.ratio(4, 16) < 1.5
+    for rows in (1, 4):
+        d, p, tokens, spent, tau = simulate(gpu, 16, demo_accept, 3000, rows)
+        always = rows * tau / gpu.spec_ms(rows, 16)  # every round drafted, at the same draws' mean
+        print(f"GPU-like costs, {rows} row(s): {p / (d + p):.1%} of rounds plain, {tokens / spent / always:.3f}x always")
+        assert p / (d + p) < 0.03 and tokens / spent > 0.98 * always, (rows, d, p)
+    d, p, *_ = simulate(gpu, 16, lambda rng: 1 + rng.integers(0, 2), 2000)
+    assert d > p
+
+
+def test_cpu_like_costs_back_off_off_domain_and_probing_is_bounded():
+    """Default (CPU-like) costs: a drafter that accepts nothing goes plain after its first
+    rounds, and over a long stretch probing costs at most PROBE_BOUND of plain throughput
+    beyond the start of the stretch; the demo drafter's acceptance keeps drafting."""
+    c = default_costs(16)
+    n = 3000
+    d, p, tokens, spent, _ = simulate(c, 16, lambda rng: 1, n)
+    plain_rate = 1 / c.plain_ms(1)
+    assert p > 0.95 * n
+    # the first probes of a stretch come sooner (gaps max_gap/8, /4, /2): all of them within the first 2 * max_gap rounds
+    g = max_gap(c.probe(1, 16))
+    start = 2 * g
+    d_late, p_late, tokens_late, spent_late = [x - y for x, y in zip((d, p, tokens, spent),
+                                                                     simulate(c, 16, lambda rng: 1, start))]
+    assert (tokens_late / spent_late) >= plain_rate * (1 - PROBE_BOUND - 1e-9), (d_late, p_late)
+    assert (tokens / spent) >= plain_rate * 0.95  # the whole stretch, its start included
+    d, p, *_ = simulate(c, 16, demo_accept, 2000)
+    assert d > p
+
+
+def test_costs_in_runtime_json(tmp_path):
+    """Calibrated costs round-trip; files without them (older ones) load with the default model;
+    a malformed cost table is one line at load."""
+    (tmp_path / "manifest.json").write_text("{}")
+    assert load_settings(tmp_path, "ort:cpu").costs == {}  # no runtime.json
+    assert controller_for("auto", {}, 8).costs.source == "default"
+    assert controller_for("always", {}, 8) is None and controller_for("never", {}, 8) is None
+    costs = {"rows": [1, 2], "step_ms": [1.0, 1.5], "verify_ms": [[1.0, 1.2], [1.5, 2.0]], "draft_ms": [0.8, 1.0],
+             "context_ms": [0.1, 0.1]}
+    save_settings(tmp_path, "ort:cpu", Settings(threads=1, costs=costs))
+    s = load_settings(tmp_path, "ort:cpu")
+    c = controller_for("auto", s.costs, 2).costs
+    assert c.source == "calibrated" and c.ratio(1, 2) == pytest.approx((0.8 + 1.2 + 0.1) / 1.0)
+    assert c.plain_ms(3) == pytest.approx(1.5 * 3 / 2)  # beyond the measured rows: per row as the last
+    raw = json.loads((tmp_path / "runtime.json").read_text())
+    raw["devices"]["ort:cpu"].pop("costs")  # a file written before the cost model
+    (tmp_path / "runtime.json").write_text(json.dumps(raw))
+    assert load_settings(tmp_path, "ort:cpu").costs == {}
+    raw["devices"]["ort:cpu"]["costs"] = {**costs, "step_ms": [1.0]}
+    (tmp_path / "runtime.json").write_text(json.dumps(raw))
+    with pytest.raises(DFlashError, match="malformed entry"):
+        load_settings(tmp_path, "ort:cpu")
+    with pytest.raises(DFlashError, match="--speculation must be one of"):
+        controller_for("sometimes", {}, 8)
+    c = Controller(default_costs(16), 16)
+    assert c._wants(RowControl(prior=c.costs.ratio(1, 16) + 1), c.costs.ratio(1, 16))  # a new row drafts its first round
+
+
+def test_cli_speculation_modes(tmp_path):
+    """`generate --speculation auto|always|never` (and the old --no-draft) give the same greedy
+    tokens and report the rounds each way; contradictory flags are one line."""
+    from click.testing import CliRunner
+
+    from dflash_export.cli import cli
+
+    _, _, out = artifact(CASES["qwen3"])
+    runs = {}
+    for mode in (["--speculation", "auto"], ["--speculation", "always"], ["--speculation", "never"], ["--no-draft"]):
+        r = CliRunner().invoke(cli, ["generate", str(out), "--prompt-ids", "5,9,13,2", "--max-new-tokens", "24",
+                                     "--json", "--threads", "1", *mode])
+        assert r.exit_code == 0, r.output
+        runs[" ".join(mode)] = json.loads(r.stdout.splitlines()[-1])
+    assert len({tuple(x["tokens"]) for x in runs.values()}) == 1
+    assert runs["--speculation never"]["rounds"]["drafted"] == 0 and runs["--no-draft"]["rounds"]["drafted"] == 0
+    assert runs["--speculation always"]["rounds"]["plain"] == 0 and runs["--speculation auto"]["speculation"] == "auto"
+    r = CliRunner().invoke(cli, ["generate", str(out), "--prompt-ids", "5,9", "--no-draft", "--speculation", "always"])
+    assert r.exit_code != 0 and "--no-draft means --speculation never" in r.output and "Traceback" not in r.output
