@@ -31,8 +31,9 @@ def check_batch(m: M.Manifest, max_batch: int, device: str, directory) -> int:
         raise DFlashError(f"{directory} was exported before batched decoding (batch 1 only); re-export it with this "
                           "dflash-export to run --batch > 1")
     if max_batch > 1 and device != "cpu":
-        raise DFlashError("--batch > 1 runs on the CPU provider in this version (the batched caches are host arrays); "
-                          "use --provider cpu or --batch 1")
+        raise DFlashError("--batch > 1 runs on ONNX Runtime's CPU provider (its batched caches are host arrays, written "
+                          "per row between calls); on an NVIDIA GPU use --backend trt with engines from `dflash-export "
+                          "build OUT --max-batch N`, or --provider cpu, or --batch 1")
     return max_batch
 
 

@@ -102,6 +102,12 @@ def test_batch_needs_a_ragged_export(tmp_path):
     be = OrtBackend(out, threads=1, max_batch=2)
     with pytest.raises(DFlashError, match="at most 2 rows"):
         generate_batch(be, [Request([1, 2], 3)], batch=3)
+    from dflash_export.runtime.manifest import load_manifest
+    from dflash_export.runtime.ort_rows import check_batch
+
+    with pytest.raises(DFlashError, match=r"CPU provider .* use --backend trt with engines from `dflash-export build OUT "
+                                          r"--max-batch N`"):  # ORT's CUDA / TensorRT providers: the caches are host arrays
+        check_batch(load_manifest(out), 2, "cuda", out)
 
 
 def test_memory_check_refuses_a_batch_that_does_not_fit():
