@@ -88,6 +88,7 @@ class RowCalls:
         self.kv_all = self.ctx_all = None
         self._views, self._flat, self._tail, self._wcache = {}, {}, {}, {}
         self.width = B  # rows a call over all rows carries (set_width: the loop keeps its rows in 0..width-1)
+        self._wanted = None  # a width set but not laid out yet (set_width)
         if self.in_place or B == 1:
             shape = (B, Hkv, n, D) if self.in_place else (1, n, Hkv, D)
             self.kv = [None if m.is_linear(i) else self._alloc(shape, kv_type) for i in range(L) for _ in (0, 1)]
@@ -148,10 +149,18 @@ class RowCalls:
 
     def set_width(self, w: int) -> None:
         """Calls over all rows carry rows 0..w-1 from now on. Position-major caches are laid out
-        again for w columns (the kept rows' valid prefixes copied once: a join or a leave, not a
-        call); batch-major buffers (the ort flavour's, states) need nothing."""
+        again for w columns at the next call (the kept rows' valid prefixes copied once: a join or
+        a leave, not a call; a leave and a join at one round boundary copy nothing);
+        batch-major buffers (the ort flavour's, states) need nothing."""
         if not 0 <= w <= self.max_batch:
             raise DFlashError(f"internal: width {w} of a {self.max_batch}-row backend")
+        self._wanted = w
+
+    def _layout(self) -> None:
+        """Apply the last set_width (before a call)."""
+        w, self._wanted = self._wanted, None
+        if w is None or w == self.width:
+            return
         keep = min(self.width, w)
         for key, lens in (("kv", self.lengths), ("ctx", self.ctx_lengths)):
             p = int(lens[:keep].max()) if keep and key in self._flat else 0
@@ -210,6 +219,7 @@ class RowCalls:
         return Draft(ids[0], None if conf is None else conf[0])
 
     def target_rows(self, rows, ids, counts, picks=None, want_logits=False) -> TargetOut:
+        self._layout()
         m, g, lengths, B = self.manifest, C.TARGET, self.lengths, self.max_batch
         R, S = ids.shape
         if not 1 <= S <= self.max_chunk:
@@ -324,6 +334,7 @@ class RowCalls:
                 self._bind(g, new, self._views["kv_new"][j], batch=R, seq=S)
 
     def draft_context_rows(self, rows, n) -> None:
+        self._layout()
         m, g, R, B = self.manifest, C.DRAFT_CONTEXT, len(rows), self.max_batch
         lengths = self.ctx_lengths
         c = int(n[0]) if R == 1 else self._last_seq  # several rows: each computes the whole last call
@@ -352,6 +363,7 @@ class RowCalls:
         lengths[rows] += n
 
     def draft_block_rows(self, rows, anchors):
+        self._layout()
         m, g, R, B, K = self.manifest, C.DRAFT_BLOCK, len(rows), self.max_batch, self.manifest.block_size
         lengths = self.ctx_lengths
         P = int(lengths[rows[0]]) if R == 1 else int(lengths[rows].max())

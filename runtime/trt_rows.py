@@ -76,13 +76,25 @@ class TrtRows:
         self._copy2d(into, row, base + b * row, self.width * row, row, p)
         return into
 
+    _wanted: int | None = None  # a width set but not laid out yet
+
     def set_width(self, w: int) -> None:
         """Calls over all rows carry rows 0..w-1 from now on: the kept rows' valid prefixes are laid
-        out again for w columns (a join or a leave, not a call)."""
+        out again for w columns at the next call (a join or a leave, not a call; a leave and a join
+        at one round boundary copy nothing)."""
         if not 0 <= w <= self.max_batch:
             raise InternalError(f"width {w} of a {self.max_batch}-row backend")
+        if self.max_batch == 1:
+            self.width = w
+        self._wanted = w
+
+    def _layout(self) -> None:
+        """Apply the last set_width (before a call)."""
+        w, self._wanted = self._wanted, None
+        if w is None or w == self.width:
+            return
         keep, W = min(self.width, w), self.width
-        if self.max_batch > 1 and keep and w != W:
+        if keep:
             for base, row, lens in self._caches():
                 p = int(lens[:keep].max())
                 if p:
@@ -113,6 +125,7 @@ class TrtRows:
     def target_rows(self, rows, ids, counts, picks=None, want_logits=False) -> TargetOut:
         if self.max_batch == 1:
             return Backend.target_rows(self, rows, ids, counts, picks, want_logits)
+        self._layout()
         self._one_call(rows)
         N_, m, k = self.names, self.manifest, self.k
         ids = np.asarray(ids, np.int64)
@@ -167,6 +180,7 @@ class TrtRows:
     def draft_context_rows(self, rows, n) -> None:
         if self.max_batch == 1:
             return Backend.draft_context_rows(self, rows, n)
+        self._layout()
         self._one_call(rows)
         N_, R, lengths = self.names, len(rows), self.ctx_lengths
         c = int(n[0]) if R == 1 else self._taps_n  # several rows: each projects the whole last call
@@ -191,6 +205,7 @@ class TrtRows:
     def draft_block_rows(self, rows, anchors):
         if self.max_batch == 1:
             return Backend.draft_block_rows(self, rows, anchors)
+        self._layout()
         self._one_call(rows)
         N_, m, k, R = self.names, self.manifest, self.k, len(rows)
         lengths = self.ctx_lengths
