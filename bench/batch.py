@@ -69,9 +69,13 @@ def compare(backends: dict, prompts: list, new_tokens: int, draft: bool, verify,
 
 
 def fill(be, rows: int, ctx: int) -> None:
-    """Rows 0..rows-1 of `be` hold `ctx` positions in both caches. Their values stay zeros: a
-    round's cost does not depend on them (dense kernels), and at the 0.6B shape a real prefill
-    of 5 rows x 1000 tokens would take most of the run on a shared 2-core machine."""
+    """Rows 0..rows-1 of `be` hold `ctx` positions in both caches, all 0.01: a round's cost does
+    not depend on the values (dense kernels), and at the 0.6B shape a real prefill of 5 rows x
+    1000 tokens would take most of the run on a shared 2-core machine. Every page is written:
+    caches left as np.zeros would be read from the kernel's shared zero page (cache-hot, too
+    fast) and fault on their first write (too slow)."""
+    for a in (*be._flat.values(), *(x for x in (*be.kv, *getattr(be, "ctx", ())) if x is not None)):
+        a.fill(0.01)
     be.set_width(rows)
     be.lengths[:rows] = ctx
     be.ctx_lengths[:rows] = ctx
