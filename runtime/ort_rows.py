@@ -289,7 +289,7 @@ class RowCalls:
             self._bind(g, C.LOGITS, self.logits if want_logits else self._logits_scratch, batch=R, picks=N, seq=N)
         self.sessions[g].run_with_iobinding(io)
         self._io[g] = saved
-        if self.kv_all is not None and not self.in_place:
+        if self.kv_all is not None and not self.in_place and self.width > 1:  # width 1: written in place
             _scatter(self.kv_all, self.kv_new, rows, lengths, S, counts)
         self.pending[rows] = counts
         self._last_seq = S
@@ -321,7 +321,7 @@ class RowCalls:
                 for name in (self.names.new_conv[i], *self.names.delta[i]):
                     self._bind(g, name, self.states.flat[name], batch=R, seq=S)
                 continue
-            if B == 1:
+            if B == 1 or self.width == 1:  # one row's cache, contiguous: the new K/V go straight after its prefix
                 k, v = self.kv[2 * i], self.kv[2 * i + 1]
                 self._bind(g, self.names.past_key[i], k, past=P)
                 self._bind(g, self.names.past_value[i], v, past=P)
@@ -353,12 +353,12 @@ class RowCalls:
             self._bind(g, C.CTX_POSITION_IDS, self.row_pos, batch=R, ctx=c)
         for j in range(2 * m.draft_layers):
             name = self.names.ctx_key[j // 2] if j % 2 == 0 else self.names.ctx_value[j // 2]
-            if B == 1:
+            if B == 1 or self.width == 1:
                 self._bind(g, name, self.ctx[j], P, ctx=c)
             else:
                 self._bind(g, name, self._views["ctx_new"][j], batch=R, ctx=c)
         self.sessions[g].run_with_iobinding(self._io[g])
-        if B > 1:
+        if B > 1 and self.width > 1:
             _scatter(self.ctx_all, self.ctx_new, rows, lengths, c, n)
         lengths[rows] += n
 
