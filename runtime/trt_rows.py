@@ -14,6 +14,8 @@ length by one strided copy per layer (cudaMemcpy2DAsync, destination pitch W pos
 call's new positions only, never the cache. A joining row's prefill runs alone; past its first
 chunk its prefix is gathered by one strided copy per layer. A join or a leave lays the kept
 rows out again for the new width (through a scratch: CUDA's 2D copies may not overlap).
+A backend of several rows is run through these `*_rows` calls (runtime/loop.py does); the
+batch-1 methods (`target`, `draft_block`, ...) bind one-row caches and are for max_batch 1.
 """
 
 from __future__ import annotations
