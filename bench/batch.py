@@ -5,18 +5,23 @@
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/batch.py --work /tmp/batch --part batch1 --old /path/to/old/checkout
 
 Parts (each prints one JSON object per measurement):
-- 06b: the Qwen3-0.6B shape (random weights, fp32; bench/real_sizes.py's checkpoint),
-  exported in both attention flavours at --max-context 1280: plain decoding at ~300 and
-  ~1000 context tokens, and speculative decoding with the verify length fixed at 6 (random
-  weights accept nothing, so this is the cost of a batched round), batch 4 vs batch 1.
-- demo: the shipped demo pair, speculative and plain, batch 4 vs batch 1 (its held-out prompts).
+- 06b: the Qwen3-0.6B shape (random weights; bench/real_sizes.py's checkpoint), exported once
+  at --max-context 1280 with standard and ort attention (fp32) and int4 (the standard export
+  quantized, accuracy level 4): rounds of the batched loop at --batch rows vs 1 row, every
+  row holding 300 or 1000 positions (zeros: the cost does not depend on them): plain steps, and
+  speculative rounds with the verify length fixed at 6 (random weights accept nothing, so
+  this is the cost of a batched round) at 300. Per-call medians show which call dominates.
+  Prefill is left out: a joining row prefills alone at every batch size.
+- demo: the shipped demo pair through the loop, speculative and plain, --batch rows vs 1
+  (its held-out prompts, repeated to 2 x batch requests), then batch 1 through the batch
+  backend (one row at a time) vs the one-row backend.
 - batch1: batch 1 through this version vs the version in --old (a checkout of it; each
   exports the demo pair with its own exporter), alternating child processes.
-Every ratio is measured within one process, runs interleaved (N, 1, N, 1, ...), best of
---repeats; "decode" rates count the rounds only (the goals' measure: tokens after each
-request's first over the rounds' wall time), "aggregate" ones the whole run with prefills; the load (`uptime`) is printed first, as the numbers depend on it. Per
-measurement: aggregate and per-request tokens/s, tau, mean occupancy, and the mean
-draft / verify milliseconds per round at each batch size (which call dominates).
+Every ratio is measured within one process, runs interleaved (N, 1, N, 1, ...); the load
+(`uptime`) is printed first, as the numbers depend on it. The demo part reports best of
+--repeats: "decode" rates count the rounds only (tokens after each request's first over the
+rounds' wall time), "aggregate" ones the whole run with prefills; aggregate and per-request
+tokens/s, tau, mean occupancy, and the mean draft / verify ms per round at each batch size.
 """
 
 from __future__ import annotations
@@ -62,40 +67,111 @@ def compare(backends: dict, prompts: list, new_tokens: int, draft: bool, verify,
     return out
 
 
-def part_06b(work: Path, threads: int, repeats: int, batch: int) -> None:
+def fill(be, rows: int, ctx: int) -> None:
+    """Rows 0..rows-1 of `be` hold `ctx` positions in both caches, all 0.01: a round's cost does
+    not depend on the values (dense kernels), and at the 0.6B shape a real prefill of 5 rows x
+    1000 tokens would take most of the run on a shared 2-core machine. Every page is written:
+    caches left as np.zeros would be read from the kernel's shared zero page (cache-hot, too
+    fast) and fault on their first write (too slow)."""
+    for a in (*be._flat.values(), *(x for x in (*be.kv, *getattr(be, "ctx", ())) if x is not None)):
+        a.fill(0.01)
+    be.set_width(rows)
+    be.lengths[:rows] = ctx
+    be.ctx_lengths[:rows] = ctx
+
+
+def round_ms(be, rows: int, ctx: int, verify: int, split: dict) -> float:
+    """One round of the batched loop over `rows` rows at context `ctx`, as it runs with random
+    weights (nothing accepted: each row keeps 1 position): verify 1 = a plain decoding step,
+    else draft_block + a `verify`-position target call + draft_context. The lengths are put back
+    after it, so every round sees the same context. Wall ms; per-call ms added to `split`."""
     import numpy as np
+
+    clock, r = time.perf_counter, list(range(rows))
+    be.lengths[:rows] = ctx
+    be.ctx_lengths[:rows] = ctx
+    t0 = clock()
+    ids = np.ones((rows, verify), np.int64)
+    if verify > 1:
+        drafts, _ = be.draft_block_rows(r, np.ones(rows, np.int64))
+        ids[:, 1:] = drafts[:, : verify - 1]
+    t1 = clock()
+    be.target_rows(r, ids, np.full(rows, verify), None)
+    be.commit_rows(r, [1] * rows)
+    t2 = clock()
+    if verify > 1:
+        be.draft_context_rows(r, np.ones(rows, np.int64))
+    t3 = clock()
+    for k, v in (("draft_block", t1 - t0), ("target", t2 - t1), ("draft_context", t3 - t2)):
+        split.setdefault(k, []).append(1e3 * v)
+    return 1e3 * (t3 - t0)
+
+
+def part_06b(work: Path, threads: int, repeats: int, batch: int) -> None:
+    """Qwen3-0.6B shape: rounds of the batched loop at `batch` rows vs 1 row, interleaved, fastest
+    of `repeats` x 4 rounds (on a shared machine the fastest is the round nothing else preempted);
+    every row holds 300 or 1000 positions (`fill`). Exports (once, reused): standard attention
+    in fp32, int4 of it, ort attention in fp32. The ratio is the aggregate decode rate: batch x (1-row round) / (batch round)."""
+    import gc
+    import statistics
+
 
     from real_sizes import make_checkpoint
 
     from dflash_export.export.artifact import export_artifact
+    from dflash_export.export.quantize import QuantOptions, quantize_artifact
+    from dflash_export.runtime import ort_rows
     from dflash_export.runtime.ort import OrtBackend
-    from dflash_export.runtime.settings import VerifyPolicy
 
     if not (work / "target" / "config.json").is_file():
         make_checkpoint(work)
-    for flavour in ("standard", "ort"):
-        out = work / f"out-{flavour}"
+    scatter = []
+    real = ort_rows._scatter
+
+    def timed_scatter(*a, **k):  # batching's own host work in a call: the new positions written per row
+        t = time.perf_counter()
+        real(*a, **k)
+        scatter.append(time.perf_counter() - t)
+
+    ort_rows._scatter = timed_scatter
+    for name in ("standard", "int4", "ort"):
+        out = work / f"out-{name}"
         if not (out / "manifest.json").is_file():
-            export_artifact(work / "target", work / "draft", out, max_context=1280, attention=flavour, force=True,
-                            progress=False)
+            if name == "int4":
+                quantize_artifact(work / "out-standard", out, QuantOptions(scheme="int4", draft=True, lm_head=True,
+                                                                           accuracy_level=4), force=True, progress=False)
+            else:
+                export_artifact(work / "target", work / "draft", out, max_context=1280, attention=name, force=True,
+                                progress=False)
         backends = {batch: OrtBackend(out, threads=threads, max_batch=batch), 1: OrtBackend(out, threads=threads)}
-        rng = np.random.default_rng(0)
-        vocab = backends[1].manifest.vocab_size
-        for ctx, new in ((300, 12), (1000, 12)):
-            ps = [rng.integers(0, vocab - 2, ctx).tolist() for _ in range(batch)]
-            r = compare(backends, ps, new, False, None, repeats)
-            print(json.dumps({"model": "qwen3-0.6b-shape", "attention": flavour, "mode": "plain", "context": ctx, **r}),
-                  flush=True)
-        fixed6 = VerifyPolicy(theta=2.0, min_len=6)  # no cumulative probability reaches 2: always 6 positions
-        ps = [rng.integers(0, vocab - 2, 300).tolist() for _ in range(batch)]
-        r = compare(backends, ps, 18, True, fixed6, repeats)
-        print(json.dumps({"model": "qwen3-0.6b-shape", "attention": flavour, "mode": "speculative, verify 6",
-                          "context": 300, **r}), flush=True)
+        for b, be in backends.items():
+            fill(be, b, 1000)
+        for ctx, verify in ((300, 1), (1000, 1), (300, 6)):
+            ms = {b: [] for b in backends}
+            split = {b: {} for b in backends}
+            scatter.clear()
+            for b, be in backends.items():  # warm-up
+                round_ms(be, b, ctx, verify, {})
+            for _ in range(repeats * 4):
+                for b, be in backends.items():
+                    ms[b].append(round_ms(be, b, ctx, verify, split[b]))
+            med = {b: min(v) for b, v in ms.items()}
+            calls = {f"batch_{b}": {k: round(min(v), 2) for k, v in split[b].items() if verify > 1 or k == "target"}
+                     for b in backends}
+            print(json.dumps({"model": "qwen3-0.6b-shape", "export": name, "threads": threads, "context": ctx,
+                              "mode": "plain" if verify == 1 else f"speculative, verify {verify}",
+                              "round_ms": {f"batch_{b}": round(v, 2) for b, v in med.items()}, "calls_ms": calls,
+                              "round_ms_median": {f"batch_{b}": round(statistics.median(v), 2) for b, v in ms.items()},
+                              "scatter_ms_per_call": round(1e3 * min(scatter), 3) if scatter else 0,
+                              "aggregate_ratio": round(batch * med[1] / med[batch], 3)}), flush=True)
         for be in backends.values():
             be.close()
+        del backends, be
+        gc.collect()
 
 
 def part_demo(work: Path, threads: int, repeats: int, batch: int) -> None:
+    from dflash_export.cmd_batch import batch_report, run_batch
     from dflash_export.export.artifact import export_artifact
     from dflash_export.runtime.ort import OrtBackend
     from dflash_export.serve.text import load_tokenizer
@@ -111,6 +187,16 @@ def part_demo(work: Path, threads: int, repeats: int, batch: int) -> None:
         r = compare(backends, ps, 64, draft, None, repeats)
         print(json.dumps({"model": "demo pair", "mode": "speculative" if draft else "plain", "requests": len(ps), **r}),
               flush=True)
+    # batch 1 through the batched code: one row at a time on the batch-N backend (its position-major
+    # caches at width 1) against the one-row backend, interleaved
+    rates = {"batch_backend": [], "one_row_backend": []}
+    for _ in range(2 * repeats):
+        for key, be in (("batch_backend", backends[batch]), ("one_row_backend", backends[1])):
+            gens, stats = run_batch(be, ps, 64, 1, stop_token_ids=())
+            rates[key].append(batch_report(gens, stats)["decode_tokens_per_second"])
+    print(json.dumps({"model": "demo pair", "mode": "speculative, batch 1", "decode_tokens_per_second": rates,
+                      "batch_backend_over_one_row": round(max(rates["batch_backend"]) / max(rates["one_row_backend"]), 3)}),
+          flush=True)
 
 
 CHILD = """

@@ -29,8 +29,8 @@ trt_lint = lazy_import("dflash_export.export.trt_lint")
 @click.option("--max-context", type=int, default=None, help="Longest sequence the engines accept (default: the export's).")
 @click.option("--max-prompt", type=int, default=None, help="Longest prefill chunk (default: max context / 2).")
 @click.option("--max-batch", type=int, default=1, show_default=True,
-              help="Rows per call the engines take (profiles batch 1..N; ragged exports only). The TensorRT "
-                   "backend itself runs one row in this version.")
+              help="Rows per call the engines take (profiles batch 1..N; ragged exports only): "
+                   "`generate/bench --backend trt --batch N` up to it.")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
               help="Timing cache file reused across builds (default: ~/.cache/dflash-export/trt-timing.cache).")
 @click.option("--workspace", type=float, default=4.0, show_default=True, help="Builder workspace limit in GB.")

@@ -20,14 +20,12 @@ def open_artifact(directory: str | Path, *, backend: str = "ort", provider: str 
                   threads: int | None = None, spin: bool | None = None, verify: str = "auto",
                   max_batch: int = 1) -> tuple[Backend, Settings]:
     """(backend, settings) over `directory`; the settings carry the verify policy the loop takes.
-    `max_batch`: rows decoded together (ONNX Runtime's CPU provider; docs/batching.md)."""
-    if max_batch > 1 and backend != "ort":
-        raise DFlashError("--batch > 1 runs on ONNX Runtime's CPU provider in this version (the TensorRT backend "
-                          "runs one row); use --backend ort or --batch 1")
+    `max_batch`: rows decoded together (ONNX Runtime's CPU provider, or TensorRT engines built
+    with `--max-batch`; docs/batching.md)."""
     if backend == "ort":
         ort_backend_class()  # the install hint comes before anything about the directory
     cfg = settings_for(directory, backend, provider, threads=threads, spin=spin, verify=verify)
-    kwargs = {"drafter": drafter} | (cfg.ort_kwargs() | {"max_batch": max_batch} if backend == "ort" else {})
+    kwargs = {"drafter": drafter, "max_batch": max_batch} | (cfg.ort_kwargs() if backend == "ort" else {})
     return open_backend(directory, backend, provider, **kwargs), cfg
 
 

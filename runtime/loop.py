@@ -34,7 +34,7 @@ from .backend import Backend
 from .errors import DFlashError, InternalError
 from .sampling import (accept, check_request, check_sampling, choose, cut_at_stop, draft_uniforms, position_uniforms,
                        probabilities, rejection, sample_drafts)
-from .settings import VerifyPolicy
+from .settings import VerifyPolicy, pad_verify
 
 
 @dataclass
@@ -225,7 +225,7 @@ def stream_batch(
                 if verify is not None:
                     s = verify.length(conf[b], s)
             lens[b] = s
-        S = int(lens.max())
+        S = pad_verify(lens, [r.max_length - r.start if r.req.speculative and r.ud is None else 0 for r in rows])
         ids = np.zeros((len(rows), S), np.int64)
         ids[:, 0] = anchors
         if spec and S > 1:

@@ -31,8 +31,9 @@ def check_batch(m: M.Manifest, max_batch: int, device: str, directory) -> int:
         raise DFlashError(f"{directory} was exported before batched decoding (batch 1 only); re-export it with this "
                           "dflash-export to run --batch > 1")
     if max_batch > 1 and device != "cpu":
-        raise DFlashError("--batch > 1 runs on the CPU provider in this version (the batched caches are host arrays); "
-                          "use --provider cpu or --batch 1")
+        raise DFlashError("--batch > 1 runs on ONNX Runtime's CPU provider (its batched caches are host arrays, written "
+                          "per row between calls); on an NVIDIA GPU use --backend trt with engines from `dflash-export "
+                          "build OUT --max-batch N`, or --provider cpu, or --batch 1")
     return max_batch
 
 
@@ -87,6 +88,7 @@ class RowCalls:
         self.kv_all = self.ctx_all = None
         self._views, self._flat, self._tail, self._wcache = {}, {}, {}, {}
         self.width = B  # rows a call over all rows carries (set_width: the loop keeps its rows in 0..width-1)
+        self._wanted = None  # a width set but not laid out yet (set_width)
         if self.in_place or B == 1:
             shape = (B, Hkv, n, D) if self.in_place else (1, n, Hkv, D)
             self.kv = [None if m.is_linear(i) else self._alloc(shape, kv_type) for i in range(L) for _ in (0, 1)]
@@ -147,10 +149,18 @@ class RowCalls:
 
     def set_width(self, w: int) -> None:
         """Calls over all rows carry rows 0..w-1 from now on. Position-major caches are laid out
-        again for w columns (the kept rows' valid prefixes copied once: a join or a leave, not a
-        call); batch-major buffers (the ort flavour's, states) need nothing."""
+        again for w columns at the next call (the kept rows' valid prefixes copied once: a join or
+        a leave, not a call; a leave and a join at one round boundary copy nothing);
+        batch-major buffers (the ort flavour's, states) need nothing."""
         if not 0 <= w <= self.max_batch:
             raise InternalError(f"width {w} of a {self.max_batch}-row backend")
+        self._wanted = w
+
+    def _layout(self) -> None:
+        """Apply the last set_width (before a call)."""
+        w, self._wanted = self._wanted, None
+        if w is None or w == self.width:
+            return
         keep = min(self.width, w)
         for key, lens in (("kv", self.lengths), ("ctx", self.ctx_lengths)):
             p = int(lens[:keep].max()) if keep and key in self._flat else 0
@@ -209,6 +219,7 @@ class RowCalls:
         return Draft(ids[0], None if conf is None else conf[0])
 
     def target_rows(self, rows, ids, counts, picks=None, want_logits=False) -> TargetOut:
+        self._layout()
         m, g, lengths, B = self.manifest, C.TARGET, self.lengths, self.max_batch
         R, S = ids.shape
         if not 1 <= S <= self.max_chunk:
@@ -278,7 +289,7 @@ class RowCalls:
             self._bind(g, C.LOGITS, self.logits if want_logits else self._logits_scratch, batch=R, picks=N, seq=N)
         self.sessions[g].run_with_iobinding(io)
         self._io[g] = saved
-        if self.kv_all is not None and not self.in_place:
+        if self.kv_all is not None and not self.in_place and self.width > 1:  # width 1: written in place
             _scatter(self.kv_all, self.kv_new, rows, lengths, S, counts)
         self.pending[rows] = counts
         self._last_seq = S
@@ -310,7 +321,7 @@ class RowCalls:
                 for name in (self.names.new_conv[i], *self.names.delta[i]):
                     self._bind(g, name, self.states.flat[name], batch=R, seq=S)
                 continue
-            if B == 1:
+            if B == 1 or self.width == 1:  # one row's cache, contiguous: the new K/V go straight after its prefix
                 k, v = self.kv[2 * i], self.kv[2 * i + 1]
                 self._bind(g, self.names.past_key[i], k, past=P)
                 self._bind(g, self.names.past_value[i], v, past=P)
@@ -323,6 +334,7 @@ class RowCalls:
                 self._bind(g, new, self._views["kv_new"][j], batch=R, seq=S)
 
     def draft_context_rows(self, rows, n) -> None:
+        self._layout()
         m, g, R, B = self.manifest, C.DRAFT_CONTEXT, len(rows), self.max_batch
         lengths = self.ctx_lengths
         c = int(n[0]) if R == 1 else self._last_seq  # several rows: each computes the whole last call
@@ -341,16 +353,17 @@ class RowCalls:
             self._bind(g, C.CTX_POSITION_IDS, self.row_pos, batch=R, ctx=c)
         for j in range(2 * m.draft_layers):
             name = self.names.ctx_key[j // 2] if j % 2 == 0 else self.names.ctx_value[j // 2]
-            if B == 1:
+            if B == 1 or self.width == 1:
                 self._bind(g, name, self.ctx[j], P, ctx=c)
             else:
                 self._bind(g, name, self._views["ctx_new"][j], batch=R, ctx=c)
         self.sessions[g].run_with_iobinding(self._io[g])
-        if B > 1:
+        if B > 1 and self.width > 1:
             _scatter(self.ctx_all, self.ctx_new, rows, lengths, c, n)
         lengths[rows] += n
 
     def draft_block_rows(self, rows, anchors):
+        self._layout()
         m, g, R, B, K = self.manifest, C.DRAFT_BLOCK, len(rows), self.max_batch, self.manifest.block_size
         lengths = self.ctx_lengths
         P = int(lengths[rows[0]]) if R == 1 else int(lengths[rows].max())

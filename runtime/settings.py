@@ -51,6 +51,18 @@ class VerifyPolicy:
 FULL = VerifyPolicy()
 
 
+def pad_verify(lens: np.ndarray, room) -> int:
+    """The verify length S of a batched call (its longest row's), after each row with room[b] > 0
+    was let verify up to S (at most room[b] positions): the padding of a shorter row is computed
+    anyway, so verifying drafts there is free and can only accept more. Lossless; room 0 for
+    rows whose output depends on their verify length (rejection sampling) and plain rows."""
+    S = int(lens.max())
+    for b, r in enumerate(room):
+        if r > 0:
+            lens[b] = max(lens[b], min(S, r))
+    return S
+
+
 def policy_json(policy: VerifyPolicy | None) -> dict | str:
     """The policy as reports and JSON outputs record it: "full" or {"theta": .., "min_len": ..}."""
     return "full" if policy is None else asdict(policy)

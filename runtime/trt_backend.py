@@ -29,6 +29,7 @@ from .manifest import Manifest, load_manifest
 from .errors import DFlashError, InternalError
 from .hybrid import LinearStates
 from .trt_profiles import ENGINE_FILES, check_engine_record, check_trt_version
+from .trt_rows import TrtRows
 
 INSTALL_HINT = 'pip install "dflash-export[trt]" (or: pip install tensorrt cuda-python --extra-index-url https://pypi.nvidia.com)'
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
@@ -68,9 +69,7 @@ def gpu_info(cudart, device: int = 0) -> tuple[str, str]:
     return f"{prop.major}.{prop.minor}", name
 
 
-# ---------------------------------------------------------------------------------------
-# The backend (NOT EXECUTED in development: no TensorRT, no GPU there)
-# ---------------------------------------------------------------------------------------
+# -- the backend (NOT EXECUTED in development: no TensorRT, no GPU there) ----------------------
 
 ALIGN = 256  # bytes: device addresses handed to TensorRT are kept 256-byte aligned
 
@@ -81,13 +80,14 @@ class _Engine:
     contexts: list  # one execution context per optimization profile
 
 
-class TensorRTBackend(Backend):
+class TensorRTBackend(TrtRows, Backend):
     """Runs the three engines on one CUDA stream over device KV buffers it owns.
 
     KV buffers are sequence-major [1, max_len, Hkv, D] (as on ONNX Runtime): a call binds
     the valid prefix in place with set_tensor_address (no copy) and the graph's new K/V
     outputs are bound straight into the slots after it when that address is 256-byte
     aligned; otherwise they land in a scratch buffer and only those S rows are copied.
+    `max_batch` > 1 (engines built with `--max-batch`): position-major caches, runtime/trt_rows.py.
 
     Hybrid targets (docs/hybrid.md): a linear-attention layer's committed states and a call's
     per-position increments are runtime/hybrid.py's host buffers, the same code and commit as
@@ -99,7 +99,7 @@ class TensorRTBackend(Backend):
     """
 
     def __init__(self, out_dir: str | Path, manifest: Manifest | None = None, *, drafter: bool = True,
-                 device: int = 0):
+                 device: int = 0, max_batch: int = 1):
         trt, cudart = import_tensorrt()
         self.trt, self.cudart = trt, cudart
         self.out = Path(out_dir)
@@ -109,6 +109,10 @@ class TensorRTBackend(Backend):
         rec = m.engines
         check_engine_record(rec, trt.__version__, cc)
         self.record = rec
+        if not 1 <= max_batch <= int(rec.get("max_batch", 1)):
+            raise DFlashError(f"--batch {max_batch}: the engines were built for batch 1..{rec.get('max_batch', 1)}; "
+                              f"rebuild them with `dflash-export build OUT --max-batch {max_batch}`")
+        self.max_batch = B = max_batch
         self.k = m.block_size
         self.max_len = int(rec["max_context"])
         self.max_prompt = int(rec["max_prompt"])
@@ -131,37 +135,34 @@ class TensorRTBackend(Backend):
         dl, dh, dd = m.draft_layers, m.draft_kv_heads, m.draft_head_dim
         self.row = H * D * self.esize  # bytes per position of one target K or V buffer
         self.drow = dh * dd * self.esize
-        ms = max(self.max_prompt, self.k)
-        self.kv = [None if m.is_linear(i) else (self._malloc(self.max_len * self.row), self._malloc(self.max_len * self.row))
+        ms = max(self.max_prompt, self.k, B * self.k)  # most positions of one call (one row, or all)
+        self.kv = [None if m.is_linear(i) else (self._malloc(self.max_len * B * self.row), self._malloc(self.max_len * B * self.row))
                    for i in range(L)]
         # hybrid target: the committed DeltaNet states and a call's per-position outputs live on the
         # host (runtime/hybrid.py, shared with ONNX Runtime); these are their device copies
-        self.states = LinearStates(m, ms) if m.linear_layers else None
+        self.states = LinearStates(m, ms, B) if m.linear_layers else None
         self.d_linear = {n: self._malloc(a.nbytes) for n, a in (self.states.buf.items() if self.states else ())}
-        self.ckv = [(self._malloc(self.max_len * self.drow), self._malloc(self.max_len * self.drow))
+        self.ckv = [(self._malloc(self.max_len * B * self.drow), self._malloc(self.max_len * B * self.drow))
                     for _ in range(dl if drafter else 0)]
         self.taps_row = C.sizes(m)[C.TAPS_WIDTH] * self.esize
         self.d_ids, self.d_pos = self._malloc(ms * 8), self._malloc(ms * 8)
         self.d_next, self.d_logits = self._malloc(ms * 8), self._malloc(ms * m.vocab_size * 4)
         self.d_taps = self._malloc(ms * self.taps_row)
         self.d_cpos = self._malloc(ms * 8)
-        self.d_bids, self.d_bpos = self._malloc(self.k * 8), self._malloc(self.k * 8)
-        self.d_draft, self.d_dlogits = self._malloc(self.k * 8), self._malloc(self.k * draft_vocab_size(m) * 4)
+        bk = B * self.k  # block positions of all rows
+        self.d_bids, self.d_bpos = self._malloc(bk * 8), self._malloc(bk * 8)
+        self.d_draft, self.d_dlogits = self._malloc(bk * 8), self._malloc(bk * draft_vocab_size(m) * 4)
         self.d_scratch = [self._malloc(ms * max(self.row, self.drow)) for _ in range(2 * max(L, dl))]
         self.h_ids, self.h_pos = np.zeros(ms, np.int64), np.zeros(ms, np.int64)
         self.h_next, self.h_logits = np.zeros(ms, np.int64), np.zeros((ms, m.vocab_size), np.float32)
         self.h_cpos = np.zeros(ms, np.int64)
-        self.h_bids, self.h_bpos = np.zeros(self.k, np.int64), np.zeros(self.k, np.int64)
-        self.h_draft, self.h_dlogits = np.zeros(self.k, np.int64), np.zeros((self.k, draft_vocab_size(m)), np.float32)
+        self.h_bids, self.h_bpos = np.zeros(bk, np.int64), np.zeros(bk, np.int64)
+        self.h_draft, self.h_dlogits = np.zeros(bk, np.int64), np.zeros((bk, draft_vocab_size(m)), np.float32)
         has_conf = "draft_conf" in {t.name for t in m.graphs[DRAFT_BLOCK].outputs} if drafter else False
-        self.d_conf = self._malloc(self.k * 4) if has_conf else None  # older exports lack it
-        self.h_conf = np.zeros(self.k, np.float32)
-        # ragged exports (contract.RAGGED): this backend runs one row, whole: its past length,
-        # every position's logits, its context length
-        self.ragged = C.ragged(m)
-        self.d_plen, self.d_picks, self.d_clen = self._malloc(8), self._malloc(ms * 8), self._malloc(8)
-        self.h_plen, self.h_picks, self.h_clen = np.zeros(1, np.int64), np.arange(ms, dtype=np.int64), np.zeros(1, np.int64)
-        self._h2d(self.d_picks, self.h_picks)  # logits_index = 0..S-1, a prefix of this, never changes
+        self.d_conf = self._malloc(bk * 4) if has_conf else None  # older exports lack it
+        self.h_conf = np.zeros(bk, np.float32)
+        self.ragged = C.ragged(m)  # contract.RAGGED: per-row lengths and logits picks
+        self._alloc_rows(ms)
         self._taps_n = 0
         self.gpu = gpu
         self._check_io()
@@ -194,6 +195,8 @@ class TensorRTBackend(Backend):
                                           f"{prof['shapes'][t.name]} in the manifest; rebuild with `dflash-export build`")
 
     # -- setup ----------------------------------------------------------------------------
+
+    cuda_check = staticmethod(cuda_check)  # for runtime/trt_rows.py
 
     def _load(self, graph: str, nprof: int) -> _Engine:
         path = self.out / ENGINE_FILES[graph]
@@ -247,7 +250,7 @@ class TensorRTBackend(Backend):
     def _run(self, graph: str, prof: int, addrs: dict, **dynamic: int) -> None:
         """Enqueue one engine call on the stream (execute_async_v3); input shapes from the contract."""
         ctx = self.eng[graph].contexts[prof]
-        shapes = {t.name: C.shape(t, self.manifest, batch=1, **dynamic) for t in self.inputs[graph]}
+        shapes = {t.name: C.shape(t, self.manifest, **({"batch": 1} | dynamic)) for t in self.inputs[graph]}
         self._bind(ctx, shapes, addrs)
         if not ctx.execute_async_v3(self.handle):
             raise InternalError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
@@ -310,18 +313,19 @@ class TensorRTBackend(Backend):
         self._taps_n = s
         return TargetOut(next_ids=self.h_next[:s], logits=self.h_logits[:s] if want_logits else None)
 
-    def _states_to_device(self, addrs: dict) -> None:
+    def _states_to_device(self, addrs: dict, at: int = 0, rows: int = 1) -> None:
         """Bind every DeltaNet tensor to its device buffer; copy the committed states there first
-        if a commit or reset moved them on the host since the last call."""
+        if a commit or reset moved them on the host since the last call. A call over `rows` rows
+        from row `at` > 0 (a joining row's prefill) gets theirs copied to the buffers' start."""
         N = self.names
         buf = self.states.buf
         for name, ptr in self.d_linear.items():
             addrs[name] = ptr
-        if self.states.changed:
+        if self.states.changed or at:
             for i in self.states.layers:
                 for name in (N.conv_state[i], N.rec_state[i]):
-                    self._h2d(self.d_linear[name], buf[name])
-            self.states.changed = False
+                    self._h2d(self.d_linear[name], buf[name][at : at + rows] if at else buf[name])
+            self.states.changed = bool(at)
 
     def draft_context(self, n: int) -> None:
         N = self.names
@@ -374,10 +378,6 @@ class TensorRTBackend(Backend):
             self._d2h(self.h_conf[: k - 1], self.d_conf)
         self._sync()
         return Draft(self.h_draft[: k - 1], self.h_conf[: k - 1] if self.d_conf is not None else None)
-
-    def draft_logits_rows(self, n: int) -> np.ndarray:  # one row's, copied to the host (_sync returns None)
-        self._d2h(self.h_dlogits[: self.k - 1], self.d_dlogits)
-        return self._sync() or self.h_dlogits[None, : self.k - 1]
 
     # -- lifecycle ------------------------------------------------------------------------
 

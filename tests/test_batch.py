@@ -64,17 +64,27 @@ def test_greedy_rows_equal_their_batch1_output(name):
 
 
 def test_adaptive_verify_and_chunked_prefill_in_a_batch():
-    """Rows verify different lengths in one call (adaptive verify), and a joining row's long
-    prompt is prefilled in chunks over its own gathered past while the other rows wait."""
+    """Rows verify different lengths in one call (adaptive verify: a rejection-sampled row keeps
+    its own, greedy rows verify up to the call's longest, since their padding is computed
+    anyway), and a joining row's long prompt is prefilled in chunks over its own gathered past
+    while the other rows wait."""
     _, _, out = artifact(CASES["qwen3"])
     be1, be4 = OrtBackend(out, threads=1), OrtBackend(out, threads=1, max_batch=4)
     policy = VerifyPolicy(theta=0.5, min_len=2)
     ps = prompts(6, be1.manifest.vocab_size, seed=3)
     ps[4] = ps[4] + ps[0] + ps[1]  # a longer prompt: several chunks of 7
-    refs = [generate(be1, p, 30, verify=policy, prefill_chunk=7, stop_token_ids=()).tokens for p in ps]
-    gens, _ = generate_batch(be4, [Request(p, 30, stop_token_ids=()) for p in ps], verify=policy, prefill_chunk=7)
-    assert [g.tokens for g in gens] == refs
-    assert len({v for g in gens for v in g.verify_lengths}) > 1  # the rows' verify lengths did differ
+    reqs = [Request(p, 30, stop_token_ids=()) for p in ps]
+    reqs[2] = Request(ps[2], 30, temperature=0.9, seed=5, stop_token_ids=())  # its output depends on its verify lengths
+    alone = [generate(be1, q.prompt, 30, temperature=q.temperature, seed=q.seed, verify=policy, prefill_chunk=7,
+                      stop_token_ids=()) for q in reqs]
+    counts, real = [], be4.target_rows
+    be4.target_rows = lambda rows, ids, n, *a, **k: counts.append(set(map(int, n))) or real(rows, ids, n, *a, **k)
+    gens, _ = generate_batch(be4, reqs, verify=policy, prefill_chunk=7)
+    assert [g.tokens for g in gens] == [g.tokens for g in alone]
+    assert any(len(c) > 1 for c in counts)  # rows of one call verified different lengths (padding)
+    assert gens[2].verify_lengths == alone[2].verify_lengths  # the sampled row: its own policy's lengths
+    greedy = [i for i in range(6) if i != 2]
+    assert sum(gens[i].tau for i in greedy) > sum(alone[i].tau for i in greedy)  # the padding verified drafts
 
 
 def test_sampled_row_depends_only_on_its_seed():
@@ -102,6 +112,12 @@ def test_batch_needs_a_ragged_export(tmp_path):
     be = OrtBackend(out, threads=1, max_batch=2)
     with pytest.raises(DFlashError, match="at most 2 rows"):
         generate_batch(be, [Request([1, 2], 3)], batch=3)
+    from dflash_export.runtime.manifest import load_manifest
+    from dflash_export.runtime.ort_rows import check_batch
+
+    with pytest.raises(DFlashError, match=r"CPU provider .* use --backend trt with engines from `dflash-export build OUT "
+                                          r"--max-batch N`"):  # ORT's CUDA / TensorRT providers: the caches are host arrays
+        check_batch(load_manifest(out), 2, "cuda", out)
 
 
 def test_memory_check_refuses_a_batch_that_does_not_fit():

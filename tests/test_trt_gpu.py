@@ -152,3 +152,29 @@ def test_trt_hybrid_tokens_match_ort(tmp_path):
             assert _tokens(trt_b, p, draft=True, n=24) == want
     finally:
         trt_b.close()
+
+
+def test_trt_batched_rows_match_ort(tmp_path):
+    """Engines built with --max-batch 3: every row of the batched loop (rows joining and leaving)
+    equals ONNX Runtime's batch-1 greedy output, speculative and plain."""
+    from dflash_export.testing import export_tiny_pair
+
+    from dflash_export.cli import cli
+    from dflash_export.runtime.loop import Request, generate_batch
+    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.trt_backend import TensorRTBackend
+
+    export_tiny_pair(tmp_path, K, MAX_CONTEXT)
+    out = tmp_path / "out"
+    r = CliRunner().invoke(cli, ["build", str(out), "--max-prompt", str(MAX_PROMPT), "--max-batch", "3",
+                                 "--timing-cache", str(tmp_path / "tc"), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    ref, be = OrtBackend(out, "cpu"), TensorRTBackend(out, max_batch=3)
+    prompts, budgets = [*PROMPTS, [9, 4, 11], list(range(30, 41))], [40, 12, 33, 5, 20]
+    want = [_tokens(ref, p, draft=False, n=n) for p, n in zip(prompts, budgets)]
+    try:
+        for draft in (True, False):
+            gens, _ = generate_batch(be, [Request(p, n, stop_token_ids=()) for p, n in zip(prompts, budgets)], draft=draft)
+            assert [g.tokens for g in gens] == want
+    finally:
+        be.close()

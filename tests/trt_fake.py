@@ -61,6 +61,19 @@ def _memcpy(dst, src, n, kind, stream):
     return (0,)
 
 
+def _memcpy2d(dst, dpitch, src, spitch, width, height, kind, stream):
+    """cudaMemcpy2DAsync: `height` rows of `width` bytes. CUDA's rules: width <= both pitches, and
+    the two areas may not overlap (an error code here, undefined behaviour on a GPU)."""
+    dst, dpitch, src, spitch, width, height = (int(x) for x in (dst, dpitch, src, spitch, width, height))
+    if width > min(dpitch, spitch) or width < 0 or height < 0:
+        return (1,)  # cudaErrorInvalidValue
+    if height and dst < src + (height - 1) * spitch + width and src < dst + (height - 1) * dpitch + width:
+        return (1,)
+    for i in range(height):
+        ctypes.memmove(dst + i * dpitch, src + i * spitch, width)
+    return (0,)
+
+
 def _props(dev):
     return 0, types.SimpleNamespace(major=9, minor=0, name=b"Fake GPU (numpy)")
 
@@ -70,6 +83,7 @@ cudart = types.SimpleNamespace(
     cudaGetDeviceCount=lambda: (0, 1), cudaGetDeviceProperties=_props, cudaSetDevice=lambda d: (0,),
     cudaStreamCreate=lambda: (0, _Stream()), cudaStreamDestroy=lambda s: (0,), cudaStreamSynchronize=lambda s: (0,),
     cudaMalloc=_malloc, cudaFree=lambda p: (_mem.pop(int(p), None), 0)[1:], cudaMemcpyAsync=_memcpy,
+    cudaMemcpy2DAsync=_memcpy2d,
 )
 
 # -- what TensorRT would do (SIMULATED) ------------------------------------------------------
