@@ -165,6 +165,12 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
             ids = engine.text.encode(render_chat(engine, body.messages, body.add_generation_prompt is not False), False)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_len}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():  # vLLM's: what lm-eval's remote tokenizer reads (it then tokenizes with /tokenize)
+        engine = holder.get()
+        return {**engine.text.special, "chat_template": engine.text.template_source, "model_max_length": engine.max_len,
+                "tokenizer_class": "PreTrainedTokenizerFast"}
+
     @app.post("/detokenize")
     async def detokenize(request: Request):
         engine = holder.get()
