@@ -78,14 +78,14 @@ def entries(logits: np.ndarray, tokens: list[int], k: int) -> list[TokenLogprob]
     if n == 0:
         return []
     x = np.asarray(logits[:n], np.float32)
-    m = x.max(axis=-1, keepdims=True)
-    lse = (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True, dtype=np.float32))).astype(np.float32)
+    top, m = _top(x, max(k, 1))
+    e = np.subtract(x, m[:, None])
+    np.exp(e, out=e)
+    lse = (m + np.log(e.sum(axis=-1, dtype=np.float32))).astype(np.float32)[:, None]
     ids = np.asarray(tokens, np.int64)
     own = x[np.arange(n), ids] - lse[:, 0]
     out = []
     if k:
-        k = min(k, x.shape[-1])
-        top = np.argpartition(-x, k - 1, axis=-1)[:, :k] if k < x.shape[-1] else np.tile(np.arange(k), (n, 1))
         vals = np.take_along_axis(x, top, axis=-1) - lse
         order = np.lexsort((top, -vals), axis=-1)  # most likely first, ties by id
         top, vals = np.take_along_axis(top, order, -1), np.take_along_axis(vals, order, -1)
@@ -93,3 +93,31 @@ def entries(logits: np.ndarray, tokens: list[int], k: int) -> list[TokenLogprob]
         alt = list(zip(top[i].tolist(), vals[i].tolist())) if k else []
         out.append(TokenLogprob(int(ids[i]), float(own[i]), alt))
     return out
+
+
+GROUPS = 64  # a large vocabulary's rows are searched in this many strided groups (below)
+
+
+def _top(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ids of each row's k largest values [n, k] (unordered) and each row's max [n].
+
+    `argpartition` over a 152k row costs ~10x a pass over it, so a large row is first cut into
+    GROUPS strided groups (group g: g, g + G, g + 2G, ...), whose maxima are elementwise maxima
+    of GROUPS contiguous slices (one fast pass). The k largest values lie in the k groups with
+    the largest maxima (a group holding one of them has a max at least the k-th value, and at
+    most k - 1 groups have a larger one), so only those k x GROUPS candidates are ranked."""
+    n, V = x.shape
+    k = min(k, V)
+    G = V // GROUPS
+    if G < 256 or k * GROUPS * 4 > V:
+        return np.argpartition(-x, k - 1, axis=-1)[:, :k], x.max(axis=-1)
+    W = G * GROUPS
+    gm = x[:, :W].reshape(n, GROUPS, G).max(axis=1)  # [n, G]: group maxima
+    groups = np.argpartition(-gm, k - 1, axis=-1)[:, :k]
+    cand = (groups[:, :, None] + G * np.arange(GROUPS)[None, None, :]).reshape(n, k * GROUPS)
+    m = gm.max(axis=-1)
+    if W < V:  # the tail outside the groups: every one a candidate
+        cand = np.concatenate([cand, np.broadcast_to(np.arange(W, V), (n, V - W))], axis=1)
+        m = np.maximum(m, x[:, W:].max(axis=-1))
+    pick = np.argpartition(-np.take_along_axis(x, cand, -1), k - 1, axis=-1)[:, :k]
+    return np.take_along_axis(cand, pick, -1), m

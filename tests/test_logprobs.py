@@ -116,6 +116,23 @@ def test_entries_equal_exact_top():
         assert (e.logprob == e.top[0][1]) == (i != 2)
 
 
+def test_top_k_of_a_large_vocabulary_equals_a_full_sort():
+    """The grouped search (runtime/logprobs.py _top) over 152k-wide rows, with ties and a tail."""
+    rng = np.random.default_rng(1)
+    for V in (151936, 50257, 20000):
+        x = rng.normal(size=(5, V)).astype(np.float32)
+        x[0, 10:40] = 9.0  # ties at the top, one group
+        x[1, -3:] = 12.0  # the largest in the tail
+        x[2, ::1000] = 7.0  # many groups tied
+        for k in (1, 5, 20):
+            es = entries(x, x.argmax(-1).tolist(), k)
+            for i, e in enumerate(es):
+                want = np.sort(x[i])[::-1][:k]
+                assert np.allclose([v for _, v in e.top], want - want[0] + e.logprob, atol=1e-5)
+                assert all(x[i, t] == v for (t, _), v in zip(e.top, want))
+                assert e.logprob == e.top[0][1]
+
+
 def test_old_export_refused_in_one_line():
     """An export without `logits_index` (made before ragged batches) is refused before any call."""
     class Old:
