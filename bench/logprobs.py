@@ -15,14 +15,20 @@ in rotating order, each on its own backend (1 thread): `old` (the older revision
 `off` (this loop, no logprobs), `on` (this loop, logprobs with 5 alternatives per token).
 Rates: tokens over the wall time of whole requests (prefill included) and over the rounds
 alone. Ratios per repeat, then their median. Prints one JSON object per model and mode.
+
+`--serve`: the same through `dflash-export serve` (its default batch, one request at a time
+over HTTP, non-streamed completions at temperature 0): `logprobs: 5` vs none, alternating per
+prompt, so the server's formatting of the log-probabilities (token texts, dicts) is included.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import importlib
 import io
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -112,12 +118,54 @@ def run(variants: dict, prompts: list, new: int, draft: bool, repeats: int) -> d
             "decode_on_over_off": ratio(drate, "on", "off"), "decode_off_over_old": ratio(drate, "off", "old")}
 
 
+def serve_run(out: Path, prompts: list, new: int, repeats: int) -> dict:
+    """Alternating logprobs 5 / none per prompt through a real server; tokens/s per variant per repeat."""
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "dflash-export"), "serve", str(out), "--port", "0", "--threads", "1",
+                             "--no-access-log"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        port = None
+        for line in proc.stdout:
+            if m := re.search(r"ready at http://127\.0\.0\.1:(\d+)", line):
+                port = int(m.group(1))
+                break
+        assert port, "the server did not start"
+
+        def post(body):
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+            c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            r = json.loads(c.getresponse().read())
+            c.close()
+            return r
+
+        rates = {"off": [], "on": []}
+        post({"prompt": prompts[0], "max_tokens": 4, "temperature": 0})  # warm up
+        for rep in range(repeats):
+            acc = {k: [0, 0.0] for k in rates}
+            for i, p in enumerate(prompts):
+                for k in (("off", "on") if (i + rep) % 2 == 0 else ("on", "off")):
+                    body = {"prompt": p, "max_tokens": new, "temperature": 0, "stop_token_ids": []}
+                    if k == "on":
+                        body["logprobs"] = 5
+                    t0 = time.perf_counter()
+                    r = post(body)
+                    acc[k][1] += time.perf_counter() - t0
+                    acc[k][0] += r["usage"]["completion_tokens"]
+            for k in rates:
+                rates[k].append(acc[k][0] / acc[k][1])
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return {"tokens_per_s": {k: round(max(v), 1) for k, v in rates.items()},
+            "on_over_off": round(statistics.median(a / b for a, b in zip(rates["on"], rates["off"])), 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--old", default="main", help="git revision whose runtime is the `old` variant")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", default="demo,v152k")
+    ap.add_argument("--serve", action="store_true", help="also through the server (logprobs 5 vs none)")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     old_loop, OldBackend, commit = old_runtime(args.old, args.work)
@@ -128,8 +176,9 @@ def main() -> None:
         (g,), _ = generate_batch(be, [Request(p, n, stop_token_ids=(), **kw)], draft=draft)
         return g
 
-    def old_gen(be, p, n, draft, kw):
-        return old_loop.generate(be, p, n, draft=draft, stop_token_ids=())
+    def old_gen(be, p, n, draft, kw):  # the same entry point as new_gen
+        (g,), _ = old_loop.generate_batch(be, [old_loop.Request(p, n, stop_token_ids=())], draft=draft)
+        return g
 
     load = Path("/proc/loadavg").read_text().split()[:3]
     for name in args.models.split(","):
@@ -137,6 +186,11 @@ def main() -> None:
         new = 64 if name == "demo" else 24
         variants = {"old": (old_gen, OldBackend(out, threads=1)), "off": (new_gen, OrtBackend(out, threads=1)),
                     "on": (new_gen, OrtBackend(out, threads=1))}
+        if args.serve:
+            r = serve_run(out, ps, new, args.repeats)
+            print(json.dumps({"model": name, "mode": "serve, speculative", "prompts": len(ps), "new_tokens": new,
+                              "repeats": args.repeats, "load": Path("/proc/loadavg").read_text().split()[:3], **r}),
+                  flush=True)
         for draft in (True, False):
             r = run(variants, ps, new, draft, args.repeats)
             print(json.dumps({"model": name, "mode": "speculative" if draft else "plain", "prompts": len(ps),
