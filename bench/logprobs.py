@@ -80,6 +80,17 @@ def vocab_artifact(work: Path) -> tuple[Path, list[list[int]]]:
         if not (src / "target" / "config.json").is_file():
             make_checkpoint(src, 151936, 512, 4, 1536, heads=4, kv_heads=2, tie=True)
         export_artifact(src / "target", src / "draft", out, max_context=512, force=True, progress=False)
+    if not (out / "tokenizer.json").is_file():  # the server needs one: a word per id ("t0 t1 ..."), for --serve
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        from dflash_export.runtime import manifest as M
+
+        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(151936)}, unk_token="t0"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.save(str(out / "tokenizer.json"))
+        m = M.load_manifest(out, verify=False)
+        m.tokenizer = True
+        M.write_manifest(out, m)
     rng = np.random.default_rng(0)
     return out, [rng.integers(0, 151000, 32).tolist() for _ in range(4)]
 
