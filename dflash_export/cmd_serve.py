@@ -204,10 +204,12 @@ def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, ma
 @speculation_option
 @click.option("--shutdown-timeout", default=10.0, show_default=True, type=float,
               help="Seconds in-flight requests may finish after Ctrl-C / SIGTERM before they are cancelled.")
+@click.option("--no-access-log", is_flag=True, help="No line per request on stderr.")
 @device_options
 @ray_options
 def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_file, model_name, default_max_tokens,
-          chat_template, no_draft, speculation, shutdown_timeout, backend, provider, threads, spin, verify, ray: dict):
+          chat_template, no_draft, speculation, shutdown_timeout, no_access_log, backend, provider, threads, spin, verify,
+          ray: dict):
     """An OpenAI-compatible server over an exported directory OUT (or --demo):
     /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize."""
     _need_serve_extra()
@@ -255,7 +257,7 @@ def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_f
                            threads=threads,
                            spin=spin, verify=verify,
                            default_max_tokens=default_max_tokens, chat_template=template, speculative=not no_draft,
-                           speculation=speculation)
+                           speculation=speculation, access_log=not no_access_log)
     if not _is_loopback(host) and not api_key:
         click.echo(f"warning: listening on {host} without an API key: anyone who can reach it can use it "
                    "(set --api-key or DFLASH_API_KEY)", err=True)

@@ -18,8 +18,7 @@ anchor alone), the baseline every speedup is measured against.
 Adaptive verify (`verify`, runtime/settings.py) verifies the confident prefix of the drafts
 (a CPU verify costs in proportion to its length); `control` (runtime/controller.py) picks
 drafting or plain steps each round from recent acceptance and calibrated costs. Both are
-lossless: the target chooses every token. Sampling (T > 0) is per row: rejection sampling with
-the drafter's q, or sample-and-compare where a row asks (or q is not available): runtime/sampling.py.
+lossless: the target chooses every token. Sampling (T > 0) is per row (runtime/sampling.py).
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import numpy as np
 
 from .backend import Backend
 from .errors import DFlashError, InternalError
+from .logprobs import Logprobs, prefill_call
 from .sampling import (accept, check_request, check_sampling, choose, cut_at_stop, draft_uniforms, position_uniforms,
                        probabilities, rejection, sample_drafts)
 from .settings import VerifyPolicy, pad_verify
@@ -92,6 +92,7 @@ class Request:
     reuse: int = 0  # prompt tokens already in the slot's caches (batch 1: a server slot's prompt reuse)
     sampling: str = "rejection"  # T > 0: "rejection" (drafts from q) or "compare" (runtime/sampling.py)
     speculative: bool | str = True  # False: plain (its anchor alone); True: as `control` decides; "always"
+    logprobs: Logprobs | None = None  # asks for the target's log-probabilities, and receives them (runtime/logprobs.py)
 
 
 @dataclass
@@ -230,7 +231,7 @@ def stream_batch(
         ids[:, 0] = anchors
         if spec and S > 1:
             ids[:, 1:] = drafts[:, : S - 1]
-        sample = any(r.u is not None for r in rows)
+        sample = any(r.u is not None or r.req.logprobs is not None for r in rows)
         res = backend.target_rows(call_rows, ids, lens, None, want_logits=sample)
         t3 = clock()
         produced = np.zeros(len(rows), np.int64)
@@ -252,6 +253,8 @@ def stream_batch(
             emitted, r.gen.stopped = cut_at_stop(emitted, r.stop)
             produced[b] = len(emitted)
             emitted_of.append(emitted)
+            if q.logprobs is not None:  # emitted[i] was chosen from the verify's row i
+                q.logprobs.add(res.logits[b], emitted)
         backend.commit_rows(call_rows, produced)  # anchor + accepted drafts; the rest of each verify rolls back
         for b, r in enumerate(rows):
             r.start += int(produced[b])
@@ -298,7 +301,6 @@ def _sample_drafts(backend: Backend, rows: list[_Row], drafts: np.ndarray) -> di
 def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, chunk: int) -> _Row:
     """A joining row: its prompt through the target (and drafter context) on its slot alone;
     its first token from the last prompt position."""
-    clock = time.perf_counter
     check_sampling(q.temperature, q.top_k, q.top_p, q.sampling)
     m = backend.manifest
     max_length = check_request(q.prompt, q.max_new_tokens, m.vocab_size, backend.max_len, "exported max context")
@@ -307,7 +309,7 @@ def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, c
     row = _Row(index, q, g, set(m.eos_token_ids if q.stop_token_ids is None else q.stop_token_ids), max_length, u)
     if u is not None and draft and q.sampling == "rejection" and backend.samples_drafts:
         row.ud = draft_uniforms(q.seed, max_length + 1)
-    t0 = clock()
+    t0 = time.perf_counter()
     reuse = q.reuse
     if not 0 <= reuse < len(q.prompt) or (draft and reuse > int(backend.ctx_lengths[slot])) or (reuse and slot):
         raise InternalError(f"reuse {reuse} of a {len(q.prompt)}-token prompt in slot {slot} "
@@ -320,17 +322,17 @@ def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, c
         ids = np.asarray(q.prompt[i : i + chunk], np.int64)[None]
         last = i + chunk >= len(q.prompt)
         n = ids.shape[1]
-        res = backend.target_rows([slot], ids, [n], np.array([[n - 1]]), want_logits=u is not None and last)
+        res = prefill_call(backend, slot, ids, u is not None and last, q.logprobs, q.prompt, i)  # last position's logits (echo: all)
         backend.commit_rows([slot], [n])
         if draft:
             backend.draft_context_rows([slot], [n])
-    if u is not None:
-        row.anchor = int(choose(res.logits[0], u[len(q.prompt):], q.temperature, q.top_k, q.top_p)[0])
-    else:
-        row.anchor = int(res.next_ids[0, -1])
+    row.anchor = int(res.next_ids[0, -1] if u is None else
+                     choose(res.logits[0, -1:], u[len(q.prompt):], q.temperature, q.top_k, q.top_p)[0])
     row.start, g.stopped = len(q.prompt), row.anchor in row.stop
     g.tokens.append(row.anchor)
-    g.prefill_s = g.total_s = clock() - t0
+    if q.logprobs is not None:
+        q.logprobs.add(res.logits[0, -1:], [row.anchor])
+    g.prefill_s = g.total_s = time.perf_counter() - t0
     return row
 
 
@@ -391,10 +393,8 @@ def generate(backend: Backend, prompt: list[int], max_new_tokens: int, **kwargs)
 
 def generate_batch(backend: Backend, requests: list[Request], **kwargs) -> tuple[list[Generation], BatchStats]:
     """Run `stream_batch` to the end: one Generation per request (input order) and the batch's stats."""
-    outs: list[Generation] = []
-    stats, order = BatchStats(), []
-    for index, _ in stream_batch(backend, requests, outs=outs, stats=stats, **kwargs):
-        if len(order) < len(outs):
-            order.append(index)
-    by_index = dict(zip(order, outs))
-    return [by_index[i] for i in range(len(requests))], stats
+    outs: list[Generation] = []  # rows join in request order: outs[i] is request i's
+    stats = BatchStats()
+    for _ in stream_batch(backend, requests, outs=outs, stats=stats, **kwargs):
+        pass
+    return outs, stats

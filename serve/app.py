@@ -12,30 +12,26 @@ status; bad input is never a 500 and never a traceback. Every response carries
 from __future__ import annotations
 
 import asyncio
-import json
-import secrets
 import sys
 import threading
-import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.errors import DFlashError
-from .engine import Engine, Job, Params, QueueFull, Unavailable, load_engine, replica
+from .engine import Engine, load_engine
 from .requests import (
-    ERROR_TYPES, ApiError, ChatRequest, Common, CompletionRequest, DetokenizeRequest, TokenizeRequest, build_params,
-    REPLICA, Guard, check_common, check_ids, check_model, error_response, parse_body, render_chat,
-)
-from .text import TextStream
+    REPLICA, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, Guard, check_common, check_ids,
+    check_logprobs, check_model, error_response, parse_body, render_chat,
+)  # REPLICA: serve/ray.py's
+from .respond import INTERNAL, Want, respond
 
-INTERNAL = "internal_error"  # the code of every 500: a bug (runtime.errors.InternalError or anything unforeseen)
-CANCELLED = "the server is shutting down: the generation was cancelled; retry"
+MAX_CHOICES = 64  # prompts x n per request (each a row or slot of its own, queued like separate requests)
 
 
 @dataclass
@@ -56,6 +52,7 @@ class ServeOptions:
     chat_template: str | None = None  # template text overriding the artifact's
     speculative: bool = True  # False: load without the drafter, plain decoding only
     speculation: str = "auto"  # auto: the controller decides per round; always: draft every round
+    access_log: bool = False  # one line per request on stderr (the command turns it on; --no-access-log)
 
     @property
     def rows(self) -> int:
@@ -168,6 +165,12 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
             ids = engine.text.encode(render_chat(engine, body.messages, body.add_generation_prompt is not False), False)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_len}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():  # vLLM's: what lm-eval's remote tokenizer reads (it then tokenizes with /tokenize)
+        engine = holder.get()
+        return {**engine.text.special, "chat_template": engine.text.template_source, "model_max_length": engine.max_len,
+                "tokenizer_class": "PreTrainedTokenizerFast"}
+
     @app.post("/detokenize")
     async def detokenize(request: Request):
         engine = holder.get()
@@ -181,169 +184,46 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
         engine = holder.get()
         body = await parse_body(request, CompletionRequest)
         check_common(engine, body)
-        for name, bad in (("logprobs", body.logprobs is not None), ("echo", bool(body.echo)), ("suffix", body.suffix),
-                          ("best_of", body.best_of not in (None, 1))):
-            if bad:
-                raise ApiError(400, f"{name} is not supported by this server", param=name, code="unsupported")
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, f"one prompt per request (got {len(prompt)})", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = engine.text.encode(prompt)
-        else:
-            ids = list(prompt)
-            check_ids(engine, ids, "prompt")
-        return await _generate(engine, request, body, ids, body.max_tokens, chat=False)
+        want = Want(check_logprobs(engine, body.logprobs, 5, "logprobs"), bool(body.echo), bool(body.echo)
+                    and body.max_tokens == 0)
+        if body.suffix:
+            raise ApiError(400, "suffix is not supported by this server", param="suffix", code="unsupported")
+        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], (str, list)) \
+            else [body.prompt]
+        if not 1 <= len(prompts) * (body.n or 1) <= MAX_CHOICES:
+            raise ApiError(400, f"{len(prompts)} prompts x n {body.n or 1}: give 1 to {MAX_CHOICES} choices per request",
+                           param="prompt")
+        ids = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                ids.append(engine.text.encode(prompt))
+            else:
+                check_ids(engine, prompt, "prompt" if len(prompts) == 1 else f"prompt.{i}")
+                ids.append(list(prompt))
+        return await respond(engine, request, body, ids, body.max_tokens, False, options.default_max_tokens, want)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         engine = holder.get()
         body = await parse_body(request, ChatRequest)
         check_common(engine, body)
-        if body.logprobs or body.top_logprobs:
-            raise ApiError(400, "logprobs is not supported by this server", param="logprobs", code="unsupported")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        want = Want(check_logprobs(engine, (body.top_logprobs or 0) if body.logprobs else None, 20, "top_logprobs"))
         if body.tools or body.functions:
             raise ApiError(400, "tool calling is not supported by this server", param="tools", code="unsupported")
         if body.response_format and body.response_format.get("type") != "text":
             raise ApiError(400, f"response_format {body.response_format.get('type')!r} is not supported by this server "
                                 "(only plain text)", param="response_format", code="unsupported")
+        if (body.n or 1) > MAX_CHOICES:
+            raise ApiError(400, f"n must be at most {MAX_CHOICES} (got {body.n})", param="n")
         ids = engine.text.encode(render_chat(engine, body.messages, body.add_generation_prompt is not False), False)
         if body.max_completion_tokens is not None:
-            return await _generate(engine, request, body, ids, body.max_completion_tokens, chat=True,
-                                   max_param="max_completion_tokens")
-        return await _generate(engine, request, body, ids, body.max_tokens, chat=True)
-
-    async def _generate(engine: Engine, request: Request, body: Common, ids: list[int], max_tokens: int | None,
-                        chat: bool, max_param: str = "max_tokens"):
-        params = build_params(engine, body, ids, max_tokens, options.default_max_tokens, max_param)
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        job = Job(params, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                  text=TextStream(engine.text.decode, params.stop))
-        try:
-            engine.submit(job)
-        except QueueFull as e:  # openai clients honour retry-after when they retry
-            raise ApiError(429, str(e), code="queue_full", headers={"retry-after": "1"}) from None
-        except Unavailable as e:
-            raise ApiError(503, str(e), code="shutting_down") from None
-        watcher = asyncio.create_task(_watch_disconnect(request, engine, job))
-        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        created, name = int(time.time()), engine.model
-        try:
-            first = await events.get()  # the first round (headers wait for it) or the end
-        except BaseException:
-            watcher.cancel()
-            engine.cancel(job)
-            raise
-        if first[0] == "error":
-            watcher.cancel()
-            raise ApiError(500, first[1], code=INTERNAL)
-        if first[0] == "end" and first[1] == "cancelled":
-            watcher.cancel()
-            raise ApiError(503, CANCELLED, code="shutting_down")
-        headers = {REPLICA: replica(job.slot)}
-
-        if not body.stream:
-            tokens, text, ev = [], [], first
-            try:
-                while ev[0] == "round":
-                    tokens += ev[1]
-                    text.append(ev[2])
-                    ev = await events.get()
-            finally:
-                watcher.cancel()
-                engine.cancel(job)
-            if ev[0] == "error":
-                raise ApiError(500, ev[1], code=INTERNAL)
-            if ev[1] == "cancelled":  # only a shutdown sees this: a disconnected client is gone
-                raise ApiError(503, CANCELLED, code="shutting_down")
-            _, finish, g, tail = ev
-            text.append(tail)
-            choice = {"index": 0, "finish_reason": _finish(finish), "logprobs": None, "token_ids": g.tokens}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": "".join(text)}
-            else:
-                choice["text"] = "".join(text)
-            out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                   "model": name, "choices": [choice], "usage": _usage(g), "timings": _timings(engine, g, params)}
-            return JSONResponse(out, headers=headers)
-
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        usage_null = {"usage": None} if include_usage else {}  # as OpenAI: null on all but the usage chunk
-
-        def chunk(delta: str | None, token_ids: list[int], finish: str | None, **extra) -> str:
-            if chat:
-                d = {} if delta is None else {"content": delta}
-                c = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None, "token_ids": token_ids}
-            else:
-                c = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None, "token_ids": token_ids}
-            obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                   "model": name, "choices": [c], **usage_null, **extra}
-            return f"data: {json.dumps(obj)}\n\n"
-
-        async def sse():
-            ev = first
-            try:
-                if chat:
-                    role = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None, "logprobs": None}], **usage_null}
-                    yield f"data: {json.dumps(role)}\n\n"
-                while ev[0] == "round":
-                    yield chunk(ev[2], ev[1], None)
-                    ev = await events.get()
-                if ev[0] == "error" or ev[1] == "cancelled":  # the status is sent: an error event (openai raises it)
-                    err = {"message": ev[1], "type": "server_error", "param": None, "code": INTERNAL} if ev[0] == "error" \
-                        else {"message": CANCELLED, "type": ERROR_TYPES[503], "param": None, "code": "shutting_down"}
-                    yield f"data: {json.dumps({'error': err})}\n\n"
-                else:
-                    _, finish, g, tail = ev
-                    yield chunk(tail or None, [], _finish(finish), timings=_timings(engine, g, params))
-                    if include_usage:
-                        usage = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                 "created": created, "model": name, "choices": [], "usage": _usage(g)}
-                        yield f"data: {json.dumps(usage)}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:
-                watcher.cancel()
-                engine.cancel(job)
-
-        return StreamingResponse(sse(), media_type="text/event-stream", headers=headers | {"cache-control": "no-cache"})
+            return await respond(engine, request, body, [ids], body.max_completion_tokens, True,
+                                 options.default_max_tokens, want, "max_completion_tokens")
+        return await respond(engine, request, body, [ids], body.max_tokens, True, options.default_max_tokens, want)
 
     return app
-
-
-async def _watch_disconnect(request: Request, engine: Engine, job: Job) -> None:
-    """Cancel the job when the client goes away (the body is already read: only disconnects arrive)."""
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            engine.cancel(job)
-            return
-
-
-def _finish(reason: str) -> str:
-    return "length" if reason == "length" else "stop"
-
-
-def _usage(g) -> dict:
-    return {"prompt_tokens": g.prompt_len, "completion_tokens": len(g.tokens),
-            "total_tokens": g.prompt_len + len(g.tokens), "prompt_tokens_details": {"cached_tokens": g.reused}}
-
-
-def _timings(engine: Engine, g, p: Params) -> dict:
-    """llama.cpp's keys (+ rounds, mean_acceptance_length, cache_n)."""
-    rounds = len(g.acceptance_lengths)
-    k = engine.manifest.block_size if p.speculative else 1
-    drafted = [a for a, d in zip(g.acceptance_lengths, g.drafted) if d] if p.speculative else []
-    predicted_ms = g.decode_s * 1e3
-    return {"cache_n": g.reused, "prompt_n": g.prompt_len - g.reused, "prompt_ms": g.prefill_s * 1e3,
-            "predicted_n": len(g.tokens), "predicted_ms": predicted_ms,
-            "predicted_per_second": g.tokens_per_second,
-            "draft_n": len(drafted) * (k - 1), "draft_n_accepted": sum(a - 1 for a in drafted),
-            "rounds": rounds, "plain_rounds": rounds - len(drafted) if p.speculative else rounds,
-            "mean_acceptance_length": g.tau, "speculative": p.speculative}
 
 
 def _model_card(engine: Engine) -> dict:

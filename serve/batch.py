@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 
+from ..runtime import contract as C
 from ..runtime.errors import DFlashError
 from ..runtime.loop import BatchStats, Generation, Request, stream_batch
 from ..runtime.sampling import check_request, check_sampling
@@ -114,12 +115,14 @@ class BatchEngine(EngineBase):
                 p = job.params
                 stop = tuple(dict.fromkeys(list(self.manifest.eos_token_ids) + list(p.stop_token_ids)))
                 q = Request(p.prompt, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, stop,
-                            speculative=p.speculative)
+                            speculative=p.speculative, logprobs=job.logprobs)
                 try:
                     check_sampling(q.temperature, q.top_k, q.top_p)
                     check_request(q.prompt, q.max_new_tokens, self.manifest.vocab_size, self.backend.max_len)
                     if p.speculative and not self.has_drafter:
                         raise DFlashError("this server was started without the drafter")
+                    if job.logprobs is not None and not C.ragged(self.manifest):
+                        raise DFlashError("log-probabilities need an export made by this version; re-export")
                 except DFlashError as e:  # alone: the batch never sees it
                     _emit(job, ("error", f"generation failed: {e}"))
                     continue
@@ -150,9 +153,8 @@ class BatchEngine(EngineBase):
         if rounds != self._seen[0]:  # the first row reported of a new round: how many rows it ran
             mt.rows.labels(**mt.labels).observe(busy - self._seen[1])
             self._seen = (rounds, busy)
-        if not g.acceptance_lengths:
-            mt.ttft.labels(**mt.labels).observe(time.perf_counter() - job.submitted)
-        elif job.params.speculative:
+        self._timed(job, len(new))
+        if g.acceptance_lengths and job.params.speculative:
             mt.round(len(new), self.manifest.block_size, g.drafted[-1])
         delta = job.text.push(new) if job.text is not None else ""
         finish = None

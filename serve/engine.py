@@ -22,7 +22,7 @@ from collections import deque
 from ..runtime.controller import controller_for
 from ..runtime.errors import DFlashError
 from ..runtime.load import open_artifact
-from ..runtime.loop import Generation, stream
+from ..runtime.loop import Generation, Request, stream_batch
 from . import text as text_module
 from .batch import BatchEngine
 from .jobs import (  # noqa: F401 (the engine's names, as before)
@@ -124,19 +124,21 @@ class Engine(EngineBase):
             return
         if p.speculative and not self.has_drafter:
             raise DFlashError("this server was started without the drafter")
-        reuse = slot.reusable(p.prompt, p.speculative) if p.cache_prompt else 0
+        echo = job.logprobs is not None and job.logprobs.echo  # scores every prompt position: no reuse
+        reuse = slot.reusable(p.prompt, p.speculative) if p.cache_prompt and not echo else 0
         stop = tuple(dict.fromkeys(list(self.manifest.eos_token_ids) + list(p.stop_token_ids)))
-        g = Generation()
-        rounds = stream(b, p.prompt, p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                        seed=p.seed, stop_token_ids=stop, draft=bool(p.speculative), reuse=reuse, verify=self.verify, out=g,
-                        control=None if p.speculative == "always" else self.control)
+        q = Request(p.prompt, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, stop, reuse,
+                    logprobs=job.logprobs)
+        outs: list[Generation] = []
+        rounds = stream_batch(b, [q], batch=1, draft=bool(p.speculative), verify=self.verify, outs=outs,
+                              control=None if p.speculative == "always" else self.control)
         slot.seq = []  # the caches change from here on
-        finish, k = "length", self.manifest.block_size
+        finish, k, g = "length", self.manifest.block_size, Generation()
         try:
-            for i, new in enumerate(rounds):
-                if i == 0:
-                    mt.ttft.labels(**mt.labels).observe(time.perf_counter() - job.submitted)
-                elif p.speculative:
+            for i, (_, new) in enumerate(rounds):
+                g = outs[0]
+                self._timed(job, len(new))
+                if i and p.speculative:
                     mt.round(len(new), k, g.drafted[-1])
                 delta = job.text.push(new) if job.text is not None else ""
                 if job.text is not None and job.text.stopped:  # a stop string: not the round's tokens after it

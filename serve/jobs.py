@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..runtime.lazy import lazy_import
+from ..runtime.logprobs import Logprobs
 from ..runtime.loop import Generation
 from .text import TextStream
 
@@ -54,6 +55,9 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
     slot: int | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    logprobs: Logprobs | None = None  # the target's log-probabilities, recorded by the loop when asked
+    first: float = 0.0  # when its first token was reported (perf_counter)
+    last: float = 0.0  # when its last round was reported
 
 
 class Metrics:
@@ -90,6 +94,14 @@ class Metrics:
                              buckets=buckets, registry=r)
         self.queue = Histogram("dflash:request_queue_time_seconds", "Time a request waited for a slot or batch row.",
                                lb, buckets=buckets, registry=r)
+        itl = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+               1.0, 2.5)
+        self.itl = Histogram("dflash:inter_token_latency_seconds", "Time per generated token after the first: a "
+                             "speculative round that emits n tokens in t seconds (t from the request's previous "
+                             "round) observes t/n, n times.", lb, buckets=itl, registry=r)
+        self.tpot = Histogram("dflash:request_time_per_output_token_seconds", "Per finished request: the time from "
+                              "its first token to its last over its tokens after the first.", lb, buckets=itl,
+                              registry=r)
         self.rows = Histogram("dflash:batch_rows_per_round", "Rows generating in each round of the batched loop "
                               "(--max-batch; occupancy = rows / max_batch).", lb,
                               buckets=tuple(range(1, max_batch + 1)), registry=r)
@@ -182,6 +194,18 @@ class EngineBase:
         self.metrics.running.labels(**labels).set(sum(s.job is not None for s in self.slots))
         self.metrics.waiting.labels(**labels).set(len(self.waiting))
 
+    def _timed(self, job: Job, produced: int) -> None:
+        """A round of `job` that produced tokens (its first: the prefill's): the latency histograms."""
+        now, mt = time.perf_counter(), self.metrics
+        if not job.first:
+            job.first = job.last = now
+            mt.ttft.labels(**mt.labels).observe(now - job.submitted)
+            return
+        per, itl = (now - job.last) / max(produced, 1), mt.itl.labels(**mt.labels)
+        for _ in range(produced):
+            itl.observe(per)
+        job.last = now
+
     def _ended(self, job: Job, g: Generation, finish: str) -> None:
         """The request's counters and its end event (a stop string: only the tokens before it count)."""
         mt = self.metrics
@@ -193,6 +217,8 @@ class EngineBase:
         mt.generation_tokens.labels(**mt.labels).inc(len(g.tokens))
         mt.success.labels(finished_reason=finish, **mt.labels).inc()
         mt.e2e.labels(**mt.labels).observe(time.perf_counter() - job.submitted)
+        if len(g.tokens) > 1 and job.last > job.first:
+            mt.tpot.labels(**mt.labels).observe((job.last - job.first) / (len(g.tokens) - 1))
         _emit(job, ("end", finish, g, tail))
 
 

@@ -11,12 +11,15 @@ import hmac
 import json
 import math
 import secrets
+import sys
+import time
 from typing import Annotated, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..runtime import contract as C
 from .engine import Engine, Params, replica
 
 REPLICA = "x-dflash-replica"  # every response names the process and slot that answered it
@@ -25,6 +28,8 @@ OPEN_PATHS = ("/health", "/health/ready", "/metrics")  # no API key needed (as v
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                500: "server_error", 503: "service_unavailable"}
+CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+         413: "request_too_large", 429: "rate_limited", 500: "internal_error", 503: "unavailable"}  # when none given
 
 
 class ApiError(Exception):
@@ -37,7 +42,7 @@ class ApiError(Exception):
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+                      "param": param, "code": code or CODES.get(status, "error")}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -159,14 +164,30 @@ def check_ids(engine: Engine, ids: list[int], what: str) -> None:
 
 def check_common(engine: Engine, body: Common) -> None:
     check_model(engine, body.model)
-    if body.n not in (None, 1):
-        raise ApiError(400, f"n must be 1 (got {body.n}): one completion per request", param="n", code="unsupported")
+    if body.n is not None and body.n < 1:
+        raise ApiError(400, f"n must be >= 1 (got {body.n})", param="n")
+    best_of = getattr(body, "best_of", None)
+    if best_of not in (None, 1, body.n or 1):
+        raise ApiError(400, f"best_of {best_of} is not supported by this server (it returns every sample: ask for n "
+                            f"{best_of} and rank them yourself, or set best_of to n)", param="best_of", code="unsupported")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise ApiError(400, f"{name} is not supported by this server (use 0 or omit it)", param=name,
                            code="unsupported")
     if body.logit_bias:
         raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias", code="unsupported")
+
+
+def check_logprobs(engine: Engine, k: int | None, cap: int, param: str) -> int | None:
+    """How many alternatives per token (None: no log-probabilities), or a 400."""
+    if k is None:
+        return None
+    if not 0 <= k <= cap:
+        raise ApiError(400, f"{param} must be between 0 and {cap} (got {k})", param=param)
+    if not C.ragged(engine.manifest):
+        raise ApiError(400, "log-probabilities need an export made by this version of dflash-export (its target "
+                            "graph takes logits_index); re-export the model", param=param, code="unsupported")
+    return k
 
 
 def render_chat(engine: Engine, messages: list[Message], add_generation_prompt: bool) -> str:
@@ -198,7 +219,7 @@ def build_params(engine: Engine, body: Common, ids: list[int], max_tokens: int |
     if max_tokens is None:
         max_tokens = min(default_max, limit - len(ids))
     elif max_tokens < 1:
-        raise ApiError(400, f"{max_param} must be >= 1 (got {max_tokens})", param=max_param)
+        raise ApiError(400, f"{max_param} must be >= 1 (got {max_tokens}; 0 only with echo)", param=max_param)
     elif len(ids) + max_tokens > limit:
         raise ApiError(400, f"prompt ({len(ids)} tokens) + {max_param} ({max_tokens}) = {len(ids) + max_tokens} "
                             f"exceeds the exported context of {limit} tokens; lower {max_param} to at most "
@@ -233,18 +254,34 @@ def build_params(engine: Engine, body: Common, ids: list[int], max_tokens: int |
 # -- the HTTP guard: what every request meets before a route --------------------------------
 
 class Guard:
-    """Pure ASGI middleware: replica header on every response, API key, body size limit (413)."""
+    """Pure ASGI middleware: replica header on every response, API key, body size limit (413),
+    and the access log: one line per request on stderr when it ends (method, path, status,
+    prompt and completion tokens, seconds; `ServeOptions.access_log`)."""
 
-    def __init__(self, app, options):  # options: app.ServeOptions (api_key, max_body_bytes)
+    def __init__(self, app, options):  # options: app.ServeOptions (api_key, max_body_bytes, access_log)
         self.app, self.options = app, options
         self.key = options.api_key.encode() if options.api_key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if not getattr(self.options, "access_log", False):
+            return await self.guard(scope, receive, send, {})
+        seen, t0 = {}, time.perf_counter()
+        scope.setdefault("state", {})  # where the route leaves its token counts
+        try:
+            await self.guard(scope, receive, send, seen)
+        finally:
+            tokens = scope.get("state", {}).get("dflash_tokens")
+            used = f" prompt_tokens={tokens[0]} completion_tokens={tokens[1]}" if tokens else ""
+            client = (scope.get("client") or ("-",))[0]
+            print(f"dflash-export serve: {client} \"{scope.get('method')} {scope.get('path')}\" "
+                  f"{seen.get('status', '-')}{used} {time.perf_counter() - t0:.3f}s", file=sys.stderr, flush=True)
 
+    async def guard(self, scope, receive, send, seen: dict):
         async def send_with_replica(message):
             if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
                 headers = list(message.get("headers", []))
                 if not any(k.lower() == REPLICA.encode() for k, _ in headers):
                     headers.append((REPLICA.encode(), replica().encode()))

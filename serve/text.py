@@ -44,6 +44,7 @@ class Text:
                 named = {t.get("name"): t.get("template") for t in chat_template if isinstance(t, dict)}
                 chat_template = named.get("default")
         self.template = _compile(chat_template) if isinstance(chat_template, str) else None
+        self.template_source = chat_template if isinstance(chat_template, str) else None
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=special).ids

@@ -350,16 +350,17 @@ BAD = [  # (method, path, body, headers, status, words in the message)
     ("POST", "/v1/completions", {"prompt": [5, 101, -1]}, {}, 400, "[101, -1] are outside the vocabulary [0, 101)"),
     ("POST", "/v1/completions", {"prompt": "abc", "max_tokens": 300}, {}, 400, "(3 tokens) + max_tokens (300) = 303 exceeds the exported context of 256"),
     ("POST", "/v1/completions", {"prompt": "a" * 300}, {}, 400, "300 tokens"),
-    ("POST", "/v1/completions", {"prompt": "a", "n": 2}, {}, 400, "n must be 1"),
-    ("POST", "/v1/completions", {"prompt": "a", "logprobs": 1}, {}, 400, "not supported"),
+    ("POST", "/v1/completions", {"prompt": "a", "n": 0}, {}, 400, "n must be >= 1"),
+    ("POST", "/v1/completions", {"prompt": "a", "logprobs": 6}, {}, 400, "logprobs must be between 0 and 5"),
     ("POST", "/v1/completions", {"prompt": "a", "stop_token_ids": [500]}, {}, 400, "outside the vocabulary"),
-    ("POST", "/v1/completions", {"prompt": ["a", "b"]}, {}, 400, "one prompt"),
+    ("POST", "/v1/completions", {"prompt": ["a", ""]}, {}, 400, "empty"),
     ("POST", "/v1/completions", {"prompt": "a", "model": "gpt-4"}, {}, 404, "does not exist"),
     ("POST", "/v1/completions", "x" * (5 << 20), {}, 413, "limit"),
     ("POST", "/v1/chat/completions", {"messages": []}, {}, 400, "messages"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, {}, 400, "role"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, {}, 400, "text parts"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, {}, 400, "not supported"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     {}, 400, "top_logprobs must be between 0 and 20"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, {}, 400,
      "max_completion_tokens must be >= 1"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 500}, {}, 400,
@@ -385,7 +386,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
         got, h, j = server.raw(method, path, body, headers)
         assert got == status and isinstance(j, dict), (path, body if len(str(body)) < 200 else "...", got, j)
         e = j["error"]
-        assert set(e) == {"message", "type", "param", "code"} and words in e["message"], (body, e)
+        assert set(e) == {"message", "type", "param", "code"} and words in e["message"] and e["code"], (body, e)
         assert "Traceback" not in e["message"] and replica_ok(h, server.pid, "-")
         assert server.raw("GET", "/health")[0] == 200
     # unknown fields are ignored; curl's default form content type is read as JSON
