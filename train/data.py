@@ -60,6 +60,7 @@ class Shard:
     tokens: torch.Tensor  # [B, T] int64: prompt + continuation
     start: int  # first greedy-generated position (anchors are >= start - 1)
     length: torch.Tensor  # [B] valid length (cut after the first stop token)
+    taps: torch.Tensor | None = None  # [B, T, taps*H] bf16: the target's features, captured while generating
 
 
 @torch.inference_mode()
@@ -77,6 +78,8 @@ def continue_batch(
 
     fp32 by default: the labels are then the greedy tokens the fp32 target picks at inference.
     `bf16` (autocast) flips a few near-ties, and is worth it only where it is much faster.
+    The target's taps at every position come along (`Shard.taps`, bf16), so training never runs
+    the target again: one more step feeds the last token to get its features too.
     """
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         return _continue(target, prompts, new_tokens, sample_prefix, temperature, stop_ids, generator)
@@ -85,16 +88,20 @@ def continue_batch(
 def _continue(target, prompts, new_tokens, sample_prefix, temperature, stop_ids, generator) -> Shard:
     b, p = prompts.shape
     hybrid = hasattr(target, "new_cache")  # K/V plus committed DeltaNet states (models/qwen35.py)
-    cache = target.new_cache(p + new_tokens, batch=b) if hybrid else KVCache.for_model(target, p + new_tokens, batch=b)
+    cache = target.new_cache(p + new_tokens + 1, batch=b) if hybrid else KVCache.for_model(target, p + new_tokens + 1, batch=b)
     ids, pos = prompts, torch.arange(p)[None].expand(b, p)
-    out = [prompts]
-    for i in range(new_tokens):
+    out, feats = [prompts], []
+    for i in range(new_tokens + 1):
         if hybrid:
-            last = target(ids, pos, cache)[0][:, -1]
+            logits, taps, _ = target(ids, pos, cache)
+            last = logits[:, -1]
         else:
-            x, _, _ = target.hidden(ids, pos, cache)
-            last = target.logits(x[:, -1])  # only the last position's logits: [B, V]
+            x, taps, _ = target.hidden(ids, pos, cache)
+            last = None if i == new_tokens else target.logits(x[:, -1])  # only the last position's logits: [B, V]
+        feats.append(taps.to(torch.bfloat16))
         cache.commit(ids.shape[1])
+        if i == new_tokens:
+            break
         length = cache.length
         if i < sample_prefix:
             ids = torch.multinomial(torch.softmax(last.float() / temperature, -1), 1, generator=generator)
@@ -109,7 +116,7 @@ def _continue(target, prompts, new_tokens, sample_prefix, temperature, stop_ids,
         hit = torch.isin(gen, torch.tensor(stop_ids))
         first = torch.where(hit.any(1), hit.float().argmax(1), torch.full((b,), gen.shape[1]))
         length_t = torch.minimum(length_t, p + first + 1)
-    return Shard(tokens, p + sample_prefix, length_t)
+    return Shard(tokens, p + sample_prefix, length_t, torch.cat(feats, 1))
 
 
 def target_fingerprint(target_dir: Path) -> str:
@@ -150,12 +157,15 @@ def generate_shards(
     progress=None,
     seconds: float = 0.0,
     bf16: bool = False,
+    on_features=None,
 ) -> tuple[list[Shard], list[str], int]:
     """One shard per prompt batch, each saved as it is made; existing shards are reused.
 
     A shard's file is named by its batch's content and index (the folder by the settings), so
     any run whose prompts batch the same way finds it. With `seconds` > 0, stops making new
-    shards once that much time has passed (at least one). -> (shards, their names, number made now).
+    shards once that much time has passed (at least one). `on_features(name, taps)` receives each
+    new shard's captured features (they depend on the tap layers too, so they are kept elsewhere:
+    train/cache.py). -> (shards without their taps, their names, number made now).
     """
     import time
 
@@ -178,7 +188,9 @@ def generate_shards(
             tmp = path.with_suffix(".tmp")
             torch.save({"tokens": s.tokens, "start": s.start, "length": s.length}, tmp)
             tmp.replace(path)
-            shards.append(s)
+            if on_features is not None:
+                on_features(name, s.taps)
+            shards.append(Shard(s.tokens, s.start, s.length))
             made = int(s.tokens.shape[0] * new_tokens)
             made_now += 1
         names.append(name)

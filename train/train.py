@@ -172,11 +172,13 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
 
     # -- data ---------------------------------------------------------------------------
     t0 = time.time()
+    # the target's features: captured while generating, keyed by the continuations and the taps
+    feats = C.FeatureCache(work / f"feat-{C.key(gen_dir.name, taps)}", target, gen_bf16, cfg.feature_cache_gb * 2**30)
     p, upd = C.progress(console, "generate", len(train_batches))
     with p:
         shards, names, made = D.generate_shards(target, train_batches, gen_dir, cfg.gen_tokens, cfg.sample_prefix, stop,
                                                 cfg.seed, upd, seconds=0 if gen_cap == float("inf") else gen_cap,
-                                                bf16=gen_bf16)
+                                                bf16=gen_bf16, on_features=feats.put)
     p, upd = C.progress(console, "held-out", len(eval_batches))
     with p:
         eval_shards, _, eval_made = D.generate_shards(target, eval_batches, eval_dir, cfg.gen_tokens, 0, stop,
@@ -187,7 +189,6 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
         f"{len(shards) - made} from the cache in {gen_dir}"
         f"{f'; stopped at {len(shards)} of {len(train_batches)} batches by the time limit' if len(shards) < len(train_batches) else ''}"
         f"; held-out: {eval_made} of {len(eval_shards)} generated) in {gen_seconds:.0f}s")
-    feats = C.FeatureCache(work / f"feat-{C.key(gen_dir.name, taps, bf16)}", target, bf16, cfg.feature_cache_gb * 2**30)
 
     # -- training ----------------------------------------------------------------------
     for p_ in drafter.parameters():
@@ -301,7 +302,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
         "drafter_params": sum(p.numel() for p in drafter.parameters()),
         "sequences": gen_count, "generation_seconds": round(gen_seconds, 1), "train_steps": state.step,
         "train_minutes": round(state.elapsed / 60, 2), "supervised_tokens": state.tokens, "tokens_per_s": round(tps),
-        "features": {"computed_rows": feats.computed, "reused_rows": feats.reused},
+        "features": {"captured_rows": feats.captured, "computed_rows": feats.computed, "reused_rows": feats.reused},
         "eval_seconds": round(eval_seconds, 1), "wall_seconds": round(wall, 1),
         "initial": initial, "final": res, "log": state.log,
     }
