@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 
 from ..runtime.errors import DFlashError
-from ..models.kvcache import KVCache
+from torch.nn import functional as F
+
+from ..models.layers import rope_cos_sin
 
 
 def read_prompts(paths: list[str | Path], chunk_chars: tuple[int, int] = (200, 600), seed: int = 0) -> list[str]:
@@ -85,10 +87,48 @@ def continue_batch(
         return _continue(target, prompts, new_tokens, sample_prefix, temperature, stop_ids, generator)
 
 
+class _HeadMajorCache:
+    """Static K/V buffers [B, Hkv, max_len, D] per layer, the layout attention reads without a copy.
+
+    `Target.hidden` over a KVCache (sequence-major, the runtime's layout) copies each layer's
+    whole K and V into this layout at every step: at batch 64 that was a quarter of generation.
+    """
+
+    def __init__(self, target, batch: int, max_len: int):
+        c = target.config
+        shape = (batch, c.num_kv_heads, max_len, c.head_dim)
+        dt = next(target.parameters()).dtype
+        self.kv = [(torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt)) for _ in range(c.num_layers)]
+        self.length = 0
+
+    def commit(self, n: int) -> None:
+        self.length += n
+
+
+def _hidden(target, ids: torch.Tensor, pos: torch.Tensor, cache: _HeadMajorCache):
+    """`Target.hidden` on a head-major cache (SDPA): -> (last hidden state, taps); writes the new K/V."""
+    b, s = ids.shape
+    p, end = cache.length, cache.length + s
+    x = target.embed(ids)
+    cos, sin = rope_cos_sin(pos, target.inv_freq, x.dtype)
+    outs = {}
+    for i, layer in enumerate(target.model.layers):
+        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+        kc, vc = cache.kv[i]
+        kc[:, :, p:end] = k.transpose(1, 2)
+        vc[:, :, p:end] = v.transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), kc[:, :, :end].to(q.dtype), vc[:, :, :end].to(q.dtype),
+                                           is_causal=s > 1, enable_gqa=True)  # s > 1 only as the prefill (p = 0)
+        x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        outs[i] = x
+    return target.final(outs)
+
+
 def _continue(target, prompts, new_tokens, sample_prefix, temperature, stop_ids, generator) -> Shard:
     b, p = prompts.shape
     hybrid = hasattr(target, "new_cache")  # K/V plus committed DeltaNet states (models/qwen35.py)
-    cache = target.new_cache(p + new_tokens + 1, batch=b) if hybrid else KVCache.for_model(target, p + new_tokens + 1, batch=b)
+    cache = target.new_cache(p + new_tokens + 1, batch=b) if hybrid else _HeadMajorCache(target, b, p + new_tokens + 1)
     ids, pos = prompts, torch.arange(p)[None].expand(b, p)
     out, feats = [prompts], []
     for i in range(new_tokens + 1):
@@ -96,7 +136,7 @@ def _continue(target, prompts, new_tokens, sample_prefix, temperature, stop_ids,
             logits, taps, _ = target(ids, pos, cache)
             last = logits[:, -1]
         else:
-            x, taps, _ = target.hidden(ids, pos, cache)
+            x, taps = _hidden(target, ids, pos, cache)
             last = None if i == new_tokens else target.logits(x[:, -1])  # only the last position's logits: [B, V]
         feats.append(taps.to(torch.bfloat16))
         cache.commit(ids.shape[1])
