@@ -7,7 +7,8 @@ anchors 48, block 16, sequences of 416 tokens with the greedy part from 160). On
 forward + backward + AdamW. Variants, interleaved round by round in one run:
 - `pre-issue`: the training step as it was before (models/train.py at PRE_COMMIT, loaded
   from git): the target runs every step, each block gathers its context; fp32 and bf16.
-- `now`: the current step, target features cached (as `train-draft` does); fp32 and bf16.
+- `now`: the current step as `train-draft` runs it (the target's features captured while it
+  generated, the fused head + loss of train/loss.py); fp32 and bf16.
 FLOPs per step: `train.speed.step_flops` (drafter forward + backward and the LM head over the
 supervised positions; the target excluded); the GEMM rate is fp32 (and bf16) at the LM-head
 shape (5760 x H x V) and at 2048^3. Prints one JSON object.
@@ -102,7 +103,7 @@ def main() -> None:
             if variant.startswith("pre-issue"):
                 loss, _, valid = pre.draft_step(target, d, tokens, lens, si, an, k, 1, w, autocast=bf16)
             else:
-                loss, _, valid = T.draft_step(target, d, tokens, lens, si, an, k, 1, w, bf16, taps)
+                loss, _, valid = T.draft_step(target, d, tokens, lens, si, an, k, 1, w, bf16, taps, correct=False)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
