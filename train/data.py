@@ -97,7 +97,8 @@ class _HeadMajorCache:
     def __init__(self, target, batch: int, max_len: int):
         c = target.config
         shape = (batch, c.num_kv_heads, max_len, c.head_dim)
-        dt = next(target.parameters()).dtype
+        # under bf16 autocast attention reads bf16 anyway: keep the cache in it (no conversion per step)
+        dt = torch.bfloat16 if torch.is_autocast_enabled("cpu") else next(target.parameters()).dtype
         self.kv = [(torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt)) for _ in range(c.num_layers)]
         self.length = 0
 
@@ -117,7 +118,7 @@ def _hidden(target, ids: torch.Tensor, pos: torch.Tensor, cache: _HeadMajorCache
         kc, vc = cache.kv[i]
         kc[:, :, p:end] = k.transpose(1, 2)
         vc[:, :, p:end] = v.transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), kc[:, :, :end].to(q.dtype), vc[:, :, :end].to(q.dtype),
+        o = F.scaled_dot_product_attention(q.transpose(1, 2).to(kc.dtype), kc[:, :, :end], vc[:, :, :end],
                                            is_causal=s > 1, enable_gqa=True)  # s > 1 only as the prefill (p = 0)
         x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
