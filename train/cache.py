@@ -105,15 +105,17 @@ class FeatureCache:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             return self.target(tokens, pos, self.target.empty_kv(b))[1]
 
-    def put(self, name: str, taps: torch.Tensor) -> None:
-        """All rows of a shard, captured during generation: kept (within the limit) and written now."""
+    def put(self, name: str, taps: torch.Tensor, save: bool = True) -> None:
+        """All rows of a shard, captured during generation: kept (within the limit) and written now
+        (`save`; a shard cut short by the time limit is not cached, nor are its features)."""
         if name in self.mem or self.bytes + taps.numel() * 2 > self.limit:
             return
         self.mem[name] = (taps.to(torch.bfloat16), torch.ones(taps.shape[0], dtype=torch.bool))
         self.captured += taps.shape[0]
         self.bytes += taps.numel() * 2
-        self.dirty.add(name)
-        self.save()
+        if save:
+            self.dirty.add(name)
+            self.save()
 
     def get(self, name: str, shard, rows: torch.Tensor) -> torch.Tensor:
         """Taps [len(rows), T, taps*H] of `shard.tokens[rows]`."""

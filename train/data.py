@@ -10,15 +10,16 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..runtime.errors import DFlashError
 from torch.nn import functional as F
 
 from ..models.layers import rope_cos_sin
+from ..runtime.errors import DFlashError
 
 
 def read_prompts(paths: list[str | Path], chunk_chars: tuple[int, int] = (200, 600), seed: int = 0) -> list[str]:
@@ -75,8 +76,10 @@ def continue_batch(
     stop_ids: tuple[int, ...] = (),
     generator: torch.Generator | None = None,
     bf16: bool = False,
+    deadline: float = 0.0,
 ) -> Shard:
     """Batched continuation [B, P] -> [B, P + new]: `sample_prefix` sampled tokens, then greedy.
+    With a `deadline` (time.time()), stops there: fewer new tokens (at least 16).
 
     fp32 by default: the labels are then the greedy tokens the fp32 target picks at inference.
     `bf16` (autocast) flips a few near-ties, and is worth it only where it is much faster.
@@ -84,7 +87,7 @@ def continue_batch(
     the target again: one more step feeds the last token to get its features too.
     """
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        return _continue(target, prompts, new_tokens, sample_prefix, temperature, stop_ids, generator)
+        return _continue(target, prompts, new_tokens, sample_prefix, temperature, stop_ids, generator, deadline)
 
 
 class _HeadMajorCache:
@@ -126,22 +129,23 @@ def _hidden(target, ids: torch.Tensor, pos: torch.Tensor, cache: _HeadMajorCache
     return target.final(outs)
 
 
-def _continue(target, prompts, new_tokens, sample_prefix, temperature, stop_ids, generator) -> Shard:
+def _continue(target, prompts, new_tokens, sample_prefix, temperature, stop_ids, generator, deadline) -> Shard:
     b, p = prompts.shape
     hybrid = hasattr(target, "new_cache")  # K/V plus committed DeltaNet states (models/qwen35.py)
     cache = target.new_cache(p + new_tokens + 1, batch=b) if hybrid else _HeadMajorCache(target, b, p + new_tokens + 1)
     ids, pos = prompts, torch.arange(p)[None].expand(b, p)
     out, feats = [prompts], []
     for i in range(new_tokens + 1):
+        final = i == new_tokens or (deadline > 0 and i >= min(new_tokens, 16) and time.time() > deadline)
         if hybrid:
             logits, taps, _ = target(ids, pos, cache)
             last = logits[:, -1]
         else:
             x, taps = _hidden(target, ids, pos, cache)
-            last = None if i == new_tokens else target.logits(x[:, -1])  # only the last position's logits: [B, V]
+            last = None if final else target.logits(x[:, -1])  # only the last position's logits: [B, V]
         feats.append(taps.to(torch.bfloat16))
         cache.commit(ids.shape[1])
-        if i == new_tokens:
+        if final:
             break
         length = cache.length
         if i < sample_prefix:
@@ -204,12 +208,11 @@ def generate_shards(
 
     A shard's file is named by its batch's content and index (the folder by the settings), so
     any run whose prompts batch the same way finds it. With `seconds` > 0, stops making new
-    shards once that much time has passed (at least one). `on_features(name, taps)` receives each
-    new shard's captured features (they depend on the tap layers too, so they are kept elsewhere:
-    train/cache.py). -> (shards without their taps, their names, number made now).
+    shards once that much time has passed (at least one), and cuts the batch under way short at
+    that time (such a shard is used but not cached). `on_features(name, taps, complete)` receives
+    each new shard's captured features (they depend on the tap layers too, so they are kept
+    elsewhere: train/cache.py). -> (shards without their taps, their names, number made now).
     """
-    import time
-
     cache_dir.mkdir(parents=True, exist_ok=True)
     shards, names, made_now = [], [], 0
     t0 = time.time()
@@ -225,12 +228,17 @@ def generate_shards(
         else:
             g = torch.Generator().manual_seed(seed * 100003 + i)
             sp = sample_prefix if i % 2 else 0  # half the shards pure greedy, half sampled-then-greedy
-            s = continue_batch(target, prompts, new_tokens, sp, stop_ids=stop_ids, generator=g, bf16=bf16)
-            tmp = path.with_suffix(".tmp")
-            torch.save({"tokens": s.tokens, "start": s.start, "length": s.length}, tmp)
-            tmp.replace(path)
+            s = continue_batch(target, prompts, new_tokens, sp, stop_ids=stop_ids, generator=g, bf16=bf16,
+                               deadline=t0 + seconds if seconds else 0.0)
+            complete = s.tokens.shape[1] == prompts.shape[1] + new_tokens
+            if complete:
+                tmp = path.with_suffix(".tmp")
+                torch.save({"tokens": s.tokens, "start": s.start, "length": s.length}, tmp)
+                tmp.replace(path)
+            else:
+                name += "-partial"
             if on_features is not None:
-                on_features(name, s.taps)
+                on_features(name, s.taps, complete)
             shards.append(Shard(s.tokens, s.start, s.length))
             made = int(s.tokens.shape[0] * new_tokens)
             made_now += 1

@@ -6,6 +6,8 @@ teacher-forced numbers are a diagnostic (uniform anchors overweight easy stretch
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -50,14 +52,17 @@ def teacher_forced(target, drafter, shards: list[Shard], block_size: int, mask_t
 
 
 def real_tau(target, drafter, prompts: list[list[int]], max_new_tokens: int, mask_token_id: int,
-             block_size: int, stop_ids: tuple[int, ...] = ()) -> dict:
-    """Real speculative decoding (the reference generator, greedy) on held-out prompts."""
+             block_size: int, stop_ids: tuple[int, ...] = (), deadline: float = 0.0) -> dict:
+    """Real speculative decoding (the reference generator, greedy) on held-out prompts; with a
+    `deadline` (time.time()), no prompt starts after it (at least one runs): `prompts` says how many ran."""
     lengths, per_prompt = [], []
     for p in prompts:
+        if deadline and per_prompt and time.time() > deadline:
+            break
         g = speculative_generate(target, drafter, p, max_new_tokens, mask_token_id=mask_token_id,
                                  block_size=block_size, stop_token_ids=stop_ids)
         lengths += g.acceptance_lengths
         per_prompt.append(round(g.tau, 2))
     hist = np.bincount(lengths, minlength=block_size + 1)[1:].tolist() if lengths else []
     return {"real_tau": round(float(np.mean(lengths)), 3) if lengths else 0.0, "rounds": len(lengths),
-            "per_prompt_tau": per_prompt, "accept_hist": hist}
+            "prompts": len(per_prompt), "per_prompt_tau": per_prompt, "accept_hist": hist}
