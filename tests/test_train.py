@@ -116,6 +116,19 @@ def test_continue_batch_labels_are_plain_greedy_decoding(tiny):
             assert not torch.equal(greedy[:, 7 : s.start], s.tokens[:, 7 : s.start])
 
 
+def test_generation_time_limit_cuts_the_batch_and_caches_nothing(tiny, tmp_path):
+    """A batch under way when generation's time limit passes is cut short (at least 16 new tokens)
+    and used, but neither it nor its features are cached: a later run must not take it as whole."""
+    _, target_dir = tiny
+    target = Target.from_pretrained(target_dir, tap_ids=[1])
+    batches = [torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    seen = []
+    shards, names, _ = D.generate_shards(target, batches, tmp_path / "g", 40, 0, (), 0, seconds=1e-9,
+                                         on_features=lambda n, t, c: seen.append((n, t.shape[1], c)))
+    assert len(shards) == 1 and shards[0].tokens.shape == (2, 5 + 16) and names[0].endswith("-partial")
+    assert seen == [(names[0], 21, False)] and not list((tmp_path / "g").glob("*.pt"))
+
+
 def test_fused_head_loss_equals_cross_entropy():
     """train/loss.py: the chunked head + loss with its gradient computed in the forward pass
     gives plain weighted cross-entropy's loss and input gradient (fp32 and bf16 autocast)."""
