@@ -27,19 +27,21 @@ def accepted_prefix(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def teacher_forced(target, drafter, shards: list[Shard], block_size: int, mask_token_id: int,
-                   weights: torch.Tensor, per_seq: int = 32, seed: int = 0, autocast: bool = False) -> dict:
-    """Held-out teacher-forced loss, accuracy per block position and tau on cached continuations."""
+                   weights: torch.Tensor, per_seq: int = 32, seed: int = 0, autocast: bool = False,
+                   taps: list | None = None) -> dict:
+    """Held-out teacher-forced loss, accuracy per block position and tau on cached continuations;
+    `taps[i]`: shard i's captured target features (None: the target runs)."""
     gen = torch.Generator().manual_seed(seed)
     correct = torch.zeros(block_size - 1)
     count = torch.zeros(block_size - 1)
     losses, prefixes = [], []
-    for s in shards:
+    for i, s in enumerate(shards):
         rows = torch.arange(s.tokens.shape[0])
         seq_index, anchors = sample_anchors(s, rows, per_seq, gen)
         if len(anchors) == 0:
             continue
         loss, ok, valid = draft_step(target, drafter, s.tokens, s.length, seq_index, anchors, block_size,
-                                     mask_token_id, weights, autocast)
+                                     mask_token_id, weights, autocast, taps[i] if taps else None)
         losses.append(loss.item())
         correct += (ok & valid).sum(0).float()
         count += valid.sum(0).float()

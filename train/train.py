@@ -163,13 +163,14 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     gen_cap = cfg.gen_minutes * 60 or float("inf")
     total_s = cfg.max_total_minutes * 60
     if total_s:  # generation gets what training and evaluation leave (at least one batch)
+        plan_eval = min(plan_eval, max(0.15 * total_s, 30.0))  # the final evaluation stops at the bound
         reserve = (cfg.minutes * 60 if cfg.minutes else total_s / 2) + plan_eval
         gen_cap = min(gen_cap, max(total_s - (time.time() - t_start) - reserve, 1.0))
     plan_gen = min(plan_gen, gen_cap)
     log(f"plan: generate {len(train_batches)} batches x {cfg.gen_batch} continuations x {cfg.gen_tokens} tokens "
         f"({cached} cached) ~{_mins(plan_gen)}; train {f'{cfg.minutes:g} min' if cfg.minutes else f'{cfg.steps} steps'}; "
         f"evaluate {len(eval_ids)} held-out prompts x {cfg.eval_tokens} tokens <= ~{_mins(plan_eval)} "
-        f"(bound: tau 1, 30% margin){f'; whole command <= {cfg.max_total_minutes:g} min' if total_s else ''}")
+        f"({f'whole command <= {cfg.max_total_minutes:g} min: evaluation stops at the bound' if total_s else 'bound: tau 1, 30% margin'})")
 
     # -- data ---------------------------------------------------------------------------
     t0 = time.time()
@@ -182,8 +183,12 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
                                                 bf16=gen_bf16, on_features=feats.put)
     p, upd = C.progress(console, "held-out", len(eval_batches))
     with p:
-        eval_shards, _, eval_made = D.generate_shards(target, eval_batches, eval_dir, cfg.gen_tokens, 0, stop,
-                                                      cfg.seed + 1, upd, bf16=gen_bf16)
+        left = gen_cap - (time.time() - t0) if gen_cap != float("inf") else 0.0
+        eval_taps: dict = {}
+        eval_shards, eval_names, eval_made = D.generate_shards(
+            target, eval_batches, eval_dir, cfg.gen_tokens, 0, stop, cfg.seed + 1, upd, bf16=gen_bf16,
+            seconds=max(left, 1e-3) if gen_cap != float("inf") else 0.0, on_features=lambda n, t, c: eval_taps.update({n: t}))
+    eval_taps = [eval_taps.get(n) for n in eval_names]  # captured, or None (from the cache: the target runs)
     gen_seconds = time.time() - t0
     gen_count = sum(s.tokens.shape[0] for s in shards)
     cut = sum(n.endswith("-partial") for n in names)
@@ -214,7 +219,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     sched = Schedule(cfg.lr, warmup=cfg.warmup, steps=cfg.steps, seconds=state.elapsed + train_s if cfg.minutes else 0.0)
     initial = None
     if not cfg.resume:  # the held-out loss before training, for training.json's before/after
-        initial = teacher_forced(target, drafter, eval_shards, k, mask_id, weights, seed=cfg.seed, autocast=bf16)
+        initial = teacher_forced(target, drafter, eval_shards, k, mask_id, weights, seed=cfg.seed, autocast=bf16, taps=eval_taps)
         log(f"held-out teacher-forced loss before training: {initial['tf_loss']:.3f}")
     run_t0, run_elapsed0 = time.time(), state.elapsed
 
@@ -222,7 +227,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
         drafter.eval()
         d = Drafter.from_pretrained(out) if final else drafter
         res = {"step": state.step, "minutes": round(state.elapsed / 60, 2)}
-        res.update(teacher_forced(target, d, eval_shards, k, mask_id, weights, seed=cfg.seed, autocast=bf16))
+        res.update(teacher_forced(target, d, eval_shards, k, mask_id, weights, seed=cfg.seed, autocast=bf16, taps=eval_taps))
         res.update(real_tau(target, d, eval_ids[:n_prompts], cfg.eval_tokens, mask_id, k, stop, deadline))
         drafter.train()
         return res
