@@ -7,10 +7,12 @@ anchors 48, block 16, sequences of 416 tokens with the greedy part from 160). On
 forward + backward + AdamW. Variants, interleaved round by round in one run:
 - `pre-issue`: the training step as it was before (models/train.py at PRE_COMMIT, loaded
   from git): the target runs every step, each block gathers its context; fp32 and bf16.
-- `now`: the current step, target features cached (as `train-draft` does); fp32 and bf16.
+- `now`: the current step as `train-draft` runs it (the target's features captured while it
+  generated, the fused head + loss of train/loss.py); fp32 and bf16.
 FLOPs per step: `train.speed.step_flops` (drafter forward + backward and the LM head over the
 supervised positions; the target excluded); the GEMM rate is fp32 (and bf16) at the LM-head
-shape (5760 x H x V) and at 2048^3. Prints one JSON object.
+shape (5760 x H x V; fp32 inside every round, the median taken like the variants') and at
+2048^3. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -50,11 +52,12 @@ def load_pre_issue():
     return mod
 
 
-def gemm_rate(m: int, k: int, n: int, dtype) -> float:
+def gemm_rate(m: int, k: int, n: int, dtype, reps: int = 5) -> float:
+    """GFLOP/s of one [m, k] x [k, n] matmul, the best of `reps` after a warm-up."""
     a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
     a @ b
     best = float("inf")
-    for _ in range(5):
+    for _ in range(reps):
         t = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t)
@@ -102,7 +105,7 @@ def main() -> None:
             if variant.startswith("pre-issue"):
                 loss, _, valid = pre.draft_step(target, d, tokens, lens, si, an, k, 1, w, autocast=bf16)
             else:
-                loss, _, valid = T.draft_step(target, d, tokens, lens, si, an, k, 1, w, bf16, taps)
+                loss, _, valid = T.draft_step(target, d, tokens, lens, si, an, k, 1, w, bf16, taps, correct=False)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -112,24 +115,27 @@ def main() -> None:
     steps = {v: make(v) for v in a.variants}
     for fn in steps.values():
         fn()  # warm-up
+    rows = batch * anchors * (k - 1)
     rates: dict[str, list[float]] = {v: [] for v in a.variants}
+    gemm: list[float] = []  # the fp32 LM-head GEMM rate, measured inside every round like the variants
     for _ in range(a.rounds):
         for v, fn in steps.items():
             t, n = time.perf_counter(), 0
             for _ in range(a.steps):
                 n += fn()
             rates[v].append(n / (time.perf_counter() - t))
-    rows = batch * anchors * (k - 1)
+        gemm.append(gemm_rate(rows, tc.hidden_size, tc.vocab_size, torch.float32, reps=2))
     flops = step_flops(batch, length, batch * anchors, k, tc.hidden_size, tc.vocab_size, len(taps_ids), 1,
                        tc.num_heads, tc.num_kv_heads, tc.head_dim, tc.intermediate_size,
                        mean_keys=(start + length) / 2 + k)
-    g32 = gemm_rate(rows, tc.hidden_size, tc.vocab_size, torch.float32)
+    g32 = statistics.median(gemm)  # the same statistic as the variants' rates, over the same rounds
     g16 = gemm_rate(rows, tc.hidden_size, tc.vocab_size, torch.bfloat16)
     res = {
         "load_before": load_before, "threads": a.threads, "torch": torch.__version__,
         "shape": {"batch": batch, "anchors": anchors, "block": k, "seq_len": length, "greedy_from": start},
         "flops_per_step": flops, "flops_per_supervised_position": flops / rows,
-        "gemm_gflops": {"lm_head_fp32": round(g32, 1), "lm_head_bf16": round(g16, 1),
+        "gemm_gflops": {"lm_head_fp32": round(g32, 1), "lm_head_fp32_all": [round(x, 1) for x in gemm],
+                        "lm_head_bf16": round(g16, 1),
                         "2048^3_fp32": round(gemm_rate(2048, 2048, 2048, torch.float32), 1)},
         "tokens_per_s": {v: round(statistics.median(r)) for v, r in rates.items()},
         "tokens_per_s_all": {v: [round(x) for x in r] for v, r in rates.items()},

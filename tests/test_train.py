@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from torch.nn import functional as F
 from click.testing import CliRunner
 from train_fixtures import SAMPLE, make_tokenized_target
 
@@ -104,9 +105,49 @@ def test_continue_batch_labels_are_plain_greedy_decoding(tiny):
         assert torch.equal(s.tokens[:, :7], prompts)
         for row in s.tokens.tolist():
             assert row[s.start :] == autoregressive_generate(target, row[: s.start], 21 - s.start).tokens
+        full = Target.from_pretrained(target_dir, tap_ids=[1, 3])
+        with torch.no_grad():  # the features captured while generating = one forward over the whole sequence
+            want = full(s.tokens, torch.arange(21)[None].expand(3, 21), full.empty_kv(3))[1]
+        got = D.continue_batch(full, prompts, 14, sample_prefix, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(got.tokens, s.tokens) and got.taps.dtype == torch.bfloat16
+        torch.testing.assert_close(got.taps.float(), want, atol=2e-2, rtol=1e-2)
         if sample_prefix:  # the sampled prefix is not greedy everywhere (else this case tests nothing new)
             greedy = D.continue_batch(target, prompts, 14).tokens
             assert not torch.equal(greedy[:, 7 : s.start], s.tokens[:, 7 : s.start])
+
+
+def test_generation_time_limit_cuts_the_batch_and_caches_nothing(tiny, tmp_path):
+    """A batch under way when generation's time limit passes is cut short (at least 16 new tokens)
+    and used, but neither it nor its features are cached: a later run must not take it as whole."""
+    _, target_dir = tiny
+    target = Target.from_pretrained(target_dir, tap_ids=[1])
+    batches = [torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    seen = []
+    shards, names, _ = D.generate_shards(target, batches, tmp_path / "g", 40, 0, (), 0, seconds=1e-9,
+                                         on_features=lambda n, t, c: seen.append((n, t.shape[1], c)))
+    assert len(shards) == 1 and shards[0].tokens.shape == (2, 5 + 16) and names[0].endswith("-partial")
+    assert seen == [(names[0], 21, False)] and not list((tmp_path / "g").glob("*.pt"))
+
+
+def test_fused_head_loss_equals_cross_entropy():
+    """train/loss.py: the chunked head + loss with its gradient computed in the forward pass
+    gives plain weighted cross-entropy's loss and input gradient (fp32 and bf16 autocast)."""
+    from dflash_export.train.loss import head_loss
+
+    g = torch.Generator().manual_seed(0)
+    for bf16 in (False, True):
+        h = torch.randn(300, 32, generator=g, requires_grad=True)
+        head, labels, w = torch.randn(50, 32, generator=g), torch.randint(0, 50, (300,), generator=g), torch.rand(300, generator=g)
+        w[::7] = 0  # skipped rows (outside the sequence)
+        loss = head_loss(h, head, labels, w, bf16=bf16, chunk=64)
+        loss.backward()
+        got, h.grad = h.grad, None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            z = F.linear(h, head).float()
+        want = (F.cross_entropy(z, labels, reduction="none") * w).sum()
+        want.backward()
+        torch.testing.assert_close(loss, want, atol=1e-3, rtol=1e-5)
+        torch.testing.assert_close(got, h.grad, atol=1e-5, rtol=1e-4)
 
 
 def test_training_reduces_weighted_loss(tiny):
@@ -156,7 +197,9 @@ def test_cli_training_reduces_weighted_loss(tiny):
     log = json.loads((root / "cli-loss" / "training.json").read_text())
     before, after = log["initial"]["tf_loss"], log["final"]["tf_loss"]
     assert log["train_steps"] == 40 and after < 0.8 * before, (before, after)
-    assert log["features"]["computed_rows"] > 0 and log["features"]["reused_rows"] > 0
+    # every sequence's features were captured while generating: the target never ran in a step
+    f = log["features"]
+    assert f["captured_rows"] == log["sequences"] and f["computed_rows"] == 0 and f["reused_rows"] > 0, f
 
 
 def test_cli_max_total_minutes_bounds_the_run(tiny):

@@ -4,8 +4,9 @@
   settings and precision. The held-out split never depends on --eval-prompts, so evaluation
   settings never invalidate training data.
 - target features (the tapped hidden states of every continuation): the continuations, the tap
-  layers and the precision. Computed once per sequence the first time a step uses it, kept in
-  memory and on disk (bf16), so a step runs only the drafter.
+  layers and the generation precision. Captured while the target generates (train/data.py), or,
+  for continuations that came from the cache without them, computed once per sequence the first
+  time a step uses it; kept in memory and on disk (bf16), so a step runs only the drafter.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class FeatureCache:
         self.mem: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.dirty: set[str] = set()
         self.bytes = 0
-        self.computed = self.reused = 0
+        self.captured = self.computed = self.reused = 0
 
     def _slot(self, name: str, shard) -> tuple[torch.Tensor, torch.Tensor] | None:
         if name not in self.mem:
@@ -102,6 +103,18 @@ class FeatureCache:
         pos = torch.arange(t)[None].expand(b, t)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             return self.target(tokens, pos, self.target.empty_kv(b))[1]
+
+    def put(self, name: str, taps: torch.Tensor, save: bool = True) -> None:
+        """All rows of a shard, captured during generation: kept (within the limit) and written now
+        (`save`; a shard cut short by the time limit is not cached, nor are its features)."""
+        if name in self.mem or self.bytes + taps.numel() * 2 > self.limit:
+            return
+        self.mem[name] = (taps.to(torch.bfloat16), torch.ones(taps.shape[0], dtype=torch.bool))
+        self.captured += taps.shape[0]
+        self.bytes += taps.numel() * 2
+        if save:
+            self.dirty.add(name)
+            self.save()
 
     def get(self, name: str, shard, rows: torch.Tensor) -> torch.Tensor:
         """Taps [len(rows), T, taps*H] of `shard.tokens[rows]`."""

@@ -17,8 +17,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from torch.nn import functional as F
+
+from ..models.layers import rope_cos_sin
 from ..runtime.errors import DFlashError
-from ..models.kvcache import KVCache
 
 
 def read_prompts(paths: list[str | Path], chunk_chars: tuple[int, int] = (200, 600), seed: int = 0) -> list[str]:
@@ -62,6 +64,7 @@ class Shard:
     tokens: torch.Tensor  # [B, T] int64: prompt + continuation
     start: int  # first greedy-generated position (anchors are >= start - 1)
     length: torch.Tensor  # [B] valid length (cut after the first stop token)
+    taps: torch.Tensor | None = None  # [B, T, taps*H] bf16: the target's features, captured while generating
 
 
 @torch.inference_mode()
@@ -74,29 +77,77 @@ def continue_batch(
     stop_ids: tuple[int, ...] = (),
     generator: torch.Generator | None = None,
     bf16: bool = False,
+    deadline: float = 0.0,
 ) -> Shard:
     """Batched continuation [B, P] -> [B, P + new]: `sample_prefix` sampled tokens, then greedy.
+    With a `deadline` (time.time()), stops there: fewer new tokens (at least 16).
 
     fp32 by default: the labels are then the greedy tokens the fp32 target picks at inference.
     `bf16` (autocast) flips a few near-ties, and is worth it only where it is much faster.
+    The target's taps at every position come along (`Shard.taps`, bf16), so training never runs
+    the target again: one more step feeds the last token to get its features too.
     """
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        return _continue(target, prompts, new_tokens, sample_prefix, temperature, stop_ids, generator)
+        return _continue(target, prompts, new_tokens, sample_prefix, temperature, stop_ids, generator, deadline)
 
 
-def _continue(target, prompts, new_tokens, sample_prefix, temperature, stop_ids, generator) -> Shard:
+class _HeadMajorCache:
+    """Static K/V buffers [B, Hkv, max_len, D] per layer, the layout attention reads without a copy.
+
+    `Target.hidden` over a KVCache (sequence-major, the runtime's layout) copies each layer's
+    whole K and V into this layout at every step: at batch 64 that was a quarter of generation.
+    """
+
+    def __init__(self, target, batch: int, max_len: int):
+        c = target.config
+        shape = (batch, c.num_kv_heads, max_len, c.head_dim)
+        # under bf16 autocast attention reads bf16 anyway: keep the cache in it (no conversion per step)
+        dt = torch.bfloat16 if torch.is_autocast_enabled("cpu") else next(target.parameters()).dtype
+        self.kv = [(torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt)) for _ in range(c.num_layers)]
+        self.length = 0
+
+    def commit(self, n: int) -> None:
+        self.length += n
+
+
+def _hidden(target, ids: torch.Tensor, pos: torch.Tensor, cache: _HeadMajorCache):
+    """`Target.hidden` on a head-major cache (SDPA): -> (last hidden state, taps); writes the new K/V."""
+    b, s = ids.shape
+    p, end = cache.length, cache.length + s
+    x = target.embed(ids)
+    cos, sin = rope_cos_sin(pos, target.inv_freq, x.dtype)
+    outs = {}
+    for i, layer in enumerate(target.model.layers):
+        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+        kc, vc = cache.kv[i]
+        kc[:, :, p:end] = k.transpose(1, 2)
+        vc[:, :, p:end] = v.transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2).to(kc.dtype), kc[:, :, :end], vc[:, :, :end],
+                                           is_causal=s > 1, enable_gqa=True)  # s > 1 only as the prefill (p = 0)
+        x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        outs[i] = x
+    return target.final(outs)
+
+
+def _continue(target, prompts, new_tokens, sample_prefix, temperature, stop_ids, generator, deadline) -> Shard:
     b, p = prompts.shape
     hybrid = hasattr(target, "new_cache")  # K/V plus committed DeltaNet states (models/qwen35.py)
-    cache = target.new_cache(p + new_tokens, batch=b) if hybrid else KVCache.for_model(target, p + new_tokens, batch=b)
+    cache = target.new_cache(p + new_tokens + 1, batch=b) if hybrid else _HeadMajorCache(target, b, p + new_tokens + 1)
     ids, pos = prompts, torch.arange(p)[None].expand(b, p)
-    out = [prompts]
-    for i in range(new_tokens):
+    out, feats = [prompts], []
+    for i in range(new_tokens + 1):
+        final = i == new_tokens or (deadline > 0 and i >= min(new_tokens, 16) and time.time() > deadline)
         if hybrid:
-            last = target(ids, pos, cache)[0][:, -1]
+            logits, taps, _ = target(ids, pos, cache)
+            last = logits[:, -1]
         else:
-            x, _, _ = target.hidden(ids, pos, cache)
-            last = target.logits(x[:, -1])  # only the last position's logits: [B, V]
+            x, taps = _hidden(target, ids, pos, cache)
+            last = None if final else target.logits(x[:, -1])  # only the last position's logits: [B, V]
+        feats.append(taps.to(torch.bfloat16))
         cache.commit(ids.shape[1])
+        if final:
+            break
         length = cache.length
         if i < sample_prefix:
             ids = torch.multinomial(torch.softmax(last.float() / temperature, -1), 1, generator=generator)
@@ -111,7 +162,7 @@ def _continue(target, prompts, new_tokens, sample_prefix, temperature, stop_ids,
         hit = torch.isin(gen, torch.tensor(stop_ids))
         first = torch.where(hit.any(1), hit.float().argmax(1), torch.full((b,), gen.shape[1]))
         length_t = torch.minimum(length_t, p + first + 1)
-    return Shard(tokens, p + sample_prefix, length_t)
+    return Shard(tokens, p + sample_prefix, length_t, torch.cat(feats, 1))
 
 
 def target_fingerprint(target_dir: Path) -> str:
@@ -152,12 +203,16 @@ def generate_shards(
     progress=None,
     seconds: float = 0.0,
     bf16: bool = False,
+    on_features=None,
 ) -> tuple[list[Shard], list[str], int]:
     """One shard per prompt batch, each saved as it is made; existing shards are reused.
 
     A shard's file is named by its batch's content and index (the folder by the settings), so
     any run whose prompts batch the same way finds it. With `seconds` > 0, stops making new
-    shards once that much time has passed (at least one). -> (shards, their names, number made now).
+    shards once that much time has passed (at least one), and cuts the batch under way short at
+    that time (such a shard is used but not cached). `on_features(name, taps, complete)` receives
+    each new shard's captured features (they depend on the tap layers too, so they are kept
+    elsewhere: train/cache.py). -> (shards without their taps, their names, number made now).
     """
     cache_dir.mkdir(parents=True, exist_ok=True)
     shards, names, made_now = [], [], 0
@@ -174,11 +229,18 @@ def generate_shards(
         else:
             g = torch.Generator().manual_seed(seed * 100003 + i)
             sp = sample_prefix if i % 2 else 0  # half the shards pure greedy, half sampled-then-greedy
-            s = continue_batch(target, prompts, new_tokens, sp, stop_ids=stop_ids, generator=g, bf16=bf16)
-            tmp = path.with_suffix(".tmp")
-            torch.save({"tokens": s.tokens, "start": s.start, "length": s.length}, tmp)
-            tmp.replace(path)
-            shards.append(s)
+            s = continue_batch(target, prompts, new_tokens, sp, stop_ids=stop_ids, generator=g, bf16=bf16,
+                               deadline=t0 + seconds if seconds else 0.0)
+            complete = s.tokens.shape[1] == prompts.shape[1] + new_tokens
+            if complete:
+                tmp = path.with_suffix(".tmp")
+                torch.save({"tokens": s.tokens, "start": s.start, "length": s.length}, tmp)
+                tmp.replace(path)
+            else:
+                name += "-partial"
+            if on_features is not None:
+                on_features(name, s.taps, complete)
+            shards.append(Shard(s.tokens, s.start, s.length))
             made = int(s.tokens.shape[0] * new_tokens)
             made_now += 1
         names.append(name)

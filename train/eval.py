@@ -6,6 +6,8 @@ teacher-forced numbers are a diagnostic (uniform anchors overweight easy stretch
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -25,19 +27,21 @@ def accepted_prefix(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def teacher_forced(target, drafter, shards: list[Shard], block_size: int, mask_token_id: int,
-                   weights: torch.Tensor, per_seq: int = 32, seed: int = 0, autocast: bool = False) -> dict:
-    """Held-out teacher-forced loss, accuracy per block position and tau on cached continuations."""
+                   weights: torch.Tensor, per_seq: int = 32, seed: int = 0, autocast: bool = False,
+                   taps: list | None = None) -> dict:
+    """Held-out teacher-forced loss, accuracy per block position and tau on cached continuations;
+    `taps[i]`: shard i's captured target features (None: the target runs)."""
     gen = torch.Generator().manual_seed(seed)
     correct = torch.zeros(block_size - 1)
     count = torch.zeros(block_size - 1)
     losses, prefixes = [], []
-    for s in shards:
+    for i, s in enumerate(shards):
         rows = torch.arange(s.tokens.shape[0])
         seq_index, anchors = sample_anchors(s, rows, per_seq, gen)
         if len(anchors) == 0:
             continue
         loss, ok, valid = draft_step(target, drafter, s.tokens, s.length, seq_index, anchors, block_size,
-                                     mask_token_id, weights, autocast)
+                                     mask_token_id, weights, autocast, taps[i] if taps else None)
         losses.append(loss.item())
         correct += (ok & valid).sum(0).float()
         count += valid.sum(0).float()
@@ -50,14 +54,17 @@ def teacher_forced(target, drafter, shards: list[Shard], block_size: int, mask_t
 
 
 def real_tau(target, drafter, prompts: list[list[int]], max_new_tokens: int, mask_token_id: int,
-             block_size: int, stop_ids: tuple[int, ...] = ()) -> dict:
-    """Real speculative decoding (the reference generator, greedy) on held-out prompts."""
+             block_size: int, stop_ids: tuple[int, ...] = (), deadline: float = 0.0) -> dict:
+    """Real speculative decoding (the reference generator, greedy) on held-out prompts; with a
+    `deadline` (time.time()), no prompt starts after it (at least one runs): `prompts` says how many ran."""
     lengths, per_prompt = [], []
     for p in prompts:
+        if deadline and per_prompt and time.time() > deadline:
+            break
         g = speculative_generate(target, drafter, p, max_new_tokens, mask_token_id=mask_token_id,
                                  block_size=block_size, stop_token_ids=stop_ids)
         lengths += g.acceptance_lengths
         per_prompt.append(round(g.tau, 2))
     hist = np.bincount(lengths, minlength=block_size + 1)[1:].tolist() if lengths else []
     return {"real_tau": round(float(np.mean(lengths)), 3) if lengths else 0.0, "rounds": len(lengths),
-            "per_prompt_tau": per_prompt, "accept_hist": hist}
+            "prompts": len(per_prompt), "per_prompt_tau": per_prompt, "accept_hist": hist}

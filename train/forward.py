@@ -16,11 +16,21 @@ from torch.nn import functional as F
 
 from ..models.layers import apply_rope, rope_cos_sin
 from .data import Shard
+from .loss import head_loss
 
 
 def block_logits(drafter, target, ctx_kv, seq_index: torch.Tensor, block_ids: torch.Tensor,
                  anchors: torch.Tensor) -> torch.Tensor:
     """Draft logits [N, K-1, V] for N blocks, block i over context `ctx_kv[seq_index[i]]` before anchor i."""
+    hidden = block_hidden(drafter, target, ctx_kv, seq_index, block_ids, anchors)
+    n, k1, h = hidden.shape
+    # 2-D: a [N, K-1, H] slice is not contiguous, and linear on it ran as N batched copies of the head
+    return target.lm_head(hidden.reshape(-1, h)).float().view(n, k1, -1)
+
+
+def block_hidden(drafter, target, ctx_kv, seq_index: torch.Tensor, block_ids: torch.Tensor,
+                 anchors: torch.Tensor) -> torch.Tensor:
+    """The drafter's final hidden states [N, K-1, H] at the predicted positions (`block_logits` before the head)."""
     k = block_ids.shape[1]
     positions = anchors[:, None] + torch.arange(k)[None]
     emb = target.embed(block_ids)
@@ -32,9 +42,7 @@ def block_logits(drafter, target, ctx_kv, seq_index: torch.Tensor, block_ids: to
     else:
         ctx = [(kc[seq_index], vc[seq_index]) for kc, vc in ctx_kv]
         hidden = drafter.block(emb, positions, ctx, anchors)
-    n, _, h = hidden.shape
-    # 2-D: a [N, K-1, H] slice is not contiguous, and linear on it ran as N batched copies of the head
-    return target.lm_head(hidden[:, 1:].reshape(-1, h)).float().view(n, k - 1, -1)
+    return hidden[:, 1:]
 
 
 def grouped_block(drafter, x: torch.Tensor, positions: torch.Tensor, ctx_kv, anchors: torch.Tensor, per: int):
@@ -122,8 +130,14 @@ def draft_step(target, drafter, tokens: torch.Tensor, length: torch.Tensor, seq_
                 _, taps, _ = target(tokens, pos, target.empty_kv(b))  # once per sequence
         ctx_kv = drafter.context_kv(taps if autocast else taps.float(), pos)  # once per sequence, shared by its blocks
         block, labels, valid = block_batch(tokens, length, seq_index, anchors, block_size, mask_token_id)
-        logits = block_logits(drafter, target, ctx_kv, seq_index, block, anchors)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(labels.shape)
+        hidden = block_hidden(drafter, target, ctx_kv, seq_index, block, anchors)
     w = weights[None, :] * valid
+    if not correct:  # training: the fused head + loss (train/loss.py), no logits kept
+        loss = head_loss(hidden.reshape(-1, hidden.shape[-1]), target.lm_head.weight, labels.reshape(-1),
+                         w.reshape(-1), autocast)
+        return loss / w.sum().clamp(min=1e-6), None, valid
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = target.lm_head(hidden.reshape(-1, hidden.shape[-1])).float().view(*labels.shape, -1)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(labels.shape)
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
-    return loss, (logits.detach().argmax(-1) == labels) if correct else None, valid
+    return loss, logits.detach().argmax(-1) == labels, valid

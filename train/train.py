@@ -145,9 +145,10 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     gen_dir, eval_dir = C.gen_dirs(cfg, work, "bf16" if gen_bf16 else "fp32")
     train_batches = D.bucket_batches(ids, cfg.gen_batch, 8, cfg.prompt_max_tokens, cfg.seed)
     eval_batches = D.bucket_batches(eval_ids, cfg.gen_batch, 1, cfg.prompt_max_tokens, cfg.seed)
+    D.continue_batch(target, probe_ids, 4, bf16=gen_bf16)  # warm: a first call cost 5x the next on a loaded machine
     t = time.perf_counter()
-    D.continue_batch(target, probe_ids, 8, bf16=gen_bf16)
-    step_s = (time.perf_counter() - t) / 8
+    D.continue_batch(target, probe_ids, 24, bf16=gen_bf16)
+    step_s = (time.perf_counter() - t) / 24
     t = time.perf_counter()
     g = speculative_generate(target, drafter, eval_ids[0], 16, mask_token_id=mask_id, block_size=k)
     round_s = (time.perf_counter() - t) / max(len(g.acceptance_lengths), 1)
@@ -158,32 +159,40 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     gen_cap = cfg.gen_minutes * 60 or float("inf")
     total_s = cfg.max_total_minutes * 60
     if total_s:  # generation gets what training and evaluation leave (at least one batch)
+        plan_eval = min(plan_eval, max(0.15 * total_s, 30.0))  # the final evaluation stops at the bound
         reserve = (cfg.minutes * 60 if cfg.minutes else total_s / 2) + plan_eval
         gen_cap = min(gen_cap, max(total_s - (time.time() - t_start) - reserve, 1.0))
     plan_gen = min(plan_gen, gen_cap)
     log(f"plan: generate {len(train_batches)} batches x {cfg.gen_batch} continuations x {cfg.gen_tokens} tokens "
         f"({cached} cached) ~{_mins(plan_gen)}; train {f'{cfg.minutes:g} min' if cfg.minutes else f'{cfg.steps} steps'}; "
         f"evaluate {len(eval_ids)} held-out prompts x {cfg.eval_tokens} tokens <= ~{_mins(plan_eval)} "
-        f"(bound: tau 1, 30% margin){f'; whole command <= {cfg.max_total_minutes:g} min' if total_s else ''}")
+        f"({f'whole command <= {cfg.max_total_minutes:g} min: evaluation stops at the bound' if total_s else 'bound: tau 1, 30% margin'})")
 
     # -- data ---------------------------------------------------------------------------
     t0 = time.time()
+    # the target's features: captured while generating, keyed by the continuations and the taps
+    feats = C.FeatureCache(work / f"feat-{C.key(gen_dir.name, taps)}", target, gen_bf16, cfg.feature_cache_gb * 2**30)
     p, upd = C.progress(console, "generate", len(train_batches))
     with p:
         shards, names, made = D.generate_shards(target, train_batches, gen_dir, cfg.gen_tokens, cfg.sample_prefix, stop,
                                                 cfg.seed, upd, seconds=0 if gen_cap == float("inf") else gen_cap,
-                                                bf16=gen_bf16)
+                                                bf16=gen_bf16, on_features=feats.put)
     p, upd = C.progress(console, "held-out", len(eval_batches))
     with p:
-        eval_shards, _, eval_made = D.generate_shards(target, eval_batches, eval_dir, cfg.gen_tokens, 0, stop,
-                                                      cfg.seed + 1, upd, bf16=gen_bf16)
+        left = gen_cap - (time.time() - t0) if gen_cap != float("inf") else 0.0
+        eval_taps: dict = {}
+        eval_shards, eval_names, eval_made = D.generate_shards(
+            target, eval_batches, eval_dir, cfg.gen_tokens, 0, stop, cfg.seed + 1, upd, bf16=gen_bf16,
+            seconds=max(left, 1e-3) if gen_cap != float("inf") else 0.0, on_features=lambda n, t, c: eval_taps.update({n: t}))
+    eval_taps = [eval_taps.get(n) for n in eval_names]  # captured, or None (from the cache: the target runs)
     gen_seconds = time.time() - t0
     gen_count = sum(s.tokens.shape[0] for s in shards)
+    cut = sum(n.endswith("-partial") for n in names)
     log(f"data: {gen_count} continuations x {cfg.gen_tokens} tokens ({made} of {len(shards)} batches generated now, "
         f"{len(shards) - made} from the cache in {gen_dir}"
         f"{f'; stopped at {len(shards)} of {len(train_batches)} batches by the time limit' if len(shards) < len(train_batches) else ''}"
+        f"{f', the last cut short ({shards[-1].tokens.shape[1] - int(train_batches[len(shards) - 1].shape[1])} tokens; not cached)' if cut else ''}"
         f"; held-out: {eval_made} of {len(eval_shards)} generated) in {gen_seconds:.0f}s")
-    feats = C.FeatureCache(work / f"feat-{C.key(gen_dir.name, taps, bf16)}", target, bf16, cfg.feature_cache_gb * 2**30)
 
     # -- training ----------------------------------------------------------------------
     for p_ in drafter.parameters():
@@ -206,16 +215,16 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     sched = Schedule(cfg.lr, warmup=cfg.warmup, steps=cfg.steps, seconds=state.elapsed + train_s if cfg.minutes else 0.0)
     initial = None
     if not cfg.resume:  # the held-out loss before training, for training.json's before/after
-        initial = teacher_forced(target, drafter, eval_shards, k, mask_id, weights, seed=cfg.seed, autocast=bf16)
+        initial = teacher_forced(target, drafter, eval_shards, k, mask_id, weights, seed=cfg.seed, autocast=bf16, taps=eval_taps)
         log(f"held-out teacher-forced loss before training: {initial['tf_loss']:.3f}")
     run_t0, run_elapsed0 = time.time(), state.elapsed
 
-    def evaluate(n_prompts: int, final: bool = False) -> dict:
+    def evaluate(n_prompts: int, final: bool = False, deadline: float = 0.0) -> dict:
         drafter.eval()
         d = Drafter.from_pretrained(out) if final else drafter
         res = {"step": state.step, "minutes": round(state.elapsed / 60, 2)}
-        res.update(teacher_forced(target, d, eval_shards, k, mask_id, weights, seed=cfg.seed, autocast=bf16))
-        res.update(real_tau(target, d, eval_ids[:n_prompts], cfg.eval_tokens, mask_id, k, stop))
+        res.update(teacher_forced(target, d, eval_shards, k, mask_id, weights, seed=cfg.seed, autocast=bf16, taps=eval_taps))
+        res.update(real_tau(target, d, eval_ids[:n_prompts], cfg.eval_tokens, mask_id, k, stop, deadline))
         drafter.train()
         return res
 
@@ -283,7 +292,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
 
     # -- final: reload what was written and decode for real ----------------------------
     t0 = time.time()
-    res = evaluate(len(eval_ids), final=True)
+    res = evaluate(len(eval_ids), final=True, deadline=t_start + total_s if total_s else 0.0)
     eval_seconds = time.time() - t0
     state.log.append(res)
     wall = time.time() - t_start
@@ -297,13 +306,14 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
         "drafter_params": sum(p.numel() for p in drafter.parameters()),
         "sequences": gen_count, "generation_seconds": round(gen_seconds, 1), "train_steps": state.step,
         "train_minutes": round(state.elapsed / 60, 2), "supervised_tokens": state.tokens, "tokens_per_s": round(tps),
-        "features": {"computed_rows": feats.computed, "reused_rows": feats.reused},
+        "features": {"captured_rows": feats.captured, "computed_rows": feats.computed, "reused_rows": feats.reused},
         "eval_seconds": round(eval_seconds, 1), "wall_seconds": round(wall, 1),
         "initial": initial, "final": res, "log": state.log,
     }
     (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     log(f"done: {state.step} steps, {state.elapsed / 60:.1f} min of training ({tps:.0f} tok/s this run); held-out real "
-        f"tau {res['real_tau']} ({len(eval_ids)} prompts, {cfg.eval_tokens} new tokens, block {k}); "
+        f"tau {res['real_tau']} ({res['prompts']}{'' if res['prompts'] == len(eval_ids) else f' of {len(eval_ids)} (--max-total-minutes)'} "
+        f"prompts, {cfg.eval_tokens} new tokens, block {k}); "
         f"teacher-forced tau {res['tf_tau']}; acc per position {res['tf_acc'][:6]}...")
     log(f"total wall {_mins(wall)}: generation {gen_seconds:.0f}s, training {train_wall:.0f}s, "
         f"evaluation {eval_seconds:.0f}s, setup {wall - gen_seconds - train_wall - eval_seconds:.0f}s")
