@@ -21,9 +21,11 @@ import pytest
 from runtime_cases import prompts
 from test_serve import Server, art, decode, tok  # noqa: F401 (fixtures)
 
+from dflash_export.runtime.controller import controller_for
 from dflash_export.runtime.logprobs import Logprobs
 from dflash_export.runtime.loop import Request, generate_batch
 from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.settings import load_settings
 from dflash_export.serve.requests import ApiError, check_logprobs
 
 
@@ -40,12 +42,15 @@ def server(art, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loop(art):
-    """The loop offline: (tokens, Logprobs) of one request."""
+    """The loop offline: (tokens, Logprobs) of one request, speculation auto as the server runs it
+    (a sampled row's draws depend on which of its rounds drafted)."""
     be = OrtBackend(art, threads=1)
+    costs = load_settings(art, "ort:cpu").costs
 
     def run(prompt, n, k=5, echo=False, draft=True, **kw):
         lp = Logprobs(k, echo)
-        (g,), _ = generate_batch(be, [Request(list(prompt), n, logprobs=lp, **kw)], draft=draft)
+        control = controller_for("auto", costs, be.manifest.block_size) if draft else None
+        (g,), _ = generate_batch(be, [Request(list(prompt), n, logprobs=lp, **kw)], draft=draft, control=control)
         return g.tokens, lp
     return run
 
