@@ -10,10 +10,10 @@ drafter call and one verify call for all running rows (calls carry only those).
 Isolation: each row has its own caches, lengths, sampling seed and stops; a request is
 checked before it joins (a bad one fails alone, never the batch), and the loop's greedy
 rows equal their batch-1 output whatever else runs (tests/test_batch.py, tests/test_serve.py).
-Not here: prompt-prefix reuse. The running rows sit in the backend's first rows (calls
-carry only them): a finishing row's place is taken by the last running row, so a finished
-sequence's cache does not outlive it; reuse would need spare cache rows beside the running
-ones. `--slots` (one loop per slot) keeps reusing prompts.
+Prompt-prefix reuse (runtime/prefix.py): a row that leaves parks its caches' valid prefix
+(a copy: its slot goes straight to the next request), and a request whose prompt starts
+with a parked sequence gets it copied into its row and prefills only the rest. Up to
+`max_batch` sequences are kept, within half the memory left after loading.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import time
 from collections import deque
 
 from ..runtime.errors import DFlashError
+from ..runtime import prefix
 from ..runtime.loop import BatchStats, Generation, Request, stream_batch
+from ..runtime.memory import available_memory
 from ..runtime.sampling import check_request, check_sampling
 from .jobs import EngineBase, Job, Metrics, QueueFull, Slot, Unavailable, _emit
 
@@ -57,6 +59,9 @@ class BatchEngine(EngineBase):
         self.leaving: set[int] = set()  # ended on a stop string: out at the next boundary
         self.stats = BatchStats()
         self._seen = (0, 0)  # (rounds, busy rows) of stats already observed
+        free = available_memory()
+        self.prefixes = prefix.PrefixCache(backend, backend.max_batch if prefix.supported(backend) else 0,
+                                           free // 2 if free is not None else 1 << 30)
         self.threads = [threading.Thread(target=self._serve, name="dflash-batch", daemon=True)]
         self.threads[0].start()
 
@@ -99,6 +104,7 @@ class BatchEngine(EngineBase):
                     self._free(job)
                     _emit(job, ("error", f"generation failed: {msg}"))
                 self.backend.reset()
+                self.prefixes.kept.clear()
 
     def _poll(self, free: int, idle: bool) -> list[Request]:
         """Up to `free` waiting requests (FIFO); blocks while nothing runs and nothing waits."""
@@ -112,8 +118,9 @@ class BatchEngine(EngineBase):
                     continue
                 p = job.params
                 stop = tuple(dict.fromkeys(list(self.manifest.eos_token_ids) + list(p.stop_token_ids)))
+                hook = self.prefixes.hook(p.prompt, p.speculative, p.cache_prompt)
                 q = Request(p.prompt, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, stop,
-                            speculative=p.speculative)
+                            reuse=hook.reuse, speculative=p.speculative, prefix=hook)
                 try:
                     check_sampling(q.temperature, q.top_k, q.top_p)
                     check_request(q.prompt, q.max_new_tokens, self.manifest.vocab_size, self.backend.max_len)
