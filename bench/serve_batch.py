@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, help="random token-id prompts of this length [default: the demo prompts]")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--modes", default="speculative,plain")
+    ap.add_argument("--servers", default="batched,slots", help="which of the two servers to run (batched, slots)")
     ap.add_argument("--same-prompt", action="store_true",
                     help="every client sends the first prompt: the same work per request at every concurrency, so "
                          "the ratios between concurrencies compare like with like (different prompts accept differently)")
@@ -109,7 +110,8 @@ def main() -> None:
         prompts = [prompts[0]] * len(prompts)
     report = {"artifact": str(art), "hidden": m.hidden_size, "vocab": m.vocab_size, "block": m.block_size,
               "max_tokens": a.max_tokens, "prompt_tokens": [len(p) for p in prompts], "cpus": os.cpu_count(),
-              "servers": {"batched": f"--max-batch {a.max_batch}", "slots": f"--slots {a.slots}"},
+              "servers": {k: v for k, v in {"batched": f"--max-batch {a.max_batch}", "slots": f"--slots {a.slots}"}.items()
+                          if k in a.servers.split(",")},
               "load_before": uptime(), "runs": []}
     print(report["load_before"], flush=True)
     want = {}
@@ -120,7 +122,8 @@ def main() -> None:
         be = OrtBackend(art)
         want = {sp: [generate(be, p, a.max_tokens, draft=sp).tokens for p in prompts] for sp in (True, False)}
         be.close()
-    servers = {"batched": Server(art, "--max-batch", a.max_batch), "slots": Server(art, "--slots", a.slots)}
+    make = {"batched": lambda: Server(art, "--max-batch", a.max_batch), "slots": lambda: Server(art, "--slots", a.slots)}
+    servers = {name: make[name]() for name in a.servers.split(",")}
     try:
         for sp in [x == "speculative" for x in a.modes.split(",")]:
             for c in levels:  # warm-up: ONNX Runtime plans each new call shape (rows x positions) on its first run
@@ -135,14 +138,15 @@ def main() -> None:
                         r = pair[name] = run(s, prompts[:c], a.max_tokens, sp)
                         if name not in best or r["decode_tokens_per_s"] > best[name]["decode_tokens_per_s"]:
                             best[name] = r
-                    paired.append({k: pair["batched"][k] / pair["slots"][k]
-                                   for k in ("decode_tokens_per_s", "e2e_tokens_per_s", "tokens_per_cpu_s")})
+                    if len(pair) == 2:
+                        paired.append({k: pair["batched"][k] / pair["slots"][k]
+                                       for k in ("decode_tokens_per_s", "e2e_tokens_per_s", "tokens_per_cpu_s")})
                 outs = {k: r.pop("outputs") for k, r in best.items()}
                 for name, r in best.items():
-                    ok = outs[name] == want[sp][:c] if want else outs[name] == outs["slots"]
+                    ok = outs[name] == want[sp][:c] if want else outs[name] == outs["slots"] if "slots" in outs else None
                     row = {"server": name, "speculative": sp, "concurrency": c, "lossless": ok,
                            **{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}}
-                    if name == "batched":
+                    if name == "batched" and paired:
                         row["paired_batched_over_slots_median"] = {
                             k: round(float(np.nanmedian([x[k] for x in paired])), 3) for k in paired[0]}
                     report["runs"].append(row)
