@@ -171,7 +171,8 @@ def main() -> None:
     ap.add_argument("--formats", default="f32", help="comma-separated: f32, q4_0, q8_0 (ours: fp32, int4-acc4, int8-acc4)")
     ap.add_argument("--threads", type=int, default=1, help="per call, both sides (ours --threads, llama -t/-td)")
     ap.add_argument("--max-context", type=int, default=2048, help="per request, both sides")
-    ap.add_argument("--attention", default="ort", choices=["standard", "ort"], help="our export's attention flavour")
+    ap.add_argument("--attention", default="standard", choices=["standard", "ort"],
+                    help="our export's attention flavour (standard: what serve --demo exports; ort verifies one row a call)")
     ap.add_argument("--calibrate", action="store_true", help="`bench --calibrate` our export once (runtime.json)")
     ap.add_argument("--n-max", type=int, default=15, help="llama-server --spec-draft-n-max")
     ap.add_argument("--no-flash-attn", action="store_true", help="llama-server -fa off")
