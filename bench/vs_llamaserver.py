@@ -141,7 +141,7 @@ def servers(a, fmt: str, src: Path, bins: Path) -> dict:
     art = vl.export(tdir, ddir, key, a.max_context, attention=a.attention)
     if fmt != "f32":
         tg, dg = vl.quantize(bins, tg, fmt.upper()), vl.quantize(bins, dg, fmt.upper())
-        art = vl.export(tdir, ddir, key, a.max_context, vl.quant_variants()[OURS_QUANT[fmt]], base=art)
+        art = vl.export(tdir, ddir, key, a.max_context, OURS_QUANT[fmt], base=art)
     if a.calibrate and not (art / "runtime.json").is_file():
         print(f"calibrating {art}", file=sys.stderr)
         vl.run([*vl.cli(), "bench", art, "--calibrate", "--max-new-tokens", a.max_tokens, "--json"])
@@ -158,7 +158,9 @@ def servers(a, fmt: str, src: Path, bins: Path) -> dict:
     return out
 
 
-OURS_QUANT = {"q4_0": "int4-acc4", "q8_0": "int8-acc4"}  # llama.cpp format -> ours (vs_llamacpp.quant_variants)
+OURS_QUANT = {  # llama.cpp's format (target and drafter quantized by llama-quantize) -> ours: the same weights
+    q: ["--quantize", ours, "--quantize-draft", "--quantize-lm-head", "--quant-accuracy-level", "4"]
+    for q, ours in (("q4_0", "int4"), ("q8_0", "int8"))}
 MODES = {"ours_spec": ("ours", {"speculative": True}), "ours_plain": ("ours", {"speculative": False}),
          "llama_plain": ("llama_plain", {}), "llama_dflash": ("llama_dflash", {})}
 
@@ -168,11 +170,12 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,2,4")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--formats", default="f32", help="comma-separated: f32, q4_0, q8_0 (ours: fp32, int4-acc4, int8-acc4)")
+    ap.add_argument("--formats", default="f32",
+                    help="comma-separated: f32, q4_0, q8_0 (ours: fp32, int4, int8 weights at accuracy level 4)")
     ap.add_argument("--threads", type=int, default=1, help="per call, both sides (ours --threads, llama -t/-td)")
     ap.add_argument("--max-context", type=int, default=2048, help="per request, both sides")
     ap.add_argument("--attention", default="standard", choices=["standard", "ort"],
-                    help="our export's attention flavour (standard: what serve --demo exports; ort verifies one row a call)")
+                    help="our export's attention flavour (standard: as serve --demo; ort verifies one row a call)")
     ap.add_argument("--calibrate", action="store_true", help="`bench --calibrate` our export once (runtime.json)")
     ap.add_argument("--n-max", type=int, default=15, help="llama-server --spec-draft-n-max")
     ap.add_argument("--no-flash-attn", action="store_true", help="llama-server -fa off")
