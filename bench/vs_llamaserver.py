@@ -57,15 +57,17 @@ class Proc:
                                      env=env)
         self.log: list[str] = []
         deadline = time.monotonic() + 600
-        for line in self.proc.stdout:
+        self.port = None
+        for line in self.proc.stdout:  # ends when the process exits
             self.log.append(line)
             if m := re.search(pattern, line):
                 self.port = int(m.group(1))
                 break
             if time.monotonic() > deadline:
                 break
-        else:
-            raise SystemExit(f"{name} did not start: {''.join(self.log[-5:])}")
+        if self.port is None:
+            self.stop()
+            raise SystemExit(f"{name} did not start (exit {self.proc.returncode}): {''.join(self.log[-3:])}")
         threading.Thread(target=lambda: [self.log.append(x) for x in self.proc.stdout], daemon=True).start()
         while True:  # llama-server answers 503 while it loads the model; ours prints ready when loaded
             try:
@@ -74,6 +76,7 @@ class Proc:
             except OSError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
                 raise SystemExit(f"{name} is not healthy: {''.join(self.log[-5:])}")
             time.sleep(0.2)
 
@@ -132,8 +135,9 @@ def load(server: Proc, prompts: list[str], max_tokens: int, extra: dict) -> dict
             "ttft_ms_mean": 1e3 * sum(r["ttft"] for r in rs) / len(rs), "texts": [r["text"] for r in rs]}
 
 
-def servers(a, fmt: str, src: Path, bins: Path) -> dict:
-    """The three servers on one format's weights (started here; the caller stops them)."""
+def servers(a, fmt: str, src: Path, bins: Path, out: dict) -> None:
+    """The three servers on one format's weights, into `out` as each starts (the caller stops
+    them, also those started before one failed to)."""
     tdir, ddir = ROOT / "demo" / "pair" / "target", ROOT / "demo" / "pair" / "draft"
     gdir = vl.CACHE / "gguf" / "demo"
     tg, dg = vl.convert(src, tdir, gdir / "target-f32.gguf"), vl.convert(src, ddir, gdir / "draft-f32.gguf", tdir)
@@ -148,15 +152,14 @@ def servers(a, fmt: str, src: Path, bins: Path) -> dict:
         vl.run([*vl.cli(), "bench", art, "--calibrate", "--max-new-tokens", a.max_tokens, "--json"])
     N, t = max(a.concurrency), a.threads
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-    out = {"ours": Proc("ours", [*vl.cli(), "serve", art, "--port", 0, "--max-batch", N, "--max-queue", 64,
-                                 "--threads", t], r"ready at http://127\.0\.0\.1:(\d+)", env)}
+    out["ours"] = Proc("ours", [*vl.cli(), "serve", art, "--port", 0, "--max-batch", N, "--max-queue", 64,
+                                 "--threads", t], r"ready at http://127\.0\.0\.1:(\d+)", env)
     llama = [bins / "llama-server", "-m", tg, "-np", N, "-c", N * a.max_context, "-t", t, "--host", "127.0.0.1",
              "--port", 0, "--no-webui", *(["-fa", "off"] if a.no_flash_attn else [])]
     listening = r"listening on http://127\.0\.0\.1:(\d+)"
     out["llama_plain"] = Proc("llama-server", llama, listening)
     out["llama_dflash"] = Proc("llama-server DFlash", [*llama, "-md", dg, "--spec-type", "draft-dflash",
                                                        "--spec-draft-n-max", a.n_max, "-td", t], listening)
-    return out
 
 
 OURS_QUANT = {  # llama.cpp's format (target and drafter quantized by llama-quantize) -> ours: the same weights
@@ -190,8 +193,9 @@ def main() -> None:
               "cpus": os.cpu_count(), "load_before": uptime(), "runs": []}
     print(report["load_before"], flush=True)
     for fmt in a.formats.split(","):
-        procs = servers(a, fmt, src, bins)
+        procs: dict = {}
         try:
+            servers(a, fmt, src, bins, procs)
             for c in a.concurrency:  # warm-up: first calls of each shape
                 for name, (srv, extra) in MODES.items():
                     load(procs[srv], prompts[:c], min(16, a.max_tokens), extra)
