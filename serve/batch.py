@@ -22,8 +22,8 @@ import threading
 import time
 from collections import deque
 
-from ..runtime.errors import DFlashError
 from ..runtime import prefix
+from ..runtime.errors import DFlashError
 from ..runtime.loop import BatchStats, Generation, Request, stream_batch
 from ..runtime.memory import available_memory
 from ..runtime.sampling import check_request, check_sampling
