@@ -138,8 +138,8 @@ def test_multi_turn_chat_reuses_a_parked_prefix_beside_other_rows(batched, offli
     ids2 = tok.encode(f"<system>Reuse me.\n<user>Tell me more\n<assistant>{reply}\n<user>Again\n<assistant>",
                       add_special_tokens=False).ids
     cached_before = batched.metric("dflash:prompt_tokens_cached_total")
-    ps = prompts(4, 101, seed=13)
-    with ThreadPoolExecutor(5) as pool:  # turn 2 joins while other rows run (and take other slots)
+    ps = prompts(2, 101, seed=13)  # two: at most two parks before turn 2 joins, so its entry (one of 3) stays
+    with ThreadPoolExecutor(3) as pool:  # turn 2 joins while other rows run (and take other slots)
         fs = [pool.submit(client.completions.create, model="tiny-chat", prompt=p, max_tokens=30, temperature=0)
               for p in ps]
         r2 = client.chat.completions.create(model="tiny-chat", messages=msgs2, max_tokens=24, temperature=0)
