@@ -5,11 +5,13 @@
         --max-tokens 40 --out bench/serve_batch_06b.json                          # a real-width export
 
 Two servers on the same artifact run side by side: `--max-batch B` (one batched loop) and
-`--slots S` (a loop per slot over shared sessions). For each mode (speculative, plain) and
-each concurrency c, the same c requests (streamed, greedy, c different prompts started at
-once) go to the batched server, then to the slotted one, --repeats times in turn, so every
-ratio compares runs made minutes apart on the same noisy machine; the best run of each
-counts. The load (`uptime`) is recorded before and after.
+`--slots S` (a loop per slot over shared sessions; `--servers batched` runs only the first).
+For each mode (speculative, plain), --repeats times: each concurrency c in turn, the same c
+requests (streamed, greedy, c different prompts started at once) to the batched server, then
+to the slotted one, so every ratio can compare runs made seconds apart on the same noisy
+machine: the best run of each is reported, and the median over repeats of the paired ratios
+(batched / slots; c clients / the first concurrency). The load (`uptime`) is recorded before
+and after.
 
 Per run:
 - decode_tokens_per_s: the tokens that arrived while all c requests were decoding (from the
@@ -80,6 +82,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, help="random token-id prompts of this length [default: the demo prompts]")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--modes", default="speculative,plain")
+    ap.add_argument("--servers", default="batched,slots", help="which of the two servers to run (batched, slots)")
     ap.add_argument("--same-prompt", action="store_true",
                     help="every client sends the first prompt: the same work per request at every concurrency, so "
                          "the ratios between concurrencies compare like with like (different prompts accept differently)")
@@ -106,7 +109,8 @@ def main() -> None:
         prompts = [prompts[0]] * len(prompts)
     report = {"artifact": str(art), "hidden": m.hidden_size, "vocab": m.vocab_size, "block": m.block_size,
               "max_tokens": a.max_tokens, "prompt_tokens": [len(p) for p in prompts], "cpus": os.cpu_count(),
-              "servers": {"batched": f"--max-batch {a.max_batch}", "slots": f"--slots {a.slots}"},
+              "servers": {k: v for k, v in {"batched": f"--max-batch {a.max_batch}", "slots": f"--slots {a.slots}"}.items()
+                          if k in a.servers.split(",")},
               "load_before": uptime(), "runs": []}
     print(report["load_before"], flush=True)
     want = {}
@@ -117,31 +121,34 @@ def main() -> None:
         be = OrtBackend(art)
         want = {sp: [generate(be, p, a.max_tokens, draft=sp).tokens for p in prompts] for sp in (True, False)}
         be.close()
-    servers = {"batched": Server(art, "--max-batch", a.max_batch), "slots": Server(art, "--slots", a.slots)}
+    make = {"batched": lambda: Server(art, "--max-batch", a.max_batch), "slots": lambda: Server(art, "--slots", a.slots)}
+    servers = {name: make[name]() for name in a.servers.split(",")}
     try:
         for sp in [x == "speculative" for x in a.modes.split(",")]:
             for c in levels:  # warm-up: ONNX Runtime plans each new call shape (rows x positions) on its first run
                 for s in servers.values():
                     run(s, prompts[:c], min(a.max_tokens, 24), sp)
-            for c in levels:
-                best: dict = {}
-                paired = []  # batched / slots of runs made back to back
-                for _ in range(a.repeats):
-                    pair = {}
+            got: dict = {}  # (c, server) -> one run per repeat; every repeat runs every c on every server in turn
+            for _ in range(a.repeats):
+                for c in levels:
                     for name, s in servers.items():
-                        r = pair[name] = run(s, prompts[:c], a.max_tokens, sp)
-                        if name not in best or r["decode_tokens_per_s"] > best[name]["decode_tokens_per_s"]:
-                            best[name] = r
-                    paired.append({k: pair["batched"][k] / pair["slots"][k]
-                                   for k in ("decode_tokens_per_s", "e2e_tokens_per_s", "tokens_per_cpu_s")})
-                outs = {k: r.pop("outputs") for k, r in best.items()}
+                        got.setdefault((c, name), []).append(run(s, prompts[:c], a.max_tokens, sp))
+            keys = ("decode_tokens_per_s", "e2e_tokens_per_s", "tokens_per_cpu_s")
+            med = lambda xs, ys: {k: round(float(np.nanmedian([x[k] / y[k] for x, y in zip(xs, ys)])), 3)  # noqa: E731
+                                  for k in keys}
+            for c in levels:
+                best = {name: max(got[c, name], key=lambda r: r["decode_tokens_per_s"]) for name in servers}
+                outs = {k: [r["outputs"] for r in got[c, k]] for k in servers}
                 for name, r in best.items():
-                    ok = outs[name] == want[sp][:c] if want else outs[name] == outs["slots"]
+                    same = all(o == outs[name][0] for o in outs[name])  # every repeat gave the same outputs
+                    ok = same and (outs[name][0] == want[sp][:c] if want else
+                                   outs[name][0] == outs["slots"][0] if "slots" in outs else None)
                     row = {"server": name, "speculative": sp, "concurrency": c, "lossless": ok,
-                           **{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}}
-                    if name == "batched":
-                        row["paired_batched_over_slots_median"] = {
-                            k: round(float(np.nanmedian([x[k] for x in paired])), 3) for k in paired[0]}
+                           **{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k != "outputs"}}
+                    if name == "batched" and "slots" in servers:  # runs made back to back
+                        row["paired_batched_over_slots_median"] = med(got[c, "batched"], got[c, "slots"])
+                    if c != levels[0]:
+                        row[f"paired_over_c{levels[0]}_median"] = med(got[c, name], got[levels[0], name])
                     report["runs"].append(row)
                     print(json.dumps(row), flush=True)
     finally:
@@ -166,6 +173,10 @@ def ratios(runs: list[dict]) -> dict:
                 out[f"{key}: {name} {mode} c{c} / c1"] = round(v / one, 2)
             if name == "batched" and at.get(("slots", sp, c)):
                 out[f"{key}: batched / slots {mode} c{c}"] = round(v / at[("slots", sp, c)], 2)
+    for r in runs:  # the same, as the median over repeats of runs made seconds apart
+        for k, v in r.get("paired_over_c1_median", {}).items():
+            out[f"paired median {k}: {r['server']} {'speculative' if r['speculative'] else 'plain'} "
+                f"c{r['concurrency']} / c1"] = v
     return out
 
 

@@ -41,7 +41,8 @@ from common import ROOT, source_digest
 
 VERSION = "0.3.36"  # llama-cpp-python sdist; vendors llama.cpp 0c1e570
 CACHE = Path(os.environ.get("DFLASH_LLAMACPP_CACHE", Path.home() / ".cache/dflash-export/llamacpp"))
-BINARIES = ["llama-bench", "llama-quantize", "llama-completion", "llama-speculative-simple", "llama-tokenize"]
+BINARIES = ["llama-bench", "llama-quantize", "llama-completion", "llama-speculative-simple", "llama-tokenize",
+            "llama-server"]  # llama-server: bench/vs_llamaserver.py
 # The demo's tokenizer is a ByteLevel BPE with the GPT-2 split regex (use_regex=true): llama.cpp's "gpt-2"
 # pre-tokenizer is that regex. The converter only knows tokenizers by the hash of a test string, so we
 # choose the pre-tokenizer for hashes it does not know by wrapping its get_vocab_base_pre (no file edited).
@@ -123,9 +124,10 @@ def build_llamacpp(jobs: int = 2) -> tuple[Path, Path]:
     build, bins = CACHE / "build", CACHE / "build" / "bin"
     if not all((bins / b).is_file() for b in BINARIES):
         print(f"building llama.cpp (Release, native CPU, -j{jobs}; tens of minutes on 2 cores)", file=sys.stderr)
-        if not (build / "CMakeCache.txt").is_file():
+        cached = build / "CMakeCache.txt"
+        if not cached.is_file() or "LLAMA_BUILD_SERVER:BOOL=OFF" in cached.read_text():  # (builds before llama-server)
             run(["cmake", "-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF",
+                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
                  "-DLLAMA_BUILD_APP=OFF"], nice=True)
         run(["cmake", "--build", build, f"-j{jobs}", "--target", *BINARIES], nice=True)
     return src, bins

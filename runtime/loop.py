@@ -93,6 +93,7 @@ class Request:
     sampling: str = "rejection"  # T > 0: "rejection" (drafts from q) or "compare" (runtime/sampling.py)
     speculative: bool | str = True  # False: plain (its anchor alone); True: as `control` decides; "always"
     logprobs: Logprobs | None = None  # asks for the target's log-probabilities, and receives them (runtime/logprobs.py)
+    prefix: object = None  # batched prompt reuse (runtime/prefix.py Hook): restore at join, park at leave
 
 
 @dataclass
@@ -310,15 +311,14 @@ def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, c
     if u is not None and draft and q.sampling == "rejection" and backend.samples_drafts:
         row.ud = draft_uniforms(q.seed, max_length + 1)
     t0 = time.perf_counter()
-    reuse = q.reuse
-    if not 0 <= reuse < len(q.prompt) or (draft and reuse > int(backend.ctx_lengths[slot])) or (reuse and slot):
-        raise InternalError(f"reuse {reuse} of a {len(q.prompt)}-token prompt in slot {slot} "
-                          f"(drafter context {int(backend.ctx_lengths[slot])})")
     if slot == 0 and backend.max_batch == 1:
-        backend.keep(reuse)
-    else:
-        backend.reset_row(slot)
-    for i in range(reuse, len(q.prompt), chunk):
+        backend.keep(q.reuse)
+    else:  # a batched row starts empty, or with a parked prefix (runtime/prefix.py)
+        q.prefix.restore(slot) if q.prefix is not None else backend.reset_row(slot)
+    held = int(backend.lengths[slot]), int(backend.ctx_lengths[slot]) if draft else q.reuse
+    if not 0 <= q.reuse < len(q.prompt) or held != (q.reuse, q.reuse):
+        raise InternalError(f"reuse {q.reuse} of a {len(q.prompt)}-token prompt in slot {slot}: caches hold {held}")
+    for i in range(q.reuse, len(q.prompt), chunk):
         ids = np.asarray(q.prompt[i : i + chunk], np.int64)[None]
         last = i + chunk >= len(q.prompt)
         n = ids.shape[1]
@@ -337,11 +337,11 @@ def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, c
 
 
 def _leave(backend: Backend, rows: list[_Row], b: int) -> None:
-    """Row b (finished, or never started: b == len(rows)) frees its slot: the batch's last row
-    moves into it, so the rows stay in slots 0..len-1. A one-row backend keeps its caches
-    (prompt reuse)."""
+    """Row b (finished, or never started: b == len(rows)) frees its slot: the last row moves in (rows stay 0..len-1)."""
     last = len(rows) - 1 if b < len(rows) else b
     if backend.max_batch > 1:
+        if b < len(rows) and rows[b].req.prefix is not None:  # parked for reuse (one row: caches kept)
+            rows[b].req.prefix.park(b, rows[b].req.prompt + rows[b].gen.tokens)
         if b != last:
             backend.move_row(last, b)
             rows[b] = rows[last]

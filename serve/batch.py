@@ -10,10 +10,10 @@ drafter call and one verify call for all running rows (calls carry only those).
 Isolation: each row has its own caches, lengths, sampling seed and stops; a request is
 checked before it joins (a bad one fails alone, never the batch), and the loop's greedy
 rows equal their batch-1 output whatever else runs (tests/test_batch.py, tests/test_serve.py).
-Not here: prompt-prefix reuse. The running rows sit in the backend's first rows (calls
-carry only them): a finishing row's place is taken by the last running row, so a finished
-sequence's cache does not outlive it; reuse would need spare cache rows beside the running
-ones. `--slots` (one loop per slot) keeps reusing prompts.
+Prompt-prefix reuse (runtime/prefix.py): a row that leaves parks its caches' valid prefix
+(a copy: its slot goes straight to the next request), and a request whose prompt starts
+with a parked sequence gets it copied into its row and prefills only the rest. Up to
+`max_batch` sequences are kept, within half the memory left after loading.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import threading
 import time
 from collections import deque
 
-from ..runtime import contract as C
+from ..runtime import contract as C, prefix
 from ..runtime.errors import DFlashError
 from ..runtime.loop import BatchStats, Generation, Request, stream_batch
+from ..runtime.memory import available_memory
 from ..runtime.sampling import check_request, check_sampling
 from .jobs import EngineBase, Job, Metrics, QueueFull, Slot, Unavailable, _emit
 
@@ -58,6 +59,9 @@ class BatchEngine(EngineBase):
         self.leaving: set[int] = set()  # ended on a stop string: out at the next boundary
         self.stats = BatchStats()
         self._seen = (0, 0)  # (rounds, busy rows) of stats already observed
+        free = available_memory()
+        self.prefixes = prefix.PrefixCache(backend, backend.max_batch if prefix.supported(backend) else 0,
+                                           free // 2 if free is not None else 1 << 30)
         self.threads = [threading.Thread(target=self._serve, name="dflash-batch", daemon=True)]
         self.threads[0].start()
 
@@ -101,6 +105,7 @@ class BatchEngine(EngineBase):
                     self._free(job)
                     _emit(job, ("error", f"generation failed: {msg}"))
                 self.backend.reset()
+                self.prefixes.kept.clear()
 
     def _poll(self, free: int, idle: bool) -> list[Request]:
         """Up to `free` waiting requests (FIFO); blocks while nothing runs and nothing waits."""
@@ -114,8 +119,10 @@ class BatchEngine(EngineBase):
                     continue
                 p = job.params
                 stop = tuple(dict.fromkeys(list(self.manifest.eos_token_ids) + list(p.stop_token_ids)))
+                echo = job.logprobs is not None and job.logprobs.echo  # scores every prompt position: no reuse
+                hook = self.prefixes.hook(p.prompt, p.speculative, p.cache_prompt and not echo)
                 q = Request(p.prompt, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, stop,
-                            speculative=p.speculative, logprobs=job.logprobs)
+                            reuse=hook.reuse, speculative=p.speculative, logprobs=job.logprobs, prefix=hook)
                 try:
                     check_sampling(q.temperature, q.top_k, q.top_p)
                     check_request(q.prompt, q.max_new_tokens, self.manifest.vocab_size, self.backend.max_len)

@@ -125,7 +125,35 @@ def test_stop_strings_and_chat_in_a_batch(batched, offline, tok):
         assert r.choices[0].text == full[:at] and r.choices[0].finish_reason == "stop"
     ids2 = tok.encode("<user>Hi\n<assistant>", add_special_tokens=False).ids
     assert chat.choices[0].model_extra["token_ids"] == offline(ids2, 20).tokens
-    assert chat.usage.prompt_tokens_details.cached_tokens == 0  # no prompt reuse across batch rows
+
+
+def test_multi_turn_chat_reuses_a_parked_prefix_beside_other_rows(batched, offline, tok):
+    client = batched.client()
+    msgs = [{"role": "system", "content": "Reuse me."}, {"role": "user", "content": "Tell me more"}]
+    ids = tok.encode("<system>Reuse me.\n<user>Tell me more\n<assistant>", add_special_tokens=False).ids
+    r1 = client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=24, temperature=0)
+    reply = r1.choices[0].message.content
+    assert r1.choices[0].model_extra["token_ids"] == offline(ids, 24).tokens
+    msgs2 = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Again"}]
+    ids2 = tok.encode(f"<system>Reuse me.\n<user>Tell me more\n<assistant>{reply}\n<user>Again\n<assistant>",
+                      add_special_tokens=False).ids
+    cached_before = batched.metric("dflash:prompt_tokens_cached_total")
+    ps = prompts(2, 101, seed=13)  # two: at most two parks before turn 2 joins, so its entry (one of 3) stays
+    with ThreadPoolExecutor(3) as pool:  # turn 2 joins while other rows run (and take other slots)
+        fs = [pool.submit(client.completions.create, model="tiny-chat", prompt=p, max_tokens=30, temperature=0)
+              for p in ps]
+        r2 = client.chat.completions.create(model="tiny-chat", messages=msgs2, max_tokens=24, temperature=0)
+        r3 = pool.submit(client.chat.completions.create, model="tiny-chat", messages=msgs2, max_tokens=24,
+                         temperature=0, extra_body={"cache_prompt": False}).result(timeout=120)
+        others = [f.result(timeout=120) for f in fs]
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= len(ids) and r2.model_extra["timings"]["prompt_n"] == len(ids2) - cached
+    assert r2.choices[0].model_extra["token_ids"] == offline(ids2, 24).tokens
+    assert r3.usage.prompt_tokens_details.cached_tokens == 0
+    assert r3.choices[0].message.content == r2.choices[0].message.content
+    for p, r in zip(ps, others):
+        assert r.choices[0].model_extra["token_ids"] == offline(p, 30).tokens
+    assert batched.metric("dflash:prompt_tokens_cached_total") >= cached_before + cached
 
 
 def test_engine_cancel_frees_the_row_before_the_next_round(art):
