@@ -57,6 +57,7 @@ def save_row(backend, b: int, tokens: list[int]) -> Parked:
 
 def load_row(backend, b: int, parked: Parked, n: int, ctx_n: int) -> None:
     """Slot b holds the first n target and ctx_n drafter positions of `parked`, nothing else."""
+    backend._layout()  # a width set at this round boundary is laid out at the next call: now, before the write
     backend.reset_row(b)
     if backend.in_place:
         for j, buf in enumerate(x for x in backend.kv if x is not None):
