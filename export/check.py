@@ -107,20 +107,21 @@ def load_sources(root: Path, manifest: M.Manifest, target_dir, draft_dir):
     """The PyTorch modules an artifact came from; refuse sources that do not match it."""
     import torch
 
-    from ..models import Drafter, Target
-    from ..models.config import DraftConfig, TargetConfig
+    from ..models import Target
+    from ..models.config import TargetConfig
+    from ..models.dflash2 import load_draft_config, load_drafter
     from .artifact import torch_dtype
 
     if target_dir is None or draft_dir is None:
         raise DFlashError("check compares against the PyTorch source: pass --target DIR --draft DIR (the directories given to export)")
-    tc, dc = TargetConfig.load(target_dir), DraftConfig.load(draft_dir)
+    tc, dc = TargetConfig.load(target_dir), load_draft_config(draft_dir)
     mine = (tc.architecture, tc.vocab_size, tc.hidden_size, tc.num_layers, dc.num_layers, list(dc.target_layer_ids))
     theirs = (manifest.architecture, manifest.vocab_size, manifest.hidden_size, manifest.target_layers,
               manifest.draft_layers, manifest.target_layer_ids)
     if mine != theirs:
         raise DFlashError(f"--target/--draft do not match {root} (architecture, vocab, hidden, layers, taps: {mine} vs {theirs}); pass the directories it was exported from")
     dtype = torch_dtype(manifest.dtype)
-    drafter = Drafter.from_pretrained(draft_dir, dtype)
+    drafter = load_drafter(draft_dir, dtype)
     target = Target.from_pretrained(target_dir, drafter.config.target_layer_ids, dtype)
     if manifest.draft_vocab:  # the reference scores the same N tokens, read back from the graph
         drafter.set_draft_vocab(torch.tensor(draft_vocab_ids(root, manifest)), target.lm_head.weight)
@@ -327,6 +328,8 @@ def run_check(
             write_polygraphy(Path(save_polygraphy), saved)
     if prompts > 0:
         with ui.phase("generate", f"{prompts} prompts x {max_new_tokens} tokens, runtime loop on ORT vs speculative_generate"):
+            if C.selector(m):  # DFlash 2: the oracle drafts by the selector's walk
+                from ..models.generate_dflash2 import dflash2_generate as speculative_generate
             report.end_to_end = end_to_end(backend, *ref_models, m, prompts, max_new_tokens, seed, speculative_generate,
                                            float_models=None if q is None else (target, drafter))
     return report

@@ -132,7 +132,7 @@ class Drafter(nn.Module):
         p = past_ctx[0][0].shape[0 if position_major else 1]
         for j, layer in enumerate(self.layers):
             a = layer.self_attn
-            h = layer.input_layernorm(x)
+            h, late = self.wrap_in(layer, "attention", layer.input_layernorm(x))
             q = apply_rope(a.q_norm(a.q_proj(h).view(b, k, a.h, a.d)), cos, sin)
             kb, vb = a.kv(h, cos, sin)
             if position_major:  # the ragged graph's cache [P, B, ...]: join on that axis, one transpose after
@@ -141,20 +141,38 @@ class Drafter(nn.Module):
             else:
                 keys = torch.cat([past_ctx[j][0].to(kb.dtype), kb], 1)  # .to: autocast training
                 values = torch.cat([past_ctx[j][1].to(vb.dtype), vb], 1)
-            x = x + a.o_proj(attend(q, keys, values, self.block_mask(j, p, k, anchors, x.device)))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            y = a.o_proj(attend(q, keys, values, self.block_mask(j, p, k, anchors, x.device)))
+            x = x + self.wrap_out(layer, "attention", y, late)
+            h, late = self.wrap_in(layer, "mlp", layer.post_attention_layernorm(x))
+            x = x + self.wrap_out(layer, "mlp", layer.mlp(h), late)
         return self.norm(x)
+
+    def wrap_in(self, layer, sublayer: str, h: torch.Tensor):
+        """A sublayer's input as it enters (DFlash 2 convolves it here) and what `wrap_out` needs."""
+        return h, None
+
+    def wrap_out(self, layer, sublayer: str, y: torch.Tensor, late) -> torch.Tensor:
+        """A sublayer's output before the residual add (DFlash 2 convolves it here)."""
+        return y
 
     def draft_logits(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
                      ctx_lengths: torch.Tensor | None = None, position_major: bool = False):
         """Logits [B,K-1,V] (fp32) for the masked positions, with the target's embedding and head
         ([B,K-1,N] over the draft vocabulary when one is set). `ctx_lengths` [B]: each row's
         valid context (a ragged batch: slot == position, so it is the row's anchor position)."""
-        c = self.config
+        return self.head(target, self.draft_hidden(target, block_ids, block_position_ids, past_ctx, ctx_lengths,
+                                                   position_major))
+
+    def draft_hidden(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
+                     ctx_lengths: torch.Tensor | None = None, position_major: bool = False) -> torch.Tensor:
+        """Final hidden states [B,K-1,H] of the masked positions (`draft_logits`' arguments)."""
         emb = target.embed(block_ids)
-        if c.input_embedding_scale != 1.0:
-            emb = emb * c.input_embedding_scale
-        hidden = self.block(emb, block_position_ids, past_ctx, ctx_lengths, position_major)[:, 1:]
+        if self.config.input_embedding_scale != 1.0:
+            emb = emb * self.config.input_embedding_scale
+        return self.block(emb, block_position_ids, past_ctx, ctx_lengths, position_major)[:, 1:]
+
+    def head(self, target, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states -> draft logits (fp32, after the config's transforms)."""
         if self.vocab_head is not None:
             return self.transform_logits(torch.nn.functional.linear(hidden, self.vocab_head).float())
         return self.transform_logits(target.lm_head(hidden).float())

@@ -126,6 +126,9 @@ class RowCalls:
             self.draft_ids = np.empty((B, K - 1), np.int64)
             self._draft_logits = self._alloc((B, K - 1, C.draft_vocab_size(m)), "float32")
             self._conf = np.empty((B, K - 1), np.float32)
+            if C.selector(m):  # DFlash 2: candidates and walk scores (runtime/walk.py)
+                k = int(C.selector(m)["top_k"])
+                self._cand, self._scores = np.empty((B, K - 1, k), np.int64), self._alloc((B, K - 1, k, k), "float32")
         self._use_width()
 
     def _wide(self, key: str, w: int) -> tuple[np.ndarray, list]:
@@ -374,8 +377,16 @@ class RowCalls:
         self._bind(g, C.DRAFT_IDS, self.draft_ids, batch=R)
         self._bind(g, C.DRAFT_LOGITS, self._draft_logits, batch=R)
         self._bind(g, C.DRAFT_CONF, self._conf, batch=R)
+        if C.selector(m):
+            self._bind(g, C.DRAFT_CANDIDATES, self._cand, batch=R)
+            self._bind(g, C.DRAFT_SCORES, self._scores, batch=R)
         self.sessions[g].run_with_iobinding(self._io[g])
         return self.draft_ids[:R], self._conf[:R]
+
+    def draft_walk_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """DFlash 2: the last `draft_block_rows` call's candidates [n, K-1, k] and walk scores [n, K-1, k, k]."""
+        x = self._scores
+        return self._cand[:n], (x if isinstance(x, np.ndarray) else x.numpy())[:n]
 
     def draft_logits_rows(self, n: int) -> np.ndarray:
         x = self._draft_logits  # host memory on the CPU provider; a GPU provider's is copied here
