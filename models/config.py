@@ -279,7 +279,8 @@ class DraftConfig:
         unsupported = [k for k in ("selector_rank", "conv_kernel_size", "conv_group_size")
                        if nested.get(k, cfg.get(k)) is not None]
         if unsupported:
-            raise DFlashError(f"{where}: DFlash2 features are not supported: {', '.join(unsupported)}")
+            raise DFlashError(f"{where}: DFlash2 features are not supported: {', '.join(unsupported)} (under "
+                              f"{archs[0]}; a DFlash 2 drafter's architecture is {DRAFT2_ARCH})")
         if cfg.get("attention_bias"):
             raise DFlashError(f"{where}: attention_bias=true is not supported in drafters")
         act = cfg.get("hidden_act", "silu")

@@ -141,3 +141,65 @@ def test_manifest_and_contract(exports):
     shapes = {t.name: t.shape for t in m.graphs[C.DRAFT_BLOCK].outputs}
     assert shapes[C.DRAFT_SCORES][1:] == [7, 4, 4] and shapes[C.DRAFT_CANDIDATES][1:] == [7, 4]
     assert np.isfinite(m.block_size)
+
+
+def test_host_walk_is_the_reference_walk_and_its_q_verifies_exactly(exports):
+    """runtime/walk.py's sampled walk over the exported scores draws the PyTorch selector's path
+    and q (same uniforms); rejection sampling with that q, spread over each position's own
+    candidates, emits exactly the target's p (exact law over one draft position), and a q off
+    by a factor does not (the check has power)."""
+    from dflash_export.models.dflash2 import DFlash2Drafter
+    from dflash_export.runtime.sampling import Drafted, probabilities, rejection
+    from dflash_export.runtime.walk import sample_walk
+
+    ours = DFlash2Drafter.from_pretrained(exports["mixed-b6-noncausal"][1])
+    sel, v, n, b = ours.candidate_selector, ours.config.vocab_size, 5, 3
+    torch.manual_seed(5)
+    hidden, logits, anchor, u = torch.randn(b, n, ours.config.hidden_size), 3 * torch.randn(b, n, v), torch.arange(b), torch.rand(b, n)
+    with torch.inference_mode():
+        path, cand, q = sel.sample_walk(hidden, logits, anchor, 0.8, u)
+        cand2, scores = sel.pair_scores(hidden, logits, anchor)
+    for r in range(b):
+        d = sample_walk(cand2[r].numpy(), scores[r].numpy(), u[r].numpy(), 0.8)
+        assert d.tokens.tolist() == path[r].tolist() and np.abs(d.q - q[r].numpy()).max() < 1e-6
+    # the exact law of the first emitted token, over a grid of uniforms
+    rng = np.random.default_rng(3)
+    V, k = 8, 4
+    p = probabilities(rng.normal(size=(2, V)), 1.0)
+    c = np.stack([rng.permutation(V)[:k] for _ in range(2)])
+    s = rng.normal(size=(2, k, k))
+
+    def law(scale: float) -> np.ndarray:
+        m, out = 60, np.zeros(V)
+        grid = (np.arange(m) + 0.5) / m
+        for ud in grid:
+            d = sample_walk(c, s, [ud, 0.5], 1.0)
+            d = Drafted(d.tokens, d.q, d.qx * scale, d.ids)
+            for ua in grid:
+                for ut in grid:
+                    a, tok = rejection(d, 1, p, [ua], [ut, ut])
+                    out[d.tokens[0] if a else tok] += 1
+        return out / m ** 3
+
+    right, wrong = law(1.0), law(0.5)
+    print(f"max |law - p|: right q {np.abs(right - p[0]).max():.4f}, q/2 {np.abs(wrong - p[0]).max():.4f}")
+    assert np.abs(right - p[0]).max() < 0.02 < np.abs(wrong - p[0]).max()
+
+
+def test_sampled_rows_are_their_own_seed(exports):
+    """T = 0.8, rejection sampling with the walk's q: a row's output is its seed's whatever else
+    is in the batch (batch 3 = each alone), and drafts get accepted."""
+    from dflash_export.runtime.load import open_backend
+    from dflash_export.runtime.loop import Request, generate, generate_batch
+
+    _, _, art = exports["sliding-b8-softcap-1l"]
+    backend = open_backend(art, "ort", "cpu", max_batch=3)
+    assert backend.samples_drafts
+    ps = prompts(4, 101, seed=7)
+    reqs = [Request(p, 24, temperature=0.8, seed=s, stop_token_ids=()) for s, p in enumerate(ps)]
+    gens, _ = generate_batch(backend, reqs, batch=3)
+    one = open_backend(art, "ort", "cpu")
+    for r, g in zip(reqs, gens):
+        alone = generate(one, r.prompt, 24, temperature=0.8, seed=r.seed, stop_token_ids=())
+        assert g.tokens == alone.tokens and g.acceptance_lengths == alone.acceptance_lengths
+    assert sum(a - 1 for g in gens for a in g.acceptance_lengths) > 0
