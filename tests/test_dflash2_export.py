@@ -203,3 +203,12 @@ def test_sampled_rows_are_their_own_seed(exports):
         alone = generate(one, r.prompt, 24, temperature=0.8, seed=r.seed, stop_token_ids=())
         assert g.tokens == alone.tokens and g.acceptance_lengths == alone.acceptance_lengths
     assert sum(a - 1 for g in gens for a in g.acceptance_lengths) > 0
+
+
+def test_tensorrt_build_refuses_dflash2(exports):
+    from dflash_export.export.trt_build import build_plan
+    from dflash_export.runtime import manifest as M
+    from dflash_export.runtime.errors import DFlashError
+
+    with pytest.raises(DFlashError, match="DFlash 2 drafter, which the TensorRT backend does not run yet"):
+        build_plan(M.load_manifest(exports["sliding-b8-softcap-1l"][2]))
