@@ -166,6 +166,15 @@ def hybrid_fields(tc) -> dict:
         k_dim=la.key_head_dim, v_dim=la.value_head_dim, max_seq=_chunk()))
 
 
+def draft_ring(dc, max_context: int) -> int | None:
+    """The context ring's slots: the window, when every drafter layer slides and the window is
+    shorter than the context (no query then sees further back); else None (slot = position)."""
+    w = dc.sliding_window
+    if w and all(t == "sliding_attention" for t in dc.layer_types) and w < max_context:
+        return int(w)
+    return None
+
+
 def selector_record(dc) -> dict | None:
     """A DFlash 2 drafter's manifest record (contract.selector); None for DFlash 1."""
     if dc.family != "dflash2":
@@ -261,7 +270,7 @@ def export_artifact(
         draft_layers=dc.num_layers, draft_kv_heads=dc.num_kv_heads, draft_head_dim=dc.head_dim,
         architecture=tc.architecture, eos_token_ids=eos,
         opset=0, graphs={}, tools=tool_versions(), attention=attention, draft_vocab=vocab_record, ragged=True, **hybrid_fields(tc),
-        selector=selector_record(dc),
+        selector=selector_record(dc), draft_ring=draft_ring(dc, max_context),
     )
     ui = Phases(progress)
     for p in stale:
@@ -282,7 +291,8 @@ def export_artifact(
 
                 drafter.set_draft_vocab(torch.from_numpy(vocab_ids), target.lm_head.weight)
         with ui.phase("trace", f"3 graphs, block size {k} (torch.onnx dynamo)"):
-            models = {g: trace(g, wrapper(g, target, drafter, attention, manifest.max_context), manifest, tdtype, opset) for g in C.GRAPHS}
+            models = {g: trace(g, wrapper(g, target, drafter, attention, manifest.max_context, ring=manifest.draft_ring),
+                                  manifest, tdtype, opset) for g in C.GRAPHS}
             for model in models.values():
                 fold_shape_constants(model)
                 rename_initializers(model, tc.tie_word_embeddings)

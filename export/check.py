@@ -158,7 +158,8 @@ def cases(target, drafter, m: M.Manifest, seed: int):
     ids = lambda n: torch.randint(0, m.vocab_size, (1, n), generator=g)  # noqa: E731
     pos = lambda a, n: torch.arange(a, a + n)[None]  # noqa: E731
     ragged = C.ragged(m)
-    tg, cg, bg = (G.wrapper(g, target, drafter, C.flavour(m), m.max_context, ragged) for g in (C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK))
+    tg, cg, bg = (G.wrapper(g, target, drafter, C.flavour(m), m.max_context, ragged, C.ring(m))
+                  for g in (C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK))
     with torch.inference_mode():
         _, taps, past = target(ids(P), pos(0, P), target.empty_kv())
         ctx = drafter.context_kv(taps, pos(0, P))
@@ -315,7 +316,7 @@ def run_check(
                     report.rows += compare(graph, case, names_out, got, ref, report.strict, "dequantized")
                 with torch.inference_mode():
                     ref_float = [_np(t) for t in wrapper(graph, target, drafter, C.flavour(m), m.max_context,
-                                                         C.ragged(m))(*inputs)]
+                                                         C.ragged(m), C.ring(m))(*inputs)]
                 report.rows += compare(graph, case, names_out, got, written_rows(feeds, names_out, ref_float), False,
                                        "float")
             saved.append((graph, case, feeds, dict(zip(names_out, ref)), dict(zip(names_out, got))))

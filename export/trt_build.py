@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..runtime.contract import BATCH, GRAPH_FILES, GRAPHS, selector
+from ..runtime.contract import BATCH, GRAPH_FILES, GRAPHS, ring, selector
 
 from ..runtime.manifest import Manifest, load_manifest, write_manifest
 from ..runtime.errors import DFlashError
@@ -65,9 +65,10 @@ def build_plan(manifest: Manifest, precision: str | None = None, max_context: in
                max_prompt: int | None = None, workspace_gb: float = 4.0, max_batch: int = 1) -> BuildPlan:
     """The whole build decided from the manifest; raises DFlashError on impossible requests."""
     refuse_quantized(manifest)
-    if selector(manifest):  # the TensorRT backend binds draft_block's DFlash 1 outputs only
-        raise DFlashError("this export holds a DFlash 2 drafter, which the TensorRT backend does not run yet; "
-                          "run it with ONNX Runtime (--backend ort, --provider cpu or cuda)")
+    if selector(manifest) or ring(manifest):  # the TensorRT backend: DFlash 1's outputs, a cache slot per position
+        what = "a DFlash 2 drafter" if selector(manifest) else "a drafter context ring (all-sliding drafter)"
+        raise DFlashError(f"this export holds {what}, which the TensorRT backend does not run yet; "
+                          "run it with ONNX Runtime (--backend ort)")
     precision = check_precision(manifest.dtype, precision)
     if not workspace_gb > 0:
         raise DFlashError(f"--workspace {workspace_gb}: give the builder's workspace in GB, > 0")

@@ -70,6 +70,7 @@ class Drafter(nn.Module):
         self.register_buffer("inv_freq", c.rope.inv_freq(c.head_dim), persistent=False)
         self.register_buffer("vocab_ids", None, persistent=False)  # [N] target ids a reduced head scores
         self.register_buffer("vocab_head", None, persistent=False)  # [N, H] those rows of the target's lm_head
+        self.ring = None  # exports of all-sliding drafters: the context cache is a ring of this many slots (block_mask)
 
     def set_draft_vocab(self, ids: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """Score only the target ids `ids` (a gathered copy of their LM head rows, stored once)."""
@@ -106,11 +107,18 @@ class Drafter(nn.Module):
         q = (ctx_len + offsets)[None] if anchors is None else anchors[:, None] + offsets  # [N, K] query positions
         n = q.shape[0]
         ctx = torch.arange(ctx_len, device=device)[None].expand(n, ctx_len)
+        if self.ring is not None and anchors is not None:  # a ring of slots: slot s holds the last position = s mod ring
+            last = anchors[:, None] - 1
+            # (+ ring: a non-negative operand, as ONNX exports of an integer remainder need; slots < ring)
+            ctx = last - torch.remainder(last - ctx + self.ring, self.ring)  # < 0: not written yet (hidden below)
         t = torch.cat([ctx, q], 1)[:, None, :]  # [N, 1, C+K] key positions
         q = q[:, :, None]
         visible = torch.ones(n, 1, ctx_len + k, dtype=torch.bool, device=device)  # broadcast over queries
         if anchors is not None:  # context slots at or after the anchor are hidden; the block is not
-            visible = visible & torch.cat([ctx < anchors[:, None], torch.ones(n, k, dtype=torch.bool, device=device)], 1)[:, None, :]
+            seen = ctx < anchors[:, None]
+            if self.ring is not None:
+                seen = seen & (ctx >= 0)
+            visible = visible & torch.cat([seen, torch.ones(n, k, dtype=torch.bool, device=device)], 1)[:, None, :]
         if causal:
             visible = visible & (t <= q)
         if window is not None:

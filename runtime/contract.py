@@ -300,6 +300,11 @@ def selector(m) -> dict | None:
     return getattr(m, "selector", None)
 
 
+def ring(m) -> int | None:
+    """Slots of the drafter's context ring (Manifest.draft_ring); None: one slot per position."""
+    return getattr(m, "draft_ring", None)
+
+
 def spec(graph: str, m) -> Graph:
     """The declared graph for this manifest's attention flavour, batching and drafter family."""
     r = ragged(m)

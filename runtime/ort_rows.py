@@ -19,6 +19,7 @@ from . import contract as C, manifest as M
 from .backend import Draft, TargetOut
 from .errors import DFlashError
 from .hybrid import LinearStates
+from .ring import ring_scatter
 from .shared import STORAGE
 
 
@@ -30,9 +31,9 @@ def check_batch(m: M.Manifest, max_batch: int, device: str, directory) -> int:
     if max_batch > 1 and not C.ragged(m):
         raise DFlashError(f"{directory} was exported before batched decoding (batch 1 only); re-export it with this "
                           "dflash-export to run --batch > 1")
-    if max_batch > 1 and device != "cpu":
-        raise DFlashError("--batch > 1 runs on the CPU provider in this version (the batched caches are host arrays); "
-                          "use --provider cpu or --batch 1")
+    if (max_batch > 1 or C.ring(m)) and device != "cpu":
+        raise DFlashError(f"{'a drafter context ring' if C.ring(m) else '--batch > 1'} runs on the CPU provider in this "
+                          "version (the batched and ring caches are host arrays); use --provider cpu or --batch 1")
     return max_batch
 
 
@@ -114,13 +115,16 @@ class RowCalls:
         if self.has_drafter:
             dL, dH, dD = m.draft_layers, m.draft_kv_heads, m.draft_head_dim
             ctx_type = C.dtype(C.CTX_KV[0], m)
+            self.ring = C.ring(m)  # the context cache's slots: a ring (runtime/ring.py), or one per position
+            n = self._ctx_len = min(self.ring or n, n)
             if B == 1:
                 self.ctx = [self._alloc((1, n, dH, dD), ctx_type) for _ in range(2 * dL)]
             else:
                 self._flat["ctx"], self._tail["ctx"] = np.zeros((2 * dL, n * B * dH * dD), STORAGE[ctx_type]), (dH, dD)
-                self.ctx_new = np.zeros((2 * dL, B * self.max_chunk * dH * dD), STORAGE[ctx_type])
                 self._row_ctx = np.zeros((2 * dL, n * dH * dD), STORAGE[ctx_type])
-                self._views.update({k: list(getattr(self, k)) for k in ("ctx_new", "_row_ctx")})
+            if B > 1 or self.ring:  # new context K/V land here, then in each row's slots
+                self.ctx_new = np.zeros((2 * dL, B * self.max_chunk * dH * dD), STORAGE[ctx_type])
+                self._views.update({k: list(getattr(self, k)) for k in ("ctx_new", "_row_ctx") if hasattr(self, k)})
             self.block_ids = np.full((B, K), m.mask_token_id, np.int64)
             self.ctx_lengths_in = np.zeros(B, np.int64)
             self.draft_ids = np.empty((B, K - 1), np.int64)
@@ -137,7 +141,8 @@ class RowCalls:
         c = self._wcache.get((key, w))
         if c is None:
             flat, tail = self._flat[key], self._tail[key]
-            arr = flat[:, : self.max_len * w * int(np.prod(tail))].reshape(flat.shape[0], self.max_len, w, *tail)
+            n = self._ctx_len if key == "ctx" else self.max_len
+            arr = flat[:, : n * w * int(np.prod(tail))].reshape(flat.shape[0], n, w, *tail)
             c = self._wcache[key, w] = (arr, list(arr))
         return c
 
@@ -344,19 +349,21 @@ class RowCalls:
             self._bind(g, C.CTX_POSITION_IDS, self.row_pos, batch=R, ctx=c)
         for j in range(2 * m.draft_layers):
             name = self.names.ctx_key[j // 2] if j % 2 == 0 else self.names.ctx_value[j // 2]
-            if B == 1:
+            if B == 1 and not self.ring:
                 self._bind(g, name, self.ctx[j], P, ctx=c)
             else:
                 self._bind(g, name, self._views["ctx_new"][j], batch=R, ctx=c)
         self.sessions[g].run_with_iobinding(self._io[g])
-        if B > 1:
+        if self.ring:
+            ring_scatter(self.ctx, self.ctx_new, rows, lengths, c, n, self.ring)
+        elif B > 1:
             _scatter(self.ctx_all, self.ctx_new, rows, lengths, c, n)
         lengths[rows] += n
 
     def draft_block_rows(self, rows, anchors):
         m, g, R, B, K = self.manifest, C.DRAFT_BLOCK, len(rows), self.max_batch, self.manifest.block_size
         lengths = self.ctx_lengths
-        P = int(lengths[rows[0]]) if R == 1 else int(lengths[rows].max())
+        P = min(int(lengths[rows[0]]) if R == 1 else int(lengths[rows].max()), self._ctx_len)  # a ring: every slot
         self.block_ids[:R, 0] = anchors
         self._bind(g, C.BLOCK_IDS, self.block_ids, batch=R)
         if R == 1:

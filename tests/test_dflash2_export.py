@@ -140,7 +140,13 @@ def test_manifest_and_contract(exports):
     assert outs[-2:] == [C.DRAFT_CANDIDATES, C.DRAFT_SCORES]
     shapes = {t.name: t.shape for t in m.graphs[C.DRAFT_BLOCK].outputs}
     assert shapes[C.DRAFT_SCORES][1:] == [7, 4, 4] and shapes[C.DRAFT_CANDIDATES][1:] == [7, 4]
-    assert np.isfinite(m.block_size)
+    # every layer slides (window 24 < max context 128): the context cache is a ring of 24 slots
+    from dflash_export.runtime.load import open_backend
+
+    assert m.draft_ring == 24 and M.load_manifest(exports["mixed-b6-noncausal"][2]).draft_ring is None
+    be = open_backend(art, "ort", "cpu")
+    assert all(c.shape == (1, 24, 2, 32) for c in be.ctx)  # [1, ring, kv heads, head dim], whatever the context
+    assert be.reusable(5) == 5  # nothing cached yet
 
 
 def test_host_walk_is_the_reference_walk_and_its_q_verifies_exactly(exports):
