@@ -366,8 +366,8 @@ class RowCalls:
         P = min(int(lengths[rows[0]]) if R == 1 else int(lengths[rows].max()), self._ctx_len)  # a ring: every slot
         self.block_ids[:R, 0] = anchors
         self._bind(g, C.BLOCK_IDS, self.block_ids, batch=R)
-        if R == 1:
-            self._bind(g, C.BLOCK_POSITION_IDS, self.positions, P)
+        if R == 1:  # the block's positions start at the row's context length (P: the slots bound, a ring's at most)
+            self._bind(g, C.BLOCK_POSITION_IDS, self.positions, int(lengths[rows[0]]))
         else:
             pos = self.row_pos.ravel()[: R * K].reshape(R, K)
             np.add(lengths[rows, None], np.arange(K), out=pos)
