@@ -54,10 +54,9 @@ each row's at its own length. For one row this is the same memory as `[1, P, Hkv
 computes: a prefill asks for its last position only, a verify for all of them. Manifests
 without `ragged` (older exports) keep the batch-1 graphs (`GRAPHS`) and run batch 1 only.
 
-Drafters whose layers all slide (`Manifest.draft_ring`, the window): the drafter's context cache
-is a ring of that many slots per layer and row, position t in slot t mod ring; `past_ctx` is at
-most the ring and draft_block finds each slot's position from `ctx_lengths` (runtime/ring.py).
-DFlash 2 drafters (`Manifest.selector`): draft_block also returns `SELECTOR_OUTPUTS`.
+All-sliding drafters (`Manifest.draft_ring`): the context cache is a ring, position t in slot t mod
+ring, `past_ctx` <= ring, slot positions found from `ctx_lengths` (runtime/ring.py). DFlash 2
+drafters (`Manifest.selector`): draft_block also returns `SELECTOR_OUTPUTS`.
 
 `runtime.json` (runtime/settings.py: measured threads, verify policy) may sit beside the
 manifest: it is the one file the hash check allows without listing it.
