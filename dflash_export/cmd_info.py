@@ -41,7 +41,8 @@ def describe(out: Path, verify: bool = True) -> dict:
         "target": {"architecture": m.architecture, "layers": m.target_layers, "hidden_size": m.hidden_size,
                    "kv_heads": m.target_kv_heads, "head_dim": m.target_head_dim, "vocab_size": m.vocab_size},
         "drafter": {"layers": m.draft_layers, "kv_heads": m.draft_kv_heads, "head_dim": m.draft_head_dim,
-                    "target_layer_ids": m.target_layer_ids, "mask_token_id": m.mask_token_id},
+                    "target_layer_ids": m.target_layer_ids, "mask_token_id": m.mask_token_id,
+                    "family": "dflash2" if C.selector(m) else "dflash", "selector": C.selector(m)},
         "dtype": m.dtype, "attention": C.flavour(m), "block_size": m.block_size, "max_context": m.max_context, "opset": m.opset,
         "eos_token_ids": m.eos_token_ids, "tokenizer": m.tokenizer,
         "graphs": graphs,
@@ -87,7 +88,9 @@ def print_info(d: dict, out: Path) -> None:
     click.echo(f"{d['directory']}: {d['format']} format version {d['format_version']}")
     click.echo(f"target   {t['architecture']}, {t['layers']} layers, hidden {t['hidden_size']}, "
                f"{t['kv_heads']} kv heads x {t['head_dim']}, vocab {t['vocab_size']}")
-    click.echo(f"drafter  {dr['layers']} layer(s), {dr['kv_heads']} kv heads x {dr['head_dim']}, "
+    sel = dr.get("selector")
+    kind = f"DFlash 2 (candidate selector: top {sel['top_k']}, rank {sel['rank']}), " if sel else ""
+    click.echo(f"drafter  {kind}{dr['layers']} layer(s), {dr['kv_heads']} kv heads x {dr['head_dim']}, "
                f"taps {dr['target_layer_ids']}, mask token {dr['mask_token_id']}")
     flavour = {"ort": "ort (target attention as com.microsoft GroupQueryAttention: ONNX Runtime only)"}
     click.echo(f"export   {d['dtype']}, attention {flavour.get(d['attention'], d['attention'])}, block size {d['block_size']}, max context {d['max_context']}, opset {d['opset']}, "

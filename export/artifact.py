@@ -32,6 +32,7 @@ from .validate import validate_artifact
 
 torch = lazy_import("torch")  # torch and the reference models: on first use (runtime/lazy.py)
 reference = lazy_import("dflash_export.models")
+dflash2 = lazy_import("dflash_export.models.dflash2")  # load_draft_config / load_drafter: either family
 gdn = lazy_import("dflash_export.models.gdn")
 graphs = lazy_import("dflash_export.export.graphs")
 
@@ -51,7 +52,7 @@ def torch_dtype(dtype: str):
 def plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset=None):
     """Read both configs and refuse any mismatch before loading a single weight."""
     tc = reference.TargetConfig.load(target_dir)
-    dc = reference.DraftConfig.load(draft_dir)
+    dc = dflash2.load_draft_config(draft_dir)
     dc.check_fits(tc, f"drafter {draft_dir}")
     k = int(block_size or dc.block_size)
     if k < 2:
@@ -136,8 +137,11 @@ def clean_stale_staging(out: Path) -> list[Path]:
     return removed
 
 
-def plan_draft_vocab(n, data, target_dir, vocab_size: int, eos: list[int]):
+def plan_draft_vocab(n, data, target_dir, vocab_size: int, eos: list[int], family: str = "dflash"):
     """-> (the N ids or None, the manifest's draft_vocab record or None), before any weight is loaded."""
+    if n is not None and family == "dflash2":
+        raise DFlashError("--draft-vocab is not supported for DFlash2 drafters: the candidate selector scores "
+                          "full-vocabulary ids; export without it")
     if n is None:
         if data:
             raise DFlashError("--draft-vocab-data needs --draft-vocab N (how many tokens the drafter scores)")
@@ -160,6 +164,23 @@ def hybrid_fields(tc) -> dict:
     return dict(target_layer_types=list(tc.layer_types), linear=dict(
         conv_kernel=la.conv_kernel, conv_dim=la.conv_dim, k_heads=la.num_key_heads, v_heads=la.num_value_heads,
         k_dim=la.key_head_dim, v_dim=la.value_head_dim, max_seq=_chunk()))
+
+
+def draft_ring(dc, max_context: int) -> int | None:
+    """The context ring's slots: the window, when every drafter layer slides and the window is
+    shorter than the context (no query then sees further back); else None (slot = position)."""
+    w = dc.sliding_window
+    if w and all(t == "sliding_attention" for t in dc.layer_types) and w < max_context:
+        return int(w)
+    return None
+
+
+def selector_record(dc) -> dict | None:
+    """A DFlash 2 drafter's manifest record (contract.selector); None for DFlash 1."""
+    if dc.family != "dflash2":
+        return None
+    return dict(top_k=min(dc.selector_top_k, dc.vocab_size), rank=dc.selector_rank, conv_kernel=dc.conv_kernel_size,
+                conv_group=dc.conv_group_size)
 
 
 def tool_versions() -> dict[str, str]:
@@ -226,7 +247,7 @@ def export_artifact(
         raise DFlashError("--dtype bf16 is not supported for hybrid (Gated DeltaNet) targets: the runtime's host state "
                           "commit has no bf16 path and ONNX Runtime's CPU provider cannot run bf16; use --dtype fp16")
     eos = eos_ids(target_dir, tc.eos_token_ids)
-    vocab_ids, vocab_record = plan_draft_vocab(draft_vocab, draft_vocab_data, target_dir, tc.vocab_size, eos)
+    vocab_ids, vocab_record = plan_draft_vocab(draft_vocab, draft_vocab_data, target_dir, tc.vocab_size, eos, dc.family)
     elements = checkpoint_elements(target_dir) + checkpoint_elements(draft_dir)
     weight_bytes = BYTES[dtype] * (elements + (0 if vocab_ids is None else len(vocab_ids) * tc.hidden_size))
     stale = clean_stale_staging(out)
@@ -239,6 +260,7 @@ def export_artifact(
         draft_layers=dc.num_layers, draft_kv_heads=dc.num_kv_heads, draft_head_dim=dc.head_dim,
         architecture=tc.architecture, eos_token_ids=eos,
         opset=0, graphs={}, tools=tool_versions(), attention=attention, draft_vocab=vocab_record, ragged=True, **hybrid_fields(tc),
+        selector=selector_record(dc), draft_ring=draft_ring(dc, max_context),
     )
     ui = Phases(progress)
     for p in stale:
@@ -250,11 +272,12 @@ def export_artifact(
         tmp.mkdir()
         with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
             target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
-            drafter = reference.Drafter.from_pretrained(draft_dir, tdtype)
+            drafter = dflash2.load_drafter(draft_dir, tdtype)
             if vocab_ids is not None:
                 drafter.set_draft_vocab(torch.from_numpy(vocab_ids), target.lm_head.weight)
         with ui.phase("trace", f"3 graphs, block size {k} (torch.onnx dynamo)"):
-            models = {g: T.trace(g, graphs.wrapper(g, target, drafter, attention, manifest.max_context), manifest, tdtype, opset) for g in C.GRAPHS}
+            models = {g: T.trace(g, graphs.wrapper(g, target, drafter, attention, manifest.max_context,
+                                                   ring=manifest.draft_ring), manifest, tdtype, opset) for g in C.GRAPHS}
             for model in models.values():
                 T.fold_shape_constants(model)
                 T.rename_initializers(model, tc.tie_word_embeddings)

@@ -49,6 +49,8 @@ onnx = lazy_import("onnx")
 numpy_helper = lazy_import("onnx.numpy_helper")
 onnx_data = lazy_import("onnx.external_data_helper")
 reference = lazy_import("dflash_export.models")
+dflash2 = lazy_import("dflash_export.models.dflash2")
+generate2 = lazy_import("dflash_export.models.generate_dflash2")
 G = lazy_import("dflash_export.export.graphs")
 
 TOLERANCE = 1e-4  # fp32 absolute, on logits, taps and K/V alike
@@ -122,14 +124,14 @@ def load_sources(root: Path, manifest: M.Manifest, target_dir, draft_dir):
     """The PyTorch modules an artifact came from; refuse sources that do not match it."""
     if target_dir is None or draft_dir is None:
         raise DFlashError("check compares against the PyTorch source: pass --target DIR --draft DIR (the directories given to export)")
-    tc, dc = reference.TargetConfig.load(target_dir), reference.DraftConfig.load(draft_dir)
+    tc, dc = reference.TargetConfig.load(target_dir), dflash2.load_draft_config(draft_dir)
     mine = (tc.architecture, tc.vocab_size, tc.hidden_size, tc.num_layers, dc.num_layers, list(dc.target_layer_ids))
     theirs = (manifest.architecture, manifest.vocab_size, manifest.hidden_size, manifest.target_layers,
               manifest.draft_layers, manifest.target_layer_ids)
     if mine != theirs:
         raise DFlashError(f"--target/--draft do not match {root} (architecture, vocab, hidden, layers, taps: {mine} vs {theirs}); pass the directories it was exported from")
     dtype = torch_dtype(manifest.dtype)
-    drafter = reference.Drafter.from_pretrained(draft_dir, dtype)
+    drafter = dflash2.load_drafter(draft_dir, dtype)
     target = reference.Target.from_pretrained(target_dir, drafter.config.target_layer_ids, dtype)
     if manifest.draft_vocab:  # the reference scores the same N tokens, read back from the graph
         drafter.set_draft_vocab(torch.tensor(draft_vocab_ids(root, manifest)), target.lm_head.weight)
@@ -158,7 +160,8 @@ def cases(target, drafter, m: M.Manifest, seed: int):
     ids = lambda n: torch.randint(0, m.vocab_size, (1, n), generator=g)  # noqa: E731
     pos = lambda a, n: torch.arange(a, a + n)[None]  # noqa: E731
     ragged = C.ragged(m)
-    tg, cg, bg = (G.wrapper(g, target, drafter, C.flavour(m), m.max_context, ragged) for g in (C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK))
+    tg, cg, bg = (G.wrapper(g, target, drafter, C.flavour(m), m.max_context, ragged, C.ring(m))
+                  for g in (C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK))
     with torch.inference_mode():
         _, taps, past = target(ids(P), pos(0, P), target.empty_kv())
         ctx = drafter.context_kv(taps, pos(0, P))
@@ -297,7 +300,7 @@ def run_check(
                     report.rows += compare(graph, case, names_out, got, ref, report.strict, "dequantized")
                 with torch.inference_mode():
                     ref_float = [_np(t) for t in G.wrapper(graph, target, drafter, C.flavour(m), m.max_context,
-                                                         C.ragged(m))(*inputs)]
+                                                         C.ragged(m), C.ring(m))(*inputs)]
                 report.rows += compare(graph, case, names_out, got, written_rows(feeds, names_out, ref_float), False,
                                        "float")
             saved.append((graph, case, feeds, dict(zip(names_out, ref)), dict(zip(names_out, got))))
@@ -310,7 +313,8 @@ def run_check(
             write_polygraphy(Path(save_polygraphy), saved)
     if prompts > 0:
         with ui.phase("generate", f"{prompts} prompts x {max_new_tokens} tokens, runtime loop on ORT vs speculative_generate"):
-            report.end_to_end = end_to_end(backend, *ref_models, m, prompts, max_new_tokens, seed, reference.speculative_generate,
+            oracle = generate2.dflash2_generate if C.selector(m) else reference.speculative_generate  # DFlash 2: the walk
+            report.end_to_end = end_to_end(backend, *ref_models, m, prompts, max_new_tokens, seed, oracle,
                                            float_models=None if q is None else (target, drafter))
     return report
 

@@ -38,8 +38,19 @@ def target_inputs(m: M.Manifest, kv, p: int, s: int, lengths=None) -> list:
     return [lengths, *picks, *_position_major(m, kv)]
 
 
+def in_ring(m: M.Manifest, kv, p: int):
+    """[B, p, ...] context K/V (slot = position) as the runtime's ring holds them (Manifest.draft_ring):
+    slot s keeps the last position = s mod ring; unchanged while p fits."""
+    r = C.ring(m)
+    if r is None or p <= r:
+        return kv
+    pos = [p - 1 - (p - 1 - s) % r for s in range(r)]
+    return [(k[:, pos], v[:, pos]) for k, v in kv]
+
+
 def block_inputs(m: M.Manifest, ctx, p: int) -> list:
     """draft_block's inputs after ids and positions for a context of p positions."""
+    ctx = in_ring(m, ctx, p)
     if not C.ragged(m):
         return _flat(ctx)
     return [torch.full((ctx[0][0].shape[0],), p, dtype=torch.long), *_position_major(None, ctx)]
@@ -56,7 +67,7 @@ def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, stric
     K, lens, news = m.block_size, [9, 4], [m.block_size, max(1, m.block_size // 2)]
     P, S = max(lens), max(news)
     rows_ids = [torch.randint(0, m.vocab_size, (1, n + s), generator=g) for n, s in zip(lens, news)]
-    tg, bg = G.wrapper(C.TARGET, target, drafter), G.wrapper(C.DRAFT_BLOCK, target, drafter)
+    tg, bg = G.wrapper(C.TARGET, target, drafter), G.wrapper(C.DRAFT_BLOCK, target, drafter, ring=C.ring(m))
     refs, pasts, ctxs = [], [], []
     with torch.inference_mode():
         for ids, n, s in zip(rows_ids, lens, news):
@@ -75,7 +86,8 @@ def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, stric
     pad = lambda t, p: torch.cat([t, t.new_zeros(t.shape[0], p - t.shape[1], *t.shape[2:])], 1)  # noqa: E731
     batch_past = [tuple(torch.cat([pad(p_[i][j], P) if not m.is_linear(i) else p_[i][j] for p_ in pasts], 0)
                         for j in range(2)) for i in range(len(pasts[0]))]
-    batch_ctx = [tuple(torch.cat([pad(c[i][j], P) for c in ctxs], 0) for j in range(2)) for i in range(len(ctxs[0]))]
+    ctxs, Pc = [in_ring(m, c, n) for c, n in zip(ctxs, lens)], min(P, C.ring(m) or P)
+    batch_ctx = [tuple(torch.cat([pad(c[i][j], Pc) for c in ctxs], 0) for j in range(2)) for i in range(len(ctxs[0]))]
     ids = torch.cat([pad(r[:, n:n + s], S) for r, n, s in zip(rows_ids, lens, news)], 0)
     pos = torch.stack([torch.arange(n, n + S) for n in lens])
     lengths = torch.tensor(lens)

@@ -160,16 +160,17 @@ class SharedHead(nn.Module):
 class DraftBlockGraph(nn.Module):
     """block ids + positions (+ per-row context lengths) over the drafter's context cache ->
     draft_ids, draft_logits (fp32), draft_conf (fp32 top-1 probability per position:
-    adaptive verify's input). The ragged graph takes the cache position-major [PC, B, ...]
+    adaptive verify's input). A DFlash 2 drafter adds its selector's candidates and walk
+    scores, and its draft_ids / draft_conf are the greedy walk's (DFlash2Drafter.select). The ragged graph takes the cache position-major [PC, B, ...]
     and hides each row's slots from its `ctx_lengths` on (Drafter.block_mask's anchors).
 
     With a draft vocabulary (Drafter.set_draft_vocab) the graph holds the [N, H] head and
     the N ids instead of reading the shared LM head: logits are [.., N], ids target ids, and
     draft_conf is the softmax over the N scored tokens."""
 
-    def __init__(self, drafter, target):
+    def __init__(self, drafter, target, ring: int | None = None):
         super().__init__()
-        self.drafter = drafter
+        self.drafter, self.ring = drafter, ring  # ring: the context cache's slots (Manifest.draft_ring)
         self.shared = SharedHead(target)
         if drafter.vocab_head is not None:
             self.shared.lm_head = None  # not traced: the graph must not hold the full head
@@ -178,6 +179,17 @@ class DraftBlockGraph(nn.Module):
         return self.run(block_ids, block_position_ids, ctx_lengths, past_ctx, True)
 
     def run(self, block_ids, block_position_ids, ctx_lengths, past_ctx, position_major: bool = False):
+        self.drafter.ring = self.ring
+        try:
+            return self._run(block_ids, block_position_ids, ctx_lengths, past_ctx, position_major)
+        finally:
+            self.drafter.ring = None
+
+    def _run(self, block_ids, block_position_ids, ctx_lengths, past_ctx, position_major: bool = False):
+        if self.drafter.config.family == "dflash2":  # + candidates and walk scores (contract.SELECTOR_OUTPUTS)
+            ids, conf, logits, cand, scores = self.drafter.select(self.shared, block_ids, block_position_ids,
+                                                                  _pairs(past_ctx), ctx_lengths, position_major)
+            return ids, logits, conf, cand, scores
         logits = self.drafter.draft_logits(self.shared, block_ids, block_position_ids, _pairs(past_ctx), ctx_lengths,
                                            position_major)
         return self.drafter.draft_tokens(logits), logits, torch.softmax(logits, -1).amax(-1)
@@ -237,12 +249,12 @@ def trace_inputs(graph: str, m, dtype: torch.dtype):
 
 
 def wrapper(graph: str, target, drafter, attention: str = "standard", max_context: int = 0,
-            ragged: bool = True) -> nn.Module:
+            ragged: bool = True, ring: int | None = None) -> nn.Module:
     """The module export traces for `graph` (`ragged=False`: older exports' batch-1 graphs, for check)."""
     if graph == C.TARGET and attention == "ort":
         return (TargetOrtGraph if ragged else TargetOrtGraph1)(target, max_context)
     if graph == C.TARGET:
         return (TargetGraph if ragged else TargetGraph1)(target)
     if graph == C.DRAFT_BLOCK:
-        return (DraftBlockGraph if ragged else DraftBlockGraph1)(drafter, target)
+        return (DraftBlockGraph if ragged else DraftBlockGraph1)(drafter, target, ring)
     return DraftContextGraph(drafter)

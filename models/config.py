@@ -28,6 +28,7 @@ TARGET_ARCHS = {
 HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 MOE_ARCHS = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")
 DRAFT_ARCH = "DFlashDraftModel"
+DRAFT2_ARCH = "DFlash2DraftModel"  # models/dflash2.py
 
 
 @dataclass
@@ -273,15 +274,14 @@ class DraftConfig:
     def from_dict(cls, cfg: dict, where: str = "drafter") -> "DraftConfig":
         archs = cfg.get("architectures") or [DRAFT_ARCH]
         if archs[0] != DRAFT_ARCH:
-            raise DFlashError(
-                f"{where}: architecture {archs[0]!r} is not supported (only {DRAFT_ARCH}; "
-                "DFlash2 selectors and convolutions are not implemented)"
-            )
+            raise DFlashError(f"{where}: architecture {archs[0]!r} is not supported "
+                              f"(supported: {DRAFT_ARCH}, {DRAFT2_ARCH})")
         nested = cfg.get("dflash_config") or {}
         unsupported = [k for k in ("selector_rank", "conv_kernel_size", "conv_group_size")
                        if nested.get(k, cfg.get(k)) is not None]
         if unsupported:
-            raise DFlashError(f"{where}: DFlash2 features are not supported: {', '.join(unsupported)}")
+            raise DFlashError(f"{where}: DFlash2 features are not supported: {', '.join(unsupported)} (under "
+                              f"{archs[0]}; a DFlash 2 drafter's architecture is {DRAFT2_ARCH})")
         if cfg.get("attention_bias"):
             raise DFlashError(f"{where}: attention_bias=true is not supported in drafters")
         act = cfg.get("hidden_act", "silu")
@@ -354,6 +354,8 @@ class DraftConfig:
     def load(cls, directory: str | Path) -> "DraftConfig":
         return cls.from_dict(read_config(directory, "drafter"), where=f"drafter {directory}")
 
+    family = "dflash"  # "dflash2": DFlash2Config (models/dflash2.py), drafts from the selector's walk
+
     def layer_window(self, j: int) -> int | None:
         return self.sliding_window if self.layer_types[j] == "sliding_attention" else None
 
@@ -391,3 +393,4 @@ class DraftConfig:
                 "pass --mask-token-id ID (the id of the tokenizer's mask token)"
             )
         return self.mask_token_id
+

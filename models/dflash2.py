@@ -25,11 +25,9 @@ from torch import nn
 
 from ..runtime.errors import DFlashError
 from .checkpoint import load_state_dict, strict_load
-from .config import DRAFT_ARCH, DraftConfig, read_config
+from .config import DRAFT2_ARCH, DRAFT_ARCH, DraftConfig, read_config
 from .drafter import Drafter, KV
-from .layers import apply_rope, attend, rope_cos_sin
 
-DRAFT2_ARCH = "DFlash2DraftModel"
 _KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
@@ -40,6 +38,7 @@ class DFlash2Config(DraftConfig):
     selector_rank: int = 256
     selector_top_k: int = 16
     # output_multiplier, final_logit_softcapping, input_embedding_scale: parsed by DraftConfig
+    family = "dflash2"
 
     @classmethod
     def from_dict(cls, cfg: dict, where: str = "drafter") -> "DFlash2Config":
@@ -120,37 +119,52 @@ class CandidateSelector(nn.Module):
         """logits [B,N,V] -> (unary scores, candidate ids), both [B,N,k], best first."""
         return torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1)
 
-    def _scores(self, prev: torch.Tensor, h: torch.Tensor, unary: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-        """Scores [B,k] of one position's candidates after `prev` [B]: unary + pair."""
-        query = self.predecessor_codebook[prev].float() * h  # [B,R]
-        return unary.float() + torch.einsum("br,bkr->bk", query, self.successor_codebook[cand].float())
+    def pair_scores(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor):
+        """Every score the walk can need, as the drafter graph exports them: hidden [B,N,H],
+        logits [B,N,V], anchor ids [B] -> (candidates [B,N,k], scores [B,N,k,k] fp32) where
+        scores[b,i,p,c] = unary[c] + <pred_code[prev_p] * proj(h_i), succ_code[cand_c]>, prev_p
+        the p-th candidate of position i-1 (position 0: the anchor, on every row p)."""
+        unary, cand = self.candidates(logits)
+        h = self.hidden_projection(hidden).float()  # [B,N,R]
+        b, n, k = cand.shape
+        prev = torch.cat([anchor[:, None, None].expand(b, 1, k), cand[:, :-1]], 1)  # [B,N,k]
+        query = self.predecessor_codebook[prev].float() * h[:, :, None]  # [B,N,k,R]
+        pair = torch.matmul(query, self.successor_codebook[cand].float().transpose(-1, -2))  # [B,N,k(prev),k(cand)]
+        return cand, unary.float()[:, :, None, :] + pair
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """Greedy path [B,N] of token ids: hidden [B,N,H], logits [B,N,V], anchor ids [B]."""
-        unary, cand = self.candidates(logits)
-        h = self.hidden_projection(hidden).float()
-        prev, path = anchor, []
-        for i in range(cand.shape[1]):
-            best = self._scores(prev, h[:, i], unary[:, i], cand[:, i]).argmax(-1)
-            prev = cand[:, i].gather(1, best[:, None])[:, 0]
-            path.append(prev)
-        return torch.stack(path, 1)
+        return greedy_walk(*self.pair_scores(hidden, logits, anchor))[0]
 
     def sample_walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, temperature: float,
                     u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The walk at temperature T > 0, one uniform per position (u [B,N]): each step draws from
         q = softmax(scores / T) over its candidates. -> (path [B,N], candidates [B,N,k],
         q [B,N,k]): q is the draft distribution that rejection sampling needs."""
-        unary, cand = self.candidates(logits)
-        h = self.hidden_projection(hidden).float()
-        prev, path, qs = anchor, [], []
+        cand, scores = self.pair_scores(hidden, logits, anchor)
+        b = torch.arange(cand.shape[0])
+        p, path, qs = torch.zeros_like(anchor), [], []
         for i in range(cand.shape[1]):
-            q = torch.softmax(self._scores(prev, h[:, i], unary[:, i], cand[:, i]) / temperature, -1)
-            pick = (q.cumsum(-1) <= u[:, i : i + 1]).sum(-1).clamp_max(q.shape[-1] - 1)  # inverse CDF
-            prev = cand[:, i].gather(1, pick[:, None])[:, 0]
-            path.append(prev)
+            q = torch.softmax(scores[b, i, p] / temperature, -1)
+            p = (q.cumsum(-1) <= u[:, i : i + 1]).sum(-1).clamp_max(q.shape[-1] - 1)  # inverse CDF
+            path.append(cand[b, i, p])
             qs.append(q)
         return torch.stack(path, 1), cand, torch.stack(qs, 1)
+
+
+def greedy_walk(cand: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy walk over `pair_scores`: from row 0 (the anchor), at each position the best
+    candidate given the one chosen before. -> (path [B,N] ids, conf [B,N]: the chosen
+    candidate's softmax probability among its k, at temperature 1)."""
+    b = torch.arange(cand.shape[0], device=cand.device)
+    p = torch.zeros(cand.shape[0], dtype=torch.long, device=cand.device)
+    path, conf = [], []
+    for i in range(cand.shape[1]):  # static: K-1 steps of a gather and an argmax
+        row = scores[b, i, p]  # [B,k]
+        p = row.argmax(-1)
+        path.append(cand[b, i, p])
+        conf.append(torch.softmax(row, -1).gather(1, p[:, None])[:, 0])
+    return torch.stack(path, 1), torch.stack(conf, 1)
 
 
 class DFlash2Drafter(Drafter):
@@ -165,47 +179,30 @@ class DFlash2Drafter(Drafter):
     def set_draft_vocab(self, ids, lm_head_weight) -> None:
         raise DFlashError("a reduced draft vocabulary is not supported for DFlash2 drafters (the selector scores full-vocabulary ids)")
 
-    def block(self, block_emb: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
-              anchors: torch.Tensor | None = None) -> torch.Tensor:
-        """DFlash 1's block with each sublayer wrapped in its convolution; [B,K,H] -> [B,K,H]."""
-        x = block_emb
-        b, k, _ = x.shape
-        cos, sin = rope_cos_sin(block_position_ids, self.inv_freq, x.dtype)
-        p = past_ctx[0][0].shape[1]
-        for j, layer in enumerate(self.layers):
-            a = layer.self_attn
-            h, delta = layer.attention_conv.prepare(layer.input_layernorm(x))
-            q = apply_rope(a.q_norm(a.q_proj(h).view(b, k, a.h, a.d)), cos, sin)
-            kb, vb = a.kv(h, cos, sin)
-            keys = torch.cat([past_ctx[j][0].to(kb.dtype), kb], 1)
-            values = torch.cat([past_ctx[j][1].to(vb.dtype), vb], 1)
-            y = a.o_proj(attend(q, keys, values, self.block_mask(j, p, k, anchors, x.device)))
-            x = x + layer.attention_conv.finish(y, delta)
-            h, delta = layer.mlp_conv.prepare(layer.post_attention_layernorm(x))
-            x = x + layer.mlp_conv.finish(layer.mlp(h), delta)
-        return self.norm(x)
+    def wrap_in(self, layer, sublayer: str, h: torch.Tensor):
+        return (layer.attention_conv if sublayer == "attention" else layer.mlp_conv).prepare(h)
+
+    def wrap_out(self, layer, sublayer: str, y: torch.Tensor, late) -> torch.Tensor:
+        return (layer.attention_conv if sublayer == "attention" else layer.mlp_conv).finish(y, late)
 
     def logits(self, target, hidden: torch.Tensor) -> torch.Tensor:
         """The target's head, scaled by `output_multiplier`, then soft-capped (fp32)."""
-        c = self.config
-        out = target.lm_head(hidden).float() * c.output_multiplier
-        cap = c.final_logit_softcapping
-        return out if cap is None else cap * torch.tanh(out / cap)
+        return self.head(target, hidden)
 
-    def draft_hidden(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV):
-        """Final hidden states [B,K-1,H] of the masked positions."""
-        emb = target.embed(block_ids)
-        if self.config.input_embedding_scale != 1.0:
-            emb = emb * self.config.input_embedding_scale
-        return self.block(emb, block_position_ids, past_ctx)[:, 1:]
+    def select(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
+               ctx_lengths: torch.Tensor | None = None, position_major: bool = False):
+        """One drafter pass and the selector: -> (greedy path [B,K-1], its conf, logits [B,K-1,V],
+        candidates [B,K-1,k], scores [B,K-1,k,k]): what the drafter graph exports."""
+        hidden = self.draft_hidden(target, block_ids, block_position_ids, past_ctx, ctx_lengths, position_major)
+        logits = self.head(target, hidden)
+        cand, scores = self.candidate_selector.pair_scores(hidden, logits, block_ids[:, 0])
+        path, conf = greedy_walk(cand, scores)
+        return path, conf, logits, cand, scores
 
-    def draft_logits(self, target, block_ids, block_position_ids, past_ctx: KV) -> torch.Tensor:
-        return self.logits(target, self.draft_hidden(target, block_ids, block_position_ids, past_ctx))
-
-    def propose(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV) -> torch.Tensor:
+    def propose(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
+                ctx_lengths: torch.Tensor | None = None, position_major: bool = False) -> torch.Tensor:
         """Greedy drafts [B,K-1]: the selector's walk from the anchor `block_ids[:, 0]`."""
-        hidden = self.draft_hidden(target, block_ids, block_position_ids, past_ctx)
-        return self.candidate_selector.walk(hidden, self.logits(target, hidden), block_ids[:, 0])
+        return self.select(target, block_ids, block_position_ids, past_ctx, ctx_lengths, position_major)[0]
 
     def draft_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         raise DFlashError("DFlash2 drafts come from the selector walk (DFlash2Drafter.propose), not an argmax")
@@ -218,3 +215,21 @@ class DFlash2Drafter(Drafter):
         strict_load(model, load_state_dict(directory, "drafter"), f"drafter {directory}", dtype)
         model.inv_freq = config.rope.inv_freq(config.head_dim)
         return model.eval()
+
+
+def load_drafter(directory, dtype: torch.dtype = torch.float32) -> Drafter:
+    """The drafter of either family in `directory` (DFlash 1 or DFlash 2, by its config)."""
+    cls = DFlash2Drafter if load_draft_config(directory).family == "dflash2" else Drafter
+    return cls.from_pretrained(directory, dtype)
+
+
+def draft_config_from_dict(cfg: dict, where: str = "drafter") -> DraftConfig:
+    """The config of either drafter family, by its architecture."""
+    if (cfg.get("architectures") or [None])[0] == DRAFT2_ARCH:
+        return DFlash2Config.from_dict(cfg, where)
+    return DraftConfig.from_dict(cfg, where)
+
+
+def load_draft_config(directory) -> DraftConfig:
+    """`draft_config_from_dict` of a drafter directory's config.json."""
+    return draft_config_from_dict(read_config(directory, "drafter"), f"drafter {directory}")

@@ -71,6 +71,7 @@ class Drafter(nn.Module):
         self.register_buffer("inv_freq", c.rope.inv_freq(c.head_dim), persistent=False)
         self.register_buffer("vocab_ids", None, persistent=False)  # [N] target ids a reduced head scores
         self.register_buffer("vocab_head", None, persistent=False)  # [N, H] those rows of the target's lm_head
+        self.ring = None  # exports of all-sliding drafters: the context cache is a ring of this many slots (block_mask)
 
     def set_draft_vocab(self, ids: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """Score only the target ids `ids` (a gathered copy of their LM head rows, stored once)."""
@@ -107,11 +108,18 @@ class Drafter(nn.Module):
         q = (ctx_len + offsets)[None] if anchors is None else anchors[:, None] + offsets  # [N, K] query positions
         n = q.shape[0]
         ctx = torch.arange(ctx_len, device=device)[None].expand(n, ctx_len)
+        if self.ring is not None and anchors is not None:  # a ring of slots: slot s holds the last position = s mod ring
+            last = anchors[:, None] - 1
+            # (+ ring: a non-negative operand, as ONNX exports of an integer remainder need; slots < ring)
+            ctx = last - torch.remainder(last - ctx + self.ring, self.ring)  # < 0: not written yet (hidden below)
         t = torch.cat([ctx, q], 1)[:, None, :]  # [N, 1, C+K] key positions
         q = q[:, :, None]
         visible = torch.ones(n, 1, ctx_len + k, dtype=torch.bool, device=device)  # broadcast over queries
         if anchors is not None:  # context slots at or after the anchor are hidden; the block is not
-            visible = visible & torch.cat([ctx < anchors[:, None], torch.ones(n, k, dtype=torch.bool, device=device)], 1)[:, None, :]
+            seen = ctx < anchors[:, None]
+            if self.ring is not None:
+                seen = seen & (ctx >= 0)
+            visible = visible & torch.cat([seen, torch.ones(n, k, dtype=torch.bool, device=device)], 1)[:, None, :]
         if causal:
             visible = visible & (t <= q)
         if window is not None:
@@ -133,7 +141,7 @@ class Drafter(nn.Module):
         p = past_ctx[0][0].shape[0 if position_major else 1]
         for j, layer in enumerate(self.layers):
             a = layer.self_attn
-            h = layer.input_layernorm(x)
+            h, late = self.wrap_in(layer, "attention", layer.input_layernorm(x))
             q = apply_rope(a.q_norm(a.q_proj(h).view(b, k, a.h, a.d)), cos, sin)
             kb, vb = a.kv(h, cos, sin)
             if position_major:  # the ragged graph's cache [P, B, ...]: join on that axis, one transpose after
@@ -142,20 +150,38 @@ class Drafter(nn.Module):
             else:
                 keys = torch.cat([past_ctx[j][0].to(kb.dtype), kb], 1)  # .to: autocast training
                 values = torch.cat([past_ctx[j][1].to(vb.dtype), vb], 1)
-            x = x + a.o_proj(attend(q, keys, values, self.block_mask(j, p, k, anchors, x.device)))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            y = a.o_proj(attend(q, keys, values, self.block_mask(j, p, k, anchors, x.device)))
+            x = x + self.wrap_out(layer, "attention", y, late)
+            h, late = self.wrap_in(layer, "mlp", layer.post_attention_layernorm(x))
+            x = x + self.wrap_out(layer, "mlp", layer.mlp(h), late)
         return self.norm(x)
+
+    def wrap_in(self, layer, sublayer: str, h: torch.Tensor):
+        """A sublayer's input as it enters (DFlash 2 convolves it here) and what `wrap_out` needs."""
+        return h, None
+
+    def wrap_out(self, layer, sublayer: str, y: torch.Tensor, late) -> torch.Tensor:
+        """A sublayer's output before the residual add (DFlash 2 convolves it here)."""
+        return y
 
     def draft_logits(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
                      ctx_lengths: torch.Tensor | None = None, position_major: bool = False):
         """Logits [B,K-1,V] (fp32) for the masked positions, with the target's embedding and head
         ([B,K-1,N] over the draft vocabulary when one is set). `ctx_lengths` [B]: each row's
         valid context (a ragged batch: slot == position, so it is the row's anchor position)."""
-        c = self.config
+        return self.head(target, self.draft_hidden(target, block_ids, block_position_ids, past_ctx, ctx_lengths,
+                                                   position_major))
+
+    def draft_hidden(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
+                     ctx_lengths: torch.Tensor | None = None, position_major: bool = False) -> torch.Tensor:
+        """Final hidden states [B,K-1,H] of the masked positions (`draft_logits`' arguments)."""
         emb = target.embed(block_ids)
-        if c.input_embedding_scale != 1.0:
-            emb = emb * c.input_embedding_scale
-        hidden = self.block(emb, block_position_ids, past_ctx, ctx_lengths, position_major)[:, 1:]
+        if self.config.input_embedding_scale != 1.0:
+            emb = emb * self.config.input_embedding_scale
+        return self.block(emb, block_position_ids, past_ctx, ctx_lengths, position_major)[:, 1:]
+
+    def head(self, target, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states -> draft logits (fp32, after the config's transforms)."""
         if self.vocab_head is not None:
             return self.transform_logits(torch.nn.functional.linear(hidden, self.vocab_head).float())
         return self.transform_logits(target.lm_head(hidden).float())

@@ -241,7 +241,8 @@ class Backend(ABC):
         """The longest prefix, at most n positions, of the cached sequence that `keep` can keep.
         Attention caches keep any prefix; a recurrent state (hybrid targets) all or nothing."""
         if self.states is None or n == self.target_len:
-            return n
+            # a drafter context ring (runtime/row_cache.py) keeps only its latest positions: no shorter context
+            return n if n >= self.context_len or not C.ring(self.manifest) else 0
         return 0
 
     def close(self) -> None:

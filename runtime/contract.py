@@ -54,6 +54,10 @@ each row's at its own length. For one row this is the same memory as `[1, P, Hkv
 computes: a prefill asks for its last position only, a verify for all of them. Manifests
 without `ragged` (older exports) keep the batch-1 graphs (`GRAPHS`) and run batch 1 only.
 
+All-sliding drafters (`Manifest.draft_ring`): the context cache is a ring, position t in slot t mod
+ring, `past_ctx` <= ring, slot positions found from `ctx_lengths` (runtime/row_cache.py). DFlash 2
+drafters (`Manifest.selector`): draft_block also returns `SELECTOR_OUTPUTS`.
+
 `runtime.json` (runtime/settings.py: measured threads, verify policy) may sit beside the
 manifest: it is the one file the hash check allows without listing it.
 """
@@ -97,6 +101,7 @@ DYNAMIC = {BATCH: 1, SEQ: 1, PAST: 0, CTX: 1, PAST_CTX: 0, PICKS: 1}
 # static: fixed by the manifest (`sizes`)
 BLOCK, DRAFTS, VOCAB, TAPS_WIDTH, MAX_CTX = "block", "drafts", "vocab", "taps_width", "max_context"
 DRAFT_VOCAB = "draft_vocab"  # the tokens draft_block scores: the vocabulary, or N (export --draft-vocab)
+TOP_K = "selector_top_k"  # DFlash 2: candidates per draft position (Manifest.selector["top_k"])
 KV_HEADS, HEAD_DIM, DRAFT_KV_HEADS, DRAFT_HEAD_DIM = "kv_heads", "head_dim", "draft_kv_heads", "draft_head_dim"
 # static, hybrid targets only: the Gated DeltaNet dims (manifest.linear)
 CONV_WINDOW, CONV_DIM, K_HEADS, V_HEADS, K_DIM, V_DIM = "conv_window", "conv_dim", "k_heads", "v_heads", "k_dim", "v_dim"
@@ -113,6 +118,10 @@ INPUT_IDS, POSITION_IDS, LOGITS, NEXT_IDS, TAPS = "input_ids", "position_ids", "
 CTX_POSITION_IDS = "ctx_position_ids"
 BLOCK_IDS, BLOCK_POSITION_IDS, DRAFT_IDS, DRAFT_LOGITS = "block_ids", "block_position_ids", "draft_ids", "draft_logits"
 DRAFT_CONF = "draft_conf"  # top-1 probability per draft: what adaptive verify reads
+# DFlash 2 drafters (Manifest.selector): per draft position the selector's top-k candidate ids and
+# the walk's scores [prev, cand] (row p: after the p-th candidate of the position before; position 0:
+# after the anchor, every row); draft_ids is then the greedy walk over them (docs/dflash2.md)
+DRAFT_CANDIDATES, DRAFT_SCORES = "draft_candidates", "draft_scores"
 SEQLENS_K, TOTAL_LEN = "seqlens_k", "total_sequence_length"  # ort flavour: past + seq - 1, past + seq
 POSITIONS = (POSITION_IDS, CTX_POSITION_IDS, BLOCK_POSITION_IDS)  # each graph's position input
 # ragged batches: valid target / drafter-context cache positions per row, and the target
@@ -252,6 +261,8 @@ TARGET_ORT_RAGGED = Graph(  # GroupQueryAttention takes per-row lengths already 
     inputs=(*TARGET_ORT.inputs[:4], Tensor(LOGITS_INDEX, (BATCH, PICKS), INT64), *CACHE_KV),
     outputs=(*_PICKED, *TARGET_ORT.outputs[2:]),
 )
+SELECTOR_OUTPUTS = (Tensor(DRAFT_CANDIDATES, (BATCH, DRAFTS, TOP_K), INT64),
+                    Tensor(DRAFT_SCORES, (BATCH, DRAFTS, TOP_K, TOP_K), FLOAT32))
 GRAPH_FILES = {g: spec.file for g, spec in GRAPHS.items()}
 ID_LOGITS = {NEXT_IDS: LOGITS, DRAFT_IDS: DRAFT_LOGITS}  # each in-graph argmax and the logits it reads
 
@@ -288,12 +299,25 @@ def ragged(m) -> bool:
     return bool(getattr(m, "ragged", False))
 
 
+def selector(m) -> dict | None:
+    """A DFlash 2 export's candidate selector record ({"top_k", "rank", ...}); None: DFlash 1."""
+    return getattr(m, "selector", None)
+
+
+def ring(m) -> int | None:
+    """Slots of the drafter's context ring (Manifest.draft_ring); None: one slot per position."""
+    return getattr(m, "draft_ring", None)
+
+
 def spec(graph: str, m) -> Graph:
-    """The declared graph for this manifest's attention flavour and batching."""
+    """The declared graph for this manifest's attention flavour, batching and drafter family."""
     r = ragged(m)
     if graph == TARGET and flavour(m) == "ort":
         return TARGET_ORT_RAGGED if r else TARGET_ORT
-    return (RAGGED if r else GRAPHS)[graph]
+    g = (RAGGED if r else GRAPHS)[graph]
+    if graph == DRAFT_BLOCK and selector(m):
+        return Graph(g.file, g.layers, g.inputs, g.outputs + SELECTOR_OUTPUTS)
+    return g
 
 
 def io(graph: str, m) -> tuple[list[Tensor], list[Tensor]]:
@@ -321,7 +345,7 @@ def find(graph: str, name: str, m=None) -> Tensor:
     """The declared tensor (a template for per-layer ones) behind a concrete name (without a
     manifest: the batch-1 graphs' first, then the ragged ones')."""
     for g in (GRAPHS[graph], RAGGED[graph]) if m is None else (spec(graph, m),):
-        for t in (*g.inputs, *g.outputs):
+        for t in (*g.inputs, *g.outputs, *(SELECTOR_OUTPUTS if graph == DRAFT_BLOCK and m is None else ())):
             prefix = t.name.split("{")[0]
             if name == t.name or (t.per_layer and name.startswith(prefix) and name[len(prefix):].isdigit()):
                 return t
@@ -342,6 +366,7 @@ def sizes(m) -> dict[str, int]:
         KV_HEADS: m.target_kv_heads, HEAD_DIM: m.target_head_dim,
         DRAFT_KV_HEADS: m.draft_kv_heads, DRAFT_HEAD_DIM: m.draft_head_dim,
         MAX_CTX: getattr(m, "max_context", None),  # the ort flavour's whole-buffer dim
+        **({TOP_K: int(selector(m)["top_k"])} if selector(m) else {}),
         **linear_sizes(getattr(m, "linear", None)),
     }
 

@@ -33,8 +33,9 @@ from .backend import Backend
 from .errors import DFlashError, InternalError
 from .logprobs import Logprobs, prefill_call
 from .sampling import (accept, check_request, check_sampling, choose, cut_at_stop, draft_uniforms, position_uniforms,
-                       probabilities, rejection, sample_drafts)
+                       probabilities, rejection)
 from .settings import VerifyPolicy, pad_verify
+from .walk import drafter_sampler  # q of the draft logits, or of DFlash 2's candidate walk
 
 
 @dataclass
@@ -288,14 +289,12 @@ def stream_batch(
 
 
 def _sample_drafts(backend: Backend, rows: list[_Row], drafts: np.ndarray) -> dict:
-    """Row b -> its drafts sampled from q (the draft logits of this round's call), for the rows
-    that sample by rejection."""
-    logits, ids = backend.draft_logits_rows(len(rows)), backend.draft_vocab_ids
-    out = {}
+    """Row b -> its drafts sampled from q (this round's draft call), for the rows that sample by rejection."""
+    draw, out = drafter_sampler(backend, len(rows)), {}
     for b, r in enumerate(rows):
         if r.ud is not None:
             q = r.req
-            out[b] = sample_drafts(logits[b], r.ud[r.start + 1 :, 0], q.temperature, q.top_k, q.top_p, ids)
+            out[b] = draw(b, r.ud[r.start + 1 :, 0], q.temperature, q.top_k, q.top_p)
     return out
 
 

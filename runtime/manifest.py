@@ -77,6 +77,12 @@ class Manifest:
     target_layer_types: list[str] = field(default_factory=list)
     linear: dict | None = None
     draft_vocab: dict | None = None  # reduced draft vocabulary: {"size": N, "source": ...}; None: full
+    # DFlash 2 drafters: the candidate selector {"top_k", "rank", "conv_kernel", "conv_group"} (draft_block
+    # then also returns draft_candidates / draft_scores, contract.SELECTOR_OUTPUTS); None: DFlash 1
+    selector: dict | None = None
+    # drafters whose layers all slide: the context cache is a ring of this many slots (the window), slot =
+    # position mod draft_ring, and draft_block finds each slot's position from ctx_lengths; None: slot = position
+    draft_ring: int | None = None
     # the graphs take ragged batches (contract.RAGGED: per-row lengths, position-major caches,
     # logits_index); False for older exports, which run batch 1 only
     ragged: bool = False

@@ -35,7 +35,8 @@ from .backend import Backend
 from .errors import DFlashError, InternalError
 from .memory import check_cache_memory
 from .names import names_of
-from .ort_rows import RowCalls, check_batch
+from .ort_rows import RowCalls
+from .row_cache import check_batch
 from .shared import ONNX_TYPE, STORAGE, shared_weights, tied_head_graphs
 from .trt_profiles import ort_trt_provider_options
 

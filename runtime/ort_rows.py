@@ -7,8 +7,8 @@ valid prefix in place and the new K/V straight after it, as always. Several rows
 position-major caches ([layers, max_len, B, ...], contract.RAGGED): a call over all rows
 binds their common prefix [P, B] in place, each row masked to its own length, and the new
 positions land in a scratch written into each row at its own length after the call
-(`_scatter`: a call's new positions only, never the cache). A joining row's prefill runs
-alone; past its first chunk its prefix is gathered (`_gather_row`: one row, prefill only).
+(`row_cache.scatter`: a call's new positions only, never the cache). A joining row's prefill runs
+alone; past its first chunk its prefix is gathered (`row_cache.gather_row`: one row, prefill only).
 """
 
 from __future__ import annotations
@@ -19,38 +19,8 @@ from . import contract as C, manifest as M
 from .backend import Draft, TargetOut
 from .errors import DFlashError, InternalError
 from .hybrid import LinearStates
+from .row_cache import gather_row, ring_scatter, scatter
 from .shared import STORAGE
-
-
-
-def check_batch(m: M.Manifest, max_batch: int, device: str, directory) -> int:
-    """max_batch, or one line on why this export or provider cannot run that many rows."""
-    if max_batch < 1:
-        raise DFlashError(f"--batch must be at least 1 (got {max_batch})")
-    if max_batch > 1 and not C.ragged(m):
-        raise DFlashError(f"{directory} was exported before batched decoding (batch 1 only); re-export it with this "
-                          "dflash-export to run --batch > 1")
-    if max_batch > 1 and device != "cpu":
-        raise DFlashError("--batch > 1 runs on ONNX Runtime's CPU provider (its batched caches are host arrays, written "
-                          "per row between calls); on an NVIDIA GPU use --backend trt with engines from `dflash-export "
-                          "build OUT --max-batch N`, or --provider cpu, or --batch 1")
-    return max_batch
-
-
-def _scatter(cache: np.ndarray, new: np.ndarray, rows, lengths: np.ndarray, s: int, counts) -> None:
-    """Write each row's new positions ([layers, R, s, ...] in `new`) into the position-major
-    cache [layers, max_len, B, ...] at that row's own length: counts[r] of them."""
-    L, n = cache.shape[0], cache.shape[1]
-    view = new[:, : len(rows) * s * int(np.prod(cache.shape[3:]))].reshape(L, len(rows), s, *cache.shape[3:])
-    for r, b in enumerate(rows):
-        at = int(lengths[b])
-        w = min(int(counts[r]), n - at)
-        cache[:, at : at + w, b] = view[:, r, :w]
-
-
-def _gather_row(cache: np.ndarray, out: np.ndarray, b: int, p: int) -> None:
-    """Row b's first p positions of every layer, contiguous in out [layers, p, 1, ...]."""
-    out[:, : p * int(np.prod(cache.shape[3:]))].reshape(cache.shape[0], p, *cache.shape[3:])[:] = cache[:, :p, b]
 
 
 class RowCalls:
@@ -116,18 +86,24 @@ class RowCalls:
         if self.has_drafter:
             dL, dH, dD = m.draft_layers, m.draft_kv_heads, m.draft_head_dim
             ctx_type = C.dtype(C.CTX_KV[0], m)
+            self.ring = C.ring(m)  # the context cache's slots: a ring (runtime/row_cache.py), or one per position
+            n = self._ctx_len = min(self.ring or n, n)
             if B == 1:
                 self.ctx = [self._alloc((1, n, dH, dD), ctx_type) for _ in range(2 * dL)]
             else:
                 self._flat["ctx"], self._tail["ctx"] = np.zeros((2 * dL, n * B * dH * dD), STORAGE[ctx_type]), (dH, dD)
-                self.ctx_new = np.zeros((2 * dL, B * self.max_chunk * dH * dD), STORAGE[ctx_type])
                 self._row_ctx = np.zeros((2 * dL, n * dH * dD), STORAGE[ctx_type])
-                self._views.update({k: list(getattr(self, k)) for k in ("ctx_new", "_row_ctx")})
+            if B > 1 or self.ring:  # new context K/V land here, then in each row's slots
+                self.ctx_new = np.zeros((2 * dL, B * self.max_chunk * dH * dD), STORAGE[ctx_type])
+                self._views.update({k: list(getattr(self, k)) for k in ("ctx_new", "_row_ctx") if hasattr(self, k)})
             self.block_ids = np.full((B, K), m.mask_token_id, np.int64)
             self.ctx_lengths_in = np.zeros(B, np.int64)
             self.draft_ids = np.empty((B, K - 1), np.int64)
             self._draft_logits = self._alloc((B, K - 1, C.draft_vocab_size(m)), "float32")
             self._conf = np.empty((B, K - 1), np.float32)
+            if C.selector(m):  # DFlash 2: candidates and walk scores (runtime/walk.py)
+                k = int(C.selector(m)["top_k"])
+                self._cand, self._scores = np.empty((B, K - 1, k), np.int64), self._alloc((B, K - 1, k, k), "float32")
         self._use_width()
 
     def _wide(self, key: str, w: int) -> tuple[np.ndarray, list]:
@@ -136,7 +112,8 @@ class RowCalls:
         c = self._wcache.get((key, w))
         if c is None:
             flat, tail = self._flat[key], self._tail[key]
-            arr = flat[:, : self.max_len * w * int(np.prod(tail))].reshape(flat.shape[0], self.max_len, w, *tail)
+            n = self._ctx_len if key == "ctx" else self.max_len
+            arr = flat[:, : n * w * int(np.prod(tail))].reshape(flat.shape[0], n, w, *tail)
             c = self._wcache[key, w] = (arr, list(arr))
         return c
 
@@ -290,7 +267,7 @@ class RowCalls:
         self.sessions[g].run_with_iobinding(io)
         self._io[g] = saved
         if self.kv_all is not None and not self.in_place and self.width > 1:  # width 1: written in place
-            _scatter(self.kv_all, self.kv_new, rows, lengths, S, counts)
+            scatter(self.kv_all, self.kv_new, rows, lengths, S, counts)
         self.pending[rows] = counts
         self._last_seq = S
         next_ids = self.next_ids.ravel()[: R * N].reshape(R, N)
@@ -305,14 +282,14 @@ class RowCalls:
         """Past K/V (and linear states) of `rows` in; the new positions' outputs out. One row of
         a one-row backend: its cache prefix, the new K/V straight after it. All rows: their
         position-major prefix [P, B]; the new K/V to kv_new, written per row after the run
-        (`_scatter`). One row of several: its prefix gathered (prefill chunks, reuse)."""
+        (`row_cache.scatter`). One row of several: its prefix gathered (prefill chunks, reuse)."""
         m, g, R, B = self.manifest, C.TARGET, len(rows), self.max_batch
         if self.states is not None:
             self.states.layout(R, S)
         at = rows[0] if R == 1 else 0
         gathered = R == 1 and self.width > 1 and P > 0  # width 1: the one row's prefix is contiguous, bound in place
         if gathered:
-            _gather_row(self.kv_all, self._row_kv, at, P)
+            gather_row(self.kv_all, self._row_kv, at, P)
         for i in range(m.target_layers):
             if m.is_linear(i):  # committed states in, per-position outputs to commit out
                 buf = self.states.buf
@@ -353,24 +330,26 @@ class RowCalls:
             self._bind(g, C.CTX_POSITION_IDS, self.row_pos, batch=R, ctx=c)
         for j in range(2 * m.draft_layers):
             name = self.names.ctx_key[j // 2] if j % 2 == 0 else self.names.ctx_value[j // 2]
-            if B == 1 or self.width == 1:
+            if (B == 1 or self.width == 1) and not self.ring:
                 self._bind(g, name, self.ctx[j], P, ctx=c)
             else:
                 self._bind(g, name, self._views["ctx_new"][j], batch=R, ctx=c)
         self.sessions[g].run_with_iobinding(self._io[g])
-        if B > 1 and self.width > 1:
-            _scatter(self.ctx_all, self.ctx_new, rows, lengths, c, n)
+        if self.ring:
+            ringscatter(self.ctx, self.ctx_new, rows, lengths, c, n, self.ring)
+        elif B > 1 and self.width > 1:
+            scatter(self.ctx_all, self.ctx_new, rows, lengths, c, n)
         lengths[rows] += n
 
     def draft_block_rows(self, rows, anchors):
         self._layout()
         m, g, R, B, K = self.manifest, C.DRAFT_BLOCK, len(rows), self.max_batch, self.manifest.block_size
         lengths = self.ctx_lengths
-        P = int(lengths[rows[0]]) if R == 1 else int(lengths[rows].max())
+        P = min(int(lengths[rows[0]]) if R == 1 else int(lengths[rows].max()), self._ctx_len)  # a ring: every slot
         self.block_ids[:R, 0] = anchors
         self._bind(g, C.BLOCK_IDS, self.block_ids, batch=R)
-        if R == 1:
-            self._bind(g, C.BLOCK_POSITION_IDS, self.positions, P)
+        if R == 1:  # the block's positions start at the row's context length (P: the slots bound, a ring's at most)
+            self._bind(g, C.BLOCK_POSITION_IDS, self.positions, int(lengths[rows[0]]))
         else:
             pos = self.row_pos.ravel()[: R * K].reshape(R, K)
             np.add(lengths[rows, None], np.arange(K), out=pos)
@@ -380,15 +359,23 @@ class RowCalls:
             self._bind(g, C.CTX_LENGTHS, self.ctx_lengths_in, batch=R)
         gathered = R == 1 and self.width > 1 and P > 0  # width 1: the one row's prefix is contiguous, bound in place
         if gathered:
-            _gather_row(self.ctx_all, self._row_ctx, rows[0], P)
+            gather_row(self.ctx_all, self._row_ctx, rows[0], P)
         for j in range(2 * m.draft_layers):
             name = self.names.past_ctx_key[j // 2] if j % 2 == 0 else self.names.past_ctx_value[j // 2]
             self._bind(g, name, self._views["_row_ctx"][j] if gathered else self.ctx[j], batch=R, past_ctx=P)
         self._bind(g, C.DRAFT_IDS, self.draft_ids, batch=R)
         self._bind(g, C.DRAFT_LOGITS, self._draft_logits, batch=R)
         self._bind(g, C.DRAFT_CONF, self._conf, batch=R)
+        if C.selector(m):
+            self._bind(g, C.DRAFT_CANDIDATES, self._cand, batch=R)
+            self._bind(g, C.DRAFT_SCORES, self._scores, batch=R)
         self.sessions[g].run_with_iobinding(self._io[g])
         return self.draft_ids[:R], self._conf[:R]
+
+    def draft_walk_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """DFlash 2: the last `draft_block_rows` call's candidates [n, K-1, k] and walk scores [n, K-1, k, k]."""
+        x = self._scores
+        return self._cand[:n], (x if isinstance(x, np.ndarray) else x.numpy())[:n]
 
     def draft_logits_rows(self, n: int) -> np.ndarray:
         x = self._draft_logits  # host memory on the CPU provider; a GPU provider's is copied here

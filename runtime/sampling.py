@@ -101,7 +101,8 @@ def inverse_cdf(p: np.ndarray, u: np.ndarray) -> np.ndarray:
 @dataclass
 class Drafted:
     """Drafts sampled from q: tokens [n] (target ids), q [n, N] over the scored tokens (`ids`
-    [N] their target ids; None: the whole vocabulary), qx [n] = q of each draft."""
+    [N] their target ids, or [n, N] per position: DFlash 2's candidates, runtime/walk.py;
+    None: the whole vocabulary), qx [n] = q of each draft."""
 
     tokens: np.ndarray
     q: np.ndarray
@@ -131,7 +132,7 @@ def rejection(d: Drafted, m: int, p: np.ndarray, u_accept: np.ndarray, u_target:
     if d.ids is None:
         r -= d.q[a]
     else:
-        np.subtract.at(r, d.ids, d.q[a])
+        np.subtract.at(r, d.ids if d.ids.ndim == 1 else d.ids[a], d.q[a])
     r = np.maximum(r, 0.0)
     total = r.sum()
     r = r / total if total > 0 else p[a]

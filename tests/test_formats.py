@@ -177,19 +177,23 @@ def one_line(e: pytest.ExceptionInfo) -> str:
     return msg
 
 
-def test_dflash2_is_refused(tmp_path):
+def test_dflash2_loads_and_unknown_architectures_are_refused(tmp_path):
+    from dflash_export.models.dflash2 import DFlash2Config, load_draft_config
+
+    (tmp_path / "config.json").write_text(json.dumps(fixture("dflash2-unsupported.config.json")))
+    c = load_draft_config(tmp_path)  # the released DFlash 2 config (tests/test_dflash2.py checks its tensors)
+    assert isinstance(c, DFlash2Config) and c.family == "dflash2" and c.selector_top_k == 16
     cfg = fixture("dflash2-unsupported.config.json")
-    with pytest.raises(DFlashError, match=r"architecture 'DFlash2DraftModel' is not supported") as e:
-        DraftConfig.from_dict(cfg)
+    cfg["architectures"] = ["DFlash3DraftModel"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError, match=r"architecture 'DFlash3DraftModel' is not supported \(supported: "
+                                          r"DFlashDraftModel, DFlash2DraftModel\)") as e:
+        load_draft_config(tmp_path)
     one_line(e)
-    # the DFlash2 features alone, under the DFlash architecture name, are refused too
+    # the DFlash2 features under the DFlash architecture name are refused, not half-read
     cfg["architectures"] = ["DFlashDraftModel"]
     with pytest.raises(DFlashError, match=r"DFlash2 features are not supported: selector_rank, conv_kernel_size"):
         DraftConfig.from_dict(cfg)
-    # and a directory holding it is refused before any weight is read
-    (tmp_path / "config.json").write_text(json.dumps(fixture("dflash2-unsupported.config.json")))
-    with pytest.raises(DFlashError, match="DFlash2DraftModel"):
-        Drafter.from_pretrained(tmp_path)
 
 
 @pytest.fixture()
