@@ -173,3 +173,17 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab - 2, length).tolist() for _ in range(n)]
+
+
+def uptime() -> str:
+    """The load beside every figure: the machines are shared."""
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def write_report(report: dict, out: Path, ratios) -> None:
+    """The load after, the ratios over the runs, printed and written as JSON."""
+    report["load_after"] = uptime()
+    report["ratios"] = ratios(report["runs"])
+    print(json.dumps(report["ratios"], indent=1), report["load_after"], sep="\n")
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}")

@@ -40,12 +40,9 @@ from pathlib import Path
 
 import numpy as np
 from serve import Server  # bench/serve.py's server process and streamed POST
+from common import uptime, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def cpu_s(pid: int) -> float:
@@ -154,11 +151,7 @@ def main() -> None:
     finally:
         for s in servers.values():
             s.stop()
-    report["load_after"] = uptime()
-    report["ratios"] = ratios(report["runs"])
-    print(json.dumps(report["ratios"], indent=1), report["load_after"], sep="\n")
-    a.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {a.out}")
+    write_report(report, a.out, ratios)
 
 
 def ratios(runs: list[dict]) -> dict:

@@ -40,12 +40,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vs_llamacpp as vl  # noqa: E402 (the build, the converter, our exports)
+from common import uptime, write_report  # noqa: E402
 
 ROOT = vl.ROOT
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 class Proc:
@@ -221,11 +218,7 @@ def main() -> None:
         finally:
             for p in procs.values():
                 p.stop()
-    report["load_after"] = uptime()
-    report["ratios"] = ratios(report["runs"])
-    print(json.dumps(report["ratios"], indent=1), report["load_after"], sep="\n")
-    a.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {a.out}")
+    write_report(report, a.out, ratios)
 
 
 def ratios(runs: list[dict]) -> dict:

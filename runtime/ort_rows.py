@@ -336,7 +336,7 @@ class RowCalls:
                 self._bind(g, name, self._views["ctx_new"][j], batch=R, ctx=c)
         self.sessions[g].run_with_iobinding(self._io[g])
         if self.ring:
-            ringscatter(self.ctx, self.ctx_new, rows, lengths, c, n, self.ring)
+            ring_scatter(self.ctx, self.ctx_new, rows, lengths, c, n, self.ring)
         elif B > 1 and self.width > 1:
             scatter(self.ctx_all, self.ctx_new, rows, lengths, c, n)
         lengths[rows] += n

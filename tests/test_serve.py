@@ -150,15 +150,20 @@ class Server:
             self.proc.wait(10)
 
 
-@pytest.fixture(scope="module")
-def server(art, tmp_path_factory):
-    s = Server(art, tmp_path_factory.mktemp("log") / "serve.log", "--slots", 2, "--max-queue", 8)
+def running(art: Path, log: Path, *args):
+    """A module fixture's body: the server, then Ctrl-C must end it cleanly (exit 0, no traceback)."""
+    s = Server(art, log, *args)
     yield s
     try:
-        assert s.stop(signal.SIGINT) == 0, s.log.read_text()  # Ctrl-C
+        assert s.stop(signal.SIGINT) == 0, s.log.read_text()
         assert "Traceback" not in s.log.read_text()
     finally:
         s.kill()
+
+
+@pytest.fixture(scope="module")
+def server(art, tmp_path_factory):
+    yield from running(art, tmp_path_factory.mktemp("log") / "serve.log", "--slots", 2, "--max-queue", 8)
 
 
 def replica_ok(headers: dict, pid: int, slot: str = r"\d+") -> bool:

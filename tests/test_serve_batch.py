@@ -18,7 +18,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 from runtime_cases import prompts
-from test_serve import Server, art, decode, offline, replica_ok, tok  # noqa: F401 (fixtures)
+from test_serve import Server, running, art, decode, offline, replica_ok, tok  # noqa: F401 (fixtures)
 
 from dflash_export.cli import cli
 from dflash_export.runtime.ort import OrtBackend
@@ -29,13 +29,7 @@ from dflash_export.serve.text import Text
 
 @pytest.fixture(scope="module")
 def batched(art, tmp_path_factory):
-    s = Server(art, tmp_path_factory.mktemp("log") / "serve.log", "--max-batch", 3, "--max-queue", 16)
-    yield s
-    try:
-        assert s.stop(signal.SIGINT) == 0, s.log.read_text()
-        assert "Traceback" not in s.log.read_text()
-    finally:
-        s.kill()
+    yield from running(art, tmp_path_factory.mktemp("log") / "serve.log", "--max-batch", 3, "--max-queue", 16)
 
 
 def _disconnect_after_first_event(port: int, body: dict) -> None:

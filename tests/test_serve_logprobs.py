@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import openai
 import pytest
 from runtime_cases import prompts
-from test_serve import Server, art, decode, tok  # noqa: F401 (fixtures)
+from test_serve import Server, running, art, decode, tok  # noqa: F401 (fixtures)
 
 from dflash_export.runtime.controller import controller_for
 from dflash_export.runtime.logprobs import Logprobs
@@ -31,13 +31,7 @@ from dflash_export.serve.requests import ApiError, check_logprobs
 
 @pytest.fixture(scope="module")
 def server(art, tmp_path_factory):
-    s = Server(art, tmp_path_factory.mktemp("log") / "serve.log", "--max-batch", 3)
-    yield s
-    try:
-        assert s.stop(signal.SIGINT) == 0, s.log.read_text()
-        assert "Traceback" not in s.log.read_text()
-    finally:
-        s.kill()
+    yield from running(art, tmp_path_factory.mktemp("log") / "serve.log", "--max-batch", 3)
 
 
 @pytest.fixture(scope="module")
