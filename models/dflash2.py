@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from ..runtime.errors import DFlashError
-from .checkpoint import load_state_dict, strict_load
 from .config import DRAFT2_ARCH, DRAFT_ARCH, DraftConfig, read_config
 from .drafter import Drafter, KV
 
@@ -168,6 +167,8 @@ def greedy_walk(cand: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor,
 
 
 class DFlash2Drafter(Drafter):
+    config_type = DFlash2Config
+
     def __init__(self, config: DFlash2Config):
         super().__init__(config)
         c = config
@@ -206,15 +207,6 @@ class DFlash2Drafter(Drafter):
 
     def draft_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         raise DFlashError("DFlash2 drafts come from the selector walk (DFlash2Drafter.propose), not an argmax")
-
-    @classmethod
-    def from_pretrained(cls, directory, dtype: torch.dtype = torch.float32) -> "DFlash2Drafter":
-        config = DFlash2Config.load(directory)
-        with torch.device("meta"):
-            model = cls(config)
-        strict_load(model, load_state_dict(directory, "drafter"), f"drafter {directory}", dtype)
-        model.inv_freq = config.rope.inv_freq(config.head_dim)
-        return model.eval()
 
 
 def load_drafter(directory, dtype: torch.dtype = torch.float32) -> Drafter:

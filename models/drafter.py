@@ -60,6 +60,8 @@ class DraftLayer(nn.Module):
 
 
 class Drafter(nn.Module):
+    config_type = DraftConfig  # what from_pretrained reads (DFlash2Drafter: DFlash2Config)
+
     def __init__(self, config: DraftConfig):
         super().__init__()
         self.config = config
@@ -206,7 +208,7 @@ class Drafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> "Drafter":
-        config = DraftConfig.load(directory)
+        config = cls.config_type.load(directory)
         with torch.device("meta"):
             model = cls(config)
         strict_load(model, load_state_dict(directory, "drafter"), f"drafter {directory}", dtype)

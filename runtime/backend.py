@@ -261,3 +261,9 @@ def draft_vocab_ids(m: Manifest) -> np.ndarray | None:
         return None
     ids = dv.get("ids")
     return None if ids is None else np.asarray(ids, np.int64)
+
+def check_context_counts(rows, n, last: int, lengths: np.ndarray, max_len: int) -> None:
+    """Each row's new context positions: within the last target call's and the cache's room."""
+    for b, k in zip(rows, n):
+        if not 0 <= k <= last or lengths[b] + k > max_len:
+            raise InternalError(f"draft_context({k}) of row {b} at {lengths[b]} (max {max_len})")

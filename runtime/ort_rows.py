@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import contract as C, manifest as M
-from .backend import Draft, TargetOut
+from .backend import Draft, TargetOut, check_context_counts
 from .errors import DFlashError, InternalError
 from .hybrid import LinearStates
 from .row_cache import gather_row, ring_scatter, scatter
@@ -317,9 +317,7 @@ class RowCalls:
         c = int(n[0]) if R == 1 else self._last_seq  # several rows: each computes the whole last call
         if c == 0:
             return
-        for b, k in zip(rows, n):
-            if not 0 <= k <= self._last_seq or lengths[b] + k > self.max_len:
-                raise InternalError(f"draft_context({k}) of row {b} at {lengths[b]} (max {self.max_len})")
+        check_context_counts(rows, n, self._last_seq, lengths, self.max_len)
         P = int(lengths[rows[0]])
         self._bind(g, C.TAPS, self.taps, batch=R, ctx=c)
         if R == 1:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import contract as C
-from .backend import Backend, TargetOut
+from .backend import Backend, TargetOut, check_context_counts
 from .errors import DFlashError, InternalError
 
 
@@ -188,9 +188,7 @@ class TrtRows:
         c = int(n[0]) if R == 1 else self._taps_n  # several rows: each projects the whole last call
         if c == 0:
             return
-        for b, k in zip(rows, n):
-            if not 0 <= k <= self._taps_n or lengths[b] + k > self.max_len:
-                raise InternalError(f"draft_context({k}) of row {b} at {lengths[b]} (max {self.max_len})")
+        check_context_counts(rows, n, self._taps_n, lengths, self.max_len)
         self.h_cpos[: R * c] = (lengths[rows, None] + np.arange(c)).ravel()
         self._h2d(self.d_cpos, self.h_cpos[: R * c])
         addrs = {C.TAPS: self.d_taps, C.CTX_POSITION_IDS: self.d_cpos}
