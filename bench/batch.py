@@ -6,8 +6,8 @@
 
 Parts (each prints one JSON object per measurement):
 - 06b: the Qwen3-0.6B shape (random weights; bench/real_sizes.py's checkpoint), exported once
-  at --max-context 1280 with standard and ort attention (fp32) and int4 (the standard export
-  quantized, accuracy level 4): rounds of the batched loop at --batch rows vs 1 row, every
+  at --max-context 1280 with each attention flavour (fp32) and int4 (the standard export
+  quantized, accuracy level 4; --exports picks): rounds of the batched loop at --batch rows vs 1 row, every
   row holding 300 or 1000 positions (zeros: the cost does not depend on them): plain steps, and
   speculative rounds with the verify length fixed at 6 (random weights accept nothing, so
   this is the cost of a batched round) at 300. Per-call medians show which call dominates.
@@ -107,7 +107,7 @@ def round_ms(be, rows: int, ctx: int, verify: int, split: dict) -> float:
     return 1e3 * (t3 - t0)
 
 
-def part_06b(work: Path, threads: int, repeats: int, batch: int) -> None:
+def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[str]) -> None:
     """Qwen3-0.6B shape: rounds of the batched loop at `batch` rows vs 1 row, interleaved, fastest
     of `repeats` x 4 rounds (on a shared machine the fastest is the round nothing else preempted);
     every row holds 300 or 1000 positions (`fill`). Exports (once, reused): standard attention
@@ -134,7 +134,7 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int) -> None:
         scatter.append(time.perf_counter() - t)
 
     ort_rows.scatter = timed_scatter
-    for name in ("standard", "int4", "ort"):
+    for name in exports:
         out = work / f"out-{name}"
         if not (out / "manifest.json").is_file():
             if name == "int4":
@@ -259,13 +259,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--exports", default="standard,int4,ort",
+                    help="part 06b: which exports, comma-separated (standard, int4, or an attention flavour)")
     ap.add_argument("--old", type=Path, help="part batch1: a checkout of the version to compare with")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     print(json.dumps({"uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": a.threads}), flush=True)
     if a.part == "06b":
-        part_06b(a.work, a.threads, a.repeats, a.batch)
+        part_06b(a.work, a.threads, a.repeats, a.batch, a.exports.split(","))
     elif a.part == "demo":
         part_demo(a.work, a.threads, a.repeats, a.batch)
     else:
