@@ -90,18 +90,27 @@ def gqa(max_len: int):
                         opset_imports=[h.make_opsetid("", 21), h.make_opsetid("com.microsoft", 1)], ir_version=10)
 
 
-def standard():
-    """The standard flavour's ragged attention: past [P, B, Hkv, D] ++ new, per-row masked softmax."""
+def standard(split: bool = False):
+    """The standard flavour's ragged attention: past [P, B, Hkv, D] ++ new, per-row masked softmax.
+    split: the past is never concatenated; scores over past and new are (small), and the output
+    is probs[:, :P] @ past_v + probs[:, P:] @ new_v."""
     n: list = []
     _consts(n, shq=[0, 0, HKV, G, D], shk=[0, 0, HKV, D], sh4=[0, HKV, -1, D], sh5=[0, HKV, G, -1, D], sho=[0, 0, H * D],
-            zero=0, one=1, ax0=[0], ax1=[1], axm1=[-1], scale=[D**-0.5], neg=[-3.4e38])
+            zero=0, one=1, zero1=[0], ax0=[0], ax1=[1], axm1=[-1], scale=[D**-0.5], neg=[-3.4e38])
     n += [h.make_node("Reshape", ["k", "shk"], ["k4"]), h.make_node("Transpose", ["k4"], ["kS"], perm=[1, 0, 2, 3]),
           h.make_node("Reshape", ["v", "shk"], ["v4"]), h.make_node("Transpose", ["v4"], ["vS"], perm=[1, 0, 2, 3]),
-          h.make_node("Concat", ["past_k", "kS"], ["kc"], axis=0), h.make_node("Concat", ["past_v", "vS"], ["vc"], axis=0),
-          h.make_node("Transpose", ["kc"], ["kT"], perm=[1, 2, 3, 0]), h.make_node("Transpose", ["vc"], ["vT"], perm=[1, 2, 0, 3]),
           h.make_node("Reshape", ["q", "shq"], ["q5"]), h.make_node("Transpose", ["q5"], ["q5t"], perm=[0, 2, 3, 1, 4]),
-          h.make_node("Reshape", ["q5t", "sh4"], ["qg"]),  # B Hkv (G S) D: the G heads of a KV head stacked
-          h.make_node("MatMul", ["qg", "kT"], ["sc0"]), h.make_node("Mul", ["sc0", "scale"], ["sc"]),
+          h.make_node("Reshape", ["q5t", "sh4"], ["qg"])]  # B Hkv (G S) D: the G heads of a KV head stacked
+    if split:
+        n += [h.make_node("Transpose", ["past_k"], ["pkT"], perm=[1, 2, 3, 0]), h.make_node("Transpose", ["past_v"], ["pvT"], perm=[1, 2, 0, 3]),
+              h.make_node("Transpose", ["k4"], ["nkT"], perm=[0, 2, 3, 1]), h.make_node("Transpose", ["v4"], ["nvT"], perm=[0, 2, 1, 3]),
+              h.make_node("MatMul", ["qg", "pkT"], ["scp"]), h.make_node("MatMul", ["qg", "nkT"], ["scn"]),
+              h.make_node("Concat", ["scp", "scn"], ["sc0"], axis=-1)]
+    else:
+        n += [h.make_node("Concat", ["past_k", "kS"], ["kc"], axis=0), h.make_node("Concat", ["past_v", "vS"], ["vc"], axis=0),
+              h.make_node("Transpose", ["kc"], ["kT"], perm=[1, 2, 3, 0]), h.make_node("Transpose", ["vc"], ["vT"], perm=[1, 2, 0, 3]),
+              h.make_node("MatMul", ["qg", "kT"], ["sc0"])]
+    n += [h.make_node("Mul", ["sc0", "scale"], ["sc"]),
           h.make_node("Shape", ["past_k"], ["p1"], start=0, end=1), h.make_node("Squeeze", ["p1", "ax0"], ["P"]),
           h.make_node("Shape", ["q"], ["s1"], start=1, end=2), h.make_node("Squeeze", ["s1", "ax0"], ["S"]),
           h.make_node("Add", ["P", "S"], ["T"]), h.make_node("Range", ["zero", "T", "one"], ["t"]),
@@ -111,8 +120,14 @@ def standard():
           h.make_node("GreaterOrEqual", ["t", "P"], ["isnew"]), h.make_node("Or", ["inpast", "isnew"], ["valid"]),
           h.make_node("Unsqueeze", ["valid", "ax1"], ["vb"]), h.make_node("And", ["vb", "causal"], ["vis"]),
           h.make_node("Concat", ["vis"] * G, ["visg"], axis=1), h.make_node("Unsqueeze", ["visg", "ax1"], ["vis4"]),
-          h.make_node("Where", ["vis4", "sc", "neg"], ["scm"]), h.make_node("Softmax", ["scm"], ["p"], axis=-1),
-          h.make_node("MatMul", ["p", "vT"], ["o"]), h.make_node("Reshape", ["o", "sh5"], ["o5"]),
+          h.make_node("Where", ["vis4", "sc", "neg"], ["scm"]), h.make_node("Softmax", ["scm"], ["p"], axis=-1)]
+    if split:
+        n += [h.make_node("Unsqueeze", ["P", "ax0"], ["P1"]), h.make_node("Unsqueeze", ["T", "ax0"], ["T1"]),
+              h.make_node("Slice", ["p", "zero1", "P1", "axm1"], ["pp"]), h.make_node("Slice", ["p", "P1", "T1", "axm1"], ["pn"]),
+              h.make_node("MatMul", ["pp", "pvT"], ["op"]), h.make_node("MatMul", ["pn", "nvT"], ["on"]), h.make_node("Add", ["op", "on"], ["o"])]
+    else:
+        n.append(h.make_node("MatMul", ["p", "vT"], ["o"]))
+    n += [h.make_node("Reshape", ["o", "sh5"], ["o5"]),
           h.make_node("Transpose", ["o5"], ["o5t"], perm=[0, 3, 1, 2, 4]), h.make_node("Reshape", ["o5t", "sho"], ["out"])]
     ins, outs = _io(["P", "B", HKV, D], False)
     return h.make_model(h.make_graph(n, "standard", ins, outs), opset_imports=[h.make_opsetid("", 21)], ir_version=10)
@@ -196,7 +211,7 @@ def main() -> None:
     print(json.dumps({"uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": a.threads,
                       "onnxruntime": ort.__version__, "max": a.max}), flush=True)
-    graphs = {"standard": standard(), "gqa": gqa(a.max), **{f"opset24 {m}": opset24(a.max, m)
+    graphs = {"standard": standard(), "standard split": standard(True), "gqa": gqa(a.max), **{f"opset24 {m}": opset24(a.max, m)
                                                              for m in ("mask", "float mask", "causal")}}
     sessions = {name: session(g, a.threads) for name, g in graphs.items()}
     kind = {name: name.split()[0] for name in graphs}

@@ -12,7 +12,7 @@ Parts (each prints one JSON object per measurement):
   speculative rounds with the verify length fixed at 6 (random weights accept nothing, so
   this is the cost of a batched round) at 300. Per-call medians show which call dominates.
   Prefill is left out: a joining row prefills alone at every batch size.
-- demo: the shipped demo pair through the loop, speculative and plain, --batch rows vs 1
+- demo: the shipped demo pair (exported with --attention) through the loop, speculative and plain, --batch rows vs 1
   (its held-out prompts, repeated to 2 x batch requests), then batch 1 through the batch
   backend (one row at a time) vs the one-row backend.
 - batch1: batch 1 through this version vs the version in --old (a checkout of it; each
@@ -170,22 +170,24 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
         gc.collect()
 
 
-def part_demo(work: Path, threads: int, repeats: int, batch: int) -> None:
+def part_demo(work: Path, threads: int, repeats: int, batch: int, attention: str = "standard") -> None:
     from dflash_export.cmd_batch import batch_report, run_batch
     from dflash_export.export.artifact import export_artifact
     from dflash_export.runtime.ort import OrtBackend
     from dflash_export.serve.text import load_tokenizer
 
-    out = work / "demo-out"
+    out = work / ("demo-out" if attention == "standard" else f"demo-out-{attention}")
     if not (out / "manifest.json").is_file():
-        export_artifact(ROOT / "demo/pair/target", ROOT / "demo/pair/draft", out, force=True, progress=False)
+        export_artifact(ROOT / "demo/pair/target", ROOT / "demo/pair/draft", out, attention=attention, force=True,
+                        progress=False)
     tok = load_tokenizer(out)
     ps = [tok.encode(json.loads(x)["prompt"]).ids for x in (ROOT / "demo/prompts.jsonl").read_text().splitlines()
           if x.strip()][: 2 * batch]
     backends = {batch: OrtBackend(out, threads=threads, max_batch=batch), 1: OrtBackend(out, threads=threads)}
     for draft in (True, False):
         r = compare(backends, ps, 64, draft, None, repeats)
-        print(json.dumps({"model": "demo pair", "mode": "speculative" if draft else "plain", "requests": len(ps), **r}),
+        print(json.dumps({"model": "demo pair", "attention": attention, "mode": "speculative" if draft else "plain",
+                          "requests": len(ps), **r}),
               flush=True)
     # batch 1 through the batched code: one row at a time on the batch-N backend (its position-major
     # caches at width 1) against the one-row backend, interleaved
@@ -261,6 +263,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--exports", default="standard,int4,ort",
                     help="part 06b: which exports, comma-separated (standard, int4, or an attention flavour)")
+    ap.add_argument("--attention", default="standard", help="part demo: the export's attention flavour")
     ap.add_argument("--old", type=Path, help="part batch1: a checkout of the version to compare with")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
@@ -269,7 +272,7 @@ def main() -> None:
     if a.part == "06b":
         part_06b(a.work, a.threads, a.repeats, a.batch, a.exports.split(","))
     elif a.part == "demo":
-        part_demo(a.work, a.threads, a.repeats, a.batch)
+        part_demo(a.work, a.threads, a.repeats, a.batch, a.attention)
     else:
         if a.old is None:
             raise SystemExit("--part batch1 needs --old CHECKOUT (the version to compare with)")
