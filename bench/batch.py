@@ -3,6 +3,7 @@
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/batch.py --work /tmp/batch --part 06b
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/batch.py --work /tmp/batch --part demo
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/batch.py --work /tmp/batch --part batch1 --old /path/to/old/checkout
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/batch.py --work /tmp/batch --part calls --old /path/to/old/checkout --threads 1
 
 Parts (each prints one JSON object per measurement):
 - 06b: the Qwen3-0.6B shape (random weights; bench/real_sizes.py's checkpoint), exported once
@@ -17,6 +18,8 @@ Parts (each prints one JSON object per measurement):
   backend (one row at a time) vs the one-row backend.
 - batch1: batch 1 through this version vs the version in --old (a checkout of it; each
   exports the demo pair with its own exporter), alternating child processes.
+- calls: target graph calls of this version's export vs --old's (a 4-layer checkpoint of the
+  0.6B layer shape, small vocabulary), 1 or --batch rows, 300 / 1000 past, 1 or 6 new tokens.
 Every ratio is measured within one process, runs interleaved (N, 1, N, 1, ...); the load
 (`uptime`) is printed first, as the numbers depend on it. The demo part reports best of
 --repeats: "decode" rates count the rounds only (tokens after each request's first over the
@@ -254,10 +257,53 @@ def part_batch1(work: Path, threads: int, repeats: int, old: Path) -> None:
                       "new_over_old": round(best["new"] / best["old"], 3)}), flush=True)
 
 
+EXPORT = ("from dflash_export.export.artifact import export_artifact; from pathlib import Path; import sys; "
+          "w = Path(sys.argv[1]); export_artifact(w / 'target', w / 'draft', w / sys.argv[2], max_context=1280, force=True, progress=False)")
+
+
+def part_calls(work: Path, threads: int, repeats: int, old: Path, batch: int) -> None:
+    """Target graph calls, this version's export vs --old's, alternating in one process: a 4-layer
+    checkpoint of the Qwen3-0.6B layer shape (hidden 1024, 16 heads, 8 KV heads of 128; vocabulary
+    2000, so the layers dominate), 1 or `batch` rows at 300 / 1000 past positions, 1 or 6 new tokens."""
+    import numpy as np
+    import onnxruntime as ort
+    from common import make_checkpoint
+
+    w = work / "calls"
+    if not (w / "target" / "config.json").is_file():
+        make_checkpoint(w, 2000, 1024, 4, 3072, heads=16, kv_heads=8)
+    for name, env in (("new", {}), ("old", {"PYTHONPATH": str(old_package(old, work))})):
+        if not (w / name / "manifest.json").is_file():
+            subprocess.run([sys.executable, "-c", EXPORT, str(w), name], env={**os.environ, **env}, check=True, cwd="/")
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    sessions = {k: ort.InferenceSession(str(w / k / "target.onnx"), opts, providers=["CPUExecutionProvider"]) for k in ("old", "new")}
+
+    def feeds(s, rows: int, past: int, n: int) -> dict:
+        f = {"input_ids": np.ones((rows, n), np.int64), "position_ids": past + np.tile(np.arange(n), (rows, 1)),
+             "past_lengths": np.full(rows, past, np.int64), "logits_index": np.tile(np.arange(n), (rows, 1))}
+        return {i.name: f[i.name] if i.name in f else np.full((past, rows, *i.shape[2:]), 0.01, np.float32)
+                for i in s.get_inputs()}
+
+    for past in (300, 1000):
+        for rows, n in ((1, 1), (batch, 1), (1, 6), (batch, 6)):
+            f = {k: feeds(s, rows, past, n) for k, s in sessions.items()}
+            ms = {k: [] for k in sessions}
+            for _ in range(3 * repeats):
+                for k, s in sessions.items():
+                    t = time.perf_counter()
+                    s.run(None, f[k])
+                    ms[k].append(1e3 * (time.perf_counter() - t))
+            best = {k: round(min(v), 2) for k, v in ms.items()}
+            print(json.dumps({"part": "calls", "past": past, "rows": rows, "new_tokens": n, "ms": best,
+                              "new_over_old": round(best["new"] / best["old"], 3)}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, required=True)
-    ap.add_argument("--part", choices=["06b", "demo", "batch1"], required=True)
+    ap.add_argument("--part", choices=["06b", "demo", "batch1", "calls"], required=True)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
@@ -275,8 +321,11 @@ def main() -> None:
         part_demo(a.work, a.threads, a.repeats, a.batch, a.attention)
     else:
         if a.old is None:
-            raise SystemExit("--part batch1 needs --old CHECKOUT (the version to compare with)")
-        part_batch1(a.work, a.threads, a.repeats, a.old)
+            raise SystemExit(f"--part {a.part} needs --old CHECKOUT (the version to compare with)")
+        if a.part == "calls":
+            part_calls(a.work, a.threads, a.repeats, a.old, a.batch)
+        else:
+            part_batch1(a.work, a.threads, a.repeats, a.old)
 
 
 if __name__ == "__main__":
