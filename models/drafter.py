@@ -146,13 +146,13 @@ class Drafter(nn.Module):
             h, late = self.wrap_in(layer, "attention", layer.input_layernorm(x))
             q = apply_rope(a.q_norm(a.q_proj(h).view(b, k, a.h, a.d)), cos, sin)
             kb, vb = a.kv(h, cos, sin)
-            past = None
-            if position_major:  # the ragged graph's cache [P, B, ...]: attended in place (layers.attend)
-                keys, values, past = kb, vb, past_ctx[j]
+            if position_major:  # the ragged graph's cache [P, B, ...]: join on that axis, one transpose after
+                keys = torch.cat([past_ctx[j][0], kb.transpose(0, 1)], 0).transpose(0, 1)
+                values = torch.cat([past_ctx[j][1], vb.transpose(0, 1)], 0).transpose(0, 1)
             else:
                 keys = torch.cat([past_ctx[j][0].to(kb.dtype), kb], 1)  # .to: autocast training
                 values = torch.cat([past_ctx[j][1].to(vb.dtype), vb], 1)
-            y = a.o_proj(attend(q, keys, values, self.block_mask(j, p, k, anchors, x.device), past))
+            y = a.o_proj(attend(q, keys, values, self.block_mask(j, p, k, anchors, x.device)))
             x = x + self.wrap_out(layer, "attention", y, late)
             h, late = self.wrap_in(layer, "mlp", layer.post_attention_layernorm(x))
             x = x + self.wrap_out(layer, "mlp", layer.mlp(h), late)

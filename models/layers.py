@@ -62,17 +62,11 @@ def causal_visible(p: int, s: int, past_lengths: torch.Tensor | None = None, dev
     return visible[None] & valid[:, None, :]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
-           past: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
     """q [B,S,H,D], k/v [B,T,Hkv,D] (GQA) -> [B,S,H*D].
 
     visible: None, one mask [S,T] for the whole batch (inference, export), or one per batch
     row [B,S,T] / [B,1,T] (training: many blocks, each over its own context prefix).
-    past: a position-major cache prefix (past_k, past_v) [P,B,Hkv,D] the keys k/v follow
-    (visible then covers P+T keys). It is never joined with k/v: the scores over past and new
-    keys are joined instead and the softmax split over the two value sets, so the exported
-    graph reads the cache in place rather than copying it into a Concat every call (the
-    ragged graphs' cost of context that grew faster than the rows).
     """
     b, s, h, d = q.shape
     hkv = k.shape[2]
@@ -82,11 +76,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     q = q.reshape(b, s, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * s, d)  # B Hkv (g S) D
     k = k.transpose(1, 2)  # B Hkv T D
     v = v.transpose(1, 2)
-    if past is None:
-        scores = torch.matmul(q, k.transpose(2, 3)) * (d**-0.5)
-    else:
-        pk, pv = past[0].permute(1, 2, 3, 0), past[1].permute(1, 2, 0, 3)  # B Hkv D P, B Hkv P D
-        scores = torch.cat([torch.matmul(q, pk), torch.matmul(q, k.transpose(2, 3))], -1) * (d**-0.5)
+    scores = torch.matmul(q, k.transpose(2, 3)) * (d**-0.5)
     if visible is not None:
         if visible.dim() == 2:
             m = visible.repeat(g, 1)  # rows ordered (g, s), like q
@@ -95,9 +85,5 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
             m = m.repeat(1, 1, g, 1) if m.shape[2] > 1 else m
         scores = scores.masked_fill(~m, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    if past is None:
-        out = torch.matmul(probs, v)  # B Hkv (g S) D
-    else:
-        p = pv.shape[2]
-        out = torch.matmul(probs[..., :p], pv) + torch.matmul(probs[..., p:], v)
+    out = torch.matmul(probs, v)  # B Hkv (g S) D
     return out.reshape(b, hkv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h * d)

@@ -46,11 +46,9 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, kv, visible):
-        """kv(k, v) -> all keys/values to attend to (the cache's update, or past + new), or
-        (k, v, past): a position-major past attended without a join (layers.attend)."""
+        """kv(k, v) -> all keys/values to attend to (the cache's update, or past + new)."""
         q, k, v = self.qkv(x, cos, sin)
-        keys = kv(k, v)
-        out = attend(q, keys[0], keys[1], visible, *keys[2:])
+        out = attend(q, *kv(k, v), visible)
         return self.o_proj(out), k, v
 
 
@@ -109,8 +107,8 @@ class Target(nn.Module):
         """The decoder stack: last hidden state (after the final norm), taps, new K/V.
 
         `past_lengths` [B]: each row's valid past positions (a ragged batch, layers.causal_visible).
-        `position_major`: the past comes [P, B, Hkv, D] (the ragged graphs' cache), attended in
-        place beside the new K/V (layers.attend's `past`), never joined with them."""
+        `position_major`: the past comes [P, B, Hkv, D] (the ragged graphs' cache); the new K/V
+        join it on that axis, so the exported graph transposes [past; new] once, as before."""
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
         cache = past if isinstance(past, KVCache) else None
@@ -121,7 +119,8 @@ class Target(nn.Module):
             if cache:
                 kv = lambda k, v, i=i: cache.update(i, k, v)  # noqa: E731
             elif position_major:
-                kv = lambda k, v, i=i: (k, v, past[i])  # noqa: E731
+                kv = lambda k, v, i=i: tuple(torch.cat([past[i][e], t.transpose(0, 1)], 0).transpose(0, 1)  # noqa: E731
+                                             for e, t in enumerate((k, v)))
             else:
                 kv = lambda k, v, i=i: (torch.cat([past[i][0], k], 1), torch.cat([past[i][1], v], 1))  # noqa: E731
             x, k, v = layer(x, cos, sin, kv, visible)
