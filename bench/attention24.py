@@ -102,13 +102,16 @@ def standard(split: bool = False):
           h.make_node("Reshape", ["q", "shq"], ["q5"]), h.make_node("Transpose", ["q5"], ["q5t"], perm=[0, 2, 3, 1, 4]),
           h.make_node("Reshape", ["q5t", "sh4"], ["qg"])]  # B Hkv (G S) D: the G heads of a KV head stacked
     if split:
-        n += [h.make_node("Transpose", ["past_k"], ["pkT"], perm=[1, 2, 3, 0]), h.make_node("Transpose", ["past_v"], ["pvT"], perm=[1, 2, 0, 3]),
-              h.make_node("Transpose", ["k4"], ["nkT"], perm=[0, 2, 3, 1]), h.make_node("Transpose", ["v4"], ["nvT"], perm=[0, 2, 1, 3]),
+        n += [h.make_node("Transpose", ["past_k"], ["pkT"], perm=[1, 2, 3, 0]),
+              h.make_node("Transpose", ["past_v"], ["pvT"], perm=[1, 2, 0, 3]),
+              h.make_node("Transpose", ["k4"], ["nkT"], perm=[0, 2, 3, 1]),
+              h.make_node("Transpose", ["v4"], ["nvT"], perm=[0, 2, 1, 3]),
               h.make_node("MatMul", ["qg", "pkT"], ["scp"]), h.make_node("MatMul", ["qg", "nkT"], ["scn"]),
               h.make_node("Concat", ["scp", "scn"], ["sc0"], axis=-1)]
     else:
         n += [h.make_node("Concat", ["past_k", "kS"], ["kc"], axis=0), h.make_node("Concat", ["past_v", "vS"], ["vc"], axis=0),
-              h.make_node("Transpose", ["kc"], ["kT"], perm=[1, 2, 3, 0]), h.make_node("Transpose", ["vc"], ["vT"], perm=[1, 2, 0, 3]),
+              h.make_node("Transpose", ["kc"], ["kT"], perm=[1, 2, 3, 0]),
+              h.make_node("Transpose", ["vc"], ["vT"], perm=[1, 2, 0, 3]),
               h.make_node("MatMul", ["qg", "kT"], ["sc0"])]
     n += [h.make_node("Mul", ["sc0", "scale"], ["sc"]),
           h.make_node("Shape", ["past_k"], ["p1"], start=0, end=1), h.make_node("Squeeze", ["p1", "ax0"], ["P"]),
@@ -124,7 +127,8 @@ def standard(split: bool = False):
     if split:
         n += [h.make_node("Unsqueeze", ["P", "ax0"], ["P1"]), h.make_node("Unsqueeze", ["T", "ax0"], ["T1"]),
               h.make_node("Slice", ["p", "zero1", "P1", "axm1"], ["pp"]), h.make_node("Slice", ["p", "P1", "T1", "axm1"], ["pn"]),
-              h.make_node("MatMul", ["pp", "pvT"], ["op"]), h.make_node("MatMul", ["pn", "nvT"], ["on"]), h.make_node("Add", ["op", "on"], ["o"])]
+              h.make_node("MatMul", ["pp", "pvT"], ["op"]), h.make_node("MatMul", ["pn", "nvT"], ["on"]),
+              h.make_node("Add", ["op", "on"], ["o"])]
     else:
         n.append(h.make_node("MatMul", ["p", "vT"], ["o"]))
     n += [h.make_node("Reshape", ["o", "sh5"], ["o5"]),
@@ -219,17 +223,17 @@ def main() -> None:
         if name != "gqa":
             print(json.dumps({"check": name, "rows": [5, 9], "new_tokens": 4,
                               **call(kind[name], s, a.max, 2, 4, [5, 9], 0, True)[1]}), flush=True)
-    print(json.dumps({"check": "gqa", "rows": [5, 9], "new_tokens": 1, **call("gqa", sessions["gqa"], a.max, 2, 1, [5, 9], 0, True)[1]}),
-          flush=True)
+    checked = call("gqa", sessions["gqa"], a.max, 2, 1, [5, 9], 0, True)[1]
+    print(json.dumps({"check": "gqa", "rows": [5, 9], "new_tokens": 1, **checked}), flush=True)
     for ctx in (int(c) for c in a.contexts.split(",")):
         for B, S in ((1, 1), (4, 1), (1, 6), (4, 6)):
             ms: dict = {name: [] for name in sessions if not (name == "gqa" and B > 1 and S > 1)}
             for _ in range(a.rounds):
                 for name in ms:
                     ms[name].append(call(kind[name], sessions[name], a.max, B, S, [ctx] * B, 8)[0])
-            print(json.dumps({"context": ctx, "rows": B, "new_tokens": S, "layer_ms": {k: round(min(v), 3) for k, v in ms.items()},
-                              **({"gqa": "refused (several new tokens per row with a past at batch > 1)"} if "gqa" not in ms else {})}),
-                  flush=True)
+            refused = {} if "gqa" in ms else {"gqa": "refused (several new tokens per row with a past at batch > 1)"}
+            print(json.dumps({"context": ctx, "rows": B, "new_tokens": S,
+                              "layer_ms": {k: round(min(v), 3) for k, v in ms.items()}, **refused}), flush=True)
 
 
 if __name__ == "__main__":

@@ -258,7 +258,8 @@ def part_batch1(work: Path, threads: int, repeats: int, old: Path) -> None:
 
 
 EXPORT = ("from dflash_export.export.artifact import export_artifact; from pathlib import Path; import sys; "
-          "w = Path(sys.argv[1]); export_artifact(w / 'target', w / 'draft', w / sys.argv[2], max_context=1280, force=True, progress=False)")
+          "w = Path(sys.argv[1]); export_artifact(w / 'target', w / 'draft', w / sys.argv[2], max_context=1280, "
+          "force=True, progress=False)")
 
 
 def part_calls(work: Path, threads: int, repeats: int, old: Path, batch: int) -> None:
@@ -278,7 +279,8 @@ def part_calls(work: Path, threads: int, repeats: int, old: Path, batch: int) ->
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sessions = {k: ort.InferenceSession(str(w / k / "target.onnx"), opts, providers=["CPUExecutionProvider"]) for k in ("old", "new")}
+    sessions = {k: ort.InferenceSession(str(w / k / "target.onnx"), opts, providers=["CPUExecutionProvider"])
+                for k in ("old", "new")}
 
     def feeds(s, rows: int, past: int, n: int) -> dict:
         f = {"input_ids": np.ones((rows, n), np.int64), "position_ids": past + np.tile(np.arange(n), (rows, 1)),
