@@ -211,6 +211,16 @@ def test_sampled_rows_are_their_own_seed(exports):
     assert sum(a - 1 for g in gens for a in g.acceptance_lengths) > 0
 
 
+def test_tensorrt_lint_takes_the_dflash2_and_ring_graphs(exports):
+    """TensorRT's parser would take every graph (operators, types, constant inputs, profile roles;
+    export/trt_lint.py, no TensorRT here): what `build` still lacks is in the backend (docs/dflash2.md)."""
+    from dflash_export.export.trt_lint import lint_dir
+
+    for name in EXPORTED:  # selector + ring (window 24), selector alone
+        found = lint_dir(exports[name][2])
+        assert not [f for f in found if f.level == "error"], (name, found)
+
+
 def test_tensorrt_build_refuses_dflash2(exports):
     from dflash_export.export.trt_build import build_plan
     from dflash_export.runtime import manifest as M
