@@ -363,9 +363,7 @@ class TensorRTBackend(TrtRows, Backend):
         self._h2d(self.d_bids, self.h_bids)
         self._h2d(self.d_bpos, self.h_bpos)
         addrs = {C.BLOCK_IDS: self.d_bids, C.BLOCK_POSITION_IDS: self.d_bpos,
-                 C.DRAFT_IDS: self.d_draft, C.DRAFT_LOGITS: self.d_dlogits}
-        if self.d_conf is not None:
-            addrs[C.DRAFT_CONF] = self.d_conf
+                 C.DRAFT_IDS: self.d_draft, C.DRAFT_LOGITS: self.d_dlogits} | self.draft_outputs()
         if self.ragged:
             self.h_clen[0] = p
             self._h2d(self.d_clen, self.h_clen)

@@ -25,9 +25,10 @@ import numpy as np
 from . import contract as C
 from .backend import Backend, TargetOut, check_context_counts
 from .errors import DFlashError, InternalError
+from .trt_walk import TrtSelector
 
 
-class TrtRows:
+class TrtRows(TrtSelector):
     """The `*_rows` calls of TensorRTBackend for max_batch > 1 (one row: Backend's, over the
     batch-1 methods). Uses the backend's buffers, sized for max_batch rows at load."""
 
@@ -220,9 +221,7 @@ class TrtRows:
         for d, h in ((self.d_bids, self.h_bids[: R * k]), (self.d_bpos, self.h_bpos[: R * k]), (self.d_clen, self.h_clen[:R])):
             self._h2d(d, h)
         addrs = {C.BLOCK_IDS: self.d_bids, C.BLOCK_POSITION_IDS: self.d_bpos, C.CTX_LENGTHS: self.d_clen,
-                 C.DRAFT_IDS: self.d_draft, C.DRAFT_LOGITS: self.d_dlogits}
-        if self.d_conf is not None:
-            addrs[C.DRAFT_CONF] = self.d_conf
+                 C.DRAFT_IDS: self.d_draft, C.DRAFT_LOGITS: self.d_dlogits} | self.draft_outputs()
         one = R == 1 and self.width > 1
         for j, (kb, vb) in enumerate(self.ckv):
             for e, (name, base) in enumerate(((N_.past_ctx_key[j], kb), (N_.past_ctx_value[j], vb))):
