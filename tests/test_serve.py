@@ -48,7 +48,11 @@ NO_TORCH = "import sys\nfor m in ('torch', 'onnx', 'onnxscript', 'transformers')
 @pytest.fixture(scope="module")
 def art(tmp_path_factory):
     """The qwen3 test pair (real acceptance), with a character tokenizer and a chat template."""
-    d = tmp_path_factory.mktemp("serve") / "tiny-chat"
+    return chat_art(tmp_path_factory.mktemp("serve") / "tiny-chat")
+
+
+def chat_art(d: Path) -> Path:
+    """`art` written into `d` (a new folder)."""
     shutil.copytree(artifact(CASES["qwen3"])[2], d)
     char_tokenizer(d / "tokenizer.json")
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": TEMPLATE}))

@@ -53,20 +53,27 @@ def trt_server(engines, tmp_path_factory):
 
 
 def test_batched_trt_server_equals_ort_batch1(trt_server, engines):
-    assert f"batch {ROWS}" in trt_server.ready_line and f"tensorrt {VERSION}" in trt_server.ready_line, \
-        trt_server.ready_line
-    ref = OrtBackend(engines, threads=1)
+    assert f"tensorrt {VERSION}" in trt_server.ready_line, trt_server.ready_line
+    requests_equal_ort_batch1(trt_server, engines)
+
+
+def requests_equal_ort_batch1(server, out: Path) -> None:
+    """Concurrent requests (greedy streamed and not, a prompt prefilled in chunks, a seeded sampled
+    one) to a `--max-batch 3 --speculation always` server over `out`'s engines: each equals ONNX
+    Runtime's batch-1 output of it alone, and they shared rounds. tests/test_trt_gpu.py runs it on a GPU."""
+    assert f"batch {ROWS}" in server.ready_line, server.ready_line
+    ref = OrtBackend(out, "cpu", threads=1)
     ps = prompts(7, 101, seed=5)
     ps[1] = list(range(3, 24))  # longer than --max-prompt: its prefill is chunked
     jobs = [(p, 8 + 4 * (i % 4), dict(temperature=0.8, seed=7) if i == 2 else {}) for i, p in enumerate(ps)]
     wants = [generate(ref, p, n, **k).tokens for p, n, k in jobs]  # alone, batch 1, ONNX Runtime
     assert wants[0] == generate(ref, ps[0], jobs[0][1], draft=False).tokens  # greedy: the target's own output
-    client = trt_server.client()
-    before = [trt_server.metric(f"dflash:batch_rows_per_round_{m}") for m in ("count", "sum")]
+    client = server.client()
+    before = [server.metric(f"dflash:batch_rows_per_round_{m}") for m in ("count", "sum")]
 
     def ask(i):
         p, n, k = jobs[i]
-        r = client.completions.create(model="tiny-chat", prompt=p, max_tokens=n, temperature=k.get("temperature", 0),
+        r = client.completions.create(model=out.name, prompt=p, max_tokens=n, temperature=k.get("temperature", 0),
                                       seed=k.get("seed"), stream=i % 2 == 1)
         if i % 2 == 0:
             return r.choices[0].model_extra["token_ids"]
@@ -76,11 +83,10 @@ def test_batched_trt_server_equals_ort_batch1(trt_server, engines):
         got = [f.result(timeout=300) for f in [pool.submit(ask, i) for i in range(len(jobs))]]
     for i, (g, w) in enumerate(zip(got, wants)):
         assert g == w, (i, jobs[i][2])
-    rounds, rows = (trt_server.metric(f"dflash:batch_rows_per_round_{m}") - b for m, b in zip(("count", "sum"), before))
+    rounds, rows = (server.metric(f"dflash:batch_rows_per_round_{m}") - b for m, b in zip(("count", "sum"), before))
     assert rounds > 0 and rows / rounds > 1.2, (rounds, rows)  # the requests shared rounds
-    health = trt_server.raw("GET", "/health")[2]
-    assert health["max_batch"] == ROWS
-    print(f"{len(jobs)} requests on the TensorRT double: {rounds:.0f} rounds, mean {rows / rounds:.2f} rows per round")
+    assert server.raw("GET", "/health")[2]["max_batch"] == ROWS
+    print(f"{len(jobs)} concurrent requests: {rounds:.0f} rounds, mean {rows / rounds:.2f} rows per round")
 
 
 def test_max_batch_beyond_the_engines_is_one_line(engines):
