@@ -223,6 +223,7 @@ for p in ps[:2]:
 print(json.dumps({{"ready": os.path.realpath(loop_module.__file__)}}), flush=True)
 for line in sys.stdin:
     first, count, new = map(int, line.split())
+    generate(be, ps[first % len(ps)], 4, stop_token_ids=())  # untimed: this process's caches warm again after the other's run
     toks, decode, digest = 0, 0.0, hashlib.sha256()
     t0, c0 = time.perf_counter(), time.process_time()
     for i in range(first, first + count):
@@ -320,9 +321,12 @@ def part_batch1(work: Path, old: str, seconds: float, prompts_per_run: int, new_
     """Batch 1: this checkout's `generate` vs the checkout `old`'s, each in a warm child process
     (1 thread, OMP_WAIT_POLICY=PASSIVE), many short runs alternating new/old, old/new (ABBA:
     a drift in the load hits both sides alike) for `seconds`; the same prompts in both runs of a
-    pair. Rates: decode (the rounds' wall time), end to end (prefill included, wall) and per CPU
+    pair; each run starts with an untimed 4-token generate (the caches warm again after the other
+    side's run). Rates: decode (the rounds' wall time), end to end (prefill included, wall) and per CPU
     second of the worker (prefill included: what a busy machine disturbs least). Ratios: median
-    over the pairs of new/old, the ratio of the medians, and of the best runs."""
+    over the pairs of new/old in each order (new first, old first) and their geometric mean
+    (`new_over_old`, the figure to read), the median over all pairs, the ratio of the medians,
+    and of the best runs."""
     import statistics
 
     from common import uptime, write_report
@@ -350,9 +354,13 @@ def part_batch1(work: Path, old: str, seconds: float, prompts_per_run: int, new_
         for m in ("decode_tps", "e2e_tps", "cpu_tps"):
             per = sorted(r["new"][m] / r["old"][m] for r in runs)
             q = statistics.quantiles(per, n=4)
+            # the side that runs second in a pair may be slower: the median of each order, their geometric mean
+            order = [statistics.median(r["new"][m] / r["old"][m] for r in runs[j::2]) for j in (0, 1)]
             med = {k: statistics.median(r[k][m] for r in runs) for k in ("new", "old")}
             best = {k: max(r[k][m] for r in runs) for k in ("new", "old")}
-            out[m] = {"new_over_old_median_of_pairs": round(statistics.median(per), 3),
+            out[m] = {"new_over_old": round((order[0] * order[1]) ** 0.5, 3),
+                      "new_first_then_old_first": [round(x, 3) for x in order],
+                      "new_over_old_median_of_pairs": round(statistics.median(per), 3),
                       "interquartile": [round(q[0], 3), round(q[2], 3)],
                       "median_new": round(med["new"], 1), "median_old": round(med["old"], 1),
                       "new_over_old_of_medians": round(med["new"] / med["old"], 3),
