@@ -158,10 +158,11 @@ def _batch_rows(directory, m, max_batch: int | None, slots: int | None, backend:
                 raise DFlashError(f"{directory} has no TensorRT engines; build them for --max-batch {max_batch} with "
                                   f"`dflash-export build {directory} --max-batch {max_batch}`")
             if built < max_batch:
+                rows = "batch 1 only" if built == 1 else f"batch 1..{built}"
                 raise DFlashError(f"--max-batch {max_batch} but the TensorRT engines in {directory} were built for "
-                                  f"batch 1..{built}; rebuild them with `dflash-export build {directory} --max-batch "
-                                  f"{max_batch}`, or serve with --max-batch {built}")
-            return max_batch, slots or 1  # device memory: the engines' batch was sized at build time
+                                  f"{rows}; rebuild them with `dflash-export build {directory} --max-batch {max_batch}`"
+                                  f", or serve with --max-batch {built}")
+            return max_batch, slots or 1
         try:
             check_cache_memory(m, max_batch, m.max_context, drafter)
         except DFlashError as e:
