@@ -28,6 +28,21 @@ from .errors import DFlashError, InternalError
 from .trt_walk import TrtSelector
 
 
+def check_engine_rows(record: dict | None, max_batch: int) -> None:
+    """One line when the engines (`build --max-batch`) cannot take `max_batch` rows, or are missing."""
+    if max_batch < 1:
+        raise DFlashError(f"--batch must be at least 1 (got {max_batch})")
+    build = f"`dflash-export build OUT --max-batch {max_batch}`"
+    if not record:
+        raise DFlashError("this directory has no TensorRT engines; build them first with "
+                          + (build if max_batch > 1 else "`dflash-export build OUT`"))
+    built = int(record.get("max_batch", 1))
+    if max_batch > built:
+        rows = "batch 1 only" if built == 1 else f"batch 1..{built}"
+        raise DFlashError(f"--batch {max_batch}: the engines were built for {rows}; rebuild them with {build}"
+                          + (f", or use --batch {built}" if built > 1 else ""))
+
+
 class TrtRows(TrtSelector):
     """The `*_rows` calls of TensorRTBackend for max_batch > 1 (one row: Backend's, over the
     batch-1 methods). Uses the backend's buffers, sized for max_batch rows at load."""

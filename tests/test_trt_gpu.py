@@ -178,3 +178,28 @@ def test_trt_batched_rows_match_ort(tmp_path):
             assert [g.tokens for g in gens] == want
     finally:
         be.close()
+
+
+def test_trt_batched_server_matches_ort(tmp_path):
+    """`serve --backend trt --max-batch 3` on real engines: concurrent requests (greedy, streamed,
+    chunked prefill, a seeded sampled one) each equal ONNX Runtime's batch-1 output alone
+    (tests/test_serve_trt.py runs the same check on the TensorRT double). Needs the serve extra."""
+    pytest.importorskip("openai", reason="the serve test's client (the dev extra)")
+    pytest.importorskip("fastapi", reason="the serve extra")
+    from test_serve import chat_art, running
+    from test_serve_trt import MC, MP, ROWS, requests_equal_ort_batch1
+
+    from dflash_export.cli import cli
+
+    out = chat_art(tmp_path / "tiny-chat")
+    r = CliRunner().invoke(cli, ["build", str(out), "--max-context", str(MC), "--max-prompt", str(MP), "--max-batch",
+                                 str(ROWS), "--timing-cache", str(tmp_path / "tc"), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    server = running(out, tmp_path / "serve.log", "--backend", "trt", "--max-batch", ROWS, "--max-queue", 8,
+                     "--speculation", "always")
+    s = next(server)
+    try:
+        assert "tensorrt" in s.ready_line, s.ready_line
+        requests_equal_ort_batch1(s, out)
+    finally:
+        next(server, None)  # Ctrl-C: a clean exit, then stopped by its pid
