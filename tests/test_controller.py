@@ -33,12 +33,15 @@ MODELS = {**CASES, **ORT_CASES, "hybrid": HYBRID}
 class Coin(Controller):
     """Decides each round by a seeded coin (the bookkeeping and catch-up are the controller's)."""
 
-    def __init__(self, block_size: int, seed: int, p: float = 0.5):
+    def __init__(self, block_size: int, seed: int, p: float = 0.5, per_row: bool = False):
         super().__init__(default_costs(block_size), block_size)
-        self.rng, self.p = np.random.default_rng(seed), p
+        self.rng, self.p, self.per_row = np.random.default_rng(seed), p, per_row
 
-    def choose(self, rows):
-        return bool(self.rng.random() < self.p), {}
+    def choose(self, rows, per_row=False):
+        if self.per_row:  # each row its own coin: drafted and plain rows in one round
+            return {id(r): bool(self.rng.random() < self.p) for r in rows}
+        spec = bool(self.rng.random() < self.p)
+        return {id(r): spec for r in rows}
 
 
 def flat_costs(block: int, ratio: float) -> Costs:
