@@ -49,6 +49,7 @@ from .errors import DFlashError
 GAMMA = 0.9  # a row's drafted rounds count with weight GAMMA ** (drafted rounds since): about the last 10
 PRIOR = 1.0  # a new row's estimate: as if one drafted round had emitted the batch-1 break-even + PRIOR tokens
 ALPHA = 0.3  # weight of the newest drafted round in a row's average verify length
+FADE = 0.9  # at a probe, the rounds before its plain stretch count FADE ** (plain rounds) less: the text moved on
 HOPE = 1.0  # standard errors of optimism in a row's estimate
 MEASURED_WEIGHT, MEASURED_MIN = 0.1, 8  # the measured round times: newest round's weight, rounds of each kind before use
 PROBE_BOUND = 0.02  # probes cost at most this fraction of plain throughput once the gap is at its maximum
@@ -239,7 +240,8 @@ class Controller:
                 c.plain += 1
                 c.gap = c.gap or max(2, max_gap(self.probe_cost(c, rows, per_row)) // 8)
                 continue
-            c.emitted, c.squares, c.weight = GAMMA * c.emitted + a, GAMMA * c.squares + a * a, GAMMA * c.weight + 1
+            f = GAMMA * FADE ** c.plain  # the rounds before a plain stretch count less after it (the text moved on)
+            c.emitted, c.squares, c.weight = f * c.emitted + a, f * c.squares + a * a, f * c.weight + 1
             c.length = float(v) if c.length == 0 else c.length + ALPHA * (v - c.length)
             if c.gap:  # a probe: back to drafting if the estimate now pays; a probe that did not pay itself doubles the gap
                 ratio = self.break_even(c, rows, per_row)
