@@ -1,24 +1,36 @@
-"""Speculation control: draft a round only when it is expected to beat plain steps.
+"""Speculation control: each round, each row drafts only when that is expected to beat plain steps.
 
-A drafted round of R rows costs one `draft_block` call, one verify of the longest row's
-length S and one `draft_context` call, and emits each row's accepted drafts plus one
-token; a plain step costs one 1-position target call and emits one token per row. Drafting
-pays when the rows' mean expected tokens per drafted round exceeds the break-even
+Rows decide per round, together: the rows that draft share one `draft_block` call and one
+`draft_context` call, and the target verifies them as the backend does it
+(`backend.verify_per_row`): one call padded to the longest drafting row's length (the other
+rows verify their anchor alone in it), or a call per row (ONNX Runtime's in-place
+GroupQueryAttention flavour refuses several new tokens of several rows with a past: there
+each drafting row's verify is its own call, and so is each other row's one-position step).
+A round without drafts is one plain step of every row. `Costs.round_ms` charges each of
+these what the calibration measured; the controller drafts the auto rows best-first (by
+their estimates) as long as that raises the round's expected tokens per ms, so with a
+padded verify a round drafts all rows or none, and with per-row verify the rows that accept
+well draft while the others step. At one row the break-even is
 
-    ratio(R, S) = (draft(R) + verify(R, S) + context(R)) / step(R)
+    ratio(1, S) = (draft + verify(S) + context) / step
 
-Each row keeps an exponential average of the tokens its drafted rounds emitted (`ALPHA`,
-starting at `PRIOR`) and of its verify length. A plain step's new position must still reach
-the drafter's context before the row drafts again: on a backend whose taps are host arrays
-(ONNX Runtime on CPU) the row keeps a copy of that position's taps and the next drafted
-round projects them all in one call; elsewhere each plain round makes the call.
+Each row keeps a discounted mean of the tokens its drafted rounds emitted (GAMMA, about the
+last 10 rounds; a new row starts with one round's worth of PRIOR tokens above the batch-1
+break-even) plus HOPE standard errors (acceptance is bursty), and an average verify length.
+A plain step's new position must still reach the drafter's context before the row drafts
+again: on a backend whose taps are host arrays (ONNX Runtime on CPU) the row keeps a copy of
+that position's taps and the next drafted round projects them all in one call; elsewhere
+each plain round makes the call.
 
 Probes: while plain, a row counts its plain rounds and drafts again after `gap` of them; a
-probe that does not pay doubles the gap, up to `max_gap`. A probe still emits at least the
-token a step would, so it adds at most `probe(R, S)` = ratio - 1 + context / step step-times
-per gap + 1 rounds: with the gap at its maximum, probing costs at most `PROBE_BOUND` = 2% of
-plain throughput. (The first gap of a plain stretch is max_gap / 8, at least 2, so the first
-probes of a stretch come sooner and cost more: up to 1/3 of `probe` per round at gap 2.)
+probe that does not pay doubles the gap, up to `max_gap`. At a probe the rounds before the
+plain stretch count FADE ** (plain rounds) less (the text has moved on: code prompts often
+start with a few poor rounds, then accept whole blocks). A probe still emits at least the
+token a step would, so it adds at most `probe_cost` (a drafted round with the probing row
+alone drafting, less the step it replaces, plus the catch-up call; times the rows, since
+each may probe) per gap + 1 rounds: with the gap at its maximum, probing costs at most
+`PROBE_BOUND` = 2% of plain throughput. (The first gap of a plain stretch is max_gap / 8, at
+least 2, so the first probes of a stretch come sooner and cost more.)
 
 Lossless: the target chooses every token in either kind of round, so greedy rows give the
 target's greedy output whatever is decided. A sampled row that verifies by rejection
@@ -27,8 +39,9 @@ history and the batch-1 costs, so its output stays its seed's whatever else is i
 batch; sample-and-compare rows draw the same tokens in either kind of round.
 
 Costs come from `bench --calibrate` (runtime.json `costs`: ms by rows and verify length);
-once MEASURED_MIN rounds of each kind ran, their mean wall time here corrects the break-even
-(`correction`, within 0.7-1.5x) for the rows that do not decide for themselves.
+once MEASURED_MIN rounds of each kind ran at a batch size, the wall time of drafted rounds
+over what the model charged them, against the same for plain rounds, corrects drafted
+rounds' cost (`correction`, within 0.7-1.5x) for the rows that do not decide for themselves.
 Without them, `default_costs`, in units of a batch-1 step: a call over p positions costs
 1 + 0.08 (p - 1) steps (a 16-token verify 2.2 steps, as measured on 2-core CPUs), a draft
 1 step, a context update 0.1 step: a full 16-token block is drafted only above 3.3 tokens
@@ -100,9 +113,10 @@ class Costs:
         if not lengths:
             return self.plain_ms(r)
         if not per_row or r == 1:
-            return self.spec_ms(r, max(lengths))
+            return self._memo_of(("spec", r, max(lengths)), lambda: self.spec_ms(r, max(lengths)))
         one = lambda s: self.verify_ms(r, max(2, s)) / r  # noqa: E731
-        return self._at(self.draft, r) + self._at(self.context, r) + sum(map(one, lengths)) + (r - len(lengths)) * one(1)
+        return self._memo_of(("rows", r, tuple(sorted(lengths))), lambda: self._at(self.draft, r) + self._at(
+            self.context, r) + sum(map(one, lengths)) + (r - len(lengths)) * one(1))
 
     def plain_ms(self, r: int) -> float:
         return self._memo_of(("step", r), lambda: self._at(self.step, r))
@@ -293,15 +307,18 @@ class Controller:
                 want[id(r)] = True
             else:
                 free.append(r)
-        free.sort(key=lambda r: -r.ctl.hopeful)
+        hope = {id(r): r.ctl.hopeful for r in rows if r.req.speculative}
+        free.sort(key=lambda r: -hope[id(r)])
         sure = [r for r in rows if want.get(id(r))]
         fix = self.correction(R)
         best, best_rate = 0, -1.0
+        tokens, lengths = sum(hope[id(r)] for r in sure) + R - len(sure), [self._len(r.ctl) for r in sure]
         for d in range(len(free) + 1):
-            drafting = sure + free[:d]
-            if drafting:
-                tokens = sum(r.ctl.hopeful for r in drafting) + R - len(drafting)
-                rate = tokens / (self.costs.round_ms(R, tuple(self._len(r.ctl) for r in drafting), per_row) * fix)
+            if d:
+                tokens += hope[id(free[d - 1])] - 1
+                lengths.append(self._len(free[d - 1].ctl))
+            if lengths:
+                rate = tokens / (self.costs.round_ms(R, tuple(lengths), per_row) * fix)
             else:
                 rate = R / self.costs.plain_ms(R)
             if rate > best_rate:
