@@ -62,8 +62,8 @@ from .errors import DFlashError
 GAMMA = 0.9  # a row's drafted rounds count with weight GAMMA ** (drafted rounds since): about the last 10
 PRIOR = 1.0  # a new row's estimate: as if one drafted round had emitted the batch-1 break-even + PRIOR tokens
 ALPHA = 0.3  # weight of the newest drafted round in a row's average verify length
-FADE = 0.9  # at a probe, the rounds before its plain stretch count FADE ** (plain rounds) less: the text moved on
-HOPE = 1.0  # standard errors of optimism in a row's estimate
+FADE = 0.97  # at a probe, the rounds before its plain stretch count FADE ** (plain rounds) less: the text moved on
+HOPE = 0.75  # standard errors of optimism in a row's estimate
 MEASURED_WEIGHT, MEASURED_MIN = 0.1, 8  # the measured round times: newest round's weight, rounds of each kind before use
 PROBE_BOUND = 0.02  # probes cost at most this fraction of plain throughput once the gap is at its maximum
 MODES = ("auto", "always", "never")
