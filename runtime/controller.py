@@ -211,6 +211,7 @@ class Controller:
                 R, kind, model = self._last
                 t = sum(g.round_s[-1]) * 1e3 / model
                 m = self.measured.setdefault((R, kind), [t, 0])
+                t = min(2 * m[0], max(0.5 * m[0], t))  # a round the OS preempted moves the mean by a bounded step
                 m[0], m[1] = m[0] + MEASURED_WEIGHT * (t - m[0]), m[1] + 1
                 break
         for r in rows:
