@@ -109,12 +109,13 @@ class Costs:
         """A round of r rows whose drafting rows verify `lengths` (the others their anchor alone;
         no lengths: a plain step). Batched verify: one call padded to the longest length.
         Per-row verify (`backend.verify_per_row`): a call per row, a non-drafting row's too (one
-        row's call costs 1/r of the calibrated r rows' calls; one position as two)."""
+        row's call costs 1/r of the calibrated r rows' calls, one position as two, and at least
+        a batch-1 call: the default model prices r rows as one call)."""
         if not lengths:
             return self.plain_ms(r)
         if not per_row or r == 1:
             return self._memo_of(("spec", r, max(lengths)), lambda: self.spec_ms(r, max(lengths)))
-        one = lambda s: self.verify_ms(r, max(2, s)) / r  # noqa: E731
+        one = lambda s: max(self.verify_ms(r, max(2, s)) / r, self.verify_ms(1, s))  # noqa: E731
         return self._memo_of(("rows", r, tuple(sorted(lengths))), lambda: self._at(self.draft, r) + self._at(
             self.context, r) + sum(map(one, lengths)) + (r - len(lengths)) * one(1))
 
