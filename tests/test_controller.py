@@ -121,16 +121,23 @@ def test_sampled_rows_keep_their_seed_under_the_controller():
     assert [g.tokens for g in gens] == [alone[i].tokens if i % 2 else plain[i] for i in range(len(ps))]
 
 
-def test_always_rows_draft_and_never_rows_do_not():
-    _, _, out = artifact(CASES["qwen3"])
-    be3 = OrtBackend(out, threads=1, max_batch=3)
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-ort"])
+def test_always_rows_draft_and_never_rows_do_not(name):
+    """An "always" row drafts every round and a `speculative: false` row steps beside it, on
+    the `ort` flavour (a verify call per row) and the standard one (one padded call): every
+    row's greedy tokens are its plain decoding's; an auto row where drafting does not pay
+    backs off."""
+    _, _, out = artifact(MODELS[name])
+    be1, be3 = OrtBackend(out, threads=1), OrtBackend(out, threads=1, max_batch=3)
+    assert be3.verify_per_row == (name == "qwen3-ort")
     K = be3.manifest.block_size
     ctl = Controller(flat_costs(K, 100.0), K)  # drafting never pays
     ps = prompts(3, be3.manifest.vocab_size, seed=2)
     reqs = [Request(ps[0], 20, stop_token_ids=(), speculative="always"), Request(ps[1], 20, stop_token_ids=()),
             Request(ps[2], 20, stop_token_ids=(), speculative=False)]
     gens, stats = generate_batch(be3, reqs, control=ctl)
-    assert all(gens[0].drafted) and not any(gens[2].drafted)
+    assert all(gens[0].drafted) and not any(gens[2].drafted)  # rounds where one row drafts and another steps
+    assert [g.tokens for g in gens] == [generate(be1, p, 20, draft=False, stop_token_ids=()).tokens for p in ps]
     gens, stats = generate_batch(be3, reqs[1:], control=ctl)
     assert stats.plain_rounds > 0 and rounds_of(gens)["drafted"] < 3  # backed off after its first round or two
 
