@@ -95,11 +95,12 @@ def test_plain_stretches_keep_the_drafters_context():
     assert max(kept.acceptance_lengths) > 1  # the drafter's context was right: drafts were accepted
 
 
-def test_sampled_rows_keep_their_seed_under_the_controller():
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-ort"])
+def test_sampled_rows_keep_their_seed_under_the_controller(name):
     """Rejection-sampled rows decide for themselves (batch-1 costs, own history): alone or in a
     batch, with switching, the same seed gives the same tokens; sample-and-compare rows draw
-    exactly the target's plain sampled tokens."""
-    _, _, out = artifact(CASES["qwen3"])
+    exactly the target's plain sampled tokens, whichever rows draft beside them."""
+    _, _, out = artifact(MODELS[name])
     be1, be3 = OrtBackend(out, threads=1), OrtBackend(out, threads=1, max_batch=3)
     K, V = be1.manifest.block_size, be1.manifest.vocab_size
     ctl = Controller(flat_costs(K, 3.0), K)
