@@ -7,7 +7,8 @@ pairs in one process; tau is over drafted rounds only, with the rounds each way 
 ART: the demo pair exported as `dflash-export demo` exports it (fp32, --attention ort,
 context 1024) and calibrated with 1 thread (runtime.json: the verify policy and the
 controller's round costs); when ART holds no export, this script makes it first
-(`dflash-export export` + `dflash-export bench --calibrate --threads 1`, a few minutes).
+(`dflash-export export` + `dflash-export bench --calibrate --threads 1`: 80 s at load 7 on 2
+vCPUs). The measurements took 4.3 min at load 7-9 there (`--pairs 5`, 8 prompts per set).
 
 - off-domain: demo/prompts-offdomain.jsonl (random vocabulary text), auto vs never (plain),
   decode tokens/s over all prompts, one ratio per pair (the pair's order alternates);
