@@ -7,8 +7,7 @@ rows verify their anchor alone in it), or a call per row (ONNX Runtime's in-plac
 GroupQueryAttention flavour refuses several new tokens of several rows with a past: there
 each drafting row's verify is its own call, and so is each other row's one-position step).
 A round without drafts is one plain step of every row. `Costs.round_ms` charges each of
-these what the calibration measured, drafted rounds EDGE (10%) dearer (their host work:
-acceptance, bookkeeping, more calls); the controller drafts the auto rows best-first (by
+these what the calibration measured; the controller drafts the auto rows best-first (by
 their estimates) as long as that raises the round's expected tokens per ms, so with a
 padded verify a round drafts all rows or none, and with per-row verify the rows that accept
 well draft while the others step. At one row the break-even is
@@ -45,9 +44,9 @@ over what the model charged them, against the same for plain rounds, corrects dr
 rounds' cost (`correction`, within 0.7-1.5x) for the rows that do not decide for themselves.
 Without them, `default_costs`, in units of a batch-1 step: a call over p positions costs
 1 + 0.08 (p - 1) steps (a 16-token verify 2.2 steps, as measured on 2-core CPUs), a draft
-1 step, a context update 0.1 step: a full 16-token block is drafted only above 3.6 tokens
+1 step, a context update 0.1 step: a full 16-token block is drafted only above 3.3 tokens
 a round. That is cautious: where a verify costs about a step (a GPU at small batch) the
-break-even is ~1.3-1.6 tokens a round and drafting almost never stops (docs/runtime.md
+break-even is ~1.2-1.4 tokens a round and drafting almost never stops (docs/runtime.md
 shows both); calibrate on the deployed hardware.
 """
 
@@ -66,7 +65,6 @@ ALPHA = 0.3  # weight of the newest drafted round in a row's average verify leng
 FADE = 0.97  # at a probe, the rounds before its plain stretch count FADE ** (plain rounds) less: the text moved on
 HOPE = 0.75  # standard errors of optimism in a row's estimate
 MEASURED_WEIGHT, MEASURED_MIN = 0.1, 8  # the measured round times: newest round's weight, rounds of each kind before use
-EDGE = 1.1  # a drafted round must be expected to beat plain steps by this much (its host work is not in the calibration)
 PROBE_BOUND = 0.02  # probes cost at most this fraction of plain throughput once the gap is at its maximum
 MODES = ("auto", "always", "never")
 
@@ -222,13 +220,13 @@ class Controller:
                 r.ctl.clocked = len(r.gen.round_s)
 
     def correction(self, rows: int) -> float:
-        """EDGE times drafted rounds' measured/modelled time over plain rounds' (1 until both kinds
-        ran MEASURED_MIN times at this batch size): on a loaded machine a drafted round's calls
-        may cost relatively more (or less) than the calibration saw."""
+        """Drafted rounds' measured/modelled time over plain rounds' (1 until both kinds ran
+        MEASURED_MIN times at this batch size): on a loaded machine a drafted round's calls may
+        cost relatively more (or less) than the calibration saw."""
         d, p = self.measured.get((rows, True)), self.measured.get((rows, False))
         if not d or not p or min(d[1], p[1]) < MEASURED_MIN:
-            return EDGE
-        return EDGE * min(1.5, max(0.7, d[0] / p[0]))
+            return 1.0
+        return min(1.5, max(0.7, d[0] / p[0]))
 
     def _len(self, c: RowControl) -> int:
         return max(1, min(self.block_size, math.ceil(c.length) if c.length else self.block_size))
@@ -237,7 +235,7 @@ class Controller:
         """Tokens a row's drafted round must emit to pay for itself alone in a round of `rows`
         (one that decides for itself: at batch 1): 1 + the round's extra time in per-row steps."""
         if c.own:
-            return EDGE * self.costs.ratio(1, self._len(c))
+            return self.costs.ratio(1, self._len(c))
         step = self.costs.plain_ms(rows)
         return 1 + (self.costs.round_ms(rows, (self._len(c),), per_row) * self.correction(rows) - step) / step * rows
 

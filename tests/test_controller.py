@@ -178,8 +178,8 @@ def demo_accept(rng):
 
 
 def test_gpu_like_costs_almost_never_back_off():
-    """A verify costing about a step (a GPU at small batch): the calls' break-even is ~1.4 tokens
-    a round (1.5 at 4 rows; the controller adds EDGE, 10%); with the demo drafter's acceptance (tau 4.7, independent rounds)
+    """A verify costing about a step (a GPU at small batch): the break-even is ~1.4 tokens a
+    round (1.5 at 4 rows); with the demo drafter's acceptance (tau 4.7, independent rounds)
     under 3% of rounds go plain, within 2% of drafting every round, and even
     a weak drafter (1 or 2 tokens a round, mean 1.5) keeps drafting most rounds."""
     gpu = Costs([1, 4], [1.0, 1.1], [[1.0 + 0.005 * s for s in range(16)], [1.1 + 0.01 * s for s in range(16)]],
