@@ -2,7 +2,7 @@
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/batch.py --work /tmp/batch --part 06b
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/batch.py --work /tmp/batch --part demo
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/batch.py --work /tmp/batch --part batch1 --old /path/to/old/checkout
+    .venv/bin/python bench/batch.py --work /tmp/batch1 --part batch1 --old 6ae8fb2   # under 5 minutes
 
 Parts (each prints one JSON object per measurement):
 - 06b: the Qwen3-0.6B shape (random weights; bench/real_sizes.py's checkpoint), exported once
@@ -15,8 +15,12 @@ Parts (each prints one JSON object per measurement):
 - demo: the shipped demo pair through the loop, speculative and plain, --batch rows vs 1
   (its held-out prompts, repeated to 2 x batch requests), then batch 1 through the batch
   backend (one row at a time) vs the one-row backend.
-- batch1: batch 1 through this version vs the version in --old (a checkout of it; each
-  exports the demo pair with its own exporter), alternating child processes.
+- batch1: batch 1 through this version vs the version in --old (a checkout folder, or a git
+  revision extracted into --work; 6ae8fb2 is main just before the batched loop replaced the
+  batch-1 loop): each side exports the demo pair with its own exporter and runs `generate` in a
+  warm child process (1 thread, OMP_WAIT_POLICY=PASSIVE); many short runs alternate ABBA for
+  --seconds, the same prompts in both runs of a pair, tokens checked identical; medians,
+  the load before and after, all runs: a JSON report (--report, default WORK/batch1.json).
 Every ratio is measured within one process, runs interleaved (N, 1, N, 1, ...); the load
 (`uptime`) is printed first, as the numbers depend on it. The demo part reports best of
 --repeats: "decode" rates count the rounds only (tokens after each request's first over the
@@ -199,33 +203,64 @@ def part_demo(work: Path, threads: int, repeats: int, batch: int) -> None:
           flush=True)
 
 
-CHILD = """
-import json, sys, time
-sys.path.insert(0, {root!r})
-from dflash_export.export.artifact import export_artifact
+WORKER = """
+import hashlib, json, os, sys, time
+sys.path.insert(0, {pkg!r})
+import dflash_export.runtime.loop as loop_module
 from dflash_export.runtime.ort import OrtBackend
 from dflash_export.runtime.loop import generate
 from dflash_export.serve.text import load_tokenizer
 from pathlib import Path
-out = Path({out!r})
+out, pair = Path({out!r}), Path({pair!r})
 if not (out / "manifest.json").is_file():
-    export_artifact(Path({pair!r}) / "target", Path({pair!r}) / "draft", out, force=True, progress=False)
+    from dflash_export.export.artifact import export_artifact
+    export_artifact(pair / "target", pair / "draft", out, force=True, progress=False)
 tok = load_tokenizer(out)
 ps = [tok.encode(json.loads(x)["prompt"]).ids for x in Path({prompts!r}).read_text().splitlines() if x.strip()]
-be = OrtBackend(out, threads={threads})
-generate(be, ps[0], 16)
-toks, secs = 0, 0.0
-for p in ps:
-    g = generate(be, p, 64)
-    toks += len(g.tokens) - 1
-    secs += g.decode_s
-print(json.dumps({{"tokens_per_second": toks / secs}}))
+be = OrtBackend(out, threads=1)
+for p in ps[:2]:
+    generate(be, p, 16, stop_token_ids=())
+print(json.dumps({{"ready": os.path.realpath(loop_module.__file__)}}), flush=True)
+for line in sys.stdin:
+    first, count, new = map(int, line.split())
+    generate(be, ps[first % len(ps)], 4, stop_token_ids=())  # untimed: this process's caches warm again after the other's run
+    toks, decode, digest = 0, 0.0, hashlib.sha256()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i in range(first, first + count):
+        g = generate(be, ps[i % len(ps)], new, stop_token_ids=())
+        toks += len(g.tokens)
+        decode += g.decode_s
+        digest.update(json.dumps(g.tokens).encode())
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    print(json.dumps({{"decode_tps": (toks - count) / decode, "e2e_tps": toks / wall, "cpu_tps": toks / cpu,
+                      "tokens": digest.hexdigest()[:16]}}), flush=True)
 """
 
 
+def checkout(old: str, work: Path) -> Path:
+    """`old` as a folder: itself if it is one, else a git revision of this repository extracted into `work`."""
+    if Path(old).is_dir():
+        return Path(old).resolve()
+    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{old}^{{commit}}"], capture_output=True,
+                         text=True)
+    if rev.returncode != 0:
+        raise SystemExit(f"--old {old}: neither a folder nor a git revision of {ROOT}")
+    sha = rev.stdout.strip()
+    dest = work / f"old-{sha[:12]}"
+    if not (dest / "runtime" / "loop.py").is_file():
+        tmp = work / f".old-{sha[:12]}.{os.getpid()}"
+        tmp.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", sha], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+        tmp.rename(dest)
+    return dest
+
+
 def old_package(old: Path, work: Path) -> Path:
-    """A `dflash_export` package folder over the checkout `old` (its pyproject's package-dir map), for PYTHONPATH."""
-    pkg = work / "old-pkg" / "dflash_export"
+    """A `dflash_export` package folder over the checkout `old` (its pyproject's package-dir map), for sys.path."""
+    import hashlib
+
+    pkg = work / f"pkg-{hashlib.sha256(str(old).encode()).hexdigest()[:8]}" / "dflash_export"
     if not pkg.is_dir():
         pkg.mkdir(parents=True)
         for f in (old / "dflash_export").iterdir():
@@ -236,20 +271,103 @@ def old_package(old: Path, work: Path) -> Path:
     return pkg.parent
 
 
-def part_batch1(work: Path, threads: int, repeats: int, old: Path) -> None:
-    """Batch 1: this version vs `old`, each a fresh child process per run, alternating."""
-    envs = {"new": (dict(os.environ), work / "demo-out-new"),
-            "old": (dict(os.environ, PYTHONPATH=str(old_package(old, work))), work / "demo-out-old")}
-    rates = {k: [] for k in envs}
-    for _ in range(repeats):
-        for name, (env, out) in envs.items():
-            code = CHILD.format(root=str(ROOT) if name == "new" else str(old_package(old, work)), out=str(out),
-                                pair=str(ROOT / "demo/pair"), prompts=str(ROOT / "demo/prompts.jsonl"), threads=threads)
-            res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-            rates[name].append(json.loads(res.stdout.strip().splitlines()[-1])["tokens_per_second"])
-    best = {k: max(v) for k, v in rates.items()}
-    print(json.dumps({"model": "demo pair", "mode": "speculative, batch 1", "runs": rates,
-                      "new_over_old": round(best["new"] / best["old"], 3)}), flush=True)
+def export_key(root: Path) -> str:
+    """What a checkout's export of the demo pair depends on: its exporter, models and contract."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted((root / "export").glob("*.py")) + sorted((root / "models").glob("*.py")) + [root / "runtime/contract.py"]:
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+class Worker:
+    """A child process that loads one checkout's ONNX Runtime backend once (1 thread) and runs
+    `generate` over a slice of the demo prompts per request on its stdin; idle (blocked on
+    stdin) while the other side runs, so the two never compete for a core."""
+
+    def __init__(self, name: str, root: Path, pkg: Path, work: Path):
+        out = work / f"demo-out-{name}-{export_key(root)}"
+        code = WORKER.format(pkg=str(pkg), out=str(out), pair=str(ROOT / "demo/pair"),
+                             prompts=str(ROOT / "demo/prompts.jsonl"))
+        env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(pkg))
+        self.name, self.root = name, root
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env)
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"the {self.name} worker exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def ready(self) -> str:
+        loaded = self.read()["ready"]
+        if not Path(loaded).is_relative_to(self.root.resolve()):  # PYTHONPATH lost to the installed package
+            raise SystemExit(f"the {self.name} worker loaded {loaded}, not {self.root}")
+        return loaded
+
+    def run(self, first: int, count: int, new: int) -> dict:
+        self.proc.stdin.write(f"{first} {count} {new}\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def part_batch1(work: Path, old: str, seconds: float, prompts_per_run: int, new_tokens: int, report: Path) -> None:
+    """Batch 1: this checkout's `generate` vs the checkout `old`'s, each in a warm child process
+    (1 thread, OMP_WAIT_POLICY=PASSIVE), many short runs alternating new/old, old/new (ABBA:
+    a drift in the load hits both sides alike) for `seconds`; the same prompts in both runs of a
+    pair; each run starts with an untimed 4-token generate (the caches warm again after the other
+    side's run). Rates: decode (the rounds' wall time), end to end (prefill included, wall) and per CPU
+    second of the worker (prefill included: what a busy machine disturbs least). Ratios: median
+    over the pairs of new/old in each order (new first, old first) and their geometric mean
+    (`new_over_old`, the figure to read), the median over all pairs, the ratio of the medians,
+    and of the best runs."""
+    import statistics
+
+    from common import uptime, write_report
+
+    old_root = checkout(old, work)
+    workers = {"new": Worker("new", ROOT, old_package(ROOT, work), work), "old": Worker("old", old_root, old_package(old_root, work), work)}
+    loaded = {k: w.ready() for k, w in workers.items()}
+    report_ = {"bench": "batch 1 through the batched loop vs the batch-1 loop", "model": "demo pair",
+               "mode": "speculative, greedy, full-block verify", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "load_before": uptime(), "old": str(old_root), "loaded": loaded, "threads": 1,
+               "prompts_per_run": prompts_per_run, "new_tokens": new_tokens, "runs": []}
+    end, i = time.monotonic() + seconds, 0
+    while time.monotonic() < end or i < 4:
+        order = ("new", "old") if i % 2 == 0 else ("old", "new")
+        pair = {k: workers[k].run(i * prompts_per_run, prompts_per_run, new_tokens) for k in order}
+        if pair["new"]["tokens"] != pair["old"]["tokens"]:
+            raise SystemExit(f"run {i}: new and old decoded different tokens (greedy must be identical)")
+        report_["runs"].append({k: {m: round(v, 2) for m, v in pair[k].items() if m != "tokens"} for k in ("new", "old")})
+        i += 1
+    for w in workers.values():
+        w.stop()
+
+    def ratios(runs: list) -> dict:
+        out = {"pairs": len(runs)}
+        for m in ("decode_tps", "e2e_tps", "cpu_tps"):
+            per = sorted(r["new"][m] / r["old"][m] for r in runs)
+            q = statistics.quantiles(per, n=4)
+            # the side that runs second in a pair may be slower: the median of each order, their geometric mean
+            order = [statistics.median(r["new"][m] / r["old"][m] for r in runs[j::2]) for j in (0, 1)]
+            med = {k: statistics.median(r[k][m] for r in runs) for k in ("new", "old")}
+            best = {k: max(r[k][m] for r in runs) for k in ("new", "old")}
+            out[m] = {"new_over_old": round((order[0] * order[1]) ** 0.5, 3),
+                      "new_first_then_old_first": [round(x, 3) for x in order],
+                      "new_over_old_median_of_pairs": round(statistics.median(per), 3),
+                      "interquartile": [round(q[0], 3), round(q[2], 3)],
+                      "median_new": round(med["new"], 1), "median_old": round(med["old"], 1),
+                      "new_over_old_of_medians": round(med["new"] / med["old"], 3),
+                      "new_over_old_of_best": round(best["new"] / best["old"], 3)}
+        return out
+
+    write_report(report_, report, ratios)
 
 
 def main() -> None:
@@ -259,19 +377,22 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--old", type=Path, help="part batch1: a checkout of the version to compare with")
+    ap.add_argument("--old", help="part batch1: the version to compare with: a checkout folder or a git revision")
+    ap.add_argument("--seconds", type=float, default=120, help="part batch1: how long to alternate runs")
+    ap.add_argument("--report", type=Path, help="part batch1: the JSON report [default: WORK/batch1.json]")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     print(json.dumps({"uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
-                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": a.threads}), flush=True)
+                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                      "threads": 1 if a.part == "batch1" else a.threads}), flush=True)
     if a.part == "06b":
         part_06b(a.work, a.threads, a.repeats, a.batch)
     elif a.part == "demo":
         part_demo(a.work, a.threads, a.repeats, a.batch)
     else:
         if a.old is None:
-            raise SystemExit("--part batch1 needs --old CHECKOUT (the version to compare with)")
-        part_batch1(a.work, a.threads, a.repeats, a.old)
+            raise SystemExit("--part batch1 needs --old CHECKOUT|REVISION (the version to compare with)")
+        part_batch1(a.work, a.old, a.seconds, 2, 48, a.report or a.work / "batch1.json")
 
 
 if __name__ == "__main__":

@@ -117,17 +117,26 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _engine_batch(m) -> int:
+    """The largest batch the TensorRT engines were built for (`build --max-batch`; 0: no engines)."""
+    return int(m.engines.get("max_batch", 1)) if m.engines else 0
+
+
 def _batch_rows(directory, m, max_batch: int | None, slots: int | None, backend: str, provider: str,
                 drafter: bool) -> tuple[int, int]:
     """(max_batch, slots): --max-batch batches rows in one loop, --slots runs a loop per slot.
     Neither: batch DEFAULT_BATCH rows where the export, backend and memory allow it (fewer
-    when only fewer fit), else one slot. An explicit batch that does not fit is refused."""
+    when only fewer fit; TensorRT: up to the engines' batch), else one slot. An explicit batch
+    that does not fit is refused."""
     if max_batch is not None and slots is not None and max_batch > 1 and slots > 1:
         raise DFlashError(f"give --max-batch {max_batch} or --slots {slots}, not both")
-    batchable = C.ragged(m) and backend == "ort" and provider == "cpu"
+    trt = backend == "trt"
+    batchable = C.ragged(m) and (provider == "cpu" if backend == "ort" else _engine_batch(m) > 1)
     if max_batch is None:
         if slots is not None or not batchable:
             return 1, slots or 1
+        if trt:  # device memory: the engines' batch was sized at build time
+            return min(DEFAULT_BATCH, _engine_batch(m)), 1
         for b in range(DEFAULT_BATCH, 1, -1):
             try:
                 check_cache_memory(m, b, m.max_context, drafter)
@@ -136,12 +145,24 @@ def _batch_rows(directory, m, max_batch: int | None, slots: int | None, backend:
                 continue
         return 1, 1
     if max_batch > 1:
-        if backend != "ort" or provider != "cpu":
-            raise DFlashError(f"--max-batch {max_batch} runs on --backend ort --provider cpu here (the batched "
-                              "caches are host arrays); use --max-batch 1")
+        if backend == "ort" and provider != "cpu":
+            raise DFlashError(f"--max-batch {max_batch} runs on ONNX Runtime's CPU provider (its batched caches are "
+                              "host arrays); on an NVIDIA GPU serve with --backend trt and engines from `dflash-export "
+                              f"build OUT --max-batch {max_batch}`, or use --provider cpu, or --max-batch 1")
         if not C.ragged(m):
             raise DFlashError(f"{directory} was exported before batched decoding; re-export it with this dflash-export "
                               "to use --max-batch > 1, or serve it with --max-batch 1")
+        if trt:
+            built = _engine_batch(m)
+            if not built:
+                raise DFlashError(f"{directory} has no TensorRT engines; build them for --max-batch {max_batch} with "
+                                  f"`dflash-export build {directory} --max-batch {max_batch}`")
+            if built < max_batch:
+                rows = "batch 1 only" if built == 1 else f"batch 1..{built}"
+                raise DFlashError(f"--max-batch {max_batch} but the TensorRT engines in {directory} were built for "
+                                  f"{rows}; rebuild them with `dflash-export build {directory} --max-batch {max_batch}`"
+                                  f", or serve with --max-batch {built}")
+            return max_batch, slots or 1
         try:
             check_cache_memory(m, max_batch, m.max_context, drafter)
         except DFlashError as e:

@@ -31,7 +31,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..runtime.contract import BATCH, GRAPH_FILES, GRAPHS, ring, selector
+from ..runtime.contract import BATCH, GRAPH_FILES, GRAPHS, ring
 from ..runtime.manifest import Manifest, load_manifest, write_manifest
 from ..runtime.errors import DFlashError
 from ..runtime.lazy import lazy_import
@@ -75,10 +75,10 @@ def build_plan(manifest: Manifest, precision: str | None = None, max_context: in
                max_prompt: int | None = None, workspace_gb: float = 4.0, max_batch: int = 1) -> BuildPlan:
     """The whole build decided from the manifest; raises DFlashError on impossible requests."""
     refuse_quantized(manifest)
-    if selector(manifest) or ring(manifest):  # the TensorRT backend: DFlash 1's outputs, a cache slot per position
-        what = "a DFlash 2 drafter" if selector(manifest) else "a drafter context ring (all-sliding drafter)"
-        raise DFlashError(f"this export holds {what}, which the TensorRT backend does not run yet; "
-                          "run it with ONNX Runtime (--backend ort)")
+    if ring(manifest):  # the TensorRT backend writes a drafter context slot per position
+        raise DFlashError(f"this export keeps its drafter context in a ring of {ring(manifest)} slots (every drafter "
+                          "layer slides), which the TensorRT backend does not run yet; re-export with --max-context "
+                          f"<= {ring(manifest)} (a slot per position) or run it with ONNX Runtime (--backend ort)")
     precision = check_precision(manifest.dtype, precision)
     if not workspace_gb > 0:
         raise DFlashError(f"--workspace {workspace_gb}: give the builder's workspace in GB, > 0")

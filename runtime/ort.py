@@ -108,6 +108,7 @@ class OrtBackend(RowCalls, Backend):
         self.low_memory = low_memory
         self.trace: list | None = None  # set to [] to record every bound (name, ptr, shape)
         self._geom: dict[int, tuple] = {}  # id(buffer) -> (pointer, row bytes, device), see _bind
+        self._plans: dict[tuple[str, str], tuple] = {}  # (graph, tensor) -> how _bind shapes it
 
         # one copy of the shared weights, used in place by every session whose graph holds them
         self._shared = shared_weights(self.directory, m)
@@ -223,12 +224,20 @@ class OrtBackend(RowCalls, Backend):
         Calls the binding's C++ object directly: the Python wrapper costs ~8 us a call,
         which at 4 bindings per layer was several percent of a small model's step.
         """
-        output, dtype, dims = self._specs[graph, name]
-        shape = [d if isinstance(d, int) else dynamic.get(d, 1) if d == C.BATCH else dynamic[d] for d in dims]
-        base, row, device = self._geometry(buf, dtype)
+        plan = self._plans.get((graph, name))
+        if plan is None:  # once per tensor: which dims are dynamic (a batch-1 call binds ~40 tensors a round)
+            output, dtype, dims = self._specs[graph, name]
+            plan = self._plans[graph, name] = (output, dtype, ONNX_TYPE[dtype], list(dims),
+                                               [(i, d) for i, d in enumerate(dims) if not isinstance(d, int)])
+        output, dtype, onnx_type, shape, dyn = plan
+        shape = shape.copy()
+        for i, d in dyn:
+            shape[i] = dynamic.get(d, 1) if d == C.BATCH else dynamic[d]
+        g = self._geom.get(id(buf))
+        base, row, device = g if g is not None else self._geometry(buf, dtype)
         ptr = base + offset_rows * row
         raw = self._io[graph]._iobinding
-        (raw.bind_output if output else raw.bind_input)(name, device, ONNX_TYPE[dtype], shape, ptr)
+        (raw.bind_output if output else raw.bind_input)(name, device, onnx_type, shape, ptr)
         if self.trace is not None:
             self.trace.append((name, ptr, tuple(shape)))
 

@@ -29,7 +29,7 @@ from .manifest import Manifest, load_manifest
 from .errors import DFlashError, InternalError
 from .hybrid import LinearStates
 from .trt_profiles import ENGINE_FILES, check_engine_record, check_trt_version
-from .trt_rows import TrtRows
+from .trt_rows import TrtRows, check_engine_rows
 
 INSTALL_HINT = 'pip install "dflash-export[trt]" (or: pip install tensorrt cuda-python --extra-index-url https://pypi.nvidia.com)'
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
@@ -107,11 +107,9 @@ class TensorRTBackend(TrtRows, Backend):
         self.names = names_of(m)
         cc, gpu = gpu_info(cudart, device)
         rec = m.engines
+        check_engine_rows(rec, max_batch)
         check_engine_record(rec, trt.__version__, cc)
         self.record = rec
-        if not 1 <= max_batch <= int(rec.get("max_batch", 1)):
-            raise DFlashError(f"--batch {max_batch}: the engines were built for batch 1..{rec.get('max_batch', 1)}; "
-                              f"rebuild them with `dflash-export build OUT --max-batch {max_batch}`")
         self.max_batch = B = max_batch
         self.k = m.block_size
         self.max_len = int(rec["max_context"])
@@ -363,9 +361,7 @@ class TensorRTBackend(TrtRows, Backend):
         self._h2d(self.d_bids, self.h_bids)
         self._h2d(self.d_bpos, self.h_bpos)
         addrs = {C.BLOCK_IDS: self.d_bids, C.BLOCK_POSITION_IDS: self.d_bpos,
-                 C.DRAFT_IDS: self.d_draft, C.DRAFT_LOGITS: self.d_dlogits}
-        if self.d_conf is not None:
-            addrs[C.DRAFT_CONF] = self.d_conf
+                 C.DRAFT_IDS: self.d_draft, C.DRAFT_LOGITS: self.d_dlogits} | self.draft_outputs()
         if self.ragged:
             self.h_clen[0] = p
             self._h2d(self.d_clen, self.h_clen)

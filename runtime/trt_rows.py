@@ -25,9 +25,25 @@ import numpy as np
 from . import contract as C
 from .backend import Backend, TargetOut, check_context_counts
 from .errors import DFlashError, InternalError
+from .trt_walk import TrtSelector
 
 
-class TrtRows:
+def check_engine_rows(record: dict | None, max_batch: int) -> None:
+    """One line when the engines (`build --max-batch`) cannot take `max_batch` rows, or are missing."""
+    if max_batch < 1:
+        raise DFlashError(f"--batch must be at least 1 (got {max_batch})")
+    build = f"`dflash-export build OUT --max-batch {max_batch}`"
+    if not record:
+        raise DFlashError("this directory has no TensorRT engines; build them first with "
+                          + (build if max_batch > 1 else "`dflash-export build OUT`"))
+    built = int(record.get("max_batch", 1))
+    if max_batch > built:
+        rows = "batch 1 only" if built == 1 else f"batch 1..{built}"
+        raise DFlashError(f"--batch {max_batch}: the engines were built for {rows}; rebuild them with {build}"
+                          + (f", or use --batch {built}" if built > 1 else ""))
+
+
+class TrtRows(TrtSelector):
     """The `*_rows` calls of TensorRTBackend for max_batch > 1 (one row: Backend's, over the
     batch-1 methods). Uses the backend's buffers, sized for max_batch rows at load."""
 
@@ -220,9 +236,7 @@ class TrtRows:
         for d, h in ((self.d_bids, self.h_bids[: R * k]), (self.d_bpos, self.h_bpos[: R * k]), (self.d_clen, self.h_clen[:R])):
             self._h2d(d, h)
         addrs = {C.BLOCK_IDS: self.d_bids, C.BLOCK_POSITION_IDS: self.d_bpos, C.CTX_LENGTHS: self.d_clen,
-                 C.DRAFT_IDS: self.d_draft, C.DRAFT_LOGITS: self.d_dlogits}
-        if self.d_conf is not None:
-            addrs[C.DRAFT_CONF] = self.d_conf
+                 C.DRAFT_IDS: self.d_draft, C.DRAFT_LOGITS: self.d_dlogits} | self.draft_outputs()
         one = R == 1 and self.width > 1
         for j, (kb, vb) in enumerate(self.ckv):
             for e, (name, base) in enumerate(((N_.past_ctx_key[j], kb), (N_.past_ctx_value[j], vb))):

@@ -162,8 +162,9 @@ def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, b
                 provider: str = "cpu", threads: int | None = None, spin: bool | None = None, verify: str = "auto",
                 drafter: bool = True, chat_template: str | None = None, max_batch: int = 1,
                 speculation: str = "auto") -> Engine:
-    """Load the model once: `max_batch` > 1 rows of one batched loop (serve/batch.py), or
-    `slots` sequences forked from it (weights shared), each its own loop. Threads (per
+    """Load the model once: `max_batch` > 1 rows of one batched loop (serve/batch.py; ONNX Runtime
+    on CPU, or TensorRT engines built with `build --max-batch`), or `slots` sequences forked
+    from it (weights shared), each its own loop. Threads (per
     graph), spinning, the prefill chunk and the verify policy resolve as in generate/bench
     (runtime/settings.py); `speculation` auto: the controller decides per round (runtime/controller.py)."""
     if slots < 1:
@@ -174,9 +175,6 @@ def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, b
         raise DFlashError(f"--max-batch must be >= 1 (got {max_batch})")
     if max_batch > 1 and slots > 1:
         raise DFlashError(f"give --max-batch {max_batch} or --slots {slots}, not both")
-    if max_batch > 1 and backend != "ort":
-        raise DFlashError(f"--max-batch {max_batch} needs --backend ort (the TensorRT backend runs one row here); "
-                          "use --max-batch 1")
     text = text_module.Text(directory, chat_template)
     first, cfg = open_artifact(directory, backend=backend, provider=provider, drafter=drafter, threads=threads, spin=spin,
                                verify=verify, max_batch=max_batch)

@@ -48,7 +48,11 @@ NO_TORCH = "import sys\nfor m in ('torch', 'onnx', 'onnxscript', 'transformers')
 @pytest.fixture(scope="module")
 def art(tmp_path_factory):
     """The qwen3 test pair (real acceptance), with a character tokenizer and a chat template."""
-    d = tmp_path_factory.mktemp("serve") / "tiny-chat"
+    return chat_art(tmp_path_factory.mktemp("serve") / "tiny-chat")
+
+
+def chat_art(d: Path) -> Path:
+    """`art` written into `d` (a new folder)."""
     shutil.copytree(artifact(CASES["qwen3"])[2], d)
     char_tokenizer(d / "tokenizer.json")
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": TEMPLATE}))
@@ -84,8 +88,8 @@ def decode(tok, ids):
 class Server:
     """`dflash-export serve ... --port 0` in its own process, torch blocked; stopped by its pid."""
 
-    def __init__(self, art: Path, log: Path, *args):
-        code = NO_TORCH + "from dflash_export.cli import cli\ncli(sys.argv[1:])\n"
+    def __init__(self, art: Path, log: Path, *args, prelude: str = ""):
+        code = NO_TORCH + prelude + "from dflash_export.cli import cli\ncli(sys.argv[1:])\n"
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, "serve", str(art), "--port", "0", *map(str, args)],
@@ -102,7 +106,7 @@ class Server:
             if line is None:
                 raise AssertionError(f"server exited: {log.read_text()}")
             if m := re.search(r"ready at http://127\.0\.0\.1:(\d+)", line):
-                self.port = int(m.group(1))
+                self.port, self.ready_line = int(m.group(1)), line
                 break
         self.url = f"http://127.0.0.1:{self.port}"
         self.pid = self.proc.pid
@@ -150,9 +154,10 @@ class Server:
             self.proc.wait(10)
 
 
-def running(art: Path, log: Path, *args):
-    """A module fixture's body: the server, then Ctrl-C must end it cleanly (exit 0, no traceback)."""
-    s = Server(art, log, *args)
+def running(art: Path, log: Path, *args, prelude: str = ""):
+    """A module fixture's body: the server, then Ctrl-C must end it cleanly (exit 0, no traceback).
+    `prelude`: Python run in the server process before the CLI (the TensorRT double's install)."""
+    s = Server(art, log, *args, prelude=prelude)
     yield s
     try:
         assert s.stop(signal.SIGINT) == 0, s.log.read_text()

@@ -232,7 +232,10 @@ def test_api_key_queue_full_and_graceful_shutdown(art, tmp_path, offline, tok):
 @pytest.mark.parametrize("args, message", [
     (["--max-batch", "0"], "--max-batch must be >= 1"),
     (["--max-batch", "2", "--slots", "2"], "not both"),
-    (["--max-batch", "2", "--backend", "trt"], "--max-batch 2 runs on --backend ort --provider cpu"),
+    (["--max-batch", "2", "--backend", "trt"], "has no TensorRT engines; build them for --max-batch 2 with "
+                                               "`dflash-export build"),
+    (["--max-batch", "2", "--provider", "cuda"], "--max-batch 2 runs on ONNX Runtime's CPU provider (its batched "
+                                                 "caches are host arrays); on an NVIDIA GPU serve with --backend trt"),
 ])
 def test_bad_batch_arguments_are_one_line(art, args, message):
     res = CliRunner().invoke(cli, ["serve", str(art), "--port", "0", *args])
@@ -251,7 +254,7 @@ def test_a_batch_whose_caches_do_not_fit_is_refused_at_start(art, monkeypatch):
 
 def test_default_batch_is_what_fits(art, monkeypatch):
     """No --max-batch: 4 rows where the export and memory allow, fewer when only fewer fit, 1
-    for --slots, the TensorRT backend or no memory at all."""
+    for --slots or no memory at all; TensorRT: up to 4 of the rows its engines were built for."""
     from dflash_export.cmd_serve import _batch_rows
     from dflash_export.runtime import manifest as M, memory
 
@@ -261,4 +264,8 @@ def test_default_batch_is_what_fits(art, monkeypatch):
         monkeypatch.setattr(memory, "available_memory", lambda free=free: int(free))
         assert _batch_rows(art, m, None, None, "ort", "cpu", True) == want, free
     assert _batch_rows(art, m, None, 3, "ort", "cpu", True) == (1, 3)
-    assert _batch_rows(art, m, None, None, "trt", "cpu", True) == (1, 1)
+    assert _batch_rows(art, m, None, None, "trt", "cpu", True) == (1, 1)  # no engines
+    for built, want in ((1, (1, 1)), (3, (3, 1)), (8, (4, 1))):  # engines for 1..built rows (device memory)
+        m.engines = {"max_batch": built}
+        assert _batch_rows(art, m, None, None, "trt", "cpu", True) == want, built
+        assert _batch_rows(art, m, built, None, "trt", "cpu", True) == (built, 1)

@@ -259,8 +259,12 @@ def test_batched_rows_match_ort(exported, monkeypatch, tmp_path):
         assert gens[2].tokens == generate(ref, sampled.prompt, 16, temperature=0.8, seed=7, stop_token_ids=(),
                                           draft=draft).tokens  # its own seed's output, whatever else is in the batch
         assert stats.batch == 3 and stats.occupancy > 0.5
-    with pytest.raises(DFlashError, match=r"--batch 4: the engines were built for batch 1\.\.3; rebuild"):
+    with pytest.raises(DFlashError, match=r"--batch 4: the engines were built for batch 1\.\.3; rebuild them with "
+                                          r"`dflash-export build OUT --max-batch 4`, or use --batch 3$"):
         TensorRTBackend(out, max_batch=4)
+    with pytest.raises(DFlashError, match=r"no TensorRT engines; build them first with `dflash-export build OUT "
+                                          r"--max-batch 2`$"):
+        TensorRTBackend(exported / "out", max_batch=2)
     be.close()
     f = tmp_path / "p.txt"  # the CLI: generate --backend trt --batch 3
     f.write_text("\n".join(",".join(map(str, p)) for p in prompts) + "\n")
@@ -269,6 +273,10 @@ def test_batched_rows_match_ort(exported, monkeypatch, tmp_path):
     assert r.exit_code == 0, r.output
     got = [json.loads(x)["tokens"] for x in r.stdout.splitlines() if x.startswith("{")]
     assert got == [generate(ref, p, 9, draft=False).tokens for p in prompts]
+    for cmd in (["generate", str(out), "--prompts", str(f)], ["bench", str(out)]):  # more rows than built: one line, exit 2
+        r = CliRunner().invoke(cli, [*cmd, "--backend", "trt", "--batch", "4"])
+        assert r.exit_code == 2 and r.output.startswith("error: --batch 4: the engines were built for batch 1..3") \
+            and r.output.count("\n") == 1, r.output
 
 
 def test_batched_hybrid_rows(monkeypatch, tmp_path):

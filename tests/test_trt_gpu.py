@@ -178,3 +178,62 @@ def test_trt_batched_rows_match_ort(tmp_path):
             assert [g.tokens for g in gens] == want
     finally:
         be.close()
+
+
+def test_trt_batched_server_matches_ort(tmp_path):
+    """`serve --backend trt --max-batch 3` on real engines: concurrent requests (greedy, streamed,
+    chunked prefill, a seeded sampled one) each equal ONNX Runtime's batch-1 output alone
+    (tests/test_serve_trt.py runs the same check on the TensorRT double). Needs the serve extra."""
+    pytest.importorskip("openai", reason="the serve test's client (the dev extra)")
+    pytest.importorskip("fastapi", reason="the serve extra")
+    from test_serve import chat_art, running
+    from test_serve_trt import MC, MP, ROWS, requests_equal_ort_batch1
+
+    from dflash_export.cli import cli
+
+    out = chat_art(tmp_path / "tiny-chat")
+    r = CliRunner().invoke(cli, ["build", str(out), "--max-context", str(MC), "--max-prompt", str(MP), "--max-batch",
+                                 str(ROWS), "--timing-cache", str(tmp_path / "tc"), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    server = running(out, tmp_path / "serve.log", "--backend", "trt", "--max-batch", ROWS, "--max-queue", 8,
+                     "--speculation", "always")
+    s = next(server)
+    try:
+        assert "tensorrt" in s.ready_line, s.ready_line
+        requests_equal_ort_batch1(s, out)
+    finally:
+        next(server, None)  # Ctrl-C: a clean exit, then stopped by its pid
+
+
+def test_trt_dflash2_rows_match_ort(tmp_path):
+    """A DFlash 2 export (tests/test_dflash2_export.py's two-layer drafter, no context ring) built with
+    --max-batch 3: every row's greedy tokens equal ONNX Runtime's plain greedy output, batch 1 and 3,
+    and drafts from the engine's walk get accepted; a sampled row (host walk over the engine's
+    candidates and scores) runs to its budget."""
+    import shutil
+
+    pytest.importorskip("dflash.model", reason="the official z-lab package `dflash` 0.1.0 is not installed")
+    from test_dflash2_export import _exported
+
+    from dflash_export.cli import cli
+    from dflash_export.runtime.loop import Request, generate_batch
+    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.trt_backend import TensorRTBackend
+
+    out = tmp_path / "out"
+    shutil.copytree(_exported("mixed-b6-noncausal") / "out", out)
+    r = CliRunner().invoke(cli, ["build", str(out), "--max-context", "64", "--max-prompt", "16", "--max-batch", "3",
+                                 "--timing-cache", str(tmp_path / "tc"), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    ref = OrtBackend(out, "cpu")
+    prompts = [[5, 17, 3, 42, 8], [1] * 13, [9, 4, 11]]
+    want = [_tokens(ref, p, draft=False, n=20) for p in prompts]
+    sampled = Request([6, 2, 9, 1], 20, temperature=0.8, seed=7, stop_token_ids=())
+    for batch in (1, 3):
+        be = TensorRTBackend(out, max_batch=batch)
+        try:
+            gens, _ = generate_batch(be, [Request(p, 20) for p in prompts] + [sampled], batch=batch)
+        finally:
+            be.close()
+        assert [g.tokens for g in gens[:3]] == want, batch
+        assert sum(a - 1 for g in gens[:3] for a in g.acceptance_lengths) > 0 and len(gens[3].tokens) == 20
