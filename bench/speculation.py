@@ -1,18 +1,22 @@
 """Speculation auto vs always vs never on the demo pair: in-domain, off-domain, and a mixed
-stream through the server. Every ratio is the median of interleaved pairs in one process.
+stream through the server at concurrency 1 and 4. Every ratio is the median of interleaved
+pairs in one process; tau is over drafted rounds only, with the rounds each way beside it.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/speculation.py --art ART [--pairs 5] [--out bench/speculation.json]
 
 ART: the demo pair exported as `dflash-export demo` exports it (fp32, --attention ort,
-context 1024) and calibrated (`dflash-export bench ART --calibrate`: runtime.json with the
-threads, the verify policy and the controller's round costs).
+context 1024) and calibrated with 1 thread (runtime.json: the verify policy and the
+controller's round costs); when ART holds no export, this script makes it first
+(`dflash-export export` + `dflash-export bench --calibrate --threads 1`: 80 s at load 7 on 2
+vCPUs). The measurements took 4.3 min at load 7-9 there (`--pairs 5`, 8 prompts per set).
 
 - off-domain: demo/prompts-offdomain.jsonl (random vocabulary text), auto vs never (plain),
   decode tokens/s over all prompts, one ratio per pair (the pair's order alternates);
 - in-domain: demo/prompts.jsonl (held-out Python code), auto vs always;
-- mixed: a server (`serve ART --max-batch 4`, speculation auto) fed the two prompt sets
-  alternately at concurrency 4; the mode set per request (`speculative`: true = auto,
-  "always", false = never), the three modes of a pass in rotating order; aggregate tokens/s.
+- mixed: one server (`serve ART --max-batch 4`, speculation auto) fed the two prompt sets
+  alternately at each concurrency; the mode set per request (`speculative`: true = auto,
+  "always", false = never), the three modes of a pass in rotating order; aggregate tokens/s,
+  auto over the better of always and never.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import uptime, write_report  # noqa: E402
 from serve import Server  # noqa: E402  (bench/serve.py)
 
 from dflash_export.runtime.controller import controller_for, rounds_of  # noqa: E402
@@ -58,7 +63,7 @@ def loop_pairs(art: Path, texts: list[str], new: int, a: str, b: str, pairs: int
         return [generate(be, p, new, draft=mode != "never", verify=cfg.verify, control=ctl) for p in ids]
 
     run(a), run(b)  # warm-up
-    ratios, rates, rounds, same = [], {a: [], b: []}, {a: [], b: []}, True
+    ratios, rates, rounds, taus, same = [], {a: [], b: []}, {a: [], b: []}, {a: [], b: []}, True
     for i in range(pairs):
         order = (a, b) if i % 2 == 0 else (b, a)
         got = {m: run(m) for m in order}
@@ -66,47 +71,60 @@ def loop_pairs(art: Path, texts: list[str], new: int, a: str, b: str, pairs: int
         for m in (a, b):
             rates[m].append(rate(got[m]))
             rounds[m].append(rounds_of(got[m]))
+            drafted = [n for g in got[m] for n, d in zip(g.acceptance_lengths, g.drafted) if d]
+            taus[m].append(float(np.mean(drafted)) if drafted else None)
         same = same and all(x.tokens == y.tokens for x, y in zip(got[a], got[b]))
     be.close()
     return {"modes": [a, b], "prompts": len(ids), "max_new_tokens": new, "ratios": ratios,
             "median_ratio": float(np.median(ratios)), "tokens_per_second": rates, "rounds": rounds,
-            "identical_tokens": same, "tau": None}
+            "tau_drafted_rounds": taus, "identical_tokens": same}
 
 
-def mixed_stream(art: Path, code: list[str], off: list[str], new: int, passes: int, concurrency: int) -> dict:
+def mixed_stream(server: Server, code: list[str], off: list[str], new: int, passes: int, concurrency: int) -> dict:
     stream = [p for pair in zip(code, off) for p in pair]  # alternating requests from both sets
-    server = Server(art, "--max-batch", str(concurrency))
     modes = {"auto": True, "always": "always", "never": False}
-    try:
-        def run(mode):
-            body = lambda p: {"prompt": p, "max_tokens": new, "temperature": 0,  # noqa: E731
-                              "speculative": modes[mode], "cache_prompt": False}
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(concurrency) as pool:
-                rs = list(pool.map(lambda p: server.post("/v1/completions", body(p)), stream))
-            wall = time.perf_counter() - t0
-            plain = sum(r["timings"].get("plain_rounds", 0) for r in rs)
-            rounds = sum(r["timings"]["rounds"] for r in rs)
-            return {"tokens_per_second": sum(len(r["tokens"]) for r in rs) / wall, "rounds": rounds,
-                    "plain_rounds": plain, "outputs": [r["tokens"] for r in rs]}
 
-        for m in modes:  # warm-up
-            run(m)
-        out = {m: [] for m in modes}
-        ratios, same = [], True
-        names = list(modes)
-        for i in range(passes):
-            order = names[i % 3:] + names[: i % 3]
-            got = {m: run(m) for m in order}
-            ratios.append(got["auto"]["tokens_per_second"] / max(got["always"]["tokens_per_second"],
-                                                                 got["never"]["tokens_per_second"]))
-            same = same and got["auto"]["outputs"] == got["always"]["outputs"] == got["never"]["outputs"]
-            for m in modes:
-                out[m].append({k: v for k, v in got[m].items() if k != "outputs"})
-    finally:
-        server.stop()
+    def run(mode):
+        body = lambda p: {"prompt": p, "max_tokens": new, "temperature": 0,  # noqa: E731
+                          "speculative": modes[mode], "cache_prompt": False}
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            rs = list(pool.map(lambda p: server.post("/v1/completions", body(p)), stream))
+        wall = time.perf_counter() - t0
+        ts = [r["timings"] for r in rs]
+        plain = sum(t.get("plain_rounds", 0) for t in ts)
+        drafted = sum(t["rounds"] for t in ts) - plain
+        return {"tokens_per_second": sum(len(r["tokens"]) for r in rs) / wall,
+                "rounds": {"drafted": drafted, "plain": plain},
+                "tau_drafted_rounds": (sum(t["draft_n_accepted"] for t in ts) + drafted) / drafted if drafted else None,
+                "outputs": [r["tokens"] for r in rs]}
+
+    for m in modes:  # warm-up
+        run(m)
+    out = {m: [] for m in modes}
+    ratios, same = [], True
+    names = list(modes)
+    for i in range(passes):
+        order = names[i % 3:] + names[: i % 3]
+        got = {m: run(m) for m in order}
+        ratios.append(got["auto"]["tokens_per_second"] / max(got["always"]["tokens_per_second"],
+                                                             got["never"]["tokens_per_second"]))
+        same = same and got["auto"]["outputs"] == got["always"]["outputs"] == got["never"]["outputs"]
+        for m in modes:
+            out[m].append({k: v for k, v in got[m].items() if k != "outputs"})
     return {"requests": len(stream), "concurrency": concurrency, "max_tokens": new, "by_mode": out,
             "ratios_auto_vs_better": ratios, "median_ratio": float(np.median(ratios)), "identical_tokens": same}
+
+
+def prepare(art: Path) -> None:
+    """ART as the demo makes it (fp32, --attention ort, context 1024), calibrated with 1 thread."""
+    if (art / "manifest.json").is_file() and (art / "runtime.json").is_file():
+        return
+    cli = [sys.executable, "-c", "from dflash_export.cli import main; main()"]
+    pair = ROOT / "demo" / "pair"
+    subprocess.run(cli + ["export", "--target", str(pair / "target"), "--draft", str(pair / "draft"), "--out", str(art),
+                          "--max-context", "1024", "--attention", "ort", "--force"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cli + ["bench", str(art), "--calibrate", "--threads", "1"], check=True, stdout=subprocess.DEVNULL)
 
 
 def main() -> None:
@@ -115,35 +133,34 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--concurrency", default="1,4", help="mixed stream: concurrencies (one server, --max-batch the largest)")
     ap.add_argument("--parts", default="off,in,mixed")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "speculation.json")
     args = ap.parse_args()
+    prepare(args.art)
     code, off = prompts("prompts.jsonl", args.prompts), prompts("prompts-offdomain.jsonl", args.prompts)
-    runtime = json.loads((args.art / "runtime.json").read_text()) if (args.art / "runtime.json").is_file() else {}
-    entry = runtime.get("devices", {}).get("ort:cpu", {})
+    entry = json.loads((args.art / "runtime.json").read_text()).get("devices", {}).get("ort:cpu", {})
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or
-              platform.machine(), "cpus": os.cpu_count(), "load_before": os.getloadavg(),
-              "settings": {"threads": entry.get("threads"), "verify": entry.get("verify"),
-                           "costs": "calibrated" if entry.get("costs") else "default"}}
-    parts = args.parts.split(",")
+              platform.machine(), "cpus": os.cpu_count(), "load_before": uptime(),
+              "command": " ".join(sys.argv), "settings": {"threads": entry.get("threads"), "verify": entry.get("verify"),
+                                                          "costs": entry.get("costs") or "default"}, "runs": {}}
+    runs, parts = report["runs"], args.parts.split(",")
     if "off" in parts:
-        report["off_domain_auto_vs_never"] = loop_pairs(args.art, off, args.max_new_tokens, "auto", "never", args.pairs)
-        print("off-domain auto/never", report["off_domain_auto_vs_never"]["ratios"], flush=True)
+        runs["off_domain_auto_vs_never"] = loop_pairs(args.art, off, args.max_new_tokens, "auto", "never", args.pairs)
+        print("off-domain auto/never", runs["off_domain_auto_vs_never"]["ratios"], flush=True)
     if "in" in parts:
-        report["in_domain_auto_vs_always"] = loop_pairs(args.art, code, args.max_new_tokens, "auto", "always",
-                                                        args.pairs)
-        print("in-domain auto/always", report["in_domain_auto_vs_always"]["ratios"], flush=True)
+        runs["in_domain_auto_vs_always"] = loop_pairs(args.art, code, args.max_new_tokens, "auto", "always", args.pairs)
+        print("in-domain auto/always", runs["in_domain_auto_vs_always"]["ratios"], flush=True)
     if "mixed" in parts:
-        report["mixed_stream_serve"] = mixed_stream(args.art, code, off, args.max_new_tokens, args.pairs,
-                                                    args.concurrency)
-        print("mixed auto/better", report["mixed_stream_serve"]["ratios_auto_vs_better"], flush=True)
-    report["load_after"] = os.getloadavg()
-    report["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    text = json.dumps(report, indent=1)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
+        cs = [int(c) for c in args.concurrency.split(",")]
+        server = Server(args.art, "--max-batch", str(max(cs)))
+        try:
+            for c in cs:
+                runs[f"mixed_serve_c{c}"] = mixed_stream(server, code, off, args.max_new_tokens, args.pairs, c)
+                print(f"mixed c={c} auto/better", runs[f"mixed_serve_c{c}"]["ratios_auto_vs_better"], flush=True)
+        finally:
+            server.stop()
+    write_report(report, args.out, lambda runs: {k: v["median_ratio"] for k, v in runs.items()})
 
 
 if __name__ == "__main__":

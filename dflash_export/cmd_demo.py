@@ -195,7 +195,7 @@ def print_result(console, r: dict, prompts: int, max_new_tokens: int) -> None:
     table.add_column("speculative (DFlash)", justify="right")
     table.add_column("plain decoding", justify="right")
     t = r["tokens_per_second"]
-    table.add_row("tau (tokens per target call)", f"{r['tau']:.2f}", "1.00")
+    table.add_row("tau (tokens per drafted round)", f"{r['tau']:.2f}", "1.00")
     table.add_row("positions verified per round", f"{r['mean_verify_len']:.1f}", "1.0")
     table.add_row("tokens/s (decode)", f"{t['speculative']:.0f}", f"{t['autoregressive']:.0f}")
     verify = describe_policy(None if r["verify"] == "full" else VerifyPolicy(**r["verify"]))

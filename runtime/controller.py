@@ -1,24 +1,36 @@
-"""Speculation control: draft a round only when it is expected to beat plain steps.
+"""Speculation control: each round, each row drafts only when that is expected to beat plain steps.
 
-A drafted round of R rows costs one `draft_block` call, one verify of the longest row's
-length S and one `draft_context` call, and emits each row's accepted drafts plus one
-token; a plain step costs one 1-position target call and emits one token per row. Drafting
-pays when the rows' mean expected tokens per drafted round exceeds the break-even
+Rows decide per round, together: the rows that draft share one `draft_block` call and one
+`draft_context` call, and the target verifies them as the backend does it
+(`backend.verify_per_row`): one call padded to the longest drafting row's length (the other
+rows verify their anchor alone in it), or a call per row (ONNX Runtime's in-place
+GroupQueryAttention flavour refuses several new tokens of several rows with a past: there
+each drafting row's verify is its own call, and so is each other row's one-position step).
+A round without drafts is one plain step of every row. `Costs.round_ms` charges each of
+these what the calibration measured; the controller drafts the auto rows best-first (by
+their estimates) as long as that raises the round's expected tokens per ms, so with a
+padded verify a round drafts all rows or none, and with per-row verify the rows that accept
+well draft while the others step. At one row the break-even is
 
-    ratio(R, S) = (draft(R) + verify(R, S) + context(R)) / step(R)
+    ratio(1, S) = (draft + verify(S) + context) / step
 
-Each row keeps an exponential average of the tokens its drafted rounds emitted (`ALPHA`,
-starting at `PRIOR`) and of its verify length. A plain step's new position must still reach
-the drafter's context before the row drafts again: on a backend whose taps are host arrays
-(ONNX Runtime on CPU) the row keeps a copy of that position's taps and the next drafted
-round projects them all in one call; elsewhere each plain round makes the call.
+Each row keeps a discounted mean of the tokens its drafted rounds emitted (GAMMA, about the
+last 10 rounds; a new row starts with one round's worth of PRIOR tokens above the batch-1
+break-even) plus HOPE standard errors (acceptance is bursty), and an average verify length.
+A plain step's new position must still reach the drafter's context before the row drafts
+again: on a backend whose taps are host arrays (ONNX Runtime on CPU) the row keeps a copy of
+that position's taps and the next drafted round projects them all in one call; elsewhere
+each plain round makes the call.
 
 Probes: while plain, a row counts its plain rounds and drafts again after `gap` of them; a
-probe that does not pay doubles the gap, up to `max_gap`. A probe still emits at least the
-token a step would, so it adds at most `probe(R, S)` = ratio - 1 + context / step step-times
-per gap + 1 rounds: with the gap at its maximum, probing costs at most `PROBE_BOUND` = 2% of
-plain throughput. (The first gap of a plain stretch is max_gap / 8, at least 2, so the first
-probes of a stretch come sooner and cost more: up to 1/3 of `probe` per round at gap 2.)
+probe that does not pay doubles the gap, up to `max_gap`. At a probe the rounds before the
+plain stretch count FADE ** (plain rounds) less (the text has moved on: code prompts often
+start with a few poor rounds, then accept whole blocks). A probe still emits at least the
+token a step would, so it adds at most `probe_cost` (a drafted round with the probing row
+alone drafting, less the step it replaces, plus the catch-up call; times the rows, since
+each may probe) per gap + 1 rounds: with the gap at its maximum, probing costs at most
+`PROBE_BOUND` = 2% of plain throughput. (The first gap of a plain stretch is max_gap / 8, at
+least 2, so the first probes of a stretch come sooner and cost more.)
 
 Lossless: the target chooses every token in either kind of round, so greedy rows give the
 target's greedy output whatever is decided. A sampled row that verifies by rejection
@@ -27,8 +39,9 @@ history and the batch-1 costs, so its output stays its seed's whatever else is i
 batch; sample-and-compare rows draw the same tokens in either kind of round.
 
 Costs come from `bench --calibrate` (runtime.json `costs`: ms by rows and verify length);
-once MEASURED_MIN rounds of each kind ran, their mean wall time here corrects the break-even
-(`correction`, within 0.7-1.5x) for the rows that do not decide for themselves.
+once MEASURED_MIN rounds of each kind ran at a batch size, the wall time of drafted rounds
+over what the model charged them, against the same for plain rounds, corrects drafted
+rounds' cost (`correction`, within 0.7-1.5x) for the rows that do not decide for themselves.
 Without them, `default_costs`, in units of a batch-1 step: a call over p positions costs
 1 + 0.08 (p - 1) steps (a 16-token verify 2.2 steps, as measured on 2-core CPUs), a draft
 1 step, a context update 0.1 step: a full 16-token block is drafted only above 3.3 tokens
@@ -49,7 +62,8 @@ from .errors import DFlashError
 GAMMA = 0.9  # a row's drafted rounds count with weight GAMMA ** (drafted rounds since): about the last 10
 PRIOR = 1.0  # a new row's estimate: as if one drafted round had emitted the batch-1 break-even + PRIOR tokens
 ALPHA = 0.3  # weight of the newest drafted round in a row's average verify length
-HOPE = 1.0  # standard errors of optimism in a row's estimate
+FADE = 0.97  # at a probe, the rounds before its plain stretch count FADE ** (plain rounds) less: the text moved on
+HOPE = 0.75  # standard errors of optimism in a row's estimate
 MEASURED_WEIGHT, MEASURED_MIN = 0.1, 8  # the measured round times: newest round's weight, rounds of each kind before use
 PROBE_BOUND = 0.02  # probes cost at most this fraction of plain throughput once the gap is at its maximum
 MODES = ("auto", "always", "never")
@@ -78,19 +92,39 @@ class Costs:
         w = (r - xs[i - 1]) / (xs[i] - xs[i - 1])
         return values[i - 1] + w * (values[i] - values[i - 1])
 
-    def spec_ms(self, r: int, s: int) -> float:
+    def _memo_of(self, key, fn) -> float:
+        if key not in self._memo:  # the loop asks every round: a dict look-up, not the arithmetic
+            self._memo[key] = fn()
+        return self._memo[key]
+
+    def verify_ms(self, r: int, s: int) -> float:
+        """One verify call of r rows, s positions each (as calibrated: on a per-row backend, r calls)."""
         s = max(1, min(s, len(self.verify[0])))
-        return self._at(self.draft, r) + self._at([v[s - 1] for v in self.verify], r) + self._at(self.context, r)
+        return self._memo_of(("verify", r, s), lambda: self._at([v[s - 1] for v in self.verify], r))
+
+    def spec_ms(self, r: int, s: int) -> float:
+        return self._at(self.draft, r) + self.verify_ms(r, s) + self._at(self.context, r)
+
+    def round_ms(self, r: int, lengths, per_row: bool = False) -> float:
+        """A round of r rows whose drafting rows verify `lengths` (the others their anchor alone;
+        no lengths: a plain step). Batched verify: one call padded to the longest length.
+        Per-row verify (`backend.verify_per_row`): a call per row, a non-drafting row's too (one
+        row's call costs 1/r of the calibrated r rows' calls, one position as two, and at least
+        a batch-1 call: the default model prices r rows as one call)."""
+        if not lengths:
+            return self.plain_ms(r)
+        if not per_row or r == 1:
+            return self._memo_of(("spec", r, max(lengths)), lambda: self.spec_ms(r, max(lengths)))
+        one = lambda s: max(self.verify_ms(r, max(2, s)) / r, self.verify_ms(1, s))  # noqa: E731
+        return self._memo_of(("rows", r, tuple(sorted(lengths))), lambda: self._at(self.draft, r) + self._at(
+            self.context, r) + sum(map(one, lengths)) + (r - len(lengths)) * one(1))
 
     def plain_ms(self, r: int) -> float:
-        return self._at(self.step, r)
+        return self._memo_of(("step", r), lambda: self._at(self.step, r))
 
     def ratio(self, r: int, s: int) -> float:
         """Tokens a drafted round must emit per row to match plain steps (the break-even)."""
-        key = (r, s)
-        if key not in self._memo:  # the loop asks every round: a dict look-up, not the arithmetic
-            self._memo[key] = self.spec_ms(r, s) / self.plain_ms(r)
-        return self._memo[key]
+        return self._memo_of(("ratio", r, s), lambda: self.spec_ms(r, s) / self.plain_ms(r))
 
     def probe(self, r: int, s: int) -> float:
         """What a probe may add, in plain steps: a drafted round instead of a step (which emits
@@ -161,60 +195,74 @@ class RowControl:
 
 @dataclass
 class Controller:
-    """Per round: draft (the verify policy's lengths) or plain steps; see the module docstring.
-    One controller serves any number of loops: a row's record lives on the row."""
+    """Per round and per row: draft (the verify policy's lengths) or a plain step; see the
+    module docstring. One controller serves any number of loops: a row's record lives on the row."""
 
     costs: Costs
     block_size: int
-    measured: dict = field(default_factory=dict)  # (rows, drafted) -> [mean ms of such rounds here, rounds, verify length]
-    _last: tuple = ()  # (rows, drafted, verify length) of the last decision
+    measured: dict = field(default_factory=dict)  # (rows, drafted) -> [mean of measured / modelled round time, rounds]
+    _last: tuple = ()  # (rows, drafted, modelled ms) of the last decision
 
     def _clock(self, rows) -> None:
-        """The last round's wall time (any row that ran it has it last in `round_s`): the costs
-        as this machine runs them now, load included, beside the calibrated ones."""
+        """The last round's wall time (any row that ran it has it last in `round_s`) over what the
+        cost model charged for it: the costs as this machine runs them now, load included."""
         for r in rows:
             g = r.gen
             if self._last and r.ctl is not None and r.ctl.clocked == len(g.round_s) - 1:
-                R, kind, s = self._last
-                t = sum(g.round_s[-1]) * 1e3
-                m = self.measured.setdefault((R, kind), [t, 0, s])
-                m[0], m[1], m[2] = m[0] + MEASURED_WEIGHT * (t - m[0]), m[1] + 1, m[2] + MEASURED_WEIGHT * (s - m[2])
+                R, kind, model = self._last
+                t = sum(g.round_s[-1]) * 1e3 / model
+                m = self.measured.setdefault((R, kind), [t, 0])
+                t = min(2 * m[0], max(0.5 * m[0], t))  # a round the OS preempted moves the mean by a bounded step
+                m[0], m[1] = m[0] + MEASURED_WEIGHT * (t - m[0]), m[1] + 1
                 break
         for r in rows:
             if r.ctl is not None:
                 r.ctl.clocked = len(r.gen.round_s)
 
     def correction(self, rows: int) -> float:
-        """Measured over calibrated break-even at this batch size (1 until both kinds of round
-        ran MEASURED_MIN times here): on a loaded machine a drafted round's calls may cost
-        relatively more (or less) than the calibration saw."""
+        """Drafted rounds' measured/modelled time over plain rounds' (1 until both kinds ran
+        MEASURED_MIN times at this batch size): on a loaded machine a drafted round's calls may
+        cost relatively more (or less) than the calibration saw."""
         d, p = self.measured.get((rows, True)), self.measured.get((rows, False))
         if not d or not p or min(d[1], p[1]) < MEASURED_MIN:
             return 1.0
-        return min(1.5, max(0.7, d[0] / p[0] / self.costs.ratio(rows, round(d[2]))))
+        return min(1.5, max(0.7, d[0] / p[0]))
 
-    def _length(self, rows) -> int:
-        ls = [r.ctl.length for r in rows if r.ctl.length > 0]
-        return max(1, min(self.block_size, math.ceil(max(ls)) if ls else self.block_size))
+    def _len(self, c: RowControl) -> int:
+        return max(1, min(self.block_size, math.ceil(c.length) if c.length else self.block_size))
 
-    def _ratio(self, c: RowControl, rows: int, s: int, what: str = "ratio") -> float:
-        """The break-even (or probe cost) a row is held to (one that decides for itself: at batch 1, its own length)."""
-        if c.own:  # its own history and batch-1 costs only: nothing of the other rows
-            return getattr(self.costs, what)(1, math.ceil(c.length) if c.length else self.block_size)
-        return getattr(self.costs, what)(rows, s) * (self.correction(rows) if what == "ratio" else 1.0)
+    def break_even(self, c: RowControl, rows: int, per_row: bool) -> float:
+        """Tokens a row's drafted round must emit to pay for itself alone in a round of `rows`
+        (one that decides for itself: at batch 1): 1 + the round's extra time in per-row steps."""
+        if c.own:
+            return self.costs.ratio(1, self._len(c))
+        step = self.costs.plain_ms(rows)
+        return 1 + (self.costs.round_ms(rows, (self._len(c),), per_row) * self.correction(rows) - step) / step * rows
 
-    def _read(self, c: RowControl, g, rows: int, s: int) -> None:
+    def probe_cost(self, c: RowControl, rows: int, per_row: bool) -> float:
+        """What one probe may add, in plain rounds of `rows` rows: a drafted round instead of a step
+        (which emits at least the step's one token per row) plus the drafter's catch-up call,
+        times the rows (each may probe)."""
+        if c.own:
+            return self.costs.probe(1, self._len(c))
+        step = self.costs.plain_ms(rows)
+        spec = self.costs.round_ms(rows, (self.block_size,), per_row) + self.costs._at(self.costs.context, 1)
+        return rows * (spec / step - 1)
+
+    def _read(self, c: RowControl, g, rows: int, per_row: bool) -> None:
         """The row's rounds since the last look (its Generation): averages, counts, gaps."""
         for a, v, d in zip(g.acceptance_lengths[c.seen :], g.verify_lengths[c.seen :], g.drafted[c.seen :]):
             if not d:
                 c.plain += 1
-                c.gap = c.gap or max(2, max_gap(self._ratio(c, rows, s, "probe")) // 8)
+                c.gap = c.gap or max(2, max_gap(self.probe_cost(c, rows, per_row)) // 8)
                 continue
-            c.emitted, c.squares, c.weight = GAMMA * c.emitted + a, GAMMA * c.squares + a * a, GAMMA * c.weight + 1
+            f = GAMMA * FADE ** c.plain  # the rounds before a plain stretch count less after it (the text moved on)
+            c.emitted, c.squares, c.weight = f * c.emitted + a, f * c.squares + a * a, f * c.weight + 1
             c.length = float(v) if c.length == 0 else c.length + ALPHA * (v - c.length)
             if c.gap:  # a probe: back to drafting if the estimate now pays; a probe that did not pay itself doubles the gap
-                ratio = self._ratio(c, rows, s)
-                c.gap = 0 if c.hopeful > ratio else c.gap if a > ratio else min(2 * c.gap, max_gap(self._ratio(c, rows, s, "probe")))
+                ratio = self.break_even(c, rows, per_row)
+                c.gap = 0 if c.hopeful > ratio else c.gap if a > ratio else min(2 * c.gap, max_gap(
+                    self.probe_cost(c, rows, per_row)))
             c.plain = 0
         c.seen = len(g.acceptance_lengths)
 
@@ -231,28 +279,55 @@ class Controller:
                 r.ctl = RowControl(own=r.ud is not None, seen=len(r.gen.acceptance_lengths),
                                    prior=self.costs.ratio(1, self.block_size) + PRIOR)
         self._clock(rows)
-        spec, own = self.choose(rows)
-        self._last = (len(rows), spec, self._length(rows) if spec else 1)
+        per_row = bool(getattr(backend, "verify_per_row", False))
+        want = self.choose(rows, per_row)
+        spec = any(want.values())
+        D = tuple(self._len(r.ctl) for r in rows if want.get(id(r)))
+        self._last = (len(rows), spec, self.costs.round_ms(len(rows), D, per_row))
         for b, r in enumerate(rows):
-            r.ctl.drafts = spec and bool(r.req.speculative) and own.get(id(r), True)
+            r.ctl.drafts = spec and bool(r.req.speculative) and want.get(id(r), False)
             if spec and r.ctl.taps:
                 backend.context_from_taps(b, np.stack(r.ctl.taps))
                 r.ctl.taps = []
         return spec
 
-    def choose(self, rows) -> tuple[bool, dict]:
-        """(whether the round drafts, {id(row): its own wish} for the rows that decide for themselves)."""
-        R, S = len(rows), self._length(rows)
-        auto = [r for r in rows if r.req.speculative is True]
-        for r in auto:
-            self._read(r.ctl, r.gen, R, S)
-        ratio = self.costs.ratio(R, S) * self.correction(R)
-        own = {id(r): self._wants(r.ctl, self._ratio(r.ctl, R, S)) for r in auto if r.ctl.own}
-        shared = [r for r in auto if not r.ctl.own]
-        gain = bool(shared) and (sum(r.ctl.hopeful for r in shared) + R - len(shared)) / R > ratio
-        probe = any(r.ctl.gap > 0 and r.ctl.plain >= r.ctl.gap for r in shared)
-        spec = any(r.req.speculative == "always" for r in rows) or gain or probe or any(own.values())
-        return spec, own
+    def choose(self, rows, per_row: bool = False) -> dict:
+        """{id(row): whether it drafts this round}. Forced: "always" rows, due probes, rows that
+        decide for themselves (their own wish); the other auto rows draft best-first as long as
+        that raises the round's expected tokens per ms (the whole batch's plain step the rival)."""
+        R = len(rows)
+        want, free = {}, []
+        for r in rows:
+            c = r.ctl
+            if r.req.speculative:
+                self._read(c, r.gen, R, per_row)
+            if not r.req.speculative or r.req.speculative == "always":
+                want[id(r)] = bool(r.req.speculative)
+            elif c.own:
+                want[id(r)] = self._wants(c, self.break_even(c, R, per_row))
+            elif c.gap > 0 and c.plain >= c.gap:  # a probe is due
+                want[id(r)] = True
+            else:
+                free.append(r)
+        hope = {id(r): r.ctl.hopeful for r in rows if r.req.speculative}
+        free.sort(key=lambda r: -hope[id(r)])
+        sure = [r for r in rows if want.get(id(r))]
+        fix = self.correction(R)
+        best, best_rate = 0, -1.0
+        tokens, lengths = sum(hope[id(r)] for r in sure) + R - len(sure), [self._len(r.ctl) for r in sure]
+        for d in range(len(free) + 1):
+            if d:
+                tokens += hope[id(free[d - 1])] - 1
+                lengths.append(self._len(free[d - 1].ctl))
+            if lengths:
+                rate = tokens / (self.costs.round_ms(R, tuple(lengths), per_row) * fix)
+            else:
+                rate = R / self.costs.plain_ms(R)
+            if rate > best_rate:
+                best, best_rate = d, rate
+        for i, r in enumerate(free):
+            want[id(r)] = i < best
+        return want
 
     def plain_step(self, backend, rows, produced) -> None:
         """After a plain round: each speculative row's new position must reach the drafter's

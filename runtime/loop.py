@@ -56,8 +56,9 @@ class Generation:
     drafted: list[bool] = field(default_factory=list)  # per round: whether this row verified drafts
 
     @property
-    def tau(self) -> float:
-        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
+    def tau(self) -> float:  # the drafted rounds' mean (plain steps emit 1 each); plain decoding: 1
+        a = [n for n, d in zip(self.acceptance_lengths, self.drafted) if d] or self.acceptance_lengths
+        return float(np.mean(a)) if a else 0.0
 
     @property
     def mean_verify_len(self) -> float:

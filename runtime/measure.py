@@ -27,12 +27,14 @@ def summarize(spec: list[Generation], base: list[Generation], block_size: int, t
     """The bench report of paired speculative / plain generations of the same prompts (sampled
     at `temperature` > 0: tau of rejection sampling; `lossless` is then None, as speculative
     and plain sampling draw different tokens from the same distribution)."""
-    lengths = [a for g in spec for a in g.acceptance_lengths]
-    rounds, steps = max(len(lengths), 1), max(sum(len(g.acceptance_lengths) for g in base), 1)
+    lengths = [a for g in spec for a, d in zip(g.acceptance_lengths, g.drafted or [True] * len(g.acceptance_lengths))
+               if d]  # tau and its histogram: the drafted rounds (the controller's plain steps emit 1 each)
+    steps = max(sum(len(g.acceptance_lengths) for g in base), 1)
     tau = float(np.mean(lengths)) if lengths else 0.0
     t_step = sum(g.verify_s for g in base) / steps
-    t_draft = sum(g.draft_s for g in spec) / rounds
-    t_verify = sum(g.verify_s for g in spec) / rounds
+    drafted = [t for g in spec for t, d in zip(g.round_s, g.drafted or [True] * len(g.round_s)) if d] or [(0, 0, 0)]
+    t_draft = sum(t[0] for t in drafted) / len(drafted)  # a drafted round's calls
+    t_verify = sum(t[1] for t in drafted) / len(drafted)
     speedup = rate(spec) / max(rate(base), 1e-12)
     ideal = tau * t_step / max(t_draft + t_verify, 1e-12)
     split = lambda gs: {k: sum(getattr(g, f"{k}_s") for g in gs) for k in PHASES}  # noqa: E731

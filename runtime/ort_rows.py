@@ -54,6 +54,7 @@ class RowCalls:
         kv_type = C.dtype(C.PAST_KV[0], m)
         L, Hkv, D, n = m.target_layers, m.target_kv_heads, m.target_head_dim, self.max_len
         self.in_place = C.flavour(m) == "ort"  # head-major cache, past and present one buffer (contract.TARGET_ORT)
+        self.verify_per_row = self.in_place  # GroupQueryAttention: several new tokens with a past, one row a call
         att = [i for i in range(L) if not m.is_linear(i)]
         self.kv_all = self.ctx_all = None
         self._views, self._flat, self._tail, self._wcache = {}, {}, {}, {}

@@ -33,12 +33,15 @@ MODELS = {**CASES, **ORT_CASES, "hybrid": HYBRID}
 class Coin(Controller):
     """Decides each round by a seeded coin (the bookkeeping and catch-up are the controller's)."""
 
-    def __init__(self, block_size: int, seed: int, p: float = 0.5):
+    def __init__(self, block_size: int, seed: int, p: float = 0.5, per_row: bool = False):
         super().__init__(default_costs(block_size), block_size)
-        self.rng, self.p = np.random.default_rng(seed), p
+        self.rng, self.p, self.per_row = np.random.default_rng(seed), p, per_row
 
-    def choose(self, rows):
-        return bool(self.rng.random() < self.p), {}
+    def choose(self, rows, per_row=False):
+        if self.per_row:  # each row its own coin: drafted and plain rows in one round
+            return {id(r): bool(self.rng.random() < self.p) for r in rows}
+        spec = bool(self.rng.random() < self.p)
+        return {id(r): spec for r in rows}
 
 
 def flat_costs(block: int, ratio: float) -> Costs:
@@ -55,7 +58,8 @@ def test_switching_rounds_equal_plain_greedy(name):
     new = [int(n) for n in np.random.default_rng(11).integers(4, 40, len(ps))]
     refs = [generate(be1, p, n, draft=False, stop_token_ids=()).tokens for p, n in zip(ps, new)]
     kinds = set()
-    for i, ctl in enumerate([Coin(K, seed=1), Coin(K, seed=2, p=0.2), Controller(flat_costs(K, 2.0), K)]):
+    ctls = [Coin(K, seed=1), Coin(K, seed=2, p=0.2), Coin(K, seed=3, per_row=True), Controller(flat_costs(K, 2.0), K)]
+    for i, ctl in enumerate(ctls):
         for p, n, ref in zip(ps, new, refs):
             g = generate(be1, p, n, stop_token_ids=(), control=ctl)
             assert g.tokens == ref, (name, i)
@@ -91,11 +95,12 @@ def test_plain_stretches_keep_the_drafters_context():
     assert max(kept.acceptance_lengths) > 1  # the drafter's context was right: drafts were accepted
 
 
-def test_sampled_rows_keep_their_seed_under_the_controller():
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-ort"])
+def test_sampled_rows_keep_their_seed_under_the_controller(name):
     """Rejection-sampled rows decide for themselves (batch-1 costs, own history): alone or in a
     batch, with switching, the same seed gives the same tokens; sample-and-compare rows draw
-    exactly the target's plain sampled tokens."""
-    _, _, out = artifact(CASES["qwen3"])
+    exactly the target's plain sampled tokens, whichever rows draft beside them."""
+    _, _, out = artifact(MODELS[name])
     be1, be3 = OrtBackend(out, threads=1), OrtBackend(out, threads=1, max_batch=3)
     K, V = be1.manifest.block_size, be1.manifest.vocab_size
     ctl = Controller(flat_costs(K, 3.0), K)
@@ -105,21 +110,35 @@ def test_sampled_rows_keep_their_seed_under_the_controller():
     gens, _ = generate_batch(be3, [Request(p, 30, seed=50 + i, **kw) for i, p in enumerate(ps)], control=ctl)
     assert [g.tokens for g in gens] == [g.tokens for g in alone]
     assert {d for g in alone for d in g.drafted} == {True, False}
+    plain = [generate(be1, p, 30, seed=50 + i, draft=False, **kw).tokens for i, p in enumerate(ps)]
     for i, p in enumerate(ps):
-        plain = generate(be1, p, 30, seed=50 + i, draft=False, **kw).tokens
-        assert generate(be1, p, 30, seed=50 + i, sampling="compare", control=Coin(K, i), **kw).tokens == plain
+        assert generate(be1, p, 30, seed=50 + i, sampling="compare", control=Coin(K, i), **kw).tokens == plain[i]
+    for per_row in (False, True):  # rows drafting and plain in one round, by each row's own coin
+        reqs = [Request(p, 30, seed=50 + i, sampling="compare", **kw) for i, p in enumerate(ps)]
+        gens, _ = generate_batch(be3, reqs, control=Coin(K, 7, per_row=per_row))
+        assert [g.tokens for g in gens] == plain
+    mixed = [Request(p, 30, seed=50 + i, sampling="rejection" if i % 2 else "compare", **kw) for i, p in enumerate(ps)]
+    gens, _ = generate_batch(be3, mixed, control=Controller(flat_costs(K, 3.0), K))  # rejection rows decide alone
+    assert [g.tokens for g in gens] == [alone[i].tokens if i % 2 else plain[i] for i in range(len(ps))]
 
 
-def test_always_rows_draft_and_never_rows_do_not():
-    _, _, out = artifact(CASES["qwen3"])
-    be3 = OrtBackend(out, threads=1, max_batch=3)
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-ort"])
+def test_always_rows_draft_and_never_rows_do_not(name):
+    """An "always" row drafts every round and a `speculative: false` row steps beside it, on
+    the `ort` flavour (a verify call per row) and the standard one (one padded call): every
+    row's greedy tokens are its plain decoding's; an auto row where drafting does not pay
+    backs off."""
+    _, _, out = artifact(MODELS[name])
+    be1, be3 = OrtBackend(out, threads=1), OrtBackend(out, threads=1, max_batch=3)
+    assert be3.verify_per_row == (name == "qwen3-ort")
     K = be3.manifest.block_size
     ctl = Controller(flat_costs(K, 100.0), K)  # drafting never pays
     ps = prompts(3, be3.manifest.vocab_size, seed=2)
     reqs = [Request(ps[0], 20, stop_token_ids=(), speculative="always"), Request(ps[1], 20, stop_token_ids=()),
             Request(ps[2], 20, stop_token_ids=(), speculative=False)]
     gens, stats = generate_batch(be3, reqs, control=ctl)
-    assert all(gens[0].drafted) and not any(gens[2].drafted)
+    assert all(gens[0].drafted) and not any(gens[2].drafted)  # rounds where one row drafts and another steps
+    assert [g.tokens for g in gens] == [generate(be1, p, 20, draft=False, stop_token_ids=()).tokens for p in ps]
     gens, stats = generate_batch(be3, reqs[1:], control=ctl)
     assert stats.plain_rounds > 0 and rounds_of(gens)["drafted"] < 3  # backed off after its first round or two
 
@@ -193,6 +212,63 @@ def test_cpu_like_costs_back_off_off_domain_and_probing_is_bounded():
     assert (tokens / spent) >= plain_rate * 0.95  # the whole stretch, its start included
     d, p, *_ = simulate(c, 16, demo_accept, 2000)
     assert d > p
+
+
+def per_row_rounds(costs: Costs, accepts: list, per_row: bool, rounds: int = 400):
+    """Rows drafting `accepts[b]` tokens a round under the controller (the backend's verify per
+    row or batched): the fraction of each row's rounds that drafted, and tokens per unit of time."""
+    ctl, rng = Controller(costs, 16), np.random.default_rng(0)
+    rs = [SimpleNamespace(req=SimpleNamespace(speculative=True), ud=None, ctl=None, gen=Generation(), done=False)
+          for _ in accepts]
+    backend = SimpleNamespace(verify_per_row=per_row)
+    tokens = spent = 0.0
+    for _ in range(rounds):
+        ctl.decide(rs, backend)
+        lengths = tuple(16 for r in rs if r.ctl.drafts)
+        for r, acc in zip(rs, accepts):
+            a = min(int(acc(rng)), 16) if r.ctl.drafts else 1
+            r.gen.acceptance_lengths.append(a)
+            r.gen.verify_lengths.append(16 if r.ctl.drafts else 1)
+            r.gen.drafted.append(r.ctl.drafts)
+            tokens += a
+        spent += costs.round_ms(len(rs), lengths, per_row)
+    return [float(np.mean(r.gen.drafted)) for r in rs], tokens / spent
+
+
+def test_per_row_decisions_where_the_verify_is_per_row():
+    """A backend whose verify runs a call per row (ONNX Runtime's GroupQueryAttention flavour):
+    a drafted round costs the draft call, each drafting row's own verify and each other row's
+    one-position call, so in a batch of two code-like rows (tau 4.7) and two rows that accept
+    nothing the first draft (most rounds) and the others step (nearly always), and that beats both all-plain
+    and all-drafted rounds by 5%. Where one padded call verifies every row, a round drafts all rows or none."""
+    one = [1.0 + 0.02 * s for s in range(16)]  # a call of one row over s positions (a GPU-like flat verify)
+    per_row = Costs([1, 4], [1.0, 2.5], [one, [2.5] + [4 * x for x in one[1:]]], [0.5, 0.8], [0.05, 0.1])
+    accepts = [demo_accept, demo_accept, lambda rng: 1, lambda rng: 1]
+    share, rate = per_row_rounds(per_row, accepts, True)
+    assert min(share[:2]) > 0.7 and max(share[2:]) < 0.1, share  # bursty acceptance: the code rows step now and then
+    plain_rate = 4 / per_row.plain_ms(4)
+    all_rate = (2 * 4.7 + 2) / per_row.round_ms(4, (16,) * 4, True)
+    assert rate > 1.05 * max(plain_rate, all_rate), (rate, plain_rate, all_rate)
+    batched = Costs([1, 4], [1.0, 1.8], [[1.0 + 0.01 * s for s in range(16)], [1.8 + 0.02 * s for s in range(16)]],
+                    [0.3, 0.4], [0.05, 0.06])
+    rounds = per_row_rounds(batched, accepts, False, 100)
+    ctl = Controller(batched, 16)
+    rs = [SimpleNamespace(req=SimpleNamespace(speculative=True), ud=None, ctl=None, gen=Generation(), done=False)
+          for _ in accepts]
+    for _ in range(50):
+        spec = ctl.decide(rs, SimpleNamespace(verify_per_row=False))
+        assert len({r.ctl.drafts for r in rs}) == 1  # all or none
+        for r in rs:
+            r.gen.acceptance_lengths.append(1)
+            r.gen.verify_lengths.append(16 if spec else 1)
+            r.gen.drafted.append(spec)
+    assert rounds[0][0] > 0.9  # the code-like rows' acceptance carries the round: all draft
+
+
+def test_tau_counts_drafted_rounds_only():
+    g = Generation(acceptance_lengths=[5, 1, 1, 3], drafted=[True, False, False, True])
+    assert g.tau == 4.0 and rounds_of([g]) == {"drafted": 2, "plain": 2}
+    assert Generation(acceptance_lengths=[1, 1], drafted=[False, False]).tau == 1.0  # plain decoding
 
 
 def test_costs_in_runtime_json(tmp_path):
