@@ -73,19 +73,39 @@ def speculative_generate(
     max_context: int | None = None,
     sampling: str = "rejection",
 ) -> Generation:
-    check_sampling(temperature, top_k, top_p, sampling)
     k = drafter.config.block_size if block_size is None else block_size
-    max_length = check_pair(target, drafter, prompt, max_new_tokens, max_context, mask_token_id)
     if k < 1:
         raise DFlashError(f"block size must be >= 1 (got {k})")
+
+    def draft(block, positions, past, ud):
+        """The drafter's argmax (ud None), or samples of q at the draft uniforms ud."""
+        dlogits = drafter.draft_logits(target, block, positions, past)
+        if ud is None:
+            return drafter.draft_tokens(dlogits)[0].tolist(), None
+        ids = getattr(drafter, "vocab_ids", None)
+        drafted = sample_drafts(dlogits[0].numpy(), ud, temperature, top_k, top_p, None if ids is None else ids.numpy())
+        return drafted.tokens.tolist(), drafted
+
+    return speculative_loop(target, drafter, prompt, max_new_tokens, draft, mask_token_id=mask_token_id, k=k,
+                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                            stop_token_ids=stop_token_ids, max_context=max_context, sampling=sampling)
+
+
+def speculative_loop(target, drafter, prompt: list[int], max_new_tokens: int, draft, *, mask_token_id: int, k: int,
+                     temperature: float, top_k: int, top_p: float, seed: int, stop_token_ids: tuple[int, ...],
+                     max_context: int | None, sampling: str) -> Generation:
+    """The rounds, whatever drafts them: `draft(block, positions, past, ud)` -> (drafts, Drafted
+    or None), ud the draft uniforms from the block's second position (None: greedy or compare).
+    Shared by the DFlash and DFlash 2 oracles (models/generate_dflash2.py), which differ only there."""
+    check_sampling(temperature, top_k, top_p, sampling)
+    max_length = check_pair(target, drafter, prompt, max_new_tokens, max_context, mask_token_id)
     u = position_uniforms(seed, max_length + 1)  # u[t]: the token at absolute position t
     ud = draft_uniforms(seed, max_length + 1) if temperature > 0 and sampling == "rejection" else None
     stop = set(stop_token_ids)
     n = len(prompt)
     tcache, dcache = _target_cache(target, max_length), KVCache.for_model(drafter, max_length)
 
-    ids = torch.tensor([prompt])
-    logits, taps, _ = target(ids, torch.arange(n)[None], tcache)
+    logits, taps, _ = target(torch.tensor([prompt]), torch.arange(n)[None], tcache)
     tcache.commit(n)
     anchor = int(choose(logits[0, -1:].numpy(), u[n:], temperature, top_k, top_p)[0])
     out, lengths, start = [anchor], [], n  # `start` = position of the anchor
@@ -95,19 +115,12 @@ def speculative_generate(
         dcache.append(drafter.context_kv(ctx_taps, ctx_pos))
         block = torch.tensor([[anchor] + [mask_token_id] * (k - 1)])
         positions = torch.arange(start, start + k)[None]
-        dlogits = drafter.draft_logits(target, block, positions, dcache.view())
-        if ud is None:
-            drafts = drafter.draft_tokens(dlogits)[0].tolist()
-        else:  # samples of q at the draft uniforms of positions start+1 ..
-            ids = getattr(drafter, "vocab_ids", None)
-            ids = None if ids is None else ids.numpy()
-            drafted = sample_drafts(dlogits[0].numpy(), ud[start + 1 :, 0], temperature, top_k, top_p, ids)
-            drafts = drafted.tokens.tolist()
+        drafts, drafted = draft(block, positions, dcache.view(), None if ud is None else ud[start + 1 :, 0])
 
         s = min(k, max_length - start)  # verify no further than the generation can go
         verify = torch.tensor([[anchor] + drafts[: s - 1]])
         logits, taps, _ = target(verify, positions[:, :s], tcache)
-        if ud is None:
+        if drafted is None:
             choice = choose(logits[0].numpy(), u[start + 1 :], temperature, top_k, top_p).tolist()
             a = accept(drafts[: s - 1], choice[: s - 1])
             last = choice[a]

@@ -19,11 +19,9 @@ import numpy as np
 import torch
 
 from ..runtime.errors import DFlashError
-from ..runtime.sampling import (Drafted, accept, check_sampling, choose, cut_at_stop, draft_uniforms,
-                                position_uniforms, probabilities, rejection)
+from ..runtime.sampling import Drafted
 from .dflash2 import DFlash2Drafter
-from .generate import Generation, _target_cache, check_pair
-from .kvcache import KVCache
+from .generate import Generation, speculative_loop
 
 
 def walk_drafts(drafter: DFlash2Drafter, target, block, positions, past, ud: np.ndarray | None,
@@ -60,48 +58,11 @@ def dflash2_generate(
     max_context: int | None = None,
     sampling: str = "rejection",
 ) -> Generation:
-    check_sampling(temperature, top_k, top_p, sampling)
     k = drafter.config.block_size if block_size is None else block_size
-    max_length = check_pair(target, drafter, prompt, max_new_tokens, max_context, mask_token_id)
     if k < 2:
         raise DFlashError(f"block size must be >= 2 for a DFlash2 drafter (got {k})")
-    u = position_uniforms(seed, max_length + 1)  # u[t]: the token at absolute position t
-    ud = draft_uniforms(seed, max_length + 1) if temperature > 0 and sampling == "rejection" else None
-    stop = set(stop_token_ids)
-    n = len(prompt)
-    tcache, dcache = _target_cache(target, max_length), KVCache.for_model(drafter, max_length)
-
-    logits, taps, _ = target(torch.tensor([prompt]), torch.arange(n)[None], tcache)
-    tcache.commit(n)
-    anchor = int(choose(logits[0, -1:].numpy(), u[n:], temperature, top_k, top_p)[0])
-    out, lengths, start = [anchor], [], n  # `start` = position of the anchor
-    ctx_taps, ctx_pos = taps, torch.arange(n)[None]
-    stopped = anchor in stop
-    while not stopped and start + 1 < max_length:
-        dcache.append(drafter.context_kv(ctx_taps, ctx_pos))
-        block = torch.tensor([[anchor] + [mask_token_id] * (k - 1)])
-        positions = torch.arange(start, start + k)[None]
-        drafts, drafted = walk_drafts(drafter, target, block, positions, dcache.view(),
-                                      None if ud is None else ud[start + 1 :, 0], temperature)
-
-        s = min(k, max_length - start)  # verify no further than the generation can go
-        verify = torch.tensor([[anchor] + drafts[: s - 1]])
-        logits, taps, _ = target(verify, positions[:, :s], tcache)
-        if drafted is None:
-            choice = choose(logits[0].numpy(), u[start + 1 :], temperature, top_k, top_p).tolist()
-            a = accept(drafts[: s - 1], choice[: s - 1])
-            last = choice[a]
-        else:
-            p = probabilities(logits[0].numpy(), temperature, top_k, top_p)
-            a, last = rejection(drafted, s - 1, p, ud[start + 1 :, 1], u[start + 1 :])
-        emitted = (drafts[:a] + [last])[: max_length - start - 1]
-        emitted, stopped = cut_at_stop(emitted, stop)
-        produced = len(emitted)
-
-        tcache.commit(produced)
-        ctx_taps, ctx_pos = taps[:, :produced], positions[:, :produced]
-        out += emitted
-        lengths.append(produced)
-        start += produced
-        anchor = emitted[-1]
-    return Generation(out, lengths, stopped)
+    return speculative_loop(target, drafter, prompt, max_new_tokens,
+                            lambda block, positions, past, ud: walk_drafts(drafter, target, block, positions, past, ud,
+                                                                           temperature),
+                            mask_token_id=mask_token_id, k=k, temperature=temperature, top_k=top_k, top_p=top_p,
+                            seed=seed, stop_token_ids=stop_token_ids, max_context=max_context, sampling=sampling)
