@@ -69,6 +69,7 @@ class Backend(ABC):
     max_batch: int = 1
     has_drafter: bool = True
     verify_per_row: bool = False  # a verify of several rows runs one call per row (the controller's cost model)
+    limit = ("exported max context", "export with a larger --max-context")  # what bounds max_len, and the fix
     names: Names  # every per-layer tensor name, built once at load (names.names_of)
     states: LinearStates | None = None  # hybrid targets: the committed DeltaNet states, host side (runtime/hybrid.py)
     _rows: tuple | None = None  # (lengths, ctx_lengths, pending), made on first use

@@ -304,7 +304,7 @@ def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, c
     its first token from the last prompt position."""
     check_sampling(q.temperature, q.top_k, q.top_p, q.sampling)
     m = backend.manifest
-    max_length = check_request(q.prompt, q.max_new_tokens, m.vocab_size, backend.max_len, "exported max context")
+    max_length = check_request(q.prompt, q.max_new_tokens, m.vocab_size, backend.max_len, *backend.limit)
     g = Generation(prompt_len=len(q.prompt), reused=q.reuse)
     u = position_uniforms(q.seed, max_length + 1) if q.temperature > 0 else None  # u[t]: token at position t
     row = _Row(index, q, g, set(m.eos_token_ids if q.stop_token_ids is None else q.stop_token_ids), max_length, u)

@@ -161,7 +161,7 @@ def accept(draft: np.ndarray, choice: np.ndarray) -> int:
 
 
 def check_request(prompt: list[int], max_new_tokens: int, vocab_size: int, max_context: int | None = None,
-                  what: str = "max context") -> int:
+                  what: str = "max context", fix: str = "export with a larger --max-context") -> int:
     """The generation's final length (prompt + new tokens), or a one-line error."""
     if len(prompt) == 0:
         raise DFlashError("the prompt is empty; give at least one token")
@@ -174,7 +174,7 @@ def check_request(prompt: list[int], max_new_tokens: int, vocab_size: int, max_c
     if max_context is not None and need > max_context:
         raise DFlashError(
             f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {need} exceeds the {what} "
-            f"{max_context}; shorten the prompt, lower --max-new-tokens or export with a larger --max-context"
+            f"{max_context}; shorten the prompt, lower --max-new-tokens or {fix}"
         )
     return need
 

@@ -112,7 +112,8 @@ class TensorRTBackend(TrtRows, Backend):
         self.record = rec
         self.max_batch = B = max_batch
         self.k = m.block_size
-        self.max_len = int(rec["max_context"])
+        self.max_len = int(rec["max_context"])  # the engines', which `build --max-context` may set below the export's
+        self.limit = ("TensorRT engines' max context", "rebuild them with a larger dflash-export build --max-context")
         self.max_prompt = int(rec["max_prompt"])
         self.max_chunk = self.max_prompt  # longest `target` call other than verify; the loop chunks prefill by it
         self.dtype = C.NUMPY_DTYPE[m.dtype]

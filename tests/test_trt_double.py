@@ -160,6 +160,9 @@ def test_refusals(built, monkeypatch):
     b.target_len = MC - 2
     with pytest.raises(DFlashError, match="exceeds the engines' max context 64"):
         b.target(np.arange(K))
+    b.reset()  # a request longer than the engines' context names the rebuild, not a re-export
+    with pytest.raises(DFlashError, match=r"exceeds the TensorRT engines' max context 64; .* rebuild them with a larger"):
+        generate(b, [1] * (MC - 4), 8)
     b.close()
 
 
