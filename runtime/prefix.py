@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import contract as C
+
 
 @dataclass
 class Parked:
@@ -36,8 +38,11 @@ class Parked:
 
 
 def supported(backend) -> bool:
-    """Whether the backend's rows can be parked: ONNX Runtime rows of attention caches."""
-    return backend.max_batch > 1 and backend.states is None and hasattr(backend, "kv_all")
+    """Whether the backend's rows can be parked: ONNX Runtime rows of attention caches, the
+    drafter's context not a ring (a ring holds only its latest positions, not a prefix to keep:
+    the rule `Backend.reusable` applies to one row)."""
+    return (backend.max_batch > 1 and backend.states is None and hasattr(backend, "kv_all")
+            and not C.ring(backend.manifest))
 
 
 def _kv_of(backend, b: int, p: int) -> np.ndarray:
