@@ -18,6 +18,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from dataclasses import replace
 
 from ..runtime.controller import controller_for
 from ..runtime.errors import DFlashError
@@ -36,10 +37,12 @@ class Engine(EngineBase):
     def __init__(self, backends: list, text, model: str, max_queue: int, verify=None, control=None):
         self.manifest = backends[0].manifest
         self.verify = verify  # the adaptive verify policy (None: the whole block)
-        self.control = control  # the speculation controller (runtime/controller.py; None: always draft)
         self.text, self.model, self.max_queue = text, model, max_queue
         self.metrics = Metrics(model, self.manifest.block_size)
-        self.slots = [Slot(i, b) for i, b in enumerate(backends)]
+        # a controller per slot: each times its own loop's rounds (runtime/controller.py `_clock`), and
+        # the slots' threads decide at once
+        self.slots = [Slot(i, b, None if control is None else replace(control, measured={}, _last=()))
+                      for i, b in enumerate(backends)]
         self.waiting: deque[Job] = deque()
         self.lock = threading.Lock()
         self.stopping = False
@@ -128,10 +131,10 @@ class Engine(EngineBase):
         reuse = slot.reusable(p.prompt, p.speculative) if p.cache_prompt and not echo else 0
         stop = tuple(dict.fromkeys(list(self.manifest.eos_token_ids) + list(p.stop_token_ids)))
         q = Request(p.prompt, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, stop, reuse,
-                    logprobs=job.logprobs)
+                    speculative=p.speculative, logprobs=job.logprobs)
         outs: list[Generation] = []
-        rounds = stream_batch(b, [q], batch=1, draft=bool(p.speculative), verify=self.verify, outs=outs,
-                              control=None if p.speculative == "always" else self.control)
+        rounds = stream_batch(b, [q], batch=1, draft=self.has_drafter, verify=self.verify, outs=outs,
+                              control=slot.control)
         slot.seq = []  # the caches change from here on
         finish, k, g = "length", self.manifest.block_size, Generation()
         try:

@@ -138,8 +138,9 @@ def replica(slot: int | str = "-") -> str:
 
 
 class Slot:
-    def __init__(self, index: int, backend):
+    def __init__(self, index: int, backend, control=None):
         self.index, self.backend = index, backend
+        self.control = control  # its speculation controller (runtime/controller.py; None: always draft)
         self.seq: list[int] = []  # the tokens whose K/V the target cache holds, by position
         self.job: Job | None = None
         self.wake = threading.Event()
