@@ -28,7 +28,7 @@ from .runtime.errors import DFlashError
 from .runtime.lazy import lazy_import
 from .runtime.load import open_backend, settings_for
 from .runtime.loop import Generation, generate, stream
-from .runtime.measure import measure_many, rate, summarize
+from .runtime.measure import measure_many, off_domain_report, rate, summarize
 from .runtime.settings import VerifyPolicy, describe_policy, policy_json
 
 export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: only when the demo runs
@@ -181,10 +181,8 @@ def decode(console, art: Path, texts: list[str], max_new_tokens: int, cfg, candi
     if off_path.is_file():  # the same comparison off the drafter's domain (synthetic random-vocabulary text)
         off = [tok.encode(t).ids[: backend.manifest.max_context - max_new_tokens]
                for t in demo_prompts(None, OFF_DOMAIN, off_path)]
-        s = summarize(*measure_many({0: backend}, off, max_new_tokens, 0, cfg.verify, 0.0, control, draft)[0],
-                      backend.manifest.block_size)
-        r["off_domain"] = {"prompts": len(off), **{k: s[k] for k in ("tau", "rounds", "tokens_per_second", "speedup", "lossless")}}
-        r["lossless"] = r["lossless"] and s["lossless"]
+        r["off_domain"] = off_domain_report(backend, off, max_new_tokens, cfg.verify, 0.0, control, draft)
+        r["lossless"] = r["lossless"] and r["off_domain"]["lossless"]
     return r
 
 

@@ -15,7 +15,7 @@ import click
 import numpy as np
 
 from .cmd_batch import bench_batch, check_batch_value, echo_bench_batch, generate_many
-from .options import device_options, sampling_options, speculation_option
+from .options import device_options, sampling_options, resolve_speculation, speculation_option
 from .runtime.controller import controller_for, rounds_of
 from .runtime.calibrate import calibrate, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
 from .runtime.errors import DFlashError
@@ -23,7 +23,7 @@ from .runtime.load import open_artifact, open_backend, settings_for
 from .runtime.loop import Generation
 from .runtime.loop import stream as run
 from .runtime.manifest import load_manifest
-from .runtime.measure import measure_many, random_text_prompts, rate, summarize
+from .runtime.measure import measure_many, off_domain_report, random_text_prompts, rate, summarize
 from .runtime.sampling import check_sampling
 from .runtime.settings import policy_json
 from .serve.text import load_tokenizer
@@ -72,9 +72,7 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
         raise DFlashError("--stream and --json (or --prompts) are exclusive: --stream prints one prompt as it comes")
     check_sampling(temperature, top_k, top_p)
     stop = None if stop_ids is None else tuple(_parse_ids(stop_ids, "--stop-ids"))
-    if no_draft and speculation == "always":
-        raise DFlashError("--no-draft means --speculation never; leave out one of them")
-    speculation = "never" if no_draft else speculation
+    speculation = resolve_speculation(no_draft, speculation)
     no_draft = speculation == "never"
     if prompts_file is not None:
         be, cfg = open_artifact(out, backend=backend, provider=provider, drafter=not no_draft, threads=threads,
@@ -301,10 +299,8 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         report["calibration"] = calibration
     if off_domain and tok is not None:  # the same comparison on synthetic off-domain text
         off = [tok.encode(t).ids[: m.max_context - n] for t in random_text_prompts(tok, m.vocab_size, off_domain)]
-        s = summarize(*measure_many({0: main}, off, n, 0, cfg.verify, temperature, control, draft)[0], m.block_size,
-                      temperature)
-        report["off_domain"] = {"prompts": len(off), "source": "128 random vocabulary tokens each, seed 0",
-                                **{k: s[k] for k in ("tau", "rounds", "tokens_per_second", "speedup", "lossless")}}
+        o = off_domain_report(main, off, n, cfg.verify, temperature, control, draft)
+        report["off_domain"] = {"prompts": o["prompts"], "source": "128 random vocabulary tokens each, seed 0", **o}
     if ctx:
         report["step_ms_by_context"] = step_ms_by_context(main, ctx)
     long = ttft_prompt(main)  # time to first token: prefill of target and drafter at the run's chunk

@@ -23,7 +23,7 @@ from pathlib import Path
 import click
 
 from .cmd_demo import demo_dir
-from .options import device_options, ray_options, speculation_option
+from .options import device_options, ray_options, resolve_speculation, speculation_option
 from .runtime import contract as C, manifest as M
 from .runtime.errors import DFlashError
 from .runtime.lazy import lazy_import
@@ -250,9 +250,7 @@ def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_f
         if value is not None and value < low:
             raise DFlashError(f"{name} must be >= {low} (got {value})")
     check_options(threads, verify)  # before --demo's first export, not after it
-    if no_draft and speculation == "always":
-        raise DFlashError("--no-draft means --speculation never; leave out one of them")
-    speculation = "never" if no_draft else speculation
+    speculation = resolve_speculation(no_draft, speculation)
     no_draft = speculation == "never"
     if (slots or 1) > 1 and backend != "ort":
         raise DFlashError(f"--slots {slots} needs --backend ort (its slots share one copy of the weights)")

@@ -7,6 +7,8 @@ import functools
 
 import click
 
+from .runtime.errors import DFlashError
+
 provider_option = click.option(
     "--provider", default="cpu", show_default=True, help="ONNX Runtime execution provider: cpu | cuda | tensorrt."
 )
@@ -25,6 +27,15 @@ speculation_option = click.option(
     "--speculation", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
     help="auto: draft while it pays (recent acceptance against runtime.json's calibrated costs), else plain steps "
          "that probe now and then; always: draft every round; never: plain decoding of the target.")
+
+
+def resolve_speculation(no_draft: bool, speculation: str) -> str:
+    """--no-draft is --speculation never: the mode both give, or the one-line error when they disagree."""
+    if no_draft and speculation == "always":
+        raise DFlashError("--no-draft means --speculation never; leave out one of them")
+    return "never" if no_draft else speculation
+
+
 backend_option = click.option(
     "--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
     help="ort: ONNX Runtime (see --provider); trt: the TensorRT engines of `dflash-export build`.",

@@ -84,6 +84,15 @@ def run_bench(backend, prompts: list[list[int]], max_new_tokens: int, warmup: in
     return {"provider": backend.provider, "max_new_tokens": max_new_tokens, "draft_vocab": draft_vocab, **report}
 
 
+def off_domain_report(backend, prompts: list[list[int]], max_new_tokens: int, verify=None, temperature: float = 0.0,
+                      control=None, draft: bool = True) -> dict:
+    """Speculative against plain on prompts off the drafter's domain, no warm-up (the run before
+    warmed up): the figures `bench` and `demo` report."""
+    s = summarize(*measure_many({0: backend}, prompts, max_new_tokens, 0, verify, temperature, control, draft)[0],
+                  backend.manifest.block_size, temperature)
+    return {"prompts": len(prompts), **{k: s[k] for k in ("tau", "rounds", "tokens_per_second", "speedup", "lossless")}}
+
+
 def random_text_prompts(tok, vocab_size: int, n: int, length: int = 128, seed: int = 0) -> list[str]:
     """Off-domain prompts as load generators make them (aiperf-style synthetic text): `length`
     token ids drawn uniformly from the vocabulary (special tokens left out) with numpy's

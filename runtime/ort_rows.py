@@ -142,7 +142,7 @@ class RowCalls:
         keep = min(self.width, w)
         for key, lens in (("kv", self.lengths), ("ctx", self.ctx_lengths)):
             p = int(lens[:keep].max()) if keep and key in self._flat else 0
-            if p and w != self.width:
+            if p:
                 rows = self._wide(key, self.width)[0][:, :p, :keep].copy()
                 self._wide(key, w)[0][:, :p, :keep] = rows
         self.width = w

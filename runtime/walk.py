@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from . import contract as C
 from .sampling import Drafted, inverse_cdf, sample_drafts
 
 
@@ -40,7 +41,7 @@ def sample_walk(cand: np.ndarray, scores: np.ndarray, u: np.ndarray, temperature
 def drafter_sampler(backend, n: int) -> Callable[..., Drafted]:
     """(row, draft uniforms, temperature, top_k, top_p) -> that row's sampled drafts from the last
     `draft_block_rows` call of `n` rows: from the draft logits, or by DFlash 2's walk."""
-    walk = backend.draft_walk_rows(n) if getattr(backend.manifest, "selector", None) else None
+    walk = backend.draft_walk_rows(n) if C.selector(backend.manifest) else None
     if walk is not None:
         cand, scores = walk
         return lambda b, u, t, top_k, top_p: sample_walk(cand[b], scores[b], u, t)

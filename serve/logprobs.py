@@ -13,6 +13,8 @@ token the text skips) shows its own decoding, and one that ends inside a charact
 
 from __future__ import annotations
 
+import os
+
 from ..runtime.logprobs import TokenLogprob
 
 WINDOW = 6  # tokens of context a piece is decoded in (enough for merges and split characters)
@@ -38,7 +40,7 @@ class Pieces:
         for t in ids:
             ctx.append(t)
             cur = self.text.decode(ctx)
-            out.append(cur[len(prev):] if cur.startswith(prev) else cur[len(_common(prev, cur)):])
+            out.append(cur[len(os.path.commonprefix([prev, cur])):])
             if len(ctx) > WINDOW:
                 ctx = ctx[-WINDOW:]
                 cur = self.text.decode(ctx)
@@ -80,10 +82,3 @@ def merge(a: dict | None, b: dict) -> dict:
     if a is None:
         return b
     return {k: a[k] + b[k] for k in a}
-
-
-def _common(a: str, b: str) -> str:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return a[:n]

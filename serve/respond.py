@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..runtime.logprobs import Logprobs
 from .jobs import Job, Params, QueueFull, Unavailable, replica
-from .logprobs import Pieces, merge
+from .logprobs import merge
 from .requests import ERROR_TYPES, REPLICA, ApiError, Common, build_params
 from .text import TextStream
 
@@ -82,7 +82,7 @@ async def respond(engine, request: Request, body: Common, prompts: list[list[int
         cancel_all()
         _raise(first[1])
     headers = {REPLICA: replica(jobs[first[0]].slot)}
-    pieces = Pieces(engine.text)
+    pieces = engine.text.pieces
     prompt_text = [engine.text.decode(j.params.prompt) if want.echo else "" for j in jobs]
     obj = "chat.completion" if chat else "text_completion"
 

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from ..runtime.manifest import read_json
 from ..runtime.errors import DFlashError
 from ..runtime.lazy import lazy_import
+from .logprobs import Pieces
 
 jinja2 = lazy_import("jinja2")  # the serve extra, on the first chat template (runtime/lazy.py)
 jinja2_sandbox = lazy_import("jinja2.sandbox")
@@ -45,6 +46,7 @@ class Text:
                 chat_template = named.get("default")
         self.template = _compile(chat_template) if isinstance(chat_template, str) else None
         self.template_source = chat_template if isinstance(chat_template, str) else None
+        self.pieces = Pieces(self)  # token texts for logprobs, cached across requests (they never change)
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=special).ids
