@@ -35,7 +35,7 @@ import numpy as np
 from . import contract as C
 from .names import Names
 from .manifest import Manifest
-from .errors import InternalError
+from .errors import DFlashError, InternalError
 from .hybrid import LinearStates
 
 
@@ -115,6 +115,15 @@ class Backend(ABC):
     @abstractmethod
     def _target(self, ids: np.ndarray, want_logits: bool) -> TargetOut:
         """The graph call behind `target` (the checks above are the implementation's)."""
+
+    def check_room(self, rows, counts) -> None:
+        """One line when a row's `counts` new positions would pass max_len, naming what bounds
+        it and the fix (`limit`); requests are refused before this (sampling.check_request)."""
+        what, fix = self.limit
+        for b, c in zip(rows, counts):
+            if self.lengths[b] + c > self.max_len:
+                raise DFlashError(f"sequence of {self.lengths[b] + c} positions exceeds the {what} {self.max_len}; "
+                                  f"shorten the request or {fix}")
 
     def commit(self, n: int) -> None:
         """Keep the first n (0 <= n <= S) positions of the last `target` call: target_len += n.

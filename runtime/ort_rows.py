@@ -17,7 +17,7 @@ import numpy as np
 
 from . import contract as C, manifest as M
 from .backend import Draft, TargetOut, check_context_counts
-from .errors import DFlashError, InternalError
+from .errors import InternalError
 from .hybrid import LinearStates
 from .row_cache import gather_row, ring_scatter, scatter
 from .shared import STORAGE
@@ -179,13 +179,10 @@ class RowCalls:
 
     def target_rows(self, rows, ids, counts, picks=None, want_logits=False) -> TargetOut:
         self._layout()
-        m, g, lengths, B = self.manifest, C.TARGET, self.lengths, self.max_batch
         R, S = ids.shape
         if not 1 <= S <= self.max_chunk:
             raise InternalError(f"target call with {S} tokens (1..{self.max_chunk})")
-        for b, c in zip(rows, counts):
-            if lengths[b] + c > self.max_len:
-                raise DFlashError(f"sequence of {lengths[b] + c} positions exceeds the exported max context {self.max_len}")
+        self.check_room(rows, counts)
         if self.in_place and R > 1 and S > 1:  # GroupQueryAttention: several new tokens with a past, one row a call
             return self._target_each(rows, ids, counts, picks, want_logits)
         return self._target_call(rows, ids, counts, picks, want_logits, 0)

@@ -268,9 +268,7 @@ class TensorRTBackend(TrtRows, Backend):
         s, p = int(ids.size), self.target_len
         if s < 1:
             raise InternalError("target() needs at least one token")
-        if p + s > self.max_len:
-            raise DFlashError(f"sequence of {p + s} positions exceeds the engines' max context {self.max_len}; "
-                              "rebuild with a larger `dflash-export build --max-context` or shorten the request")
+        self.check_room([0], [s])
         prof = 0 if s <= k else 1
         if prof == 1 and s > self.max_prompt:
             raise DFlashError(f"a {s}-token chunk exceeds the engines' --max-prompt {self.max_prompt}; "

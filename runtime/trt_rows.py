@@ -126,10 +126,7 @@ class TrtRows(TrtSelector):
         ids = np.asarray(ids, np.int64)
         R, S = ids.shape
         lengths = self.lengths
-        for b, c in zip(rows, counts):
-            if lengths[b] + c > self.max_len:
-                raise DFlashError(f"sequence of {lengths[b] + c} positions exceeds the engines' max context "
-                                  f"{self.max_len}; rebuild with a larger `dflash-export build --max-context`")
+        self.check_room(rows, counts)
         prof = 0 if S <= k else 1
         if (prof and S > self.max_prompt) or (R > 1 and S > k):
             raise DFlashError(f"a {S}-token call over {R} rows exceeds the engines' profiles (--max-prompt "
