@@ -359,8 +359,7 @@ class TensorRTBackend(TrtRows, Backend):
         self.h_bpos[:] = np.arange(p, p + k)
         self._h2d(self.d_bids, self.h_bids)
         self._h2d(self.d_bpos, self.h_bpos)
-        addrs = {C.BLOCK_IDS: self.d_bids, C.BLOCK_POSITION_IDS: self.d_bpos,
-                 C.DRAFT_IDS: self.d_draft, C.DRAFT_LOGITS: self.d_dlogits} | self.draft_outputs()
+        addrs = {C.BLOCK_IDS: self.d_bids, C.BLOCK_POSITION_IDS: self.d_bpos} | self.draft_outputs
         if self.ragged:
             self.h_clen[0] = p
             self._h2d(self.d_clen, self.h_clen)
