@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import contract as C, manifest as M
+from . import contract as C
 from .backend import Draft, TargetOut, check_context_counts
 from .errors import InternalError
 from .hybrid import LinearStates
