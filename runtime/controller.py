@@ -32,6 +32,14 @@ each may probe) per gap + 1 rounds: with the gap at its maximum, probing costs a
 `PROBE_BOUND` = 2% of plain throughput. (The first gap of a plain stretch is max_gap / FIRST,
 at least 2, so the first probes of a stretch come sooner and cost more: code often turns from
 a few poor rounds to whole accepted blocks, and a 128-token request lasts ~100 plain rounds.)
+A due probe is skipped where it cannot pay (`could_pay`: no verify length whose break-even is
+below it, e.g. one row drafting beside 3 plain rows on a CPU); the row looks again LOOK
+rounds later, and drafts meanwhile only if its estimate says so.
+
+Host work: a round where every row drafts with its mean at SURE x its break-even lets the next
+SKIP rounds draft without deciding (the same rows; the GAMMA average moves by a few percent a
+round, so those decisions would have drafted anyway); rows still stop at most SKIP rounds
+after deciding every round would have stopped them.
 
 Lossless: the target chooses every token in either kind of round, so greedy rows give the
 target's greedy output whatever is decided. A sampled row that verifies by rejection
@@ -67,6 +75,8 @@ FADE = 0.97  # at a probe, the rounds before its plain stretch count FADE ** (pl
 HOPE = 2.0  # standard errors of optimism in a row's estimate
 MEASURED_WEIGHT, MEASURED_MIN = 0.1, 8  # the measured round times: newest round's weight, rounds of each kind before use
 PROBE_BOUND = 0.02  # probes cost at most this fraction of plain throughput once the gap is at its maximum
+LOOK = 8  # plain rounds between looks at a due probe that cannot pay at the batch size
+SURE, SKIP = 1.5, 3  # every row drafting with its mean at SURE x its break-even: the next SKIP rounds draft undecided
 FIRST = 16  # a plain stretch's first gap: max_gap / FIRST (at least 2)
 MODES = ("auto", "always", "never")
 
@@ -204,6 +214,7 @@ class Controller:
     block_size: int
     measured: dict = field(default_factory=dict)  # (rows, drafted) -> [mean of measured / modelled round time, rounds]
     _last: tuple = ()  # (rows, drafted, modelled ms) of the last decision
+    _sure: list = field(default_factory=lambda: [0, 0])  # [rows, rounds left] drafted without deciding
 
     def _clock(self, rows) -> None:
         """The last round's wall time (any row that ran it has it last in `round_s`) over what the
@@ -233,13 +244,23 @@ class Controller:
     def _len(self, c: RowControl) -> int:
         return max(1, min(self.block_size, math.ceil(c.length) if c.length else self.block_size))
 
-    def break_even(self, c: RowControl, rows: int, per_row: bool) -> float:
-        """Tokens a row's drafted round must emit to pay for itself alone in a round of `rows`
-        (one that decides for itself: at batch 1): 1 + the round's extra time in per-row steps."""
+    def break_even(self, c: RowControl, rows: int, per_row: bool, s: int = 0) -> float:
+        """Tokens a row's drafted round verifying s positions (default: its average) must emit to
+        pay for itself alone in a round of `rows` (one that decides for itself: at batch 1):
+        1 + the round's extra time in per-row steps."""
+        s = s or self._len(c)
         if c.own:
-            return self.costs.ratio(1, self._len(c))
+            return self.costs.ratio(1, s)
         step = self.costs.plain_ms(rows)
-        return 1 + (self.costs.round_ms(rows, (self._len(c),), per_row) * self.correction(rows) - step) / step * rows
+        return 1 + (self.costs.round_ms(rows, (s,), per_row) * self.correction(rows) - step) / step * rows
+
+    def could_pay(self, c: RowControl, rows: int, per_row: bool) -> bool:
+        """Whether a probe can pay at all: some verify length s whose break-even is below s, the
+        most a round can emit. One row drafting beside 3 plain rows on a CPU cannot (its share
+        of a 4-row draft call and its own verify cost more than 16 plain steps of it)."""
+        key = ("could_pay", rows, per_row, c.own, self.correction(rows))
+        return bool(self.costs._memo_of(key, lambda: any(self.break_even(c, rows, per_row, s) < s
+                                                         for s in range(2, self.block_size + 1))))
 
     def probe_cost(self, c: RowControl, rows: int, per_row: bool) -> float:
         """What one probe may add, in plain rounds of `rows` rows: a drafted round instead of a step
@@ -276,6 +297,9 @@ class Controller:
         """Whether this round drafts; sets each row's `ctl.drafts` (rows: the loop's `_Row`s,
         `req.speculative` False / True (auto) / "always", `ud` set: rejection sampling). Before a
         drafted round the rows' plain steps reach the drafter's context (`backend`)."""
+        if self._sure[1] and self._sure[0] == len(rows) and all(r.ctl is not None for r in rows):
+            self._sure[1] -= 1  # the same rows, all well above their break-even: a decision's host work saved
+            return True
         for r in rows:
             if r.ctl is None:
                 r.ctl = RowControl(own=r.ud is not None, seen=len(r.gen.acceptance_lengths),
@@ -291,6 +315,9 @@ class Controller:
             if spec and r.ctl.taps:
                 backend.context_from_taps(b, np.stack(r.ctl.taps))
                 r.ctl.taps = []
+        sure = all(r.ctl.drafts and not r.ctl.own and (r.req.speculative == "always" or r.ctl.tokens >= SURE * self.break_even(
+            r.ctl, len(rows), per_row)) for r in rows)
+        self._sure = [len(rows), SKIP if sure else 0]
         return spec
 
     def choose(self, rows, per_row: bool = False) -> dict:
@@ -307,8 +334,11 @@ class Controller:
                 want[id(r)] = bool(r.req.speculative)
             elif c.own:
                 want[id(r)] = self._wants(c, self.break_even(c, R, per_row))
-            elif c.gap > 0 and c.plain >= c.gap:  # a probe is due
+            elif c.gap > 0 and c.plain >= c.gap and self.could_pay(c, R, per_row):  # a probe is due
                 want[id(r)] = True
+            elif c.gap > 0 and c.plain >= c.gap:  # a probe that cannot pay at this batch size: look again later
+                c.gap = c.plain + LOOK
+                free.append(r)
             else:
                 free.append(r)
         hope = {id(r): r.ctl.hopeful for r in rows if r.req.speculative}

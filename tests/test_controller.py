@@ -20,7 +20,7 @@ import pytest
 from runtime_cases import CASES, ORT_CASES, artifact, prompts
 from test_batch import HYBRID
 
-from dflash_export.runtime.controller import (PROBE_BOUND, Controller, Costs, RowControl, controller_for,
+from dflash_export.runtime.controller import (PROBE_BOUND, SKIP, Controller, Costs, RowControl, controller_for,
                                               default_costs, max_gap, rounds_of)
 from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import Generation, Request, generate, generate_batch
@@ -203,7 +203,7 @@ def test_cpu_like_costs_back_off_off_domain_and_probing_is_bounded():
     d, p, tokens, spent, _ = simulate(c, 16, lambda rng: 1, n)
     plain_rate = 1 / c.plain_ms(1)
     assert p > 0.95 * n
-    # the first probes of a stretch come sooner (gaps max_gap/8, /4, /2): all of them within the first 2 * max_gap rounds
+    # the first probes of a stretch come sooner (gaps max_gap/16, /8, /4, /2): all within the first 2 * max_gap rounds
     g = max_gap(c.probe(1, 16))
     start = 2 * g
     d_late, p_late, tokens_late, spent_late = [x - y for x, y in zip((d, p, tokens, spent),
@@ -212,6 +212,45 @@ def test_cpu_like_costs_back_off_off_domain_and_probing_is_bounded():
     assert (tokens / spent) >= plain_rate * 0.95  # the whole stretch, its start included
     d, p, *_ = simulate(c, 16, demo_accept, 2000)
     assert d > p
+
+
+CPU_ORT = Costs([1, 2, 4], [1.18, 1.26, 1.47], [[1.18, 1.21] + [1.27] * 4 + [1.6] * 10, [1.26, 2.32] + [2.6] * 4 + [3.4] * 10,
+                                                [1.47, 4.94] + [5.1] * 4 + [7.0] * 10], [1.48, 2.09, 3.14], [0.29, 0.33, 0.37])
+"""The demo pair's calibrated round costs (ms) on a 2-vCPU machine, `--attention ort` (a verify call per row)."""
+
+
+def test_no_probe_where_a_lone_drafting_row_cannot_pay():
+    """At 4 rows of the CPU costs above, one row drafting beside 3 plain rows needs more tokens
+    than it verifies (its round: a 4-row draft call, its verify, 3 one-position calls): rows that
+    accept nothing do not probe there, and do at 1 row (where a probe can pay), within its bound."""
+    ctl = Controller(CPU_ORT, 16)
+    assert not ctl.could_pay(RowControl(), 4, True) and ctl.could_pay(RowControl(), 1, True)
+    d, p, *_ = simulate(CPU_ORT, 16, lambda rng: 1, 600, rows=4)
+    assert d <= 2, d  # a new row's first round or two, before its estimate falls
+    d1, p1, tokens, spent, _ = simulate(CPU_ORT, 16, lambda rng: 1, 600, rows=1)
+    assert d1 > 4 and tokens / spent > 0.9 / CPU_ORT.plain_ms(1), (d1, p1)
+
+
+def test_sure_rows_skip_decisions_and_still_stop():
+    """Every row drafting well above its break-even (SURE x): the next SKIP rounds draft without
+    a decision (its host work saved); when acceptance collapses the rows still stop, at most
+    SKIP rounds later than deciding every round would."""
+    def run(skip):  # 60 rounds accepting 12 of 16, then 60 accepting nothing
+        ctl, calls = Controller(CPU_ORT, 16), []
+        choose = ctl.choose
+        ctl.choose = lambda rows, per_row=False: (calls.append(len(row.gen.drafted)), choose(rows, per_row))[1]
+        row = SimpleNamespace(req=SimpleNamespace(speculative=True), ud=None, ctl=None, gen=Generation(), done=False)
+        for t in range(120):
+            ctl._sure[1] = min(ctl._sure[1], skip)
+            spec = ctl.decide([row], None)
+            row.gen.acceptance_lengths.append((12 if t < 60 else 1) if spec else 1)
+            row.gen.verify_lengths.append(16 if spec else 1)
+            row.gen.drafted.append(spec)
+        return sum(t < 60 for t in calls), row.gen.drafted.index(False)
+    calls, stopped = run(SKIP)
+    calls0, stopped0 = run(0)
+    assert calls0 == 60 and calls <= 60 / (SKIP + 1) + 2, calls  # decided every SKIP + 1 rounds while sure
+    assert 60 < stopped0 <= stopped <= stopped0 + SKIP, (stopped, stopped0)
 
 
 def per_row_rounds(costs: Costs, accepts: list, per_row: bool, rounds: int = 400):
