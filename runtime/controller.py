@@ -39,7 +39,10 @@ rounds later, and drafts meanwhile only if its estimate says so.
 Host work: a round where every row drafts with its mean at SURE x its break-even lets the next
 SKIP rounds draft without deciding (the same rows; the GAMMA average moves by a few percent a
 round, so those decisions would have drafted anyway); rows still stop at most SKIP rounds
-after deciding every round would have stopped them.
+after deciding every round would have stopped them. Likewise a plain round whose best
+drafted alternative would need SURE x the rows' estimates to pay lets the next SKIP rounds
+step undecided (a probe then comes at most SKIP rounds late). Rows that decide for
+themselves (rejection sampling) are never skipped.
 
 Lossless: the target chooses every token in either kind of round, so greedy rows give the
 target's greedy output whatever is decided. A sampled row that verifies by rejection
@@ -76,7 +79,7 @@ HOPE = 2.0  # standard errors of optimism in a row's estimate
 MEASURED_WEIGHT, MEASURED_MIN = 0.1, 8  # the measured round times: newest round's weight, rounds of each kind before use
 PROBE_BOUND = 0.02  # probes cost at most this fraction of plain throughput once the gap is at its maximum
 LOOK = 8  # plain rounds between looks at a due probe that cannot pay at the batch size
-SURE, SKIP = 1.5, 3  # every row drafting with its mean at SURE x its break-even: the next SKIP rounds draft undecided
+SURE, SKIP = 1.5, 3  # a round clearly paying (or clearly not) by SURE x: the next SKIP rounds do the same undecided
 FIRST = 16  # a plain stretch's first gap: max_gap / FIRST (at least 2)
 MODES = ("auto", "always", "never")
 
@@ -214,7 +217,8 @@ class Controller:
     block_size: int
     measured: dict = field(default_factory=dict)  # (rows, drafted) -> [mean of measured / modelled round time, rounds]
     _last: tuple = ()  # (rows, drafted, modelled ms) of the last decision
-    _sure: list = field(default_factory=lambda: [0, 0])  # [rows, rounds left] drafted without deciding
+    _sure: list = field(default_factory=lambda: [0, 0, False])  # [rows, rounds left, drafts] without deciding
+    _edge: float = 0.0  # the last choice's best drafted rate over the plain step's
 
     def _clock(self, rows) -> None:
         """The last round's wall time (any row that ran it has it last in `round_s`) over what the
@@ -298,8 +302,8 @@ class Controller:
         `req.speculative` False / True (auto) / "always", `ud` set: rejection sampling). Before a
         drafted round the rows' plain steps reach the drafter's context (`backend`)."""
         if self._sure[1] and self._sure[0] == len(rows) and all(r.ctl is not None for r in rows):
-            self._sure[1] -= 1  # the same rows, all well above their break-even: a decision's host work saved
-            return True
+            self._sure[1] -= 1  # the same rows, clearly on one side of their break-even: a decision's host work saved
+            return self._sure[2]
         for r in rows:
             if r.ctl is None:
                 r.ctl = RowControl(own=r.ud is not None, seen=len(r.gen.acceptance_lengths),
@@ -315,9 +319,12 @@ class Controller:
             if spec and r.ctl.taps:
                 backend.context_from_taps(b, np.stack(r.ctl.taps))
                 r.ctl.taps = []
-        sure = all(r.ctl.drafts and not r.ctl.own and (r.req.speculative == "always" or r.ctl.tokens >= SURE * self.break_even(
-            r.ctl, len(rows), per_row)) for r in rows)
-        self._sure = [len(rows), SKIP if sure else 0]
+        if spec:  # every row drafts, each clearly paying
+            sure = all(r.ctl.drafts and not r.ctl.own and (r.req.speculative == "always" or r.ctl.tokens >= SURE * self.break_even(
+                r.ctl, len(rows), per_row)) for r in rows)
+        else:  # no row drafts, and no drafted round would come near paying even SURE x more hopeful
+            sure = self._edge * SURE <= 1 and not any(r.ctl.own for r in rows)
+        self._sure = [len(rows), SKIP if sure else 0, spec]
         return spec
 
     def choose(self, rows, per_row: bool = False) -> dict:
@@ -345,16 +352,15 @@ class Controller:
         free.sort(key=lambda r: -hope[id(r)])
         sure = [r for r in rows if want.get(id(r))]
         fix = self.correction(R)
-        best, best_rate = 0, -1.0
+        best, best_rate, plain = 0, -1.0, R / self.costs.plain_ms(R)
         tokens, lengths = sum(hope[id(r)] for r in sure) + R - len(sure), [self._len(r.ctl) for r in sure]
+        self._edge = 0.0  # the best drafted round's expected rate over the plain step's
         for d in range(len(free) + 1):
             if d:
                 tokens += hope[id(free[d - 1])] - 1
                 lengths.append(self._len(free[d - 1].ctl))
-            if lengths:
-                rate = tokens / (self.costs.round_ms(R, tuple(lengths), per_row) * fix)
-            else:
-                rate = R / self.costs.plain_ms(R)
+            rate = tokens / (self.costs.round_ms(R, tuple(lengths), per_row) * fix) if lengths else plain
+            self._edge = max(self._edge, rate / plain) if lengths else self._edge
             if rate > best_rate:
                 best, best_rate = d, rate
         for i, r in enumerate(free):

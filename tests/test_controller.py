@@ -234,23 +234,29 @@ def test_no_probe_where_a_lone_drafting_row_cannot_pay():
 def test_sure_rows_skip_decisions_and_still_stop():
     """Every row drafting well above its break-even (SURE x): the next SKIP rounds draft without
     a decision (its host work saved); when acceptance collapses the rows still stop, at most
-    SKIP rounds later than deciding every round would."""
-    def run(skip):  # 60 rounds accepting 12 of 16, then 60 accepting nothing
+    SKIP rounds later than deciding every round would; plain rounds far from paying skip too."""
+    def run(skip, rows=1, n=120):  # rounds accepting 12 of 16 until n - 60, then nothing
         ctl, calls = Controller(CPU_ORT, 16), []
         choose = ctl.choose
-        ctl.choose = lambda rows, per_row=False: (calls.append(len(row.gen.drafted)), choose(rows, per_row))[1]
-        row = SimpleNamespace(req=SimpleNamespace(speculative=True), ud=None, ctl=None, gen=Generation(), done=False)
-        for t in range(120):
+        ctl.choose = lambda rows, per_row=False: (calls.append(len(rs[0].gen.drafted)), choose(rows, per_row))[1]
+        rs = [SimpleNamespace(req=SimpleNamespace(speculative=True), ud=None, ctl=None, gen=Generation(), done=False)
+              for _ in range(rows)]
+        for t in range(n):
             ctl._sure[1] = min(ctl._sure[1], skip)
-            spec = ctl.decide([row], None)
-            row.gen.acceptance_lengths.append((12 if t < 60 else 1) if spec else 1)
-            row.gen.verify_lengths.append(16 if spec else 1)
-            row.gen.drafted.append(spec)
-        return sum(t < 60 for t in calls), row.gen.drafted.index(False)
-    calls, stopped = run(SKIP)
-    calls0, stopped0 = run(0)
-    assert calls0 == 60 and calls <= 60 / (SKIP + 1) + 2, calls  # decided every SKIP + 1 rounds while sure
-    assert 60 < stopped0 <= stopped <= stopped0 + SKIP, (stopped, stopped0)
+            spec = ctl.decide(rs, SimpleNamespace(verify_per_row=True))
+            for r in rs:
+                r.gen.acceptance_lengths.append((12 if t < n - 60 else 1) if spec else 1)
+                r.gen.verify_lengths.append(16 if spec else 1)
+                r.gen.drafted.append(spec)
+        return calls, rs[0].gen.drafted
+    calls, drafted = run(SKIP)
+    calls0, drafted0 = run(0)
+    assert len(calls0) == 120 and sum(t < 60 for t in calls) <= 60 / (SKIP + 1) + 2, calls  # decided every SKIP + 1 rounds
+    assert 60 < drafted0.index(False) <= drafted.index(False) <= drafted0.index(False) + SKIP
+    calls, drafted = run(SKIP, rows=4, n=100)  # 4 rows on a CPU: plain, far from paying
+    calls0, drafted0 = run(0, rows=4, n=100)
+    assert len(calls0) == 100 and len(calls) <= 100 / (SKIP + 1) + 10, len(calls)
+    assert not any(drafted[50:]) and not any(drafted0[50:])
 
 
 def per_row_rounds(costs: Costs, accepts: list, per_row: bool, rounds: int = 400):
