@@ -190,20 +190,20 @@ class DFlash2Drafter(Drafter):
         """The target's head, scaled by `output_multiplier`, then soft-capped (fp32)."""
         return self.head(target, hidden)
 
-    def select(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
-               ctx_lengths: torch.Tensor | None = None, position_major: bool = False):
-        """One drafter pass and the selector: -> (greedy path [B,K-1], its conf, logits [B,K-1,V],
-        candidates [B,K-1,k], scores [B,K-1,k,k]): what the drafter graph exports."""
+    def block_outputs(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
+                      ctx_lengths: torch.Tensor | None = None, position_major: bool = False):
+        """One drafter pass and the selector, as draft_block returns them (contract.SELECTOR_OUTPUTS):
+        -> (greedy path [B,K-1], logits [B,K-1,V], its conf, candidates [B,K-1,k], scores [B,K-1,k,k])."""
         hidden = self.draft_hidden(target, block_ids, block_position_ids, past_ctx, ctx_lengths, position_major)
         logits = self.head(target, hidden)
         cand, scores = self.candidate_selector.pair_scores(hidden, logits, block_ids[:, 0])
         path, conf = greedy_walk(cand, scores)
-        return path, conf, logits, cand, scores
+        return path, logits, conf, cand, scores
 
     def propose(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
                 ctx_lengths: torch.Tensor | None = None, position_major: bool = False) -> torch.Tensor:
         """Greedy drafts [B,K-1]: the selector's walk from the anchor `block_ids[:, 0]`."""
-        return self.select(target, block_ids, block_position_ids, past_ctx, ctx_lengths, position_major)[0]
+        return self.block_outputs(target, block_ids, block_position_ids, past_ctx, ctx_lengths, position_major)[0]
 
     def draft_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         raise DFlashError("DFlash2 drafts come from the selector walk (DFlash2Drafter.propose), not an argmax")

@@ -204,6 +204,13 @@ class Drafter(nn.Module):
         best = logits.argmax(-1)
         return best if self.vocab_ids is None else self.vocab_ids[best]
 
+    def block_outputs(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
+                      ctx_lengths: torch.Tensor | None = None, position_major: bool = False):
+        """What draft_block returns, in the contract's order: draft ids, logits (fp32) and
+        draft_conf (the top-1 probability per position: adaptive verify's input)."""
+        logits = self.draft_logits(target, block_ids, block_position_ids, past_ctx, ctx_lengths, position_major)
+        return self.draft_tokens(logits), logits, torch.softmax(logits, -1).amax(-1)
+
     # -- z-lab format -------------------------------------------------------------------
 
     @classmethod
