@@ -179,15 +179,8 @@ class DraftBlockGraph(nn.Module):
         return self.run(block_ids, block_position_ids, ctx_lengths, past_ctx, True)
 
     def run(self, block_ids, block_position_ids, ctx_lengths, past_ctx, position_major: bool = False):
-        self.drafter.ring = self.ring
-        try:
-            return self._run(block_ids, block_position_ids, ctx_lengths, past_ctx, position_major)
-        finally:
-            self.drafter.ring = None
-
-    def _run(self, block_ids, block_position_ids, ctx_lengths, past_ctx, position_major: bool = False):
         return self.drafter.block_outputs(self.shared, block_ids, block_position_ids, _pairs(past_ctx), ctx_lengths,
-                                          position_major)
+                                          position_major, self.ring)
 
 
 class DraftBlockGraph1(DraftBlockGraph):

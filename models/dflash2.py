@@ -191,10 +191,10 @@ class DFlash2Drafter(Drafter):
         return self.head(target, hidden)
 
     def block_outputs(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
-                      ctx_lengths: torch.Tensor | None = None, position_major: bool = False):
+                      ctx_lengths: torch.Tensor | None = None, position_major: bool = False, ring: int | None = None):
         """One drafter pass and the selector, as draft_block returns them (contract.SELECTOR_OUTPUTS):
         -> (greedy path [B,K-1], logits [B,K-1,V], its conf, candidates [B,K-1,k], scores [B,K-1,k,k])."""
-        hidden = self.draft_hidden(target, block_ids, block_position_ids, past_ctx, ctx_lengths, position_major)
+        hidden = self.draft_hidden(target, block_ids, block_position_ids, past_ctx, ctx_lengths, position_major, ring)
         logits = self.head(target, hidden)
         cand, scores = self.candidate_selector.pair_scores(hidden, logits, block_ids[:, 0])
         path, conf = greedy_walk(cand, scores)
