@@ -209,10 +209,11 @@ class DFlash2Drafter(Drafter):
         raise DFlashError("DFlash2 drafts come from the selector walk (DFlash2Drafter.propose), not an argmax")
 
 
-def load_drafter(directory, dtype: torch.dtype = torch.float32) -> Drafter:
-    """The drafter of either family in `directory` (DFlash 1 or DFlash 2, by its config)."""
-    cls = DFlash2Drafter if load_draft_config(directory).family == "dflash2" else Drafter
-    return cls.from_pretrained(directory, dtype)
+def load_drafter(directory, config: DraftConfig, dtype: torch.dtype = torch.float32) -> Drafter:
+    """The drafter in `directory` of either family (DFlash 1 or DFlash 2, by `config`, its
+    load_draft_config: parsed once by the caller, which checks it before any weight is read)."""
+    cls = DFlash2Drafter if config.family == "dflash2" else Drafter
+    return cls.from_pretrained(directory, dtype, config)
 
 
 def draft_config_from_dict(cfg: dict, where: str = "drafter") -> DraftConfig:

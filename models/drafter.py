@@ -217,8 +217,11 @@ class Drafter(nn.Module):
     # -- z-lab format -------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> "Drafter":
-        config = cls.config_type.load(directory)
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype = torch.float32,
+                        config: DraftConfig | None = None) -> "Drafter":
+        """`config`: the directory's config.json if the caller parsed it already (load_draft_config)."""
+        if config is None:
+            config = cls.config_type.load(directory)
         with torch.device("meta"):
             model = cls(config)
         strict_load(model, load_state_dict(directory, "drafter"), f"drafter {directory}", dtype)
