@@ -186,10 +186,6 @@ class DFlash2Drafter(Drafter):
     def wrap_out(self, layer, sublayer: str, y: torch.Tensor, late) -> torch.Tensor:
         return (layer.attention_conv if sublayer == "attention" else layer.mlp_conv).finish(y, late)
 
-    def logits(self, target, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's head, scaled by `output_multiplier`, then soft-capped (fp32)."""
-        return self.head(target, hidden)
-
     def block_outputs(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
                       ctx_lengths: torch.Tensor | None = None, position_major: bool = False, ring: int | None = None):
         """One drafter pass and the selector, as draft_block returns them (contract.SELECTOR_OUTPUTS):
