@@ -212,13 +212,8 @@ def load_drafter(directory, config: DraftConfig, dtype: torch.dtype = torch.floa
     return cls.from_pretrained(directory, dtype, config)
 
 
-def draft_config_from_dict(cfg: dict, where: str = "drafter") -> DraftConfig:
-    """The config of either drafter family, by its architecture."""
-    if (cfg.get("architectures") or [None])[0] == DRAFT2_ARCH:
-        return DFlash2Config.from_dict(cfg, where)
-    return DraftConfig.from_dict(cfg, where)
-
-
 def load_draft_config(directory) -> DraftConfig:
-    """`draft_config_from_dict` of a drafter directory's config.json."""
-    return draft_config_from_dict(read_config(directory, "drafter"), f"drafter {directory}")
+    """The config of either drafter family in a drafter directory, by its architecture."""
+    cfg = read_config(directory, "drafter")
+    cls = DFlash2Config if (cfg.get("architectures") or [None])[0] == DRAFT2_ARCH else DraftConfig
+    return cls.from_dict(cfg, f"drafter {directory}")
