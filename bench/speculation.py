@@ -2,7 +2,7 @@
 stream through the server at concurrency 1 and 4. Every ratio is the median of interleaved
 pairs in one process; tau is over drafted rounds only, with the rounds each way beside it.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/speculation.py --art ART [--pairs 5] [--out bench/speculation.json]
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/speculation.py --art ART [--pairs 5] [--verify auto|full] [--out F]
 
 ART: the demo pair exported as `dflash-export demo` exports it (fp32, --attention ort,
 context 1024) and calibrated with 1 thread (runtime.json: the verify policy and the
@@ -11,12 +11,14 @@ controller's round costs); when ART holds no export, this script makes it first
 vCPUs). The measurements took 4.3 min at load 7-9 there (`--pairs 5`, 8 prompts per set).
 
 - off-domain: demo/prompts-offdomain.jsonl (random vocabulary text), auto vs never (plain),
-  decode tokens/s over all prompts, one ratio per pair (the pair's order alternates);
+  decode tokens/s over all prompts, one ratio per pair (within a pair the modes take turns
+  prompt by prompt, the first alternating, so a slow stretch of the machine hits both);
 - in-domain: demo/prompts.jsonl (held-out Python code), auto vs always;
 - mixed: one server (`serve ART --max-batch 4`, speculation auto) fed the two prompt sets
   alternately at each concurrency; the mode set per request (`speculative`: true = auto,
-  "always", false = never), the three modes of a pass in rotating order; aggregate tokens/s,
-  auto over the better of always and never.
+  "always", false = never); aggregate tokens/s, auto over the better of always and never. At
+  concurrency 1 the modes take turns request by request (the wall time is the requests' own);
+  above it each mode runs the whole stream, the three in rotating order.
 """
 
 from __future__ import annotations
@@ -51,22 +53,26 @@ def prompts(name: str, n: int) -> list[str]:
     return [json.loads(x)["prompt"] for x in lines if x.strip()][:n]
 
 
-def loop_pairs(art: Path, texts: list[str], new: int, a: str, b: str, pairs: int) -> dict:
-    """`pairs` interleaved runs of modes a and b over all prompts: per-pair ratio of decode tokens/s."""
-    be, cfg = open_artifact(art)
+def loop_pairs(art: Path, texts: list[str], new: int, a: str, b: str, pairs: int, verify: str = "auto") -> dict:
+    """`pairs` runs of modes a and b over all prompts, interleaved prompt by prompt: per-pair ratio
+    of decode tokens/s (each mode's controller lasts the pair, as a server's lasts its requests)."""
+    be, cfg = open_artifact(art, verify=verify)
     tok = Tokenizer.from_file(str(art / "tokenizer.json"))
     ids = [tok.encode(t).ids for t in texts]
     k = be.manifest.block_size
 
-    def run(mode):
-        ctl = controller_for(mode, cfg.costs, k)
-        return [generate(be, p, new, draft=mode != "never", verify=cfg.verify, control=ctl) for p in ids]
+    def run(order):  # prompt by prompt, each mode in turn (the order alternates): drift hits both alike
+        ctl = {m: controller_for(m, cfg.costs, k) for m in order}
+        got = {m: [] for m in order}
+        for j, p in enumerate(ids):
+            for m in (order if j % 2 == 0 else order[::-1]):
+                got[m].append(generate(be, p, new, draft=m != "never", verify=cfg.verify, control=ctl[m]))
+        return got
 
-    run(a), run(b)  # warm-up
+    run((a, b))  # warm-up
     ratios, rates, rounds, taus, same = [], {a: [], b: []}, {a: [], b: []}, {a: [], b: []}, True
     for i in range(pairs):
-        order = (a, b) if i % 2 == 0 else (b, a)
-        got = {m: run(m) for m in order}
+        got = run((a, b) if i % 2 == 0 else (b, a))
         ratios.append(rate(got[a]) / rate(got[b]))
         for m in (a, b):
             rates[m].append(rate(got[m]))
@@ -84,13 +90,11 @@ def mixed_stream(server: Server, code: list[str], off: list[str], new: int, pass
     stream = [p for pair in zip(code, off) for p in pair]  # alternating requests from both sets
     modes = {"auto": True, "always": "always", "never": False}
 
-    def run(mode):
-        body = lambda p: {"prompt": p, "max_tokens": new, "temperature": 0,  # noqa: E731
-                          "speculative": modes[mode], "cache_prompt": False}
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(concurrency) as pool:
-            rs = list(pool.map(lambda p: server.post("/v1/completions", body(p)), stream))
-        wall = time.perf_counter() - t0
+    def post(p, mode):
+        return server.post("/v1/completions", {"prompt": p, "max_tokens": new, "temperature": 0,
+                                               "speculative": modes[mode], "cache_prompt": False})
+
+    def summary(rs, wall):
         ts = [r["timings"] for r in rs]
         plain = sum(t.get("plain_rounds", 0) for t in ts)
         drafted = sum(t["rounds"] for t in ts) - plain
@@ -99,14 +103,27 @@ def mixed_stream(server: Server, code: list[str], off: list[str], new: int, pass
                 "tau_drafted_rounds": (sum(t["draft_n_accepted"] for t in ts) + drafted) / drafted if drafted else None,
                 "outputs": [r["tokens"] for r in rs]}
 
-    for m in modes:  # warm-up
+    def run(mode):  # the stream at `concurrency`
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            rs = list(pool.map(lambda p: post(p, mode), stream))
+        return summary(rs, time.perf_counter() - t0)
+
+    def lockstep(order):  # one request at a time, each mode in turn: drift hits the modes alike
+        rs = {m: [] for m in order}
+        for j, p in enumerate(stream):
+            for m in order[j % 3:] + order[: j % 3]:
+                rs[m].append(post(p, m))
+        return {m: summary(v, sum(r["total"] for r in v)) for m, v in rs.items()}
+
+    names = list(modes)
+    for m in names:  # warm-up
         run(m)
     out = {m: [] for m in modes}
     ratios, same = [], True
-    names = list(modes)
     for i in range(passes):
         order = names[i % 3:] + names[: i % 3]
-        got = {m: run(m) for m in order}
+        got = lockstep(order) if concurrency == 1 else {m: run(m) for m in order}
         ratios.append(got["auto"]["tokens_per_second"] / max(got["always"]["tokens_per_second"],
                                                              got["never"]["tokens_per_second"]))
         same = same and got["auto"]["outputs"] == got["always"]["outputs"] == got["never"]["outputs"]
@@ -135,6 +152,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="1,4", help="mixed stream: concurrencies (one server, --max-batch the largest)")
     ap.add_argument("--parts", default="off,in,mixed")
+    ap.add_argument("--verify", choices=("auto", "full"), default="auto",
+                    help="auto: the calibrated verify policy; full: the whole block (as static TensorRT engines)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "speculation.json")
     args = ap.parse_args()
     prepare(args.art)
@@ -142,18 +161,18 @@ def main() -> None:
     entry = json.loads((args.art / "runtime.json").read_text()).get("devices", {}).get("ort:cpu", {})
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or
               platform.machine(), "cpus": os.cpu_count(), "load_before": uptime(),
-              "command": " ".join(sys.argv), "settings": {"threads": entry.get("threads"), "verify": entry.get("verify"),
+              "command": " ".join(sys.argv), "settings": {"threads": entry.get("threads"), "verify": entry.get("verify") if args.verify == "auto" else "full",
                                                           "costs": entry.get("costs") or "default"}, "runs": {}}
     runs, parts = report["runs"], args.parts.split(",")
     if "off" in parts:
-        runs["off_domain_auto_vs_never"] = loop_pairs(args.art, off, args.max_new_tokens, "auto", "never", args.pairs)
+        runs["off_domain_auto_vs_never"] = loop_pairs(args.art, off, args.max_new_tokens, "auto", "never", args.pairs, args.verify)
         print("off-domain auto/never", runs["off_domain_auto_vs_never"]["ratios"], flush=True)
     if "in" in parts:
-        runs["in_domain_auto_vs_always"] = loop_pairs(args.art, code, args.max_new_tokens, "auto", "always", args.pairs)
+        runs["in_domain_auto_vs_always"] = loop_pairs(args.art, code, args.max_new_tokens, "auto", "always", args.pairs, args.verify)
         print("in-domain auto/always", runs["in_domain_auto_vs_always"]["ratios"], flush=True)
     if "mixed" in parts:
         cs = [int(c) for c in args.concurrency.split(",")]
-        server = Server(args.art, "--max-batch", str(max(cs)))
+        server = Server(args.art, "--max-batch", str(max(cs)), "--verify", args.verify)
         try:
             for c in cs:
                 runs[f"mixed_serve_c{c}"] = mixed_stream(server, code, off, args.max_new_tokens, args.pairs, c)

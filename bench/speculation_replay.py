@@ -10,6 +10,10 @@
    from t on (the whole recorded round when it starts there), a plain step advances one
    position; time is charged from ART's calibrated round costs (runtime.json), and again
    with drafted rounds 20% dearer than calibrated (decisions still from the calibration).
+   `--host F` adds F plain steps of per-round host work (sampling, acceptance, the server's
+   streaming) to every round of both kinds, in the decisions' costs too (what the
+   controller's measured correction learns in a real loop): plain rounds then cost
+   relatively more than the bare calls the calibration timed.
 Prints tokens per unit of time of auto against always and never for both prompt sets.
 """
 
@@ -74,6 +78,7 @@ def main() -> None:
     ap.add_argument("--traces", type=Path, help="recordings to reuse (written there when missing)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--verify", default="auto", help="auto: the calibrated verify policy; full: the whole block")
+    ap.add_argument("--host", type=float, default=0.0, help="per-round host work, in calibrated plain steps")
     args = ap.parse_args()
     if args.traces and args.traces.is_file():
         traces = json.loads(args.traces.read_text())
@@ -83,6 +88,9 @@ def main() -> None:
             args.traces.write_text(json.dumps(traces) + "\n")
     entry = json.loads((args.art / "runtime.json").read_text())["devices"]["ort:cpu"]
     costs, k = Costs.from_json(entry["costs"]), len(entry["costs"]["verify_ms"][0])
+    h = args.host * costs.step[0]
+    costs = Costs(costs.rows, [s + h for s in costs.step], [[v + h for v in vs] for vs in costs.verify],
+                  costs.draft, costs.context)
     for dearer in (1.0, 1.2):
         charge = Costs(costs.rows, costs.step, [[v * dearer for v in vs] for vs in costs.verify],
                        [d * dearer for d in costs.draft], costs.context)

@@ -131,10 +131,6 @@ class CandidateSelector(nn.Module):
         pair = torch.matmul(query, self.successor_codebook[cand].float().transpose(-1, -2))  # [B,N,k(prev),k(cand)]
         return cand, unary.float()[:, :, None, :] + pair
 
-    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        """Greedy path [B,N] of token ids: hidden [B,N,H], logits [B,N,V], anchor ids [B]."""
-        return greedy_walk(*self.pair_scores(hidden, logits, anchor))[0]
-
     def sample_walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, temperature: float,
                     u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The walk at temperature T > 0, one uniform per position (u [B,N]): each step draws from

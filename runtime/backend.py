@@ -35,7 +35,7 @@ import numpy as np
 from . import contract as C
 from .names import Names
 from .manifest import Manifest
-from .errors import InternalError
+from .errors import DFlashError, InternalError
 from .hybrid import LinearStates
 
 
@@ -115,6 +115,15 @@ class Backend(ABC):
     @abstractmethod
     def _target(self, ids: np.ndarray, want_logits: bool) -> TargetOut:
         """The graph call behind `target` (the checks above are the implementation's)."""
+
+    def check_room(self, rows, counts) -> None:
+        """One line when a row's `counts` new positions would pass max_len, naming what bounds
+        it and the fix (`limit`); requests are refused before this (sampling.check_request)."""
+        what, fix = self.limit
+        for b, c in zip(rows, counts):
+            if self.lengths[b] + c > self.max_len:
+                raise DFlashError(f"sequence of {self.lengths[b] + c} positions exceeds the {what} {self.max_len}; "
+                                  f"shorten the request or {fix}")
 
     def commit(self, n: int) -> None:
         """Keep the first n (0 <= n <= S) positions of the last `target` call: target_len += n.
@@ -197,15 +206,43 @@ class Backend(ABC):
         return draft_vocab_ids(self.manifest)
 
     width: int = 1  # rows a call over all rows carries (runtime/loop.py keeps its rows in 0..width-1)
+    _wanted: int | None = None  # a width set but not laid out yet (set_width)
 
     def set_width(self, w: int) -> None:
-        """Calls over all rows carry rows 0..w-1 from now on (one-row backends: nothing to do)."""
+        """Calls over all rows carry rows 0..w-1 from now on. Several rows: the caches are laid
+        out again for w columns at the next call (`_layout`: a join or a leave, not a call; a
+        leave and a join at one round boundary copy nothing). One row: nothing to lay out."""
         if not 0 <= w <= self.max_batch:
             raise InternalError(f"width {w} of a {self.max_batch}-row backend")
-        self.width = w
+        if self.max_batch == 1:
+            self.width = w
+        else:
+            self._wanted = w
+
+    def _layout(self) -> None:
+        """Apply the last set_width (before a call over rows): the kept rows' valid prefixes copied once."""
+        w, self._wanted = self._wanted, None
+        if w is not None and w != self.width:
+            old, self.width = self.width, w
+            self._relayout(min(old, w), old)
+
+    def _relayout(self, keep: int, old: int) -> None:
+        """Rows 0..keep-1's valid cache prefixes, laid out for `old` columns, into the layout for `width`."""
+        raise InternalError(f"{type(self).__name__} holds one row")
 
     def move_row(self, src: int, dst: int) -> None:
-        """Row src's sequence moves to slot dst; src is freed (backends of several rows)."""
+        """Row src's sequence moves to slot dst (the loop keeps its rows in 0..width-1); src is freed."""
+        if self.max_batch == 1:
+            raise InternalError(f"{type(self).__name__} holds one row")
+        self._move_caches(src, dst)
+        if self.states is not None:
+            self.states.move(src, dst)
+        for a in self._row_state():
+            a[dst] = a[src]
+        self.reset_row(src)
+
+    def _move_caches(self, src: int, dst: int) -> None:
+        """Copy row src's valid cache prefixes into slot dst (backends of several rows)."""
         raise InternalError(f"{type(self).__name__} holds one row")
 
     def _one_row(self, rows) -> None:

@@ -29,8 +29,9 @@ start with a few poor rounds, then accept whole blocks). A probe still emits at 
 token a step would, so it adds at most `probe_cost` (a drafted round with the probing row
 alone drafting, less the step it replaces, plus the catch-up call; times the rows, since
 each may probe) per gap + 1 rounds: with the gap at its maximum, probing costs at most
-`PROBE_BOUND` = 2% of plain throughput. (The first gap of a plain stretch is max_gap / 8, at
-least 2, so the first probes of a stretch come sooner and cost more.)
+`PROBE_BOUND` = 2% of plain throughput. (The first gap of a plain stretch is max_gap / FIRST,
+at least 2, so the first probes of a stretch come sooner and cost more: code often turns from
+a few poor rounds to whole accepted blocks, and a 128-token request lasts ~100 plain rounds.)
 
 Lossless: the target chooses every token in either kind of round, so greedy rows give the
 target's greedy output whatever is decided. A sampled row that verifies by rejection
@@ -66,6 +67,7 @@ FADE = 0.97  # at a probe, the rounds before its plain stretch count FADE ** (pl
 HOPE = 2.0  # standard errors of optimism in a row's estimate
 MEASURED_WEIGHT, MEASURED_MIN = 0.1, 8  # the measured round times: newest round's weight, rounds of each kind before use
 PROBE_BOUND = 0.02  # probes cost at most this fraction of plain throughput once the gap is at its maximum
+FIRST = 16  # a plain stretch's first gap: max_gap / FIRST (at least 2)
 MODES = ("auto", "always", "never")
 
 
@@ -254,7 +256,7 @@ class Controller:
         for a, v, d in zip(g.acceptance_lengths[c.seen :], g.verify_lengths[c.seen :], g.drafted[c.seen :]):
             if not d:
                 c.plain += 1
-                c.gap = c.gap or max(2, max_gap(self.probe_cost(c, rows, per_row)) // 8)
+                c.gap = c.gap or max(2, max_gap(self.probe_cost(c, rows, per_row)) // FIRST)
                 continue
             f = GAMMA * FADE ** c.plain  # the rounds before a plain stretch count less after it (the text moved on)
             c.emitted, c.squares, c.weight = f * c.emitted + a, f * c.squares + a * a, f * c.weight + 1

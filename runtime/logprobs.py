@@ -51,21 +51,27 @@ class Logprobs:
         self.prompt += entries(logits, prompt[start + 1 : start + 1 + len(logits)], self.k)
 
 
-def prefill_call(backend, slot: int, ids: np.ndarray, want_logits: bool, lp: Logprobs | None, prompt: list[int],
-                 start: int):
-    """One prefill chunk (`ids` [1, n], prompt positions start..start+n-1) of a row through the
-    target: the last position's logits (and argmax) are computed, with echo every position's,
-    and their log-probabilities recorded. Refuses, in one line, what cannot be served."""
-    n = ids.shape[1]
+def check_logprobs(lp: Logprobs | None, manifest, reuse: int) -> None:
+    """Refuse, in one line, a request's log-probabilities that cannot be served (once, before its prefill)."""
     if lp is None:
-        return backend.target_rows([slot], ids, [n], np.array([[n - 1]]), want_logits=want_logits)
-    if not C.ragged(backend.manifest):
+        return
+    if not C.ragged(manifest):
         raise DFlashError("log-probabilities need a target graph that takes `logits_index` (exports made "
                           "since batched decoding); re-export the model")
     if lp.k < 0:
         raise DFlashError(f"logprobs must be >= 0 (got {lp.k})")
-    if lp.echo and start != max(len(lp.prompt) - 1, 0):
-        raise DFlashError(f"echo scores every prompt position: the prefill must start at 0 (reused {start})")
+    if lp.echo and reuse != max(len(lp.prompt) - 1, 0):
+        raise DFlashError(f"echo scores every prompt position: the prefill must start at 0 (reused {reuse})")
+
+
+def prefill_call(backend, slot: int, ids: np.ndarray, want_logits: bool, lp: Logprobs | None, prompt: list[int],
+                 start: int):
+    """One prefill chunk (`ids` [1, n], prompt positions start..start+n-1) of a row through the
+    target: the last position's logits (and argmax) are computed, with echo every position's,
+    and their log-probabilities recorded (the request passed `check_logprobs`)."""
+    n = ids.shape[1]
+    if lp is None:
+        return backend.target_rows([slot], ids, [n], np.array([[n - 1]]), want_logits=want_logits)
     res = backend.target_rows([slot], ids, [n], np.arange(n)[None] if lp.echo else np.array([[n - 1]]), True)
     if lp.echo:
         lp.prefilled(res.logits[0], prompt, start)

@@ -31,7 +31,7 @@ import numpy as np
 
 from .backend import Backend
 from .errors import DFlashError, InternalError
-from .logprobs import Logprobs, prefill_call
+from .logprobs import Logprobs, check_logprobs, prefill_call
 from .sampling import (accept, check_request, check_sampling, choose, cut_at_stop, draft_uniforms, position_uniforms,
                        probabilities, rejection)
 from .settings import VerifyPolicy, pad_verify
@@ -305,6 +305,7 @@ def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, c
     check_sampling(q.temperature, q.top_k, q.top_p, q.sampling)
     m = backend.manifest
     max_length = check_request(q.prompt, q.max_new_tokens, m.vocab_size, backend.max_len, *backend.limit)
+    check_logprobs(q.logprobs, m, q.reuse)
     g = Generation(prompt_len=len(q.prompt), reused=q.reuse)
     u = position_uniforms(q.seed, max_length + 1) if q.temperature > 0 else None  # u[t]: token at position t
     row = _Row(index, q, g, set(m.eos_token_ids if q.stop_token_ids is None else q.stop_token_ids), max_length, u)
@@ -320,8 +321,7 @@ def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, c
         raise InternalError(f"reuse {q.reuse} of a {len(q.prompt)}-token prompt in slot {slot}: caches hold {held}")
     for i in range(q.reuse, len(q.prompt), chunk):
         ids = np.asarray(q.prompt[i : i + chunk], np.int64)[None]
-        last = i + chunk >= len(q.prompt)
-        n = ids.shape[1]
+        last, n = i + chunk >= len(q.prompt), ids.shape[1]
         res = prefill_call(backend, slot, ids, u is not None and last, q.logprobs, q.prompt, i)  # last position's logits (echo: all)
         backend.commit_rows([slot], [n])
         if draft:

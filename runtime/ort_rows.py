@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import contract as C, manifest as M
+from . import contract as C
 from .backend import Draft, TargetOut, check_context_counts
-from .errors import DFlashError, InternalError
+from .errors import InternalError
 from .hybrid import LinearStates
 from .row_cache import gather_row, ring_scatter, scatter
 from .shared import STORAGE
@@ -125,31 +125,17 @@ class RowCalls:
         if "ctx" in self._flat:
             self.ctx_all, self.ctx = self._wide("ctx", self.width)
 
-    def set_width(self, w: int) -> None:
-        """Calls over all rows carry rows 0..w-1 from now on. Position-major caches are laid out
-        again for w columns at the next call (the kept rows' valid prefixes copied once: a join or
-        a leave, not a call; a leave and a join at one round boundary copy nothing);
-        batch-major buffers (the ort flavour's, states) need nothing."""
-        if not 0 <= w <= self.max_batch:
-            raise InternalError(f"width {w} of a {self.max_batch}-row backend")
-        self._wanted = w
-
-    def _layout(self) -> None:
-        """Apply the last set_width (before a call)."""
-        w, self._wanted = self._wanted, None
-        if w is None or w == self.width:
-            return
-        keep = min(self.width, w)
+    def _relayout(self, keep: int, old: int) -> None:
+        """Position-major caches: the kept rows' valid prefixes copied into the layout for
+        `width`; batch-major buffers (the ort flavour's, states) need nothing."""
         for key, lens in (("kv", self.lengths), ("ctx", self.ctx_lengths)):
             p = int(lens[:keep].max()) if keep and key in self._flat else 0
             if p:
-                rows = self._wide(key, self.width)[0][:, :p, :keep].copy()
-                self._wide(key, w)[0][:, :p, :keep] = rows
-        self.width = w
+                rows = self._wide(key, old)[0][:, :p, :keep].copy()
+                self._wide(key, self.width)[0][:, :p, :keep] = rows
         self._use_width()
 
-    def move_row(self, src: int, dst: int) -> None:
-        """Row src's sequence moves to slot dst (the loop keeps its rows in 0..width-1); src is freed."""
+    def _move_caches(self, src: int, dst: int) -> None:
         p, pc = int(self.lengths[src]), int(self.ctx_lengths[src])
         if self.in_place:
             for buf in (b for b in self.kv if b is not None):
@@ -158,11 +144,6 @@ class RowCalls:
             self.kv_all[:, :p, dst] = self.kv_all[:, :p, src]
         if self.ctx_all is not None:
             self.ctx_all[:, :pc, dst] = self.ctx_all[:, :pc, src]
-        if self.states is not None:
-            self.states.move(src, dst)
-        for a in self._row_state():
-            a[dst] = a[src]
-        self.reset_row(src)
 
     def _target_io(self, row: int | None):
         """The ort flavour's target binding for all rows (None) or row b: its cache buffers
@@ -198,13 +179,10 @@ class RowCalls:
 
     def target_rows(self, rows, ids, counts, picks=None, want_logits=False) -> TargetOut:
         self._layout()
-        m, g, lengths, B = self.manifest, C.TARGET, self.lengths, self.max_batch
         R, S = ids.shape
         if not 1 <= S <= self.max_chunk:
             raise InternalError(f"target call with {S} tokens (1..{self.max_chunk})")
-        for b, c in zip(rows, counts):
-            if lengths[b] + c > self.max_len:
-                raise DFlashError(f"sequence of {lengths[b] + c} positions exceeds the exported max context {self.max_len}")
+        self.check_room(rows, counts)
         if self.in_place and R > 1 and S > 1:  # GroupQueryAttention: several new tokens with a past, one row a call
             return self._target_each(rows, ids, counts, picks, want_logits)
         return self._target_call(rows, ids, counts, picks, want_logits, 0)

@@ -268,9 +268,7 @@ class TensorRTBackend(TrtRows, Backend):
         s, p = int(ids.size), self.target_len
         if s < 1:
             raise InternalError("target() needs at least one token")
-        if p + s > self.max_len:
-            raise DFlashError(f"sequence of {p + s} positions exceeds the engines' max context {self.max_len}; "
-                              "rebuild with a larger `dflash-export build --max-context` or shorten the request")
+        self.check_room([0], [s])
         prof = 0 if s <= k else 1
         if prof == 1 and s > self.max_prompt:
             raise DFlashError(f"a {s}-token chunk exceeds the engines' --max-prompt {self.max_prompt}; "
@@ -361,8 +359,7 @@ class TensorRTBackend(TrtRows, Backend):
         self.h_bpos[:] = np.arange(p, p + k)
         self._h2d(self.d_bids, self.h_bids)
         self._h2d(self.d_bpos, self.h_bpos)
-        addrs = {C.BLOCK_IDS: self.d_bids, C.BLOCK_POSITION_IDS: self.d_bpos,
-                 C.DRAFT_IDS: self.d_draft, C.DRAFT_LOGITS: self.d_dlogits} | self.draft_outputs()
+        addrs = {C.BLOCK_IDS: self.d_bids, C.BLOCK_POSITION_IDS: self.d_bpos} | self.draft_outputs
         if self.ragged:
             self.h_clen[0] = p
             self._h2d(self.d_clen, self.h_clen)

@@ -94,45 +94,22 @@ class TrtRows(TrtSelector):
         self._copy2d(into, row, base + b * row, self.width * row, row, p)
         return into
 
-    _wanted: int | None = None  # a width set but not laid out yet
-
-    def set_width(self, w: int) -> None:
-        """Calls over all rows carry rows 0..w-1 from now on: the kept rows' valid prefixes are laid
-        out again for w columns at the next call (a join or a leave, not a call; a leave and a join
-        at one round boundary copy nothing)."""
-        if not 0 <= w <= self.max_batch:
-            raise InternalError(f"width {w} of a {self.max_batch}-row backend")
-        if self.max_batch == 1:
-            self.width = w
-        self._wanted = w
-
-    def _layout(self) -> None:
-        """Apply the last set_width (before a call)."""
-        w, self._wanted = self._wanted, None
-        if w is None or w == self.width:
-            return
-        keep, W = min(self.width, w), self.width
+    def _relayout(self, keep: int, old: int) -> None:
+        """The kept rows' valid prefixes, `old` positions a pitch, rewritten `width` a pitch
+        (through a scratch: CUDA's 2D copies may not overlap)."""
+        w = self.width
         if keep:
             for base, row, lens in self._caches():
                 p = int(lens[:keep].max())
                 if p:
-                    self._copy2d(self.d_relayout, w * row, base, W * row, keep * row, p)
+                    self._copy2d(self.d_relayout, w * row, base, old * row, keep * row, p)
                     self._d2d(base, self.d_relayout, p * w * row)
-        self.width = w
 
-    def move_row(self, src: int, dst: int) -> None:
-        """Row src's sequence moves to slot dst (the loop keeps its rows in 0..width-1); src is freed."""
-        if self.max_batch == 1:
-            return Backend.move_row(self, src, dst)
+    def _move_caches(self, src: int, dst: int) -> None:
         for base, row, lens in self._caches():
             p = int(lens[src])
             self._gather(base, row, src, p, self.d_relayout)
             self._copy2d(base + dst * row, self.width * row, self.d_relayout, row, row, p)
-        if self.states is not None:
-            self.states.move(src, dst)
-        for a in self._row_state():
-            a[dst] = a[src]
-        self.reset_row(src)
 
     # -- the calls ----------------------------------------------------------------------------
 
@@ -149,10 +126,7 @@ class TrtRows(TrtSelector):
         ids = np.asarray(ids, np.int64)
         R, S = ids.shape
         lengths = self.lengths
-        for b, c in zip(rows, counts):
-            if lengths[b] + c > self.max_len:
-                raise DFlashError(f"sequence of {lengths[b] + c} positions exceeds the engines' max context "
-                                  f"{self.max_len}; rebuild with a larger `dflash-export build --max-context`")
+        self.check_room(rows, counts)
         prof = 0 if S <= k else 1
         if (prof and S > self.max_prompt) or (R > 1 and S > k):
             raise DFlashError(f"a {S}-token call over {R} rows exceeds the engines' profiles (--max-prompt "
@@ -235,8 +209,7 @@ class TrtRows(TrtSelector):
         self.h_clen[:R] = lengths[rows]
         for d, h in ((self.d_bids, self.h_bids[: R * k]), (self.d_bpos, self.h_bpos[: R * k]), (self.d_clen, self.h_clen[:R])):
             self._h2d(d, h)
-        addrs = {C.BLOCK_IDS: self.d_bids, C.BLOCK_POSITION_IDS: self.d_bpos, C.CTX_LENGTHS: self.d_clen,
-                 C.DRAFT_IDS: self.d_draft, C.DRAFT_LOGITS: self.d_dlogits} | self.draft_outputs()
+        addrs = {C.BLOCK_IDS: self.d_bids, C.BLOCK_POSITION_IDS: self.d_bpos, C.CTX_LENGTHS: self.d_clen} | self.draft_outputs
         one = R == 1 and self.width > 1
         for j, (kb, vb) in enumerate(self.ckv):
             for e, (name, base) in enumerate(((N_.past_ctx_key[j], kb), (N_.past_ctx_value[j], vb))):

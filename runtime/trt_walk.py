@@ -10,22 +10,28 @@ sampled rows copy the two to the host for the walk (`draft_walk_rows`).
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import numpy as np
 
 from . import contract as C
 
 
 class TrtSelector:
+    @cached_property
     def draft_outputs(self) -> dict[str, int]:
-        """Addresses of draft_block's outputs besides draft_ids and draft_logits (conf, and
-        DFlash 2's candidates and scores), the selector's buffers made on first use."""
-        out = {C.DRAFT_CONF: self.d_conf} if self.d_conf is not None else {}
+        """Addresses of draft_block's outputs (ids, logits, conf, and DFlash 2's candidates and
+        scores, whose buffers are made here), built once, on the first draft."""
+        out = {C.DRAFT_IDS: self.d_draft, C.DRAFT_LOGITS: self.d_dlogits}
+        if self.d_conf is not None:
+            out[C.DRAFT_CONF] = self.d_conf
         sel = C.selector(self.manifest)
-        if sel and not hasattr(self, "h_walk"):
+        if sel:
             n, k = self.max_batch * (self.k - 1), sel["top_k"]
             self.h_walk = {C.DRAFT_CANDIDATES: np.zeros((n, k), np.int64), C.DRAFT_SCORES: np.zeros((n, k, k), np.float32)}
             self.d_walk = {name: self._malloc(a.nbytes) for name, a in self.h_walk.items()}
-        return out | (self.d_walk if sel else {})
+            out |= self.d_walk
+        return out
 
     def draft_walk_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """DFlash 2: the last draft_block call's candidates [n, K-1, k] and walk scores [n, K-1, k, k]."""

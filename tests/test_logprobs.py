@@ -11,14 +11,12 @@ top-1 value bit for bit when it is the argmax (lm-eval's is_greedy); an export w
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 from runtime_cases import CASES, ORT_CASES, artifact, prompts
 
 from dflash_export.runtime.errors import DFlashError
-from dflash_export.runtime.logprobs import Logprobs, entries, prefill_call
+from dflash_export.runtime.logprobs import Logprobs, entries
 from dflash_export.runtime.loop import Request, generate_batch
 from dflash_export.runtime.ort import OrtBackend
 
@@ -135,12 +133,14 @@ def test_top_k_of_a_large_vocabulary_equals_a_full_sort():
 
 def test_old_export_refused_in_one_line():
     """An export without `logits_index` (made before ragged batches) is refused before any call."""
-    class Old:
-        manifest = SimpleNamespace(ragged=False)
+    _, _, out = artifact(CASES["qwen3"])
+    be = OrtBackend(out, threads=1)
+    be.manifest.ragged = False  # what an export made before ragged batches records
 
-        def target_rows(self, *a, **k):
-            raise AssertionError("no call may run")
+    def no_call(*a, **k):
+        raise AssertionError("no call may run")
 
+    be.target_rows = be.draft_context_rows = be.draft_block_rows = no_call
     with pytest.raises(DFlashError, match="re-export") as e:
-        prefill_call(Old(), 0, np.zeros((1, 3), np.int64), False, Logprobs(k=1), [1, 2, 3], 0)
+        generate_batch(be, [Request([1, 2, 3], 2, logprobs=Logprobs(k=1))])
     assert "\n" not in str(e.value)

@@ -158,7 +158,7 @@ def test_refusals(built, monkeypatch):
     with pytest.raises(DFlashError, match="exceeds the engines' --max-prompt 16"):
         b.target(np.arange(MP + 1))
     b.target_len = MC - 2
-    with pytest.raises(DFlashError, match="exceeds the engines' max context 64"):
+    with pytest.raises(DFlashError, match=r"exceeds the TensorRT engines' max context 64; .* rebuild them with a larger"):
         b.target(np.arange(K))
     b.reset()  # a request longer than the engines' context names the rebuild, not a re-export
     with pytest.raises(DFlashError, match=r"exceeds the TensorRT engines' max context 64; .* rebuild them with a larger"):
