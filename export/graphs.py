@@ -161,7 +161,7 @@ class DraftBlockGraph(nn.Module):
     """block ids + positions (+ per-row context lengths) over the drafter's context cache ->
     draft_ids, draft_logits (fp32), draft_conf (fp32 top-1 probability per position:
     adaptive verify's input). A DFlash 2 drafter adds its selector's candidates and walk
-    scores, and its draft_ids / draft_conf are the greedy walk's (DFlash2Drafter.select). The ragged graph takes the cache position-major [PC, B, ...]
+    scores, and its draft_ids / draft_conf are the greedy walk's (Drafter.block_outputs per family). The ragged graph takes the cache position-major [PC, B, ...]
     and hides each row's slots from its `ctx_lengths` on (Drafter.block_mask's anchors).
 
     With a draft vocabulary (Drafter.set_draft_vocab) the graph holds the [N, H] head and
@@ -179,20 +179,8 @@ class DraftBlockGraph(nn.Module):
         return self.run(block_ids, block_position_ids, ctx_lengths, past_ctx, True)
 
     def run(self, block_ids, block_position_ids, ctx_lengths, past_ctx, position_major: bool = False):
-        self.drafter.ring = self.ring
-        try:
-            return self._run(block_ids, block_position_ids, ctx_lengths, past_ctx, position_major)
-        finally:
-            self.drafter.ring = None
-
-    def _run(self, block_ids, block_position_ids, ctx_lengths, past_ctx, position_major: bool = False):
-        if self.drafter.config.family == "dflash2":  # + candidates and walk scores (contract.SELECTOR_OUTPUTS)
-            ids, conf, logits, cand, scores = self.drafter.select(self.shared, block_ids, block_position_ids,
-                                                                  _pairs(past_ctx), ctx_lengths, position_major)
-            return ids, logits, conf, cand, scores
-        logits = self.drafter.draft_logits(self.shared, block_ids, block_position_ids, _pairs(past_ctx), ctx_lengths,
-                                           position_major)
-        return self.drafter.draft_tokens(logits), logits, torch.softmax(logits, -1).amax(-1)
+        return self.drafter.block_outputs(self.shared, block_ids, block_position_ids, _pairs(past_ctx), ctx_lengths,
+                                          position_major, self.ring)
 
 
 class DraftBlockGraph1(DraftBlockGraph):

@@ -182,42 +182,34 @@ class DFlash2Drafter(Drafter):
     def wrap_out(self, layer, sublayer: str, y: torch.Tensor, late) -> torch.Tensor:
         return (layer.attention_conv if sublayer == "attention" else layer.mlp_conv).finish(y, late)
 
-    def logits(self, target, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's head, scaled by `output_multiplier`, then soft-capped (fp32)."""
-        return self.head(target, hidden)
-
-    def select(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
-               ctx_lengths: torch.Tensor | None = None, position_major: bool = False):
-        """One drafter pass and the selector: -> (greedy path [B,K-1], its conf, logits [B,K-1,V],
-        candidates [B,K-1,k], scores [B,K-1,k,k]): what the drafter graph exports."""
-        hidden = self.draft_hidden(target, block_ids, block_position_ids, past_ctx, ctx_lengths, position_major)
+    def block_outputs(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
+                      ctx_lengths: torch.Tensor | None = None, position_major: bool = False, ring: int | None = None):
+        """One drafter pass and the selector, as draft_block returns them (contract.SELECTOR_OUTPUTS):
+        -> (greedy path [B,K-1], logits [B,K-1,V], its conf, candidates [B,K-1,k], scores [B,K-1,k,k])."""
+        hidden = self.draft_hidden(target, block_ids, block_position_ids, past_ctx, ctx_lengths, position_major, ring)
         logits = self.head(target, hidden)
         cand, scores = self.candidate_selector.pair_scores(hidden, logits, block_ids[:, 0])
         path, conf = greedy_walk(cand, scores)
-        return path, conf, logits, cand, scores
+        return path, logits, conf, cand, scores
 
     def propose(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
                 ctx_lengths: torch.Tensor | None = None, position_major: bool = False) -> torch.Tensor:
         """Greedy drafts [B,K-1]: the selector's walk from the anchor `block_ids[:, 0]`."""
-        return self.select(target, block_ids, block_position_ids, past_ctx, ctx_lengths, position_major)[0]
+        return self.block_outputs(target, block_ids, block_position_ids, past_ctx, ctx_lengths, position_major)[0]
 
     def draft_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         raise DFlashError("DFlash2 drafts come from the selector walk (DFlash2Drafter.propose), not an argmax")
 
 
-def load_drafter(directory, dtype: torch.dtype = torch.float32) -> Drafter:
-    """The drafter of either family in `directory` (DFlash 1 or DFlash 2, by its config)."""
-    cls = DFlash2Drafter if load_draft_config(directory).family == "dflash2" else Drafter
-    return cls.from_pretrained(directory, dtype)
-
-
-def draft_config_from_dict(cfg: dict, where: str = "drafter") -> DraftConfig:
-    """The config of either drafter family, by its architecture."""
-    if (cfg.get("architectures") or [None])[0] == DRAFT2_ARCH:
-        return DFlash2Config.from_dict(cfg, where)
-    return DraftConfig.from_dict(cfg, where)
+def load_drafter(directory, config: DraftConfig, dtype: torch.dtype = torch.float32) -> Drafter:
+    """The drafter in `directory` of either family (DFlash 1 or DFlash 2, by `config`, its
+    load_draft_config: parsed once by the caller, which checks it before any weight is read)."""
+    cls = DFlash2Drafter if config.family == "dflash2" else Drafter
+    return cls.from_pretrained(directory, dtype, config)
 
 
 def load_draft_config(directory) -> DraftConfig:
-    """`draft_config_from_dict` of a drafter directory's config.json."""
-    return draft_config_from_dict(read_config(directory, "drafter"), f"drafter {directory}")
+    """The config of either drafter family in a drafter directory, by its architecture."""
+    cfg = read_config(directory, "drafter")
+    cls = DFlash2Config if (cfg.get("architectures") or [None])[0] == DRAFT2_ARCH else DraftConfig
+    return cls.from_dict(cfg, f"drafter {directory}")

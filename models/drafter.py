@@ -73,7 +73,6 @@ class Drafter(nn.Module):
         self.register_buffer("inv_freq", c.rope.inv_freq(c.head_dim), persistent=False)
         self.register_buffer("vocab_ids", None, persistent=False)  # [N] target ids a reduced head scores
         self.register_buffer("vocab_head", None, persistent=False)  # [N, H] those rows of the target's lm_head
-        self.ring = None  # exports of all-sliding drafters: the context cache is a ring of this many slots (block_mask)
 
     def set_draft_vocab(self, ids: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """Score only the target ids `ids` (a gathered copy of their LM head rows, stored once)."""
@@ -92,7 +91,8 @@ class Drafter(nn.Module):
         cos, sin = rope_cos_sin(ctx_position_ids, self.inv_freq, ctx.dtype)
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
-    def block_mask(self, j: int, ctx_len: int, k: int, anchors: torch.Tensor | None = None, device=None):
+    def block_mask(self, j: int, ctx_len: int, k: int, anchors: torch.Tensor | None = None, device=None,
+                   ring: int | None = None):
         """Which keys each block query of layer j sees: [K, C+K] (inference), [N, K or 1, C+K]
         (training), or None when it sees them all. One rule for both, as z-lab builds it.
 
@@ -102,6 +102,8 @@ class Drafter(nn.Module):
         context, and row i hides slots >= its anchor (their features do not exist yet at
         inference). Full-attention layers see the rest (non-causal); sliding layers are causal
         unless the config says `is_causal`, and see only keys within `sliding_window`.
+        `ring` (exports of all-sliding drafters, Manifest.draft_ring; with `anchors`): the context
+        cache is a ring of that many slots, slot s holding the last position = s mod ring.
         """
         window, causal = self.config.layer_window(j), self.config.layer_causal(j)
         if anchors is None and window is None and not causal:
@@ -110,16 +112,16 @@ class Drafter(nn.Module):
         q = (ctx_len + offsets)[None] if anchors is None else anchors[:, None] + offsets  # [N, K] query positions
         n = q.shape[0]
         ctx = torch.arange(ctx_len, device=device)[None].expand(n, ctx_len)
-        if self.ring is not None and anchors is not None:  # a ring of slots: slot s holds the last position = s mod ring
+        if ring is not None and anchors is not None:  # a ring of slots: slot s holds the last position = s mod ring
             last = anchors[:, None] - 1
             # (+ ring: a non-negative operand, as ONNX exports of an integer remainder need; slots < ring)
-            ctx = last - torch.remainder(last - ctx + self.ring, self.ring)  # < 0: not written yet (hidden below)
+            ctx = last - torch.remainder(last - ctx + ring, ring)  # < 0: not written yet (hidden below)
         t = torch.cat([ctx, q], 1)[:, None, :]  # [N, 1, C+K] key positions
         q = q[:, :, None]
         visible = torch.ones(n, 1, ctx_len + k, dtype=torch.bool, device=device)  # broadcast over queries
         if anchors is not None:  # context slots at or after the anchor are hidden; the block is not
             seen = ctx < anchors[:, None]
-            if self.ring is not None:
+            if ring is not None:
                 seen = seen & (ctx >= 0)
             visible = visible & torch.cat([seen, torch.ones(n, k, dtype=torch.bool, device=device)], 1)[:, None, :]
         if causal:
@@ -131,7 +133,7 @@ class Drafter(nn.Module):
         return visible[0] if anchors is None else visible
 
     def block(self, block_emb: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
-              anchors: torch.Tensor | None = None, position_major: bool = False) -> torch.Tensor:
+              anchors: torch.Tensor | None = None, position_major: bool = False, ring: int | None = None) -> torch.Tensor:
         """Embedded block [B,K,H] over the context cache -> final hidden states [B,K,H].
 
         Training passes `anchors` [B]: each row's context is then a whole sequence's, and
@@ -152,7 +154,7 @@ class Drafter(nn.Module):
             else:
                 keys = torch.cat([past_ctx[j][0].to(kb.dtype), kb], 1)  # .to: autocast training
                 values = torch.cat([past_ctx[j][1].to(vb.dtype), vb], 1)
-            y = a.o_proj(attend(q, keys, values, self.block_mask(j, p, k, anchors, x.device)))
+            y = a.o_proj(attend(q, keys, values, self.block_mask(j, p, k, anchors, x.device, ring)))
             x = x + self.wrap_out(layer, "attention", y, late)
             h, late = self.wrap_in(layer, "mlp", layer.post_attention_layernorm(x))
             x = x + self.wrap_out(layer, "mlp", layer.mlp(h), late)
@@ -167,20 +169,21 @@ class Drafter(nn.Module):
         return y
 
     def draft_logits(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
-                     ctx_lengths: torch.Tensor | None = None, position_major: bool = False):
+                     ctx_lengths: torch.Tensor | None = None, position_major: bool = False, ring: int | None = None):
         """Logits [B,K-1,V] (fp32) for the masked positions, with the target's embedding and head
         ([B,K-1,N] over the draft vocabulary when one is set). `ctx_lengths` [B]: each row's
         valid context (a ragged batch: slot == position, so it is the row's anchor position)."""
         return self.head(target, self.draft_hidden(target, block_ids, block_position_ids, past_ctx, ctx_lengths,
-                                                   position_major))
+                                                   position_major, ring))
 
     def draft_hidden(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
-                     ctx_lengths: torch.Tensor | None = None, position_major: bool = False) -> torch.Tensor:
+                     ctx_lengths: torch.Tensor | None = None, position_major: bool = False,
+                     ring: int | None = None) -> torch.Tensor:
         """Final hidden states [B,K-1,H] of the masked positions (`draft_logits`' arguments)."""
         emb = target.embed(block_ids)
         if self.config.input_embedding_scale != 1.0:
             emb = emb * self.config.input_embedding_scale
-        return self.block(emb, block_position_ids, past_ctx, ctx_lengths, position_major)[:, 1:]
+        return self.block(emb, block_position_ids, past_ctx, ctx_lengths, position_major, ring)[:, 1:]
 
     def head(self, target, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states -> draft logits (fp32, after the config's transforms)."""
@@ -204,11 +207,21 @@ class Drafter(nn.Module):
         best = logits.argmax(-1)
         return best if self.vocab_ids is None else self.vocab_ids[best]
 
+    def block_outputs(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
+                      ctx_lengths: torch.Tensor | None = None, position_major: bool = False, ring: int | None = None):
+        """What draft_block returns, in the contract's order: draft ids, logits (fp32) and
+        draft_conf (the top-1 probability per position: adaptive verify's input)."""
+        logits = self.draft_logits(target, block_ids, block_position_ids, past_ctx, ctx_lengths, position_major, ring)
+        return self.draft_tokens(logits), logits, torch.softmax(logits, -1).amax(-1)
+
     # -- z-lab format -------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> "Drafter":
-        config = cls.config_type.load(directory)
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype = torch.float32,
+                        config: DraftConfig | None = None) -> "Drafter":
+        """`config`: the directory's config.json if the caller parsed it already (load_draft_config)."""
+        if config is None:
+            config = cls.config_type.load(directory)
         with torch.device("meta"):
             model = cls(config)
         strict_load(model, load_state_dict(directory, "drafter"), f"drafter {directory}", dtype)

@@ -105,7 +105,7 @@ def test_logits_and_selector_equal_the_official(pair, tmp_path, name):
         want = official.compute_logits(want_h, hf.lm_head)
         want_path = official.candidate_selector.select(want_h, want, block[:, 0], 0.0)[0]
         ctx = ours.context_kv(taps, ctx_pos)
-        got = ours.logits(target, ours.draft_hidden(target, block, pos, ctx))
+        got = ours.draft_logits(target, block, pos, ctx)
         err = (got - want).abs().max().item()
         off_argmax = (want_path != want.argmax(-1)).sum().item()
         print(f"{name}: max |logits - official| = {err:.2e}; walk != argmax at {off_argmax}/{want_path.numel()}")
