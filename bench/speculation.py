@@ -13,12 +13,15 @@ vCPUs). The measurements took 4.3 min at load 7-9 there (`--pairs 5`, 8 prompts 
 - off-domain: demo/prompts-offdomain.jsonl (random vocabulary text), auto vs never (plain),
   decode tokens/s over all prompts, one ratio per pair (within a pair the modes take turns
   prompt by prompt, the first alternating, so a slow stretch of the machine hits both);
-- in-domain: demo/prompts.jsonl (held-out Python code), auto vs always;
+- in-domain: demo/prompts.jsonl (held-out Python code), auto vs always; and always vs always
+  (`aa`), the same measurement with nothing to find: how far a ratio moves by noise alone;
 - mixed: one server (`serve ART --max-batch 4`, speculation auto) fed the two prompt sets
   alternately at each concurrency; the mode set per request (`speculative`: true = auto,
   "always", false = never); aggregate tokens/s, auto over the better of always and never. At
-  concurrency 1 the modes take turns request by request (the wall time is the requests' own);
-  above it each mode runs the whole stream, the three in rotating order.
+  concurrency 1 the modes take turns request by request (the wall time is the requests' own),
+  and `best_fixed_per_set_vs_better` is what knowing each request's set would give: each set
+  in its faster fixed mode, over the better mode for the whole stream; above concurrency 1
+  each mode runs the whole stream, the three in rotating order.
 """
 
 from __future__ import annotations
@@ -62,11 +65,12 @@ def loop_pairs(art: Path, texts: list[str], new: int, a: str, b: str, pairs: int
     k = be.manifest.block_size
 
     def run(order):  # prompt by prompt, each mode in turn (the order alternates): drift hits both alike
-        ctl = {m: controller_for(m, cfg.costs, k) for m in order}
+        mode = {m: m.split(":")[0] for m in order}  # "always:2": a second label of the same mode (an A/A pair)
+        ctl = {m: controller_for(mode[m], cfg.costs, k) for m in order}
         got = {m: [] for m in order}
         for j, p in enumerate(ids):
             for m in (order if j % 2 == 0 else order[::-1]):
-                got[m].append(generate(be, p, new, draft=m != "never", verify=cfg.verify, control=ctl[m]))
+                got[m].append(generate(be, p, new, draft=mode[m] != "never", verify=cfg.verify, control=ctl[m]))
         return got
 
     run((a, b))  # warm-up
@@ -114,23 +118,32 @@ def mixed_stream(server: Server, code: list[str], off: list[str], new: int, pass
         for j, p in enumerate(stream):
             for m in order[j % 3:] + order[: j % 3]:
                 rs[m].append(post(p, m))
-        return {m: summary(v, sum(r["total"] for r in v)) for m, v in rs.items()}
+        got = {m: summary(v, sum(r["total"] for r in v)) for m, v in rs.items()}
+        for m, v in rs.items():  # per set (requests alternate code, off-domain): seconds
+            got[m]["seconds_code_off"] = [sum(r["total"] for r in v[i::2]) for i in (0, 1)]
+        # the ceiling of choosing per request: each set in its faster fixed mode
+        best = sum(min(got["always"]["seconds_code_off"][i], got["never"]["seconds_code_off"][i]) for i in (0, 1))
+        got["auto"]["best_fixed_per_set_tokens_per_second"] = sum(len(r["tokens"]) for r in rs["never"]) / best
+        return got
 
     names = list(modes)
     for m in names:  # warm-up
         run(m)
     out = {m: [] for m in modes}
-    ratios, same = [], True
+    ratios, ceilings, same = [], [], True
     for i in range(passes):
         order = names[i % 3:] + names[: i % 3]
         got = lockstep(order) if concurrency == 1 else {m: run(m) for m in order}
-        ratios.append(got["auto"]["tokens_per_second"] / max(got["always"]["tokens_per_second"],
-                                                             got["never"]["tokens_per_second"]))
+        better = max(got["always"]["tokens_per_second"], got["never"]["tokens_per_second"])
+        ratios.append(got["auto"]["tokens_per_second"] / better)
+        if "best_fixed_per_set_tokens_per_second" in got["auto"]:
+            ceilings.append(got["auto"]["best_fixed_per_set_tokens_per_second"] / better)
         same = same and got["auto"]["outputs"] == got["always"]["outputs"] == got["never"]["outputs"]
         for m in modes:
             out[m].append({k: v for k, v in got[m].items() if k != "outputs"})
     return {"requests": len(stream), "concurrency": concurrency, "max_tokens": new, "by_mode": out,
-            "ratios_auto_vs_better": ratios, "median_ratio": float(np.median(ratios)), "identical_tokens": same}
+            "ratios_auto_vs_better": ratios, "median_ratio": float(np.median(ratios)), "identical_tokens": same,
+            "best_fixed_per_set_vs_better": ceilings}
 
 
 def prepare(art: Path) -> None:
@@ -148,10 +161,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--art", type=Path, required=True)
     ap.add_argument("--pairs", type=int, default=5)
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
+    ap.add_argument("--prompts", type=int, default=24, help="prompts per set (the sets hold 24)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="1,4", help="mixed stream: concurrencies (one server, --max-batch the largest)")
-    ap.add_argument("--parts", default="off,in,mixed")
+    ap.add_argument("--parts", default="off,in,aa,mixed", help="aa: always against itself, the method's spread")
     ap.add_argument("--verify", choices=("auto", "full"), default="auto",
                     help="auto: the calibrated verify policy; full: the whole block (as static TensorRT engines)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "speculation.json")
@@ -167,6 +180,10 @@ def main() -> None:
     if "off" in parts:
         runs["off_domain_auto_vs_never"] = loop_pairs(args.art, off, args.max_new_tokens, "auto", "never", args.pairs, args.verify)
         print("off-domain auto/never", runs["off_domain_auto_vs_never"]["ratios"], flush=True)
+    if "aa" in parts:  # the method's own spread: the same mode on both sides
+        runs["in_domain_always_vs_always"] = loop_pairs(args.art, code, args.max_new_tokens, "always:2", "always",
+                                                        args.pairs, args.verify)
+        print("in-domain always/always", runs["in_domain_always_vs_always"]["ratios"], flush=True)
     if "in" in parts:
         runs["in_domain_auto_vs_always"] = loop_pairs(args.art, code, args.max_new_tokens, "auto", "always", args.pairs, args.verify)
         print("in-domain auto/always", runs["in_domain_auto_vs_always"]["ratios"], flush=True)
