@@ -272,7 +272,7 @@ def export_artifact(
         tmp.mkdir()
         with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
             target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
-            drafter = dflash2.load_drafter(draft_dir, dc, tdtype)
+            drafter = dflash2.load_drafter(draft_dir, tdtype, config=dc)
             if vocab_ids is not None:
                 drafter.set_draft_vocab(torch.from_numpy(vocab_ids), target.lm_head.weight)
         with ui.phase("trace", f"3 graphs, block size {k} (torch.onnx dynamo)"):

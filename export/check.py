@@ -131,7 +131,7 @@ def load_sources(root: Path, manifest: M.Manifest, target_dir, draft_dir):
     if mine != theirs:
         raise DFlashError(f"--target/--draft do not match {root} (architecture, vocab, hidden, layers, taps: {mine} vs {theirs}); pass the directories it was exported from")
     dtype = torch_dtype(manifest.dtype)
-    drafter = dflash2.load_drafter(draft_dir, dc, dtype)
+    drafter = dflash2.load_drafter(draft_dir, dtype, config=dc)
     target = reference.Target.from_pretrained(target_dir, drafter.config.target_layer_ids, dtype)
     if manifest.draft_vocab:  # the reference scores the same N tokens, read back from the graph
         drafter.set_draft_vocab(torch.tensor(draft_vocab_ids(root, manifest)), target.lm_head.weight)

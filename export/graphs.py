@@ -161,8 +161,8 @@ class DraftBlockGraph(nn.Module):
     """block ids + positions (+ per-row context lengths) over the drafter's context cache ->
     draft_ids, draft_logits (fp32), draft_conf (fp32 top-1 probability per position:
     adaptive verify's input). A DFlash 2 drafter adds its selector's candidates and walk
-    scores, and its draft_ids / draft_conf are the greedy walk's (Drafter.block_outputs per family). The ragged graph takes the cache position-major [PC, B, ...]
-    and hides each row's slots from its `ctx_lengths` on (Drafter.block_mask's anchors).
+    scores, and its draft_ids / draft_conf are the greedy walk's (Drafter.block_outputs per
+    family). The ragged graph takes the cache position-major [PC, B, ...] and hides each row's slots from its `ctx_lengths` on (Drafter.block_mask's anchors).
 
     With a draft vocabulary (Drafter.set_draft_vocab) the graph holds the [N, H] head and
     the N ids instead of reading the shared LM head: logits are [.., N], ids target ids, and

@@ -184,7 +184,7 @@ class DFlash2Drafter(Drafter):
 
     def block_outputs(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
                       ctx_lengths: torch.Tensor | None = None, position_major: bool = False, ring: int | None = None):
-        """One drafter pass and the selector, as draft_block returns them (contract.SELECTOR_OUTPUTS):
+        """One drafter pass and the selector, as draft_block returns them (its outputs, then contract.SELECTOR_OUTPUTS):
         -> (greedy path [B,K-1], logits [B,K-1,V], its conf, candidates [B,K-1,k], scores [B,K-1,k,k])."""
         hidden = self.draft_hidden(target, block_ids, block_position_ids, past_ctx, ctx_lengths, position_major, ring)
         logits = self.head(target, hidden)
@@ -201,9 +201,11 @@ class DFlash2Drafter(Drafter):
         raise DFlashError("DFlash2 drafts come from the selector walk (DFlash2Drafter.propose), not an argmax")
 
 
-def load_drafter(directory, config: DraftConfig, dtype: torch.dtype = torch.float32) -> Drafter:
-    """The drafter in `directory` of either family (DFlash 1 or DFlash 2, by `config`, its
-    load_draft_config: parsed once by the caller, which checks it before any weight is read)."""
+def load_drafter(directory, dtype: torch.dtype = torch.float32, *, config: DraftConfig | None = None) -> Drafter:
+    """The drafter in `directory` of either family (DFlash 1 or DFlash 2, by its config:
+    `config` if the caller parsed it already with load_draft_config, to check it before any
+    weight is read)."""
+    config = config or load_draft_config(directory)
     cls = DFlash2Drafter if config.family == "dflash2" else Drafter
     return cls.from_pretrained(directory, dtype, config)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..runtime.errors import DFlashError
 from .checkpoint import load_state_dict, save_state_dict, strict_load
 from .config import DRAFT_ARCH, DraftConfig, TargetConfig, default_target_layer_ids
 from .layers import MLP, RMSNorm, apply_rope, attend, rope_cos_sin
@@ -219,9 +220,12 @@ class Drafter(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype = torch.float32,
                         config: DraftConfig | None = None) -> "Drafter":
-        """`config`: the directory's config.json if the caller parsed it already (load_draft_config)."""
+        """`config`: the directory's own config.json if the caller parsed it already (load_draft_config)."""
         if config is None:
             config = cls.config_type.load(directory)
+        elif type(config) is not cls.config_type:
+            raise DFlashError(f"drafter {directory}: a {type(config).__name__} cannot build a {cls.__name__}; "
+                              "load it with models.dflash2.load_drafter")
         with torch.device("meta"):
             model = cls(config)
         strict_load(model, load_state_dict(directory, "drafter"), f"drafter {directory}", dtype)

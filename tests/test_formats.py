@@ -203,6 +203,18 @@ def good_drafter(tmp_path):
     return d
 
 
+def test_a_drafter_loads_with_its_own_config_only(good_drafter):
+    """export and check parse config.json once and hand it to the load (load_drafter's config);
+    a config of the other family is refused in one line, not half-used."""
+    from dflash_export.models.dflash2 import DFlash2Drafter, load_draft_config, load_drafter
+
+    c = load_draft_config(good_drafter)
+    assert type(load_drafter(good_drafter, config=c)) is Drafter and type(load_drafter(good_drafter)) is Drafter
+    with pytest.raises(DFlashError, match=r"a DraftConfig cannot build a DFlash2Drafter") as e:
+        DFlash2Drafter.from_pretrained(good_drafter, config=c)
+    one_line(e)
+
+
 def _rewrite(directory: Path, edit) -> None:
     state = load_file(directory / "model.safetensors")
     edit(state)
