@@ -1,26 +1,18 @@
 """Speculation control: each round, each row drafts only when that is expected to beat plain steps.
 
-Rows decide per round, together: the rows that draft share one `draft_block` call and one
-`draft_context` call, and the target verifies them as the backend does it
-(`backend.verify_per_row`): one call padded to the longest drafting row's length (the other
-rows verify their anchor alone in it), or a call per row (ONNX Runtime's in-place
-GroupQueryAttention flavour refuses several new tokens of several rows with a past: there
-each drafting row's verify is its own call, and so is each other row's one-position step).
-A round without drafts is one plain step of every row. `Costs.round_ms` charges each of
-these what the calibration measured; the controller drafts the auto rows best-first (by
-their estimates) as long as that raises the round's expected tokens per ms, so with a
-padded verify a round drafts all rows or none, and with per-row verify the rows that accept
-well draft while the others step. At one row the break-even is
+Rows decide per round, together: the drafting rows share one `draft_block` and one
+`draft_context` call, and the target verifies them as the backend does (`verify_per_row`):
+one call padded to the longest drafting row (the others verify their anchor alone in it), or
+a call per row (ONNX Runtime's GroupQueryAttention flavour), each other row's step its own
+call too. A round without drafts is one plain step of every row. `Costs.round_ms` charges
+each what the calibration measured; the auto rows draft best-first (by their estimates) as
+long as that raises the round's expected tokens per ms. At one row the break-even is
 
     ratio(1, S) = (draft + verify(S) + context) / step
 
 Each row keeps a discounted mean of the tokens its drafted rounds emitted (GAMMA, about the
 last 10 rounds; a new row starts with one round's worth of PRIOR tokens above the batch-1
 break-even) plus HOPE standard errors (acceptance is bursty), and an average verify length.
-A plain step's new position must still reach the drafter's context before the row drafts
-again: on a backend whose taps are host arrays (ONNX Runtime on CPU) the row keeps a copy of
-that position's taps and the next drafted round projects them all in one call; elsewhere
-each plain round makes the call.
 
 Probes: while plain, a row counts its plain rounds and drafts again after `gap` of them; a
 probe that does not pay doubles the gap, up to `max_gap`. At a probe the rounds before the
@@ -36,13 +28,13 @@ A due probe is skipped where it cannot pay (`could_pay`: no verify length whose 
 below it, e.g. one row drafting beside 3 plain rows on a CPU); the row looks again LOOK
 rounds later, and drafts meanwhile only if its estimate says so.
 
-Host work: a round where every row drafts with its mean at SURE x its break-even lets the next
-SKIP rounds draft without deciding (the same rows; the GAMMA average moves by a few percent a
-round, so those decisions would have drafted anyway); rows still stop at most SKIP rounds
-after deciding every round would have stopped them. Likewise a plain round whose best
-drafted alternative would need SURE x the rows' estimates to pay lets the next SKIP rounds
-step undecided (a probe then comes at most SKIP rounds late). Rows that decide for
-themselves (rejection sampling) are never skipped.
+Host work: a round where every row drafts ("always", or 3+ drafted rounds with the mean at
+SURE x the break-even) lets the next SKIP rounds draft without deciding (the same rows; the
+GAMMA average moves by a few percent a round, so they would have drafted anyway); rows still
+stop at most SKIP rounds after deciding every round would have stopped them. Likewise a
+plain round whose best drafted alternative has an expected rate below 1 / SURE of the plain
+step's lets the next SKIP rounds step undecided (a probe then comes at most SKIP rounds
+late). Rows that decide for themselves (rejection sampling) are never skipped.
 
 Lossless: the target chooses every token in either kind of round, so greedy rows give the
 target's greedy output whatever is decided. A sampled row that verifies by rejection
@@ -197,9 +189,8 @@ class RowControl:
 
     @property
     def hopeful(self) -> float:
-        """`tokens` plus one standard error of the rounds' mean: acceptance is bursty (many rounds
-        of 1-2 tokens, some of a whole block), so a row stops drafting only when the rounds
-        say clearly that it does not pay; rounds that all emit alike stop it at once."""
+        """`tokens` plus HOPE standard errors of the rounds' mean: acceptance is bursty, so a row
+        stops only when its rounds say clearly that drafting does not pay (alike rounds: at once)."""
         if self.weight < 1.5:
             return self.tokens
         mean = self.emitted / self.weight
@@ -211,21 +202,22 @@ class RowControl:
 @dataclass
 class Controller:
     """Per round and per row: draft (the verify policy's lengths) or a plain step; see the
-    module docstring. One controller serves any number of loops: a row's record lives on the row."""
+    module docstring. One loop at a time (a server slot each its own): a row's record lives on
+    the row, the decisions skipped (SURE) on the controller."""
 
     costs: Costs
     block_size: int
     measured: dict = field(default_factory=dict)  # (rows, drafted) -> [mean of measured / modelled round time, rounds]
     _last: tuple = ()  # (rows, drafted, modelled ms) of the last decision
-    _sure: list = field(default_factory=lambda: [0, 0, False])  # [rows, rounds left, drafts] without deciding
-    _edge: float = 0.0  # the last choice's best drafted rate over the plain step's
+    _sure: tuple = ((), 0, False)  # (the rows' records, rounds left, drafts): rounds run without deciding
+    _skipped: int = 0  # rounds since the last decision (the last of them is clocked against it)
 
     def _clock(self, rows) -> None:
         """The last round's wall time (any row that ran it has it last in `round_s`) over what the
         cost model charged for it: the costs as this machine runs them now, load included."""
         for r in rows:
             g = r.gen
-            if self._last and r.ctl is not None and r.ctl.clocked == len(g.round_s) - 1:
+            if self._last and r.ctl is not None and g.round_s and r.ctl.clocked == len(g.round_s) - 1 - self._skipped:
                 R, kind, model = self._last
                 t = sum(g.round_s[-1]) * 1e3 / model
                 m = self.measured.setdefault((R, kind), [t, 0])
@@ -259,12 +251,12 @@ class Controller:
         return 1 + (self.costs.round_ms(rows, (s,), per_row) * self.correction(rows) - step) / step * rows
 
     def could_pay(self, c: RowControl, rows: int, per_row: bool) -> bool:
-        """Whether a probe can pay at all: some verify length s whose break-even is below s, the
-        most a round can emit. One row drafting beside 3 plain rows on a CPU cannot (its share
-        of a 4-row draft call and its own verify cost more than 16 plain steps of it)."""
-        key = ("could_pay", rows, per_row, c.own, self.correction(rows))
-        return bool(self.costs._memo_of(key, lambda: any(self.break_even(c, rows, per_row, s) < s
-                                                         for s in range(2, self.block_size + 1))))
+        """Whether a probe can pay at all: some verify length s with its break-even below s (the
+        most a round emits); one row drafting beside 3 plain rows on a CPU cannot."""
+        step = self.costs.plain_ms(rows)  # break_even(s) < s <=> correction < step (1 + (s - 1) / rows) / round_ms(s)
+        top = self.costs._memo_of(("pay_up_to", rows, per_row, self.block_size), lambda: max(
+            step * (1 + (s - 1) / rows) / self.costs.round_ms(rows, (s,), per_row) for s in range(2, self.block_size + 1)))
+        return self.correction(rows) < top
 
     def probe_cost(self, c: RowControl, rows: int, per_row: bool) -> float:
         """What one probe may add, in plain rounds of `rows` rows: a drafted round instead of a step
@@ -288,7 +280,7 @@ class Controller:
             c.length = float(v) if c.length == 0 else c.length + ALPHA * (v - c.length)
             if c.gap:  # a probe: back to drafting if the estimate now pays; a probe that did not pay itself doubles the gap
                 ratio = self.break_even(c, rows, per_row)
-                c.gap = 0 if c.hopeful > ratio else c.gap if a > ratio else min(2 * c.gap, max_gap(
+                c.gap = 0 if c.hopeful > ratio else min(c.gap if a > ratio else 2 * c.gap, max_gap(
                     self.probe_cost(c, rows, per_row)))
             c.plain = 0
         c.seen = len(g.acceptance_lengths)
@@ -299,16 +291,19 @@ class Controller:
 
     def decide(self, rows, backend=None) -> bool:
         """Whether this round drafts; sets each row's `ctl.drafts` (rows: the loop's `_Row`s,
-        `req.speculative` False / True (auto) / "always", `ud` set: rejection sampling). Before a
-        drafted round the rows' plain steps reach the drafter's context (`backend`)."""
-        if self._sure[1] and self._sure[0] == len(rows) and all(r.ctl is not None for r in rows):
-            self._sure[1] -= 1  # the same rows, clearly on one side of their break-even: a decision's host work saved
-            return self._sure[2]
+        `req.speculative` False / True (auto) / "always", `ud` set: rejection sampling), or on a
+        skipped decision leaves them as the last decision set them. Before a drafted round the
+        rows' plain steps reach the drafter's context (`backend`)."""
+        ctls, left, spec = self._sure
+        if left and len(ctls) == len(rows) and all(r.ctl is c for r, c in zip(rows, ctls)):
+            self._sure, self._skipped = (ctls, left - 1, spec), self._skipped + 1  # the same rows, clearly on one side
+            return spec
         for r in rows:
             if r.ctl is None:
                 r.ctl = RowControl(own=r.ud is not None, seen=len(r.gen.acceptance_lengths),
                                    prior=self.costs.ratio(1, self.block_size) + PRIOR)
         self._clock(rows)
+        self._skipped, self._edge = 0, math.inf  # (a `choose` that does not set the edge never skips plain rounds)
         per_row = bool(getattr(backend, "verify_per_row", False))
         want = self.choose(rows, per_row)
         spec = any(want.values())
@@ -320,11 +315,11 @@ class Controller:
                 backend.context_from_taps(b, np.stack(r.ctl.taps))
                 r.ctl.taps = []
         if spec:  # every row drafts, each clearly paying
-            sure = all(r.ctl.drafts and not r.ctl.own and (r.req.speculative == "always" or r.ctl.tokens >= SURE * self.break_even(
-                r.ctl, len(rows), per_row)) for r in rows)
+            sure = all(r.ctl.drafts and not r.ctl.own and (r.req.speculative == "always" or r.ctl.weight >= 3 and
+                       r.ctl.tokens >= SURE * self.break_even(r.ctl, len(rows), per_row)) for r in rows)
         else:  # no row drafts, and no drafted round would come near paying even SURE x more hopeful
             sure = self._edge * SURE <= 1 and not any(r.ctl.own for r in rows)
-        self._sure = [len(rows), SKIP if sure else 0, spec]
+        self._sure = (tuple(r.ctl for r in rows), SKIP if sure else 0, spec)
         return spec
 
     def choose(self, rows, per_row: bool = False) -> dict:
@@ -371,7 +366,8 @@ class Controller:
         """After a plain round: each speculative row's new position must reach the drafter's
         context before it drafts again. A backend with host taps (ONNX Runtime, CPU) keeps them
         here (a copy of one position's features per row; projected in one call at the next
-        drafted round); any other projects them now (a draft_context call per plain round)."""
+        drafted round, or once they fill a chunk); any other projects them now (a draft_context
+        call per plain round)."""
         keep = [b for b, r in enumerate(rows) if r.req.speculative and not r.done and r.ctl is not None]
         if not keep:
             return
@@ -381,7 +377,11 @@ class Controller:
             backend.draft_context_rows(list(range(len(rows))), more)
             return
         for b in keep:
-            rows[b].ctl.taps.append(taps[b])
+            c = rows[b].ctl
+            c.taps.append(taps[b])
+            if len(c.taps) >= backend.max_chunk:  # a row that stays plain (4 rows on a CPU) holds a chunk at most
+                backend.context_from_taps(b, np.stack(c.taps))
+                c.taps = []
 
 
 def controller_for(mode: str, costs: dict | None, block_size: int) -> Controller | None:

@@ -59,7 +59,6 @@ class RowCalls:
         self.kv_all = self.ctx_all = None
         self._views, self._flat, self._tail, self._wcache = {}, {}, {}, {}
         self.width = B  # rows a call over all rows carries (set_width: the loop keeps its rows in 0..width-1)
-        self._wanted = None  # a width set but not laid out yet (set_width)
         if self.in_place or B == 1:
             shape = (B, Hkv, n, D) if self.in_place else (1, n, Hkv, D)
             self.kv = [None if m.is_linear(i) else self._alloc(shape, kv_type) for i in range(L) for _ in (0, 1)]

@@ -242,7 +242,7 @@ def test_sure_rows_skip_decisions_and_still_stop():
         rs = [SimpleNamespace(req=SimpleNamespace(speculative=True), ud=None, ctl=None, gen=Generation(), done=False)
               for _ in range(rows)]
         for t in range(n):
-            ctl._sure[1] = min(ctl._sure[1], skip)
+            ctl._sure = ctl._sure[:1] + (min(ctl._sure[1], skip),) + ctl._sure[2:]
             spec = ctl.decide(rs, SimpleNamespace(verify_per_row=True))
             for r in rs:
                 r.gen.acceptance_lengths.append((12 if t < n - 60 else 1) if spec else 1)
@@ -251,12 +251,55 @@ def test_sure_rows_skip_decisions_and_still_stop():
         return calls, rs[0].gen.drafted
     calls, drafted = run(SKIP)
     calls0, drafted0 = run(0)
-    assert len(calls0) == 120 and sum(t < 60 for t in calls) <= 60 / (SKIP + 1) + 2, calls  # decided every SKIP + 1 rounds
+    assert len(calls0) == 120 and sum(t < 60 for t in calls) <= 60 / (SKIP + 1) + 4, calls  # decided every SKIP + 1 rounds
     assert 60 < drafted0.index(False) <= drafted.index(False) <= drafted0.index(False) + SKIP
     calls, drafted = run(SKIP, rows=4, n=100)  # 4 rows on a CPU: plain, far from paying
     calls0, drafted0 = run(0, rows=4, n=100)
     assert len(calls0) == 100 and len(calls) <= 100 / (SKIP + 1) + 10, len(calls)
     assert not any(drafted[50:]) and not any(drafted0[50:])
+
+
+def test_a_long_plain_stretch_at_four_rows():
+    """4 rows that cannot pay on a CPU, 600 plain rounds, then 2 rows: the skipped rounds are
+    still clocked (the load correction keeps learning), the rows' kept taps reach the drafter
+    once they fill a chunk (not one copy per round for the whole request), and a probe gap
+    pushed on by the looks falls back within max_gap once probes can pay again."""
+    ctl = Controller(CPU_ORT, 16)
+    flushed = []
+    backend = SimpleNamespace(verify_per_row=True, max_chunk=64, last_taps=lambda n: np.zeros((n, 8), np.float32),
+                              context_from_taps=lambda b, taps: flushed.append(len(taps)))
+    rs = [SimpleNamespace(req=SimpleNamespace(speculative=True), ud=None, ctl=None, gen=Generation(), done=False)
+          for _ in range(4)]
+    for t in range(700):
+        rows = rs if t < 600 else rs[:2]
+        spec = ctl.decide(rows, backend)
+        for r in rows:
+            r.gen.acceptance_lengths.append(9 if spec else 1)
+            r.gen.verify_lengths.append(16 if spec else 1)
+            r.gen.drafted.append(spec)
+            r.gen.round_s.append((0.0, 0.0015, 0.0))
+        if not spec:
+            ctl.plain_step(backend, rows, [1] * len(rows))
+    assert ctl.measured[(4, False)][1] > 100  # skipped rounds clocked too
+    assert flushed.count(64) >= 4 * (600 // 64) and max(flushed) == 64 and max(len(r.ctl.taps) for r in rs) < 64
+    # a probe that beats the break-even while the row's estimate stays below it keeps its gap: capped
+    c = RowControl(emitted=20.0, squares=40.0, weight=10.0, length=16.0, plain=604, gap=604)
+    g = Generation(acceptance_lengths=[1] * 604 + [9], verify_lengths=[1] * 604 + [16], drafted=[False] * 604 + [True])
+    c.seen = 604
+    ctl._read(c, g, 2, True)
+    assert 9 > ctl.break_even(c, 2, True) > c.hopeful and 0 < c.gap <= max_gap(ctl.probe_cost(c, 2, True))
+
+
+def test_coin_flips_are_not_skipped():
+    """A `choose` that does not report its edge (the tests' coins) never gets plain rounds skipped."""
+    ctl = Coin(16, seed=5)
+    row = SimpleNamespace(req=SimpleNamespace(speculative=True), ud=None, ctl=None, gen=Generation(), done=False)
+    for _ in range(400):
+        spec = ctl.decide([row], None)
+        row.gen.acceptance_lengths.append(1)
+        row.gen.verify_lengths.append(16 if spec else 1)
+        row.gen.drafted.append(spec)
+    assert 0.4 < np.mean(row.gen.drafted) < 0.6
 
 
 def per_row_rounds(costs: Costs, accepts: list, per_row: bool, rounds: int = 400):
