@@ -117,13 +117,16 @@ class Backend(ABC):
         """The graph call behind `target` (the checks above are the implementation's)."""
 
     def check_room(self, rows, counts) -> None:
-        """One line when a row's `counts` new positions would pass max_len, naming what bounds
-        it and the fix (`limit`); requests are refused before this (sampling.check_request)."""
-        what, fix = self.limit
+        """One line when a row's `counts` new positions would pass max_len; requests are refused
+        before this (sampling.check_request)."""
         for b, c in zip(rows, counts):
             if self.lengths[b] + c > self.max_len:
-                raise DFlashError(f"sequence of {self.lengths[b] + c} positions exceeds the {what} {self.max_len}; "
-                                  f"shorten the request or {fix}")
+                raise self.past_limit(f"sequence of {self.lengths[b] + c} positions exceeds")
+
+    def past_limit(self, what: str) -> DFlashError:
+        """The one-line error for `what` (e.g. "sequence of N positions exceeds") past max_len,
+        naming what bounds it and the fix (`limit`)."""
+        return DFlashError(f"{what} the {self.limit[0]} {self.max_len}; shorten the request or {self.limit[1]}")
 
     def commit(self, n: int) -> None:
         """Keep the first n (0 <= n <= S) positions of the last `target` call: target_len += n.

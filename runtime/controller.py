@@ -332,30 +332,30 @@ class Controller:
             c = r.ctl
             if r.req.speculative:
                 self._read(c, r.gen, R, per_row)
+            due = c.gap > 0 and c.plain >= c.gap  # a probe is due
             if not r.req.speculative or r.req.speculative == "always":
                 want[id(r)] = bool(r.req.speculative)
             elif c.own:
                 want[id(r)] = self._wants(c, self.break_even(c, R, per_row))
-            elif c.gap > 0 and c.plain >= c.gap and self.could_pay(c, R, per_row):  # a probe is due
+            elif due and self.could_pay(c, R, per_row):
                 want[id(r)] = True
-            elif c.gap > 0 and c.plain >= c.gap:  # a probe that cannot pay at this batch size: look again later
-                c.gap = c.plain + LOOK
-                free.append(r)
             else:
+                c.gap = c.plain + LOOK if due else c.gap  # a probe that cannot pay at this batch size: look again later
                 free.append(r)
         hope = {id(r): r.ctl.hopeful for r in rows if r.req.speculative}
         free.sort(key=lambda r: -hope[id(r)])
         sure = [r for r in rows if want.get(id(r))]
         fix = self.correction(R)
-        best, best_rate, plain = 0, -1.0, R / self.costs.plain_ms(R)
+        best, best_rate, plain, self._edge = 0, -1.0, R / self.costs.plain_ms(R), 0.0  # edge: best drafted rate / plain
         tokens, lengths = sum(hope[id(r)] for r in sure) + R - len(sure), [self._len(r.ctl) for r in sure]
-        self._edge = 0.0  # the best drafted round's expected rate over the plain step's
         for d in range(len(free) + 1):
             if d:
                 tokens += hope[id(free[d - 1])] - 1
                 lengths.append(self._len(free[d - 1].ctl))
-            rate = tokens / (self.costs.round_ms(R, tuple(lengths), per_row) * fix) if lengths else plain
-            self._edge = max(self._edge, rate / plain) if lengths else self._edge
+            rate = plain
+            if lengths:
+                rate = tokens / (self.costs.round_ms(R, tuple(lengths), per_row) * fix)
+                self._edge = max(self._edge, rate / plain)
             if rate > best_rate:
                 best, best_rate = d, rate
         for i, r in enumerate(free):

@@ -330,8 +330,7 @@ class TensorRTBackend(TrtRows, Backend):
         if not 0 < c <= self._taps_n:
             raise InternalError(f"draft_context({c}) but the last target call kept {self._taps_n} taps")
         if p + c > self.max_len:
-            raise DFlashError(f"drafter context of {p + c} positions exceeds the {self.limit[0]} {self.max_len}; "
-                              f"shorten the request or {self.limit[1]}")
+            raise self.past_limit(f"drafter context of {p + c} positions exceeds")
         self.h_cpos[:c] = np.arange(p, p + c)
         self._h2d(self.d_cpos, self.h_cpos[:c])
         addrs = {C.TAPS: self.d_taps, C.CTX_POSITION_IDS: self.d_cpos}
@@ -354,8 +353,7 @@ class TensorRTBackend(TrtRows, Backend):
         if p < 1:
             raise InternalError("draft_block() before any context (prefill first)")
         if p >= self.max_len:
-            raise DFlashError(f"a block at position {p} is past the {self.limit[0]} {self.max_len}; "
-                              f"shorten the request or {self.limit[1]}")
+            raise self.past_limit(f"a block at position {p} is past")
         self.h_bids[0] = int(anchor)
         self.h_bids[1:] = m.mask_token_id
         self.h_bpos[:] = np.arange(p, p + k)
