@@ -101,27 +101,12 @@ def train_pair(root: Path, steps: int = 300, seed: int = 0):
 def trained_export() -> Path:
     """The trained pair and its export (max context 128) in the tests' artifact cache, keyed by
     the exporter's source and this file: `t` the target, `d` the drafter, `out` the export."""
-    import hashlib
-    import os
-    import shutil
-
-    from filelock import FileLock
-    from runtime_cases import _source_digest
+    from runtime_cases import cached
 
     from dflash_export.export.artifact import export_artifact
 
-    cache = Path(os.environ.get("DFLASH_TEST_CACHE", Path.home() / ".cache/dflash-export/test-artifacts"))
-    h = hashlib.sha256((_source_digest() + Path(__file__).read_text()).encode()).hexdigest()[:16]
-    final = cache / f"dflash2-trained-{h}"
-    cache.mkdir(parents=True, exist_ok=True)
-    with FileLock(cache / f"{final.name}.lock"):
-        if not (final / "out" / "manifest.json").is_file():
-            tmp = cache / f".{final.name}.{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            torch.set_num_threads(1)
-            train_pair(tmp)
-            export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=128, progress=False)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-        (final / "used").touch()
-    return final
+    def build(tmp: Path) -> None:
+        torch.set_num_threads(1)
+        train_pair(tmp)
+        export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=128, progress=False)
+    return cached("dflash2-trained", Path(__file__).read_text(), build)

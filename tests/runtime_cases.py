@@ -156,34 +156,42 @@ def _prune(cache: Path, keep: Path) -> None:
             (cache / f"{p.name}.lock").unlink(missing_ok=True)
 
 
-@functools.lru_cache(maxsize=None)
-def artifact(case: Case) -> tuple[Path, Path, Path]:
-    """(target_dir, draft_dir, exported_dir) for `case`, exported once per content.
+def cached(name: str, key: str, build) -> Path:
+    """The tests' artifact cache entry `name-<digest of the exporter's source and key>`, made once
+    by `build(tmp)` (which leaves tmp/out/manifest.json) and moved into place whole.
 
     Safe with several test processes (pytest-xdist workers, other checkouts): one file lock
-    per entry, so a case is exported by one process while the others wait for it."""
+    per entry, so an entry is made by one process while the others wait for it."""
     from filelock import FileLock
 
     cache = Path(os.environ.get("DFLASH_TEST_CACHE", Path.home() / ".cache/dflash-export/test-artifacts"))
-    key = hashlib.sha256((_source_digest() + json.dumps(asdict(case), sort_keys=True)).encode()).hexdigest()[:16]
-    final = cache / f"{case.name}-{key}"
+    final = cache / f"{name}-{hashlib.sha256((_source_digest() + key).encode()).hexdigest()[:16]}"
     cache.mkdir(parents=True, exist_ok=True)
     with FileLock(cache / f"{final.name}.lock"):
         if not (final / "out" / "manifest.json").is_file():
-            _export(case, final)
+            tmp = cache / f".{final.name}.{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            build(tmp)
+            shutil.rmtree(final, ignore_errors=True)  # a half-written entry of a killed run (no manifest)
+            os.replace(tmp, final)
         (final / "used").touch()  # for _prune: entries in use are kept
-    _prune(cache, final)
+    return final
+
+
+@functools.lru_cache(maxsize=None)
+def artifact(case: Case) -> tuple[Path, Path, Path]:
+    """(target_dir, draft_dir, exported_dir) for `case`, exported once per content."""
+    final = cached(case.name, json.dumps(asdict(case), sort_keys=True), lambda tmp: _export(case, tmp))
+    _prune(final.parent, final)
     return final / "t", final / "d", final / "out"
 
 
-def _export(case: Case, final: Path) -> None:
+def _export(case: Case, tmp: Path) -> None:
     from dflash_export.export.artifact import export_artifact
     from dflash_export.runtime.manifest import load_manifest
     from dflash_export.testing import make_drafter, make_target
 
-    tmp = final.parent / f".{final.name}.{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     make_target(tmp / "t", case.arch, seed=case.seed, layers=case.layers, tie=case.tie, hidden=case.hidden,
                 layer_types=list(case.layer_types) if case.layer_types else None)
     if case.bias:
@@ -203,8 +211,6 @@ def _export(case: Case, final: Path) -> None:
                         dtype=case.dtype, block_size=case.block if case.released else None, mask_token_id=mask,
                         progress=False)
     assert load_manifest(tmp / "out") == m, "export_artifact returned another manifest than it wrote"
-    shutil.rmtree(final, ignore_errors=True)  # a half-written entry of a killed run (no manifest)
-    os.replace(tmp, final)
 
 
 def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -7,9 +7,7 @@ reference's own generation loop.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -17,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from runtime_cases import _bias_target, _source_digest, prompts
+from runtime_cases import _bias_target, cached, prompts
 from test_dflash2 import CASES, _official, official_drafter
 
 from dflash_export.models import Target, TargetConfig, autoregressive_generate
@@ -35,27 +33,15 @@ EXPORTED = tuple(CASES)
 def _exported(name: str) -> Path:
     """A cache entry (runtime_cases' cache, keyed by the exporter's source and these drafters)
     with the biased target `t`, the official drafter `d` and their export `out`."""
-    from filelock import FileLock
+    from dflash_export.export.artifact import export_artifact
 
-    cache = Path(os.environ.get("DFLASH_TEST_CACHE", Path.home() / ".cache/dflash-export/test-artifacts"))
-    h = hashlib.sha256((_source_digest() + name + json.dumps(CASES[name], sort_keys=True)).encode())
-    h.update((Path(__file__).parent / "test_dflash2.py").read_bytes())
-    final = cache / f"dflash2-{name}-{h.hexdigest()[:16]}"
-    cache.mkdir(parents=True, exist_ok=True)
-    with FileLock(cache / f"{final.name}.lock"):
-        if not (final / "out" / "manifest.json").is_file():
-            from dflash_export.export.artifact import export_artifact
-
-            tmp = cache / f".{final.name}.{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            make_target(tmp / "t", "qwen3", layers=3, seed=4, tie=False)
-            _bias_target(tmp / "t", 1.4)
-            official_drafter(tmp / "d", TargetConfig.load(tmp / "t"), CASES[name])
-            export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=128, progress=False)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-        (final / "used").touch()
-    return final
+    def build(tmp: Path) -> None:
+        make_target(tmp / "t", "qwen3", layers=3, seed=4, tie=False)
+        _bias_target(tmp / "t", 1.4)
+        official_drafter(tmp / "d", TargetConfig.load(tmp / "t"), CASES[name])
+        export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=128, progress=False)
+    key = name + json.dumps(CASES[name], sort_keys=True) + (Path(__file__).parent / "test_dflash2.py").read_text()
+    return cached(f"dflash2-{name}", key, build)
 
 
 @pytest.fixture(scope="module")

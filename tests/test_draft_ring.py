@@ -6,15 +6,12 @@ drafter cache keeps every position (so the ring drops nothing a query could see)
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from runtime_cases import _bias_target, _source_digest
+from runtime_cases import _bias_target, cached
 
 from dflash_export.models import Target, autoregressive_generate, speculative_generate
 from dflash_export.models.drafter import Drafter
@@ -28,34 +25,22 @@ RECIPE = dict(bias=1.2, vo_std=0.35, window=WINDOW, max_context=MAX_CONTEXT, blo
 
 @pytest.fixture(scope="module")
 def ring_export() -> Path:
-    from filelock import FileLock
-
     from dflash_export.export.artifact import export_artifact
     from dflash_export.testing import make_drafter, make_target
 
-    cache = Path(os.environ.get("DFLASH_TEST_CACHE", Path.home() / ".cache/dflash-export/test-artifacts"))
-    h = hashlib.sha256((_source_digest() + repr(sorted(RECIPE.items()))).encode()).hexdigest()[:16]
-    final = cache / f"dflash1-ring-{h}"
-    cache.mkdir(parents=True, exist_ok=True)
-    with FileLock(cache / f"{final.name}.lock"):
-        if not (final / "out" / "manifest.json").is_file():
-            tmp = cache / f".{final.name}.{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            make_target(tmp / "t", "qwen3", seed=4, layers=3, hidden=48, heads=4, kv_heads=2, head_dim=16, intermediate=96)
-            _bias_target(tmp / "t", RECIPE["bias"])
-            make_drafter(tmp / "d", tmp / "t", layers=2, block_size=RECIPE["block"], seed=2, target_layer_ids=[0, 2],
-                         layer_types=["sliding_attention"] * 2, sliding_window=WINDOW)
-            d = Drafter.from_pretrained(tmp / "d")
-            with torch.no_grad():
-                for name, p in d.named_parameters():
-                    if "v_proj" in name or "o_proj" in name:
-                        p.normal_(0.0, RECIPE["vo_std"])
-            d.save_pretrained(tmp / "d")
-            export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=MAX_CONTEXT, progress=False)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-        (final / "used").touch()
-    return final
+    def build(tmp: Path) -> None:
+        make_target(tmp / "t", "qwen3", seed=4, layers=3, hidden=48, heads=4, kv_heads=2, head_dim=16, intermediate=96)
+        _bias_target(tmp / "t", RECIPE["bias"])
+        make_drafter(tmp / "d", tmp / "t", layers=2, block_size=RECIPE["block"], seed=2, target_layer_ids=[0, 2],
+                     layer_types=["sliding_attention"] * 2, sliding_window=WINDOW)
+        d = Drafter.from_pretrained(tmp / "d")
+        with torch.no_grad():
+            for name, p in d.named_parameters():
+                if "v_proj" in name or "o_proj" in name:
+                    p.normal_(0.0, RECIPE["vo_std"])
+        d.save_pretrained(tmp / "d")
+        export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=MAX_CONTEXT, progress=False)
+    return cached("dflash1-ring", repr(sorted(RECIPE.items())), build)
 
 
 def test_ring_decodes_like_the_unbounded_oracle(ring_export):
