@@ -49,7 +49,7 @@ def per_round_ms(gens) -> dict:
 
 def compare(backends: dict, prompts: list, new_tokens: int, draft: bool, verify, repeats: int) -> dict:
     """Interleaved runs of the same requests at each batch size; the best aggregate rate of each."""
-    from dflash_export.cmd_batch import batch_report, run_batch
+    from dflash_export.cli.batch import batch_report, run_batch
 
     best = {}
     for b, be in backends.items():  # warm-up
@@ -123,8 +123,8 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
 
     from dflash_export.export.artifact import export_artifact
     from dflash_export.export.quantize import QuantOptions, quantize_artifact
-    from dflash_export.runtime import ort_rows
-    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.ort import rows as ort_rows
+    from dflash_export.runtime.ort.backend import OrtBackend
 
     if not (work / "target" / "config.json").is_file():
         make_checkpoint(work)
@@ -174,9 +174,9 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
 
 
 def part_demo(work: Path, threads: int, repeats: int, batch: int, attention: str = "standard") -> None:
-    from dflash_export.cmd_batch import batch_report, run_batch
+    from dflash_export.cli.batch import batch_report, run_batch
     from dflash_export.export.artifact import export_artifact
-    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
     from dflash_export.serve.text import load_tokenizer
 
     out = work / ("demo-out" if attention == "standard" else f"demo-out-{attention}")
@@ -206,7 +206,7 @@ WORKER = """
 import hashlib, json, os, sys, time
 sys.path.insert(0, {pkg!r})
 import dflash_export.runtime.loop as loop_module
-from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.loop import generate
 from dflash_export.serve.text import load_tokenizer
 from pathlib import Path
@@ -256,9 +256,12 @@ def checkout(old: str, work: Path) -> Path:
 
 
 def old_package(old: Path, work: Path) -> Path:
-    """A `dflash_export` package folder over the checkout `old` (its pyproject's package-dir map), for sys.path."""
+    """A folder whose `dflash_export` is the checkout `old`'s package, for sys.path: the checkout itself
+    where the package is its top level (its dflash_export/ points there), else one mapped by symlinks."""
     import hashlib
 
+    if (old / "__init__.py").is_file():
+        return old
     pkg = work / f"pkg-{hashlib.sha256(str(old).encode()).hexdigest()[:8]}" / "dflash_export"
     if not pkg.is_dir():
         pkg.mkdir(parents=True)

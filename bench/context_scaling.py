@@ -1,6 +1,6 @@
 """Per-call time of the ORT runtime at a short and a long cached context.
 
-The cache is bound in place (runtime/ort.py), so a step at context 2048 should cost a
+The cache is bound in place (runtime/ort/backend.py), so a step at context 2048 should cost a
 128-context step plus only the extra attention. Measures the three calls the loop makes
 (1-token target step, K-token verify, drafter block) after P cached positions, with the
 measurements `bench --calibrate` makes (runtime/calibrate.py). `--attention standard,ort` exports
@@ -30,7 +30,7 @@ from common import bench_model
 
 from dflash_export.runtime import contract as C
 from dflash_export.runtime.calibrate import graph_ms, step_ms_by_context
-from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.ort.backend import OrtBackend
 
 
 def time_calls(be: OrtBackend, P: int, repeats: int) -> dict[str, float]:

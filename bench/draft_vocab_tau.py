@@ -32,7 +32,7 @@ def main() -> None:
 
     from dflash_export.export.artifact import export_artifact
     from dflash_export.runtime.measure import run_bench
-    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
 
     a.work.mkdir(parents=True, exist_ok=True)
     rows = [json.loads(line) for line in (DEMO / "prompts.jsonl").read_text().splitlines() if line.strip()]

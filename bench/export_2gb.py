@@ -6,7 +6,7 @@ Three child processes, so each one's peak RSS is its own:
 1. write a random fp32 Qwen3 checkpoint straight with safetensors (one shard per tensor
    group, no transformers model), plus a 1-layer drafter;
 2. `export_artifact` (load, trace, save, validate, manifest): time and peak RSS;
-3. the ONNX Runtime backend (runtime/ort.py, as `generate` runs it): load the three
+3. the ONNX Runtime backend (runtime/ort/backend.py, as `generate` runs it): load the three
    graphs (shared embedding and LM head read once, handed to both sessions) and decode 8
    tokens with the runtime loop: time and peak RSS.
 The goal is an export whose peak RSS is at most 2.5x the weights' bytes. Prints one JSON
@@ -36,7 +36,7 @@ def do_load(work: Path, low_memory: bool = False) -> dict:
 
     from dflash_export.runtime.manifest import load_manifest
     from dflash_export.runtime.loop import generate
-    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
 
     t0 = time.perf_counter()
     load_manifest(work / "out")  # sha256 of every file

@@ -8,7 +8,7 @@ pattern). The vocabulary is cut to 32000 (the real LM head, 248320 rows, would a
 time but no rollback time: the ratio reported here is the conservative one). A 1-layer
 drafter of the same width, block 16. Random weights; exported once and cached.
 
-Measured through the ORT runtime (runtime/ort.py, 1 thread by default) with P positions of
+Measured through the ORT runtime (runtime/ort/backend.py, 1 thread by default) with P positions of
 context: a 1-token step (target + commit), the 16-token verify (target call alone), the
 drafter block, and the rollback = `commit(n)` of n < 16 verified positions (the host update
 of every linear layer's conv window and recurrent state, runtime/hybrid.py).
@@ -76,7 +76,7 @@ def main() -> None:
     import numpy as np
 
     from dflash_export.runtime import contract as C
-    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
 
     out = pair()
     be = OrtBackend(out, threads=a.threads)

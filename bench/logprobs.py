@@ -181,7 +181,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     old_loop, OldBackend, commit = old_runtime(args.old, args.work)
     from dflash_export.runtime.loop import Request, generate_batch
-    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
 
     def new_gen(be, p, n, draft, kw):
         (g,), _ = generate_batch(be, [Request(p, n, stop_token_ids=(), **kw)], draft=draft)

@@ -81,7 +81,7 @@ def step_load(out: Path, threads: int) -> dict:
     """Child: load time and peak RSS of one artifact in the runtime (a few calls included)."""
     from context_scaling import time_calls
 
-    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
 
     t0 = time.perf_counter()
     be = OrtBackend(out, threads=threads)
@@ -114,7 +114,7 @@ def build(work: Path, a) -> dict[str, Path]:
 def timings(outs: dict[str, Path], threads: int, repeats: int, passes: int) -> dict:
     from context_scaling import time_calls
 
-    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
 
     bes = {n: OrtBackend(o, threads=threads) for n, o in outs.items()}
     best: dict = {}
@@ -130,7 +130,7 @@ def demo(work: Path, threads: int, prompts: int, max_new_tokens: int) -> dict:
 
     from dflash_export.runtime.measure import run_bench
     from dflash_export.export.quantize import QuantOptions, quantize_artifact
-    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
 
     fp32 = export_pair(ROOT / "demo/pair/target", ROOT / "demo/pair/draft")
     outs = {"fp32": fp32}

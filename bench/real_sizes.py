@@ -58,7 +58,7 @@ def open_backend(work: Path, name: str, threads: str, variant: str, drafter: boo
     """threads "cal": runtime.json's per-graph counts and prefill chunk; else one count for
     every graph. variant fold: the tied head constant-folded as before (a transposed copy)."""
     from dflash_export.runtime import manifest as M
-    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
     from dflash_export.runtime.settings import resolve
 
     m = M.load_manifest(work / name)
@@ -96,7 +96,7 @@ def do_measure(work: Path, name: str, threads: str, variant: str, prompts: int, 
 
     from dflash_export.runtime.calibrate import prefill_ms, ttft_prompt
     from dflash_export.runtime.measure import run_bench
-    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
 
     stages = {"start": mem()}
     orig = OrtBackend._session

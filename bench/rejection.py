@@ -60,7 +60,7 @@ def main() -> None:
 
     from dflash_export.export.artifact import export_artifact
     from dflash_export.runtime.loop import generate
-    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
     from dflash_export.serve.text import load_tokenizer
 
     torch.set_num_threads(1)

@@ -26,7 +26,7 @@ from common import ROOT
 
 from dflash_export.runtime import manifest as M
 from dflash_export.runtime.loop import Generation, generate, stream
-from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import VerifyPolicy, device_key, resolve
 
 CALLS = ("draft_context", "draft_block", "target")

@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "serve_batch.json")
     a = ap.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from dflash_export.cmd_serve import demo_artifact
+    from dflash_export.cli.serve import demo_artifact
     from dflash_export.runtime.manifest import load_manifest
 
     art = a.artifact or demo_artifact()
@@ -113,7 +113,7 @@ def main() -> None:
     want = {}
     if a.check:
         from dflash_export.runtime.loop import generate
-        from dflash_export.runtime.ort import OrtBackend
+        from dflash_export.runtime.ort.backend import OrtBackend
 
         be = OrtBackend(art)
         want = {sp: [generate(be, p, a.max_tokens, draft=sp).tokens for p in prompts] for sp in (True, False)}

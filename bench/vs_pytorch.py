@@ -45,7 +45,7 @@ def main() -> None:
     from dflash_export.models import Drafter, Target, speculative_generate
     from dflash_export.models.config import DraftConfig
     from dflash_export.runtime.loop import generate
-    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
 
     torch.set_num_threads(a.threads)
     if a.pair:

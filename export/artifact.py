@@ -21,8 +21,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ..runtime.memory import available_memory
 from ..runtime import contract as C, manifest as M
-from ..runtime.errors import DFlashError
-from ..runtime.lazy import lazy_import
+from ..errors import DFlashError
+from ..lazy import lazy_import
 from . import draft_vocab as DV, trace as T
 from .outdir import check_out_dir, commit, write_manifest_checked
 from .progress import Phases, report
@@ -30,7 +30,7 @@ from .quantize import check_options, quantize_artifact
 from .save import copy_tokenizer, graph_spec, opset_of, save_graphs
 from .validate import validate_artifact
 
-torch = lazy_import("torch")  # torch and the reference models: on first use (runtime/lazy.py)
+torch = lazy_import("torch")  # torch and the reference models: on first use (lazy.py)
 reference = lazy_import("dflash_export.models")
 dflash2 = lazy_import("dflash_export.models.dflash2")  # load_draft_config / load_drafter: either family
 gdn = lazy_import("dflash_export.models.gdn")

@@ -32,18 +32,18 @@ import numpy as np
 
 from ..runtime import contract as C, manifest as M
 from ..runtime.hybrid import commit_state
-from ..runtime.lazy import lazy_import
+from ..lazy import lazy_import
 from ..runtime.load import open_backend
 from ..runtime.loop import generate
 from ..runtime.names import names_of
-from ..runtime.errors import DFlashError
+from ..errors import DFlashError
 from .artifact import torch_dtype
 from .check_rows import block_inputs, ragged_rows, target_inputs
 from .polygraphy_json import write_polygraphy
 from .progress import Phases
 from .quantize import dequantized_sources
 
-torch = lazy_import("torch")  # torch, onnx, the reference models: on first use (runtime/lazy.py)
+torch = lazy_import("torch")  # torch, onnx, the reference models: on first use (lazy.py)
 ml_dtypes = lazy_import("ml_dtypes")
 onnx = lazy_import("onnx")
 numpy_helper = lazy_import("onnx.numpy_helper")

@@ -4,9 +4,9 @@ contracts alike), and parity per row of a ragged batch against each row alone in
 from __future__ import annotations
 
 from ..runtime import contract as C, manifest as M
-from ..runtime.lazy import lazy_import
+from ..lazy import lazy_import
 
-torch = lazy_import("torch")  # torch and the graphs: on first use (runtime/lazy.py)
+torch = lazy_import("torch")  # torch and the graphs: on first use (lazy.py)
 G = lazy_import("dflash_export.export.graphs")
 
 

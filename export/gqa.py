@@ -7,7 +7,7 @@ with the model's own functions (`attend`, `apply_rope`, RMSNorm's arithmetic):
 - `gqa`: q/k rotated at their absolute positions [total - seq, total) by rows of the
   cos/sin caches (when given), the new K/V written into a copy of the head-major cache at
   those rows, then `attend` over [0, total), causal. ONNX Runtime writes the same rows in
-  place when past and present are bound to one buffer (runtime/ort.py).
+  place when past and present are bound to one buffer (runtime/ort/backend.py).
 - `skip_rms`: (rms_norm(x + y) * weight, x + y), the second output being the residual stream.
 Fewer, larger nodes matter on CPU: ONNX Runtime's cost per node dominates a small model's step.
 """

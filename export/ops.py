@@ -3,9 +3,9 @@ quantized export (MatMulNBits) or the "ort" attention flavour asks for; the onnx
 
 from __future__ import annotations
 
-from ..runtime.lazy import lazy_import
+from ..lazy import lazy_import
 
-onnx = lazy_import("onnx")  # on first use (runtime/lazy.py)
+onnx = lazy_import("onnx")  # on first use (lazy.py)
 
 STANDARD_DOMAINS = ("", "ai.onnx")
 QUANT_OPS = (("com.microsoft", "MatMulNBits"),)  # what a quantized graph may hold beyond ai.onnx

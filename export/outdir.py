@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from ..runtime import manifest as M
-from ..runtime.errors import DFlashError
+from ..errors import DFlashError
 
 
 def check_out_dir(out: Path, force: bool) -> None:

@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime import contract as C, manifest as M
-from ..runtime.errors import DFlashError
-from ..runtime.lazy import lazy_import
+from ..errors import DFlashError
+from ..lazy import lazy_import
 from .ops import QUANT_OPS
 from .outdir import check_out_dir, commit, write_manifest_checked
 from .progress import Phases, report
@@ -37,7 +37,7 @@ from .save import graph_spec, save_graphs
 from .trace import store_transposed
 from .validate import validate_artifact
 
-ir = lazy_import("onnx_ir")  # onnx, onnxruntime's quantizer, torch: on first use (runtime/lazy.py)
+ir = lazy_import("onnx_ir")  # onnx, onnxruntime's quantizer, torch: on first use (lazy.py)
 nbits = lazy_import("onnxruntime.quantization.matmul_nbits_quantizer")
 onnx = lazy_import("onnx")
 numpy_helper = lazy_import("onnx.numpy_helper")

@@ -12,11 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..runtime import contract as C
-from ..runtime.errors import DFlashError
-from ..runtime.lazy import lazy_import
+from ..errors import DFlashError
+from ..lazy import lazy_import
 from .ops import ORT_FLAVOUR_OPS, QUANT_OPS, STANDARD_DOMAINS, register_ort_schemas
 
-onnx = lazy_import("onnx")  # on first use (runtime/lazy.py)
+onnx = lazy_import("onnx")  # on first use (lazy.py)
 ort = lazy_import("onnxruntime")
 
 

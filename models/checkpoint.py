@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..runtime.errors import DFlashError
-from ..runtime.lazy import lazy_import
+from ..errors import DFlashError
+from ..lazy import lazy_import
 
-safetensors_torch = lazy_import("safetensors.torch")  # on first use (runtime/lazy.py)
+safetensors_torch = lazy_import("safetensors.torch")  # on first use (lazy.py)
 
 
 def load_state_dict(directory: str | Path, what: str) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..runtime.errors import DFlashError
+from ..errors import DFlashError
 from ..runtime.sampling import Drafted
 from .dflash2 import DFlash2Drafter
 from .generate import Generation, speculative_loop

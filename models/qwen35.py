@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..runtime.errors import DFlashError
+from ..errors import DFlashError
 from . import gdn
 from .checkpoint import load_state_dict, strict_load
 from .config import TargetConfig

@@ -35,7 +35,7 @@ import numpy as np
 from . import contract as C
 from .names import Names
 from .manifest import Manifest
-from .errors import DFlashError, InternalError
+from ..errors import DFlashError, InternalError
 from .hybrid import LinearStates
 
 
@@ -283,7 +283,7 @@ class Backend(ABC):
         """The longest prefix, at most n positions, of the cached sequence that `keep` can keep.
         Attention caches keep any prefix; a recurrent state (hybrid targets) all or nothing."""
         if self.states is None or n == self.target_len:
-            # a drafter context ring (runtime/row_cache.py) keeps only its latest positions: no shorter context
+            # a drafter context ring (runtime/ort/row_cache.py) keeps only its latest positions: no shorter context
             return n if n >= self.context_len or not C.ring(self.manifest) else 0
         return 0
 

@@ -55,7 +55,7 @@ computes: a prefill asks for its last position only, a verify for all of them. M
 without `ragged` (older exports) keep the batch-1 graphs (`GRAPHS`) and run batch 1 only.
 
 All-sliding drafters (`Manifest.draft_ring`): the context cache is a ring, position t in slot t mod
-ring, `past_ctx` <= ring, slot positions found from `ctx_lengths` (runtime/row_cache.py). DFlash 2
+ring, `past_ctx` <= ring, slot positions found from `ctx_lengths` (runtime/ort/row_cache.py). DFlash 2
 drafters (`Manifest.selector`): draft_block also returns `SELECTOR_OUTPUTS`.
 
 `runtime.json` (runtime/settings.py: measured threads, verify policy) may sit beside the
@@ -66,7 +66,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 FORMAT = "dflash-export"
 # 2: the `shared` weight table; 1: shared weights found by parsing target.onnx. The version

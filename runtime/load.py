@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .backend import Backend
-from .errors import DFlashError
-from .lazy import lazy_import
+from ..errors import DFlashError
+from ..lazy import lazy_import
 from .manifest import load_manifest
 from .settings import Settings, device_key, resolve
 
@@ -42,14 +42,14 @@ def open_backend(directory, backend: str = "ort", provider: str = "cpu", **kwarg
     if backend == "ort":
         return ort_backend_class()(directory, provider, **kwargs)
     if backend == "trt":
-        return lazy_import("dflash_export.runtime.trt_backend").TensorRTBackend(directory, **kwargs)
+        return lazy_import("dflash_export.runtime.trt.backend").TensorRTBackend(directory, **kwargs)
     raise DFlashError(f"unknown backend {backend!r}; choose ort or trt")
 
 
 def ort_backend_class():
     """OrtBackend, or a one-line install hint when onnxruntime is missing."""
     try:
-        from .ort import OrtBackend
+        from .ort.backend import OrtBackend
     except ModuleNotFoundError as e:
         if e.name != "onnxruntime":
             raise

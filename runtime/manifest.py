@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .contract import ATTENTION_FLAVOURS, FORMAT, FORMAT_VERSION, LINEAR, MANIFEST, RUNTIME
-from .errors import DFlashError
+from ..errors import DFlashError
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The weights several graphs share (embedding, LM head, the drafter's K/V projections), read
 from shared.data where the manifest's `shared` table says they are: numpy only, so that any
-backend maps them the same way (runtime/ort.py hands them to every session that holds them)."""
+backend maps them the same way (runtime/ort/backend.py hands them to every session that holds them)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from . import contract as C, manifest as M
-from .errors import DFlashError
+from ..errors import DFlashError
 
 # TensorProto.DataType; uint8: weight-only quantized tensors (MatMulNBits, docs/quantization.md); int32: the
 # ort attention flavour's lengths (contract.TARGET_ORT)

@@ -23,7 +23,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..runtime.errors import DFlashError
+from ..errors import DFlashError
 from .engine import Engine, load_engine
 from .requests import (
     REPLICA, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, Guard, check_common, check_ids,

@@ -23,7 +23,7 @@ import time
 from collections import deque
 
 from ..runtime import contract as C, prefix
-from ..runtime.errors import DFlashError
+from ..errors import DFlashError
 from ..runtime.loop import BatchStats, Generation, Request, stream_batch
 from ..runtime.memory import available_memory
 from ..runtime.sampling import check_request, check_sampling

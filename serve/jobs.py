@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..runtime.lazy import lazy_import
+from ..lazy import lazy_import
 from ..runtime.logprobs import Logprobs
 from ..runtime.loop import Generation
 from .text import TextStream
 
-prometheus = lazy_import("prometheus_client")  # the serve extra, when a server starts (runtime/lazy.py)
+prometheus = lazy_import("prometheus_client")  # the serve extra, when a server starts (lazy.py)
 
 
 class QueueFull(Exception):

@@ -33,7 +33,7 @@ from starlette.middleware import Middleware
 
 from . import engine as serve_engine, jobs as serve_jobs
 from ..runtime import manifest as M
-from ..runtime.errors import DFlashError
+from ..errors import DFlashError
 from .app import REPLICA, ServeOptions, create_app
 from .engine import load_engine
 

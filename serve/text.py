@@ -21,11 +21,11 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from ..runtime.manifest import read_json
-from ..runtime.errors import DFlashError
-from ..runtime.lazy import lazy_import
+from ..errors import DFlashError
+from ..lazy import lazy_import
 from .logprobs import Pieces
 
-jinja2 = lazy_import("jinja2")  # the serve extra, on the first chat template (runtime/lazy.py)
+jinja2 = lazy_import("jinja2")  # the serve extra, on the first chat template (lazy.py)
 jinja2_sandbox = lazy_import("jinja2.sandbox")
 
 

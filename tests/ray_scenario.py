@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dflash_export.runtime.loop import generate
-from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.ort.backend import OrtBackend
 
 NO_TORCH = "import sys\nfor m in ('torch', 'onnx', 'onnxscript', 'transformers'): sys.modules[m] = None\n"
 PORT, TIMEOUT, NEW = 8000, 30, 24

@@ -3,7 +3,7 @@
 Tracing is the slow part (~30 s a pair on these machines), so each (target, drafter,
 export settings) case is exported once and kept under DFLASH_TEST_CACHE (default
 ~/.cache/dflash-export/test-artifacts). The cache key hashes the exporter's and the
-reference models' source, dflash_export/testing.py, this file and the case's parameters: any change
+reference models' source, testing.py, this file and the case's parameters: any change
 to what would be exported makes a new entry. load_manifest re-verifies every file hash.
 
 `bias` makes a target with real acceptance: every embedding gets +bias on one feature
@@ -76,7 +76,7 @@ TRT_CASES = {  # the TensorRT lint (both) and the stand-in build (fp32-k4, engin
 def _source_digest() -> str:
     h = hashlib.sha256()
     files = sorted((ROOT / "export").glob("*.py")) + sorted((ROOT / "models").glob("*.py"))
-    files += [ROOT / "runtime" / "contract.py", ROOT / "dflash_export" / "testing.py", Path(__file__)]
+    files += [ROOT / "runtime" / "contract.py", ROOT / "testing.py", Path(__file__)]
     files += sorted(FIXTURES.glob("*.json"))
     for f in files:
         h.update(f.name.encode() + f.read_bytes())

@@ -15,9 +15,9 @@ from dflash_export.export.check import run_check
 from dflash_export.export.trt_lint import lint_dir
 from dflash_export.models import Target, autoregressive_generate
 from dflash_export.runtime import contract as C, manifest as M
-from dflash_export.runtime.errors import DFlashError
+from dflash_export.errors import DFlashError
 from dflash_export.runtime.loop import generate
-from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import VerifyPolicy
 
 

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from runtime_cases import CASES, ORT_CASES, Case, artifact, prompts
 
-from dflash_export.runtime.errors import DFlashError
+from dflash_export.errors import DFlashError
 from dflash_export.runtime.loop import Request, generate, generate_batch
-from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import VerifyPolicy
 
 LIN, FULL = "linear_attention", "full_attention"
@@ -113,7 +113,7 @@ def test_batch_needs_a_ragged_export(tmp_path):
     with pytest.raises(DFlashError, match="at most 2 rows"):
         generate_batch(be, [Request([1, 2], 3)], batch=3)
     from dflash_export.runtime.manifest import load_manifest
-    from dflash_export.runtime.row_cache import check_batch
+    from dflash_export.runtime.ort.row_cache import check_batch
 
     with pytest.raises(DFlashError, match=r"CPU provider .* use --backend trt with engines from `dflash-export build OUT "
                                           r"--max-batch N`"):  # ORT's CUDA / TensorRT providers: the caches are host arrays

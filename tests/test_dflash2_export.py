@@ -218,8 +218,8 @@ def test_tensorrt_double_runs_dflash2(exports, monkeypatch, tmp_path):
 
     from dflash_export.cli import cli
     from dflash_export.runtime.loop import Request, generate, generate_batch
-    from dflash_export.runtime.ort import OrtBackend
-    from dflash_export.runtime.trt_backend import TensorRTBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
+    from dflash_export.runtime.trt.backend import TensorRTBackend
 
     trt_fake.install(monkeypatch)
     out = tmp_path / "out"

@@ -28,7 +28,7 @@ from dflash_export.export import trt_lint
 from dflash_export.runtime.contract import SHARED_DATA
 from dflash_export.export.validate import lint
 from dflash_export.runtime import contract as C, manifest as M
-from dflash_export.runtime.errors import DFlashError
+from dflash_export.errors import DFlashError
 
 
 @pytest.fixture(scope="module")

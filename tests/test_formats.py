@@ -14,7 +14,7 @@ from dflash_export.models import (
     DraftConfig, Drafter, KVCache, Target, TargetConfig, default_target_layer_ids, speculative_generate,
 )
 from dflash_export.models.config import parse_rope
-from dflash_export.runtime.errors import DFlashError
+from dflash_export.errors import DFlashError
 from dflash_export.testing import make_target
 from runtime_cases import FIXTURES, shrink_released
 

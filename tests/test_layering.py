@@ -9,18 +9,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash_export.runtime.lazy import EXTRAS, HEAVY
+from dflash_export.lazy import EXTRAS, HEAVY
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"dflash_export": "dflash_export", "dflash_export.models": "models", "dflash_export.export": "export",
-            "dflash_export.runtime": "runtime", "dflash_export.serve": "serve", "dflash_export.train": "train",
-            "dflash_export.demo": "demo"}
+# The package is the repository's top level (pyproject.toml): dflash_export.runtime.ort is runtime/ort/.
+PACKAGES = ("dflash_export", "dflash_export.cli", "dflash_export.models", "dflash_export.export",
+            "dflash_export.runtime", "dflash_export.runtime.ort", "dflash_export.runtime.trt",
+            "dflash_export.serve", "dflash_export.train", "dflash_export.demo")
+BOTTOM = ("dflash_export.errors", "dflash_export.lazy")  # below every layer: failures and the lazy importer
+
+
+def folder(pkg: str) -> Path:
+    return ROOT.joinpath(*pkg.split(".")[1:])
 
 
 def modules() -> dict[str, Path]:
     out = {}
-    for pkg, folder in PACKAGES.items():
-        for f in (ROOT / folder).glob("*.py"):
+    for pkg in PACKAGES:
+        for f in folder(pkg).glob("*.py"):
             out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
     return out
 
@@ -62,8 +68,8 @@ def lazy(node) -> bool:
 # where the helper's generic message would not do.
 INNER_IMPORTS = {
     ("dflash_export.runtime.load", "ort_backend_class"): "onnxruntime or not: the hint names both flavours (cpu, gpu)",
-    ("dflash_export.runtime.trt_backend", "import_tensorrt"): "tensorrt and cuda-python or not: one line names every missing package",
-    ("dflash_export.cmd_run", "plot_bench"): "matplotlib or not; matplotlib.use('Agg') must run before pyplot is imported",
+    ("dflash_export.runtime.trt.backend", "import_tensorrt"): "tensorrt and cuda-python or not: one line names every missing package",
+    ("dflash_export.cli.run", "plot_bench"): "matplotlib or not; matplotlib.use('Agg') must run before pyplot is imported",
 }
 
 
@@ -129,7 +135,7 @@ def test_no_import_cycles():
 def test_runtime_is_the_bottom_floor():
     """runtime/ (what an edge device installs) imports nothing above it and no torch or onnx."""
     for m in (m for m in MODULES if m.startswith("dflash_export.runtime")):
-        bad = {n for n in imports(m) if n.startswith("dflash_export") and not n.startswith("dflash_export.runtime")}
+        bad = {n for n in imports(m) if n.startswith("dflash_export") and not n.startswith(("dflash_export.runtime", *BOTTOM))}
         bad |= imports(m) & {"torch", "onnx", "onnxscript", "transformers", "fastapi", "ray"}
         assert not bad, f"{m} imports {sorted(bad)}"
 
@@ -137,18 +143,18 @@ def test_runtime_is_the_bottom_floor():
 def test_serve_builds_on_runtime_alone():
     for m in (m for m in MODULES if m.startswith("dflash_export.serve")):
         bad = {n for n in imports(m) if n.startswith(("dflash_export.export", "dflash_export.models",
-                                                     "dflash_export.train", "dflash_export.cmd"))}
+                                                     "dflash_export.train", "dflash_export.cli"))}
         assert not bad and "torch" not in imports(m), f"{m} imports {sorted(bad)}"
 
 
 def test_models_import_no_exporter_and_no_cli():
     for m in (m for m in MODULES if m.startswith(("dflash_export.models", "dflash_export.train"))):
-        bad = {n for n in imports(m) if n.startswith(("dflash_export.export", "dflash_export.serve", "dflash_export.cmd"))}
+        bad = {n for n in imports(m) if n.startswith(("dflash_export.export", "dflash_export.serve", "dflash_export.cli"))}
         assert not bad, f"{m} imports {sorted(bad)}"
 
 
 def test_optional_dependencies_only_where_declared():
-    """A module outside the declared heavy ones (runtime/lazy.py HEAVY) imports no optional dependency and
+    """A module outside the declared heavy ones (lazy.py HEAVY) imports no optional dependency and
     no heavy module at its top: those go through lazy_import (or inside the function that needs them)."""
     heavy = lambda n: n in EXTRAS or n.startswith(HEAVY)  # noqa: E731
     for m in MODULES:
@@ -164,3 +170,35 @@ def test_generate_help_imports_neither_torch_nor_onnx():
             "print(sorted(m for m in ('torch', 'onnx', 'onnxscript', 'transformers', 'fastapi', 'ray') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
+
+
+def test_bottom_modules_import_nothing_of_ours():
+    for m in BOTTOM:
+        assert {n for n in imports(m) if n.startswith("dflash_export")} <= set(BOTTOM), f"{m} imports our modules"
+
+
+def test_relative_imports_resolve_by_path():
+    """Every relative import names a module or package that exists by path from the file that makes it:
+    what Pyright, code navigation and structure tools see, which run no import hooks."""
+    bad = []
+    for m, f in MODULES.items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = f.parent.joinpath(*[".."] * (node.level - 1)).resolve()
+                target = base.joinpath(*(node.module or "").split(".")) if node.module else base
+                found = (target / "__init__.py").is_file() or target.with_suffix(".py").is_file()
+                if found and not node.module:  # `from . import x`: each x a module or a name the package defines
+                    found = all((target / f"{a.name}.py").is_file() or (target / a.name / "__init__.py").is_file()
+                                or a.name in (target / "__init__.py").read_text() for a in node.names)
+                if not found or ROOT not in [target, *target.parents]:
+                    bad.append(f"{f.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert not bad, "relative imports that do not resolve by path:\n" + "\n".join(bad)
+
+
+def test_package_imports_from_a_checkout():
+    """`import dflash_export.cli` from the repository's top level, the checkout's own files (not an install)."""
+    code = "import dflash_export, dflash_export.cli, dflash_export.runtime.loop as l; print(dflash_export.__file__, l.__file__)"
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    shim, loop = p.stdout.split()
+    assert Path(shim) == ROOT / "dflash_export" / "__init__.py" and Path(loop) == ROOT / "runtime" / "loop.py", p.stdout

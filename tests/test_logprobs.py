@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from runtime_cases import CASES, ORT_CASES, artifact, prompts
 
-from dflash_export.runtime.errors import DFlashError
+from dflash_export.errors import DFlashError
 from dflash_export.runtime.logprobs import Logprobs, entries
 from dflash_export.runtime.loop import Request, generate_batch
-from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.ort.backend import OrtBackend
 
 LP_CASES = {"qwen3": CASES["qwen3"], "llama": CASES["llama"], "qwen2": CASES["qwen2"], "qwen3-ort": ORT_CASES["qwen3-ort"]}
 

@@ -9,7 +9,7 @@ import pytest
 from runtime_cases import CASES, ORT_CASES, artifact, prompts
 
 from dflash_export.runtime.loop import Generation, Request, generate, stream_batch
-from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.ort.backend import OrtBackend
 
 
 @pytest.mark.parametrize("case", [CASES["qwen3"], ORT_CASES["qwen3-ort"]], ids=["standard", "ort"])

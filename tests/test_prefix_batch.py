@@ -10,7 +10,7 @@ import pytest
 from runtime_cases import CASES, ORT_CASES, artifact, prompts
 
 from dflash_export.runtime.loop import Generation, Request, generate, stream_batch
-from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.prefix import PrefixCache, common, supported
 
 

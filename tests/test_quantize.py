@@ -21,7 +21,7 @@ from dflash_export.export.validate import lint
 from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.names import names_of
 from dflash_export.runtime.loop import generate
-from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.ort.backend import OrtBackend
 
 # (case, options): int4 target+drafter; tied Llama with int8 everywhere incl. the LM head
 # (the lookup table keeps fp32, the head gets a quantized layout of its own); Qwen2 int4

@@ -238,7 +238,7 @@ def test_proxy_errors_become_json(sr):
 
 
 def test_plain_server_never_imports_ray():
-    code = ("import sys\nfrom dflash_export import cli, cmd_serve\nfrom dflash_export.serve import app, engine\n"
+    code = ("import sys\nfrom dflash_export import cli\nfrom dflash_export.cli import serve as cmd_serve\nfrom dflash_export.serve import app, engine\n"
             "from click.testing import CliRunner\nCliRunner().invoke(cli.cli, ['serve', '--help'])\n"
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -145,7 +145,7 @@ def test_exported_drafter_applies_the_transforms_and_samples_like_the_oracle(tmp
     from dflash_export.export.artifact import export_artifact
     from dflash_export.models import speculative_generate
     from dflash_export.runtime.loop import generate
-    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
     from dflash_export.testing import make_drafter
 
     t = make_target(tmp_path / "t", arch="qwen3", seed=5, layers=2, vocab=64)

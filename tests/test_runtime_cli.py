@@ -17,7 +17,7 @@ from dflash_export.cli import cli
 from dflash_export.runtime import manifest as M
 from dflash_export.runtime.controller import controller_for
 from dflash_export.runtime.loop import generate
-from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import load_settings
 
 
@@ -186,8 +186,8 @@ def test_bad_artifacts_are_one_line(out, tmp_path):
 
 def test_onnxruntime_load_failure_says_what_failed(out, tmp_path):
     """The graph, the provider and ORT's own first line; the re-export hint only where it helps."""
-    from dflash_export.runtime.errors import DFlashError
-    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.errors import DFlashError
+    from dflash_export.runtime.ort.backend import OrtBackend
 
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
@@ -208,7 +208,7 @@ def test_missing_onnxruntime_is_one_line(monkeypatch, tmp_path):
     from dflash_export.cli import cli
 
     monkeypatch.setitem(sys.modules, "onnxruntime", None)
-    monkeypatch.delitem(sys.modules, "dflash_export.runtime.ort", raising=False)
+    monkeypatch.delitem(sys.modules, "dflash_export.runtime.ort.backend", raising=False)
     r = CliRunner().invoke(cli, ["generate", str(tmp_path), "--prompt-ids", "1,2"])
     assert r.exit_code == 2, r.output
     assert 'pip install "dflash-export[cpu]"' in r.output and "[gpu]" in r.output
@@ -220,7 +220,7 @@ def test_internal_errors_ask_for_a_report_with_the_traceback():
     import click
 
     from dflash_export.cli import Group
-    from dflash_export.runtime.errors import DFlashError, InternalError
+    from dflash_export.errors import DFlashError, InternalError
 
     @click.group(cls=Group)
     def g():

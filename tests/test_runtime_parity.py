@@ -18,7 +18,7 @@ from dflash_export.testing import hf_model
 from dflash_export.models import Drafter, Target, speculative_generate
 from dflash_export.models.config import DraftConfig
 from dflash_export.runtime.loop import generate
-from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.ort.backend import OrtBackend
 
 PROMPTS_PER_PAIR = 13
 

@@ -31,9 +31,9 @@ from tokenizers import Tokenizer
 from dflash_export.cli import cli
 from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.controller import controller_for
-from dflash_export.runtime.errors import DFlashError, InternalError
+from dflash_export.errors import DFlashError, InternalError
 from dflash_export.runtime.loop import Generation, generate, stream
-from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import load_settings
 from dflash_export.serve.app import ServeOptions, create_app
 from dflash_export.serve.engine import Engine, Job, Params
@@ -569,7 +569,7 @@ def test_demo_without_the_export_extra_is_one_line(tmp_path):
 
 def test_demo_cache_from_an_older_format_is_not_served(art, tmp_path, monkeypatch):
     """A cached demo export this version cannot read is exported again, never served as is."""
-    from dflash_export import cmd_serve
+    from dflash_export.cli import serve as cmd_serve
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     pair = ROOT / "demo" / "pair"
@@ -690,7 +690,7 @@ async def _call(app, method: str, path: str, body: bytes = b"", disconnect=None)
 
 def test_health_is_503_until_the_engine_is_loaded(art):
     """The app answers before the model is loaded (and the factory takes an engine loaded elsewhere)."""
-    from dflash_export.cmd_serve import _is_loopback
+    from dflash_export.cli.serve import _is_loopback
     from dflash_export.serve.engine import load_engine
 
     options = ServeOptions(art)

@@ -21,7 +21,7 @@ from runtime_cases import prompts
 from test_serve import Server, running, art, decode, offline, replica_ok, tok  # noqa: F401 (fixtures)
 
 from dflash_export.cli import cli
-from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.serve.batch import BatchEngine
 from dflash_export.serve.engine import Job, Params
 from dflash_export.serve.text import Text
@@ -255,7 +255,7 @@ def test_a_batch_whose_caches_do_not_fit_is_refused_at_start(art, monkeypatch):
 def test_default_batch_is_what_fits(art, monkeypatch):
     """No --max-batch: 4 rows where the export and memory allow, fewer when only fewer fit, 1
     for --slots or no memory at all; TensorRT: up to 4 of the rows its engines were built for."""
-    from dflash_export.cmd_serve import _batch_rows
+    from dflash_export.cli.serve import _batch_rows
     from dflash_export.runtime import manifest as M, memory
 
     m = M.load_manifest(art, verify=False)

@@ -24,7 +24,7 @@ from test_serve import Server, running, art, decode, tok  # noqa: F401 (fixtures
 from dflash_export.runtime.controller import controller_for
 from dflash_export.runtime.logprobs import Logprobs
 from dflash_export.runtime.loop import Request, generate_batch
-from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import load_settings
 from dflash_export.serve.requests import ApiError, check_logprobs
 

@@ -23,7 +23,7 @@ import trt_fake
 from dflash_export.cli import cli
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.manifest import load_manifest
-from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.ort.backend import OrtBackend
 
 pytestmark = pytest.mark.filterwarnings("ignore:Context managers for TensorRT types are deprecated")
 MC, MP, ROWS = 64, 16, 3  # the engines' max context and prompt (build --max-context/--max-prompt), batch

@@ -26,9 +26,9 @@ from dflash_export.models import Target, autoregressive_generate
 from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.backend import Backend, Draft, TargetOut
 from dflash_export.runtime.calibrate import choose_policy, replay
-from dflash_export.runtime.errors import DFlashError
+from dflash_export.errors import DFlashError
 from dflash_export.runtime.loop import generate
-from dflash_export.runtime.ort import OrtBackend
+from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import FULL, Settings, VerifyPolicy, load_settings, resolve, save_settings
 
 

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_export.cli import cli
-from dflash_export.cmd_train import parse_layer_ids
+from dflash_export.cli.train import parse_layer_ids
 from dflash_export.train.data import default_taps
 
 
@@ -43,7 +43,7 @@ def test_demo_runs_on_tiny_pair(tmp_path):
 
 def test_num_prompts_and_the_deprecated_spelling(tmp_path):
     """--num-prompts N counts; --prompts N still does, with a warning (one release); --prompts FILE is a file."""
-    from dflash_export.cmd_demo import demo_prompts
+    from dflash_export.cli.demo import demo_prompts
 
     for args in (["--prompts", "3"], ["--num-prompts", "3"]):
         r = CliRunner().invoke(cli, ["demo", "--pair", str(tmp_path / "nothing"), *args])

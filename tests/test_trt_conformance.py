@@ -23,7 +23,7 @@ from runtime_cases import ROOT, TRT_CASES, artifact
 import trt_bindings
 import trt_double as D
 import trt_fake
-from dflash_export.runtime.trt_profiles import trt_version_tuple
+from dflash_export.runtime.trt.profiles import trt_version_tuple
 
 VERSIONS = trt_bindings.VERSIONS
 
@@ -92,7 +92,7 @@ def tensorrt_names(version: str) -> list[tuple[str, int, str]]:
 def test_every_tensorrt_name_the_package_uses_resolves(real):
     used = tensorrt_names(real.__version__)
     files = {f for f, _, _ in used}
-    assert {"runtime/trt_backend.py", "export/trt_build.py"} <= files, files  # the walk sees the TensorRT code
+    assert {"runtime/trt/backend.py", "export/trt_build.py"} <= files, files  # the walk sees the TensorRT code
     assert len(used) >= 15, used
     unresolved = []
     for f, line, chain in used:

@@ -21,7 +21,7 @@ from runtime_cases import TRT_CASES, Case, artifact
 import trt_bindings
 import trt_fake
 from dflash_export.cli import cli
-from dflash_export.runtime.errors import DFlashError
+from dflash_export.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.manifest import load_manifest
 
@@ -127,8 +127,8 @@ def test_dry_run_needs_no_tensorrt(exported, monkeypatch):
 
 
 def test_tokens_match_ort_backend(built):
-    from dflash_export.runtime.ort import OrtBackend
-    from dflash_export.runtime.trt_backend import TensorRTBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
+    from dflash_export.runtime.trt.backend import TensorRTBackend
 
     _, out, _ = built
     ref = OrtBackend(out, "cpu")
@@ -144,7 +144,7 @@ def test_tokens_match_ort_backend(built):
 
 
 def test_refusals(built, monkeypatch):
-    from dflash_export.runtime.trt_backend import TensorRTBackend
+    from dflash_export.runtime.trt.backend import TensorRTBackend
 
     trt, out, _ = built
     m = load_manifest(out)
@@ -168,7 +168,7 @@ def test_refusals(built, monkeypatch):
 
 def test_engines_that_do_not_match_are_refused_at_load(built, monkeypatch):
     """Point by point what the backend checks when it loads engines, each produced for real."""
-    from dflash_export.runtime.trt_backend import TensorRTBackend
+    from dflash_export.runtime.trt.backend import TensorRTBackend
 
     trt, out, _ = built
     m = load_manifest(out)
@@ -219,8 +219,8 @@ def test_generate_and_bench_with_backend_trt(built):
 def test_hybrid_target_builds_and_runs(version, monkeypatch, tmp_path):
     """The planner's other graph kind: a hybrid (DeltaNet) target, its states bound as engine I/O.
     (tests/test_hybrid_runtime.py checks its tokens in depth on the newest version.)"""
-    from dflash_export.runtime.ort import OrtBackend
-    from dflash_export.runtime.trt_backend import TensorRTBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
+    from dflash_export.runtime.trt.backend import TensorRTBackend
 
     trt_fake.install(monkeypatch, version)
     out = tmp_path / "out"
@@ -240,8 +240,8 @@ def test_batched_rows_match_ort(exported, monkeypatch, tmp_path):
     batch-1 plain decoding of that prompt, with rows of mixed prompt lengths (one prefilled in
     chunks), rows that stop early and requests joining as rows leave (relayouts, moved rows)."""
     from dflash_export.runtime.loop import Request, generate_batch
-    from dflash_export.runtime.ort import OrtBackend
-    from dflash_export.runtime.trt_backend import TensorRTBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
+    from dflash_export.runtime.trt.backend import TensorRTBackend
 
     trt_fake.install(monkeypatch)
     out = tmp_path / "out"
@@ -286,8 +286,8 @@ def test_batched_hybrid_rows(monkeypatch, tmp_path):
     """A hybrid (Gated DeltaNet) target batched on the engines: per-row states copied to and from
     the device, a joining row's states at the buffers' start; tokens equal ONNX Runtime's batch 1."""
     from dflash_export.runtime.loop import Request, generate_batch
-    from dflash_export.runtime.ort import OrtBackend
-    from dflash_export.runtime.trt_backend import TensorRTBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
+    from dflash_export.runtime.trt.backend import TensorRTBackend
 
     trt_fake.install(monkeypatch)
     out = tmp_path / "out"

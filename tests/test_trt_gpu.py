@@ -70,8 +70,8 @@ def _tokens(backend, prompt, draft=True, n=40):
 
 
 def test_trt_tokens_match_ort(built):
-    from dflash_export.runtime.ort import OrtBackend
-    from dflash_export.runtime.trt_backend import TensorRTBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
+    from dflash_export.runtime.trt.backend import TensorRTBackend
 
     out, _ = built
     ref = OrtBackend(out, "cpu")
@@ -88,8 +88,8 @@ def test_trt_tokens_match_ort(built):
 
 def test_refuses_other_tensorrt_or_gpu(built):
     from dflash_export.runtime.manifest import load_manifest
-    from dflash_export.runtime.errors import DFlashError
-    from dflash_export.runtime.trt_backend import TensorRTBackend
+    from dflash_export.errors import DFlashError
+    from dflash_export.runtime.trt.backend import TensorRTBackend
 
     out, _ = built
     m = load_manifest(out)
@@ -106,7 +106,7 @@ def test_ort_tensorrt_provider_matches_cpu(built, tmp_path, monkeypatch):
 
     if "TensorrtExecutionProvider" not in ort.get_available_providers():
         pytest.skip(f"this onnxruntime {ort.__version__} has no TensorrtExecutionProvider (install onnxruntime-gpu)")
-    from dflash_export.runtime.ort import OrtBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
 
     monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path / "ort-trt"))
     out, _ = built
@@ -135,8 +135,8 @@ def test_trt_hybrid_tokens_match_ort(tmp_path):
     from runtime_cases import artifact
 
     from dflash_export.cli import cli
-    from dflash_export.runtime.ort import OrtBackend
-    from dflash_export.runtime.trt_backend import TensorRTBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
+    from dflash_export.runtime.trt.backend import TensorRTBackend
 
     _, _, out = artifact(PATTERNS["full-first-vl"])
     eng = tmp_path / "out"
@@ -161,8 +161,8 @@ def test_trt_batched_rows_match_ort(tmp_path):
 
     from dflash_export.cli import cli
     from dflash_export.runtime.loop import Request, generate_batch
-    from dflash_export.runtime.ort import OrtBackend
-    from dflash_export.runtime.trt_backend import TensorRTBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
+    from dflash_export.runtime.trt.backend import TensorRTBackend
 
     export_tiny_pair(tmp_path, K, MAX_CONTEXT)
     out = tmp_path / "out"
@@ -217,8 +217,8 @@ def test_trt_dflash2_rows_match_ort(tmp_path):
 
     from dflash_export.cli import cli
     from dflash_export.runtime.loop import Request, generate_batch
-    from dflash_export.runtime.ort import OrtBackend
-    from dflash_export.runtime.trt_backend import TensorRTBackend
+    from dflash_export.runtime.ort.backend import OrtBackend
+    from dflash_export.runtime.trt.backend import TensorRTBackend
 
     out = tmp_path / "out"
     shutil.copytree(_exported("mixed-b6-noncausal") / "out", out)

@@ -7,8 +7,8 @@ import pytest
 
 from dflash_export.export.trt_build import build_plan, describe
 from dflash_export.runtime.manifest import GraphSpec, Manifest, TensorSpec
-from dflash_export.runtime.errors import DFlashError, InternalError
-from dflash_export.runtime.trt_profiles import (
+from dflash_export.errors import DFlashError, InternalError
+from dflash_export.runtime.trt.profiles import (
     ENGINE_FILES, Profile, check_engine_record, check_trt_version, default_cache_dir,
     ort_trt_provider_options,
 )
@@ -111,7 +111,7 @@ def test_profile_must_cover_every_dynamic_dim():
 
 def test_plan_imports_no_tensorrt():
     code = ("import sys; import dflash_export.export.trt_build, dflash_export.export.trt_lint, "
-            "dflash_export.runtime.trt_profiles, dflash_export.runtime.trt_backend, dflash_export.cmd_trt; "
+            "dflash_export.runtime.trt.profiles, dflash_export.runtime.trt.backend, dflash_export.cli.trt; "
             "assert not {'tensorrt', 'cuda', 'polygraphy'} & set(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.errors import DFlashError
+from ..errors import DFlashError
 
 
 @dataclass

@@ -31,7 +31,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..runtime.errors import DFlashError
+from ..errors import DFlashError
 from . import cache as C, data as D, speed as P
 from ..models.config import DraftConfig, TargetConfig
 from ..models.drafter import Drafter, draft_config_dict, new_drafter

@@ -7,7 +7,7 @@ import functools
 
 import click
 
-from .runtime.errors import DFlashError
+from ..errors import DFlashError
 
 provider_option = click.option(
     "--provider", default="cpu", show_default=True, help="ONNX Runtime execution provider: cpu | cuda | tensorrt."

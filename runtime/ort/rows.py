@@ -1,6 +1,6 @@
 """ONNX Runtime backend, part 2: the buffers of one or several rows and the calls over them.
 
-OrtBackend (runtime/ort.py) holds the sessions and binds tensors; this mixin owns what a
+OrtBackend (runtime/ort/backend.py) holds the sessions and binds tensors; this mixin owns what a
 sequence owns (its caches, taps, ids: `_alloc_state`) and runs the three graphs over one
 row or all of them (runtime/backend.py's `*_rows`). A backend of one row binds its caches'
 valid prefix in place and the new K/V straight after it, as always. Several rows share
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import contract as C
-from .backend import Draft, TargetOut, check_context_counts
-from .errors import InternalError
-from .hybrid import LinearStates
+from .. import contract as C
+from ..backend import Draft, TargetOut, check_context_counts
+from ...errors import InternalError
+from ..hybrid import LinearStates
 from .row_cache import gather_row, ring_scatter, scatter
-from .shared import STORAGE
+from ..shared import STORAGE
 
 
 class RowCalls:
@@ -86,7 +86,7 @@ class RowCalls:
         if self.has_drafter:
             dL, dH, dD = m.draft_layers, m.draft_kv_heads, m.draft_head_dim
             ctx_type = C.dtype(C.CTX_KV[0], m)
-            self.ring = C.ring(m)  # the context cache's slots: a ring (runtime/row_cache.py), or one per position
+            self.ring = C.ring(m)  # the context cache's slots: a ring (runtime/ort/row_cache.py), or one per position
             n = self._ctx_len = min(self.ring or n, n)
             if B == 1:
                 self.ctx = [self._alloc((1, n, dH, dD), ctx_type) for _ in range(2 * dL)]

@@ -19,17 +19,17 @@ from rich.console import Console
 from rich.table import Table
 from tokenizers import Tokenizer
 
-from .cmd_export import print_report
-from .cmd_run import BUILTIN_PROMPTS
+from .export import print_report
+from .run import BUILTIN_PROMPTS
 from .options import num_prompts_option, speculation_option, spin_option, threads_option, verify_option
-from .runtime.controller import controller_for
-from .runtime.calibrate import calibrate, thread_candidates
-from .runtime.errors import DFlashError
-from .runtime.lazy import lazy_import
-from .runtime.load import open_backend, settings_for
-from .runtime.loop import Generation, generate, stream
-from .runtime.measure import measure_many, off_domain_report, rate, summarize
-from .runtime.settings import VerifyPolicy, describe_policy, policy_json
+from ..runtime.controller import controller_for
+from ..runtime.calibrate import calibrate, thread_candidates
+from ..errors import DFlashError
+from ..lazy import lazy_import
+from ..runtime.load import open_backend, settings_for
+from ..runtime.loop import Generation, generate, stream
+from ..runtime.measure import measure_many, off_domain_report, rate, summarize
+from ..runtime.settings import VerifyPolicy, describe_policy, policy_json
 
 export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: only when the demo runs
 export_check = lazy_import("dflash_export.export.check")

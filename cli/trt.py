@@ -11,12 +11,12 @@ from pathlib import Path
 
 import click
 
-from .runtime.errors import DFlashError
-from .runtime.lazy import lazy_import
-from .runtime.manifest import load_manifest
+from ..errors import DFlashError
+from ..lazy import lazy_import
+from ..runtime.manifest import load_manifest
 
-# TensorRT, polygraphy and onnx: only when the command runs (runtime/lazy.py)
-trt_backend = lazy_import("dflash_export.runtime.trt_backend")
+# TensorRT, polygraphy and onnx: only when the command runs (lazy.py)
+trt_backend = lazy_import("dflash_export.runtime.trt.backend")
 trt_build = lazy_import("dflash_export.export.trt_build")
 trt_lint = lazy_import("dflash_export.export.trt_lint")
 

@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from .options import num_prompts_option
-from .runtime.lazy import lazy_import
-from .runtime.errors import DFlashError
+from ..lazy import lazy_import
+from ..errors import DFlashError
 
 export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: only when a command runs
 export_check = lazy_import("dflash_export.export.check")

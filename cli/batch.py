@@ -14,8 +14,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from .runtime.errors import DFlashError
-from .runtime.loop import BatchStats, Request, stream_batch
+from ..errors import DFlashError
+from ..runtime.loop import BatchStats, Request, stream_batch
 
 def batch_report(gens, stats) -> dict:
     """Aggregate and per-request rates of one batched run."""

@@ -2,7 +2,7 @@
 
 Everything here is pure Python over the manifest, unit-tested without TensorRT
 (tests/test_trt_plan.py). `export/trt_build.py` builds engines with these profiles,
-`runtime/trt_backend.py` checks every call against them, and `ort_trt_provider_options`
+`runtime/trt/backend.py` checks every call against them, and `ort_trt_provider_options`
 hands the same shapes to ONNX Runtime's TensorRT execution provider.
 
 Precision is the export's: TensorRT 11 removed weak typing (the FP16/BF16 builder flags and
@@ -17,10 +17,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import contract as C
-from .contract import BATCH, CTX, DRAFT_BLOCK, DRAFT_CONTEXT, PAST, PAST_CTX, PICKS, SEQ, TARGET
-from .manifest import Manifest
-from .errors import DFlashError, InternalError
+from .. import contract as C
+from ..contract import BATCH, CTX, DRAFT_BLOCK, DRAFT_CONTEXT, PAST, PAST_CTX, PICKS, SEQ, TARGET
+from ..manifest import Manifest
+from ...errors import DFlashError, InternalError
 
 # Supported TensorRT: >= 10.12 (the release that deprecated weak typing; from it on the same
 # strongly typed build and runtime code serves 10.x and 11.x) and < 12. Same range as the

@@ -30,15 +30,15 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from . import contract as C, manifest as M
-from .backend import Backend
-from .errors import DFlashError, InternalError
-from .memory import check_cache_memory
-from .names import names_of
-from .ort_rows import RowCalls
+from .. import contract as C, manifest as M
+from ..backend import Backend
+from ...errors import DFlashError, InternalError
+from ..memory import check_cache_memory
+from ..names import names_of
+from .rows import RowCalls
 from .row_cache import check_batch
-from .shared import ONNX_TYPE, STORAGE, shared_weights, tied_head_graphs
-from .trt_profiles import ort_trt_provider_options
+from ..shared import ONNX_TYPE, STORAGE, shared_weights, tied_head_graphs
+from ..trt.profiles import ort_trt_provider_options
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
@@ -184,7 +184,7 @@ class OrtBackend(RowCalls, Backend):
                               "GroupQueryAttention), which TensorRT cannot run; re-export with --attention standard")
         try:
             providers = [self._provider]
-            if self._provider == PROVIDERS["tensorrt"]:  # explicit profiles + engine cache outside OUT (runtime/trt_profiles.py)
+            if self._provider == PROVIDERS["tensorrt"]:  # explicit profiles + engine cache outside OUT (runtime/trt/profiles.py)
                 m = self.manifest
                 self.max_chunk = min(self.max_chunk, m.max_context - m.block_size)  # the profile's longest prefill
                 opts_trt = ort_trt_provider_options(m, graph, max_prompt=self.max_chunk)

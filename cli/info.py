@@ -14,8 +14,8 @@ from pathlib import Path
 
 import click
 
-from .runtime import contract as C, manifest as M
-from .runtime.errors import DFlashError
+from ..runtime import contract as C, manifest as M
+from ..errors import DFlashError
 
 
 def describe(out: Path, verify: bool = True) -> dict:

@@ -3,7 +3,7 @@
 `TensorRTBackend` implements the Backend interface (runtime/backend.py) with the name-based
 execution API that TensorRT 10 introduced and 11 keeps (set_input_shape, set_tensor_address,
 execute_async_v3) and cuda-python's runtime bindings for memory and the stream. Shapes and
-limits come from runtime/trt_profiles.py; this file only moves bytes and runs engines.
+limits come from runtime/trt/profiles.py; this file only moves bytes and runs engines.
 
 NOT YET EXECUTED ON TENSORRT HARDWARE: it needs `tensorrt`, `cuda-python` and an NVIDIA GPU.
 The test suite runs it against a double of the real TensorRT 10.12 and 11.4 Python bindings
@@ -21,15 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import Backend, Draft, TargetOut
-from . import contract as C
-from .names import names_of
-from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, draft_vocab_size
-from .manifest import Manifest, load_manifest
-from .errors import DFlashError, InternalError
-from .hybrid import LinearStates
-from .trt_profiles import ENGINE_FILES, check_engine_record, check_trt_version
-from .trt_rows import TrtRows, check_engine_rows
+from ..backend import Backend, Draft, TargetOut
+from .. import contract as C
+from ..names import names_of
+from ..contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, draft_vocab_size
+from ..manifest import Manifest, load_manifest
+from ...errors import DFlashError, InternalError
+from ..hybrid import LinearStates
+from .profiles import ENGINE_FILES, check_engine_record, check_trt_version
+from .rows import TrtRows, check_engine_rows
 
 INSTALL_HINT = 'pip install "dflash-export[trt]" (or: pip install tensorrt cuda-python --extra-index-url https://pypi.nvidia.com)'
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
@@ -87,7 +87,7 @@ class TensorRTBackend(TrtRows, Backend):
     the valid prefix in place with set_tensor_address (no copy) and the graph's new K/V
     outputs are bound straight into the slots after it when that address is 256-byte
     aligned; otherwise they land in a scratch buffer and only those S rows are copied.
-    `max_batch` > 1 (engines built with `--max-batch`): position-major caches, runtime/trt_rows.py.
+    `max_batch` > 1 (engines built with `--max-batch`): position-major caches, runtime/trt/rows.py.
 
     Hybrid targets (docs/hybrid.md): a linear-attention layer's committed states and a call's
     per-position increments are runtime/hybrid.py's host buffers, the same code and commit as
@@ -195,7 +195,7 @@ class TensorRTBackend(TrtRows, Backend):
 
     # -- setup ----------------------------------------------------------------------------
 
-    cuda_check = staticmethod(cuda_check)  # for runtime/trt_rows.py
+    cuda_check = staticmethod(cuda_check)  # for runtime/trt/rows.py
 
     def _load(self, graph: str, nprof: int) -> _Engine:
         path = self.out / ENGINE_FILES[graph]

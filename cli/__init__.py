@@ -1,18 +1,19 @@
 """The `dflash-export` command line: one subcommand per pipeline step.
 
-Each command lives in its own module (cmd_*.py) and imports heavy libraries (torch, onnx,
-tensorrt) inside the function, so `generate` and `bench` run where torch is not installed.
+Each command lives in its own module of this folder (export.py, run.py, serve.py, ...) and reads
+heavy libraries (torch, onnx, tensorrt) through lazy_import, so `generate` and `bench` run where
+torch is not installed.
 """
 
 from __future__ import annotations
 
-import importlib
 import traceback
 
 import click
 
-from . import __version__
-from .runtime.errors import DFlashError, InternalError
+from .. import __version__
+from ..errors import DFlashError, InternalError
+from . import demo, export, info, run, serve, train, trt
 
 
 class Group(click.Group):
@@ -52,13 +53,9 @@ def cli() -> None:
     """
 
 
-def _register() -> None:
-    for name in ("cmd_export", "cmd_info", "cmd_run", "cmd_trt", "cmd_train", "cmd_demo", "cmd_serve"):
-        for command in importlib.import_module(f".{name}", __package__).COMMANDS:
-            cli.add_command(command)
-
-
-_register()
+for _module in (export, info, run, trt, train, demo, serve):
+    for _command in _module.COMMANDS:
+        cli.add_command(_command)
 
 
 def main() -> None:

@@ -14,19 +14,19 @@ from pathlib import Path
 import click
 import numpy as np
 
-from .cmd_batch import bench_batch, check_batch_value, echo_bench_batch, generate_many
+from .batch import bench_batch, check_batch_value, echo_bench_batch, generate_many
 from .options import device_options, sampling_options, resolve_speculation, speculation_option
-from .runtime.controller import controller_for, rounds_of
-from .runtime.calibrate import calibrate, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
-from .runtime.errors import DFlashError
-from .runtime.load import open_artifact, open_backend, settings_for
-from .runtime.loop import Generation
-from .runtime.loop import stream as run
-from .runtime.manifest import load_manifest
-from .runtime.measure import measure_many, off_domain_report, random_text_prompts, rate, summarize
-from .runtime.sampling import check_sampling
-from .runtime.settings import policy_json
-from .serve.text import load_tokenizer
+from ..runtime.controller import controller_for, rounds_of
+from ..runtime.calibrate import calibrate, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
+from ..errors import DFlashError
+from ..runtime.load import open_artifact, open_backend, settings_for
+from ..runtime.loop import Generation
+from ..runtime.loop import stream as run
+from ..runtime.manifest import load_manifest
+from ..runtime.measure import measure_many, off_domain_report, random_text_prompts, rate, summarize
+from ..runtime.sampling import check_sampling
+from ..runtime.settings import policy_json
+from ..serve.text import load_tokenizer
 
 BUILTIN_PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import click
 
-from .cmd_demo import demo_dir
+from .demo import demo_dir
 from .options import device_options, ray_options, resolve_speculation, speculation_option
-from .runtime import contract as C, manifest as M
-from .runtime.errors import DFlashError
-from .runtime.lazy import lazy_import
-from .runtime.load import settings_for
-from .runtime.memory import check_cache_memory
-from .runtime.settings import check_options
+from ..runtime import contract as C, manifest as M
+from ..errors import DFlashError
+from ..lazy import lazy_import
+from ..runtime.load import settings_for
+from ..runtime.memory import check_cache_memory
+from ..runtime.settings import check_options
 
 DEMO_CONTEXT = 2048
 DEFAULT_BATCH = 4  # rows per round when --max-batch is not given (docs/serve.md: measured)

@@ -1,7 +1,7 @@
 """`dflash-export train-draft`: train a DFlash drafter for a target, on the target's own text.
 
 The options become one `train.train.TrainConfig`; `train.train.run_training` does the run.
-Heavy imports (torch, models) are lazy (runtime/lazy.py) so the CLI starts fast.
+Heavy imports (torch, models) are lazy (lazy.py) so the CLI starts fast.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import click
 
-from .runtime.errors import DFlashError
-from .runtime.lazy import lazy_import
+from ..errors import DFlashError
+from ..lazy import lazy_import
 
 train = lazy_import("dflash_export.train.train")  # torch: only when the command runs
 

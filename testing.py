@@ -14,14 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .runtime.lazy import lazy_import
+from .lazy import lazy_import
 
-# torch, transformers, the reference models, the exporter, ONNX Runtime: on first use (runtime/lazy.py)
+# torch, transformers, the reference models, the exporter, ONNX Runtime: on first use (lazy.py)
 torch = lazy_import("torch")
 transformers = lazy_import("transformers")
 reference = lazy_import("dflash_export.models")
 artifact = lazy_import("dflash_export.export.artifact")
-ort = lazy_import("dflash_export.runtime.ort")
+ort = lazy_import("dflash_export.runtime.ort.backend")
 
 ARCHS = ("llama", "qwen2", "qwen3")
 HYBRID = ("qwen35", "qwen35-vl")  # Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration (hybrid)

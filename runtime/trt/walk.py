@@ -14,7 +14,7 @@ from functools import cached_property
 
 import numpy as np
 
-from . import contract as C
+from .. import contract as C
 
 
 class TrtSelector:
