@@ -20,6 +20,7 @@ from .config import TargetConfig
 from .kvcache import KV, KVCache
 from .layers import MLP, RMSNorm, apply_rope, attend, causal_visible, rope_cos_sin
 from .qwen35 import HybridTarget
+from .windowed import load_windowed
 
 
 class Attention(nn.Module):
@@ -148,6 +149,8 @@ class Target(nn.Module):
         if config.hybrid:  # Qwen3.5 / 3.6: Gated DeltaNet + gated attention
 
             return HybridTarget.from_pretrained(directory, tap_ids, dtype)
+        if config.windowed:  # gpt-oss / Gemma 4: sliding and full attention layers (models/windowed.py)
+            return load_windowed(directory, tap_ids, dtype)
         with torch.device("meta"):
             model = cls(config, tap_ids)
         state = load_state_dict(directory, "target")
