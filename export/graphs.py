@@ -121,8 +121,9 @@ class TargetOrtGraph(nn.Module):
         self.rotary = d % 16 == 0
         if self.rotary:  # the same products as rope_cos_sin, one row per position
             freqs = torch.arange(max_context).float()[:, None] * target.inv_freq.float()[None]
-            self.register_buffer("cos_cache", freqs.cos().to(dtype), persistent=False)
-            self.register_buffer("sin_cache", freqs.sin().to(dtype), persistent=False)
+            scale = target.config.rope.attention_factor  # YaRN's, as rope_cos_sin
+            self.register_buffer("cos_cache", (freqs.cos() * scale).to(dtype), persistent=False)
+            self.register_buffer("sin_cache", (freqs.sin() * scale).to(dtype), persistent=False)
 
     def forward(self, input_ids, position_ids, seqlens_k, total, logits_index, *cache):
         return self.run(input_ids, position_ids, seqlens_k, total, logits_index, cache)
@@ -132,7 +133,7 @@ class TargetOrtGraph(nn.Module):
         layers = t.model.layers
         x = t.embed(input_ids)
         if not self.rotary:
-            cos, sin = rope_cos_sin(position_ids, t.inv_freq, x.dtype)
+            cos, sin = rope_cos_sin(position_ids, t.inv_freq, x.dtype, t.config.rope.attention_factor)
         h = layers[0].input_layernorm(x)
         outs, present = {}, []
         for i, layer in enumerate(layers):

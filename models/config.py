@@ -481,6 +481,7 @@ class DraftConfig:
     output_multiplier: float = 1.0  # draft logits times this, then
     final_logit_softcapping: float | None = None  # cap * tanh(logits / cap) (None: off)
     input_embedding_scale: float = 1.0  # the block's embedding (the target's table) times this
+    attention_bias: bool = False  # q/k/v/o projections with biases (gpt-oss drafters)
     raw: dict = field(default_factory=dict, repr=False)  # the original config, saved back as is
 
     @classmethod
@@ -495,8 +496,6 @@ class DraftConfig:
         if unsupported:
             raise DFlashError(f"{where}: DFlash2 features are not supported: {', '.join(unsupported)} (under "
                               f"{archs[0]}; a DFlash 2 drafter's architecture is {DRAFT2_ARCH})")
-        if cfg.get("attention_bias"):
-            raise DFlashError(f"{where}: attention_bias=true is not supported in drafters")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise DFlashError(f"{where}: hidden_act {act!r} is not supported (only silu)")
@@ -560,6 +559,7 @@ class DraftConfig:
             output_multiplier=mult,
             final_logit_softcapping=cap or None,
             input_embedding_scale=scale,
+            attention_bias=bool(cfg.get("attention_bias", False)),
             raw=cfg,
         )
 

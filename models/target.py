@@ -111,7 +111,7 @@ class Target(nn.Module):
         `position_major`: the past comes [P, B, Hkv, D] (the ragged graphs' cache); the new K/V
         join it on that axis, so the exported graph transposes [past; new] once, as before."""
         x = self.embed(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype, self.config.rope.attention_factor)
         cache = past if isinstance(past, KVCache) else None
         s, p = input_ids.shape[1], cache.length if cache else past[0][0].shape[0 if position_major else 1]
         visible = causal_visible(p, s, past_lengths, x.device)  # new query i sits at index p + i
