@@ -19,8 +19,8 @@ from .checkpoint import load_state_dict, strict_load
 from .config import TargetConfig
 from .kvcache import KV, KVCache
 from .layers import MLP, RMSNorm, apply_rope, attend, causal_visible, rope_cos_sin
+from . import gemma4, gpt_oss
 from .qwen35 import HybridTarget
-from .windowed import load_windowed
 
 
 class Attention(nn.Module):
@@ -150,7 +150,8 @@ class Target(nn.Module):
 
             return HybridTarget.from_pretrained(directory, tap_ids, dtype)
         if config.windowed:  # gpt-oss / Gemma 4: sliding and full attention layers (models/windowed.py)
-            return load_windowed(directory, tap_ids, dtype)
+            family = {"gpt_oss": gpt_oss, "gemma4": gemma4}[config.windowed.family]
+            return family.from_pretrained(config, directory, tap_ids, dtype)
         with torch.device("meta"):
             model = cls(config, tap_ids)
         state = load_state_dict(directory, "target")

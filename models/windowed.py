@@ -22,7 +22,6 @@ runtime/window.py) are read the same way, and masks come from positions
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -221,12 +220,3 @@ def drop_unused(state: dict, prefixes: tuple[str, ...], directory, why: str) -> 
     if len(kept) != len(state):
         print(f"note: target {directory}: ignoring {len(state) - len(kept)} tensors ({why})", file=sys.stderr)
     return kept
-
-
-def load_windowed(directory: str | Path, tap_ids, dtype: torch.dtype):
-    """A gpt-oss or Gemma 4 target from its checkpoint directory (Target.from_pretrained's branch)."""
-    from . import gemma4, gpt_oss  # the families' layers; imported here, where one is needed
-
-    config = TargetConfig.load(directory)
-    family = {"gpt_oss": gpt_oss, "gemma4": gemma4}[config.windowed.family]
-    return family.from_pretrained(config, directory, tap_ids, dtype)

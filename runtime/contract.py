@@ -105,6 +105,7 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
     "generation_config.json",
+    "chat_template.jinja",  # where transformers 5 saves a chat template (gpt-oss's harmony template ships so)
 )
 
 # -- dim roles ---------------------------------------------------------------------------

@@ -185,3 +185,63 @@ def test_unsupported_variants_are_one_line_errors(pair, tmp_path):
         cfg = json.loads((t / "config.json").read_text())
         with pytest.raises(DFlashError, match="use_bidirectional_attention='all'"):
             TargetConfig.from_dict({**cfg, "use_bidirectional_attention": "all"})
+
+
+# harmony-format turns (gpt-oss's chat format) with the Jinja its template relies on: a macro, a
+# namespace, strftime_now, raise_exception, tojson (written here for the test, not the released file)
+HARMONY = """{%- macro header() -%}You are a model.\\nCurrent date: {{ strftime_now("%Y-%m-%d") }}\\n
+{%- endmacro -%}
+<|start|>system<|message|>{{ header() }}<|end|>
+{%- set seen = namespace(user=false) -%}
+{%- for m in messages -%}
+{%- if m.role not in ("system", "developer", "user", "assistant") %}{{ raise_exception("unknown role") }}{% endif -%}
+{%- if m.role == "user" %}{% set seen.user = true %}{% endif -%}
+<|start|>{{ m.role }}<|message|>{{ m.content if m.content is string else m.content | tojson }}<|end|>
+{%- endfor -%}
+{%- if add_generation_prompt and seen.user %}<|start|>assistant{% endif -%}"""
+
+
+def test_served_chat_renders_the_checkpoint_template(tmp_path):
+    """A template saved as transformers 5 saves it (chat_template.jinja) travels with the export and
+    renders as transformers renders it; two chats served at once by the batched engine answer what
+    offline decoding of the rendered prompts gives."""
+    import asyncio
+    import shutil
+
+    from test_runtime_cli import char_tokenizer
+    from test_serve import _call
+
+    from dflash_export.runtime import manifest as M
+    from dflash_export.serve.app import ServeOptions, create_app
+    from dflash_export.serve.engine import load_engine
+    from dflash_export.serve.text import Text
+
+    art = tmp_path / "art"
+    shutil.copytree(artifact(WINDOWED_CASES["gpt_oss"])[2], art)
+    char_tokenizer(art / "tokenizer.json")
+    (art / "chat_template.jinja").write_text(HARMONY)
+    m = M.load_manifest(art, verify=False)
+    m.tokenizer = True
+    M.write_manifest(art, m)
+    chats = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}],
+             [{"role": "user", "content": "count: 1 2 3"}]]
+    text = Text(art)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(art / "tokenizer.json"))
+    hf.chat_template = HARMONY
+    rendered = [text.render(c) for c in chats]
+    assert rendered == [hf.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    assert rendered[0].startswith("<|start|>system<|message|>You are a model.") and rendered[0].endswith("<|start|>assistant")
+    backend = OrtBackend(art)
+    offline = [text.decode(generate(backend, text.encode(r), 10, stop_token_ids=()).tokens) for r in rendered]
+    engine = load_engine(art, model="m", max_batch=2)
+    app = create_app(ServeOptions(art), engine=engine)
+
+    async def both():
+        return await asyncio.gather(*(_call(app, "POST", "/v1/chat/completions", json.dumps(
+            {"messages": c, "max_tokens": 10, "temperature": 0, "ignore_eos": True}).encode()) for c in chats))
+    try:
+        answers = asyncio.run(asyncio.wait_for(both(), 120))
+    finally:
+        engine.close()
+    assert [a[0] for a in answers] == [200, 200], answers
+    assert [a[1]["choices"][0]["message"]["content"] for a in answers] == offline
