@@ -74,13 +74,19 @@ def quant_request(quantize, block_size, asymmetric, draft, lm_head, accuracy_lev
               help="standard: plain ai.onnx ops (every provider, TensorRT); ort: the target's attention as ONNX "
                    "Runtime's com.microsoft GroupQueryAttention over a cache updated in place (step cost flat in "
                    "context; ONNX Runtime CPU/CUDA only).")
+@click.option("--moe", type=click.Choice(["op", "standard"]), default=None,
+              help="Mixture-of-experts targets only: how target.onnx runs the experts. op: ONNX Runtime's "
+                   "com.microsoft::MoE, one node per layer that runs only the selected experts (CPU, fp32, "
+                   "onnxruntime >= 1.23.1). standard: plain ai.onnx ops that gather each token's k experts "
+                   "(TensorRT, other providers, older ONNX Runtime) [default: op for fp32 where the installed "
+                   "onnxruntime has it, else standard].")
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory (only once the export succeeded).")
 @click.option("--no-room-check", is_flag=True,
               help="Export even when free memory or disk look too small for the model (the OS may kill it).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_token_id, opset, attention, quantize,
            quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level,
-           draft_vocab, draft_vocab_data, force, no_room_check, quiet):
+           draft_vocab, draft_vocab_data, moe, force, no_room_check, quiet):
     """Trace a target and its DFlash drafter to ONNX: target.onnx, draft_context.onnx,
     draft_block.onnx, their external weights (weights several graphs hold stored once, in
     shared.data), the tokenizer files and manifest.json with the sha256 of every file.
@@ -98,12 +104,13 @@ def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_
       dflash-export export --target t --draft d --out art --force   # replace art
       dflash-export export --target t --draft d --out art4 --quantize int4 --quantize-draft
       dflash-export export --target t --draft d --out art --draft-vocab 32768 --draft-vocab-data corpus.jsonl
+      dflash-export export --target Qwen3-30B-A3B --draft d --out art --moe standard   # TensorRT
     """
     q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level)
     export_artifact.export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
                     mask_token_id=mask_token_id, opset=opset, attention=attention, force=force, progress=not quiet,
                     quantize=q,
-                    draft_vocab=draft_vocab, draft_vocab_data=draft_vocab_data, room_check=not no_room_check)
+                    draft_vocab=draft_vocab, draft_vocab_data=draft_vocab_data, room_check=not no_room_check, moe=moe)
 
 
 @click.command()

@@ -35,6 +35,7 @@ reference = lazy_import("dflash_export.models")
 dflash2 = lazy_import("dflash_export.models.dflash2")  # load_draft_config / load_drafter: either family
 gdn = lazy_import("dflash_export.models.gdn")
 graphs = lazy_import("dflash_export.export.graphs")
+moe_graphs = lazy_import("dflash_export.export.moe")
 
 DTYPES = ("fp32", "fp16", "bf16")
 MIN_OPSET = 18
@@ -227,11 +228,13 @@ def export_artifact(
     room_check: bool = True,
     draft_vocab: int | None = None,
     draft_vocab_data: list | tuple = (),
+    moe: str | None = None,
 ) -> M.Manifest:
     """Trace, save, validate and describe one artifact directory; atomic on failure.
 
     quantize: an export/quantize.py QuantOptions: the float export is written first (to a
-    hidden directory), then quantized into `out` (quantize_artifact)."""
+    hidden directory), then quantized into `out` (quantize_artifact). moe: a mixture-of-experts
+    target's graph form, "op" | "standard" (export/moe.py; None: the default for this dtype)."""
     target_dir, draft_dir, out = Path(target_dir), Path(draft_dir), Path(out_dir).absolute()
     tdtype = torch_dtype(dtype)
     if quantize is not None:
@@ -246,6 +249,9 @@ def export_artifact(
     if tc.hybrid and dtype == "bf16":
         raise DFlashError("--dtype bf16 is not supported for hybrid (Gated DeltaNet) targets: the runtime's host state "
                           "commit has no bf16 path and ONNX Runtime's CPU provider cannot run bf16; use --dtype fp16")
+    if moe is not None and tc.moe is None:
+        raise DFlashError(f"--moe {moe}: this {tc.architecture} target has no experts; leave --moe out")
+    moe_path = moe_graphs.choose_path(moe, dtype) if tc.moe is not None else None
     eos = eos_ids(target_dir, tc.eos_token_ids)
     vocab_ids, vocab_record = plan_draft_vocab(draft_vocab, draft_vocab_data, target_dir, tc.vocab_size, eos, dc.family)
     elements = checkpoint_elements(target_dir) + checkpoint_elements(draft_dir)
@@ -261,6 +267,7 @@ def export_artifact(
         architecture=tc.architecture, eos_token_ids=eos,
         opset=0, graphs={}, tools=tool_versions(), attention=attention, draft_vocab=vocab_record, ragged=True, **hybrid_fields(tc),
         selector=selector_record(dc), draft_ring=draft_ring(dc, max_context),
+        moe=moe_graphs.record(tc, moe_path) if moe_path else None,
     )
     ui = Phases(progress)
     for p in stale:
@@ -272,6 +279,8 @@ def export_artifact(
         tmp.mkdir()
         with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
             target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
+            if moe_path:
+                moe_graphs.use_path(target, moe_path)
             drafter = dflash2.load_drafter(draft_dir, tdtype, config=dc)
             if vocab_ids is not None:
                 drafter.set_draft_vocab(torch.from_numpy(vocab_ids), target.lm_head.weight)
@@ -289,7 +298,7 @@ def export_artifact(
         manifest.shared = shared
         del models, target, drafter
         with ui.phase("validate", "onnx.checker, shape inference, op lint, ORT load"):
-            validate_artifact(tmp, dtype, attention=attention)
+            validate_artifact(tmp, dtype, attention=attention, moe=moe_path)
         manifest.graphs = {name: graph_spec(tmp / f) for name, f in C.GRAPH_FILES.items()}
         manifest.opset = opset_of(tmp / C.GRAPH_FILES[C.TARGET])
         manifest.tokenizer = "tokenizer.json" in tokenizer or "tokenizer.model" in tokenizer

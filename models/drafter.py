@@ -264,7 +264,8 @@ def draft_config_dict(
         "attention_dropout": 0.0,
         "hidden_act": "silu",
         "hidden_size": target.hidden_size,
-        "intermediate_size": intermediate_size or target.intermediate_size,
+        # a target without a dense MLP (Qwen3.5-MoE: experts only) gives the drafter 3x its width
+        "intermediate_size": intermediate_size or target.intermediate_size or 3 * target.hidden_size,
         "num_hidden_layers": num_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": num_kv_heads or target.num_kv_heads,
