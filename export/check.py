@@ -132,7 +132,13 @@ def find_sources(manifest: M.Manifest, target, draft, warnings: list[str] | None
         if spec is None:
             raise DFlashError(f"check compares against the PyTorch source: pass --target and --draft (the {what} given "
                               "to export; this manifest does not record it)")
-        src = S.resolve(spec, what=what)
+        try:
+            src = S.resolve(spec, what=what)
+        except DFlashError as e:
+            if given is not None:
+                raise
+            raise DFlashError(f"check compares against the PyTorch source, and the {what} the manifest records is not "
+                              f"here ({e}); pass --target and --draft") from None
         if warnings is not None:
             warnings += S.differences(recorded.get(key), src, what)
         found.append(src)

@@ -248,12 +248,12 @@ class Drafter(nn.Module):
         strict_load(model, state, f"drafter {directory}", dtype)
         model.inv_freq = config.rope.inv_freq(config.head_dim)
         if config.format == "speculators":
+            if own["embed"] is not None:
+                model.borrowed["embed_tokens.weight"] = own["embed"]
             if own["ids"] is not None:  # the reduced head it was trained with: what `set_draft_vocab` builds
                 model.vocab_ids, model.vocab_head = own["ids"], own["head"].to(dtype)
             else:
                 model.borrowed["lm_head.weight"] = own["head"]
-            if own["embed"] is not None:
-                model.borrowed["embed_tokens.weight"] = own["embed"]
         return model.eval()
 
     def save_pretrained(self, directory: str | Path) -> None:
