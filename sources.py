@@ -118,7 +118,8 @@ def hub_message(e: Exception, name: str, repo_id: str, revision: str | None, fet
         have = f" (cached: {', '.join(cached)})" if cached else ""
         if offline:
             what = f"revision {revision!r} of {repo_id} is" if revision and cached else f"{repo_id} is"
-            return (f"{name}: {what} not in the local Hugging Face cache {cache}{have} and HF_HUB_OFFLINE is set; "
+            return (f"{name}: {what} not in the local Hugging Face cache {cache}{have} (nor a local directory) and "
+                    f"HF_HUB_OFFLINE is set; "
                     f"fetch it with {fetch} or unset HF_HUB_OFFLINE")
         return (f"{name}: the Hugging Face Hub cannot be reached and it is not in the cache {cache}{have}; "
                 f"check the network, or fetch it elsewhere with {fetch} and copy the cache")

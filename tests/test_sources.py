@@ -187,3 +187,13 @@ def test_check_warns_when_a_directory_no_longer_matches(hub, tmp_path):
                      " ".join(r.output.split())), r.output
     r = CliRunner().invoke(cli, ["check", str(root / "art"), "--revision", "v1"])
     assert r.exit_code == 2 and r.stderr == "error: --revision needs --target\n", r.output
+
+
+def test_train_draft_takes_an_id_too(hub, tmp_path):
+    root, _, _ = hub
+    with offline_hub(root / "hf"):
+        r = CliRunner().invoke(cli, ["train-draft", "--target", "acme/missing@v3", "--out", str(tmp_path / "d"),
+                                     "--data", str(tmp_path / "x.txt")])
+    assert r.exit_code == 2 and r.stderr.startswith("error: target acme/missing@v3: acme/missing is not in the local "
+                                                    "Hugging Face cache"), r.output
+    assert "`hf download acme/missing --revision v3`" in r.stderr and not (tmp_path / "d").exists()
