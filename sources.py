@@ -21,7 +21,6 @@ from .lazy import lazy_import
 from .runtime.manifest import sha256_file
 
 hub = lazy_import("huggingface_hub")  # only when an id is resolved
-hub_errors = lazy_import("huggingface_hub.errors")
 hub_constants = lazy_import("huggingface_hub.constants")
 
 # what export, check and train-draft read from a checkpoint (export/save.py copies the tokenizer files)
@@ -150,8 +149,8 @@ def differences(recorded: dict | None, source: Source, what: str) -> list[str]:
         out.append(f"{what} {source.label} is not {recorded['id']}, which the export was built from")
     elif recorded.get("commit") and source.commit and recorded["commit"] != source.commit:
         out.append(f"{what} {source.label}: the export was built from commit {recorded['commit'][:12]}")
-    now = weight_hashes(source.path)
-    changed = sorted(f for f in set(recorded.get("files", {})) | set(now) if recorded.get("files", {}).get(f) != now.get(f))
+    then, now = recorded.get("files", {}), weight_hashes(source.path)
+    changed = sorted(f for f in set(then) | set(now) if then.get(f) != now.get(f))
     if changed:
         out.append(f"{what} {source.label}: {', '.join(changed)} no longer match the export's record "
                    "(changed, added or removed since); the comparison below is against the files there now")

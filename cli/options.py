@@ -10,6 +10,7 @@ import click
 
 from ..errors import DFlashError
 
+
 def model_options(required: bool, target_help: str = "", draft_help: str = ""):
     """--target / --draft (a directory or a Hugging Face id, `org/name[@revision]`; sources.py)
     and --revision / --draft-revision; the command receives target_dir, draft_dir, revision, draft_revision."""

@@ -291,7 +291,8 @@ class DraftConfig:
         if speculators.is_speculators(cfg):
             z, extra = speculators.config_dict(cfg, where)
             out = cls.from_dict(z, where)
-            out.raw, out.format, out.draft_vocab_size, out.verifier = cfg, "speculators", extra["draft_vocab_size"], extra["verifier"]
+            out.raw, out.format = cfg, "speculators"
+            out.draft_vocab_size, out.verifier = extra["draft_vocab_size"], extra["verifier"]
             return out
         archs = cfg.get("architectures") or [DRAFT_ARCH]
         if archs[0] != DRAFT_ARCH:

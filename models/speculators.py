@@ -97,6 +97,7 @@ def split_state(state: dict, config, where: str) -> tuple[dict, dict]:
         if int(ids.min()) < 0 or int(ids.max()) >= vocab or len(set(ids.tolist())) != n:
             raise DFlashError(f"{where}: d2t maps draft ids outside [0, {vocab}) or twice: a corrupt vocabulary map")
         t2d = state.get("t2d")
-        if t2d is not None and (t2d.numel() != vocab or sorted(t2d.bool().nonzero().flatten().tolist()) != sorted(ids.tolist())):
+        marked = None if t2d is None else t2d.bool().nonzero().flatten().tolist()
+        if t2d is not None and (t2d.numel() != vocab or marked != sorted(ids.tolist())):
             raise DFlashError(f"{where}: t2d and d2t disagree on the draft vocabulary's target ids")
     return body, {"ids": ids, "head": head, "embed": state.get("embed_tokens.weight")}
