@@ -197,3 +197,18 @@ def test_train_draft_takes_an_id_too(hub, tmp_path):
     assert r.exit_code == 2 and r.stderr.startswith("error: target acme/missing@v3: acme/missing is not in the local "
                                                     "Hugging Face cache"), r.output
     assert "`hf download acme/missing --revision v3`" in r.stderr and not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("RevisionNotFoundError", "revision 'v9' does not exist in acme/x (a branch, tag or commit on the Hub)"),
+    ("GatedRepoError", "is gated: accept its terms on huggingface.co and log in"),
+    ("RepositoryNotFoundError", "no such local directory, and no such repository on the Hugging Face Hub"),
+    ("IncompleteSnapshotError", "the cached copy in"),
+    ("ConnectError", "could not be fetched from the Hugging Face Hub (ConnectError: boom)"),
+])
+def test_online_hub_failures_say_what_to_do(kind, words):
+    """The hub's exceptions (matched by class name: their modules moved across huggingface_hub
+    versions) as one line each; a class of that name stands in for the online failure."""
+    e = type(kind, (Exception,), {})("boom\nsecond line")
+    line = S.hub_message(e, "drafter acme/x@v9", "acme/x", "v9", "`hf download acme/x --revision v9`")
+    assert words in line and "\n" not in line, line
