@@ -272,7 +272,8 @@ def test_unsupported_target_architecture_is_refused(tiny_target_dir, tmp_path):
     d = _target_config(tiny_target_dir, tmp_path, lambda c: c.update(architectures=["MistralForCausalLM"]))
     with pytest.raises(DFlashError, match=r"architecture 'MistralForCausalLM' is not supported \(supported: "
                                           r"LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3_5ForCausalLM, "
-                                          r"Qwen3_5ForConditionalGeneration, GptOssForCausalLM, Gemma4ForCausalLM, "
+                                          r"Qwen3_5ForConditionalGeneration, Qwen3MoeForCausalLM, Qwen3_5MoeForCausalLM, "
+                                          r"Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM, GptOssForCausalLM, Gemma4ForCausalLM, "
                                           r"Gemma4ForConditionalGeneration\)") as e:
         Target.from_pretrained(d)
     one_line(e)
