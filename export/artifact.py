@@ -283,7 +283,7 @@ def export_artifact(
                           "commit has no bf16 path and ONNX Runtime's CPU provider cannot run bf16; use --dtype fp16")
     if moe is not None and tc.moe is None:
         raise DFlashError(f"--moe {moe}: this {tc.architecture} target has no experts; leave --moe out")
-    moe_path = moe_graphs.choose_path(moe, dtype) if tc.moe is not None else None
+    moe_path = moe_graphs.choose_path(moe, dtype, tc.moe.activation) if tc.moe is not None else None
     eos = eos_ids(target_dir, tc.eos_token_ids)
     vocab_ids, vocab_record = plan_draft_vocab(draft_vocab, draft_vocab_data, target_dir, tc.vocab_size, eos, dc.family,
                                                dc.draft_vocab_size)

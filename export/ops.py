@@ -43,8 +43,11 @@ def register_ort_schemas() -> None:
                     P("fc3_experts_bias", "T", param_option=opt)],
             outputs=[P("output", "T")],
             type_constraints=[T],
+            # every attribute we set must be listed: onnxscript drops the ones a schema lacks, silently
             attributes=ints("k", "normalize_routing_weights", "swiglu_fusion", required=False)
-            + [OpSchema.Attribute("activation_type", OpSchema.AttrType.STRING, "", required=False)]),
+            + [OpSchema.Attribute("activation_type", OpSchema.AttrType.STRING, "", required=False)]
+            + [OpSchema.Attribute(n, OpSchema.AttrType.FLOAT, "", required=False)
+               for n in ("activation_alpha", "activation_beta", "swiglu_limit")]),
     }
     for name, kw in schemas.items():
         try:
