@@ -1,4 +1,6 @@
-"""The mixture-of-experts MLP of the Qwen line: Qwen3-MoE, Qwen3.5 / 3.6-MoE, Qwen3-Next.
+"""The mixture-of-experts MLP of the Qwen line (Qwen3-MoE, Qwen3.5 / 3.6-MoE, Qwen3-Next), and
+the experts of gpt-oss (biased router and experts, clamped SwiGLU: models/gpt_oss.py) and
+Gemma 4 (GeGLU experts beside the dense MLP: models/gemma4.py), which MoeConfig describes.
 
 Semantics are transformers 5.x's `Qwen3MoeSparseMoeBlock` (and its Qwen3.5-MoE / Qwen3-Next
 copies): router logits = Linear(H -> E); softmax in fp32; top-k; the k probabilities

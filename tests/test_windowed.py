@@ -355,3 +355,24 @@ def test_mxfp4_experts_load_as_transformers_dequantises_them(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     with pytest.raises(DFlashError, match="quantization_config 'gptq' is not supported"):
         TargetConfig.from_dict({**cfg, "quantization_config": {"quant_method": "gptq"}})
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "gemma4-moe"])
+def test_experts_graph_forms_equal_the_reference(tmp_path, name):
+    """Both graph forms export/moe.py installs (standard ops; the MoE op's torch semantics) give the
+    reference's logits, on gpt-oss (biases, clamp) and Gemma 4 (per_expert_scale folded)."""
+    from dflash_export.export import moe as moe_export
+
+    arch = name.split("-")[0]
+    d = make_target(tmp_path, arch, layers=len(TARGETS[name]["layer_types"]), hidden=32, **TARGETS[name])
+    ids = torch.randint(0, 99, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        target = Target.from_pretrained(d)
+        ref = target(ids, torch.arange(12)[None], target.empty_kv())[0]
+        for path in ("standard", "op") if arch == "gpt_oss" else ("standard",):
+            target = Target.from_pretrained(d)
+            moe_export.use_path(target, path)
+            got = target(ids, torch.arange(12)[None], target.empty_kv())[0]
+            err = float((got - ref).abs().max())
+            print(f"{name} {path}: max abs error {err:.1e} (tolerance 1e-5)")
+            assert err <= 1e-5
