@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..errors import DFlashError
 from ..lazy import lazy_import
+from . import speculators
 
 torch = lazy_import("torch")  # only for inv_freq: the configs themselves are read without torch
 
@@ -219,6 +220,9 @@ class TargetConfig:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
         refuse_unsupported_moe(cfg, arch, where)
+        if arch in (DRAFT_ARCH, DRAFT2_ARCH) or speculators.is_speculators(cfg):
+            raise DFlashError(f"{where} is a DFlash drafter ({arch or cfg.get(speculators.KIND)}), not a target: "
+                              "pass it as --draft and the model it drafts for as --target")
         if arch not in TARGET_ARCHS:
             raise DFlashError(
                 f"{where}: architecture {arch!r} is not supported (supported: {', '.join(TARGET_ARCHS)})"
@@ -299,6 +303,15 @@ def _hybrid_fields(cfg: dict, where: str) -> dict:
     )
 
 
+def not_a_drafter(arch) -> str:
+    """Why a checkpoint of architecture `arch` is not a drafter, in words."""
+    if arch in TARGET_ARCHS or arch in MOE_ARCHS or str(arch).endswith("ForCausalLM"):
+        return (f"architecture {arch!r} is a language model (a target?), not a DFlash drafter "
+                f"({DRAFT_ARCH}, {DRAFT2_ARCH} or a speculators \"dflash\" checkpoint)")
+    return (f"architecture {arch!r} is not supported (supported: {DRAFT_ARCH}, {DRAFT2_ARCH}), nor is this a "
+            "speculators \"dflash\" checkpoint")
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The z-lab rule: one layer -> the middle one; else spread evenly over [1, L-3]."""
     if num_draft_layers == 1:
@@ -329,13 +342,21 @@ class DraftConfig:
     final_logit_softcapping: float | None = None  # cap * tanh(logits / cap) (None: off)
     input_embedding_scale: float = 1.0  # the block's embedding (the target's table) times this
     raw: dict = field(default_factory=dict, repr=False)  # the original config, saved back as is
+    format: str = "z-lab"  # or "speculators" (models/speculators.py): the checkpoint's layout
+    draft_vocab_size: int | None = None  # speculators: the N tokens its own head scores (d2t); None: all
+    verifier: str | None = None  # speculators: the target it was made for (speculators_config.verifier)
 
     @classmethod
     def from_dict(cls, cfg: dict, where: str = "drafter") -> "DraftConfig":
+        if speculators.is_speculators(cfg):
+            z, extra = speculators.config_dict(cfg, where)
+            out = cls.from_dict(z, where)
+            out.raw, out.format = cfg, "speculators"
+            out.draft_vocab_size, out.verifier = extra["draft_vocab_size"], extra["verifier"]
+            return out
         archs = cfg.get("architectures") or [DRAFT_ARCH]
         if archs[0] != DRAFT_ARCH:
-            raise DFlashError(f"{where}: architecture {archs[0]!r} is not supported "
-                              f"(supported: {DRAFT_ARCH}, {DRAFT2_ARCH})")
+            raise DFlashError(f"{where}: {not_a_drafter(archs[0])}")
         nested = cfg.get("dflash_config") or {}
         unsupported = [k for k in ("selector_rank", "conv_kernel_size", "conv_group_size")
                        if nested.get(k, cfg.get(k)) is not None]
@@ -425,24 +446,29 @@ class DraftConfig:
         return self.layer_types[j] == "sliding_attention"
 
     def check_fits(self, target: TargetConfig, where: str = "drafter") -> None:
-        """Refuse a drafter that cannot be attached to this target."""
+        """Refuse a drafter that cannot be attached to this target (`where` names it, revision included)."""
+        made_for = f" (made for {self.verifier})" if self.verifier else ""
         if self.hidden_size != target.hidden_size:
             raise DFlashError(
                 f"{where}: hidden_size {self.hidden_size} does not match the target's {target.hidden_size}; "
-                "this drafter was trained for another target"
+                f"this drafter was trained for another target{made_for}"
             )
         if self.num_target_layers not in (-1, target.num_layers):
             raise DFlashError(
                 f"{where}: num_target_layers {self.num_target_layers} does not match the target's "
-                f"{target.num_layers} layers; this drafter was trained for another target"
+                f"{target.num_layers} layers; this drafter was trained for another target{made_for}"
             )
         bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
         if bad:
-            raise DFlashError(f"{where}: target_layer_ids {bad} are outside the target's {target.num_layers} layers")
+            raise DFlashError(f"{where}: target_layer_ids {bad} are outside the target's {target.num_layers} layers"
+                              f"{made_for}")
         if self.vocab_size not in (None, target.vocab_size):
             raise DFlashError(
-                f"{where}: vocab_size {self.vocab_size} does not match the target's {target.vocab_size}"
+                f"{where}: vocab_size {self.vocab_size} does not match the target's {target.vocab_size}{made_for}"
             )
+        if self.block_size > target.max_position_embeddings:
+            raise DFlashError(f"{where}: block_size {self.block_size} exceeds the target's context "
+                              f"(max_position_embeddings {target.max_position_embeddings}){made_for}")
 
     def resolve_mask_token_id(self, override: int | None = None) -> int:
         if override is not None:

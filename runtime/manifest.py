@@ -90,6 +90,10 @@ class Manifest:
     # the graphs take ragged batches (contract.RAGGED: per-row lengths, position-major caches,
     # logits_index); False for older exports, which run batch 1 only
     ragged: bool = False
+    # where the pair came from (sources.py): {"target": rec, "draft": rec}, rec = {"id" (a Hugging Face id or
+    # None), "path" (a local directory, when no id), "revision" (asked), "commit" (resolved), "files": {weight
+    # file: sha256}}; None for exports made before it was recorded
+    sources: dict | None = None
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
