@@ -10,6 +10,7 @@ export leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import json
 import shutil
@@ -21,10 +22,10 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ..runtime.memory import available_memory
 from ..runtime import contract as C, manifest as M
-from ..errors import DFlashError
+from ..errors import DFlashError, InternalError
 from .. import sources as S
 from ..lazy import lazy_import
-from . import draft_vocab as DV, trace as T
+from . import draft_vocab as DV, stream, trace as T
 from .outdir import check_out_dir, commit, write_manifest_checked
 from .progress import Phases, report
 from .quantize import check_options, quantize_artifact
@@ -33,6 +34,7 @@ from .validate import validate_artifact
 
 torch = lazy_import("torch")  # torch and the reference models: on first use (lazy.py)
 reference = lazy_import("dflash_export.models")
+checkpoint = lazy_import("dflash_export.models.checkpoint")
 dflash2 = lazy_import("dflash_export.models.dflash2")  # load_draft_config / load_drafter: either family
 gdn = lazy_import("dflash_export.models.gdn")
 graphs = lazy_import("dflash_export.export.graphs")
@@ -296,7 +298,9 @@ def export_artifact(
         tmp.mkdir()
         with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
             manifest.sources = {"target": tsrc.record(), "draft": dsrc.record()}  # hashes the weight files
-            target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
+            with checkpoint.experts_on_meta() if moe_path else contextlib.nullcontext():
+                target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
+            streamed = moe_path is not None and stream.placeholders(target, interleaved=moe_path == "op")
             if moe_path:
                 moe_graphs.use_path(target, moe_path)
             drafter = dflash2.load_drafter(draft_dir, tdtype, config=dc)
@@ -313,6 +317,11 @@ def export_artifact(
                 T.rename_initializers(model, tc.tie_word_embeddings)
                 # tied embeddings: the head keeps reading the lookup table's bytes
                 T.store_transposed(model, keep=C.SHARED_INITIALIZERS[1:] if tc.tie_word_embeddings else ())
+            if streamed:  # the experts' bytes go from the checkpoint to target.data as it is written
+                names = stream.attach(models[C.TARGET], stream.ExpertReader(target_dir), interleaved=moe_path == "op")
+                if len(names) != 2 * len(tc.moe.sparse_layers):  # a placeholder left would be written as zeros
+                    raise InternalError(f"streamed {len(names)} expert tensors into the target graph, "
+                                        f"expected {2 * len(tc.moe.sparse_layers)}")
         with ui.phase("save", "graphs + external data + tokenizer"):
             shared = save_graphs(tmp, models, tc.tie_word_embeddings)
             tokenizer = copy_tokenizer(target_dir, tmp)
