@@ -215,6 +215,20 @@ def print_report(report) -> None:
                 console.print(f"[red]speculative != plain[/] at token {f['first_difference']} for prompt {f['prompt']}")
         for f in e["failures"] if q is None or report.strict else []:
             console.print(f"[red]differs[/] at token {f['first_difference']} for prompt {f['prompt']}")
+    a = report.accuracy
+    if a:
+        line = f"accuracy level {a['accuracy_level']} ({a['from']}): target logits vs the float source"
+        if "float" in a:
+            line += f" mean {a['float']['mean_abs']:.2e}, max {a['float']['max_abs']:.2e}, top-1 {a['float']['top1']:.4f}"
+        if "dequantized" in a:
+            line += (f"; of it, vs the graphs' own dequantized weights (the activations' rounding alone) mean "
+                     f"{a['dequantized']['mean_abs']:.2e}, max {a['dequantized']['max_abs']:.2e}")
+        console.print(line)
+        probe = (report.quantization or {}).get("accuracy_probe")
+        if probe:
+            console.print("measured at quantize time: " + "; ".join(
+                f"level {lv}: step {p['step_ms']:.2f} ms, logits mean error vs float {p['logits_mean_abs_err']:.2e}, "
+                f"top-1 {p['top1_agreement']:.3f}" for lv, p in probe.items() if lv.isdigit()))
     if report.draft_vocab:
         console.print(f"draft vocabulary: {report.draft_vocab} tokens (drafts outside it end a round early; the output is the target's)")
     for note in report.notes:
