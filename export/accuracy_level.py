@@ -95,11 +95,15 @@ def choose(root: Path, float_root: Path, m: M.Manifest, seed: int = 0) -> dict:
             b.close()
     for level in LEVELS:
         probe[str(level)]["step_ms"] = float(np.median(times[level])) * 1e3
+    level = pick(probe)
+    probe["rule"] = (f"4 if step_ms[0] >= {SPEED_MARGIN} x step_ms[4] and logits_mean_abs_err[4] <= {ERROR_BUDGET} x "
+                     f"logits_mean_abs_err[0] (vs the float export, {n} random tokens), else 0")
+    return {"accuracy_level": level, "accuracy_level_from": "measured", "accuracy_probe": probe}
+
+
+def pick(probe: dict) -> int:
+    """The rule: level 4 when it is SPEED_MARGIN faster and within ERROR_BUDGET of level 0's error."""
     p0, p4 = probe["0"], probe["4"]
     faster = p0["step_ms"] >= SPEED_MARGIN * p4["step_ms"]
     within = p4["logits_mean_abs_err"] <= ERROR_BUDGET * max(p0["logits_mean_abs_err"], 1e-12)
-    level = 4 if faster and within else 0
-    probe.update(rule=f"4 if step_ms[0] >= {SPEED_MARGIN} x step_ms[4] and logits_mean_abs_err[4] <= "
-                      f"{ERROR_BUDGET} x logits_mean_abs_err[0] (vs the float export, {n} random tokens), else 0",
-                 faster=faster, within_error_budget=within)
-    return {"accuracy_level": level, "accuracy_level_from": "measured", "accuracy_probe": probe}
+    return 4 if faster and within else 0
