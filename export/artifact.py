@@ -284,7 +284,7 @@ def export_artifact(
                 # tied embeddings: the head keeps reading the lookup table's bytes
                 T.store_transposed(model, keep=C.SHARED_INITIALIZERS[1:] if tc.tie_word_embeddings else ())
         with ui.phase("save", "graphs + external data + tokenizer"):
-            shared = save_graphs(tmp, models, tc.tie_word_embeddings)
+            shared = save_graphs(tmp, models, dict([C.SHARED_INITIALIZERS[::-1]]) if tc.tie_word_embeddings else {})
             tokenizer = copy_tokenizer(target_dir, tmp)
         manifest.shared = shared
         del models, target, drafter

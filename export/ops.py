@@ -1,5 +1,5 @@
 """The operator sets a graph may hold: standard ai.onnx, and the ONNX Runtime contrib ops that a
-quantized export (MatMulNBits) or the "ort" attention flavour asks for; the onnx schemas of the latter."""
+quantized export (MatMulNBits, GatherBlockQuantized) or the "ort" attention flavour asks for; the onnx schemas of the latter."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from ..lazy import lazy_import
 onnx = lazy_import("onnx")  # on first use (lazy.py)
 
 STANDARD_DOMAINS = ("", "ai.onnx")
-QUANT_OPS = (("com.microsoft", "MatMulNBits"),)  # what a quantized graph may hold beyond ai.onnx
+# what a quantized graph may hold beyond ai.onnx: the linear layers, the embedding lookup
+QUANT_OPS = (("com.microsoft", "MatMulNBits"), ("com.microsoft", "GatherBlockQuantized"))
 ORT_FLAVOUR_OPS = (("com.microsoft", "GroupQueryAttention"), ("com.microsoft", "SkipSimplifiedLayerNormalization"))  # the ort flavour's target
 
 
