@@ -46,6 +46,7 @@ from .validate import validate_artifact
 
 ir = lazy_import("onnx_ir")  # onnx, onnxruntime's quantizer, torch: on first use (lazy.py)
 nbits = lazy_import("onnxruntime.quantization.matmul_nbits_quantizer")
+ort_pybind = lazy_import("onnxruntime.capi._pybind_state")  # its C++ blockwise quantizer (pack_blocks)
 onnx = lazy_import("onnx")
 numpy_helper = lazy_import("onnx.numpy_helper")
 torch = lazy_import("torch")
@@ -131,8 +132,6 @@ def pack_blocks(w_in_out: np.ndarray, q: QuantOptions) -> tuple[np.ndarray, np.n
     """A [K, N] weight -> (packed uint8 [N, blocks, blob], scales [N, blocks], zero points or None):
     ONNX Runtime's own C++ blockwise quantizer, the one MatMulNBitsQuantizer calls, so a table
     quantized here has the bytes a MatMulNBits head of the same weight has."""
-    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
-
     k, n = w_in_out.shape
     if k % q.block_size:
         raise DFlashError(f"--quantize-embedding: hidden size {k} is not a multiple of --quant-block-size {q.block_size}")
@@ -141,7 +140,7 @@ def pack_blocks(w_in_out: np.ndarray, q: QuantOptions) -> tuple[np.ndarray, np.n
     packed = np.zeros((n, blocks, q.block_size * q.bits // 8), np.uint8)
     scales = np.zeros((n, blocks), w.dtype)
     zp = np.zeros((n, (blocks * q.bits + 7) // 8), np.uint8)
-    fn = quantize_matmul_4bits if q.bits == 4 else quantize_matmul_8bits
+    fn = ort_pybind.quantize_matmul_4bits if q.bits == 4 else ort_pybind.quantize_matmul_8bits
     fn(packed, w, scales, zp, q.block_size, n, k, q.symmetric)
     return packed, scales, None if q.symmetric else zp
 
@@ -239,7 +238,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
                 if (src / name).is_file():
                     shutil.copyfile(src / name, tmp / name)
         with ui.phase("validate", "onnx.checker, shape inference, op lint, ORT load"):
-            validate_artifact(tmp, m.dtype, quantized=True, attention=m.attention)
+            validate_artifact(tmp, m.dtype, quantized=True, attention=m.attention, moe=(m.moe or {}).get("path"))
         specs = {name: graph_spec(tmp / f) for name, f in C.GRAPH_FILES.items()}
         manifest = dataclasses.replace(m, graphs=specs, files={}, engines=None, shared=shared,
                                        quantization=q.record(quantized, {}))
