@@ -76,6 +76,8 @@ def resolve_provider(name: str) -> str:
 class OrtBackend(RowCalls, Backend):
     """ONNX Runtime sessions + preallocated buffers; see runtime/backend.py for the semantics."""
 
+    forks = True  # sessions are read-only after load: a fork shares them (and the weights)
+
     def __init__(
         self,
         directory: str | Path,
@@ -104,6 +106,7 @@ class OrtBackend(RowCalls, Backend):
             self.max_chunk = min(self.max_chunk, C.max_seq(m))
         self.has_drafter = drafter
         self.max_batch = check_batch(m, max_batch, self.device, self.directory)
+        self.parks_rows = self.max_batch > 1  # host caches: a row's prefix copied out and back (runtime/prefix.py)
         check_cache_memory(m, self.max_batch, self.max_len, drafter)
         self.low_memory = low_memory
         self.trace: list | None = None  # set to [] to record every bound (name, ptr, shape)

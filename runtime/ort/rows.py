@@ -144,6 +144,28 @@ class RowCalls:
         if self.ctx_all is not None:
             self.ctx_all[:, :pc, dst] = self.ctx_all[:, :pc, src]
 
+    def save_row(self, b: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Row b's valid caches: target K/V [2 x attention layers, p, Hkv, D] (position-major
+        caches) or [2 x attention layers, Hkv, p, D] (the ort flavour's head-major buffers)."""
+        p, pc = int(self.lengths[b]), int(self.ctx_lengths[b])
+        if self.in_place:
+            kv = np.stack([buf[b, :, :p] for buf in self.kv if buf is not None])
+        else:
+            kv = self.kv_all[:, :p, b].copy()
+        return kv, self.ctx_all[:, :pc, b].copy() if self.has_drafter and pc else None
+
+    def load_row(self, b: int, kv: np.ndarray, ctx: np.ndarray | None, n: int, ctx_n: int) -> None:
+        self._layout()  # a width set at this round boundary is laid out at the next call: now, before the write
+        self.reset_row(b)
+        if self.in_place:
+            for j, buf in enumerate(x for x in self.kv if x is not None):
+                buf[b, :, :n] = kv[j, :, :n]
+        else:
+            self.kv_all[:, :n, b] = kv[:, :n]
+        if ctx_n:
+            self.ctx_all[:, :ctx_n, b] = ctx[:, :ctx_n]
+        self.lengths[b], self.ctx_lengths[b] = n, ctx_n
+
     def _target_io(self, row: int | None):
         """The ort flavour's target binding for all rows (None) or row b: its cache buffers
         (past and present, the rows' slices) are bound once, when it is made; they never move
