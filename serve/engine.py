@@ -1,4 +1,4 @@
-"""The server's engine: generation slots over one loaded model, a FIFO queue, metrics.
+"""The server's engine: generation slots over one loaded model and a FIFO queue (metrics: serve/jobs.py).
 
 Each slot is a thread with its own backend fork: its own KV buffers and IO bindings over
 the one set of ONNX Runtime sessions (one copy of the weights; ORT runs a session from
