@@ -359,3 +359,4 @@ def echo_bench(r: dict, source: str, vocab_size: int, temperature: float) -> Non
     click.echo(f"lossless (speculative == autoregressive tokens): {lossless}; peak RSS {r['peak_rss_mb']:.0f} MB")
 
 
+COMMANDS = [generate, bench]
