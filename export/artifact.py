@@ -11,7 +11,6 @@ export leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
-import os
 import json
 import shutil
 import struct
@@ -26,7 +25,7 @@ from ..errors import DFlashError, InternalError
 from .. import sources as S
 from ..lazy import lazy_import
 from . import draft_vocab as DV, stream, trace as T
-from .outdir import check_out_dir, commit, write_manifest_checked
+from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_checked
 from .progress import Phases, report
 from .quantize import check_options, quantize_artifact
 from .save import copy_tokenizer, graph_spec, opset_of, save_graphs
@@ -120,26 +119,6 @@ def check_room(weight_bytes: int, out: Path, dtype: str) -> None:
     if weight_bytes > free:
         raise DFlashError(f"export writes about {gb(weight_bytes)} to {out.parent}, which has {gb(free)} free; "
                           f"free disk space, choose another --out, or {smaller}")
-
-
-def clean_stale_staging(out: Path) -> list[Path]:
-    """Remove `.<out>.partial-<pid>` / `.<out>.old-<pid>` left by an export that was killed
-    (its pid gone); a running export's folder is left alone. -> the removed paths."""
-    removed = []
-    for p in out.parent.glob(f".{out.name}.*-*"):
-        kind, _, pid = p.name[len(out.name) + 2 :].partition("-")
-        if kind not in ("partial", "old") or not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # alive (an export running now): not ours to remove
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # alive, another user's
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        removed.append(p)
-    return removed
 
 
 def plan_draft_vocab(n, data, target_dir, vocab_size: int, eos: list[int], family: str = "dflash", own: int | None = None):
@@ -291,7 +270,7 @@ def export_artifact(
                                                dc.draft_vocab_size)
     elements = checkpoint_elements(target_dir) + checkpoint_elements(draft_dir)
     weight_bytes = BYTES[dtype] * (elements + (0 if vocab_ids is None else len(vocab_ids) * tc.hidden_size))
-    stale = clean_stale_staging(out)
+    stale = clean_stale(out)
     if room_check:
         check_room(weight_bytes, out, dtype)
     manifest = M.Manifest(
@@ -309,10 +288,8 @@ def export_artifact(
     for p in stale:
         ui.console.print(f"removed {p.name}, left by an export that did not finish")
     t0 = time.perf_counter()
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging(out)
     try:
-        tmp.mkdir()
         with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
             manifest.sources = {"target": tsrc.record(), "draft": dsrc.record()}  # hashes the weight files
             with checkpoint.experts_on_meta() if moe_path else contextlib.nullcontext():
