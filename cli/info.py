@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from ..runtime import contract as C, manifest as M
+from ..runtime.memory import human
 from ..errors import DFlashError
 
 
@@ -98,14 +99,6 @@ def _shape(t: C.Tensor, m) -> list:
     return [r if r in C.DYNAMIC else static[r] for r in t.dims]
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 @click.command()
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print everything as one JSON object.")
@@ -166,9 +159,9 @@ def print_info(d: dict, out: Path) -> None:
     shared = d["shared"]
     if shared:
         once = {(s["file"], s["offset"]): s["length"] for s in shared.values()}
-        click.echo(f"shared   {len(shared)} weight names stored once in {C.SHARED_DATA} ({_human(sum(once.values()))})")
-    click.echo("files    " + ", ".join(f"{k} {_human(v)}" for k, v in d["files"].items()))
-    click.echo(f"total    {_human(d['total_bytes'])}")
+        click.echo(f"shared   {len(shared)} weight names stored once in {C.SHARED_DATA} ({human(sum(once.values()))})")
+    click.echo("files    " + ", ".join(f"{k} {human(v)}" for k, v in d["files"].items()))
+    click.echo(f"total    {human(d['total_bytes'])}")
     click.echo(f"hashes   {d['hashes']}")
     if d["engines"]:
         click.echo(f"engines  TensorRT build record present ({', '.join(sorted(d['engines']))})")

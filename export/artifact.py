@@ -10,7 +10,7 @@ export leaves nothing behind.
 
 from __future__ import annotations
 
-import os
+import contextlib
 import json
 import shutil
 import struct
@@ -21,11 +21,11 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ..runtime.memory import available_memory
 from ..runtime import contract as C, manifest as M
-from ..errors import DFlashError
+from ..errors import DFlashError, InternalError
 from .. import sources as S
 from ..lazy import lazy_import
-from . import draft_vocab as DV, trace as T
-from .outdir import check_out_dir, commit, write_manifest_checked
+from . import draft_vocab as DV, stream, trace as T
+from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_checked
 from .progress import Phases, report
 from .quantize import check_options, quantize_artifact
 from .save import copy_tokenizer, graph_spec, opset_of, save_graphs
@@ -33,6 +33,7 @@ from .validate import validate_artifact
 
 torch = lazy_import("torch")  # torch and the reference models: on first use (lazy.py)
 reference = lazy_import("dflash_export.models")
+checkpoint = lazy_import("dflash_export.models.checkpoint")
 dflash2 = lazy_import("dflash_export.models.dflash2")  # load_draft_config / load_drafter: either family
 gdn = lazy_import("dflash_export.models.gdn")
 graphs = lazy_import("dflash_export.export.graphs")
@@ -118,26 +119,6 @@ def check_room(weight_bytes: int, out: Path, dtype: str) -> None:
     if weight_bytes > free:
         raise DFlashError(f"export writes about {gb(weight_bytes)} to {out.parent}, which has {gb(free)} free; "
                           f"free disk space, choose another --out, or {smaller}")
-
-
-def clean_stale_staging(out: Path) -> list[Path]:
-    """Remove `.<out>.partial-<pid>` / `.<out>.old-<pid>` left by an export that was killed
-    (its pid gone); a running export's folder is left alone. -> the removed paths."""
-    removed = []
-    for p in out.parent.glob(f".{out.name}.*-*"):
-        kind, _, pid = p.name[len(out.name) + 2 :].partition("-")
-        if kind not in ("partial", "old") or not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # alive (an export running now): not ours to remove
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # alive, another user's
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        removed.append(p)
-    return removed
 
 
 def plan_draft_vocab(n, data, target_dir, vocab_size: int, eos: list[int], family: str = "dflash", own: int | None = None):
@@ -289,7 +270,7 @@ def export_artifact(
                                                dc.draft_vocab_size)
     elements = checkpoint_elements(target_dir) + checkpoint_elements(draft_dir)
     weight_bytes = BYTES[dtype] * (elements + (0 if vocab_ids is None else len(vocab_ids) * tc.hidden_size))
-    stale = clean_stale_staging(out)
+    stale = clean_stale(out)
     if room_check:
         check_room(weight_bytes, out, dtype)
     manifest = M.Manifest(
@@ -307,13 +288,13 @@ def export_artifact(
     for p in stale:
         ui.console.print(f"removed {p.name}, left by an export that did not finish")
     t0 = time.perf_counter()
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging(out)
     try:
-        tmp.mkdir()
         with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
             manifest.sources = {"target": tsrc.record(), "draft": dsrc.record()}  # hashes the weight files
-            target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
+            with checkpoint.experts_on_meta() if moe_path else contextlib.nullcontext():
+                target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
+            streamed = moe_path is not None and stream.placeholders(target, interleaved=moe_path == "op")
             if moe_path:
                 moe_graphs.use_path(target, moe_path)
             drafter = dflash2.load_drafter(draft_dir, tdtype, config=dc)
@@ -330,8 +311,13 @@ def export_artifact(
                 T.rename_initializers(model, tc.tie_word_embeddings)
                 # tied embeddings: the head keeps reading the lookup table's bytes
                 T.store_transposed(model, keep=C.SHARED_INITIALIZERS[1:] if tc.tie_word_embeddings else ())
+            if streamed:  # the experts' bytes go from the checkpoint to target.data as it is written
+                names = stream.attach(models[C.TARGET], stream.ExpertReader(target_dir), interleaved=moe_path == "op")
+                if len(names) != 2 * len(tc.moe.sparse_layers):  # a placeholder left would be written as zeros
+                    raise InternalError(f"streamed {len(names)} expert tensors into the target graph, "
+                                        f"expected {2 * len(tc.moe.sparse_layers)}")
         with ui.phase("save", "graphs + external data + tokenizer"):
-            shared = save_graphs(tmp, models, tc.tie_word_embeddings)
+            shared = save_graphs(tmp, models, dict([C.SHARED_INITIALIZERS[::-1]]) if tc.tie_word_embeddings else {})
             tokenizer = copy_tokenizer(target_dir, tmp)
         manifest.shared = shared
         del models, target, drafter

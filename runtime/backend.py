@@ -200,6 +200,11 @@ class Backend(ABC):
         `samples_drafts`."""
         raise InternalError(f"{type(self).__name__} does not return draft logits")
 
+    def draft_walk_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """DFlash 2 (a manifest with a selector): the last `draft_block_rows` call's candidates
+        [n, K-1, k] and walk scores [n, K-1, k, k] on the host (runtime/walk.py)."""
+        raise InternalError(f"{type(self).__name__} does not return draft candidates")
+
     @property
     def samples_drafts(self) -> bool:
         """Whether rejection sampling can run: draft logits on the host and, for a reduced draft
@@ -297,6 +302,35 @@ class Backend(ABC):
             # a drafter context ring (runtime/ort/row_cache.py) keeps only its latest positions: no shorter context
             return n if n >= self.context_len or not C.ring(self.manifest) else 0
         return 0
+
+    # -- what only some backends do: each declared here, refused by the others ------------
+
+    forks: bool = False  # whether `fork` gives another sequence over the same weights
+
+    def fork(self) -> "Backend":
+        """Another sequence over the same weights (its own caches, lengths at 0): a server slot each."""
+        raise InternalError(f"{type(self).__name__} does not share its weights between sequences")
+
+    def last_taps(self, rows: int) -> np.ndarray | None:
+        """A host copy of the last one-position call's taps [rows, T*H], for `context_from_taps`
+        later (runtime/controller.py's plain steps). None: no host taps, so each plain step's
+        position is projected at once (`draft_context_rows`)."""
+        return None
+
+    def context_from_taps(self, b: int, taps: np.ndarray) -> None:
+        """Row b's drafter context gains the positions of `taps` [n, T*H] (kept from `last_taps`)."""
+        raise InternalError(f"{type(self).__name__} keeps no host taps")
+
+    parks_rows: bool = False  # whether `save_row` / `load_row` copy a row's caches out and back (runtime/prefix.py)
+
+    def save_row(self, b: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Copies of row b's valid caches: (target K/V of its `lengths[b]` positions, drafter
+        context of its `ctx_lengths[b]` positions or None), in the backend's own layout."""
+        raise InternalError(f"{type(self).__name__} cannot park a row's caches")
+
+    def load_row(self, b: int, kv: np.ndarray, ctx: np.ndarray | None, n: int, ctx_n: int) -> None:
+        """Slot b holds the first n target and ctx_n drafter positions of `save_row`'s copies, nothing else."""
+        raise InternalError(f"{type(self).__name__} cannot park a row's caches")
 
     def close(self) -> None:
         """Release sessions/engines and device memory (optional)."""

@@ -62,3 +62,12 @@ def check_cache_memory(m, max_batch: int, max_len: int, drafter: bool = True, av
             f"({max_len * cache_bytes_per_position(m, drafter) / gb:.2f} GB a row) but {free / gb:.2f} GB of memory is "
             "available; lower --batch or re-export with a smaller --max-context")
     return need
+
+
+def human(n: float) -> str:
+    """Bytes for people: "512 B", "1.5 MiB", "3.2 GiB" (info's file table, the exporter's sizes and peak RSS)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
