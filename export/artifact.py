@@ -292,9 +292,12 @@ def export_artifact(
     try:
         with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
             manifest.sources = {"target": tsrc.record(), "draft": dsrc.record()}  # hashes the weight files
-            with checkpoint.experts_on_meta() if moe_path else contextlib.nullcontext():
+            # the Qwen line's experts stream from the checkpoint (export/stream.py); gpt-oss's (transposed,
+            # biased, MXFP4 as released) and Gemma 4's load into memory with the rest
+            streams = moe_path is not None and tc.windowed is None
+            with checkpoint.experts_on_meta() if streams else contextlib.nullcontext():
                 target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
-            streamed = moe_path is not None and stream.placeholders(target, interleaved=moe_path == "op")
+            streamed = streams and stream.placeholders(target, interleaved=moe_path == "op")
             if moe_path:
                 moe_graphs.use_path(target, moe_path)
             drafter = dflash2.load_drafter(draft_dir, tdtype, config=dc)
