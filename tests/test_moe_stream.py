@@ -2,7 +2,8 @@
 
 - the reader gives each expert exactly as the PyTorch reference loads it (bf16 checkpoints,
   per-expert keys and transformers 5.x's fused tensors, gate/up rows as is or interleaved);
-- an export never holds a layer's experts as one array, and writes the reference's bytes;
+- an export (and its quantization) never holds a layer's experts as one array, and writes the
+  reference's bytes;
 - a checkpoint that fails mid-stream, or whose experts disagree with its config: one line,
   exit 2, nothing written (no output, no staging folder).
 
@@ -15,6 +16,7 @@ import os
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 import torch
 from click.testing import CliRunner
@@ -22,7 +24,8 @@ from onnx import numpy_helper
 from safetensors.torch import load_file, save_file
 
 from dflash_export.cli import cli
-from dflash_export.export import moe as moe_export, stream
+from dflash_export.errors import DFlashError
+from dflash_export.export import artifact, moe as moe_export, stream
 from dflash_export.models import Target, moe
 from dflash_export.testing import make_drafter, make_target
 
@@ -51,30 +54,42 @@ def test_reader_gives_each_expert_as_the_reference_loads_it(tmp_path, fused):
     assert stream.expert_elements(d) == 2 * 4 * 3 * 16 * 32
 
 
-def test_export_streams_experts_one_at_a_time(tmp_path, monkeypatch):
-    """fp16 from a fused bf16 checkpoint: no expert initializer is ever asked for as a whole
-    (only written expert by expert), and target.data holds the reference's fp16 experts."""
+def test_export_and_quantize_stream_experts_one_at_a_time(tmp_path, monkeypatch):
+    """fp32 + int4 from a fused bf16 checkpoint: each expert is read from the checkpoint once and
+    written (gate/up rows interleaved for the MoE op); no expert initializer is ever asked for
+    whole, by the export or by the quantizer (which copies them from the float export's data
+    file); the quantized artifact holds the reference's experts and loads in ONNX Runtime."""
     def whole(self):
         raise AssertionError(f"{self.name} was materialized whole")
 
+    load = ir.ExternalTensor._load
+
+    def load_no_experts(self):
+        assert ".mlp.experts." not in (self.name or ""), f"{self.name} was loaded whole"
+        return load(self)
+
     fc2, read = stream.ExpertReader.fc2, []
     monkeypatch.setattr(stream.StreamedExperts, "_whole", whole)
+    monkeypatch.setattr(ir.ExternalTensor, "_load", load_no_experts)
     monkeypatch.setattr(stream.ExpertReader, "fc2", lambda self, layer, e: read.append((layer, e)) or fc2(self, layer, e))
     t = _bf16_target(tmp_path / "t", fused=True)
     make_drafter(tmp_path / "d", t)
     r = CliRunner().invoke(cli, ["export", "--target", str(t), "--draft", str(tmp_path / "d"), "--out",
-                                 str(tmp_path / "o"), "--dtype", "fp16", "--moe", "standard", "--max-context", "64",
+                                 str(tmp_path / "o"), "--moe", "op", "--quantize", "int4", "--max-context", "64",
                                  "--quiet"])
     assert r.exit_code == 0, r.output
     assert sorted(read) == [(i, e) for i in (0, 1) for e in range(4)]  # each expert read once, from the checkpoint
     graph = onnx.load(str(tmp_path / "o" / "target.onnx"))
+    assert any(n.op_type == "MatMulNBits" for n in graph.graph.node)
     got = {i.name: numpy_helper.to_array(i) for i in graph.graph.initializer if ".mlp.experts." in i.name}
-    ref = Target.from_pretrained(t, dtype=torch.float16)
-    want = {f"model.layers.{i}.mlp.experts.{p}": getattr(b.experts, p).detach().numpy()
-            for i, b in zip(ref.config.moe.sparse_layers, moe.blocks(ref)) for p in ("gate_up_proj", "down_proj")}
+    ref = Target.from_pretrained(t)
+    want = {}
+    for i, b in zip(ref.config.moe.sparse_layers, moe.blocks(ref)):
+        want[f"model.layers.{i}.mlp.experts.gate_up_proj"] = moe_export.interleave(b.experts.gate_up_proj.data).numpy()
+        want[f"model.layers.{i}.mlp.experts.down_proj"] = b.experts.down_proj.detach().numpy()
     assert sorted(got) == sorted(want)
     for name, w in want.items():
-        assert got[name].dtype == np.float16 and np.array_equal(got[name], w), name
+        assert got[name].dtype == np.float32 and np.array_equal(got[name], w), name
 
 
 def _export(tmp_path, t):
@@ -116,3 +131,11 @@ def test_experts_that_disagree_with_the_config_are_named(tmp_path, fused):
     name = "model.layers.0.mlp.experts.down_proj" if fused else "model.layers.0.mlp.experts.0.down_proj.weight"
     shapes = ("[4, 32, 16]", "[4, 32, 12]") if fused else ("[32, 16]", "[32, 12]")
     _nothing_written(tmp_path, _export(tmp_path, t), name, *shapes)
+
+
+def test_room_check_counts_only_the_weights_export_holds(tmp_path, monkeypatch):
+    """2 GB of weights of which 1.5 GB are streamed experts fit in 1 GB of memory; unstreamed they do not."""
+    monkeypatch.setattr(artifact, "available_memory", lambda: 10**9)
+    artifact.check_room(2 * 10**9, tmp_path, "fp32", streamed=15 * 10**8)
+    with pytest.raises(DFlashError, match="needs about 2.6 GB of memory"):
+        artifact.check_room(2 * 10**9, tmp_path, "fp32")
