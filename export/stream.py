@@ -31,6 +31,7 @@ from ..lazy import lazy_import
 ir = lazy_import("onnx_ir")  # torch, onnx_ir and the models: on first use (lazy.py)
 torch = lazy_import("torch")
 moe = lazy_import("dflash_export.models.moe")
+checkpoint = lazy_import("dflash_export.models.checkpoint")
 
 # a routed expert tensor in the checkpoint, either layout (any prefix: model., model.language_model., ...)
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.(gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))$")
@@ -81,7 +82,7 @@ class ExpertReader:
 
     def __init__(self, directory: str | Path):
         self.layers: dict[int, dict] = {}  # layer -> {"fused": {proj: Entry}} or {"per": {e: {proj: Entry}}}
-        for path in sorted(Path(directory).glob("*.safetensors")):
+        for path in checkpoint.weight_files(directory, "target"):  # the files the target was loaded from
             n, header = _header(path)
             for key, t in header.items():
                 m = _KEY.search(key) if key != "__metadata__" and not key.startswith("mtp.") else None
