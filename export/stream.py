@@ -32,6 +32,7 @@ ir = lazy_import("onnx_ir")  # torch, onnx_ir and the models: on first use (lazy
 torch = lazy_import("torch")
 moe = lazy_import("dflash_export.models.moe")
 checkpoint = lazy_import("dflash_export.models.checkpoint")
+ort_c = lazy_import("onnxruntime.capi._pybind_state")  # quantize_matmul_{4,8}bits
 
 # a routed expert tensor in the checkpoint, either layout (any prefix: model., model.language_model., ...)
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.(gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))$")
@@ -155,8 +156,6 @@ def quantize_expert(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, n
     symmetric block-wise round-to-nearest along K by ONNX Runtime's own kernel (the one its
     MatMulNBits quantizer calls), in com.microsoft::QMoE's raw layout (weights_prepacked=0;
     no zero points: QMoE's default 2^(bits-1) is the symmetric one)."""
-    from onnxruntime.capi import _pybind_state as ort_c
-
     n, k = w.shape
     blocks, per_byte = k // block, 8 // bits
     packed = np.zeros((n, blocks, block // per_byte), np.uint8)
