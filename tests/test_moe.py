@@ -172,15 +172,15 @@ def test_moe_path_choice_and_refusals(tmp_path):
 
 # -- exported both ways, run losslessly ----------------------------------------------------
 
-CASES = {  # tiny exports, cached by content (tests/runtime_cases.py); real acceptance where biased
-    "qwen3_moe-op": Case("qwen3_moe", layers=3, block=6, bias=2.0, hidden=32, max_context=160, moe="op",
+CASES = {  # tiny exports, cached by content (tests/runtime_cases.py); unbiased: every token depends on the experts
+    "qwen3_moe-op": Case("qwen3_moe", layers=3, block=6, hidden=32, max_context=160, moe="op",
                          moe_config=(("mlp_only_layers", (1,)), ("norm_topk_prob", False))),
-    "qwen3_moe-standard": Case("qwen3_moe", layers=3, block=6, bias=2.0, hidden=32, max_context=160, moe="standard",
+    "qwen3_moe-standard": Case("qwen3_moe", layers=3, block=6, hidden=32, max_context=160, moe="standard",
                                moe_config=(("mlp_only_layers", (1,)), ("norm_topk_prob", False))),
     # the VL class's text model: gated attention + DeltaNet, every MLP experts + shared expert
     "qwen35_moe-vl-op": Case("qwen35_moe-vl", layers=2, block=4, hidden=32, seed=2, max_context=160, moe="op",
                              layer_types=(LIN, FULL)),
-    "qwen3_next-standard": Case("qwen3_next", layers=3, block=6, bias=2.0, hidden=32, seed=1, max_context=160,
+    "qwen3_next-standard": Case("qwen3_next", layers=3, block=6, hidden=32, seed=1, max_context=160,
                                 moe="standard", layer_types=(LIN, FULL, LIN), moe_config=(("mlp_only_layers", (0,)),)),
 }
 
