@@ -323,7 +323,7 @@ def export_artifact(
                     raise InternalError(f"streamed {len(names)} expert tensors into the target graph, "
                                         f"expected {2 * len(tc.moe.sparse_layers)}")
         with ui.phase("save", "graphs + external data + tokenizer"):
-            shared = save_graphs(tmp, models, tc.tie_word_embeddings)
+            shared = save_graphs(tmp, models, dict([C.SHARED_INITIALIZERS[::-1]]) if tc.tie_word_embeddings else {})
             tokenizer = copy_tokenizer(target_dir, tmp)
         manifest.shared = shared
         del models, target, drafter

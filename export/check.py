@@ -80,6 +80,7 @@ class Report:
     quantization: dict | None = None  # the manifest's record for a quantized artifact
     strict: bool = False  # fp32 tolerances and token identity apply (fp32; quantized: vs the dequantized weights)
     draft_vocab: int | None = None  # N of a reduced draft vocabulary (None: the whole vocabulary)
+    accuracy: dict | None = None  # quantized: the target logits' error by cause (accuracy_effect)
     warnings: list[str] = field(default_factory=list)  # sources that no longer match the manifest's record
 
     @property
@@ -119,7 +120,20 @@ class Report:
             graphs.setdefault(r.graph, []).append({k: v for k, v in asdict(r).items() if k != "graph"})
         return {"passed": self.passed, "dtype": self.dtype, "tolerance": TOLERANCE if self.strict else None,
                 "quantization": self.quantization, "graphs": graphs, "end_to_end": self.end_to_end, "notes": self.notes,
-                "draft_vocab": self.draft_vocab, "warnings": self.warnings}
+                "draft_vocab": self.draft_vocab, "accuracy": self.accuracy, "warnings": self.warnings}
+
+
+def accuracy_effect(rows: list[Row], q: dict) -> dict:
+    """The target logits' error of a quantized artifact by cause, over check's target cases:
+    vs the float source (weights and, above level 1, activations rounded) and vs the graphs'
+    own dequantized weights (what the accuracy level's activation rounding adds alone)."""
+    out = {"accuracy_level": q.get("accuracy_level"), "from": q.get("accuracy_level_from", "flag")}
+    for ref in ("float", "dequantized"):
+        logits = [r for r in rows if r.graph == C.TARGET and r.output == "logits" and r.ref == ref and r.max is not None]
+        if logits:
+            out[ref] = {"mean_abs": float(np.mean([r.mean for r in logits])), "max_abs": max(r.max for r in logits),
+                        "top1": min(r.top1 for r in logits)}
+    return out
 
 
 def find_sources(manifest: M.Manifest, target, draft, warnings: list[str] | None = None):
@@ -340,6 +354,8 @@ def run_check(
             report.rows += committed_state_rows(ref_models[0], m, backend.sessions[C.TARGET], seed, report.strict)
         against = "pytorch" if q is None else "dequantized" if ref_models[0] is not target else "float"
         report.rows += ragged_rows(*ref_models, m, backend.sessions, seed, report.strict, compare, _np, against)
+    if q is not None:
+        report.accuracy = accuracy_effect(report.rows, q)
     if save_polygraphy is not None:
         with ui.phase("save", f"Polygraphy inputs/outputs to {save_polygraphy}"):
             write_polygraphy(Path(save_polygraphy), saved)

@@ -167,6 +167,9 @@ class OrtBackend(RowCalls, Backend):
             opts.intra_op_num_threads = threads
         # spinning workers burn the other vCPU between calls: ~2x slower calls on shared machines
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spin else "0")
+        if self.spin:  # spin within a call only: each graph's session has its own pool, and pools left
+            # spinning after their call took the vCPU the next graph's workers needed (docs/performance.md)
+            opts.add_session_config_entry("session.force_spinning_stop", "1")
         path = self.directory / self.manifest.graphs[graph].file
         for name, t in self.manifest.shared.items():
             if graph in t.graphs:
