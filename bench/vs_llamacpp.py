@@ -241,9 +241,10 @@ def target_mb(out: Path) -> float:
     return (sum(f.stat().st_size for f in own if f.is_file()) + sum(s[2] for s in spans)) / 1e6
 
 
-def accuracy_level(out: Path) -> int | None:
+def quant_record(out: Path) -> dict:
+    """The manifest's accuracy level and block size of a quantized export (None each for fp32)."""
     q = json.loads((out / "manifest.json").read_text()).get("quantization") or {}
-    return q.get("accuracy_level")
+    return {"accuracy_level": q.get("accuracy_level"), "quant_block_size": q.get("block_size")}
 
 
 def compare_shape(src: Path, bins: Path, name: str, layers: int, a) -> list[dict]:
@@ -257,7 +258,7 @@ def compare_shape(src: Path, bins: Path, name: str, layers: int, a) -> list[dict
         out = a.ours.get(fmt) or export(tdir, ddir, f"{name}-{key}", a.max_context, our_options(fmt, a.accuracy_level),
                                         attention=a.attention)
         base = {"model": label, "layers": layers, "format": fmt, "llama_format": LLAMA_QUANT[fmt],
-                "accuracy_level": accuracy_level(out), "ours_file_mb": target_mb(out), "ours_artifact_mb": dir_mb(out),
+                **quant_record(out), "ours_file_mb": target_mb(out), "ours_artifact_mb": dir_mb(out),
                 "llama_file_mb": gguf.stat().st_size / 1e6}
         for t in a.threads:
             tg, pp, ours = [], [], []
