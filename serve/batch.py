@@ -26,7 +26,7 @@ from ..runtime import contract as C, prefix
 from ..errors import DFlashError
 from ..runtime.loop import BatchStats, Generation, Request, stream_batch
 from ..runtime.memory import available_memory
-from ..runtime.sampling import check_request, check_sampling
+from ..runtime.sampling import check_request
 from .jobs import EngineBase, Job, Metrics, QueueFull, Slot, Unavailable, _emit
 
 
@@ -121,10 +121,9 @@ class BatchEngine(EngineBase):
                 stop = tuple(dict.fromkeys(list(self.manifest.eos_token_ids) + list(p.stop_token_ids)))
                 echo = job.logprobs is not None and job.logprobs.echo  # scores every prompt position: no reuse
                 hook = self.prefixes.hook(p.prompt, p.speculative, p.cache_prompt and not echo)
-                q = Request(p.prompt, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, stop,
+                q = Request(p.prompt, p.max_tokens, p.sampling, stop,
                             reuse=hook.reuse, speculative=p.speculative, logprobs=job.logprobs, prefix=hook)
                 try:
-                    check_sampling(q.temperature, q.top_k, q.top_p)
                     check_request(q.prompt, q.max_new_tokens, self.manifest.vocab_size, self.backend.max_len)
                     if p.speculative and not self.has_drafter:
                         raise DFlashError("this server was started without the drafter")

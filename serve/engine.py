@@ -130,7 +130,7 @@ class Engine(EngineBase):
         echo = job.logprobs is not None and job.logprobs.echo  # scores every prompt position: no reuse
         reuse = slot.reusable(p.prompt, p.speculative) if p.cache_prompt and not echo else 0
         stop = tuple(dict.fromkeys(list(self.manifest.eos_token_ids) + list(p.stop_token_ids)))
-        q = Request(p.prompt, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, stop, reuse,
+        q = Request(p.prompt, p.max_tokens, p.sampling, stop, reuse,
                     speculative=p.speculative, logprobs=job.logprobs)
         outs: list[Generation] = []
         rounds = stream_batch(b, [q], batch=1, draft=self.has_drafter, verify=self.verify, outs=outs,

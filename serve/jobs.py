@@ -18,6 +18,7 @@ from typing import Callable
 from ..lazy import lazy_import
 from ..runtime.logprobs import Logprobs
 from ..runtime.loop import Generation
+from ..runtime.sampling import GREEDY, Sampling
 from .text import TextStream
 
 prometheus = lazy_import("prometheus_client")  # the serve extra, when a server starts (lazy.py)
@@ -37,10 +38,7 @@ class Params:
 
     prompt: list[int]
     max_tokens: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+    sampling: Sampling = GREEDY
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's eos ids
     stop: tuple[str, ...] = ()
     speculative: bool | str = True  # False: plain; True: as the server's controller decides; "always"

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..runtime import contract as C
+from ..runtime.sampling import Sampling
 from .engine import Engine, Params, replica
 
 REPLICA = "x-dflash-replica"  # every response names the process and slot that answered it
@@ -247,7 +248,7 @@ def build_params(engine: Engine, body: Common, ids: list[int], max_tokens: int |
                        param="speculative")
     if not all(map(math.isfinite, (t, top_p))):  # belt and braces: pydantic already refused NaN/inf
         raise ApiError(400, "sampling values must be finite")
-    return Params(ids, max_tokens, t, top_k, top_p, seed, tuple(stop_ids), tuple(stop), speculative,
+    return Params(ids, max_tokens, Sampling(t, top_k, top_p, seed), tuple(stop_ids), tuple(stop), speculative,
                   body.cache_prompt is not False)
 
 

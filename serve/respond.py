@@ -50,7 +50,7 @@ async def respond(engine, request: Request, body: Common, prompts: list[list[int
     for p in params:
         for i in range(n):
             c = len(jobs)
-            q = dataclasses.replace(p, seed=(p.seed + i) % 2**64)
+            q = dataclasses.replace(p, sampling=dataclasses.replace(p.sampling, seed=(p.sampling.seed + i) % 2**64))
             lp = Logprobs(want.k, want.echo) if want.k is not None else None
             jobs.append(Job(q, emit=lambda ev, c=c: loop.call_soon_threadsafe(events.put_nowait, (c, ev)),
                             text=TextStream(engine.text.decode, q.stop), logprobs=lp))

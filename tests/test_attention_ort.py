@@ -19,6 +19,7 @@ from dflash_export.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import VerifyPolicy
+from dflash_export.runtime.sampling import Sampling
 
 
 @pytest.fixture(scope="module", params=list(ORT_CASES))
@@ -70,9 +71,11 @@ def test_sampling_matches_plain_sampling(case):
     _, _, out = case
     be = OrtBackend(out, threads=1)
     for seed, prompt in enumerate(prompts(3, be.manifest.vocab_size, seed=12)):
-        kw = dict(temperature=0.8, top_k=20, seed=seed, stop_token_ids=())
-        assert generate(be, prompt, 20, sampling="compare", **kw).tokens == generate(be, prompt, 20, draft=False, **kw).tokens
-        assert generate(be, prompt, 20, **kw).tokens == generate(be, prompt, 20, **kw).tokens  # rejection: its seed's
+        s, compare = Sampling(0.8, top_k=20, seed=seed), Sampling(0.8, top_k=20, seed=seed, method="compare")
+        kw = dict(stop_token_ids=())
+        assert (generate(be, prompt, 20, sampling=compare, **kw).tokens
+                == generate(be, prompt, 20, draft=False, sampling=s, **kw).tokens)
+        assert generate(be, prompt, 20, sampling=s, **kw).tokens == generate(be, prompt, 20, sampling=s, **kw).tokens
 
 
 def test_cache_is_one_buffer_updated_in_place(case):

@@ -34,6 +34,7 @@ from dflash_export.runtime.controller import controller_for
 from dflash_export.errors import DFlashError, InternalError
 from dflash_export.runtime.loop import Generation, generate, stream
 from dflash_export.runtime.ort.backend import OrtBackend
+from dflash_export.runtime.sampling import Sampling
 from dflash_export.runtime.settings import load_settings
 from dflash_export.serve.app import ServeOptions, create_app
 from dflash_export.serve.engine import Engine, Job, Params
@@ -69,7 +70,8 @@ def offline(art):
     backend = OrtBackend(art, threads=1)
     costs = load_settings(art, "ort:cpu").costs
 
-    def run(ids, n, **kw):
+    def run(ids, n, temperature=0.0, seed=0, **kw):
+        kw["sampling"] = Sampling(temperature, seed=seed)
         if kw.get("draft", True):
             kw.setdefault("control", controller_for("auto", costs, backend.manifest.block_size))
         return generate(backend, ids, n, **kw)

@@ -23,6 +23,7 @@ from test_serve import Server, running, art, decode, tok  # noqa: F401 (fixtures
 
 from dflash_export.runtime.controller import controller_for
 from dflash_export.runtime.logprobs import Logprobs
+from dflash_export.runtime.sampling import Sampling
 from dflash_export.runtime.loop import Request, generate_batch
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import load_settings
@@ -41,8 +42,8 @@ def loop(art):
     be = OrtBackend(art, threads=1)
     costs = load_settings(art, "ort:cpu").costs
 
-    def run(prompt, n, k=5, echo=False, draft=True, **kw):
-        lp = Logprobs(k, echo)
+    def run(prompt, n, k=5, echo=False, draft=True, temperature=0.0, seed=0):
+        lp, kw = Logprobs(k, echo), dict(sampling=Sampling(temperature, seed=seed))
         control = controller_for("auto", costs, be.manifest.block_size) if draft else None
         (g,), _ = generate_batch(be, [Request(list(prompt), n, logprobs=lp, **kw)], draft=draft, control=control)
         return g.tokens, lp
