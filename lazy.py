@@ -10,7 +10,7 @@ import types
 
 from .errors import DFlashError
 
-EXTRAS = {"torch": "export", "onnx": "export", "onnxscript": "export", "onnxruntime": "cpu", "tensorrt": "trt",
+EXTRAS = {"torch": "export", "onnx": "export", "onnxscript": "export", "huggingface_hub": "export", "onnxruntime": "cpu", "tensorrt": "trt",
           "fastapi": "serve", "uvicorn": "serve", "ray": "ray", "matplotlib": "dev"}  # optional dependency -> the extra installing it
 # our modules that import them (serve's engine and text import none: they are the torch-free half)
 HEAVY = ("dflash_export.export", "dflash_export.models", "dflash_export.train", "dflash_export.serve.app",

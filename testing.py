@@ -22,9 +22,13 @@ transformers = lazy_import("transformers")
 reference = lazy_import("dflash_export.models")
 artifact = lazy_import("dflash_export.export.artifact")
 ort = lazy_import("dflash_export.runtime.ort.backend")
+safetensors_torch = lazy_import("safetensors.torch")
 
 ARCHS = ("llama", "qwen2", "qwen3")
 HYBRID = ("qwen35", "qwen35-vl")  # Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration (hybrid)
+# mixture-of-experts (models/moe.py): Qwen3MoeForCausalLM; Qwen3_5MoeForCausalLM / ...ForConditionalGeneration;
+# Qwen3NextForCausalLM (hybrids with a shared expert)
+MOE = ("qwen3_moe", "qwen35_moe", "qwen35_moe-vl", "qwen3_next")
 
 
 def make_target(
@@ -44,9 +48,15 @@ def make_target(
     std: float = 0.08,
     layer_types: list[str] | None = None,
     linear: dict | None = None,
+    moe: dict | None = None,
+    fused_experts: bool = False,
 ) -> Path:
     """Write a random HF checkpoint of `arch`; returns the directory. Hybrid archs: `linear`
-    overrides the Gated DeltaNet config fields (e.g. the real widths, bench/hybrid.py)."""
+    overrides the Gated DeltaNet config fields (e.g. the real widths, bench/hybrid.py). MoE
+    archs: `moe` overrides the expert config fields (num_experts, num_experts_per_tok,
+    moe_intermediate_size, norm_topk_prob, mlp_only_layers, ...); save_pretrained writes one
+    key per expert, as released checkpoints have them; `fused_experts` writes transformers
+    5.x's in-memory layout instead (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab,
@@ -77,6 +87,8 @@ def make_target(
         model = transformers.Qwen3ForCausalLM(cfg)
     elif arch in HYBRID:
         model = _qwen35(arch, common, layer_types, head_dim or 16, bool(tie), linear or {})
+    elif arch in MOE:
+        model = _moe(arch, common, layer_types, head_dim or 16, bool(tie), linear or {}, moe or {})
     else:
         raise ValueError(arch)
     with torch.no_grad():
@@ -87,7 +99,7 @@ def make_target(
                 p.uniform_(-1.0, 1.0)
             elif p.dim() > 1:
                 p.normal_(0.0, std * (3.0 if "conv1d" in name else 1.0))
-            elif "norm" in name and arch in HYBRID and "linear_attn" not in name:
+            elif "norm" in name and arch in HYBRID + MOE[1:] and "linear_attn" not in name:
                 p.uniform_(-0.2, 0.2)  # (1 + w) norms
             elif "norm" in name:
                 p.uniform_(0.8, 1.2)
@@ -95,6 +107,11 @@ def make_target(
                 p.normal_(0.0, 0.02)
     directory = Path(directory)
     model.eval().save_pretrained(directory, max_shard_size="20KB" if sharded else "10GB")
+    if fused_experts:  # the in-memory state dict as it is: fused experts under transformers 5.x's names
+        for f in [*directory.glob("*.safetensors"), *directory.glob("*.safetensors.index.json")]:
+            f.unlink()
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+        safetensors_torch.save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
 
 
@@ -115,6 +132,34 @@ def _qwen35(arch: str, common: dict, layer_types, head_dim: int, tie: bool, line
                   patch_size=4, num_position_embeddings=16)
     return transformers.Qwen3_5ForConditionalGeneration(
         transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie))
+
+
+def _moe(arch: str, common: dict, layer_types, head_dim: int, tie: bool, linear: dict, moe: dict):
+    """A tiny MoE target with transformers' own classes: 4 experts of width 16, 2 per token,
+    a shared expert of width 24 where the family has one."""
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, **moe)
+    if arch == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, head_dim=head_dim, tie_word_embeddings=tie, **experts)
+        return transformers.Qwen3MoeForCausalLM(cfg)
+    layers = common["num_hidden_layers"]
+    text = dict(
+        **common, head_dim=head_dim, tie_word_embeddings=tie, shared_expert_intermediate_size=24,
+        layer_types=layer_types or ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                   "partial_rotary_factor": 0.5},
+        **experts,
+    )
+    text.update(linear)
+    if arch == "qwen3_next":
+        return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**text))
+    text.pop("intermediate_size")  # Qwen3.5-MoE has no dense MLP
+    if arch == "qwen35_moe":
+        return transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**text))
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=common["hidden_size"],
+                  patch_size=4, num_position_embeddings=16)
+    return transformers.Qwen3_5MoeForConditionalGeneration(
+        transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie))
 
 
 def make_drafter(

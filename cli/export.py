@@ -14,9 +14,10 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from .options import num_prompts_option
+from .options import model_options, num_prompts_option
 from ..lazy import lazy_import
 from ..errors import DFlashError
+from .. import sources
 
 export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: only when a command runs
 export_check = lazy_import("dflash_export.export.check")
@@ -52,10 +53,7 @@ def quant_request(quantize, block_size, asymmetric, draft, lm_head, accuracy_lev
 
 
 @click.command()
-@click.option("--target", "target_dir", required=True, type=click.Path(path_type=Path),
-              help="Hugging Face target checkpoint directory (config.json + *.safetensors [+ tokenizer]).")
-@click.option("--draft", "draft_dir", required=True, type=click.Path(path_type=Path),
-              help="z-lab DFlash drafter directory (config.json + model.safetensors).")
+@model_options(required=True)
 @click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Directory to write.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
               help="Weights and compute dtype; logits stay float32.")
@@ -74,16 +72,23 @@ def quant_request(quantize, block_size, asymmetric, draft, lm_head, accuracy_lev
               help="standard: plain ai.onnx ops (every provider, TensorRT); ort: the target's attention as ONNX "
                    "Runtime's com.microsoft GroupQueryAttention over a cache updated in place (step cost flat in "
                    "context; ONNX Runtime CPU/CUDA only).")
+@click.option("--moe", type=click.Choice(["op", "standard"]), default=None,
+              help="Mixture-of-experts targets only: how target.onnx runs the experts. op: ONNX Runtime's "
+                   "com.microsoft::MoE, one node per layer that runs only the selected experts (CPU, fp32, "
+                   "onnxruntime >= 1.23.1). standard: plain ai.onnx ops that gather each token's k experts "
+                   "(TensorRT, other providers, older ONNX Runtime) [default: op for fp32 where the installed "
+                   "onnxruntime has it, else standard].")
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory (only once the export succeeded).")
 @click.option("--no-room-check", is_flag=True,
               help="Export even when free memory or disk look too small for the model (the OS may kill it).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_token_id, opset, attention, quantize,
+def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, block_size, max_context, mask_token_id, opset, attention, quantize,
            quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level,
-           draft_vocab, draft_vocab_data, force, no_room_check, quiet):
+           draft_vocab, draft_vocab_data, moe, force, no_room_check, quiet):
     """Trace a target and its DFlash drafter to ONNX: target.onnx, draft_context.onnx,
     draft_block.onnx, their external weights (weights several graphs hold stored once, in
-    shared.data), the tokenizer files and manifest.json with the sha256 of every file.
+    shared.data), the tokenizer files and manifest.json with the sha256 of every file and
+    where the pair came from (id, revision and commit, or directory; the weight files' sha256).
 
     The export is atomic: it is written next to --out and renamed at the end, so a failed
     or interrupted export leaves nothing behind (a folder left by a killed one is removed by
@@ -94,16 +99,20 @@ def export(target_dir, draft_dir, out_dir, dtype, block_size, max_context, mask_
     \b
     Examples:
       dflash-export export --target Qwen3-8B --draft Qwen3-8B-DFlash --out art
+      dflash-export export --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16@<commit> --out art
       dflash-export export --target t --draft d --out art --dtype fp16 --block-size 8
       dflash-export export --target t --draft d --out art --force   # replace art
       dflash-export export --target t --draft d --out art4 --quantize int4 --quantize-draft
       dflash-export export --target t --draft d --out art --draft-vocab 32768 --draft-vocab-data corpus.jsonl
+      dflash-export export --target Qwen3-30B-A3B --draft d --out art --moe standard   # TensorRT
     """
     q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level)
+    target_dir = sources.resolve(target_dir, revision, "target")
+    draft_dir = sources.resolve(draft_dir, draft_revision, "drafter")
     export_artifact.export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
                     mask_token_id=mask_token_id, opset=opset, attention=attention, force=force, progress=not quiet,
                     quantize=q,
-                    draft_vocab=draft_vocab, draft_vocab_data=draft_vocab_data, room_check=not no_room_check)
+                    draft_vocab=draft_vocab, draft_vocab_data=draft_vocab_data, room_check=not no_room_check, moe=moe)
 
 
 @click.command()
@@ -130,10 +139,8 @@ def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantiz
 
 @click.command()
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--target", "target_dir", type=click.Path(path_type=Path),
-              help="The target directory OUT was exported from (required).")
-@click.option("--draft", "draft_dir", type=click.Path(path_type=Path),
-              help="The drafter directory OUT was exported from (required).")
+@model_options(required=False, target_help=" OUT was exported from [default: the one its manifest records]",
+               draft_help=" OUT was exported from [default: the one its manifest records]")
 @num_prompts_option(20, "Random prompts decoded end to end (ONNX Runtime vs the PyTorch oracle); 0 skips.")
 @click.option("--max-new-tokens", type=int, default=24, show_default=True, help="Tokens per end-to-end prompt.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the random inputs and prompts.")
@@ -142,7 +149,7 @@ def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantiz
               help="Write inputs and both sides' outputs as Polygraphy JSON into this directory.")
 @click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="ONNX Runtime execution provider for the exported side.")
-def check(out, target_dir, draft_dir, num_prompts, prompts_file, max_new_tokens, seed, as_json, save_polygraphy, provider):
+def check(out, target_dir, revision, draft_dir, draft_revision, num_prompts, prompts_file, max_new_tokens, seed, as_json, save_polygraphy, provider):
     """Check an exported directory OUT against the PyTorch modules it came from.
 
     Runs every graph in ONNX Runtime (--provider, CPU by default) and in PyTorch on
@@ -157,8 +164,13 @@ def check(out, target_dir, draft_dir, num_prompts, prompts_file, max_new_tokens,
     tolerances. Exit status 0 when everything passes, 1 otherwise (failing rows shown),
     2 when OUT is not a valid export (its files must match the manifest's sha256).
 
+    Without --target / --draft it finds the pair the manifest records (the same Hugging Face
+    id at the same commit, or the same directory); it warns when their weight files no
+    longer match the manifest's record of them.
+
     \b
     Examples:
+      dflash-export check art
       dflash-export check art --target Qwen3-8B --draft Qwen3-8B-DFlash
       dflash-export check art --target t --draft d --num-prompts 50 --json
       dflash-export check art --target t --draft d --save-polygraphy pg
@@ -170,7 +182,13 @@ def check(out, target_dir, draft_dir, num_prompts, prompts_file, max_new_tokens,
         raise DFlashError(f"--prompts {prompts_file}: check decodes random token prompts; give their number with --num-prompts N")
     if num_prompts < 0 or max_new_tokens < 1:
         raise DFlashError("--num-prompts must be >= 0 and --max-new-tokens >= 1")
-    report = export_check.run_check(out, target_dir, draft_dir, prompts=num_prompts, max_new_tokens=max_new_tokens, seed=seed,
+    for given, rev, flag in ((target_dir, revision, "--revision needs --target"), (draft_dir, draft_revision,
+                                                                                  "--draft-revision needs --draft")):
+        if rev is not None and given is None:
+            raise DFlashError(flag)
+    target = None if target_dir is None else sources.resolve(target_dir, revision, "target")
+    draft = None if draft_dir is None else sources.resolve(draft_dir, draft_revision, "drafter")
+    report = export_check.run_check(out, target, draft, prompts=num_prompts, max_new_tokens=max_new_tokens, seed=seed,
                        save_polygraphy=save_polygraphy, provider=provider, progress=not as_json)
     if as_json:
         click.echo(json.dumps(report.to_json()))
@@ -181,6 +199,8 @@ def check(out, target_dir, draft_dir, num_prompts, prompts_file, max_new_tokens,
 
 def print_report(report) -> None:
     console = Console(width=max(Console().width, 132))  # one row per output, unwrapped even when piped
+    for warning in report.warnings:
+        console.print(f"[yellow]warning[/]: {warning}", soft_wrap=True)
     q = report.quantization
     what = report.dtype if q is None else (f"{report.dtype} export, {q['scheme']} weights; vs = PyTorch with the "
                                            "graphs' dequantized weights (parity) or the float source (quantization error)")

@@ -1,7 +1,7 @@
 """`dflash-export info OUT`: what an exported directory is, at a glance (torch-free).
 
 Reads the manifest (refusing a format version this dflash-export does not know), lists
-the pair, the export settings (attention flavour included), every graph's inputs and outputs with the role of each dim
+the pair and where it came from (Hugging Face id and commit, or directory; weight hashes), the export settings (attention flavour included), every graph's inputs and outputs with the role of each dim
 (runtime/contract.py), the files and their sizes, and whether the files match their
 sha256 in the manifest (checked unless --no-verify).
 """
@@ -51,7 +51,20 @@ def describe(out: Path, verify: bool = True) -> dict:
         "hashes": hashes,
         "engines": m.engines,
         "tools": m.tools,
+        "sources": m.sources,
     }
+
+
+def source_line(rec: dict) -> str:
+    """A manifest's record of one model, in a line: id, revision and commit (or directory), weight hashes."""
+    where = rec.get("id") or rec.get("path") or "?"
+    if rec.get("id"):
+        asked = f", revision {rec['revision']}" if rec.get("revision") and rec["revision"] != rec.get("commit") else ""
+        where += f" at commit {rec['commit']}{asked}" if rec.get("commit") else asked
+    files = rec.get("files") or {}
+    hashes = ", ".join(f"{name} sha256 {digest[:12]}" for name, digest in sorted(files.items())[:3])
+    more = f" (+{len(files) - 3} more)" if len(files) > 3 else ""
+    return f"{where}; {hashes}{more}" if files else where
 
 
 def _shape(t: C.Tensor, m) -> list:
@@ -93,6 +106,10 @@ def print_info(d: dict, out: Path) -> None:
     click.echo(f"drafter  {kind}{dr['layers']} layer(s), {dr['kv_heads']} kv heads x {dr['head_dim']}, "
                f"taps {dr['target_layer_ids']}, mask token {dr['mask_token_id']}")
     flavour = {"ort": "ort (target attention as com.microsoft GroupQueryAttention: ONNX Runtime only)"}
+    for key, what in (("target", "from     target"), ("draft", "from     drafter")):
+        rec = (d.get("sources") or {}).get(key)
+        if rec:
+            click.echo(f"{what} {source_line(rec)}")
     click.echo(f"export   {d['dtype']}, attention {flavour.get(d['attention'], d['attention'])}, block size {d['block_size']}, max context {d['max_context']}, opset {d['opset']}, "
                f"eos {d['eos_token_ids']}, tokenizer {'yes' if d['tokenizer'] else 'no'}")
     m = M.load_manifest(out, verify=False)

@@ -1,5 +1,6 @@
-"""Options several commands share, declared once: the device (backend, provider, threads, spin,
-verify), sampling, prompts, and the Ray flags of `serve --ray`."""
+"""Options several commands share, declared once: the models (--target, --draft and their
+revisions), the device (backend, provider, threads, spin, verify), sampling, prompts, and the
+Ray flags of `serve --ray`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,29 @@ import click
 
 from ..errors import DFlashError
 from ..runtime.sampling import Sampling
+
+
+def model_options(required: bool, target_help: str = "", draft_help: str = ""):
+    """--target / --draft (a directory or a Hugging Face id, `org/name[@revision]`; sources.py)
+    and --revision / --draft-revision; the command receives target_dir, draft_dir, revision, draft_revision."""
+    where = ("A local directory (which always wins) or a Hugging Face id, org/name[@revision], fetched into the "
+             "Hugging Face cache (HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply).")
+    options = (
+        click.option("--target", "target_dir", required=required, metavar="DIR|ID",
+                     help=f"Target checkpoint (config.json + *.safetensors [+ tokenizer]){target_help}. {where}"),
+        click.option("--revision", help="The target's revision on the Hub: branch, tag or commit [default: main]."),
+        click.option("--draft", "draft_dir", required=required, metavar="DIR|ID",
+                     help=f"DFlash drafter (z-lab or speculators format){draft_help}. {where}"),
+        click.option("--draft-revision", help="The drafter's revision on the Hub: branch, tag or commit [default: main]."),
+    )
+
+    def decorate(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return decorate
+
 
 provider_option = click.option(
     "--provider", default="cpu", show_default=True, help="ONNX Runtime execution provider: cpu | cuda | tensorrt."

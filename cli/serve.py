@@ -206,7 +206,7 @@ def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, ma
 @click.argument("out", required=False, type=click.Path(path_type=Path))
 @click.option("--demo", is_flag=True, help="Serve the shipped demo pair (exported once into ~/.cache/dflash-export/).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (other than loopback: set an API key).")
-@click.option("--port", default=8000, show_default=True, type=int, help="TCP port; 0 picks a free one (printed).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port (0-65535); 0 picks a free one (printed).")
 @click.option("--max-batch", type=int,
               help="Requests generating at once as rows of one batched loop: they join at a round boundary and "
                    "leave when done [default: 4 where the export and memory allow, else 1].")

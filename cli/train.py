@@ -13,6 +13,7 @@ import click
 
 from ..errors import DFlashError
 from ..lazy import lazy_import
+from .. import sources
 
 train = lazy_import("dflash_export.train.train")  # torch: only when the command runs
 
@@ -35,7 +36,8 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
 
 
 @click.command("train-draft")
-@click.option("--target", "target_dir", required=True, type=click.Path(path_type=Path), help="HF target checkpoint (with tokenizer.json)")
+@click.option("--target", "target_dir", required=True, metavar="DIR|ID",
+              help="HF target checkpoint (with tokenizer.json): a directory or a Hugging Face id, org/name[@revision]")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="drafter directory to write (z-lab format)")
 @click.option("--data", multiple=True, required=True, type=click.Path(path_type=Path),
               help="text files or JSONL prompts: --data a.py b.py (a shell glob works) or repeated --data")
@@ -89,6 +91,7 @@ def train_draft(target_dir, out, data, more_data, eval_prompts, block_size, laye
         raise DFlashError("train-draft trains DFlash drafters only: training DFlash2 drafters (selector, convolutions) "
                           "is not supported; use --family dflash")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    target_dir = sources.resolve(target_dir, what="target").path
     train.run_training(train.TrainConfig(
         target_dir, out, list(data) + list(more_data), steps=steps, minutes=minutes,
         max_total_minutes=max_total_minutes, precision=precision, gen_precision=gen_precision, warmup=warmup,

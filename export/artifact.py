@@ -10,6 +10,7 @@ export leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import json
 import shutil
@@ -21,9 +22,10 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ..runtime.memory import available_memory
 from ..runtime import contract as C, manifest as M
-from ..errors import DFlashError
+from ..errors import DFlashError, InternalError
+from .. import sources as S
 from ..lazy import lazy_import
-from . import draft_vocab as DV, trace as T
+from . import draft_vocab as DV, stream, trace as T
 from .outdir import check_out_dir, commit, write_manifest_checked
 from .progress import Phases, report
 from .quantize import check_options, quantize_artifact
@@ -32,9 +34,11 @@ from .validate import validate_artifact
 
 torch = lazy_import("torch")  # torch and the reference models: on first use (lazy.py)
 reference = lazy_import("dflash_export.models")
+checkpoint = lazy_import("dflash_export.models.checkpoint")
 dflash2 = lazy_import("dflash_export.models.dflash2")  # load_draft_config / load_drafter: either family
 gdn = lazy_import("dflash_export.models.gdn")
 graphs = lazy_import("dflash_export.export.graphs")
+moe_graphs = lazy_import("dflash_export.export.moe")
 
 DTYPES = ("fp32", "fp16", "bf16")
 MIN_OPSET = 18
@@ -49,11 +53,12 @@ def torch_dtype(dtype: str):
 # -- checks before anything is written ---------------------------------------------------
 
 
-def plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset=None):
-    """Read both configs and refuse any mismatch before loading a single weight."""
+def plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset=None, draft_label=None):
+    """Read both configs and refuse any mismatch before loading a single weight (messages name
+    the drafter as `draft_label`: its id and revision when it came from the Hub)."""
     tc = reference.TargetConfig.load(target_dir)
     dc = dflash2.load_draft_config(draft_dir)
-    dc.check_fits(tc, f"drafter {draft_dir}")
+    dc.check_fits(tc, f"drafter {draft_label or draft_dir}")
     k = int(block_size or dc.block_size)
     if k < 2:
         raise DFlashError(f"block size {k} is too small; a block is [anchor, mask, ...] so it needs at least 2")
@@ -137,8 +142,12 @@ def clean_stale_staging(out: Path) -> list[Path]:
     return removed
 
 
-def plan_draft_vocab(n, data, target_dir, vocab_size: int, eos: list[int], family: str = "dflash"):
-    """-> (the N ids or None, the manifest's draft_vocab record or None), before any weight is loaded."""
+def plan_draft_vocab(n, data, target_dir, vocab_size: int, eos: list[int], family: str = "dflash", own: int | None = None):
+    """-> (the N ids or None, the manifest's draft_vocab record or None), before any weight is loaded.
+    own: the size of a drafter's own reduced vocabulary (speculators d2t), recorded once loaded."""
+    if n is not None and own is not None:
+        raise DFlashError(f"--draft-vocab: this drafter scores its own draft vocabulary of {own} tokens (its d2t "
+                          "map); leave --draft-vocab out")
     if n is not None and family == "dflash2":
         raise DFlashError("--draft-vocab is not supported for DFlash2 drafters: the candidate selector scores "
                           "full-vocabulary ids; export without it")
@@ -210,9 +219,15 @@ def eos_ids(target_dir: Path, config_eos: list[int]) -> list[int]:
 # -- the whole export ---------------------------------------------------------------------
 
 
+def own_vocab_record(drafter) -> dict:
+    """The manifest's draft_vocab record of a drafter that brings its own reduced head (speculators)."""
+    return {"size": int(drafter.vocab_ids.numel()), "source": "the drafter's own draft vocabulary (speculators d2t)",
+            "data_coverage": None, "ids": [int(i) for i in drafter.vocab_ids]}
+
+
 def export_artifact(
-    target_dir: str | Path,
-    draft_dir: str | Path,
+    target_dir: str | Path | S.Source,
+    draft_dir: str | Path | S.Source,
     out_dir: str | Path,
     *,
     dtype: str = "fp32",
@@ -227,17 +242,23 @@ def export_artifact(
     room_check: bool = True,
     draft_vocab: int | None = None,
     draft_vocab_data: list | tuple = (),
+    moe: str | None = None,
 ) -> M.Manifest:
     """Trace, save, validate and describe one artifact directory; atomic on failure.
 
+    target_dir / draft_dir: directories, Hugging Face ids (`org/name[@revision]`, sources.py) or
+    resolved Sources; the manifest records where each came from and its weight files' sha256.
     quantize: an export/quantize.py QuantOptions: the float export is written first (to a
-    hidden directory), then quantized into `out` (quantize_artifact)."""
-    target_dir, draft_dir, out = Path(target_dir), Path(draft_dir), Path(out_dir).absolute()
+    hidden directory), then quantized into `out` (quantize_artifact). moe: a mixture-of-experts
+    target's graph form, "op" | "standard" (export/moe.py; None: the default for this dtype)."""
+    out = Path(out_dir).absolute()
+    tsrc, dsrc = S.resolve(target_dir, what="target"), S.resolve(draft_dir, what="drafter")
+    target_dir, draft_dir = tsrc.path, dsrc.path
     tdtype = torch_dtype(dtype)
     if quantize is not None:
         check_options(quantize, dtype)
     check_out_dir(out, force)
-    tc, dc, k, mask = plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset)
+    tc, dc, k, mask = plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset, dsrc.label)
     if attention not in C.ATTENTION_FLAVOURS:
         raise DFlashError(f"--attention must be one of {', '.join(C.ATTENTION_FLAVOURS)} (got {attention!r})")
     if attention == "ort" and tc.hybrid:
@@ -246,8 +267,12 @@ def export_artifact(
     if tc.hybrid and dtype == "bf16":
         raise DFlashError("--dtype bf16 is not supported for hybrid (Gated DeltaNet) targets: the runtime's host state "
                           "commit has no bf16 path and ONNX Runtime's CPU provider cannot run bf16; use --dtype fp16")
+    if moe is not None and tc.moe is None:
+        raise DFlashError(f"--moe {moe}: this {tc.architecture} target has no experts; leave --moe out")
+    moe_path = moe_graphs.choose_path(moe, dtype) if tc.moe is not None else None
     eos = eos_ids(target_dir, tc.eos_token_ids)
-    vocab_ids, vocab_record = plan_draft_vocab(draft_vocab, draft_vocab_data, target_dir, tc.vocab_size, eos, dc.family)
+    vocab_ids, vocab_record = plan_draft_vocab(draft_vocab, draft_vocab_data, target_dir, tc.vocab_size, eos, dc.family,
+                                               dc.draft_vocab_size)
     elements = checkpoint_elements(target_dir) + checkpoint_elements(draft_dir)
     weight_bytes = BYTES[dtype] * (elements + (0 if vocab_ids is None else len(vocab_ids) * tc.hidden_size))
     stale = clean_stale_staging(out)
@@ -261,6 +286,7 @@ def export_artifact(
         architecture=tc.architecture, eos_token_ids=eos,
         opset=0, graphs={}, tools=tool_versions(), attention=attention, draft_vocab=vocab_record, ragged=True, **hybrid_fields(tc),
         selector=selector_record(dc), draft_ring=draft_ring(dc, max_context),
+        moe=moe_graphs.record(tc, moe_path) if moe_path else None,
     )
     ui = Phases(progress)
     for p in stale:
@@ -271,10 +297,18 @@ def export_artifact(
     try:
         tmp.mkdir()
         with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
-            target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
+            manifest.sources = {"target": tsrc.record(), "draft": dsrc.record()}  # hashes the weight files
+            with checkpoint.experts_on_meta() if moe_path else contextlib.nullcontext():
+                target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
+            streamed = moe_path is not None and stream.placeholders(target, interleaved=moe_path == "op")
+            if moe_path:
+                moe_graphs.use_path(target, moe_path)
             drafter = dflash2.load_drafter(draft_dir, tdtype, config=dc)
+            drafter.attach(target, f"drafter {dsrc.label}")
             if vocab_ids is not None:
                 drafter.set_draft_vocab(torch.from_numpy(vocab_ids), target.lm_head.weight)
+            elif drafter.vocab_ids is not None:
+                manifest.draft_vocab = own_vocab_record(drafter)
         with ui.phase("trace", f"3 graphs, block size {k} (torch.onnx dynamo)"):
             models = {g: T.trace(g, graphs.wrapper(g, target, drafter, attention, manifest.max_context,
                                                    ring=manifest.draft_ring), manifest, tdtype, opset) for g in C.GRAPHS}
@@ -283,13 +317,18 @@ def export_artifact(
                 T.rename_initializers(model, tc.tie_word_embeddings)
                 # tied embeddings: the head keeps reading the lookup table's bytes
                 T.store_transposed(model, keep=C.SHARED_INITIALIZERS[1:] if tc.tie_word_embeddings else ())
+            if streamed:  # the experts' bytes go from the checkpoint to target.data as it is written
+                names = stream.attach(models[C.TARGET], stream.ExpertReader(target_dir), interleaved=moe_path == "op")
+                if len(names) != 2 * len(tc.moe.sparse_layers):  # a placeholder left would be written as zeros
+                    raise InternalError(f"streamed {len(names)} expert tensors into the target graph, "
+                                        f"expected {2 * len(tc.moe.sparse_layers)}")
         with ui.phase("save", "graphs + external data + tokenizer"):
             shared = save_graphs(tmp, models, tc.tie_word_embeddings)
             tokenizer = copy_tokenizer(target_dir, tmp)
         manifest.shared = shared
         del models, target, drafter
         with ui.phase("validate", "onnx.checker, shape inference, op lint, ORT load"):
-            validate_artifact(tmp, dtype, attention=attention)
+            validate_artifact(tmp, dtype, attention=attention, moe=moe_path)
         manifest.graphs = {name: graph_spec(tmp / f) for name, f in C.GRAPH_FILES.items()}
         manifest.opset = opset_of(tmp / C.GRAPH_FILES[C.TARGET])
         manifest.tokenizer = "tokenizer.json" in tokenizer or "tokenizer.model" in tokenizer

@@ -37,6 +37,7 @@ from ..runtime.load import open_backend
 from ..runtime.loop import generate
 from ..runtime.names import names_of
 from ..errors import DFlashError
+from .. import sources as S
 from .artifact import torch_dtype
 from .check_rows import block_inputs, ragged_rows, target_inputs
 from .polygraphy_json import write_polygraphy
@@ -79,6 +80,7 @@ class Report:
     quantization: dict | None = None  # the manifest's record for a quantized artifact
     strict: bool = False  # fp32 tolerances and token identity apply (fp32; quantized: vs the dequantized weights)
     draft_vocab: int | None = None  # N of a reduced draft vocabulary (None: the whole vocabulary)
+    warnings: list[str] = field(default_factory=list)  # sources that no longer match the manifest's record
 
     @property
     def passed(self) -> bool:
@@ -117,24 +119,54 @@ class Report:
             graphs.setdefault(r.graph, []).append({k: v for k, v in asdict(r).items() if k != "graph"})
         return {"passed": self.passed, "dtype": self.dtype, "tolerance": TOLERANCE if self.strict else None,
                 "quantization": self.quantization, "graphs": graphs, "end_to_end": self.end_to_end, "notes": self.notes,
-                "draft_vocab": self.draft_vocab}
+                "draft_vocab": self.draft_vocab, "warnings": self.warnings}
 
 
-def load_sources(root: Path, manifest: M.Manifest, target_dir, draft_dir):
+def find_sources(manifest: M.Manifest, target, draft, warnings: list[str] | None = None):
+    """The (target, drafter) Sources to compare with: those given (directories, ids or Sources),
+    else the ones the manifest records; `warnings` gets a line for each that no longer matches its record."""
+    recorded = manifest.sources or {}
+    found = []
+    for given, key, what in ((target, "target", "target"), (draft, "draft", "drafter")):
+        spec = given if given is not None else S.spec_of(recorded.get(key))
+        if spec is None:
+            raise DFlashError(f"check compares against the PyTorch source: pass --target and --draft (the {what} given "
+                              "to export; this manifest does not record it)")
+        try:
+            src = S.resolve(spec, what=what)
+        except DFlashError as e:
+            if given is not None:
+                raise
+            raise DFlashError(f"check compares against the PyTorch source, and the {what} the manifest records is not "
+                              f"here ({e}); pass --target and --draft") from None
+        if warnings is not None:
+            warnings += S.differences(recorded.get(key), src, what)
+        found.append(src)
+    return found
+
+
+def load_sources(root: Path, manifest: M.Manifest, target_dir, draft_dir, warnings: list[str] | None = None):
     """The PyTorch modules an artifact came from; refuse sources that do not match it."""
-    if target_dir is None or draft_dir is None:
-        raise DFlashError("check compares against the PyTorch source: pass --target DIR --draft DIR (the directories given to export)")
-    tc, dc = reference.TargetConfig.load(target_dir), dflash2.load_draft_config(draft_dir)
+    tsrc, dsrc = find_sources(manifest, target_dir, draft_dir, warnings)
+    tc, dc = reference.TargetConfig.load(tsrc.path), dflash2.load_draft_config(dsrc.path)
     mine = (tc.architecture, tc.vocab_size, tc.hidden_size, tc.num_layers, dc.num_layers, list(dc.target_layer_ids))
     theirs = (manifest.architecture, manifest.vocab_size, manifest.hidden_size, manifest.target_layers,
               manifest.draft_layers, manifest.target_layer_ids)
     if mine != theirs:
-        raise DFlashError(f"--target/--draft do not match {root} (architecture, vocab, hidden, layers, taps: {mine} vs {theirs}); pass the directories it was exported from")
+        raise DFlashError(f"--target {tsrc.label} / --draft {dsrc.label} do not match {root} (architecture, vocab, hidden, "
+                          f"layers, taps: {mine} vs {theirs}); pass the ones it was exported from")
     dtype = torch_dtype(manifest.dtype)
-    drafter = dflash2.load_drafter(draft_dir, dtype, config=dc)
-    target = reference.Target.from_pretrained(target_dir, drafter.config.target_layer_ids, dtype)
+    drafter = dflash2.load_drafter(dsrc.path, dtype, config=dc)
+    target = reference.Target.from_pretrained(tsrc.path, drafter.config.target_layer_ids, dtype)
+    drafter.attach(target, f"drafter {dsrc.label}")
     if manifest.draft_vocab:  # the reference scores the same N tokens, read back from the graph
-        drafter.set_draft_vocab(torch.tensor(draft_vocab_ids(root, manifest)), target.lm_head.weight)
+        ids = draft_vocab_ids(root, manifest)
+        if drafter.vocab_ids is None:
+            drafter.set_draft_vocab(torch.tensor(ids), target.lm_head.weight)
+        elif drafter.vocab_ids.tolist() != ids.tolist():
+            raise DFlashError(f"drafter {dsrc.label}: its own draft vocabulary (d2t) is not the one {root} holds")
+    elif drafter.vocab_ids is not None:
+        raise DFlashError(f"drafter {dsrc.label} scores its own draft vocabulary, but {root} scores every token")
     torch.manual_seed(0)
     return target, drafter
 
@@ -264,7 +296,7 @@ def run_check(
     report = Report(m.dtype, quantization=q, strict=m.dtype == "fp32",
                     draft_vocab=C.draft_vocab_size(m) if m.draft_vocab else None)
     with ui.phase("load", f"PyTorch source + ONNX Runtime sessions ({m.dtype})"):
-        target, drafter = load_sources(root, m, target_dir, draft_dir)
+        target, drafter = load_sources(root, m, target_dir, draft_dir, report.warnings)
         ref_models = (target, drafter)
         if q is not None:  # the reference for parity: the source with the graphs' own (dequantized) weights
             dequantized, why = dequantized_sources(root, target, drafter)

@@ -1,5 +1,6 @@
 """The operator sets a graph may hold: standard ai.onnx, and the ONNX Runtime contrib ops that a
-quantized export (MatMulNBits) or the "ort" attention flavour asks for; the onnx schemas of the latter."""
+quantized export (MatMulNBits), the "ort" attention flavour or the MoE op path (export/moe.py)
+asks for; the onnx schemas of the latter two."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ onnx = lazy_import("onnx")  # on first use (lazy.py)
 STANDARD_DOMAINS = ("", "ai.onnx")
 QUANT_OPS = (("com.microsoft", "MatMulNBits"),)  # what a quantized graph may hold beyond ai.onnx
 ORT_FLAVOUR_OPS = (("com.microsoft", "GroupQueryAttention"), ("com.microsoft", "SkipSimplifiedLayerNormalization"))  # the ort flavour's target
+MOE_OPS = (("com.microsoft", "MoE"),)  # an MoE target exported with --moe op
 
 
 def register_ort_schemas() -> None:
-    """onnx has no schemas for ORT's contrib ops; the checker (and the exporter, export/gqa.py)
-    need them for the two the ort flavour emits: their inputs, outputs and the attributes we set."""
+    """onnx has no schemas for ORT's contrib ops; the checker (and the exporter, export/gqa.py and
+    export/moe.py) need them for the ones we emit: their inputs, outputs and the attributes we set."""
     OpSchema = onnx.defs.OpSchema
     P, opt = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
     T = ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")
@@ -34,6 +36,15 @@ def register_ort_schemas() -> None:
                      P("input_skip_bias_sum", "T", param_option=opt)],
             type_constraints=[T, ("U", ["tensor(float)"], "")],
             attributes=[OpSchema.Attribute("epsilon", OpSchema.AttrType.FLOAT, "")]),
+        "MoE": dict(
+            inputs=[P("input", "T"), P("router_probs", "T"), P("fc1_experts_weights", "T"),
+                    P("fc1_experts_bias", "T", param_option=opt), P("fc2_experts_weights", "T"),
+                    P("fc2_experts_bias", "T", param_option=opt), P("fc3_experts_weights", "T", param_option=opt),
+                    P("fc3_experts_bias", "T", param_option=opt)],
+            outputs=[P("output", "T")],
+            type_constraints=[T],
+            attributes=ints("k", "normalize_routing_weights", "swiglu_fusion", required=False)
+            + [OpSchema.Attribute("activation_type", OpSchema.AttrType.STRING, "", required=False)]),
     }
     for name, kw in schemas.items():
         try:

@@ -31,15 +31,15 @@ def shared_names(models: dict) -> dict[str, list[str]]:
     several graphs hold with the same name and the same bytes (the same parameter), and
     the shared embedding / LM head."""
     where: dict[str, list[str]] = {}
-    digest: dict[str, set] = {}
     for graph, model in models.items():
         for value in model.graph.initializers.values():
             t = value.const_value
             if t is not None and t.nbytes >= INLINE_BELOW:
                 where.setdefault(value.name, []).append(graph)
-                digest.setdefault(value.name, set()).add(_digest(t))
-    return {n: g for n, g in where.items()
-            if n in C.SHARED_INITIALIZERS or (len(g) > 1 and len(digest[n]) == 1)}
+    # bytes are hashed only where a name recurs: a graph's own weights (a MoE target's streamed
+    # experts, export/stream.py) are never read here
+    return {n: g for n, g in where.items() if n in C.SHARED_INITIALIZERS or (
+        len(g) > 1 and len({_digest(models[x].graph.initializers[n].const_value) for x in g}) == 1)}
 
 
 def _digest(t) -> str:

@@ -23,14 +23,19 @@ optimizer = lazy_import("onnxscript.optimizer")
 ir = lazy_import("onnx_ir")
 graphs = lazy_import("dflash_export.export.graphs")
 gqa = lazy_import("dflash_export.export.gqa")
+moe = lazy_import("dflash_export.export.moe")
 
 
 def trace(graph: str, module, m: M.Manifest, dtype, opset: int | None):
     """torch.onnx.export (dynamo) of one graph's wrapper -> onnx_ir.Model checked against the contract."""
     args, dynamic_shapes = graphs.trace_inputs(graph, m, dtype)
-    extra = {}
+    extra, table = {}, {}
     if graph == C.TARGET and C.flavour(m) == "ort":
-        extra["custom_translation_table"] = gqa.TRANSLATION
+        table.update(gqa.TRANSLATION)
+    if graph == C.TARGET and (getattr(m, "moe", None) or {}).get("path") == "op":
+        table.update(moe.TRANSLATION)
+    if table:
+        extra["custom_translation_table"] = table
     inputs, outputs = C.names(graph, m)
     loggers = [logging.getLogger(n) for n in ("torch.onnx", "onnxscript")]
     levels = [lg.level for lg in loggers]

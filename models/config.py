@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..errors import DFlashError
 from ..lazy import lazy_import
+from . import speculators
 
 torch = lazy_import("torch")  # only for inv_freq: the configs themselves are read without torch
 
@@ -24,9 +25,16 @@ TARGET_ARCHS = {
     # hybrid Qwen3.5 / 3.6 text model (models/qwen35.py): Gated DeltaNet + gated attention
     "Qwen3_5ForCausalLM": (False, True),
     "Qwen3_5ForConditionalGeneration": (False, True),
+    # mixture-of-experts (models/moe.py): Qwen3-MoE (Qwen3 attention), and the hybrids with a
+    # shared expert: Qwen3.5 / 3.6-MoE (text model of the VL class too) and Qwen3-Next
+    "Qwen3MoeForCausalLM": (False, True),
+    "Qwen3_5MoeForCausalLM": (False, True),
+    "Qwen3_5MoeForConditionalGeneration": (False, True),
+    "Qwen3NextForCausalLM": (False, True),
 }
-HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
-MOE_ARCHS = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")
+HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")
+MOE_ARCHS = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")
 DRAFT_ARCH = "DFlashDraftModel"
 DRAFT2_ARCH = "DFlash2DraftModel"  # models/dflash2.py
 
@@ -120,6 +128,57 @@ class LinearAttention:
 
 
 @dataclass
+class MoeConfig:
+    """A mixture-of-experts target's routing and expert widths (models/moe.py), as transformers reads them."""
+
+    num_experts: int
+    top_k: int  # num_experts_per_tok
+    expert_size: int  # moe_intermediate_size: each routed expert's SwiGLU width
+    norm_topk_prob: bool  # renormalise the k selected probabilities to sum 1
+    shared_expert_size: int = 0  # the shared expert's width, gated by sigmoid(Linear(H -> 1)); 0: none
+    sparse_layers: list[int] = field(default_factory=list)  # layers whose MLP is the MoE block (others: dense MLP)
+
+
+# config keys of mixture-of-experts variants that are not implemented -> what they would need
+_MOE_FEATURES = (
+    (lambda c: int(c.get("n_group") or 1) > 1 or int(c.get("topk_group") or 1) > 1,
+     "group-limited expert routing (n_group / topk_group)"),
+    (lambda c: c.get("kv_lora_rank") is not None or c.get("q_lora_rank") is not None,
+     "MLA attention (kv_lora_rank / q_lora_rank)"),
+    (lambda c: c.get("scoring_func", "softmax") != "softmax" or c.get("topk_method") == "noaux_tc",
+     "sigmoid router scoring with a score-correction bias (scoring_func / topk_method)"),
+    (lambda c: float(c.get("routed_scaling_factor") or 1.0) != 1.0, "scaled routed experts (routed_scaling_factor)"),
+)
+
+
+def refuse_unsupported_moe(cfg: dict, arch, where: str) -> None:
+    """One line naming every MoE feature of the config we do not run (DeepSeek-V3, Kimi K2, ...)."""
+    missing = [what for test, what in _MOE_FEATURES if test(cfg)]
+    if missing:
+        raise DFlashError(f"{where}: {arch} needs {' and '.join(missing)}, which this exporter does not implement "
+                          f"(mixture-of-experts targets supported: {', '.join(MOE_ARCHS)})")
+
+
+def _moe_fields(cfg: dict, arch: str, layers: int, where: str) -> dict:
+    """transformers' routing for the Qwen MoE families, with its defaults for absent keys."""
+    qwen35 = arch.startswith("Qwen3_5Moe")  # every layer sparse, top-k always renormalised, a shared expert
+    defaults = {"Qwen3MoeForCausalLM": (128, 8, 768, False), "Qwen3NextForCausalLM": (512, 10, 512, True)}.get(
+        arch, (256, 8, 512, True))
+    experts = int(cfg.get("num_experts", cfg.get("num_local_experts")) or defaults[0])
+    top_k = int(cfg.get("num_experts_per_tok") or defaults[1])
+    if not 0 < top_k <= experts:
+        raise DFlashError(f"{where}: num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    sparse = list(range(layers)) if qwen35 else [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    shared = 0 if arch == "Qwen3MoeForCausalLM" else int(cfg.get("shared_expert_intermediate_size") or 512)
+    return dict(moe=MoeConfig(
+        num_experts=experts, top_k=top_k, expert_size=int(cfg.get("moe_intermediate_size") or defaults[2]),
+        norm_topk_prob=True if qwen35 else bool(cfg.get("norm_topk_prob", defaults[3])),
+        shared_expert_size=shared, sparse_layers=sparse))
+
+
+@dataclass
 class TargetConfig:
     architecture: str
     vocab_size: int
@@ -145,6 +204,7 @@ class TargetConfig:
     linear: LinearAttention | None = None
     rotary_dim: int = 0
     attn_output_gate: bool = False
+    moe: MoeConfig | None = None  # mixture-of-experts targets only (models/moe.py)
 
     @property
     def hybrid(self) -> bool:
@@ -159,11 +219,10 @@ class TargetConfig:
         cfg = {**cfg.get("text_config", {}), **cfg} if "text_config" in cfg and "hidden_size" not in cfg else cfg
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
-        if arch in MOE_ARCHS or (arch in HYBRID_ARCHS and cfg.get("num_experts")):
-            raise DFlashError(
-                f"{where}: {arch} is a mixture-of-experts model; MoE targets are not supported yet "
-                "(dense Qwen3.5 / 3.6 hybrids are)"
-            )
+        refuse_unsupported_moe(cfg, arch, where)
+        if arch in (DRAFT_ARCH, DRAFT2_ARCH) or speculators.is_speculators(cfg):
+            raise DFlashError(f"{where} is a DFlash drafter ({arch or cfg.get(speculators.KIND)}), not a target: "
+                              "pass it as --draft and the model it drafts for as --target")
         if arch not in TARGET_ARCHS:
             raise DFlashError(
                 f"{where}: architecture {arch!r} is not supported (supported: {', '.join(TARGET_ARCHS)})"
@@ -181,15 +240,19 @@ class TargetConfig:
         eos = cfg.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         attention_bias = bool(cfg.get("attention_bias", bias_default))
+        layers = int(_req(cfg, "num_hidden_layers", where))
+        moe = _moe_fields(cfg, arch, layers, where) if arch in MOE_ARCHS else {}
+        # a dense MLP's width: absent where every layer is sparse (Qwen3.5-MoE)
+        dense_mlp = bool(not moe or len(moe["moe"].sparse_layers) < layers)
         return cls(
             architecture=arch,
             vocab_size=int(_req(cfg, "vocab_size", where)),
             hidden_size=hidden,
-            num_layers=int(_req(cfg, "num_hidden_layers", where)),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(_req(cfg, "intermediate_size", where)),
+            intermediate_size=int(_req(cfg, "intermediate_size", where) if dense_mlp else cfg.get("intermediate_size") or 0),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=parse_rope(cfg, where),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -201,6 +264,7 @@ class TargetConfig:
             eos_token_ids=eos,
             dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             **(_hybrid_fields(cfg, where) if arch in HYBRID_ARCHS else {}),
+            **moe,
         )
 
     @classmethod
@@ -239,6 +303,15 @@ def _hybrid_fields(cfg: dict, where: str) -> dict:
     )
 
 
+def not_a_drafter(arch) -> str:
+    """Why a checkpoint of architecture `arch` is not a drafter, in words."""
+    if arch in TARGET_ARCHS or arch in MOE_ARCHS or str(arch).endswith("ForCausalLM"):
+        return (f"architecture {arch!r} is a language model (a target?), not a DFlash drafter "
+                f"({DRAFT_ARCH}, {DRAFT2_ARCH} or a speculators \"dflash\" checkpoint)")
+    return (f"architecture {arch!r} is not supported (supported: {DRAFT_ARCH}, {DRAFT2_ARCH}), nor is this a "
+            "speculators \"dflash\" checkpoint")
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The z-lab rule: one layer -> the middle one; else spread evenly over [1, L-3]."""
     if num_draft_layers == 1:
@@ -269,13 +342,21 @@ class DraftConfig:
     final_logit_softcapping: float | None = None  # cap * tanh(logits / cap) (None: off)
     input_embedding_scale: float = 1.0  # the block's embedding (the target's table) times this
     raw: dict = field(default_factory=dict, repr=False)  # the original config, saved back as is
+    format: str = "z-lab"  # or "speculators" (models/speculators.py): the checkpoint's layout
+    draft_vocab_size: int | None = None  # speculators: the N tokens its own head scores (d2t); None: all
+    verifier: str | None = None  # speculators: the target it was made for (speculators_config.verifier)
 
     @classmethod
     def from_dict(cls, cfg: dict, where: str = "drafter") -> "DraftConfig":
+        if speculators.is_speculators(cfg):
+            z, extra = speculators.config_dict(cfg, where)
+            out = cls.from_dict(z, where)
+            out.raw, out.format = cfg, "speculators"
+            out.draft_vocab_size, out.verifier = extra["draft_vocab_size"], extra["verifier"]
+            return out
         archs = cfg.get("architectures") or [DRAFT_ARCH]
         if archs[0] != DRAFT_ARCH:
-            raise DFlashError(f"{where}: architecture {archs[0]!r} is not supported "
-                              f"(supported: {DRAFT_ARCH}, {DRAFT2_ARCH})")
+            raise DFlashError(f"{where}: {not_a_drafter(archs[0])}")
         nested = cfg.get("dflash_config") or {}
         unsupported = [k for k in ("selector_rank", "conv_kernel_size", "conv_group_size")
                        if nested.get(k, cfg.get(k)) is not None]
@@ -365,24 +446,29 @@ class DraftConfig:
         return self.layer_types[j] == "sliding_attention"
 
     def check_fits(self, target: TargetConfig, where: str = "drafter") -> None:
-        """Refuse a drafter that cannot be attached to this target."""
+        """Refuse a drafter that cannot be attached to this target (`where` names it, revision included)."""
+        made_for = f" (made for {self.verifier})" if self.verifier else ""
         if self.hidden_size != target.hidden_size:
             raise DFlashError(
                 f"{where}: hidden_size {self.hidden_size} does not match the target's {target.hidden_size}; "
-                "this drafter was trained for another target"
+                f"this drafter was trained for another target{made_for}"
             )
         if self.num_target_layers not in (-1, target.num_layers):
             raise DFlashError(
                 f"{where}: num_target_layers {self.num_target_layers} does not match the target's "
-                f"{target.num_layers} layers; this drafter was trained for another target"
+                f"{target.num_layers} layers; this drafter was trained for another target{made_for}"
             )
         bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
         if bad:
-            raise DFlashError(f"{where}: target_layer_ids {bad} are outside the target's {target.num_layers} layers")
+            raise DFlashError(f"{where}: target_layer_ids {bad} are outside the target's {target.num_layers} layers"
+                              f"{made_for}")
         if self.vocab_size not in (None, target.vocab_size):
             raise DFlashError(
-                f"{where}: vocab_size {self.vocab_size} does not match the target's {target.vocab_size}"
+                f"{where}: vocab_size {self.vocab_size} does not match the target's {target.vocab_size}{made_for}"
             )
+        if self.block_size > target.max_position_embeddings:
+            raise DFlashError(f"{where}: block_size {self.block_size} exceeds the target's context "
+                              f"(max_position_embeddings {target.max_position_embeddings}){made_for}")
 
     def resolve_mask_token_id(self, override: int | None = None) -> int:
         if override is not None:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import DFlashError
+from . import speculators
 from .checkpoint import load_state_dict, save_state_dict, strict_load
 from .config import DRAFT_ARCH, DraftConfig, TargetConfig, default_target_layer_ids
 from .layers import MLP, RMSNorm, apply_rope, attend, rope_cos_sin
@@ -74,12 +75,25 @@ class Drafter(nn.Module):
         self.register_buffer("inv_freq", c.rope.inv_freq(c.head_dim), persistent=False)
         self.register_buffer("vocab_ids", None, persistent=False)  # [N] target ids a reduced head scores
         self.register_buffer("vocab_head", None, persistent=False)  # [N, H] those rows of the target's lm_head
+        self.borrowed: dict[str, torch.Tensor] = {}  # speculators: its copies of the target's tensors, until `attach`
 
     def set_draft_vocab(self, ids: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """Score only the target ids `ids` (a gathered copy of their LM head rows, stored once)."""
         ids = torch.as_tensor(ids, dtype=torch.long)
         self.vocab_ids = ids.clone()
         self.vocab_head = lm_head_weight.detach()[ids].clone()
+
+    def attach(self, target, where: str = "drafter") -> None:
+        """Refuse a target whose embedding / LM head are not the ones this drafter's checkpoint
+        copied (speculators drafters carry both; the graphs read the target's); then forget the copies."""
+        theirs = {"embed_tokens.weight": target.model.embed_tokens.weight, "lm_head.weight": target.lm_head.weight}
+        for name, mine in self.borrowed.items():
+            ref = theirs[name].detach().float()
+            if tuple(mine.shape) != tuple(ref.shape) or (mine.float() - ref).abs().max() > 1e-2 * ref.abs().max():
+                made_for = f" (made for {self.config.verifier})" if self.config.verifier else ""
+                raise DFlashError(f"{where}: its {name} is not the target's copy: this drafter was made for another "
+                                  f"target{made_for}")
+        self.borrowed = {}
 
     def empty_kv(self, batch: int = 1) -> KV:
         c = self.config
@@ -228,8 +242,18 @@ class Drafter(nn.Module):
                               "load it with models.dflash2.load_drafter")
         with torch.device("meta"):
             model = cls(config)
-        strict_load(model, load_state_dict(directory, "drafter"), f"drafter {directory}", dtype)
+        state = load_state_dict(directory, "drafter")
+        if config.format == "speculators":  # its own head, vocabulary map and copies of the target's tensors
+            state, own = speculators.split_state(state, config, f"drafter {directory}")
+        strict_load(model, state, f"drafter {directory}", dtype)
         model.inv_freq = config.rope.inv_freq(config.head_dim)
+        if config.format == "speculators":
+            if own["embed"] is not None:
+                model.borrowed["embed_tokens.weight"] = own["embed"]
+            if own["ids"] is not None:  # the reduced head it was trained with: what `set_draft_vocab` builds
+                model.vocab_ids, model.vocab_head = own["ids"], own["head"].to(dtype)
+            else:
+                model.borrowed["lm_head.weight"] = own["head"]
         return model.eval()
 
     def save_pretrained(self, directory: str | Path) -> None:
@@ -264,7 +288,8 @@ def draft_config_dict(
         "attention_dropout": 0.0,
         "hidden_act": "silu",
         "hidden_size": target.hidden_size,
-        "intermediate_size": intermediate_size or target.intermediate_size,
+        # a target without a dense MLP (Qwen3.5-MoE: experts only) gives the drafter 3x its width
+        "intermediate_size": intermediate_size or target.intermediate_size or 3 * target.hidden_size,
         "num_hidden_layers": num_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": num_kv_heads or target.num_kv_heads,

@@ -29,7 +29,8 @@ from ..errors import DFlashError
 from . import gdn
 from .checkpoint import load_state_dict, strict_load
 from .config import TargetConfig
-from .layers import MLP, attend, causal_visible, rope_cos_sin
+from .layers import attend, causal_visible, rope_cos_sin
+from .moe import fuse_experts, mlp_for
 
 
 class OffsetRMSNorm(nn.Module):
@@ -140,14 +141,14 @@ class GatedDeltaNet(nn.Module):
 
 
 class HybridLayer(nn.Module):
-    def __init__(self, c: TargetConfig, kind: str):
+    def __init__(self, c: TargetConfig, kind: str, i: int):
         super().__init__()
         self.kind = kind
         if kind == "linear_attention":
             self.linear_attn = GatedDeltaNet(c)
         else:
             self.self_attn = GatedAttention(c)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.mlp = mlp_for(c, i)  # dense, or Qwen3.5-MoE / Qwen3-Next's experts + shared expert (models/moe.py)
         self.input_layernorm = OffsetRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -165,7 +166,7 @@ class HybridBody(nn.Module):
     def __init__(self, c: TargetConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(HybridLayer(c, t) for t in c.layer_types)
+        self.layers = nn.ModuleList(HybridLayer(c, t, i) for i, t in enumerate(c.layer_types))
         self.norm = OffsetRMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -287,11 +288,13 @@ class HybridTarget(nn.Module):
         config = TargetConfig.load(directory)
         with torch.device("meta"):
             model = cls(config, tap_ids)
+        where = f"target {directory}"
         state = language_model_state(load_state_dict(directory, "target"), directory)
+        state = fuse_experts(split_qkvz(state, config, where), config, where)
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-        strict_load(model, state, f"target {directory}", dtype, tied=tied)
+        strict_load(model, state, where, dtype, tied=tied)
         model.inv_freq = config.rope.inv_freq(config.rotary_dim)
         for layer in model.model.layers:  # transformers keeps the DeltaNet's decay parameters in fp32 math
             if layer.kind == "linear_attention":
@@ -318,3 +321,31 @@ def language_model_state(state: dict[str, torch.Tensor], directory) -> dict[str,
         print(f"note: target {directory}: ignoring {' and '.join(notes)} (only the language model is used)",
               file=sys.stderr)
     return out
+
+
+def split_qkvz(state: dict[str, torch.Tensor], c: TargetConfig, where: str) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's fused DeltaNet projections -> Qwen3.5's (the same math, other row order).
+
+    `in_proj_qkvz` holds, per key head, [q (dk), k (dk), v (rep*dv), z (rep*dv)] rows and
+    `in_proj_ba` per key head [b (rep), a (rep)] (rep = value heads per key head); Qwen3.5
+    keeps q, k, v of all heads in one matrix and z, b, a apart, value head h = key head h // rep
+    either way. A pure permutation of rows: nothing is recomputed."""
+    la = c.linear
+    if la is None:
+        return state
+    hk, dk, dv, rep = la.num_key_heads, la.key_head_dim, la.value_head_dim, la.num_value_heads // la.num_key_heads
+    for name in [n for n in state if n.endswith(".linear_attn.in_proj_qkvz.weight")]:
+        prefix = name[: -len("in_proj_qkvz.weight")]
+        w, ba = state.pop(name), state.pop(prefix + "in_proj_ba.weight", None)
+        want = (hk * (2 * dk + 2 * rep * dv), c.hidden_size)
+        if ba is None or tuple(w.shape) != want or tuple(ba.shape) != (hk * 2 * rep, c.hidden_size):
+            got = "missing" if ba is None else f"{list(w.shape)} and {list(ba.shape)}"
+            raise DFlashError(f"{where}: {prefix}in_proj_qkvz / in_proj_ba are {got}, but the config's linear "
+                              f"attention dims say {list(want)} and {[hk * 2 * rep, c.hidden_size]}")
+        q, k, v, z = w.view(hk, -1, c.hidden_size).split([dk, dk, rep * dv, rep * dv], dim=1)
+        b, a = ba.view(hk, 2 * rep, c.hidden_size).split([rep, rep], dim=1)
+        rows = lambda t: t.reshape(-1, c.hidden_size)  # noqa: E731
+        state[prefix + "in_proj_qkv.weight"] = torch.cat([rows(q), rows(k), rows(v)], 0)
+        state[prefix + "in_proj_z.weight"], state[prefix + "in_proj_b.weight"] = rows(z), rows(b)
+        state[prefix + "in_proj_a.weight"] = rows(a)
+    return state

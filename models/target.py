@@ -1,4 +1,4 @@
-"""The target decoder (Llama / Qwen2 / Qwen3 family) with feature taps.
+"""The target decoder (Llama / Qwen2 / Qwen3 family, Qwen3-MoE) with feature taps.
 
 One forward serves prefill, 1-token steps and K-token verify: it takes the valid prefix
 of a sequence-major KV cache (`[B, P, Hkv, D]` per layer, P may be 0; the exported graph's
@@ -18,7 +18,8 @@ from ..errors import DFlashError
 from .checkpoint import load_state_dict, strict_load
 from .config import TargetConfig
 from .kvcache import KV, KVCache
-from .layers import MLP, RMSNorm, apply_rope, attend, causal_visible, rope_cos_sin
+from .layers import RMSNorm, apply_rope, attend, causal_visible, rope_cos_sin
+from .moe import fuse_experts, mlp_for
 from .qwen35 import HybridTarget
 
 
@@ -53,10 +54,10 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: TargetConfig):
+    def __init__(self, c: TargetConfig, i: int):
         super().__init__()
         self.self_attn = Attention(c)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, c.mlp_bias)
+        self.mlp = mlp_for(c, i)  # dense SwiGLU, or Qwen3-MoE's expert block (models/moe.py)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -70,7 +71,7 @@ class Body(nn.Module):
     def __init__(self, c: TargetConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -150,7 +151,7 @@ class Target(nn.Module):
             return HybridTarget.from_pretrained(directory, tap_ids, dtype)
         with torch.device("meta"):
             model = cls(config, tap_ids)
-        state = load_state_dict(directory, "target")
+        state = fuse_experts(load_state_dict(directory, "target"), config, f"target {directory}")
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         strict_load(model, state, f"target {directory}", dtype, tied={"lm_head.weight"} if config.tie_word_embeddings else set())

@@ -83,9 +83,17 @@ class Manifest:
     # drafters whose layers all slide: the context cache is a ring of this many slots (the window), slot =
     # position mod draft_ring, and draft_block finds each slot's position from ctx_lengths; None: slot = position
     draft_ring: int | None = None
+    # mixture-of-experts targets: how the target graph runs the experts and the routing, {"path": "op" (ONNX
+    # Runtime's com.microsoft::MoE) | "standard" (gathered experts in ai.onnx ops), "experts", "top_k",
+    # "expert_size", "shared_expert_size", "norm_topk_prob", "layers": the MoE layers}; None: a dense target
+    moe: dict | None = None
     # the graphs take ragged batches (contract.RAGGED: per-row lengths, position-major caches,
     # logits_index); False for older exports, which run batch 1 only
     ragged: bool = False
+    # where the pair came from (sources.py): {"target": rec, "draft": rec}, rec = {"id" (a Hugging Face id or
+    # None), "path" (a local directory, when no id), "revision" (asked), "commit" (resolved), "files": {weight
+    # file: sha256}}; None for exports made before it was recorded
+    sources: dict | None = None
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 

@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing a test runs may reach the Hugging Face Hub (read when huggingface_hub is imported)
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs 2 workers on 2 cores: one thread each, or they fight for the cores
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch (read when it is imported) and the processes tests start
 sys.path.insert(0, str(Path(__file__).parent))  # the helpers next to the tests (runtime_cases, train_fixtures, trt_*)

@@ -43,6 +43,8 @@ class Case:
     layer_types: tuple[str, ...] | None = None  # hybrid targets (qwen35): the linear/full pattern
     attention: str = "standard"  # export --attention
     dtype: str = "fp32"  # export --dtype
+    moe: str | None = None  # MoE targets (testing.MOE archs): export --moe op | standard
+    moe_config: tuple[tuple[str, object], ...] = ()  # expert config overrides (make_target's `moe`)
     released: str | None = None  # a released drafter config (FIXTURES) at this case's sizes (`block`: --block-size,
     # `draft_layers`: its last ones)
 
@@ -52,7 +54,8 @@ class Case:
         a = "-ort" if self.attention == "ort" else ""
         d = "" if self.dtype == "fp32" else f"-{self.dtype}"
         r = f"-{self.released.split('-dflash')[0]}" if self.released else ""
-        return f"{self.arch}-L{self.layers}-D{self.draft_layers}-K{self.block}{b}{a}{d}{r}"
+        e = f"-moe-{self.moe}" if self.moe else ""
+        return f"{self.arch}-L{self.layers}-D{self.draft_layers}-K{self.block}{b}{a}{d}{r}{e}"
 
 
 ORT_CASES = {  # the "ort" attention flavour (contract.TARGET_ORT): tests/test_attention_ort.py
@@ -193,7 +196,8 @@ def _export(case: Case, tmp: Path) -> None:
     from dflash_export.testing import make_drafter, make_target
 
     make_target(tmp / "t", case.arch, seed=case.seed, layers=case.layers, tie=case.tie, hidden=case.hidden,
-                layer_types=list(case.layer_types) if case.layer_types else None)
+                layer_types=list(case.layer_types) if case.layer_types else None,
+                moe={k: list(v) if isinstance(v, tuple) else v for k, v in case.moe_config} or None)
     if case.bias:
         _bias_target(tmp / "t", case.bias)
     extra = {}
@@ -209,7 +213,7 @@ def _export(case: Case, tmp: Path) -> None:
                      target_layer_ids=list(case.taps) if case.taps else None, **extra)
     m = export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=case.max_context, attention=case.attention,
                         dtype=case.dtype, block_size=case.block if case.released else None, mask_token_id=mask,
-                        progress=False)
+                        moe=case.moe, progress=False)
     assert load_manifest(tmp / "out") == m, "export_artifact returned another manifest than it wrote"
 
 

@@ -61,7 +61,7 @@ def test_directory_without_config(ckpts, tmp_path):
 
 
 def test_swapped_directories(ckpts):
-    assert_error(run_export(ckpts, "d2", "t2"), "DFlashDraftModel", "not supported")
+    assert_error(run_export(ckpts, "d2", "t2"), "is a DFlash drafter (DFlashDraftModel), not a target", "pass it as --draft")
     assert_nothing_written(ckpts)
 
 

@@ -553,6 +553,14 @@ def test_demo_bad_run_options_fail_before_the_demo_export(tmp_path, monkeypatch)
     assert len(r.output.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
 
 
+def test_port_out_of_range_is_refused_by_the_option(tmp_path, monkeypatch):
+    """--port past 65535 is the option's own error (exit 2), before anything loads or binds: no traceback."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    r = CliRunner().invoke(cli, ["serve", "--demo", "--port", "70000"])
+    assert r.exit_code == 2 and "70000 is not in the range" in r.output and "Traceback" not in r.output, r.output
+    assert not list(tmp_path.iterdir())
+
+
 def test_ray_without_the_ray_extra_is_one_line(art, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     monkeypatch.setitem(sys.modules, "ray.serve", None)

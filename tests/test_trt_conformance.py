@@ -37,8 +37,10 @@ def real(request):
 
 
 def package_sources() -> list[Path]:
-    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
-    return sorted(p for d in set(dirs) for p in (ROOT / d).rglob("*.py"))
+    """The installed packages' own files (pyproject's list; the package is the top level, its
+    sub-packages are folders), not the tests, benchmarks or a venv under the same root."""
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    return sorted(p for pkg in packages for p in ROOT.joinpath(*pkg.split(".")[1:]).glob("*.py"))
 
 
 def _chain(node) -> list[str] | None:
