@@ -154,17 +154,19 @@ def test_serve_engine_runs_the_flavour_with_prompt_reuse(case, monkeypatch):
     head-major cache; a follow-up prompt reuses the cached prefix and still equals plain decoding."""
     import queue
 
-    from dflash_export.serve.engine import Job, Params, load_engine
+    from dflash_export.runtime.loop import Request
+    from dflash_export.serve.engine import Job, load_engine
+    from dflash_export.serve.options import ServeOptions
 
     monkeypatch.setattr("dflash_export.serve.text.Text", lambda *args: None)  # this artifact has no tokenizer
     _, _, out = case
     be = OrtBackend(out, threads=1)
-    engine = load_engine(out, slots=2, model="m", threads=1, verify="full")
+    engine = load_engine(ServeOptions(out, slots=2, model_name="m", threads=1, verify="full"))
     eos = tuple(be.manifest.eos_token_ids)  # the engine stops on them too
 
     def run(prompt: list[int]):
         events: queue.Queue = queue.Queue()
-        engine.submit(Job(Params(prompt, 16, stop_token_ids=()), emit=events.put))
+        engine.submit(Job(Request(prompt, 16), emit=events.put))  # stops: the model's eos ids
         while (ev := events.get(timeout=60))[0] != "end":
             pass
         return ev[2]

@@ -278,17 +278,18 @@ def test_speed_options_errors(art):
 def test_serve_engine_uses_the_calibrated_settings(art, monkeypatch):
     """serve resolves threads, spinning and the verify policy as generate/bench do."""
     from dflash_export.serve.engine import load_engine
+    from dflash_export.serve.options import ServeOptions
 
     monkeypatch.setattr("dflash_export.serve.text.Text", lambda *args: None)  # this artifact has no tokenizer
 
     save_settings(art, "ort:cpu", Settings(threads=1, verify=VerifyPolicy(0.2, 2)))
-    engine = load_engine(art, model="m")
+    engine = load_engine(ServeOptions(art, model_name="m"))
     try:
         assert engine.verify == VerifyPolicy(0.2, 2) and engine.slots[0].backend.threads == 1
         assert engine.slots[0].backend.spin is False
     finally:
         engine.close()
-    engine = load_engine(art, model="m", verify="full", threads=2, spin=True)
+    engine = load_engine(ServeOptions(art, model_name="m", verify="full", threads=2, spin=True))
     try:
         assert engine.verify is None and engine.slots[0].backend.threads == 2 and engine.slots[0].backend.spin
     finally:
