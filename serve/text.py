@@ -54,7 +54,9 @@ class Text:
         self.max_token_chars = max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, special: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=special).ids
+        # encode_batch releases the GIL while it works (encode holds it): a long prompt tokenized in a
+        # worker thread then leaves the event loop free (/health, other streams)
+        return self.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -176,6 +176,38 @@ def test_health_answers_within_half_a_second_while_hostile_bodies_are_refused(se
     wait_idle(engine)
 
 
+def test_tokenizing_leaves_the_event_loop_free(tmp_path):
+    """A long prompt is tokenized in a worker thread by a call that releases the GIL: the event loop
+    keeps running while it works (the longest stall well under the tokenization's time)."""
+    from dflash_export.serve.text import Text
+
+    (tmp_path / "tokenizer.json").write_bytes((ROOT / "demo/pair/target/tokenizer.json").read_bytes())
+    text = Text(tmp_path)
+    prompt = "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 1500
+
+    async def measure():
+        gaps, busy = [], True
+
+        async def tick():
+            last = time.perf_counter()
+            while busy:
+                await asyncio.sleep(0.001)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.02)
+        t0 = time.perf_counter()
+        ids = await asyncio.to_thread(text.encode, prompt)
+        took, busy = time.perf_counter() - t0, False
+        await ticker
+        return ids, took, max(gaps)
+
+    ids, took, stall = run(measure())
+    assert ids == text.tokenizer.encode(prompt).ids and stall < took / 2, (took, stall)
+
+
 # -- a temperature below the floor is greedy ------------------------------------------------------
 
 
