@@ -14,7 +14,8 @@ EXTRAS = {"torch": "export", "onnx": "export", "onnxscript": "export", "huggingf
           "fastapi": "serve", "uvicorn": "serve", "ray": "ray", "matplotlib": "dev"}  # optional dependency -> the extra installing it
 # our modules that import them (serve's engine and text import none: they are the torch-free half)
 HEAVY = ("dflash_export.export", "dflash_export.models", "dflash_export.train", "dflash_export.serve.app",
-         "dflash_export.serve.requests", "dflash_export.serve.respond", "dflash_export.serve.ray", "dflash_export.runtime.ort.backend",
+         "dflash_export.serve.requests", "dflash_export.serve.respond", "dflash_export.serve.validate",
+         "dflash_export.serve.ray", "dflash_export.runtime.ort.backend",
          "dflash_export.runtime.trt.backend", "dflash_export.serve_ray")  # the last: the deprecated alias of serve.ray
 
 

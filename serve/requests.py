@@ -91,7 +91,8 @@ class Common(BaseModel):
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
     logit_bias: Annotated[dict, Field(max_length=300)] | None = None  # OpenAI's bound (refused when not empty)
-    # extension: false: plain decoding; true: drafting allowed (the server's controller decides); "always": draft every round
+    # extension: false: plain decoding; true: drafting allowed (the server's mode decides; a server without
+    # the drafter decodes plainly); "always": draft every round
     speculative: bool | Literal["always"] | None = None
     cache_prompt: bool | None = None  # extension (llama.cpp): false: no reuse of the slot's cached prefix
 

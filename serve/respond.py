@@ -163,7 +163,8 @@ async def sse(r: Response):
             d = {} if delta is None else {"content": delta}
             ch = {"index": c, "delta": d, "finish_reason": finish, "logprobs": logprobs, "token_ids": token_ids}
         else:
-            ch = {"index": c, "text": delta or "", "finish_reason": finish, "logprobs": logprobs, "token_ids": token_ids}
+            ch = {"index": c, "text": delta or "", "finish_reason": finish, "logprobs": logprobs,
+                  "token_ids": token_ids}
         return f"data: {json.dumps({**head, 'choices': [ch], **usage_null, **extra})}\n\n"
 
     def round_chunk(c: int, new: list[int], delta: str) -> str | None:

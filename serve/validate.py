@@ -74,7 +74,8 @@ def check_ids(engine, ids: list[int], what: str) -> None:
     v = engine.manifest.vocab_size
     bad = [t for t in ids if not 0 <= t < v]
     if bad:
-        raise ApiError(400, f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {v})", param=what.split(".")[0])
+        raise ApiError(400, f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {v})",
+                       param=what.split(".")[0])
 
 
 def check_chars(engine, chars: int, what: str) -> None:
@@ -112,7 +113,8 @@ def _common(server: Server, body: Common, prompts: int) -> int:
         raise ApiError(400, f"best_of must be at least n (got best_of {best_of}, n {n})", param="best_of")
     if best_of not in (None, n):
         raise ApiError(400, f"best_of {best_of} is not supported by this server (it returns every sample: ask for n "
-                            f"{best_of} and rank them yourself, or set best_of to n)", param="best_of", code="unsupported")
+                            f"{best_of} and rank them yourself, or set best_of to n)", param="best_of",
+                       code="unsupported")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise ApiError(400, f"{name} is not supported by this server (use 0 or omit it)", param=name,
@@ -121,7 +123,8 @@ def _common(server: Server, body: Common, prompts: int) -> int:
         raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias", code="unsupported")
     need, room = prompts * n, engine.room
     if need > MAX_CHOICES:
-        raise ApiError(400, f"{prompts} prompt(s) x n {n} = {need} choices; give 1 to {MAX_CHOICES} choices per request",
+        raise ApiError(400, f"{prompts} prompt(s) x n {n} = {need} choices; give 1 to {MAX_CHOICES} choices "
+                            "per request",
                        param="n" if prompts == 1 else "prompt")
     if need > room:  # could never run, however idle the server: not a retryable 429
         raise ApiError(400, f"{prompts} prompt(s) x n {n} = {need} choices, each a row of its own; this server holds "
