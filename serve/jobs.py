@@ -37,8 +37,7 @@ class Job:
 
     request: Request
     emit: Callable[[tuple], None]
-    text: TextStream | None = None
-    stop: tuple[str, ...] = ()  # stop strings (found in `text`)
+    text: TextStream | None = None  # its streamed text, which finds the stop strings
     cache_prompt: bool = True
     submitted: float = field(default_factory=time.perf_counter)
     slot: int | None = None

@@ -74,7 +74,7 @@ async def fan_out(engine, request: Request, plan: Plan) -> Response:
     wait for the first event; a disconnected client cancels them all."""
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     jobs = [Job(q, emit=lambda ev, c=c: loop.call_soon_threadsafe(events.put_nowait, (c, ev)),
-                text=TextStream(engine.text, plan.stop), stop=plan.stop, cache_prompt=plan.cache_prompt)
+                text=TextStream(engine.text, plan.stop), cache_prompt=plan.cache_prompt)
             for c, q in enumerate(plan.requests)]
     for i, job in enumerate(jobs):
         try:
