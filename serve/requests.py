@@ -60,7 +60,8 @@ Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 # what a field whose value may take several forms accepts (pydantic's own message names one form)
 ACCEPTS = {
-    "prompt": "a string, a list of token ids (integers), a list of strings or a list of lists of token ids",
+    "prompt": (f"a string, a list of token ids (integers), or a list of 1 to {MAX_CHOICES} strings or of 1 to "
+               f"{MAX_CHOICES} lists of token ids"),
     "stop": f"a string or a list of at most {MAX_STOP} strings, each at most {MAX_STOP_CHARS} characters",
     "speculative": 'true, false or "always"',
     "content": f"a string or a list of at most {MAX_PARTS} parts {{\"type\": \"text\", \"text\": ...}}",

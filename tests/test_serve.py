@@ -395,7 +395,7 @@ BAD = [  # (method, path, body, headers, status, words in the message)
     ("POST", "/v1/completions", {"prompt": "a", "stop": "x" * 257}, {}, 400, "at most 256 characters"),
     ("POST", "/v1/completions", {"prompt": "a", "stop_token_ids": [1] * 65}, {}, 400, "at most 64"),
     ("POST", "/v1/completions", {"prompt": "a", "logit_bias": {str(i): 1 for i in range(301)}}, {}, 400, "at most 300"),
-    ("POST", "/v1/completions", {"prompt": ["a"] * 65}, {}, 400, "at most 64"),
+    ("POST", "/v1/completions", {"prompt": ["a"] * 65}, {}, 400, "1 to 64 strings"),
     ("POST", "/v1/completions", {"prompt": [5] * 257}, {}, 400, "more than the exported context"),
     ("POST", "/v1/completions", {"prompt": "a" * 5000}, {}, 400, "characters; this server reads at most"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 1025}, {}, 400, "at most 1024"),
