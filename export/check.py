@@ -80,6 +80,7 @@ class Report:
     quantization: dict | None = None  # the manifest's record for a quantized artifact
     strict: bool = False  # fp32 tolerances and token identity apply (fp32; quantized: vs the dequantized weights)
     draft_vocab: int | None = None  # N of a reduced draft vocabulary (None: the whole vocabulary)
+    accuracy: dict | None = None  # quantized: the target logits' error by cause (accuracy_effect)
     warnings: list[str] = field(default_factory=list)  # sources that no longer match the manifest's record
 
     @property
@@ -119,7 +120,20 @@ class Report:
             graphs.setdefault(r.graph, []).append({k: v for k, v in asdict(r).items() if k != "graph"})
         return {"passed": self.passed, "dtype": self.dtype, "tolerance": TOLERANCE if self.strict else None,
                 "quantization": self.quantization, "graphs": graphs, "end_to_end": self.end_to_end, "notes": self.notes,
-                "draft_vocab": self.draft_vocab, "warnings": self.warnings}
+                "draft_vocab": self.draft_vocab, "accuracy": self.accuracy, "warnings": self.warnings}
+
+
+def accuracy_effect(rows: list[Row], q: dict) -> dict:
+    """The target logits' error of a quantized artifact by cause, over check's target cases:
+    vs the float source (weights and, above level 1, activations rounded) and vs the graphs'
+    own dequantized weights (what the accuracy level's activation rounding adds alone)."""
+    out = {"accuracy_level": q.get("accuracy_level"), "from": q.get("accuracy_level_from", "flag")}
+    for ref in ("float", "dequantized"):
+        logits = [r for r in rows if r.graph == C.TARGET and r.output == "logits" and r.ref == ref and r.max is not None]
+        if logits:
+            out[ref] = {"mean_abs": float(np.mean([r.mean for r in logits])), "max_abs": max(r.max for r in logits),
+                        "top1": min(r.top1 for r in logits)}
+    return out
 
 
 def find_sources(manifest: M.Manifest, target, draft, warnings: list[str] | None = None):
@@ -206,6 +220,13 @@ def cases(target, drafter, m: M.Manifest, seed: int):
     yield C.TARGET, f"prefill P=0 S={S}", tg, [ids(S), pos(0, S), *cached(target.empty_kv(), 0, S)]
     yield C.TARGET, f"step P={P} S=1", tg, [ids(1), pos(P, 1), *cached(past, P, 1)]
     yield C.TARGET, f"verify P={P} S={K}", tg, [ids(K), pos(P, K), *cached(past, P, K)]
+    ring = (C.window(m) or {}).get("ring")
+    if ring and ring + 3 + K <= m.max_context:  # a past past the window: the sliding layers' rings have wrapped
+        P2 = ring + 3
+        with torch.inference_mode():
+            cache = target.new_cache(P2)
+            cache.append(target(ids(P2), pos(0, P2), target.empty_kv())[2])
+        yield C.TARGET, f"verify P={P2} S={K} (rings wrapped)", tg, [ids(K), pos(P2, K), *cached(cache.view(), P2, K)]
     yield C.DRAFT_CONTEXT, f"C={P}", cg, [taps, pos(0, P)]
     yield C.DRAFT_CONTEXT, "C=1", cg, [taps[:, -1:], pos(P - 1, 1)]
     yield C.DRAFT_BLOCK, f"past_ctx=0 K={K}", bg, [block(), pos(0, K), *block_inputs(m, drafter.empty_kv(), 0)]
@@ -340,6 +361,8 @@ def run_check(
             report.rows += committed_state_rows(ref_models[0], m, backend.sessions[C.TARGET], seed, report.strict)
         against = "pytorch" if q is None else "dequantized" if ref_models[0] is not target else "float"
         report.rows += ragged_rows(*ref_models, m, backend.sessions, seed, report.strict, compare, _np, against)
+    if q is not None:
+        report.accuracy = accuracy_effect(report.rows, q)
     if save_polygraphy is not None:
         with ui.phase("save", f"Polygraphy inputs/outputs to {save_polygraphy}"):
             write_polygraphy(Path(save_polygraphy), saved)

@@ -1,4 +1,4 @@
-"""The server's engine: generation slots over one loaded model, a FIFO queue, metrics.
+"""The server's engine: generation slots over one loaded model and a FIFO queue (metrics: serve/jobs.py).
 
 Each slot is a thread with its own backend fork: its own KV buffers and IO bindings over
 the one set of ONNX Runtime sessions (one copy of the weights; ORT runs a session from
@@ -180,7 +180,7 @@ def load_engine(options: ServeOptions) -> Engine:
     control = controller_for(o.speculation, cfg.costs, first.manifest.block_size) if o.speculative else None
     if o.max_batch > 1:
         return BatchEngine(first, text, o.model, o.max_queue, cfg.verify, control)
-    if o.slots > 1 and not hasattr(first, "fork"):
+    if o.slots > 1 and not first.forks:
         raise DFlashError(f"--slots {o.slots} needs a backend that shares its weights between sequences "
                           "(--backend ort); with this backend use --slots 1")
     backends = [first] + [first.fork() for _ in range(o.slots - 1)]
