@@ -105,7 +105,8 @@ def checkpoint_elements(directory: Path) -> int:
                 size = 1
                 for d in t.get("shape", []):
                     size *= int(d)
-                total += size
+                # MXFP4 (gpt-oss's released experts): two values a byte, each scale byte a block of 32
+                total += 2 * size if name.endswith("_blocks") else 0 if name.endswith("_scales") else size
     return total
 
 
@@ -275,10 +276,13 @@ def export_artifact(
     vocab_ids, vocab_record = plan_draft_vocab(draft_vocab, draft_vocab_data, target_dir, tc.vocab_size, eos, dc.family,
                                                dc.draft_vocab_size)
     elements = checkpoint_elements(target_dir) + checkpoint_elements(draft_dir)
+    # the Qwen line's experts stream from the checkpoint (export/stream.py); gpt-oss's (transposed,
+    # biased, MXFP4 as released) and Gemma 4's load into memory with the rest
+    streams = moe_path is not None and tc.windowed is None
     weight_bytes = BYTES[dtype] * (elements + (0 if vocab_ids is None else len(vocab_ids) * tc.hidden_size))
     stale = clean_stale(out)
     if room_check:
-        check_room(weight_bytes, out, dtype, streamed=BYTES[dtype] * stream.expert_elements(target_dir) if moe_path else 0)
+        check_room(weight_bytes, out, dtype, streamed=BYTES[dtype] * stream.expert_elements(target_dir) if streams else 0)
     manifest = M.Manifest(
         block_size=k, mask_token_id=mask, target_layer_ids=list(dc.target_layer_ids), dtype=dtype,
         vocab_size=tc.vocab_size, max_context=int(max_context), hidden_size=tc.hidden_size,
@@ -298,9 +302,6 @@ def export_artifact(
     try:
         with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
             manifest.sources = {"target": tsrc.record(), "draft": dsrc.record()}  # hashes the weight files
-            # the Qwen line's experts stream from the checkpoint (export/stream.py); gpt-oss's (transposed,
-            # biased, MXFP4 as released) and Gemma 4's load into memory with the rest
-            streams = moe_path is not None and tc.windowed is None
             with checkpoint.experts_on_meta() if streams else contextlib.nullcontext():
                 target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
             streamed = streams and stream.placeholders(target, interleaved=moe_path == "op")
