@@ -140,8 +140,9 @@ def test_streamed_quantized_experts_are_what_qmoe_reads(tmp_path, bits):
     deq1, deq2 = _dequantize(parts["fc1"], parts["fc1_scales"], bits), _dequantize(parts["fc2"], parts["fc2_scales"], bits)
     x, logits = torch.randn(7, 32), torch.randn(7, 4)
     got = sess.run(None, {"x": x.numpy(), "logits": logits.numpy()})[0]
-    as_read = moe_export.moe_op(x, logits, torch.from_numpy(deq1), torch.from_numpy(deq2), 2, True).numpy()
-    float_ = moe_export.moe_op(x, logits, torch.from_numpy(fc1), torch.from_numpy(fc2), 2, True).numpy()
+    QWEN = (1.0, 0.0, moe_export.NO_LIMIT)  # SwiGLU: alpha 1, beta 0, no clamp; no biases
+    as_read = moe_export.moe_op(x, logits, torch.from_numpy(deq1), None, torch.from_numpy(deq2), None, 2, True, *QWEN).numpy()
+    float_ = moe_export.moe_op(x, logits, torch.from_numpy(fc1), None, torch.from_numpy(fc2), None, 2, True, *QWEN).numpy()
     scale = float(np.abs(float_).max())
     err, q_err = float(np.abs(got - as_read).max()) / scale, float(np.abs(as_read - float_).max()) / scale
     print(f"int{bits}: QMoE vs its dequantized weights {err:.1e}, dequantized vs float {q_err:.1e} (relative to max |y|)")
