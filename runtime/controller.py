@@ -449,16 +449,16 @@ def auto_policy(costs: Costs, block: int) -> list[dict]:
     return out
 
 
-def describe_auto(costs: Costs, block: int) -> str:
-    """`auto_policy` in a line for people."""
+def describe_auto(policy: list[dict], source: str) -> str:
+    """`auto_policy` (of `source` costs: calibrated or default) in a line for people."""
     parts = []
-    for p in auto_policy(costs, block):
+    for p in policy:
         be = p["break_even"]
         pays = ("no verify length can pay: plain steps" if p["longest_paying"] is None else
                 f"verifies of up to {p['longest_paying']} can pay")
         parts.append(f"{p['rows']} row(s): verify {'/'.join(be)} pays above {'/'.join(f'{x:g}' for x in be.values())}"
                      f" tokens a round, {pays}")
-    return f"auto ({costs.source} costs): " + "; ".join(parts)
+    return f"auto ({source} costs): " + "; ".join(parts)
 
 
 def controller_for(mode: str, costs: dict | None, block_size: int) -> Controller | None:
