@@ -59,23 +59,6 @@ def describe(out: Path, verify: bool = True) -> dict:
     }
 
 
-def runtime_choices(out: Path, block: int) -> dict:
-    """{device key: the calibrated choices in runtime.json (threads, verify policy, what
-    `--speculation auto` does with its costs)}; {} when not calibrated; a bad file: {"error": ...}."""
-    try:
-        keys = S.calibrated_devices(out)
-        entries = {k: S.load_settings(out, k) for k in keys}
-    except DFlashError as e:
-        return {"error": str(e)}
-    choices = {}
-    for k, s in entries.items():
-        costs = Costs.from_json(s.costs) if s.costs else default_costs(block)
-        policy = auto_policy(costs, block)
-        choices[k] = {"threads": s.threads, "verify": S.policy_json(s.verify), "costs": costs.source,
-                      "auto_policy": policy, "auto": describe_auto(policy, costs.source)}
-    return choices
-
-
 def attention_kinds(m) -> dict:
     """The target's family and, per kind of layer, which layers and what their cache is."""
     types = m.target_layer_types or [C.ATTENTION] * m.target_layers
@@ -97,6 +80,23 @@ def attention_kinds(m) -> dict:
     if w:
         extra.update(sinks=w.get("sinks", False), final_logit_softcapping=w.get("final_logit_softcapping"))
     return {"family": family, "attention_kinds": kinds, **extra}
+
+
+def runtime_choices(out: Path, block: int) -> dict:
+    """{device key: the calibrated choices in runtime.json (threads, verify policy, what
+    `--speculation auto` does with its costs)}; {} when not calibrated; a bad file: {"error": ...}."""
+    try:
+        keys = S.calibrated_devices(out)
+        entries = {k: S.load_settings(out, k) for k in keys}
+    except DFlashError as e:
+        return {"error": str(e)}
+    choices = {}
+    for k, s in entries.items():
+        costs = Costs.from_json(s.costs) if s.costs else default_costs(block)
+        policy = auto_policy(costs, block)
+        choices[k] = {"threads": s.threads, "verify": S.policy_json(s.verify), "costs": costs.source,
+                      "auto_policy": policy, "auto": describe_auto(policy, costs.source)}
+    return choices
 
 
 def source_line(rec: dict) -> str:

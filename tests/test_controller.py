@@ -26,6 +26,7 @@ from dflash_export.errors import DFlashError
 from dflash_export.runtime.loop import Generation, Request, generate, generate_batch
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import Settings, load_settings, save_settings
+from dflash_export.runtime.sampling import Sampling
 
 MODELS = {**CASES, **ORT_CASES, "hybrid": HYBRID}
 
@@ -105,19 +106,21 @@ def test_sampled_rows_keep_their_seed_under_the_controller(name):
     K, V = be1.manifest.block_size, be1.manifest.vocab_size
     ctl = Controller(flat_costs(K, 3.0), K)
     ps = prompts(5, V, seed=9)
-    kw = dict(temperature=0.9, top_k=20, stop_token_ids=())
-    alone = [generate(be1, p, 30, seed=50 + i, control=ctl, **kw) for i, p in enumerate(ps)]
-    gens, _ = generate_batch(be3, [Request(p, 30, seed=50 + i, **kw) for i, p in enumerate(ps)], control=ctl)
+    def s(i, method="rejection"):
+        return Sampling(0.9, top_k=20, seed=50 + i, method=method)
+
+    alone = [generate(be1, p, 30, sampling=s(i), control=ctl, stop_token_ids=()) for i, p in enumerate(ps)]
+    gens, _ = generate_batch(be3, [Request(p, 30, s(i), stop_token_ids=()) for i, p in enumerate(ps)], control=ctl)
     assert [g.tokens for g in gens] == [g.tokens for g in alone]
     assert {d for g in alone for d in g.drafted} == {True, False}
-    plain = [generate(be1, p, 30, seed=50 + i, draft=False, **kw).tokens for i, p in enumerate(ps)]
+    plain = [generate(be1, p, 30, sampling=s(i), draft=False, stop_token_ids=()).tokens for i, p in enumerate(ps)]
     for i, p in enumerate(ps):
-        assert generate(be1, p, 30, seed=50 + i, sampling="compare", control=Coin(K, i), **kw).tokens == plain[i]
+        assert generate(be1, p, 30, sampling=s(i, "compare"), control=Coin(K, i), stop_token_ids=()).tokens == plain[i]
     for per_row in (False, True):  # rows drafting and plain in one round, by each row's own coin
-        reqs = [Request(p, 30, seed=50 + i, sampling="compare", **kw) for i, p in enumerate(ps)]
+        reqs = [Request(p, 30, s(i, "compare"), stop_token_ids=()) for i, p in enumerate(ps)]
         gens, _ = generate_batch(be3, reqs, control=Coin(K, 7, per_row=per_row))
         assert [g.tokens for g in gens] == plain
-    mixed = [Request(p, 30, seed=50 + i, sampling="rejection" if i % 2 else "compare", **kw) for i, p in enumerate(ps)]
+    mixed = [Request(p, 30, s(i, "rejection" if i % 2 else "compare"), stop_token_ids=()) for i, p in enumerate(ps)]
     gens, _ = generate_batch(be3, mixed, control=Controller(flat_costs(K, 3.0), K))  # rejection rows decide alone
     assert [g.tokens for g in gens] == [alone[i].tokens if i % 2 else plain[i] for i in range(len(ps))]
 

@@ -19,6 +19,7 @@ from dflash_export.runtime.controller import controller_for
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import load_settings
+from dflash_export.runtime.sampling import Sampling
 
 
 def char_tokenizer(path):
@@ -70,7 +71,7 @@ def test_generate_sampling_is_seeded(out):
     a, b, c = (json.loads(run(*args, "--seed", s).stdout)["tokens"] for s in ("1", "1", "2"))
     assert a == b and a != c
     be = OrtBackend(out)  # as generate runs it: speculation auto (a sampled row's draws follow its own rounds)
-    g = generate(be, [1, 2, 3], 20, temperature=0.8, top_k=30, top_p=0.9, seed=1,
+    g = generate(be, [1, 2, 3], 20, sampling=Sampling(0.8, top_k=30, top_p=0.9, seed=1),
                  control=controller_for("auto", load_settings(out, "ort:cpu").costs, be.manifest.block_size))
     assert a == g.tokens
 
