@@ -93,8 +93,9 @@ def runtime_choices(out: Path, block: int) -> dict:
     choices = {}
     for k, s in entries.items():
         costs = Costs.from_json(s.costs) if s.costs else default_costs(block)
+        policy = auto_policy(costs, block)
         choices[k] = {"threads": s.threads, "verify": S.policy_json(s.verify), "costs": costs.source,
-                      "auto_policy": auto_policy(costs, block), "auto": describe_auto(costs, block)}
+                      "auto_policy": policy, "auto": describe_auto(policy, costs.source)}
     return choices
 
 

@@ -272,7 +272,6 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     main = backends[key]
     report = {"provider": main.provider, "speculation": speculation, "costs": control.costs.source if control else None,
               "auto_policy": auto_policy(control.costs, m.block_size) if control else None,
-              "auto": describe_auto(control.costs, m.block_size) if control else None,
               **summarize(*runs[key], m.block_size, temperature)}
     report.update(max_new_tokens=n, prompt_source=source, threads=cfg.threads, graph_threads=cfg.graph_threads or None,
                   spin=cfg.spin, verify=policy_json(cfg.verify), draft_vocab=(m.draft_vocab or {}).get("size"),
@@ -337,8 +336,8 @@ def echo_bench(r: dict, source: str, vocab_size: int, temperature: float) -> Non
                f"speedup {r['speedup']:.2f}x")
     click.echo(f"speculation {r['speculation']}: {r['rounds']['drafted']} rounds drafted, {r['rounds']['plain']} plain"
                + (f" (cost model: {r['costs']})" if r["costs"] else ""))
-    if r["auto"]:
-        click.echo(r["auto"])
+    if r["auto_policy"]:
+        click.echo(describe_auto(r["auto_policy"], r["costs"]))
     if "off_domain" in r:
         o = r["off_domain"]
         click.echo(f"off-domain ({o['prompts']} prompts, {o['source']}): speculative "
