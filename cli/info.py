@@ -64,6 +64,8 @@ def attention_kinds(m) -> dict:
     types = m.target_layer_types or [C.ATTENTION] * m.target_layers
     w = C.window(m) or {}
     family = w.get("family") or ("hybrid" if m.linear_layers else "dense")
+    if m.moe and not w.get("family"):
+        family += " mixture-of-experts"
     kinds: dict = {}
     for i, (t, kind) in enumerate(zip(types, C.layer_kinds(C.TARGET, m))):
         k = kinds.setdefault(t, {"layers": []})
