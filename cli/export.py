@@ -228,6 +228,10 @@ def print_report(report) -> None:
                 console.print(f"[red]speculative != plain[/] at token {f['first_difference']} for prompt {f['prompt']}")
         for f in e["failures"] if q is None or report.strict else []:
             console.print(f"[red]differs[/] at token {f['first_difference']} for prompt {f['prompt']}")
+    for graph, c in report.causes.items():
+        console.print(f"quantization error on {graph} logits by cause (max abs): weights {c['weights']:.2e} (PyTorch "
+                      f"with the dequantized weights vs the float source), kernels {c['kernels']:.2e} (the graph vs "
+                      "PyTorch with its dequantized weights)")
     if report.draft_vocab:
         console.print(f"draft vocabulary: {report.draft_vocab} tokens (drafts outside it end a round early; the output is the target's)")
     for note in report.notes:

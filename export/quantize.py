@@ -42,8 +42,10 @@ nbits = lazy_import("onnxruntime.quantization.matmul_nbits_quantizer")
 onnx = lazy_import("onnx")
 numpy_helper = lazy_import("onnx.numpy_helper")
 torch = lazy_import("torch")
+moe = lazy_import("dflash_export.export.moe")
 
 SCHEMES = {"int4": 4, "int8": 8}
+ROUTERS = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")  # MoE routing weights: kept in the export dtype
 
 
 @dataclass
@@ -66,6 +68,8 @@ class QuantOptions:
         return (C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK) if self.draft else (C.TARGET,)
 
     def quantizes(self, graph: str, weight: str) -> bool:
+        if weight.endswith(ROUTERS):  # an MoE router: a rounded logit would choose other experts
+            return False
         if weight in C.SHARED_INITIALIZERS:  # the head: in both graphs or in neither, so it stays one copy
             return self.lm_head
         return graph in self.graphs()
@@ -114,6 +118,8 @@ def quantize_graph(model, q: QuantOptions, graph: str):
     if len(done) != len(quantized):
         raise DFlashError(f"ONNX Runtime's quantizer converted {len(done)} of {len(quantized)} linear layers; "
                           "re-export without --quantize")
+    if graph == C.TARGET:  # an MoE export's experts (--moe op): com.microsoft::MoE -> QMoE
+        quantized += moe.to_qmoe(out, q.bits, q.block_size, q.symmetric, q.accuracy_level)
     del proto
     return ir.serde.deserialize_model(out), quantized
 
@@ -131,6 +137,9 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
         raise DFlashError(f"{src} is already quantized ({m.quantization['scheme']}); quantize its float export "
                           "(or re-export from the checkpoints with --quantize)")
     check_options(q, m.dtype)
+    if (m.moe or {}).get("path") == "standard":
+        raise DFlashError(f"{src} runs its experts in standard ops (--moe standard), whose gathered expert weights have "
+                          "no quantized form here; quantize an --moe op export (ONNX Runtime's QMoE)")
     check_out_dir(out, force)
     ui = Phases(progress)
     t0 = time.perf_counter()
@@ -216,14 +225,16 @@ def dequantize(node, arrays: dict) -> np.ndarray:
 
 
 def dequantized_weights(root) -> dict[str, dict[str, np.ndarray]]:
-    """graph -> {float weight name: [N, K] float32} for every MatMulNBits of a quantized artifact."""
+    """graph -> {float weight name: [N, K] float32} for every MatMulNBits of a quantized artifact
+    (and [E, N, K] for the experts of each QMoE)."""
     out = {}
     for graph, f in C.GRAPH_FILES.items():
         model = onnx.load(str(Path(root) / f), load_external_data=False)
         nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
-        if not nodes:
+        experts = [n for n in model.graph.node if n.op_type == "QMoE"]
+        if not nodes and not experts:
             continue
-        wanted = {i for n in nodes for i in n.input[1:]}
+        wanted = {i for n in nodes for i in n.input[1:]} | {i for n in experts for i in n.input[2:]}
         arrays = {}
         for t in model.graph.initializer:
             if t.name in wanted:
@@ -231,6 +242,8 @@ def dequantized_weights(root) -> dict[str, dict[str, np.ndarray]]:
                     onnx.external_data_helper.load_external_data_for_tensor(t, str(Path(root)))
                 arrays[t.name] = numpy_helper.to_array(t)
         out[graph] = {n.input[1].rsplit("_Q", 1)[0]: dequantize(n, arrays) for n in nodes}
+        for n in experts:
+            out[graph].update(moe.dequantize_qmoe(n, arrays))
     return out
 
 
