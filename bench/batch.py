@@ -110,11 +110,11 @@ def round_ms(be, rows: int, ctx: int, verify: int, split: dict) -> float:
     return 1e3 * (t3 - t0)
 
 
-def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[str]) -> None:
+def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[str], spin: bool = False) -> None:
     """Qwen3-0.6B shape: rounds of the batched loop at `batch` rows vs 1 row, interleaved, fastest
     of `repeats` x 4 rounds (on a shared machine the fastest is the round nothing else preempted);
     every row holds 300 or 1000 positions (`fill`). Exports (once, reused): standard attention
-    in fp32, int4 of it, ort attention in fp32. The ratio is the aggregate decode rate: batch x (1-row round) / (batch round)."""
+    in fp32, int4 of it, ort attention in fp32 and int4 of it (int4-ort). The ratio is the aggregate decode rate: batch x (1-row round) / (batch round)."""
     import gc
     import statistics
 
@@ -123,7 +123,7 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
 
     from dflash_export.export.artifact import export_artifact
     from dflash_export.export.quantize import QuantOptions, quantize_artifact
-    from dflash_export.runtime.ort import rows as ort_rows
+    from dflash_export.runtime.ort import backend as ort_rows  # the module whose calls use scatter
     from dflash_export.runtime.ort.backend import OrtBackend
 
     if not (work / "target" / "config.json").is_file():
@@ -137,16 +137,22 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
         scatter.append(time.perf_counter() - t)
 
     ort_rows.scatter = timed_scatter
-    for name in exports:
+    def made(name: str) -> Path:  # int4: the standard export quantized; int4-ort: the ort one
         out = work / f"out-{name}"
         if not (out / "manifest.json").is_file():
-            if name == "int4":
-                quantize_artifact(work / "out-standard", out, QuantOptions(scheme="int4", draft=True, lm_head=True,
-                                                                           accuracy_level=4), force=True, progress=False)
+            if name.startswith("int4"):
+                quantize_artifact(made("standard" if name == "int4" else name.removeprefix("int4-")), out,
+                                  QuantOptions(scheme="int4", draft=True, lm_head=True, accuracy_level=4),
+                                  force=True, progress=False)
             else:
                 export_artifact(work / "target", work / "draft", out, max_context=1280, attention=name, force=True,
                                 progress=False)
-        backends = {batch: OrtBackend(out, threads=threads, max_batch=batch), 1: OrtBackend(out, threads=threads)}
+        return out
+
+    for name in exports:
+        out = made(name)
+        backends = {batch: OrtBackend(out, threads=threads, max_batch=batch, spin=spin),
+                    1: OrtBackend(out, threads=threads, spin=spin)}
         for b, be in backends.items():
             fill(be, b, 1000)
         for ctx, verify in ((300, 1), (1000, 1), (300, 6)):
@@ -161,7 +167,7 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
             med = {b: min(v) for b, v in ms.items()}
             calls = {f"batch_{b}": {k: round(min(v), 2) for k, v in split[b].items() if verify > 1 or k == "target"}
                      for b in backends}
-            print(json.dumps({"model": "qwen3-0.6b-shape", "export": name, "threads": threads, "context": ctx,
+            print(json.dumps({"model": "qwen3-0.6b-shape", "export": name, "threads": threads, "spin": spin, "context": ctx,
                               "mode": "plain" if verify == 1 else f"speculative, verify {verify}",
                               "round_ms": {f"batch_{b}": round(v, 2) for b, v in med.items()}, "calls_ms": calls,
                               "round_ms_median": {f"batch_{b}": round(statistics.median(v), 2) for b, v in ms.items()},
@@ -378,6 +384,7 @@ def main() -> None:
     ap.add_argument("--part", choices=["06b", "demo", "batch1"], required=True)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--spin", action="store_true", help="part 06b: ONNX Runtime's threads spin within a call")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--exports", default="standard,int4,ort", help="part 06b: the exports (flavours, int4), comma-separated")
     ap.add_argument("--attention", default="standard", help="part demo: the export's attention flavour")
@@ -390,7 +397,7 @@ def main() -> None:
                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                       "threads": 1 if a.part == "batch1" else a.threads}), flush=True)
     if a.part == "06b":
-        part_06b(a.work, a.threads, a.repeats, a.batch, a.exports.split(","))
+        part_06b(a.work, a.threads, a.repeats, a.batch, a.exports.split(","), a.spin)
     elif a.part == "demo":
         part_demo(a.work, a.threads, a.repeats, a.batch, a.attention)
     else:

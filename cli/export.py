@@ -1,6 +1,6 @@
 """`export` (target + drafter -> ONNX artifact directory), `quantize` and `check` (parity vs PyTorch).
 
-torch, onnx and onnxruntime are imported inside the commands, so `--help` is instant.
+The export stages (torch, onnx) are named with lazy_import and imported when a command runs, so `--help` is instant.
 """
 
 from __future__ import annotations
@@ -34,21 +34,26 @@ def quant_options(f):
         click.option("--quant-asymmetric", is_flag=True, help="Asymmetric quantization (zero points); symmetric by default."),
         click.option("--quantize-draft", is_flag=True, help="Also quantize the drafter's linear layers."),
         click.option("--quantize-lm-head", is_flag=True,
-                     help="Also quantize the LM head (one copy shared by target and drafter; the embedding lookup keeps the dtype)."),
-        click.option("--quant-accuracy-level", type=int, default=None,
-                     help="MatMulNBits accuracy_level (0-4; 4 = int8 activations on CPU) [default: ORT's]."),
+                     help="Also quantize the LM head (one copy shared by target and drafter)."),
+        click.option("--quantize-embedding", is_flag=True,
+                     help="Also quantize the embedding lookup (GatherBlockQuantized; tied embeddings: with --quantize-lm-head, "
+                          "one copy of the table serves both)."),
+        click.option("--quant-accuracy-level", type=click.Choice(["auto", "0", "1", "2", "3", "4"]), default=None,
+                     help="MatMulNBits accuracy_level: 0 = fp32 activations, 4 = int8 activations (faster on CPU, more "
+                          "error); auto measures both on the artifact (speed and logits vs float) [default: auto]."),
     ]):
         f = opt(f)
     return f
 
 
-def quant_request(quantize, block_size, asymmetric, draft, lm_head, accuracy_level):
+def quant_request(quantize, block_size, asymmetric, draft, lm_head, embedding, accuracy_level):
     """The QuantOptions asked for, or None; the sub-options alone are a mistake."""
     if quantize is not None:
-        return export_quantize.QuantOptions(quantize, block_size, not asymmetric, draft, lm_head, accuracy_level)
-    if draft or lm_head or asymmetric or accuracy_level is not None:
-        raise DFlashError("--quantize-draft, --quantize-lm-head, --quant-asymmetric and --quant-accuracy-level "
-                          "need --quantize int4|int8")
+        level = None if accuracy_level in (None, "auto") else int(accuracy_level)
+        return export_quantize.QuantOptions(quantize, block_size, not asymmetric, draft, lm_head, level, embedding)
+    if draft or lm_head or embedding or asymmetric or accuracy_level is not None:
+        raise DFlashError("--quantize-draft, --quantize-lm-head, --quantize-embedding, --quant-asymmetric and "
+                          "--quant-accuracy-level need --quantize int4|int8")
     return None
 
 
@@ -82,9 +87,9 @@ def quant_request(quantize, block_size, asymmetric, draft, lm_head, accuracy_lev
 @click.option("--no-room-check", is_flag=True,
               help="Export even when free memory or disk look too small for the model (the OS may kill it).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, block_size, max_context, mask_token_id, opset, attention, quantize,
-           quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level,
-           draft_vocab, draft_vocab_data, moe, force, no_room_check, quiet):
+def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, block_size, max_context, mask_token_id, opset,
+           attention, quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quantize_embedding,
+           quant_accuracy_level, draft_vocab, draft_vocab_data, moe, force, no_room_check, quiet):
     """Trace a target and its DFlash drafter to ONNX: target.onnx, draft_context.onnx,
     draft_block.onnx, their external weights (weights several graphs hold stored once, in
     shared.data), the tokenizer files and manifest.json with the sha256 of every file and
@@ -106,7 +111,8 @@ def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, bloc
       dflash-export export --target t --draft d --out art --draft-vocab 32768 --draft-vocab-data corpus.jsonl
       dflash-export export --target Qwen3-30B-A3B --draft d --out art --moe standard   # TensorRT
     """
-    q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level)
+    q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quantize_embedding,
+                      quant_accuracy_level)
     target_dir = sources.resolve(target_dir, revision, "target")
     draft_dir = sources.resolve(draft_dir, draft_revision, "drafter")
     export_artifact.export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
@@ -121,7 +127,7 @@ def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, bloc
 @quant_options
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory (only once quantization succeeded).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head,
+def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quantize_embedding,
              quant_accuracy_level, force, quiet):
     """Quantize the weights of an exported directory SRC (fp32 or fp16) into --out, without
     re-tracing: what `export --quantize` does after its float export (docs/quantization.md).
@@ -131,7 +137,8 @@ def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantiz
       dflash-export quantize art --out art-int4 --quantize int4
       dflash-export quantize art --out art-int8 --quantize int8 --quantize-draft --quantize-lm-head
     """
-    q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quant_accuracy_level)
+    q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quantize_embedding,
+                      quant_accuracy_level)
     if q is None:
         raise DFlashError("quantize needs --quantize int4|int8")
     export_quantize.quantize_artifact(src, out_dir, q, force=force, progress=not quiet)
@@ -228,10 +235,20 @@ def print_report(report) -> None:
                 console.print(f"[red]speculative != plain[/] at token {f['first_difference']} for prompt {f['prompt']}")
         for f in e["failures"] if q is None or report.strict else []:
             console.print(f"[red]differs[/] at token {f['first_difference']} for prompt {f['prompt']}")
-    for graph, c in report.causes.items():
-        console.print(f"quantization error on {graph} logits by cause (max abs): weights {c['weights']:.2e} (PyTorch "
-                      f"with the dequantized weights vs the float source), kernels {c['kernels']:.2e} (the graph vs "
-                      "PyTorch with its dequantized weights)")
+    a = report.accuracy
+    if a:
+        line = f"accuracy level {a['accuracy_level']} ({a['from']}): target logits vs the float source"
+        if "float" in a:
+            line += f" mean {a['float']['mean_abs']:.2e}, max {a['float']['max_abs']:.2e}, top-1 {a['float']['top1']:.4f}"
+        if "dequantized" in a:
+            line += (f"; of it, vs the graphs' own dequantized weights (the activations' rounding alone) mean "
+                     f"{a['dequantized']['mean_abs']:.2e}, max {a['dequantized']['max_abs']:.2e}")
+        console.print(line)
+        probe = (report.quantization or {}).get("accuracy_probe")
+        if probe:
+            console.print("measured at quantize time: " + "; ".join(
+                f"level {lv}: step {p['step_ms']:.2f} ms, logits mean error vs float {p['logits_mean_abs_err']:.2e}, "
+                f"top-1 {p['top1_agreement']:.3f}" for lv, p in probe.items() if lv.isdigit()))
     if report.draft_vocab:
         console.print(f"draft vocabulary: {report.draft_vocab} tokens (drafts outside it end a round early; the output is the target's)")
     for note in report.notes:

@@ -80,11 +80,8 @@ class Report:
     quantization: dict | None = None  # the manifest's record for a quantized artifact
     strict: bool = False  # fp32 tolerances and token identity apply (fp32; quantized: vs the dequantized weights)
     draft_vocab: int | None = None  # N of a reduced draft vocabulary (None: the whole vocabulary)
+    accuracy: dict | None = None  # quantized: the target logits' error by cause (accuracy_effect)
     warnings: list[str] = field(default_factory=list)  # sources that no longer match the manifest's record
-    # quantized: the worst logits error per graph by cause: "weights" (PyTorch with the dequantized weights vs
-    # the float source: rounding of the weights) and "kernels" (the graphs vs PyTorch with their dequantized
-    # weights: what the kernels add, e.g. int8 activations)
-    causes: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -123,7 +120,20 @@ class Report:
             graphs.setdefault(r.graph, []).append({k: v for k, v in asdict(r).items() if k != "graph"})
         return {"passed": self.passed, "dtype": self.dtype, "tolerance": TOLERANCE if self.strict else None,
                 "quantization": self.quantization, "graphs": graphs, "end_to_end": self.end_to_end, "notes": self.notes,
-                "draft_vocab": self.draft_vocab, "warnings": self.warnings, "causes": self.causes}
+                "draft_vocab": self.draft_vocab, "accuracy": self.accuracy, "warnings": self.warnings}
+
+
+def accuracy_effect(rows: list[Row], q: dict) -> dict:
+    """The target logits' error of a quantized artifact by cause, over check's target cases:
+    vs the float source (weights and, above level 1, activations rounded) and vs the graphs'
+    own dequantized weights (what the accuracy level's activation rounding adds alone)."""
+    out = {"accuracy_level": q.get("accuracy_level"), "from": q.get("accuracy_level_from", "flag")}
+    for ref in ("float", "dequantized"):
+        logits = [r for r in rows if r.graph == C.TARGET and r.output == "logits" and r.ref == ref and r.max is not None]
+        if logits:
+            out[ref] = {"mean_abs": float(np.mean([r.mean for r in logits])), "max_abs": max(r.max for r in logits),
+                        "top1": min(r.top1 for r in logits)}
+    return out
 
 
 def find_sources(manifest: M.Manifest, target, draft, warnings: list[str] | None = None):
@@ -210,6 +220,13 @@ def cases(target, drafter, m: M.Manifest, seed: int):
     yield C.TARGET, f"prefill P=0 S={S}", tg, [ids(S), pos(0, S), *cached(target.empty_kv(), 0, S)]
     yield C.TARGET, f"step P={P} S=1", tg, [ids(1), pos(P, 1), *cached(past, P, 1)]
     yield C.TARGET, f"verify P={P} S={K}", tg, [ids(K), pos(P, K), *cached(past, P, K)]
+    ring = (C.window(m) or {}).get("ring")
+    if ring and ring + 3 + K <= m.max_context:  # a past past the window: the sliding layers' rings have wrapped
+        P2 = ring + 3
+        with torch.inference_mode():
+            cache = target.new_cache(P2)
+            cache.append(target(ids(P2), pos(0, P2), target.empty_kv())[2])
+        yield C.TARGET, f"verify P={P2} S={K} (rings wrapped)", tg, [ids(K), pos(P2, K), *cached(cache.view(), P2, K)]
     yield C.DRAFT_CONTEXT, f"C={P}", cg, [taps, pos(0, P)]
     yield C.DRAFT_CONTEXT, "C=1", cg, [taps[:, -1:], pos(P - 1, 1)]
     yield C.DRAFT_BLOCK, f"past_ctx=0 K={K}", bg, [block(), pos(0, K), *block_inputs(m, drafter.empty_kv(), 0)]
@@ -343,16 +360,15 @@ def run_check(
                 with torch.inference_mode():
                     ref_float = [_np(t) for t in G.wrapper(graph, target, drafter, C.flavour(m), m.max_context,
                                                          C.ragged(m), C.ring(m))(*inputs)]
-                ref_float = written_rows(feeds, names_out, ref_float)
-                report.rows += compare(graph, case, names_out, got, ref_float, False, "float")
-                if ref_models[0] is not target:
-                    _causes(report.causes.setdefault(graph, {"weights": 0.0, "kernels": 0.0}), names_out, got, ref,
-                            ref_float)
+                report.rows += compare(graph, case, names_out, got, written_rows(feeds, names_out, ref_float), False,
+                                       "float")
             saved.append((graph, case, feeds, dict(zip(names_out, ref)), dict(zip(names_out, got))))
         if m.linear_layers:
             report.rows += committed_state_rows(ref_models[0], m, backend.sessions[C.TARGET], seed, report.strict)
         against = "pytorch" if q is None else "dequantized" if ref_models[0] is not target else "float"
         report.rows += ragged_rows(*ref_models, m, backend.sessions, seed, report.strict, compare, _np, against)
+    if q is not None:
+        report.accuracy = accuracy_effect(report.rows, q)
     if save_polygraphy is not None:
         with ui.phase("save", f"Polygraphy inputs/outputs to {save_polygraphy}"):
             write_polygraphy(Path(save_polygraphy), saved)
@@ -362,14 +378,6 @@ def run_check(
             report.end_to_end = end_to_end(backend, *ref_models, m, prompts, max_new_tokens, seed, oracle,
                                            float_models=None if q is None else (target, drafter))
     return report
-
-
-def _causes(worst: dict, names: list[str], got: list, dequantized: list, float_ref: list) -> None:
-    """Update a graph's worst logits error by cause (Report.causes) with one case's outputs."""
-    for name, o, d, f in zip(names, got, dequantized, float_ref):
-        if name in C.ID_LOGITS.values() and o.size:
-            worst["weights"] = max(worst["weights"], float(np.abs(d.astype(np.float64) - f).max()))
-            worst["kernels"] = max(worst["kernels"], float(np.abs(o.astype(np.float64) - d).max()))
 
 
 def written_rows(feeds: dict, names: list[str], outs: list) -> list:

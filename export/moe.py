@@ -164,10 +164,11 @@ def quantize_experts(w: np.ndarray, bits: int, block: int, symmetric: bool):
     return codes.reshape(e, n, k * bits // 8), scales, None if symmetric else zp
 
 
-def to_qmoe(proto, bits: int, block: int, symmetric: bool, accuracy_level: int | None) -> list[str]:
+def to_qmoe(proto, bits: int, block: int, symmetric: bool) -> list[str]:
     """Replace every com.microsoft::MoE node of an onnx ModelProto (weights loaded) by a
     com.microsoft::QMoE over the same experts quantized block-wise; returns the float
-    weights' names. Expert widths must divide into blocks (QMoE's rule): one line if not."""
+    weights' names. Expert widths must divide into blocks (QMoE's rule): one line if not. The
+    accuracy level is set afterwards with MatMulNBits' (export/accuracy_level.py set_level)."""
     graph = proto.graph
     inits = {t.name: t for t in graph.initializer}
     done = []
@@ -185,8 +186,6 @@ def to_qmoe(proto, bits: int, block: int, symmetric: bool, accuracy_level: int |
             graph.initializer.extend(numpy_helper.from_array(a, n) for a, n in zip((codes, scales, zp), ins[name]) if n)
         attrs = attrs_of(node)
         attrs.update(expert_weight_bits=bits, block_size=block, weights_prepacked=0, normalize_routing_weights=1)
-        if accuracy_level is not None:
-            attrs["accuracy_level"] = accuracy_level
         (q1, s1, z1), (q2, s2, z2) = ins[fc1], ins[fc2]
         out = node.output[0]
         renorm = [] if attrs_of(node).get("normalize_routing_weights") else unnormalise(node, out, attrs["k"])

@@ -1,6 +1,6 @@
 """The operator sets a graph may hold: standard ai.onnx, and the ONNX Runtime contrib ops that a
-quantized export (MatMulNBits), the "ort" attention flavour or the MoE op path (export/moe.py)
-asks for; the onnx schemas of the latter two."""
+quantized export (MatMulNBits, GatherBlockQuantized), the "ort" attention flavour or the MoE op
+path (export/moe.py) asks for; the onnx schemas of the latter two."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from ..lazy import lazy_import
 onnx = lazy_import("onnx")  # on first use (lazy.py)
 
 STANDARD_DOMAINS = ("", "ai.onnx")
-QUANT_OPS = (("com.microsoft", "MatMulNBits"),)  # what a quantized graph may hold beyond ai.onnx
+# what a quantized graph may hold beyond ai.onnx: the linear layers, the embedding lookup
+QUANT_OPS = (("com.microsoft", "MatMulNBits"), ("com.microsoft", "GatherBlockQuantized"))
 ORT_FLAVOUR_OPS = (("com.microsoft", "GroupQueryAttention"), ("com.microsoft", "SkipSimplifiedLayerNormalization"))  # the ort flavour's target
 MOE_OPS = (("com.microsoft", "MoE"),)  # an MoE target exported with --moe op
 QMOE_OPS = (("com.microsoft", "QMoE"),)  # ... and quantized (export/moe.py to_qmoe)

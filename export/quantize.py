@@ -4,9 +4,15 @@
 input dimension) replaces each `MatMul(x, W)` whose W is a constant [in, out] initializer
 with `com.microsoft::MatMulNBits(x, W_Q, W_scales[, W_zero_points])`; export/trace.py's
 `store_transposed` puts the weights in that layout first. Only linear weights are touched:
-attention's MatMuls have no constant input, and the embedding lookup (Gather) keeps the
-export dtype. The LM head stays in the export dtype unless asked for; its quantized tensors
-(`lm_head.weight_Q4`, ...) are shared initializers like the head itself, written once.
+attention's MatMuls have no constant input. The LM head and the embedding lookup stay in the
+export dtype unless asked for; their quantized tensors (`lm_head.weight_Q4`, ...) are shared
+initializers like the float ones, written once. The lookup, asked for, becomes
+`com.microsoft::GatherBlockQuantized` over the table quantized exactly as MatMulNBits would
+quantize it as a head (the same function on the table's transpose): with tied embeddings the
+two read the same bytes of shared.data.
+
+MatMulNBits' accuracy_level (0: fp32 activations; 4: activations quantized to int8 per block,
+int8 dot products) is chosen per artifact by measurement (export/accuracy_level.py) unless given.
 
 The graphs then need ONNX Runtime (CPU, CUDA and DirectML providers have MatMulNBits);
 TensorRT's parser does not take it (export/trt_lint.py refuses such graphs).
@@ -18,7 +24,6 @@ import contextlib
 import copy
 import dataclasses
 import logging
-import os
 import shutil
 import sys
 import time
@@ -31,7 +36,8 @@ from ..runtime import contract as C, manifest as M
 from ..errors import DFlashError
 from ..lazy import lazy_import
 from .ops import QUANT_OPS
-from .outdir import check_out_dir, commit, write_manifest_checked
+from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_checked
+from . import accuracy_level as AL
 from .progress import Phases, report
 from .save import graph_spec, save_graphs
 from .trace import store_transposed
@@ -39,6 +45,7 @@ from .validate import validate_artifact
 
 ir = lazy_import("onnx_ir")  # onnx, onnxruntime's quantizer, torch: on first use (lazy.py)
 nbits = lazy_import("onnxruntime.quantization.matmul_nbits_quantizer")
+ort_pybind = lazy_import("onnxruntime.capi._pybind_state")  # its C++ blockwise quantizer (pack_blocks)
 onnx = lazy_import("onnx")
 numpy_helper = lazy_import("onnx.numpy_helper")
 torch = lazy_import("torch")
@@ -57,7 +64,8 @@ class QuantOptions:
     symmetric: bool = True
     draft: bool = False  # also the drafter's linear layers (draft_context, draft_block)
     lm_head: bool = False  # also the LM head (shared by target and draft_block)
-    accuracy_level: int | None = None  # MatMulNBits' compute type on CPU (None: the provider's default)
+    accuracy_level: int | None = None  # MatMulNBits' compute type on CPU (None: measured, export/accuracy_level.py)
+    embedding: bool = False  # also the embedding lookup (GatherBlockQuantized)
 
     @property
     def bits(self) -> int:
@@ -74,9 +82,10 @@ class QuantOptions:
             return self.lm_head
         return graph in self.graphs()
 
-    def record(self, weights: dict[str, list[str]]) -> dict:
+    def record(self, weights: dict[str, list[str]], level: dict) -> dict:
+        """level: {"accuracy_level", "accuracy_level_from" ("flag" | "measured"), "accuracy_probe"}."""
         d = asdict(self)
-        d.update(method="onnxruntime MatMulNBitsQuantizer (RTN, blockwise)", bits=self.bits, weights=weights)
+        d.update(method="onnxruntime MatMulNBitsQuantizer (RTN, blockwise)", bits=self.bits, weights=weights, **level)
         return d
 
 
@@ -119,9 +128,66 @@ def quantize_graph(model, q: QuantOptions, graph: str):
         raise DFlashError(f"ONNX Runtime's quantizer converted {len(done)} of {len(quantized)} linear layers; "
                           "re-export without --quantize")
     if graph == C.TARGET:  # an MoE export's experts (--moe op): com.microsoft::MoE -> QMoE
-        quantized += moe.to_qmoe(out, q.bits, q.block_size, q.symmetric, q.accuracy_level)
+        quantized += moe.to_qmoe(out, q.bits, q.block_size, q.symmetric)
     del proto
     return ir.serde.deserialize_model(out), quantized
+
+
+def pack_blocks(w_in_out: np.ndarray, q: QuantOptions) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A [K, N] weight -> (packed uint8 [N, blocks, blob], scales [N, blocks], zero points or None):
+    ONNX Runtime's own C++ blockwise quantizer, the one MatMulNBitsQuantizer calls, so a table
+    quantized here has the bytes a MatMulNBits head of the same weight has."""
+    k, n = w_in_out.shape
+    if k % q.block_size:
+        raise DFlashError(f"--quantize-embedding: hidden size {k} is not a multiple of --quant-block-size {q.block_size}")
+    blocks = k // q.block_size
+    w = np.ascontiguousarray(w_in_out)
+    packed = np.zeros((n, blocks, q.block_size * q.bits // 8), np.uint8)
+    scales = np.zeros((n, blocks), w.dtype)
+    zp = np.zeros((n, (blocks * q.bits + 7) // 8), np.uint8)
+    fn = ort_pybind.quantize_matmul_4bits if q.bits == 4 else ort_pybind.quantize_matmul_8bits
+    fn(packed, w, scales, zp, q.block_size, n, k, q.symmetric)
+    return packed, scales, None if q.symmetric else zp
+
+
+def quantize_embedding(model, q: QuantOptions) -> bool:
+    """Gather(embed_tokens.weight, ids) -> com.microsoft::GatherBlockQuantized(table_Qn, ids, scales[, zp])
+    (uint8 data, `bits` packed low bits first along the hidden axis, zero point 2^(bits-1) when
+    symmetric: MatMulNBits' own convention, checked against it in tests/test_quantize.py).
+    False when the graph has no lookup of the table."""
+    embed = C.SHARED_INITIALIZERS[0]
+    value = model.graph.initializers.get(embed)
+    gathers = [node for node, _ in value.uses() if node.op_type == "Gather"] if value is not None else []
+    if not gathers:
+        return False
+    table = value.const_value.numpy()
+    if table.dtype not in (np.float32, np.float16):
+        raise DFlashError(f"--quantize-embedding: the table is {table.dtype}; export with --dtype fp32 or fp16")
+    packed, scales, zp = pack_blocks(table.T, q)
+    vocab, hidden = table.shape
+    del table
+    inputs = {f"{embed}_Q{q.bits}": packed.reshape(vocab, hidden * q.bits // 8), f"{embed}_scales": scales}
+    if zp is not None:
+        inputs[f"{embed}_zero_points"] = zp
+    values = {}
+    for name, arr in inputs.items():
+        values[name] = ir.Value(name=name, shape=ir.Shape(arr.shape), type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)),
+                                const_value=ir.Tensor(arr, name=name))
+        model.graph.register_initializer(values[name])
+    data, scale, *zero = values.values()
+    for node in gathers:
+        axis = node.attributes.get("axis")
+        if (axis.value if axis is not None else 0) != 0:
+            raise DFlashError(f"--quantize-embedding: {node.name} gathers along axis {axis.value}, not the vocabulary")
+        new = ir.Node("com.microsoft", "GatherBlockQuantized", [data, node.inputs[1], scale, *zero],
+                      attributes=[ir.AttrInt64("gather_axis", 0), ir.AttrInt64("quantize_axis", 1),
+                                  ir.AttrInt64("block_size", q.block_size), ir.AttrInt64("bits", q.bits)],
+                      name=f"{node.name or 'embed'}_quantized")
+        ir.convenience.replace_nodes_and_values(model.graph, node, [node], [new], node.outputs, new.outputs)
+    if not value.uses():
+        model.graph.initializers.pop(embed)
+    model.opset_imports.setdefault("com.microsoft", 1)
+    return True
 
 
 def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progress: bool = True) -> M.Manifest:
@@ -129,7 +195,8 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
 
     Graphs are read with their external data mapped, quantized one at a time and written
     like the export writes them (shared tensors once in shared.data, the rest as external
-    data of their graph), validated and described in a new manifest. Atomic like `export`.
+    data of their graph), validated, their accuracy level set (measured unless given) and
+    described in a new manifest. Atomic like `export`.
     """
     src, out = Path(src), Path(out).absolute()
     m = M.load_manifest(src, verify=True)
@@ -142,31 +209,38 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
                           "no quantized form here; quantize an --moe op export (ONNX Runtime's QMoE)")
     check_out_dir(out, force)
     ui = Phases(progress)
+    for p in clean_stale(out):
+        ui.console.print(f"removed {p.name}, left by an export or quantization that did not finish")
     t0 = time.perf_counter()
-    tmp = out.parent / f".{out.name}.partial-q{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging(out, "partial-q")  # export --quantize: its own export's staging is `partial`
     embed, head = C.SHARED_INITIALIZERS
     quantized: dict[str, list[str]] = {}
     try:
-        tmp.mkdir()
+        extra = " + LM head" if q.lm_head else ""
+        extra += " + embedding" if q.embedding else ""
         with ui.phase("quantize", f"{q.scheme}, block {q.block_size}, {'symmetric' if q.symmetric else 'asymmetric'}: "
-                                  f"{', '.join(q.graphs())}{' + LM head' if q.lm_head else ''} (onnxruntime)"):
+                                  f"{', '.join(q.graphs())}{extra} (onnxruntime)"):
             models, tied = {}, False
             for name, f in C.GRAPH_FILES.items():
                 model = ir.load(src / f)  # external data stays on disk until a tensor is read
                 inits = model.graph.initializers
                 if name == C.TARGET:
                     tied = head in inits and embed in inits and _same_bytes(inits[head], inits[embed])
+                    if tied and q.embedding and not q.lm_head:
+                        raise DFlashError("--quantize-embedding on tied embeddings needs --quantize-lm-head too: the "
+                                          "float head reads the table's own bytes, so a quantized lookup would add a copy")
                 # a tied head keeps the table's bytes unless quantized: then it needs its own [in, out] layout
                 store_transposed(model, keep=(head,) if tied and not q.lm_head else ())
                 if name in q.graphs() or (q.lm_head and head in inits):
                     model, quantized[name] = quantize_graph(model, q, name)
                     if not quantized[name]:
                         raise DFlashError(f"{f} has no linear layer with a constant weight to quantize")
+                if q.embedding and quantize_embedding(model, q):
+                    quantized.setdefault(name, []).append(embed)
                 models[name] = model
             # shared: the embedding, and what several graphs hold with the same bytes (a quantized
             # head, the drafter's K/V projections); quantization is deterministic, so they match
-            shared = save_graphs(tmp, models, tied and not q.lm_head)
+            shared = save_graphs(tmp, models, aliases(models[C.TARGET], q, tied))
             del models
             for name in C.TOKENIZER_FILES:
                 if (src / name).is_file():
@@ -175,7 +249,14 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
             validate_artifact(tmp, m.dtype, quantized=True, attention=m.attention, moe=(m.moe or {}).get("path"))
         specs = {name: graph_spec(tmp / f) for name, f in C.GRAPH_FILES.items()}
         manifest = dataclasses.replace(m, graphs=specs, files={}, engines=None, shared=shared,
-                                       quantization=q.record(quantized))
+                                       quantization=q.record(quantized, {}))
+        level = {"accuracy_level": q.accuracy_level, "accuracy_level_from": "flag"}
+        if q.accuracy_level is None:
+            with ui.phase("accuracy level", "MatMulNBits at levels 0 and 4: step time and logits vs the float export"):
+                write_manifest_checked(tmp, manifest)  # the probe opens the directory like any reader
+                level = AL.choose(tmp, src, manifest)
+        AL.set_level(tmp, level["accuracy_level"])
+        manifest = dataclasses.replace(manifest, quantization=q.record(quantized, level))
         write_manifest_checked(tmp, manifest)
         commit(tmp, out)
     except BaseException:
@@ -183,6 +264,23 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
         raise
     report(ui, out, time.perf_counter() - t0)
     return manifest
+
+
+def aliases(target, q: QuantOptions, tied: bool) -> dict[str, str]:
+    """Shared tensors stored as the bytes of another (name -> that name): a tied float head is
+    the table; a quantized tied head and the quantized table are the same packed bytes."""
+    embed, head = C.SHARED_INITIALIZERS
+    if not tied:
+        return {}
+    if not q.lm_head:
+        return {head: embed}
+    inits = target.graph.initializers
+    out = {}
+    for suffix in (f"_Q{q.bits}", "_scales", "_zero_points"):
+        a, b = inits.get(embed + suffix), inits.get(head + suffix)
+        if a is not None and b is not None and np.array_equal(a.const_value.numpy().ravel(), b.const_value.numpy().ravel()):
+            out[a.name] = b.name
+    return out
 
 
 def _same_bytes(a, b) -> bool:
@@ -193,27 +291,36 @@ def _same_bytes(a, b) -> bool:
 
 
 def dequantize(node, arrays: dict) -> np.ndarray:
-    """A MatMulNBits node's weight as the float [N, K] matrix it multiplies by (x @ W.T),
-    from its packed inputs, per ONNX Runtime's contrib-op spec: B uint8 [N, blocks, blob]
-    (4 bits: two values a byte, low nibble first), scales [N * blocks], zero points packed
-    the same way (absent: 2^(bits-1)). Written here, not taken from ORT, so that `check`
-    compares the graphs with an independent reading of their weights."""
+    """A MatMulNBits node's weight as the float [N, K] matrix it multiplies by (x @ W.T), or a
+    GatherBlockQuantized node's table [vocab, hidden], from its packed inputs, per ONNX
+    Runtime's contrib-op spec: uint8 [N, blocks, blob] (4 bits: two values a byte, low nibble
+    first), scales [N, blocks], zero points packed the same way (absent: 2^(bits-1)); the
+    lookup's data is the same bytes as [N, K * bits / 8]. Written here, not taken from ORT, so
+    that `check` compares the graphs with an independent reading of their weights."""
     attr = {a.name: a.i for a in node.attribute}
-    n, k, bits, bs = attr["N"], attr["K"], attr["bits"], attr["block_size"]
     ins = list(node.input) + [""] * 4
-    b, scales = arrays[ins[1]], arrays[ins[2]].astype(np.float32).reshape(n, -1)
+    if node.op_type == "GatherBlockQuantized":
+        if (attr.get("gather_axis", 0), attr.get("quantize_axis", 1)) != (0, 1):
+            raise DFlashError(f"GatherBlockQuantized {node.name}: axes other than gather 0 / quantize 1 are not produced here")
+        data, zp_name = arrays[ins[0]], ins[3]
+        bits, bs = attr.get("bits", 4), attr["block_size"]
+        n, k = data.shape[0], data.shape[1] * 8 // bits
+    else:
+        data, zp_name = arrays[ins[1]], ins[3]
+        n, k, bits, bs = attr["N"], attr["K"], attr["bits"], attr["block_size"]
+    scales = arrays[ins[2]].astype(np.float32).reshape(n, -1)
     blocks = scales.shape[1]
     if bits == 4:
-        b = b.reshape(n, -1)
+        b = data.reshape(n, -1)
         q = np.stack([b & 0x0F, b >> 4], -1).reshape(n, blocks, bs)
     elif bits == 8:
-        q = b.reshape(n, blocks, bs)
+        q = data.reshape(n, blocks, bs)
     else:
-        raise DFlashError(f"MatMulNBits {node.name}: {bits} bits is not int4 or int8")
-    if ins[3]:
-        zp = arrays[ins[3]]
+        raise DFlashError(f"{node.op_type} {node.name}: {bits} bits is not int4 or int8")
+    if zp_name:
+        zp = arrays[zp_name]
         if zp.dtype != np.uint8:
-            raise DFlashError(f"MatMulNBits {node.name}: float zero points are not produced by this exporter")
+            raise DFlashError(f"{node.op_type} {node.name}: float zero points are not produced by this exporter")
         zp = zp.reshape(n, -1)
         if bits == 4:
             zp = np.stack([zp & 0x0F, zp >> 4], -1).reshape(n, -1)
@@ -224,24 +331,28 @@ def dequantize(node, arrays: dict) -> np.ndarray:
     return w.reshape(n, blocks * bs)[:, :k]
 
 
+QUANTIZED_NODES = ("MatMulNBits", "GatherBlockQuantized")
+
+
 def dequantized_weights(root) -> dict[str, dict[str, np.ndarray]]:
-    """graph -> {float weight name: [N, K] float32} for every MatMulNBits of a quantized artifact
-    (and [E, N, K] for the experts of each QMoE)."""
+    """graph -> {float weight name: [N, K] float32} for every MatMulNBits (and the lookup table
+    of a GatherBlockQuantized) of a quantized artifact, and [E, N, K] for the experts of each QMoE."""
     out = {}
     for graph, f in C.GRAPH_FILES.items():
         model = onnx.load(str(Path(root) / f), load_external_data=False)
-        nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+        nodes = [n for n in model.graph.node if n.op_type in QUANTIZED_NODES]
         experts = [n for n in model.graph.node if n.op_type == "QMoE"]
         if not nodes and not experts:
             continue
-        wanted = {i for n in nodes for i in n.input[1:]} | {i for n in experts for i in n.input[2:]}
+        wanted = {i for n in nodes + experts for i in n.input if i}
         arrays = {}
         for t in model.graph.initializer:
             if t.name in wanted:
                 if t.data_location == onnx.TensorProto.EXTERNAL:
                     onnx.external_data_helper.load_external_data_for_tensor(t, str(Path(root)))
                 arrays[t.name] = numpy_helper.to_array(t)
-        out[graph] = {n.input[1].rsplit("_Q", 1)[0]: dequantize(n, arrays) for n in nodes}
+        weight = lambda n: (n.input[0] if n.op_type == "GatherBlockQuantized" else n.input[1]).rsplit("_Q", 1)[0]  # noqa: E731
+        out[graph] = {weight(n): dequantize(n, arrays) for n in nodes}
         for n in experts:
             out[graph].update(moe.dequantize_qmoe(n, arrays))
     return out
@@ -251,13 +362,15 @@ def dequantized_sources(root: Path, target, drafter):
     """Copies of the PyTorch modules holding the weights the quantized graphs multiply by, or
     (None, why) when a quantized weight is not a parameter of the source."""
     qt, qd = copy.deepcopy(target), copy.deepcopy(drafter)
-    head = C.SHARED_INITIALIZERS[1]
+    embed, head = C.SHARED_INITIALIZERS
     for graph, weights in dequantized_weights(root).items():
         module = qt if graph == C.TARGET else qd
         for name, w in weights.items():
-            if name == head:  # one head for both graphs; a tied one is untied, the lookup keeps the float table
-                p = qt.lm_head.weight
-                qt.lm_head.weight = torch.nn.Parameter(torch.from_numpy(w).to(p.dtype), requires_grad=False)
+            # one head and one table for both graphs; a tied pair is untied: each reads its own rounding
+            if name in (head, embed):
+                owner = qt.lm_head if name == head else qt.model.embed_tokens
+                p = owner.weight
+                owner.weight = torch.nn.Parameter(torch.from_numpy(w).to(p.dtype), requires_grad=False)
                 continue
             try:
                 p = module.get_parameter(name)

@@ -31,15 +31,15 @@ def shared_names(models: dict) -> dict[str, list[str]]:
     several graphs hold with the same name and the same bytes (the same parameter), and
     the shared embedding / LM head."""
     where: dict[str, list[str]] = {}
-    digest: dict[str, set] = {}
     for graph, model in models.items():
         for value in model.graph.initializers.values():
             t = value.const_value
             if t is not None and t.nbytes >= INLINE_BELOW:
                 where.setdefault(value.name, []).append(graph)
-                digest.setdefault(value.name, set()).add(_digest(t))
-    return {n: g for n, g in where.items()
-            if n in C.SHARED_INITIALIZERS or (len(g) > 1 and len(digest[n]) == 1)}
+    # bytes are hashed only where a name recurs: a graph's own weights (a MoE target's streamed
+    # experts, export/stream.py) are never read here
+    return {n: g for n, g in where.items() if n in C.SHARED_INITIALIZERS or (
+        len(g) > 1 and len({_digest(models[x].graph.initializers[n].const_value) for x in g}) == 1)}
 
 
 def _digest(t) -> str:
@@ -49,16 +49,19 @@ def _digest(t) -> str:
 class DataWriter:
     """Moves initializers of 1 KiB and more into external data; weights several graphs hold
     into shared.data, once (`shared`: name -> M.SharedTensor, the manifest's table).
+    `aliases` (name -> name): tensors stored as the other's bytes, each under its own shape
+    (a tied head is the table; a quantized tied head and the quantized table are the same bytes).
 
     Tensors are streamed from their torch storage one at a time (no copy of the model),
     which keeps peak memory near the weights' size even above protobuf's 2 GB limit.
     """
 
-    def __init__(self, root: Path, shared: dict[str, list[str]], tied: bool):
+    def __init__(self, root: Path, shared: dict[str, list[str]], aliases: dict[str, str]):
         self.root = root
         self.files: dict[str, object] = {}
         self.share = shared  # name -> graphs holding it
-        self.tied = tied
+        self.aliases = aliases
+        self.written: dict[str, tuple[int, int]] = {}  # name whose bytes -> (offset, length) in shared.data
         self.shared: dict[str, M.SharedTensor] = {}
 
     def _append(self, fname: str, tensor) -> tuple[int, int]:
@@ -77,16 +80,19 @@ class DataWriter:
         return offset, length
 
     def _shared(self, name: str, t) -> M.SharedTensor:
-        embed, head = C.SHARED_INITIALIZERS
-        same = embed if self.tied and name == head else name  # tied: one tensor, two names
-        first = self.shared.get(same)
-        if first is None:
-            offset, length = self._append(C.SHARED_DATA, t)
-            first = M.SharedTensor(C.SHARED_DATA, offset, length, t.dtype.numpy().name, list(t.shape), [])
-            self.shared[same] = first
-        if (first.dtype, first.shape) != (t.dtype.numpy().name, list(t.shape)):
-            raise DFlashError(f"shared tensor {name} differs between graphs: {first.shape} vs {list(t.shape)}")
-        entry = self.shared.setdefault(name, M.SharedTensor(**{**vars(first), "graphs": []}))
+        owner = self.aliases.get(name, name)
+        where = self.written.get(owner)
+        if where is None:
+            where = self.written[owner] = self._append(C.SHARED_DATA, t)
+        offset, length = where
+        if length != t.nbytes:
+            raise DFlashError(f"shared tensor {name} is {t.nbytes} bytes, {owner}'s are {length}")
+        entry = self.shared.get(name)
+        if entry is None:
+            entry = self.shared[name] = M.SharedTensor(C.SHARED_DATA, offset, length, t.dtype.numpy().name,
+                                                       list(t.shape), [])
+        if (entry.dtype, entry.shape) != (t.dtype.numpy().name, list(t.shape)):
+            raise DFlashError(f"shared tensor {name} differs between graphs: {entry.shape} vs {list(t.shape)}")
         return entry
 
     def externalize(self, graph: str, model) -> None:
@@ -119,9 +125,10 @@ def save_graph(model, path: Path) -> None:
     onnx.save_model(proto, str(path))
 
 
-def save_graphs(out: Path, models: dict, tied: bool) -> dict:
-    """Every graph with its weights in external data (shared ones once); returns the manifest's shared table."""
-    writer = DataWriter(out, shared_names(models), tied)
+def save_graphs(out: Path, models: dict, aliases: dict[str, str]) -> dict:
+    """Every graph with its weights in external data (shared ones once, `aliases` as the bytes of
+    another: DataWriter); returns the manifest's shared table."""
+    writer = DataWriter(out, shared_names(models), aliases)
     try:
         for name, model in models.items():
             writer.externalize(name, model)

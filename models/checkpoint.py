@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -12,6 +15,24 @@ from ..errors import DFlashError
 from ..lazy import lazy_import
 
 safetensors_torch = lazy_import("safetensors.torch")  # on first use (lazy.py)
+safetensors = lazy_import("safetensors")
+
+# tensors that load_state_dict returns on the meta device (shape and dtype only, nothing read):
+# export streams them from the checkpoint as it writes them (export/stream.py)
+_ON_META: contextvars.ContextVar = contextvars.ContextVar("on_meta", default=None)
+EXPERTS = re.compile(r"(?:^|\.)layers\.\d+\.mlp\.experts\.")  # routed experts, either layout
+
+
+@contextlib.contextmanager
+def experts_on_meta(pattern: re.Pattern = EXPERTS):
+    """Within: load_state_dict reads no tensor whose name matches `pattern`; it returns a meta
+    tensor of its shape and dtype instead, so a 30B-class target's experts never sit in memory
+    while its graph is traced (export writes them straight from the checkpoint)."""
+    token = _ON_META.set(pattern)
+    try:
+        yield
+    finally:
+        _ON_META.reset(token)
 
 
 def load_state_dict(directory: str | Path, what: str) -> dict[str, torch.Tensor]:
@@ -28,15 +49,34 @@ def load_state_dict(directory: str | Path, what: str) -> dict[str, torch.Tensor]
     if not files:
         raise DFlashError(f"{what} directory {d} has no *.safetensors weights (only safetensors checkpoints are read)")
     state: dict[str, torch.Tensor] = {}
+    meta = _ON_META.get()
     for name in files:
         path = d / name
         if not path.is_file():
             raise DFlashError(f"{what} directory {d}: shard {name} listed in the index is missing")
         try:
-            state.update(safetensors_torch.load_file(path))
+            state.update(safetensors_torch.load_file(path) if meta is None else _load_some(path, meta))
         except Exception as e:  # safetensors raises its own error types across versions
             raise DFlashError(f"{path}: unreadable safetensors file ({e})") from None
     return state
+
+
+def _load_some(path: Path, meta: re.Pattern) -> dict[str, torch.Tensor]:
+    """One file's tensors, those whose names match `meta` as meta tensors (nothing read)."""
+    out = {}
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            if meta.search(key):
+                sl = f.get_slice(key)
+                dtype = getattr(torch, _TORCH_NAMES.get(sl.get_dtype(), sl.get_dtype().lower()))
+                out[key] = torch.empty(sl.get_shape(), dtype=dtype, device="meta")
+            else:
+                out[key] = f.get_tensor(key)
+    return out
+
+
+_TORCH_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
 def strict_load(model: nn.Module, state: dict[str, torch.Tensor], where: str, dtype: torch.dtype, tied: set[str] = frozenset()) -> None:

@@ -7,8 +7,10 @@
   policy is kept only if it beats the full block by more than `MARGIN`, so where verify
   cost is flat in its length (a GPU) the full block stays.
 - `step_ms_by_context`: a 1-token step after a prefix of each given length.
+- `choose_count`: the thread count of the speculative loop (fewer unless more pay).
 - `graph_ms` / `choose_threads`: each graph's call of a speculative round at every thread
-  count, and the count each graph runs fastest with (target and drafter differ at real sizes).
+  count (interleaved), and the count each graph runs fastest with (target and drafter differ
+  at real sizes).
 - `prefill_ms` / `choose_chunk`: the time to first token of a 512-token prompt per prefill
   chunk, and the fastest chunk.
 - `round_costs`: ms of a plain step, a verify of each length, a draft and a context update
@@ -132,24 +134,35 @@ def graph_ms(backend: Backend, prompt: list[int], repeats: int = 8) -> dict[str,
     """{graph: median ms of its call in a speculative round} after `prompt`: the target over
     the block (verify), draft_context of one position, draft_block; one position committed per
     repeat (the rest of the verify rolled back), as a round that accepts nothing."""
-    k = backend.manifest.block_size
-    repeats = max(1, min(repeats, backend.max_len - len(prompt) - k - 1))
-    generate(backend, prompt, 1)  # prefill target and drafter context
+    return graph_ms_by({0: backend}, prompt, repeats)[0]
+
+
+def graph_ms_by(backends: dict, prompt: list[int], repeats: int = 8) -> dict:
+    """{label: graph_ms} of several backends of one export (e.g. thread counts), their rounds
+    interleaved so that a change in the machine's load hits every label alike (measured one
+    label after the other, a burst of load on a shared machine decided the thread count)."""
+    first = next(iter(backends.values()))
+    k = first.manifest.block_size
+    repeats = max(1, min(repeats, first.max_len - len(prompt) - k - 1))
+    for be in backends.values():
+        generate(be, prompt, 1)  # prefill target and drafter context
     ids = np.asarray((prompt * k)[:k], np.int64)
-    times: dict[str, list[float]] = {TARGET: [], DRAFT_CONTEXT: [], DRAFT_BLOCK: []}
+    times = {label: {TARGET: [], DRAFT_CONTEXT: [], DRAFT_BLOCK: []} for label in backends}
     for _ in range(1 + repeats):  # the first round warms the shapes up
-        t0 = time.perf_counter()
-        backend.target(ids)
-        t1 = time.perf_counter()
-        backend.commit(1)
-        backend.draft_context(1)
-        t2 = time.perf_counter()
-        backend.draft_block(int(ids[0]))
-        t3 = time.perf_counter()
-        for g, t in ((TARGET, t1 - t0), (DRAFT_CONTEXT, t2 - t1), (DRAFT_BLOCK, t3 - t2)):
-            times[g].append(t)
-    backend.reset()
-    return {g: _median_ms(ts[1:]) for g, ts in times.items()}
+        for label, backend in backends.items():
+            t0 = time.perf_counter()
+            backend.target(ids)
+            t1 = time.perf_counter()
+            backend.commit(1)
+            backend.draft_context(1)
+            t2 = time.perf_counter()
+            backend.draft_block(int(ids[0]))
+            t3 = time.perf_counter()
+            for g, t in ((TARGET, t1 - t0), (DRAFT_CONTEXT, t2 - t1), (DRAFT_BLOCK, t3 - t2)):
+                times[label][g].append(t)
+    for be in backends.values():
+        be.reset()
+    return {label: {g: _median_ms(ts[1:]) for g, ts in by.items()} for label, by in times.items()}
 
 
 COST_ROWS = (1, 2, 4)  # batch sizes whose round costs are measured (the controller interpolates between them)
@@ -214,6 +227,13 @@ def fastest(ms_by: dict, margin: float = MARGIN):
     return min(k for k, v in ms_by.items() if v <= best * (1 + margin))
 
 
+def choose_count(rates: dict[int, float]) -> int:
+    """The thread count of the speculative loop from its tokens/s at each count: the fastest,
+    fewer threads unless more are THREAD_MARGIN faster (a tie went to whichever count the
+    noise favoured, and a second thread that does not pay only takes a shared core)."""
+    return fastest({t: 1 / max(r, 1e-12) for t, r in rates.items()}, THREAD_MARGIN)
+
+
 def choose_threads(ms_by_threads: dict[int, dict[str, float]]) -> dict[str, int]:
     """{graph: thread count} from graph_ms at each count: each graph's fastest, fewer threads
     unless more are THREAD_MARGIN faster (a thread that barely helps only takes a shared core)."""
@@ -230,7 +250,7 @@ def ttft_prompt(backend: Backend, seed: int = 0) -> list[int]:
 def prefill_ms(backend: Backend, prompt: list[int], chunks: list[int], repeats: int = 2) -> dict[int, float]:
     """{chunk: median ms to the first token of `prompt`} (prefill of target and drafter, as
     `generate` does it), chunks interleaved; each chunk's shapes warmed up first."""
-    draft = getattr(backend, "has_drafter", True)
+    draft = backend.has_drafter
     for c in chunks:
         generate(backend, prompt[: c + 1], 1, draft=draft, prefill_chunk=c)
     times: dict[int, list[float]] = {c: [] for c in chunks}
@@ -272,13 +292,13 @@ def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bo
     try:
         runs = measure_many(backends, prompts, max_new_tokens, warmup)
         rates = {t: rate(spec) for t, (spec, _) in runs.items()}
-        best = max(rates, key=rates.get)
+        best = choose_count(rates)
         be, spec = backends[best], runs[best][0]
         if C.DRAFT_CONF not in {t.name for t in be.manifest.graphs[C.DRAFT_BLOCK].outputs}:
             raise DFlashError(f"{out}: draft_block has no draft_conf output (exported by an older version); "
                               "re-export to calibrate adaptive verify")
         log(f"threads: speculative tok/s by count {', '.join(f'{t}: {r:.0f}' for t, r in rates.items())} -> {best}")
-        by_graph = {t: graph_ms(b, prompts[0]) for t, b in backends.items()} if backend == "ort" else {}
+        by_graph = graph_ms_by(backends, prompts[0]) if backend == "ort" else {}
         graph_threads = choose_threads(by_graph) if len(by_graph) > 1 else {}
         if graph_threads:
             log("threads per graph: " + "; ".join(

@@ -1,6 +1,6 @@
 """The weights several graphs share (embedding, LM head, the drafter's K/V projections), read
 from shared.data where the manifest's `shared` table says they are: numpy only, so that any
-backend maps them the same way (runtime/ort/backend.py hands them to every session that holds them)."""
+backend maps them the same way (runtime/ort/sessions.py hands them to every session that holds them)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, 
 
 def shared_weights(directory: Path, m: M.Manifest) -> dict[str, tuple[np.ndarray, int]]:
     """name -> (array over its bytes in shared.data, onnx element type), one array per
-    distinct (file, offset): tied names share it. Mapped copy-on-write: the pages are the
-    file's (no copy at load); nothing is ever written back."""
+    distinct (file, offset, dtype, shape): tied names share it; names over the same bytes in
+    another shape (a quantized tied head and its lookup table) are views of them. Mapped
+    copy-on-write: the pages are the file's (no copy at load); nothing is ever written back."""
     maps: dict[str, np.memmap] = {}
     seen: dict[tuple, np.ndarray] = {}
     out = {}
@@ -37,7 +38,7 @@ def shared_weights(directory: Path, m: M.Manifest) -> dict[str, tuple[np.ndarray
         dtype = np.dtype(STORAGE[t.dtype])
         if t.length != int(np.prod(t.shape)) * dtype.itemsize or t.offset + t.length > mm.size:
             raise DFlashError(f"{directory}: shared weight {name} does not fit {t.file}; re-export the directory")
-        key = (t.file, t.offset)
+        key = (t.file, t.offset, t.dtype, tuple(t.shape))
         if key not in seen:
             seen[key] = mm[t.offset : t.offset + t.length].view(dtype).reshape(t.shape)
         out[name] = (seen[key], ONNX_TYPE[t.dtype])

@@ -21,7 +21,7 @@ def test_int4_dflash2_export_checks(tmp_path):
 
     root = trained_export()
     out = tmp_path / "q"
-    quantize_artifact(root / "out", out, QuantOptions("int4", block_size=16, draft=True, lm_head=True), progress=False)
+    quantize_artifact(root / "out", out, QuantOptions("int4", block_size=16, draft=True, lm_head=True, accuracy_level=0), progress=False)
     weights = M.load_manifest(out).quantization["weights"][C.DRAFT_BLOCK]
     assert "candidate_selector.hidden_projection.weight" in weights
     assert "layers.0.attention_conv.kernel_projection.weight" in weights and "layers.0.mlp_conv.kernel_projection.weight" in weights

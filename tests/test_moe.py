@@ -250,16 +250,18 @@ def test_check_parity_per_graph_and_end_to_end(name):
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
 def test_quantized_experts_check_by_cause(scheme, tmp_path):
     """`quantize` turns the op path's MoE nodes into QMoE (experts int4 / int8 block-wise, router
-    kept float); `check` holds the graphs to PyTorch with their dequantized weights (int4: fp32
-    activations, at the fp32 tolerance), prints the error by cause, and int8 experts' int8
-    activations are reported, not hidden; speculative == plain greedy through the same graphs."""
+    kept float); `check` holds the graphs to PyTorch with their dequantized weights (int4 at
+    accuracy level 0: fp32 activations, at the fp32 tolerance) and prints the error by cause:
+    int8 experts' int8 activations (and the measured level's) are reported, not hidden;
+    speculative == plain greedy through the same graphs."""
     if not moe_export.ort_has_op():
         pytest.skip(f"onnxruntime {ort.__version__} has no CPU MoE kernel")
     tdir, ddir, out = artifact(CASES["qwen3_moe-op"])
     q = tmp_path / scheme
     runner = CliRunner()
+    level = ["--quant-accuracy-level", "0"] if scheme == "int4" else []  # int8: measured (auto), QMoE included
     r = runner.invoke(cli, ["quantize", str(out), "--out", str(q), "--quantize", scheme, "--quant-block-size", "16",
-                            "--quiet"])
+                            *level, "--quiet"])
     assert r.exit_code == 0, r.output
     g = onnx.load(str(q / "target.onnx"), load_external_data=False)
     ops = [n.op_type for n in g.graph.node]
@@ -270,20 +272,19 @@ def test_quantized_experts_check_by_cause(scheme, tmp_path):
     r = runner.invoke(cli, ["check", str(q), "--target", str(tdir), "--draft", str(ddir), "--num-prompts", "2"])
     assert r.exit_code == 0, r.output
     flat = " ".join(r.output.split())
-    assert "by cause (max abs): weights" in flat and "PASSED" in flat, r.output
-    assert ("quantizes their activations to int8" in flat) == (scheme == "int8"), r.output
+    assert "target logits vs the float source" in flat and "the activations' rounding alone" in flat, r.output
+    int8_note = "quantizes their activations to int8" in flat or "quantizes activations too" in flat
+    assert int8_note == (scheme == "int8"), r.output
     rep = json.loads(runner.invoke(cli, ["check", str(q), "--target", str(tdir), "--draft", str(ddir),
                                          "--num-prompts", "2", "--json"]).stdout)
-    cause = rep["causes"]["target"]
-    deq = max(row["max"] for row in rep["graphs"]["target"] if row["ref"] == "dequantized" and row["max"] is not None)
-    print(f"{scheme} experts: target logits error by cause: weights {cause['weights']:.1e}, kernels "
-          f"{cause['kernels']:.1e}; graph vs dequantized reference {deq:.1e} (tolerance "
-          f"{rep['tolerance'] or 'reported only'})")
-    assert cause["weights"] > 1e-3  # the experts really are rounded
+    total, kernels = rep["accuracy"]["float"]["max_abs"], rep["accuracy"]["dequantized"]["max_abs"]
+    print(f"{scheme} experts: target logits max abs error vs float {total:.1e}, of it the kernels' (vs the "
+          f"dequantized weights) {kernels:.1e} (tolerance {rep['tolerance'] or 'reported only'})")
+    assert total > 1e-3  # the experts really are rounded
     if scheme == "int4":  # fp32 activations: parity with the dequantized weights, token for token
-        assert rep["tolerance"] == 1e-4 and deq <= 1e-4 and rep["end_to_end"]["identical"] == 2
+        assert rep["tolerance"] == 1e-4 and kernels <= 1e-4 and rep["end_to_end"]["identical"] == 2
     else:  # int8 activations in the expert GEMMs
-        assert rep["tolerance"] is None and cause["kernels"] > 1e-4
+        assert rep["tolerance"] is None and kernels > 1e-4
     assert rep["end_to_end"]["speculative_equals_plain"] == 2
     info = runner.invoke(cli, ["info", str(q), "--no-verify"])
     assert f"com.microsoft::QMoE {scheme}, block 16" in info.output and "top 2 (not renormalised)" in info.output
@@ -405,4 +406,4 @@ def test_rounds_equal_the_official_zlab_loop(monkeypatch):
         assert g.acceptance_lengths == ref.acceptance_lengths
         rounds += g.acceptance_lengths
     print(f"official z-lab loop: {len(rounds)} rounds identical, mean acceptance {np.mean(rounds):.2f}")
-    assert max(rounds) > 1  # drafts were accepted: rounds of several lengths compared
+    assert len(set(rounds)) > 1  # rounds of several acceptance lengths compared

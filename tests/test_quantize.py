@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from runtime_cases import CASES, artifact, prompts
 
 from dflash_export.cli import cli
+from dflash_export.export import accuracy_level as AL
 from dflash_export.export.check import TOLERANCE, run_check
 from dflash_export.export.quantize import QuantOptions, quantize_artifact
 from dflash_export.export.validate import lint
@@ -23,14 +24,15 @@ from dflash_export.runtime.names import names_of
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
 
-# (case, options): int4 target+drafter; tied Llama with int8 everywhere incl. the LM head
-# (the lookup table keeps fp32, the head gets a quantized layout of its own); Qwen2 int4
-# asymmetric, block 16, target + LM head only; an unbiased Qwen3, block 16, int8 asymmetric block 64 everywhere
+# (case, options): int4 target+drafter; tied Llama with int8 everywhere incl. the LM head and the
+# lookup (one packed table read by both); Qwen2 int4 asymmetric, block 16, target + LM head + its
+# own lookup table; an unbiased Qwen3, block 16, int8 asymmetric block 64 everywhere but the lookup.
+# Accuracy level 0 (fp32 activations): the dequantized parity is then held to fp32 tolerances.
 PLANS = {
-    "qwen3": QuantOptions("int4", 32, True, draft=True),
-    "llama": QuantOptions("int8", 32, True, draft=True, lm_head=True),
-    "qwen2": QuantOptions("int4", 16, False, lm_head=True),
-    "qwen3-b16": QuantOptions("int8", 64, False, draft=True, lm_head=True),
+    "qwen3": QuantOptions("int4", 32, True, draft=True, accuracy_level=0),
+    "llama": QuantOptions("int8", 32, True, draft=True, lm_head=True, accuracy_level=0, embedding=True),
+    "qwen2": QuantOptions("int4", 16, False, lm_head=True, accuracy_level=0, embedding=True),
+    "qwen3-b16": QuantOptions("int8", 64, False, draft=True, lm_head=True, accuracy_level=0),
 }
 PROMPTS = 20  # runtime speculative == plain, per plan
 CHECK_PROMPTS = 10  # `check` end to end, per plan: each also runs the PyTorch oracle (the slow part)
@@ -48,7 +50,8 @@ def made(tmp_path_factory):
             out = tmp_path_factory.mktemp("quant") / name
             if name == "qwen2":  # through the CLI once
                 args = ["quantize", str(src), "--out", str(out), "--quantize", q.scheme, "--quant-block-size",
-                        str(q.block_size), "--quant-asymmetric", "--quantize-lm-head", "--quiet"]
+                        str(q.block_size), "--quant-asymmetric", "--quantize-lm-head", "--quantize-embedding",
+                        "--quant-accuracy-level", "0", "--quiet"]
                 r = CliRunner().invoke(cli, args)
                 assert r.exit_code == 0, r.output
             else:
@@ -86,8 +89,9 @@ def test_manifest_records_the_quantization(quantized):
     m, before = M.load_manifest(out), M.load_manifest(src)
     rec = m.quantization
     assert (rec["scheme"], rec["bits"], rec["block_size"], rec["symmetric"]) == (q.scheme, q.bits, q.block_size, q.symmetric)
-    assert (rec["draft"], rec["lm_head"]) == (q.draft, q.lm_head) and "MatMulNBits" in rec["method"]
-    assert sorted(rec["weights"]) == sorted(set(q.graphs()) | ({C.DRAFT_BLOCK} if q.lm_head else set()))
+    assert (rec["draft"], rec["lm_head"], rec["embedding"]) == (q.draft, q.lm_head, q.embedding) and "MatMulNBits" in rec["method"]
+    assert (rec["accuracy_level"], rec["accuracy_level_from"]) == (0, "flag")
+    assert sorted(rec["weights"]) == sorted(set(q.graphs()) | ({C.DRAFT_BLOCK} if q.lm_head or q.embedding else set()))
     for g in C.GRAPH_FILES:
         fp, qm = graph(src, g), graph(out, g)
         inits = {t.name for t in fp.graph.initializer}
@@ -96,12 +100,18 @@ def test_manifest_records_the_quantization(quantized):
         expect = [w for w in linear if q.quantizes(g, w)]
         if q.lm_head and name == "llama" and g != C.DRAFT_CONTEXT:
             expect = sorted(expect + [head])  # tied: the head was Transpose(table), now a quantized layout of its own
-        assert rec["weights"].get(g, []) == expect, g
+        lookup = q.embedding and g != C.DRAFT_CONTEXT
+        assert rec["weights"].get(g, []) == expect + [C.SHARED_INITIALIZERS[0]] * lookup, g
         nbits = [n for n in qm.graph.node if n.op_type == "MatMulNBits"]
-        assert len(nbits) == len(expect) and all(n.domain == "com.microsoft" for n in nbits)
-        assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} <= {q.bits}
-        assert not lint(qm, (("com.microsoft", "MatMulNBits"),))  # the export lint allows exactly that op
-        assert bool(lint(qm)) == bool(nbits)  # ... which the portable lint does not
+        gathers = [n for n in qm.graph.node if n.op_type == "GatherBlockQuantized"]
+        assert len(nbits) == len(expect) and all(n.domain == "com.microsoft" for n in nbits + gathers)
+        assert len(gathers) == lookup and {a.i for n in nbits + gathers for a in n.attribute if a.name == "bits"} <= {q.bits}
+        assert {a.i for n in nbits for a in n.attribute if a.name == "accuracy_level"} == ({0} if nbits else set())
+        quant_ops = (("com.microsoft", "MatMulNBits"), ("com.microsoft", "GatherBlockQuantized"))
+        assert not lint(qm, quant_ops)  # the export lint allows exactly these ops
+        assert bool(lint(qm)) == bool(nbits or gathers)  # ... which the portable lint does not
+        if g != C.DRAFT_CONTEXT:  # the graphs with a lookup: a quantized one leaves no float table
+            assert lookup == (C.SHARED_INITIALIZERS[0] not in {t.name for t in qm.graph.initializer})
     assert (m.block_size, m.vocab_size, m.dtype) == (before.block_size, before.vocab_size, before.dtype)
 
 
@@ -122,10 +132,16 @@ def test_shared_tensors_stay_one_copy(quantized):
     t, b = external(C.TARGET), external(C.DRAFT_BLOCK)
     embed, head = C.SHARED_INITIALIZERS
     heads = [n for n in m.shared if n.startswith(head)]
-    assert embed in m.shared and (head in m.shared) != q.lm_head
+    tables = [n for n in m.shared if n.startswith(embed)]
+    assert (embed in m.shared) != q.embedding and (head in m.shared) != q.lm_head
     if q.lm_head:
         assert f"{head}_Q{q.bits}" in heads
-    for n in [embed, *heads]:
+    if q.embedding:
+        table, packed = m.shared[f"{embed}_Q{q.bits}"], m.shared.get(f"{head}_Q{q.bits}")
+        assert table.shape == [m.vocab_size, m.hidden_size * q.bits // 8]
+        # tied (llama): the lookup reads the quantized head's bytes, in its own shape; untied: its own
+        assert (table.offset == packed.offset and table.shape != packed.shape) == (name == "llama")
+    for n in [*tables, *heads]:
         s = m.shared[n]
         assert sorted(s.graphs) == sorted([C.TARGET, C.DRAFT_BLOCK]), n
         assert t[n]["location"] == b[n]["location"] == "shared.data"
@@ -184,6 +200,73 @@ def test_check_fails_when_the_graphs_do_not_compute_their_weights(made, monkeypa
     assert bad and all(r.ref == "dequantized" and r.graph == C.TARGET for r in bad)
 
 
+def test_quantized_lookup_is_read_like_the_head(made):
+    """GatherBlockQuantized over MatMulNBits' packed bytes (uint8, `bits` low bits first, zero point
+    2^(bits-1) when symmetric) returns the rows of the head's dequantized weight, symmetric (llama,
+    int8, tied: the same bytes) and asymmetric (qwen2, int4): ORT's kernel vs dequantize's reading."""
+    from onnx import TensorProto, helper
+
+    from dflash_export.export.quantize import dequantized_weights
+
+    for name in ("llama", "qwen2"):
+        *_, out = made(name)
+        g = graph(out, C.TARGET)
+        node = next(n for n in g.graph.node if n.op_type == "GatherBlockQuantized")
+        table = dequantized_weights(out)[C.TARGET][C.SHARED_INITIALIZERS[0]]
+        if name == "llama":  # tied: the head's own dequantized weight, the same rows
+            np.testing.assert_array_equal(table, dequantized_weights(out)[C.TARGET][C.SHARED_INITIALIZERS[1]])
+        inits = [t for t in g.graph.initializer if t.name in node.input]
+        for t in inits:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                onnx.external_data_helper.load_external_data_for_tensor(t, str(out))
+                del t.external_data[:]
+                t.data_location = onnx.TensorProto.DEFAULT
+        ids = helper.make_tensor_value_info("ids", TensorProto.INT64, [5])
+        model = helper.make_model(helper.make_graph([helper.make_node(
+            "GatherBlockQuantized", [node.input[0], "ids", *node.input[2:]], ["y"], domain="com.microsoft",
+            **{a.name: a.i for a in node.attribute})], "g", [ids], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+            inits), opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+        import onnxruntime as ort
+
+        rows = np.array([0, 3, 7, table.shape[0] - 1, 3])
+        got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"ids": rows})[0]
+        np.testing.assert_array_equal(got, table[rows])
+
+
+def test_tied_lookup_without_the_head_is_refused(made, tmp_path):
+    """A tied float head reads the table's own bytes: a quantized lookup beside it would add a copy."""
+    _, _, _, _, src, _ = made("llama")
+    r = CliRunner().invoke(cli, ["quantize", str(src), "--out", str(tmp_path / "o"), "--quantize", "int8",
+                                 "--quantize-embedding"])
+    one_line_error(r, "tied", "--quantize-lm-head")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_accuracy_level_is_measured_and_recorded(made, tmp_path):
+    """Without --quant-accuracy-level the level is measured on the artifact (both levels' step time
+    and logits vs the float export) and recorded with the probe; every MatMulNBits carries it."""
+    _, _, _, _, src, _ = made("qwen3")
+    out = tmp_path / "auto"
+    quantize_artifact(src, out, QuantOptions("int4", 32, True, draft=True), progress=False)
+    rec = M.load_manifest(out).quantization
+    probe = rec["accuracy_probe"]
+    assert rec["accuracy_level_from"] == "measured" and rec["accuracy_level"] == AL.pick(probe)
+    for level in ("0", "4"):
+        p = probe[level]
+        assert p["step_ms"] > 0 and 0 < p["logits_mean_abs_err"] <= p["logits_max_abs_err"] and 0 <= p["top1_agreement"] <= 1
+    levels = {a.i for g in C.GRAPH_FILES for n in graph(out, g).graph.node if n.op_type == "MatMulNBits"
+              for a in n.attribute if a.name == "accuracy_level"}
+    assert levels == {rec["accuracy_level"]}
+
+
+@pytest.mark.parametrize("ms,err,level", [((10.0, 5.0), (1.0, 1.5), 4), ((10.0, 9.5), (1.0, 1.0), 0),
+                                          ((10.0, 5.0), (1.0, 2.5), 0)])
+def test_accuracy_level_rule(ms, err, level):
+    """Level 4 only when clearly faster and adding at most the weights' own error again."""
+    probe = {str(lv): {"step_ms": t, "logits_mean_abs_err": e} for lv, t, e in zip((0, 4), ms, err)}
+    assert AL.pick(probe) == level
+
+
 def test_check_at_accuracy_level_4_reports_without_tolerances(made, tmp_path):
     """Accuracy level 4 quantizes activations too: the dequantized reference is reported,
     not held to fp32 tolerances, and speculative == plain is still enforced."""
@@ -192,6 +275,8 @@ def test_check_at_accuracy_level_4_reports_without_tolerances(made, tmp_path):
     quantize_artifact(src, out, QuantOptions("int4", 32, True, draft=True, accuracy_level=4), progress=False)
     report = run_check(out, tdir, ddir, prompts=5, progress=False)
     assert report.passed and not report.strict and any("accuracy level 4" in n for n in report.notes)
+    effect = report.accuracy  # the activations' rounding alone (vs the graphs' own weights) is measured and nonzero
+    assert effect["accuracy_level"] == 4 and 0 < effect["dequantized"]["mean_abs"] and effect["float"]["mean_abs"] > 0
     assert all(r.tol is None for r in report.rows if r.max is not None)
     assert report.end_to_end["speculative_equals_plain"] == 5
 
@@ -285,3 +370,28 @@ def test_quantized_logits_are_close_to_float(made):
     got = ort_session(out / "target.onnx").run(["logits"], feeds)[0]
     err = np.abs(got - ref).max() / np.abs(ref).max()
     assert 0 < err < 0.05, err  # int8, block 32
+
+
+def test_a_killed_quantize_leaves_nothing_after_the_next_run(tmp_path):
+    """quantize killed with -9 mid-way (no cleanup runs) leaves its staging folder; the next
+    quantize to the same --out removes it (export/outdir.py owns the names) and publishes."""
+    import subprocess
+    import sys
+
+    _, _, src = artifact(CASES["qwen3"])
+    out = tmp_path / "q"
+    args = ["quantize", str(src), "--out", str(out), "--quantize", "int8", "--quiet"]
+    code = ("import sys, time\nimport dflash_export.export.quantize as Q\nsave = Q.save_graphs\n"
+            "def hold(*a, **k):\n    r = save(*a, **k)\n    print('saved', flush=True)\n    time.sleep(600)\n    return r\n"
+            f"Q.save_graphs = hold\nfrom dflash_export.cli import cli\ncli({args!r})\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "saved"  # the graphs are in the staging folder now
+    finally:
+        p.kill()  # SIGKILL: no except/finally of quantize runs
+        p.wait()
+    left = list(tmp_path.glob(".q.*"))
+    assert [x.name for x in left] == [f".q.partial-q{p.pid}"] and any(left[0].iterdir()) and not out.exists()
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    assert not list(tmp_path.glob(".q.*")) and M.load_manifest(out, verify=True).quantization["scheme"] == "int8"

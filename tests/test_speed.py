@@ -25,7 +25,7 @@ from dflash_export.cli import cli
 from dflash_export.models import Target, autoregressive_generate
 from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.backend import Backend, Draft, TargetOut
-from dflash_export.runtime.calibrate import choose_policy, replay
+from dflash_export.runtime.calibrate import choose_count, choose_policy, replay
 from dflash_export.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
@@ -53,6 +53,32 @@ def test_replay_keeps_the_full_block_when_verify_cost_is_flat():
     policy, _ = choose_policy(confident, steep, 1.0)
     assert policy is not None
     assert replay(confident, policy, steep, 1.0)[0] > replay(confident, FULL, steep, 1.0)[0]
+
+
+def test_thread_count_needs_a_margin_to_grow():
+    # a draw in tokens/s (the noise of a shared machine) keeps the smaller count
+    assert choose_count({1: 676.2, 2: 676.0}) == 1 and choose_count({1: 676.0, 2: 676.2}) == 1
+    assert choose_count({1: 100.0, 2: 104.0, 4: 90.0}) == 1
+    assert choose_count({1: 100.0, 2: 110.0, 4: 111.0}) == 2  # 4 threads: within 5 % of 2
+    assert choose_count({1: 0.0, 2: 50.0}) == 2
+
+
+def test_spinning_stops_between_calls():
+    """Each graph has its own session and thread pool: with --spin, the pools stop spinning when
+    their call returns, so they do not take the vCPUs the next graph's call needs."""
+    path = artifact(CASES["qwen3"])[2]
+    for spin in (False, True):
+        be = OrtBackend(path, threads=2, spin=spin)
+        for s in be.sessions.values():
+            o = s.get_session_options()
+            entries = {}
+            for k in ("session.intra_op.allow_spinning", "session.force_spinning_stop"):
+                try:
+                    entries[k] = o.get_session_config_entry(k)
+                except RuntimeError:  # not set
+                    pass
+            assert entries.get("session.intra_op.allow_spinning") == ("1" if spin else "0")
+            assert (entries.get("session.force_spinning_stop") == "1") == spin
 
 
 # -- the ORT loop: greedy and sampled outputs do not depend on the verify lengths --------

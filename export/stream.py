@@ -1,0 +1,184 @@
+"""Routed experts streamed from the checkpoint into the target graph's data file, one expert at a time.
+
+A 30B-class MoE target does not fit in memory as fp32 (Qwen3-30B-A3B: ~120 GB), and its
+routed experts are ~95% of its weights. Export therefore loads everything else as usual but
+the experts as meta tensors (models/checkpoint.py `experts_on_meta`; models/moe.py's
+`fuse_experts` still checks every expert tensor's shape against the config), traces the
+graphs with zero-stride placeholders in their place (`placeholders`), and gives each expert
+initializer of the traced graph a tensor that reads the checkpoint itself when the data
+file is written (`attach`, `StreamedExperts`): one expert's [2I, H] or [H, I] at a time, in
+either checkpoint layout (per-expert keys or transformers 5.x's fused tensors), converted to
+the export dtype (and, for ONNX Runtime's MoE op, to interleaved gate/up rows) on the way.
+
+The safetensors headers are parsed here and the bytes read with plain file reads rather than
+safetensors' mmap: mapped pages would count against the process's memory while the whole
+file is copied. bf16 (the released checkpoints' dtype) widens to fp32 by a 16-bit shift.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DFlashError
+from ..lazy import lazy_import
+
+ir = lazy_import("onnx_ir")  # torch, onnx_ir and the models: on first use (lazy.py)
+torch = lazy_import("torch")
+moe = lazy_import("dflash_export.models.moe")
+
+# a routed expert tensor in the checkpoint, either layout (any prefix: model., model.language_model., ...)
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.(gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))$")
+# an expert initializer of the traced target graph
+INITIALIZER = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # bf16 read as its bits, widened by a shift
+
+
+@dataclass
+class Entry:
+    path: Path
+    key: str
+    dtype: str  # safetensors' name: F32, F16, BF16
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(_NP[self.dtype]).itemsize
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            return n, json.loads(f.read(n))
+    except (OSError, ValueError, struct.error) as e:
+        raise DFlashError(f"{path}: unreadable safetensors header ({e})") from None
+
+
+class ExpertReader:
+    """Where each layer's routed experts lie in a checkpoint's safetensors files (headers only)."""
+
+    def __init__(self, directory: str | Path):
+        self.layers: dict[int, dict] = {}  # layer -> {"fused": {proj: Entry}} or {"per": {e: {proj: Entry}}}
+        for path in sorted(Path(directory).glob("*.safetensors")):
+            n, header = _header(path)
+            for key, t in header.items():
+                m = _KEY.search(key) if key != "__metadata__" and not key.startswith("mtp.") else None
+                if m is None:
+                    continue
+                if t["dtype"] not in _NP:
+                    raise DFlashError(f"{path}: expert tensor {key} is {t['dtype']}; export streams F32, F16 or BF16 experts")
+                entry = Entry(path, key, t["dtype"], tuple(t["shape"]), 8 + n + t["data_offsets"][0])
+                layer = self.layers.setdefault(int(m.group(1)), {})
+                if m.group(4):
+                    layer.setdefault("fused", {})[m.group(4)] = entry
+                else:
+                    layer.setdefault("per", {}).setdefault(int(m.group(2)), {})[m.group(3)] = entry
+
+    def entries(self) -> list[Entry]:
+        return [e for layer in self.layers.values()
+                for e in [*layer.get("fused", {}).values(), *(x for p in layer.get("per", {}).values() for x in p.values())]]
+
+    def _read(self, e: Entry, first: int, count: int) -> np.ndarray:
+        """`count` rows of the tensor's first axis from `first` on, as float32."""
+        row = int(np.prod(e.shape[1:], dtype=np.int64))
+        itemsize = np.dtype(_NP[e.dtype]).itemsize
+        try:
+            with open(e.path, "rb") as f:
+                f.seek(e.start + first * row * itemsize)
+                a = np.fromfile(f, _NP[e.dtype], count * row)
+        except OSError as err:
+            raise DFlashError(f"{e.path}: cannot read expert tensor {e.key} ({err})") from None
+        if a.size != count * row:
+            raise DFlashError(f"{e.path}: expert tensor {e.key} ends past the end of the file (truncated or changed "
+                              "while exporting)")
+        a = a.reshape(count, *e.shape[1:])
+        if e.dtype == "BF16":
+            return (a.astype(np.uint32) << 16).view(np.float32)
+        return a.astype(np.float32, copy=False)
+
+    def fc1(self, layer: int, expert: int, interleaved: bool) -> np.ndarray:
+        """Expert `expert`'s gate and up rows [2I, H]: gate rows then up rows, or alternating."""
+        where = self.layers[layer]
+        if "fused" in where:
+            w = self._read(where["fused"]["gate_up_proj"], expert, 1)[0]
+        else:
+            g, u = where["per"][expert]["gate_proj"], where["per"][expert]["up_proj"]
+            w = np.concatenate([self._read(g, 0, g.shape[0]), self._read(u, 0, u.shape[0])])
+        if interleaved:
+            w = np.ascontiguousarray(w.reshape(2, -1, w.shape[-1]).transpose(1, 0, 2)).reshape(w.shape)
+        return w
+
+    def fc2(self, layer: int, expert: int) -> np.ndarray:
+        """Expert `expert`'s down projection [H, I]."""
+        where = self.layers[layer]
+        if "fused" in where:
+            return self._read(where["fused"]["down_proj"], expert, 1)[0]
+        p = where["per"][expert]["down_proj"]
+        return self._read(p, 0, p.shape[0])
+
+
+class StreamedExperts(ir.LazyTensor):
+    """An [E, N, K] expert initializer whose bytes come from `expert(e)` ([N, K] float32, cast
+    to the graph's dtype) only while the data file is written, one expert at a time."""
+
+    def __init__(self, expert, shape: tuple[int, int, int], dtype, name: str):
+        self.expert, self.np_dtype = expert, dtype.numpy()
+        super().__init__(self._whole, dtype=dtype, shape=ir.Shape(shape), name=name)
+
+    def _whole(self):  # only if something asks for the whole array (export's writer never does)
+        return ir.Tensor(np.stack([self._one(e) for e in range(self.shape[0])]), dtype=self.dtype)
+
+    def _one(self, e: int) -> np.ndarray:
+        return np.ascontiguousarray(self.expert(e).astype(self.np_dtype, copy=False))
+
+    def tofile(self, file) -> None:
+        for e in range(self.shape[0]):
+            file.write(self._one(e).tobytes())
+
+
+def placeholders(target, interleaved: bool) -> bool:
+    """After loading under `experts_on_meta`: each routed expert parameter still on the meta
+    device becomes a zero-stride placeholder (what the tracer needs: a shape and a dtype, no
+    memory), laid out as `interleaved` says (the rows `attach`'s reader will write). Returns
+    whether any did."""
+    streamed = False
+    for block in moe.blocks(target):
+        ex = block.experts
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(ex, name)
+            if p.device.type == "meta":
+                setattr(ex, name, torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), requires_grad=False))
+                ex.interleaved, streamed = interleaved, True
+    return streamed
+
+
+def attach(model, reader: ExpertReader, interleaved: bool) -> list[str]:
+    """Give the traced target graph's expert initializers their checkpoint source; -> their names."""
+    names = []
+    for value in model.graph.initializers.values():
+        m = INITIALIZER.search(value.name)
+        if m is None or value.const_value is None:
+            continue
+        layer, proj = int(m.group(1)), m.group(2)
+        if layer not in reader.layers:
+            raise DFlashError(f"the checkpoint has no experts for layer {layer}, which the graph holds ({value.name})")
+        if proj == "gate_up_proj":
+            expert = lambda e, layer=layer: reader.fc1(layer, e, interleaved)  # noqa: E731
+        else:
+            expert = lambda e, layer=layer: reader.fc2(layer, e)  # noqa: E731
+        t = value.const_value
+        value.const_value = StreamedExperts(expert, tuple(t.shape), t.dtype, value.name)
+        names.append(value.name)
+    return names
+
+
+def expert_elements(directory: str | Path) -> int:
+    """Elements of the routed experts in a checkpoint (headers only): what export streams."""
+    return sum(int(np.prod(e.shape, dtype=np.int64)) for e in ExpertReader(directory).entries())
