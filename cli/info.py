@@ -56,6 +56,8 @@ def describe(out: Path, verify: bool = True) -> dict:
         "tools": m.tools,
         "sources": m.sources,
         "runtime": runtime_choices(out, m.block_size),
+        "moe": m.moe,
+        "quantization": m.quantization and {k: v for k, v in m.quantization.items() if k != "weights"},
     }
 
 
@@ -113,6 +115,20 @@ def source_line(rec: dict) -> str:
     return f"{where}; {hashes}{more}" if files else where
 
 
+def moe_line(e: dict, q: dict | None) -> str:
+    """A manifest's `moe` record in a line: routing, shared expert, MoE layers and the graph form."""
+    norm = "renormalised" if e["norm_topk_prob"] else "not renormalised"
+    shared = f"shared expert of width {e['shared_expert_size']} (sigmoid-gated)" if e["shared_expert_size"] else \
+        "no shared expert"
+    if e["path"] == "op":
+        op = f"QMoE {q['scheme']}, block {q['block_size']}" if q else "MoE"
+        path = f"op (com.microsoft::{op}: ONNX Runtime only)"
+    else:
+        path = "standard (gathered experts in ai.onnx ops)"
+    return (f"{e['experts']} experts of width {e['expert_size']}, top {e['top_k']} ({norm}), {shared}; "
+            f"MoE in layers {e['layers']}; path {path}")
+
+
 def _shape(t: C.Tensor, m) -> list:
     static = C.sizes(m)
     return [r if r in C.DYNAMIC else static[r] for r in t.dims]
@@ -158,6 +174,8 @@ def print_info(d: dict, out: Path) -> None:
             click.echo(f"{what} {source_line(rec)}")
     click.echo(f"export   {d['dtype']}, attention {flavour.get(d['attention'], d['attention'])}, block size {d['block_size']}, max context {d['max_context']}, opset {d['opset']}, "
                f"eos {d['eos_token_ids']}, tokenizer {'yes' if d['tokenizer'] else 'no'}")
+    if d["moe"]:
+        click.echo(f"experts  {moe_line(d['moe'], d['quantization'])}")
     m = M.load_manifest(out, verify=False)
     for g in C.GRAPHS:
         graph = C.spec(g, m)  # the ort attention flavour declares its own target graph
