@@ -83,6 +83,8 @@ def attention_kinds(m) -> dict:
     extra = {"kv_shared": {i: j for i, j in enumerate(w["kv_source"]) if i != j}} if w.get("kv_source") else {}
     if w:
         extra.update(sinks=w.get("sinks", False), final_logit_softcapping=w.get("final_logit_softcapping"))
+    if m.moe:  # the experts: how many, routed how, in which graph form (export/moe.py)
+        extra["experts"] = {k: m.moe.get(k) for k in ("experts", "top_k", "activation", "path")}
     return {"family": family, "attention_kinds": kinds, **extra}
 
 
@@ -160,7 +162,11 @@ def print_info(d: dict, out: Path) -> None:
         click.echo(f"  {name:<17} {len(k['layers'])} layer(s) {k['layers']}: {k['cache']}" + (f", {what}" if what else ""))
     notes = [f"KV-sharing layers {sorted(t['kv_shared'])} read layers {sorted(set(t['kv_shared'].values()))}"
              if t.get("kv_shared") else "", "attention sinks" if t.get("sinks") else "",
-             f"logits soft-capped at {t['final_logit_softcapping']:g}" if t.get("final_logit_softcapping") else ""]
+             f"logits soft-capped at {t['final_logit_softcapping']:g}" if t.get("final_logit_softcapping") else "",
+             "{experts} experts, top {top_k}, {activation} ({path} ops)".format(
+                 **{**t["experts"], "activation": t["experts"]["activation"] or "swiglu",
+                    "path": "ONNX Runtime's MoE" if t["experts"]["path"] == "op" else "standard"})
+             if t.get("experts") else ""]
     if any(notes):
         click.echo("  " + "; ".join(n for n in notes if n))
     sel = dr.get("selector")

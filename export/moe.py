@@ -28,6 +28,7 @@ from onnxscript import values
 from ..errors import DFlashError
 from ..lazy import lazy_import
 from ..models import moe as M
+from ..models.config import MoeConfig
 from .ops import register_ort_schemas
 
 ort = lazy_import("onnxruntime")
@@ -49,13 +50,16 @@ def ort_has_op() -> bool:
     return parts >= MIN_ORT
 
 
-def choose_path(requested: str | None, dtype: str) -> str:
+def choose_path(requested: str | None, dtype: str, activation: str = "swiglu") -> str:
     """`export --moe`: the requested path, or the default: the contrib op where ONNX Runtime
-    runs it here (fp32, onnxruntime >= 1.23.1), else standard ops. One line when refused."""
+    runs it here (fp32, onnxruntime >= 1.23.1, SwiGLU experts), else standard ops. One line when refused."""
     if requested is None:
-        return "op" if dtype == "fp32" and ort_has_op() else "standard"
+        return "op" if dtype == "fp32" and ort_has_op() and activation == "swiglu" else "standard"
     if requested not in PATHS:
         raise DFlashError(f"--moe must be one of {', '.join(PATHS)} (got {requested!r})")
+    if requested == "op" and activation != "swiglu":
+        raise DFlashError(f"--moe op: ONNX Runtime's CPU MoE kernel runs SwiGLU experts only, and these are "
+                          f"{activation.upper()} (Gemma 4); export with --moe standard")
     if requested == "op" and dtype != "fp32":
         raise DFlashError(f"--moe op with --dtype {dtype}: ONNX Runtime's MoE op runs on CPU in float32 only; "
                           "export with --dtype fp32, or with --moe standard for half precision")
@@ -70,19 +74,25 @@ def record(tc, path: str) -> dict:
     m = tc.moe
     return dict(path=path, experts=m.num_experts, top_k=m.top_k, expert_size=m.expert_size,
                 shared_expert_size=m.shared_expert_size, norm_topk_prob=m.norm_topk_prob,
-                layers=list(m.sparse_layers))
+                layers=list(m.sparse_layers), activation=m.activation)
 
 
 def use_path(target, path: str) -> None:
     """Install the graph form `path` on every MoE block of `target` (before tracing).
 
     "op" stores each gate_up_proj interleaved (g0, u0, g1, u1, ... rows), in place, one layer
-    at a time: the layout the CPU kernel reads, written once into the graph's weights."""
+    at a time: the layout the CPU kernel reads, written once into the graph's weights (gpt-oss's
+    are so already; its biases likewise). A block's `fold` (Gemma 4's per-expert scale) goes
+    into its down projection first."""
     for block in M.blocks(target):
+        if hasattr(block, "fold"):
+            block.fold()
         if path == "op":
             ex = block.experts
             if not ex.interleaved:
                 ex.gate_up_proj.data = interleave(ex.gate_up_proj.data)
+                if ex.biased:
+                    ex.gate_up_proj_bias.data = interleave(ex.gate_up_proj_bias.data[..., None])[..., 0]
                 ex.interleaved = True
             block.graph_experts = contrib_experts
         else:
@@ -104,42 +114,59 @@ def gathered_experts(block, t: torch.Tensor, logits: torch.Tensor) -> torch.Tens
     weights, ids = M.route(logits, block.top_k, block.norm_topk_prob)
     ex = block.experts
     h = torch.matmul(ex.gate_up_proj[ids], t[:, None, :, None])[..., 0]  # T k 2I
+    if ex.biased:
+        h = h + ex.gate_up_proj_bias[ids]
     y = torch.matmul(ex.down_proj[ids], ex.swiglu(h)[..., None])[..., 0]  # T k H
+    if ex.biased:
+        y = y + ex.down_proj_bias[ids]
     return (y * weights[..., None]).sum(dim=1)
 
 
 # -- "op": com.microsoft::MoE ----------------------------------------------------------------
 
 
+NO_LIMIT = float("inf")  # swiglu_limit when the experts' activation is not clamped (the attribute is left out)
+
+
 @torch.library.custom_op("dflash::moe", mutates_args=())
-def moe_op(x: torch.Tensor, logits: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, k: int,
-           normalize: bool) -> torch.Tensor:
+def moe_op(x: torch.Tensor, logits: torch.Tensor, fc1: torch.Tensor, fc1_bias: torch.Tensor | None, fc2: torch.Tensor,
+           fc2_bias: torch.Tensor | None, k: int, normalize: bool, alpha: float, beta: float,
+           limit: float) -> torch.Tensor:
     """com.microsoft::MoE's semantics in torch: x [T, H], raw router logits [T, E], fc1
-    [E, 2I, H] interleaved, fc2 [E, H, I] -> [T, H] (softmax, top-k, optional renorm, SwiGLU)."""
+    [E, 2I, H] interleaved (+ bias [E, 2I]), fc2 [E, H, I] (+ bias [E, H]) -> [T, H] (softmax,
+    top-k, optional renorm, SwiGLU with its alpha, beta and clamp)."""
     weights, ids = M.route(logits, k, normalize)
-    ex = M.Experts(fc1.shape[0], fc1.shape[2], fc1.shape[1] // 2)
+    moe = MoeConfig(fc1.shape[0], k, fc1.shape[1] // 2, normalize, alpha=alpha, beta=beta,
+                    limit=None if limit == NO_LIMIT else limit, bias=fc1_bias is not None)
+    ex = M.Experts(fc1.shape[0], fc1.shape[2], fc1.shape[1] // 2, moe)
     ex.gate_up_proj, ex.down_proj, ex.interleaved = torch.nn.Parameter(fc1), torch.nn.Parameter(fc2), True
+    if fc1_bias is not None:
+        ex.gate_up_proj_bias, ex.down_proj_bias = torch.nn.Parameter(fc1_bias), torch.nn.Parameter(fc2_bias)
     with torch.no_grad():
         return ex(x, ids, weights)
 
 
 @moe_op.register_fake
-def _(x, logits, fc1, fc2, k, normalize):
+def _(x, logits, fc1, fc1_bias, fc2, fc2_bias, k, normalize, alpha, beta, limit):
     return x.new_empty(x.shape)
 
 
 def contrib_experts(block, t: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     ex = block.experts
-    return moe_op(t, logits, ex.gate_up_proj, ex.down_proj, block.top_k, block.norm_topk_prob)
+    b1, b2 = (ex.gate_up_proj_bias, ex.down_proj_bias) if ex.biased else (None, None)
+    return moe_op(t, logits, ex.gate_up_proj, b1, ex.down_proj, b2, block.top_k, block.norm_topk_prob, ex.alpha, ex.beta,
+                  NO_LIMIT if ex.limit is None else ex.limit)
 
 
 register_ort_schemas()
 _msft = values.Opset("com.microsoft", 1)
 
 
-def _moe_onnx(x, logits, fc1, fc2, k: int, normalize: bool):
-    return _msft.MoE(x, logits, fc1, None, fc2, k=k, activation_type="swiglu", swiglu_fusion=1,
-                     normalize_routing_weights=int(normalize))
+def _moe_onnx(x, logits, fc1, fc1_bias, fc2, fc2_bias, k: int, normalize: bool, alpha: float, beta: float,
+              limit: float):
+    clamp = {} if limit == NO_LIMIT else {"swiglu_limit": limit}
+    return _msft.MoE(x, logits, fc1, fc1_bias, fc2, fc2_bias, k=k, activation_type="swiglu", swiglu_fusion=1,
+                     normalize_routing_weights=int(normalize), activation_alpha=alpha, activation_beta=beta, **clamp)
 
 
 TRANSLATION = {torch.ops.dflash.moe.default: _moe_onnx}
