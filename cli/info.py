@@ -40,7 +40,8 @@ def describe(out: Path, verify: bool = True) -> dict:
         "directory": str(out),
         "format": m.format, "format_version": m.format_version,
         "target": {"architecture": m.architecture, "layers": m.target_layers, "hidden_size": m.hidden_size,
-                   "kv_heads": m.target_kv_heads, "head_dim": m.target_head_dim, "vocab_size": m.vocab_size},
+                   "kv_heads": m.target_kv_heads, "head_dim": m.target_head_dim, "vocab_size": m.vocab_size,
+                   **attention_kinds(m)},
         "drafter": {"layers": m.draft_layers, "kv_heads": m.draft_kv_heads, "head_dim": m.draft_head_dim,
                     "target_layer_ids": m.target_layer_ids, "mask_token_id": m.mask_token_id,
                     "family": "dflash2" if C.selector(m) else "dflash", "selector": C.selector(m)},
@@ -54,6 +55,29 @@ def describe(out: Path, verify: bool = True) -> dict:
         "tools": m.tools,
         "sources": m.sources,
     }
+
+
+def attention_kinds(m) -> dict:
+    """The target's family and, per kind of layer, which layers and what their cache is."""
+    types = m.target_layer_types or [C.ATTENTION] * m.target_layers
+    w = C.window(m) or {}
+    family = w.get("family") or ("hybrid" if m.linear_layers else "dense")
+    kinds: dict = {}
+    for i, (t, kind) in enumerate(zip(types, C.layer_kinds(C.TARGET, m))):
+        k = kinds.setdefault(t, {"layers": []})
+        k["layers"].append(i)
+        if kind == C.SLIDING:
+            k.update(window=w["window"], cache=f"ring of {w['ring']} slots", kv_heads=w["kv_heads"], head_dim=w["head_dim"])
+        elif kind == C.ATTENTION:
+            k.update(cache="one slot per position", kv_heads=m.target_kv_heads, head_dim=m.target_head_dim)
+        elif kind == C.LINEAR:
+            k.update(cache="Gated DeltaNet state")
+    for t, r in (w.get("rope") or {}).items():
+        kinds[t]["rope"] = r
+    extra = {"kv_shared": {i: j for i, j in enumerate(w["kv_source"]) if i != j}} if w.get("kv_source") else {}
+    if w:
+        extra.update(sinks=w.get("sinks", False), final_logit_softcapping=w.get("final_logit_softcapping"))
+    return {"family": family, "attention_kinds": kinds, **extra}
 
 
 def source_line(rec: dict) -> str:
@@ -92,8 +116,16 @@ def info(out, as_json, no_verify):
 def print_info(d: dict, out: Path) -> None:
     t, dr = d["target"], d["drafter"]
     click.echo(f"{d['directory']}: {d['format']} format version {d['format_version']}")
-    click.echo(f"target   {t['architecture']}, {t['layers']} layers, hidden {t['hidden_size']}, "
+    click.echo(f"target   {t['architecture']} ({t['family']}), {t['layers']} layers, hidden {t['hidden_size']}, "
                f"{t['kv_heads']} kv heads x {t['head_dim']}, vocab {t['vocab_size']}")
+    for name, k in t["attention_kinds"].items():
+        what = ", ".join(f"{key.replace('_', ' ')} {k[key]}" for key in ("window", "kv_heads", "head_dim", "rope") if key in k)
+        click.echo(f"  {name:<17} {len(k['layers'])} layer(s) {k['layers']}: {k['cache']}" + (f", {what}" if what else ""))
+    notes = [f"KV-sharing layers {sorted(t['kv_shared'])} read layers {sorted(set(t['kv_shared'].values()))}"
+             if t.get("kv_shared") else "", "attention sinks" if t.get("sinks") else "",
+             f"logits soft-capped at {t['final_logit_softcapping']:g}" if t.get("final_logit_softcapping") else ""]
+    if any(notes):
+        click.echo("  " + "; ".join(n for n in notes if n))
     sel = dr.get("selector")
     kind = f"DFlash 2 (candidate selector: top {sel['top_k']}, rank {sel['rank']}), " if sel else ""
     click.echo(f"drafter  {kind}{dr['layers']} layer(s), {dr['kv_heads']} kv heads x {dr['head_dim']}, "

@@ -154,6 +154,21 @@ def hybrid_fields(tc) -> dict:
         k_dim=la.key_head_dim, v_dim=la.value_head_dim, max_seq=_chunk()))
 
 
+def windowed_fields(tc) -> dict:
+    """A gpt-oss / Gemma 4 target's layer kinds and the record of its attention (contract.window):
+    the sliding layers' ring holds the window (their queries see no further back)."""
+    w = tc.windowed
+    if w is None:
+        return {}
+    rec = dict(family=w.family, kv_source=list(w.kv_source), sinks=w.sinks, k_eq_v=w.k_eq_v,
+               final_logit_softcapping=w.final_logit_softcapping, per_layer_input=w.per_layer_input,
+               rope={t: k.rope.kind for t, k in w.kinds.items()}, window=None, ring=None, kv_heads=0, head_dim=0)
+    sliding = w.kinds.get("sliding_attention")
+    if sliding is not None:
+        rec.update(window=sliding.window, ring=sliding.window, kv_heads=sliding.num_kv_heads, head_dim=sliding.head_dim)
+    return dict(target_layer_types=list(tc.layer_types), windowed=rec)
+
+
 def draft_ring(dc, max_context: int) -> int | None:
     """The context ring's slots: the window, when every drafter layer slides and the window is
     shorter than the context (no query then sees further back); else None (slot = position)."""
@@ -240,9 +255,10 @@ def export_artifact(
     tc, dc, k, mask = plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset, dsrc.label)
     if attention not in C.ATTENTION_FLAVOURS:
         raise DFlashError(f"--attention must be one of {', '.join(C.ATTENTION_FLAVOURS)} (got {attention!r})")
-    if attention == "ort" and tc.hybrid:
+    if attention == "ort" and tc.family != "dense":
+        why = "Gated DeltaNet hybrid" if tc.hybrid else "sliding-window and full attention layers"
         raise DFlashError(f"--attention ort covers Llama/Qwen2/Qwen3 targets; this {tc.architecture} target "
-                          "(Gated DeltaNet hybrid) exports with --attention standard only")
+                          f"({why}) exports with --attention standard only")
     if tc.hybrid and dtype == "bf16":
         raise DFlashError("--dtype bf16 is not supported for hybrid (Gated DeltaNet) targets: the runtime's host state "
                           "commit has no bf16 path and ONNX Runtime's CPU provider cannot run bf16; use --dtype fp16")
@@ -264,6 +280,7 @@ def export_artifact(
         draft_layers=dc.num_layers, draft_kv_heads=dc.num_kv_heads, draft_head_dim=dc.head_dim,
         architecture=tc.architecture, eos_token_ids=eos,
         opset=0, graphs={}, tools=tool_versions(), attention=attention, draft_vocab=vocab_record, ragged=True, **hybrid_fields(tc),
+        **windowed_fields(tc),
         selector=selector_record(dc), draft_ring=draft_ring(dc, max_context),
         moe=moe_graphs.record(tc, moe_path) if moe_path else None,
     )

@@ -37,6 +37,7 @@ from .names import Names
 from .manifest import Manifest
 from ..errors import DFlashError, InternalError
 from .hybrid import LinearStates
+from .window import WindowRings
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Backend(ABC):
     limit = ("exported max context", "export with a larger --max-context")  # what bounds max_len, and the fix
     names: Names  # every per-layer tensor name, built once at load (names.names_of)
     states: LinearStates | None = None  # hybrid targets: the committed DeltaNet states, host side (runtime/hybrid.py)
+    rings: WindowRings | None = None  # sliding-window targets: the sliding layers' rings, host side (runtime/window.py)
     _rows: tuple | None = None  # (lengths, ctx_lengths, pending), made on first use
 
     # -- per-row lengths ------------------------------------------------------------------
@@ -143,6 +145,8 @@ class Backend(ABC):
                 raise InternalError(f"commit({k}) of row {b} but the last target call wrote {pending[b]} positions")
         if self.states is not None:  # a hybrid target's rollback: only n positions reach the states
             self.states.commit_rows(rows, n)
+        if self.rings is not None:  # and a sliding layer's: only n positions reach its ring
+            self.rings.commit_rows(rows, n, lengths)
         for b, k in zip(rows, n):
             lengths[b] += k
             pending[b] = 0
@@ -245,6 +249,8 @@ class Backend(ABC):
         self._move_caches(src, dst)
         if self.states is not None:
             self.states.move(src, dst)
+        if self.rings is not None:
+            self.rings.move(src, dst)
         for a in self._row_state():
             a[dst] = a[src]
         self.reset_row(src)
@@ -282,11 +288,16 @@ class Backend(ABC):
             if n:
                 raise InternalError(f"keep({n}) of {self.target_len} positions: a hybrid target keeps all or none")
             self.states.reset()
+        if self.rings is not None and n not in (self.target_len, 0) and self.target_len > self.rings.ring:
+            raise InternalError(f"keep({n}) of {self.target_len} positions: the sliding layers' rings were overwritten")
         self.target_len, self.context_len, self._pending = n, min(self.context_len, n), 0
 
     def reusable(self, n: int) -> int:
         """The longest prefix, at most n positions, of the cached sequence that `keep` can keep.
-        Attention caches keep any prefix; a recurrent state (hybrid targets) all or nothing."""
+        Attention caches keep any prefix; a recurrent state (hybrid targets) all or nothing; a
+        sliding layer's ring any prefix until it has wrapped, then all or nothing."""
+        if self.rings is not None and n != self.target_len and self.target_len > self.rings.ring:
+            return 0
         if self.states is None or n == self.target_len:
             # a drafter context ring (runtime/ort/row_cache.py) keeps only its latest positions: no shorter context
             return n if n >= self.context_len or not C.ring(self.manifest) else 0

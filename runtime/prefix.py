@@ -39,9 +39,11 @@ class Parked:
 
 def supported(backend) -> bool:
     """Whether the backend's rows can be parked (`Backend.parks_rows`: ONNX Runtime rows of
-    attention caches), the drafter's context not a ring (a ring holds only its latest positions,
-    not a prefix to keep: the rule `Backend.reusable` applies to one row)."""
-    return backend.parks_rows and backend.states is None and not C.ring(backend.manifest)
+    attention caches, no recurrent states or sliding rings), the drafter's context not a ring
+    (a ring holds only its latest positions, not a prefix to keep: the rule `Backend.reusable`
+    applies to one row)."""
+    return (backend.parks_rows and backend.states is None and backend.rings is None
+            and not C.ring(backend.manifest))
 
 
 def save_row(backend, b: int, tokens: list[int]) -> Parked:

@@ -31,6 +31,7 @@ from .. import contract as C, manifest as M
 from ..backend import Backend, Draft, TargetOut, check_context_counts
 from ...errors import InternalError
 from ..hybrid import LinearStates
+from ..window import WindowRings
 from ..memory import check_cache_memory
 from ..names import names_of
 from .row_cache import check_batch, gather_row, ring_scatter, scatter
@@ -175,21 +176,23 @@ class OrtBackend(Backend):
         L, Hkv, D, n = m.target_layers, m.target_kv_heads, m.target_head_dim, self.max_len
         self.in_place = C.flavour(m) == "ort"  # head-major cache, past and present one buffer (contract.TARGET_ORT)
         self.verify_per_row = self.in_place  # GroupQueryAttention: several new tokens with a past, one row a call
-        att = [i for i in range(L) if not m.is_linear(i)]
+        kinds = C.layer_kinds(C.TARGET, m)
+        att = [i for i in range(L) if kinds[i] == C.ATTENTION]  # the rest: states, rings or nothing
         self.kv_all = self.ctx_all = None
         self._views, self._flat, self._tail, self._wcache = {}, {}, {}, {}
         self.width = B  # rows a call over all rows carries (set_width: the loop keeps its rows in 0..width-1)
         if self.in_place or B == 1:
             shape = (B, Hkv, n, D) if self.in_place else (1, n, Hkv, D)
-            self.kv = [None if m.is_linear(i) else self._alloc(shape, kv_type) for i in range(L) for _ in (0, 1)]
+            self.kv = [self._alloc(shape, kv_type) if i in att else None for i in range(L) for _ in (0, 1)]
         else:  # views held in lists: _bind caches each buffer's geometry by id
             slot = {i: j for j, i in enumerate(att)}
-            self._kv_slot = [None if m.is_linear(i) else 2 * slot[i] + e for i in range(L) for e in (0, 1)]
+            self._kv_slot = [2 * slot[i] + e if i in slot else None for i in range(L) for e in (0, 1)]
             self._flat["kv"], self._tail["kv"] = np.zeros((2 * len(att), n * B * Hkv * D), STORAGE[kv_type]), (Hkv, D)
             self.kv_new = np.zeros((2 * len(att), B * self.max_chunk * Hkv * D), STORAGE[kv_type])
             self._row_kv = np.zeros((2 * len(att), n * Hkv * D), STORAGE[kv_type])  # one row's prefix, gathered
             self._views = {k: list(getattr(self, k)) for k in ("kv_new", "_row_kv")}
         self.states = LinearStates(m, self.max_chunk, B) if m.linear_layers else None
+        self.rings = WindowRings(m, self.max_chunk, B) if C.SLIDING in kinds else None
         self.lengths_in = np.zeros(B, np.int32), np.zeros((), np.int32)  # ort flavour: seqlens_k, total_sequence_length
         width = static[C.TAPS_WIDTH]
         self.taps = self._alloc((B, self.max_chunk, width), C.dtype(C.tensor(C.TARGET, C.TAPS, m), m))
@@ -406,7 +409,10 @@ class OrtBackend(Backend):
         m, g, R, B = self.manifest, C.TARGET, len(rows), self.max_batch
         if self.states is not None:
             self.states.layout(R, S)
+        if self.rings is not None:
+            self.rings.layout(R, S)
         at = rows[0] if R == 1 else 0
+        kinds = C.layer_kinds(g, m)
         gathered = R == 1 and self.width > 1 and P > 0  # width 1: the one row's prefix is contiguous, bound in place
         if gathered:
             gather_row(self.kv_all, self._row_kv, at, P)
@@ -417,6 +423,15 @@ class OrtBackend(Backend):
                     self._bind(g, name, buf[name], at * buf[name].shape[1], batch=R)
                 for name in (self.names.new_conv[i], *self.names.delta[i]):
                     self._bind(g, name, self.states.flat[name], batch=R, seq=S)
+                continue
+            if kinds[i] == C.SHARED:  # attends to an earlier layer's K/V inside the graph
+                continue
+            if kinds[i] == C.SLIDING:  # the rows' rings (one row: its written slots), new K/V to commit
+                rings, slots = self.rings, self.rings.bound(self.lengths[at]) if R == 1 else self.rings.ring
+                for past, new in ((self.names.past_key[i], self.names.new_key[i]),
+                                  (self.names.past_value[i], self.names.new_value[i])):
+                    self._bind(g, past, rings.buf[past], at * rings.ring, batch=R, window_past=slots)
+                    self._bind(g, new, rings.flat[new], batch=R, seq=S)
                 continue
             if B == 1 or self.width == 1:  # one row's cache, contiguous: the new K/V go straight after its prefix
                 k, v = self.kv[2 * i], self.kv[2 * i + 1]
