@@ -35,7 +35,7 @@ from ..runtime.contract import BATCH, GRAPH_FILES, GRAPHS, ring
 from ..runtime.manifest import Manifest, load_manifest, write_manifest
 from ..errors import DFlashError
 from ..lazy import lazy_import
-from ..runtime.trt.backend import gpu_info, import_tensorrt
+from ..runtime.trt.engines import gpu_info, import_tensorrt
 from ..runtime.trt.profiles import (
     ENGINE_DIR, ENGINE_FILES, Limits, check_precision, profile_record, refuse_quantized, resolve_limits, trt_version_tuple,
 )
