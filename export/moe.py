@@ -216,7 +216,8 @@ def to_qmoe(proto, bits: int, block: int, symmetric: bool) -> list[str]:
         (q1, s1, z1), (q2, s2, z2) = ins[fc1], ins[fc2]
         out = node.output[0]
         renorm = [] if attrs_of(node).get("normalize_routing_weights") else unnormalise(node, out, attrs["k"])
-        q = helper.make_node("QMoE", [node.input[0], node.input[1], q1, s1, "", q2, s2, "", "", "", "", z1, z2],
+        bias = list(node.input[3:6:2]) + [""] * 2  # fc1/fc2 expert biases (gpt-oss) stay float
+        q = helper.make_node("QMoE", [node.input[0], node.input[1], q1, s1, bias[0], q2, s2, bias[1], "", "", "", z1, z2],
                              [f"{out}_renormalised" if renorm else out], name=node.name, domain=OP[0], **attrs)
         at = list(graph.node).index(node)
         node.CopyFrom(q)
