@@ -56,6 +56,8 @@ def describe(out: Path, verify: bool = True) -> dict:
         "tools": m.tools,
         "sources": m.sources,
         "runtime": runtime_choices(out, m.block_size),
+        "moe": m.moe,
+        "quantization": m.quantization and {k: v for k, v in m.quantization.items() if k != "weights"},
     }
 
 
@@ -64,6 +66,8 @@ def attention_kinds(m) -> dict:
     types = m.target_layer_types or [C.ATTENTION] * m.target_layers
     w = C.window(m) or {}
     family = w.get("family") or ("hybrid" if m.linear_layers else "dense")
+    if m.moe and not w.get("family"):
+        family += " mixture-of-experts"
     kinds: dict = {}
     for i, (t, kind) in enumerate(zip(types, C.layer_kinds(C.TARGET, m))):
         k = kinds.setdefault(t, {"layers": []})
@@ -95,8 +99,9 @@ def runtime_choices(out: Path, block: int) -> dict:
     choices = {}
     for k, s in entries.items():
         costs = Costs.from_json(s.costs) if s.costs else default_costs(block)
+        policy = auto_policy(costs, block)
         choices[k] = {"threads": s.threads, "verify": S.policy_json(s.verify), "costs": costs.source,
-                      "auto_policy": auto_policy(costs, block), "auto": describe_auto(costs, block)}
+                      "auto_policy": policy, "auto": describe_auto(policy, costs.source)}
     return choices
 
 
@@ -110,6 +115,20 @@ def source_line(rec: dict) -> str:
     hashes = ", ".join(f"{name} sha256 {digest[:12]}" for name, digest in sorted(files.items())[:3])
     more = f" (+{len(files) - 3} more)" if len(files) > 3 else ""
     return f"{where}; {hashes}{more}" if files else where
+
+
+def moe_line(e: dict, q: dict | None) -> str:
+    """A manifest's `moe` record in a line: routing, shared expert, MoE layers and the graph form."""
+    norm = "renormalised" if e["norm_topk_prob"] else "not renormalised"
+    shared = f"shared expert of width {e['shared_expert_size']} (sigmoid-gated)" if e["shared_expert_size"] else \
+        "no shared expert"
+    if e["path"] == "op":
+        op = f"QMoE {q['scheme']}, block {q['block_size']}" if q else "MoE"
+        path = f"op (com.microsoft::{op}: ONNX Runtime only)"
+    else:
+        path = "standard (gathered experts in ai.onnx ops)"
+    return (f"{e['experts']} experts of width {e['expert_size']}, top {e['top_k']} ({norm}), {shared}; "
+            f"MoE in layers {e['layers']}; path {path}")
 
 
 def _shape(t: C.Tensor, m) -> list:
@@ -161,6 +180,8 @@ def print_info(d: dict, out: Path) -> None:
             click.echo(f"{what} {source_line(rec)}")
     click.echo(f"export   {d['dtype']}, attention {flavour.get(d['attention'], d['attention'])}, block size {d['block_size']}, max context {d['max_context']}, opset {d['opset']}, "
                f"eos {d['eos_token_ids']}, tokenizer {'yes' if d['tokenizer'] else 'no'}")
+    if d["moe"]:
+        click.echo(f"experts  {moe_line(d['moe'], d['quantization'])}")
     m = M.load_manifest(out, verify=False)
     for g in C.GRAPHS:
         graph = C.spec(g, m)  # the ort attention flavour declares its own target graph

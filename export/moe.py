@@ -21,6 +21,7 @@ The PyTorch reference (models/moe.py) runs transformers' loop over the selected 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from onnxscript import values
 
@@ -31,6 +32,9 @@ from ..models.config import MoeConfig
 from .ops import register_ort_schemas
 
 ort = lazy_import("onnxruntime")
+ort_state = lazy_import("onnxruntime.capi._pybind_state")  # ORT's own int4 / int8 block quantizers
+helper = lazy_import("onnx.helper")
+numpy_helper = lazy_import("onnx.numpy_helper")
 
 PATHS = ("op", "standard")
 OP = ("com.microsoft", "MoE")  # what an "op" export's target graph holds beyond ai.onnx
@@ -166,3 +170,111 @@ def _moe_onnx(x, logits, fc1, fc1_bias, fc2, fc2_bias, k: int, normalize: bool, 
 
 
 TRANSLATION = {torch.ops.dflash.moe.default: _moe_onnx}
+
+
+# -- quantize: the op path's experts as com.microsoft::QMoE ----------------------------------
+
+def quantize_experts(w: np.ndarray, bits: int, block: int, symmetric: bool):
+    """Expert weights [E, N, K] (x @ W[e].T) -> (codes uint8 [E, N, K*bits/8], scales [E, N, K/block],
+    zero points uint8 [E, N, ceil(K/block*bits/8)] or None when symmetric), round-to-nearest along K.
+
+    ONNX Runtime's own kernels (quantize_matmul_{4,8}bits, MatMulNBitsQuantizer's) do the rounding,
+    expert by expert: their [N, blocks, blob] output is QMoE's raw layout (weights_prepacked=0)."""
+    fn = {4: ort_state.quantize_matmul_4bits, 8: ort_state.quantize_matmul_8bits}[bits]
+    e, n, k = w.shape
+    blocks = k // block
+    codes = np.zeros((e, n, blocks, block * bits // 8), np.uint8)
+    zp = np.zeros((e, n, (blocks * bits + 7) // 8), np.uint8)
+    scales = np.zeros((e, n, blocks), w.dtype)
+    for i in range(e):
+        fn(codes[i], np.ascontiguousarray(w[i].T), scales[i], zp[i], block, n, k, symmetric)
+    return codes.reshape(e, n, k * bits // 8), scales, None if symmetric else zp
+
+
+def to_qmoe(proto, bits: int, block: int, symmetric: bool) -> list[str]:
+    """Replace every com.microsoft::MoE node of an onnx ModelProto (weights loaded) by a
+    com.microsoft::QMoE over the same experts quantized block-wise; returns the float
+    weights' names. Expert widths must divide into blocks (QMoE's rule): one line if not. The
+    accuracy level is set afterwards with MatMulNBits' (export/accuracy_level.py set_level)."""
+    graph = proto.graph
+    inits = {t.name: t for t in graph.initializer}
+    done = []
+    for node in [n for n in graph.node if n.domain == OP[0] and n.op_type == OP[1]]:
+        fc1, fc2 = node.input[2], node.input[4]
+        w1, w2 = numpy_helper.to_array(inits[fc1]), numpy_helper.to_array(inits[fc2])
+        h, i = w1.shape[2], w2.shape[2]
+        if h % block or i % block:
+            raise DFlashError(f"--quant-block-size {block} does not divide the experts' hidden size {h} and width {i}, "
+                              "as ONNX Runtime's QMoE requires; choose a block size dividing both")
+        ins = {}
+        for name, w in ((fc1, w1), (fc2, w2)):
+            codes, scales, zp = quantize_experts(w, bits, block, symmetric)
+            ins[name] = [f"{name}_Q{bits}", f"{name}_scales", f"{name}_zp{bits}" if zp is not None else ""]
+            graph.initializer.extend(numpy_helper.from_array(a, n) for a, n in zip((codes, scales, zp), ins[name]) if n)
+        attrs = attrs_of(node)
+        attrs.update(expert_weight_bits=bits, block_size=block, weights_prepacked=0, normalize_routing_weights=1)
+        (q1, s1, z1), (q2, s2, z2) = ins[fc1], ins[fc2]
+        out = node.output[0]
+        renorm = [] if attrs_of(node).get("normalize_routing_weights") else unnormalise(node, out, attrs["k"])
+        bias = list(node.input[3:6:2]) + [""] * 2  # fc1/fc2 expert biases (gpt-oss) stay float
+        q = helper.make_node("QMoE", [node.input[0], node.input[1], q1, s1, bias[0], q2, s2, bias[1], "", "", "", z1, z2],
+                             [f"{out}_renormalised" if renorm else out], name=node.name, domain=OP[0], **attrs)
+        at = list(graph.node).index(node)
+        node.CopyFrom(q)
+        while node.input and not node.input[-1]:
+            node.input.pop()
+        for j, extra in enumerate(renorm):
+            graph.node.insert(at + 1 + j, extra)
+        done += [fc1, fc2]
+    used = {i for n in graph.node for i in n.input}
+    keep = [t for t in graph.initializer if t.name in used or t.name not in done]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    return done
+
+
+def attrs_of(node) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def unnormalise(node, out: str, k: int) -> list:
+    """Nodes that scale QMoE's output back to un-renormalised routing weights (norm_topk_prob
+    false): QMoE's CPU kernel (onnxruntime 1.32) renormalises the top-k weights whatever
+    normalize_routing_weights says, so the graph asks for renormalised weights explicitly and
+    multiplies by their sum before renormalising, softmax(logits).topk(k).sum() (standard ops)."""
+    p = f"{out}_route"
+    consts = [numpy_helper.from_array(np.array([k], np.int64), f"{p}_k"),
+              numpy_helper.from_array(np.array([-1], np.int64), f"{p}_axes")]
+    return [helper.make_node("Constant", [], [f"{p}_k"], value=consts[0]),
+            helper.make_node("Constant", [], [f"{p}_axes"], value=consts[1]),
+            helper.make_node("Softmax", [node.input[1]], [f"{p}_probs"], axis=-1),
+            helper.make_node("TopK", [f"{p}_probs", f"{p}_k"], [f"{p}_top", f"{p}_ids"], axis=-1),
+            helper.make_node("ReduceSum", [f"{p}_top", f"{p}_axes"], [f"{p}_sum"], keepdims=1),
+            helper.make_node("Mul", [f"{out}_renormalised", f"{p}_sum"], [out])]
+
+
+def dequantize_qmoe(node, arrays: dict) -> dict[str, np.ndarray]:
+    """A QMoE node's expert weights as the float [E, N, K] tensors the PyTorch source holds
+    ({fc1 name: gate_up_proj, fc2 name: down_proj}), read from its packed inputs per the
+    contrib-op spec (4 bits: low nibble first; no zero points: 2^(bits-1)); fc1's interleaved
+    gate/up rows are put back as [gate; up]. Written here, not taken from ONNX Runtime, so
+    that `check` compares the graph with an independent reading of its weights."""
+    attr = attrs_of(node)
+    bits, block = attr.get("expert_weight_bits", 4), attr["block_size"]
+    ins = list(node.input) + [""] * 13
+    out = {}
+    for codes, scales, zp in ((ins[2], ins[3], ins[11]), (ins[5], ins[6], ins[12])):
+        b, s = arrays[codes], arrays[scales].astype(np.float32)
+        e, n, blocks = s.shape
+        q = np.stack([b & 0x0F, b >> 4], -1).reshape(e, n, blocks, block) if bits == 4 else b.reshape(e, n, blocks, block)
+        if zp:
+            z = arrays[zp]
+            z = (np.stack([z & 0x0F, z >> 4], -1).reshape(e, n, -1) if bits == 4 else z)[..., :blocks]
+        else:
+            z = np.full((e, n, blocks), 2 ** (bits - 1), np.uint8)
+        w = ((q.astype(np.float32) - z[..., None].astype(np.float32)) * s[..., None]).reshape(e, n, blocks * block)
+        name = codes.rsplit("_Q", 1)[0]
+        if codes == ins[2] and attr.get("swiglu_fusion") == 1:
+            w = np.concatenate([w[:, 0::2], w[:, 1::2]], 1)
+        out[name] = w
+    return out

@@ -116,9 +116,10 @@ class SparseMoe(nn.Module):
         else:
             weights, ids = route(logits, self.top_k, self.norm_topk_prob)
             y = self.experts(t, ids, weights)
-        if self.shared:
-            y = y + torch.sigmoid(self.shared_expert_gate(t)) * self.shared_expert(t)
-        return y.reshape(shape)
+        y = y.reshape(shape)
+        if self.shared:  # on [B, S, H]: traced as MatMul like the dense MLP, so `quantize` takes it
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
 
 
 def mlp_for(c: TargetConfig, layer: int) -> nn.Module:
