@@ -144,6 +144,8 @@ HOSTILE = [  # (path, body, status, words): each under the 4 MB body limit
     ("/detokenize", b'{"tokens": [' + b"1," * 1_900_000 + b"1]}", 413, "JSON values"),
     ("/v1/completions", {"prompt": [1] * 30_000}, 400, "more than the exported context"),
     ("/v1/completions", {"prompt": "a", "stop_token_ids": [1] * 30_000}, 400, "at most 64"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "unpaired surrogate"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "unpaired surrogate"),
 ]
 
 
