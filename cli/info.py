@@ -14,7 +14,8 @@ from pathlib import Path
 
 import click
 
-from ..runtime import contract as C, manifest as M
+from ..runtime import contract as C, manifest as M, settings as S
+from ..runtime.controller import Costs, auto_policy, default_costs, describe_auto
 from ..runtime.memory import human
 from ..errors import DFlashError
 
@@ -54,6 +55,7 @@ def describe(out: Path, verify: bool = True) -> dict:
         "engines": m.engines,
         "tools": m.tools,
         "sources": m.sources,
+        "runtime": runtime_choices(out, m.block_size),
     }
 
 
@@ -78,6 +80,22 @@ def attention_kinds(m) -> dict:
     if w:
         extra.update(sinks=w.get("sinks", False), final_logit_softcapping=w.get("final_logit_softcapping"))
     return {"family": family, "attention_kinds": kinds, **extra}
+
+
+def runtime_choices(out: Path, block: int) -> dict:
+    """{device key: the calibrated choices in runtime.json (threads, verify policy, what
+    `--speculation auto` does with its costs)}; {} when not calibrated; a bad file: {"error": ...}."""
+    try:
+        keys = S.calibrated_devices(out)
+        entries = {k: S.load_settings(out, k) for k in keys}
+    except DFlashError as e:
+        return {"error": str(e)}
+    choices = {}
+    for k, s in entries.items():
+        costs = Costs.from_json(s.costs) if s.costs else default_costs(block)
+        choices[k] = {"threads": s.threads, "verify": S.policy_json(s.verify), "costs": costs.source,
+                      "auto_policy": auto_policy(costs, block), "auto": describe_auto(costs, block)}
+    return choices
 
 
 def source_line(rec: dict) -> str:
@@ -159,6 +177,15 @@ def print_info(d: dict, out: Path) -> None:
     click.echo(f"hashes   {d['hashes']}")
     if d["engines"]:
         click.echo(f"engines  TensorRT build record present ({', '.join(sorted(d['engines']))})")
+    runtime = d["runtime"]
+    if not runtime:
+        click.echo("runtime  not calibrated (full-block verify; auto with the default cost model): "
+                   "dflash-export bench --calibrate")
+    elif "error" in runtime:
+        click.echo(f"runtime  {runtime['error']}")
+    for key, r in runtime.items() if "error" not in runtime else ():
+        verify = S.describe_policy(None if r["verify"] == "full" else S.VerifyPolicy(**r["verify"]))
+        click.echo(f"runtime  {key}: threads {r['threads'] or 'default'}, verify {verify}; {r['auto']}")
 
 
 COMMANDS = [info]

@@ -16,7 +16,7 @@ import numpy as np
 
 from .batch import bench_batch, check_batch_value, echo_bench_batch, generate_many
 from .options import device_options, sampling_options, resolve_speculation, speculation_option
-from ..runtime.controller import controller_for, rounds_of
+from ..runtime.controller import auto_policy, controller_for, describe_auto, rounds_of
 from ..runtime.calibrate import calibrate, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
 from ..errors import DFlashError
 from ..runtime.load import open_artifact, open_backend, settings_for
@@ -271,6 +271,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     runs = measure_many(backends, prompts, n, warmup, cfg.verify, temperature, control, draft)
     main = backends[key]
     report = {"provider": main.provider, "speculation": speculation, "costs": control.costs.source if control else None,
+              "auto_policy": auto_policy(control.costs, m.block_size) if control else None,
               **summarize(*runs[key], m.block_size, temperature)}
     report.update(max_new_tokens=n, prompt_source=source, threads=cfg.threads, graph_threads=cfg.graph_threads or None,
                   spin=cfg.spin, verify=policy_json(cfg.verify), draft_vocab=(m.draft_vocab or {}).get("size"),
@@ -335,6 +336,8 @@ def echo_bench(r: dict, source: str, vocab_size: int, temperature: float) -> Non
                f"speedup {r['speedup']:.2f}x")
     click.echo(f"speculation {r['speculation']}: {r['rounds']['drafted']} rounds drafted, {r['rounds']['plain']} plain"
                + (f" (cost model: {r['costs']})" if r["costs"] else ""))
+    if control is not None:
+        click.echo(describe_auto(control.costs, m.block_size))
     if "off_domain" in r:
         o = r["off_domain"]
         click.echo(f"off-domain ({o['prompts']} prompts, {o['source']}): speculative "

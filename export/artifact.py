@@ -84,6 +84,9 @@ def _chunk() -> int:
 # -- room: memory and disk, before anything is loaded -----------------------------------
 
 EXPORT_PEAK = 1.3  # export peak RSS / weight bytes: 1.26 measured (bench/export_2gb.py, docs/results.md)
+# a MoE target's routed experts are streamed (export/stream.py): peak RSS / the bytes export does
+# hold, bf16 checkpoint -> fp32 (its bf16 copy is held while converting): 1.58 measured (bench/moe_export.py)
+STREAMED_PEAK = 1.6
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
@@ -106,14 +109,17 @@ def checkpoint_elements(directory: Path) -> int:
     return total
 
 
-def check_room(weight_bytes: int, out: Path, dtype: str) -> None:
+def check_room(weight_bytes: int, out: Path, dtype: str, streamed: int = 0) -> None:
     """Refuse, with a one-line hint, an export this machine's memory or disk cannot hold:
-    better than being killed by the OS half-way (or filling the disk)."""
+    better than being killed by the OS half-way (or filling the disk). `streamed`: bytes of
+    `weight_bytes` that go from the checkpoint to disk without being held (a MoE's experts)."""
     gb = lambda b: f"{b / 1e9:.1f} GB"  # noqa: E731
     smaller = "export with --dtype fp16 or bf16 (half the bytes)" if dtype == "fp32" else "export on a larger machine"
-    need, avail = int(EXPORT_PEAK * weight_bytes), available_memory()
+    held = weight_bytes - streamed
+    need, avail = int((STREAMED_PEAK if streamed else EXPORT_PEAK) * held), available_memory()
     if avail is not None and need > avail:
-        raise DFlashError(f"export needs about {gb(need)} of memory for {gb(weight_bytes)} of {dtype} weights, but only "
+        also = f" ({gb(streamed)} of them experts streamed from the checkpoint)" if streamed else ""
+        raise DFlashError(f"export needs about {gb(need)} of memory for {gb(weight_bytes)} of {dtype} weights{also}, but only "
                           f"{gb(avail)} is available; {smaller}, free memory, or pass --no-room-check to try anyway")
     free = shutil.disk_usage(out.parent).free
     if weight_bytes > free:
@@ -272,7 +278,7 @@ def export_artifact(
     weight_bytes = BYTES[dtype] * (elements + (0 if vocab_ids is None else len(vocab_ids) * tc.hidden_size))
     stale = clean_stale(out)
     if room_check:
-        check_room(weight_bytes, out, dtype)
+        check_room(weight_bytes, out, dtype, streamed=BYTES[dtype] * stream.expert_elements(target_dir) if moe_path else 0)
     manifest = M.Manifest(
         block_size=k, mask_token_id=mask, target_layer_ids=list(dc.target_layer_ids), dtype=dtype,
         vocab_size=tc.vocab_size, max_context=int(max_context), hidden_size=tc.hidden_size,

@@ -39,6 +39,7 @@ from .ops import QUANT_OPS
 from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_checked
 from . import accuracy_level as AL
 from .progress import Phases, report
+from . import stream
 from .save import graph_spec, save_graphs
 from .trace import store_transposed
 from .validate import validate_artifact
@@ -102,6 +103,7 @@ def quantize_graph(model, q: QuantOptions, graph: str):
     """onnx_ir model -> (quantized onnx_ir model, names of the weights that were quantized)."""
     for i, node in enumerate(model.graph):  # the quantizer selects nodes by name
         node.name = node.name or f"node_{i}"
+    aside = set_experts_aside(model)
     ir.external_data.load_to_model(model)  # the quantizer reads weights as arrays from the proto
     proto = ir.serde.serialize_model(model)
     inits = {t.name for t in proto.graph.initializer}
@@ -124,7 +126,24 @@ def quantize_graph(model, q: QuantOptions, graph: str):
         raise DFlashError(f"ONNX Runtime's quantizer converted {len(done)} of {len(quantized)} linear layers; "
                           "re-export without --quantize")
     del proto
-    return ir.serde.deserialize_model(out), quantized
+    model = ir.serde.deserialize_model(out)
+    for name, t in aside.items():
+        value = model.graph.initializers[name]
+        value.const_value, value.shape = t, t.shape
+    return model, quantized
+
+
+def set_experts_aside(model) -> dict:
+    """A MoE target's routed experts are no linear layer's weight: they stay in the float
+    export's data file (copied from there when written), and a one-element stand-in goes
+    through the quantizer in their place, so a 30B-class target's experts are never held
+    (export/stream.py). -> name: the tensor set aside."""
+    aside = {}
+    for value in model.graph.initializers.values():
+        if stream.INITIALIZER.search(value.name) and value.const_value is not None:
+            aside[value.name] = t = value.const_value
+            value.const_value = ir.Tensor(np.zeros(1, t.dtype.numpy()), dtype=t.dtype)
+    return aside
 
 
 def pack_blocks(w_in_out: np.ndarray, q: QuantOptions) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

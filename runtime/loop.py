@@ -221,7 +221,7 @@ def stream_batch(
         lens = np.zeros(len(rows), np.int64)
         uses = [spec and bool(r.req.speculative) and (r.ctl is None or r.ctl.drafts) for r in rows]  # verifies drafts
         for b, r in enumerate(rows):
-            s = min(k if uses[b] else 1, r.max_length - r.start)
+            s = min(k if uses[b] else 1, r.max_length - r.start, (r.ctl.cap or k) if r.ctl is not None else k)
             if conf is not None and r.req.speculative:
                 r.gen.confidences.append(conf[b].copy())
                 if verify is not None:
