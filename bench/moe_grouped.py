@@ -22,7 +22,6 @@ import time
 from datetime import datetime, timezone
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import torch
 from common import uptime

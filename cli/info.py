@@ -64,6 +64,8 @@ def attention_kinds(m) -> dict:
     types = m.target_layer_types or [C.ATTENTION] * m.target_layers
     w = C.window(m) or {}
     family = w.get("family") or ("hybrid" if m.linear_layers else "dense")
+    if m.moe and not w.get("family"):
+        family += " mixture-of-experts"
     kinds: dict = {}
     for i, (t, kind) in enumerate(zip(types, C.layer_kinds(C.TARGET, m))):
         k = kinds.setdefault(t, {"layers": []})
@@ -93,8 +95,9 @@ def runtime_choices(out: Path, block: int) -> dict:
     choices = {}
     for k, s in entries.items():
         costs = Costs.from_json(s.costs) if s.costs else default_costs(block)
+        policy = auto_policy(costs, block)
         choices[k] = {"threads": s.threads, "verify": S.policy_json(s.verify), "costs": costs.source,
-                      "auto_policy": auto_policy(costs, block), "auto": describe_auto(costs, block)}
+                      "auto_policy": policy, "auto": describe_auto(policy, costs.source)}
     return choices
 
 

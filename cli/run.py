@@ -336,8 +336,8 @@ def echo_bench(r: dict, source: str, vocab_size: int, temperature: float) -> Non
                f"speedup {r['speedup']:.2f}x")
     click.echo(f"speculation {r['speculation']}: {r['rounds']['drafted']} rounds drafted, {r['rounds']['plain']} plain"
                + (f" (cost model: {r['costs']})" if r["costs"] else ""))
-    if control is not None:
-        click.echo(describe_auto(control.costs, m.block_size))
+    if r["auto_policy"]:
+        click.echo(describe_auto(r["auto_policy"], r["costs"]))
     if "off_domain" in r:
         o = r["off_domain"]
         click.echo(f"off-domain ({o['prompts']} prompts, {o['source']}): speculative "

@@ -14,6 +14,14 @@ Each row keeps a discounted mean of the tokens its drafted rounds emitted (GAMMA
 last 10 rounds; a new row starts with one round's worth of PRIOR tokens above the batch-1
 break-even) plus HOPE standard errors (acceptance is bursty), and an average verify length.
 
+Verify length: a drafting row's estimate at its average verify length is read as a per-draft
+acceptance `alpha` (`best_length`), and the row verifies the length s >= 2 with the most
+expected tokens per ms under the costs (its `cap`; the calibrated verify policy may cut it
+shorter): the block where a verify costs about a step, a short verify where the cost grows
+with the length (a MoE target's verify of s tokens reads up to k*s experts). Whether it
+drafts at all compares that round with a plain step (`pays`); the prior is the break-even
+at the length the row verifies.
+
 Probes: while plain, a row counts its plain rounds and drafts again after `gap` of them; a
 probe that does not pay doubles the gap, up to `max_gap`. At a probe the rounds before the
 plain stretch count FADE ** (plain rounds) less (the text has moved on: code prompts often
@@ -48,8 +56,8 @@ over what the model charged them, against the same for plain rounds, corrects dr
 rounds' cost (`correction`, within 0.7-1.5x) for the rows that do not decide for themselves.
 Without them, `default_costs`, in units of a batch-1 step: a call over p positions costs
 1 + 0.08 (p - 1) steps (a 16-token verify 2.2 steps, as measured on 2-core CPUs), a draft
-1 step, a context update 0.1 step: a full 16-token block is drafted only above 3.3 tokens
-a round. That is cautious: where a verify costs about a step (a GPU at small batch) the
+1 step, a context update 0.1 step: a full 16-token block pays only above 3.3 tokens a
+round. That is cautious: where a verify costs about a step (a GPU at small batch) the
 break-even is ~1.2-1.4 tokens a round and drafting almost never stops (docs/runtime.md
 shows both); calibrate on the deployed hardware.
 """
@@ -441,16 +449,16 @@ def auto_policy(costs: Costs, block: int) -> list[dict]:
     return out
 
 
-def describe_auto(costs: Costs, block: int) -> str:
-    """`auto_policy` in a line for people."""
+def describe_auto(policy: list[dict], source: str) -> str:
+    """`auto_policy` (of `source` costs: calibrated or default) in a line for people."""
     parts = []
-    for p in auto_policy(costs, block):
+    for p in policy:
         be = p["break_even"]
         pays = ("no verify length can pay: plain steps" if p["longest_paying"] is None else
                 f"verifies of up to {p['longest_paying']} can pay")
         parts.append(f"{p['rows']} row(s): verify {'/'.join(be)} pays above {'/'.join(f'{x:g}' for x in be.values())}"
                      f" tokens a round, {pays}")
-    return f"auto ({costs.source} costs): " + "; ".join(parts)
+    return f"auto ({source} costs): " + "; ".join(parts)
 
 
 def controller_for(mode: str, costs: dict | None, block_size: int) -> Controller | None:
