@@ -56,6 +56,8 @@ def describe(out: Path, verify: bool = True) -> dict:
         "tools": m.tools,
         "sources": m.sources,
         "runtime": runtime_choices(out, m.block_size),
+        "moe": m.moe,
+        "quantization": m.quantization and {k: v for k, v in m.quantization.items() if k != "weights"},
     }
 
 
@@ -81,6 +83,8 @@ def attention_kinds(m) -> dict:
     extra = {"kv_shared": {i: j for i, j in enumerate(w["kv_source"]) if i != j}} if w.get("kv_source") else {}
     if w:
         extra.update(sinks=w.get("sinks", False), final_logit_softcapping=w.get("final_logit_softcapping"))
+    if m.moe:  # the experts: how many, routed how, in which graph form (export/moe.py)
+        extra["experts"] = {k: m.moe.get(k) for k in ("experts", "top_k", "activation", "path")}
     return {"family": family, "attention_kinds": kinds, **extra}
 
 
@@ -111,6 +115,20 @@ def source_line(rec: dict) -> str:
     hashes = ", ".join(f"{name} sha256 {digest[:12]}" for name, digest in sorted(files.items())[:3])
     more = f" (+{len(files) - 3} more)" if len(files) > 3 else ""
     return f"{where}; {hashes}{more}" if files else where
+
+
+def moe_line(e: dict, q: dict | None) -> str:
+    """A manifest's `moe` record in a line: routing, shared expert, MoE layers and the graph form."""
+    norm = "renormalised" if e["norm_topk_prob"] else "not renormalised"
+    shared = f"shared expert of width {e['shared_expert_size']} (sigmoid-gated)" if e["shared_expert_size"] else \
+        "no shared expert"
+    if e["path"] == "op":
+        op = f"QMoE {q['scheme']}, block {q['block_size']}" if q else "MoE"
+        path = f"op (com.microsoft::{op}: ONNX Runtime only)"
+    else:
+        path = "standard (gathered experts in ai.onnx ops)"
+    return (f"{e['experts']} experts of width {e['expert_size']}, top {e['top_k']} ({norm}), {shared}; "
+            f"MoE in layers {e['layers']}; path {path}")
 
 
 def _shape(t: C.Tensor, m) -> list:
@@ -144,7 +162,11 @@ def print_info(d: dict, out: Path) -> None:
         click.echo(f"  {name:<17} {len(k['layers'])} layer(s) {k['layers']}: {k['cache']}" + (f", {what}" if what else ""))
     notes = [f"KV-sharing layers {sorted(t['kv_shared'])} read layers {sorted(set(t['kv_shared'].values()))}"
              if t.get("kv_shared") else "", "attention sinks" if t.get("sinks") else "",
-             f"logits soft-capped at {t['final_logit_softcapping']:g}" if t.get("final_logit_softcapping") else ""]
+             f"logits soft-capped at {t['final_logit_softcapping']:g}" if t.get("final_logit_softcapping") else "",
+             "{experts} experts, top {top_k}, {activation} ({path} ops)".format(
+                 **{**t["experts"], "activation": t["experts"]["activation"] or "swiglu",
+                    "path": "ONNX Runtime's MoE" if t["experts"]["path"] == "op" else "standard"})
+             if t.get("experts") else ""]
     if any(notes):
         click.echo("  " + "; ".join(n for n in notes if n))
     sel = dr.get("selector")
@@ -158,6 +180,8 @@ def print_info(d: dict, out: Path) -> None:
             click.echo(f"{what} {source_line(rec)}")
     click.echo(f"export   {d['dtype']}, attention {flavour.get(d['attention'], d['attention'])}, block size {d['block_size']}, max context {d['max_context']}, opset {d['opset']}, "
                f"eos {d['eos_token_ids']}, tokenizer {'yes' if d['tokenizer'] else 'no'}")
+    if d["moe"]:
+        click.echo(f"experts  {moe_line(d['moe'], d['quantization'])}")
     m = M.load_manifest(out, verify=False)
     for g in C.GRAPHS:
         graph = C.spec(g, m)  # the ort attention flavour declares its own target graph
