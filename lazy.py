@@ -12,9 +12,12 @@ from .errors import DFlashError
 
 EXTRAS = {"torch": "export", "onnx": "export", "onnxscript": "export", "huggingface_hub": "export", "onnxruntime": "cpu", "tensorrt": "trt",
           "fastapi": "serve", "uvicorn": "serve", "ray": "ray", "matplotlib": "dev"}  # optional dependency -> the extra installing it
-# our modules that import them (serve's engine and text import none: they are the torch-free half)
-HEAVY = ("dflash_export.export", "dflash_export.models", "dflash_export.train", "dflash_export.serve.app",
-         "dflash_export.serve.requests", "dflash_export.serve.respond", "dflash_export.serve.ray", "dflash_export.runtime.ort.backend",
+# our modules that import them (serve's engine and text import none: they are the torch-free half; train's config
+# neither: the CLI builds train-draft's options from it)
+HEAVY = ("dflash_export.export", "dflash_export.models", "dflash_export.train.train", "dflash_export.train.data",
+         "dflash_export.train.cache", "dflash_export.train.eval", "dflash_export.train.forward", "dflash_export.train.loss",
+         "dflash_export.train.speed", "dflash_export.train.state", "dflash_export.serve.app",
+         "dflash_export.serve.requests", "dflash_export.serve.respond", "dflash_export.serve.ray", "dflash_export.runtime.ort.backend", "dflash_export.runtime.ort.sessions",
          "dflash_export.runtime.trt.backend", "dflash_export.serve_ray")  # the last: the deprecated alias of serve.ray
 
 

@@ -26,6 +26,7 @@ safetensors_torch = lazy_import("safetensors.torch")
 
 ARCHS = ("llama", "qwen2", "qwen3")
 HYBRID = ("qwen35", "qwen35-vl")  # Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration (hybrid)
+WINDOWED = ("gpt_oss", "gemma4")  # GptOssForCausalLM / Gemma4ForCausalLM (sliding + full attention)
 # mixture-of-experts (models/moe.py): Qwen3MoeForCausalLM; Qwen3_5MoeForCausalLM / ...ForConditionalGeneration;
 # Qwen3NextForCausalLM (hybrids with a shared expert)
 MOE = ("qwen3_moe", "qwen35_moe", "qwen35_moe-vl", "qwen3_next")
@@ -48,6 +49,8 @@ def make_target(
     std: float = 0.08,
     layer_types: list[str] | None = None,
     linear: dict | None = None,
+    window: int = 4,
+    extra: dict | None = None,
     moe: dict | None = None,
     fused_experts: bool = False,
 ) -> Path:
@@ -56,7 +59,9 @@ def make_target(
     archs: `moe` overrides the expert config fields (num_experts, num_experts_per_tok,
     moe_intermediate_size, norm_topk_prob, mlp_only_layers, ...); save_pretrained writes one
     key per expert, as released checkpoints have them; `fused_experts` writes transformers
-    5.x's in-memory layout instead (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+    5.x's in-memory layout instead (gate_up_proj [E, 2I, H], down_proj [E, H, I]).
+    gpt_oss / gemma4: `window` is the sliding window, `extra` overrides config fields (e.g.
+    Gemma 4's num_kv_shared_layers, hidden_size_per_layer_input, attention_k_eq_v)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab,
@@ -87,6 +92,8 @@ def make_target(
         model = transformers.Qwen3ForCausalLM(cfg)
     elif arch in HYBRID:
         model = _qwen35(arch, common, layer_types, head_dim or 16, bool(tie), linear or {})
+    elif arch in WINDOWED:
+        model = _windowed(arch, common, layer_types, head_dim or 16, tie, window, extra or {})
     elif arch in MOE:
         model = _moe(arch, common, layer_types, head_dim or 16, bool(tie), linear or {}, moe or {})
     else:
@@ -132,6 +139,22 @@ def _qwen35(arch: str, common: dict, layer_types, head_dim: int, tie: bool, line
                   patch_size=4, num_position_embeddings=16)
     return transformers.Qwen3_5ForConditionalGeneration(
         transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie))
+
+
+def _windowed(arch: str, common: dict, layer_types, head_dim: int, tie, window: int, extra: dict):
+    """A tiny gpt-oss (4 experts, top 2, YaRN as released) or Gemma 4 (full layers twice the head
+    dim with one KV head, k_eq_v, soft-capped logits; no per-layer embeddings unless `extra`)."""
+    common = {**common, "head_dim": head_dim, "sliding_window": window}
+    if layer_types:
+        common["layer_types"] = layer_types
+    if arch == "gpt_oss":
+        cfg = transformers.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                                        tie_word_embeddings=bool(tie), **extra)
+        return transformers.GptOssForCausalLM(cfg)
+    cfg = dict(common, global_head_dim=2 * head_dim, num_global_key_value_heads=1, attention_k_eq_v=True,
+               final_logit_softcapping=30.0, hidden_size_per_layer_input=0, tie_word_embeddings=tie is not False)
+    cfg.update(extra)
+    return transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**cfg))
 
 
 def _moe(arch: str, common: dict, layer_types, head_dim: int, tie: bool, linear: dict, moe: dict):

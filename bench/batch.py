@@ -123,7 +123,7 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
 
     from dflash_export.export.artifact import export_artifact
     from dflash_export.export.quantize import QuantOptions, quantize_artifact
-    from dflash_export.runtime.ort import rows as ort_rows
+    from dflash_export.runtime.ort import backend as ort_rows  # the module whose calls use scatter
     from dflash_export.runtime.ort.backend import OrtBackend
 
     if not (work / "target" / "config.json").is_file():

@@ -59,19 +59,20 @@ def open_backend(work: Path, name: str, threads: str, variant: str, drafter: boo
     every graph. variant fold: the tied head constant-folded as before (a transposed copy)."""
     from dflash_export.runtime import manifest as M
     from dflash_export.runtime.ort.backend import OrtBackend
+    from dflash_export.runtime.ort.sessions import Sessions
     from dflash_export.runtime.settings import resolve
 
     m = M.load_manifest(work / name)
     kw = resolve(work / name, m, "ort:cpu", threads=None if threads == "cal" else int(threads)).ort_kwargs()
     kw |= {"low_memory": {"low_memory": True}, "keep_mapped": {"release_mapped": False}}.get(variant, {})
     if variant == "fold":
-        orig = OrtBackend._session
+        orig = Sessions._session
 
         def folded(self, graph):
-            self._tied_head_graphs = set()
+            self.tied_head_graphs = set()
             return orig(self, graph)
 
-        OrtBackend._session = folded
+        Sessions._session = folded
     return OrtBackend(work / name, drafter=drafter, **kw)
 
 

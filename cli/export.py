@@ -1,6 +1,6 @@
 """`export` (target + drafter -> ONNX artifact directory), `quantize` and `check` (parity vs PyTorch).
 
-torch, onnx and onnxruntime are imported inside the commands, so `--help` is instant.
+The export stages (torch, onnx) are named with lazy_import and imported when a command runs, so `--help` is instant.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from ..runtime import contract as C, manifest as M
+from ..runtime.memory import human
 from ..errors import DFlashError
 
 
@@ -39,7 +40,8 @@ def describe(out: Path, verify: bool = True) -> dict:
         "directory": str(out),
         "format": m.format, "format_version": m.format_version,
         "target": {"architecture": m.architecture, "layers": m.target_layers, "hidden_size": m.hidden_size,
-                   "kv_heads": m.target_kv_heads, "head_dim": m.target_head_dim, "vocab_size": m.vocab_size},
+                   "kv_heads": m.target_kv_heads, "head_dim": m.target_head_dim, "vocab_size": m.vocab_size,
+                   **attention_kinds(m)},
         "drafter": {"layers": m.draft_layers, "kv_heads": m.draft_kv_heads, "head_dim": m.draft_head_dim,
                     "target_layer_ids": m.target_layer_ids, "mask_token_id": m.mask_token_id,
                     "family": "dflash2" if C.selector(m) else "dflash", "selector": C.selector(m)},
@@ -53,6 +55,29 @@ def describe(out: Path, verify: bool = True) -> dict:
         "tools": m.tools,
         "sources": m.sources,
     }
+
+
+def attention_kinds(m) -> dict:
+    """The target's family and, per kind of layer, which layers and what their cache is."""
+    types = m.target_layer_types or [C.ATTENTION] * m.target_layers
+    w = C.window(m) or {}
+    family = w.get("family") or ("hybrid" if m.linear_layers else "dense")
+    kinds: dict = {}
+    for i, (t, kind) in enumerate(zip(types, C.layer_kinds(C.TARGET, m))):
+        k = kinds.setdefault(t, {"layers": []})
+        k["layers"].append(i)
+        if kind == C.SLIDING:
+            k.update(window=w["window"], cache=f"ring of {w['ring']} slots", kv_heads=w["kv_heads"], head_dim=w["head_dim"])
+        elif kind == C.ATTENTION:
+            k.update(cache="one slot per position", kv_heads=m.target_kv_heads, head_dim=m.target_head_dim)
+        elif kind == C.LINEAR:
+            k.update(cache="Gated DeltaNet state")
+    for t, r in (w.get("rope") or {}).items():
+        kinds[t]["rope"] = r
+    extra = {"kv_shared": {i: j for i, j in enumerate(w["kv_source"]) if i != j}} if w.get("kv_source") else {}
+    if w:
+        extra.update(sinks=w.get("sinks", False), final_logit_softcapping=w.get("final_logit_softcapping"))
+    return {"family": family, "attention_kinds": kinds, **extra}
 
 
 def source_line(rec: dict) -> str:
@@ -70,14 +95,6 @@ def source_line(rec: dict) -> str:
 def _shape(t: C.Tensor, m) -> list:
     static = C.sizes(m)
     return [r if r in C.DYNAMIC else static[r] for r in t.dims]
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 @click.command()
@@ -99,8 +116,16 @@ def info(out, as_json, no_verify):
 def print_info(d: dict, out: Path) -> None:
     t, dr = d["target"], d["drafter"]
     click.echo(f"{d['directory']}: {d['format']} format version {d['format_version']}")
-    click.echo(f"target   {t['architecture']}, {t['layers']} layers, hidden {t['hidden_size']}, "
+    click.echo(f"target   {t['architecture']} ({t['family']}), {t['layers']} layers, hidden {t['hidden_size']}, "
                f"{t['kv_heads']} kv heads x {t['head_dim']}, vocab {t['vocab_size']}")
+    for name, k in t["attention_kinds"].items():
+        what = ", ".join(f"{key.replace('_', ' ')} {k[key]}" for key in ("window", "kv_heads", "head_dim", "rope") if key in k)
+        click.echo(f"  {name:<17} {len(k['layers'])} layer(s) {k['layers']}: {k['cache']}" + (f", {what}" if what else ""))
+    notes = [f"KV-sharing layers {sorted(t['kv_shared'])} read layers {sorted(set(t['kv_shared'].values()))}"
+             if t.get("kv_shared") else "", "attention sinks" if t.get("sinks") else "",
+             f"logits soft-capped at {t['final_logit_softcapping']:g}" if t.get("final_logit_softcapping") else ""]
+    if any(notes):
+        click.echo("  " + "; ".join(n for n in notes if n))
     sel = dr.get("selector")
     kind = f"DFlash 2 (candidate selector: top {sel['top_k']}, rank {sel['rank']}), " if sel else ""
     click.echo(f"drafter  {kind}{dr['layers']} layer(s), {dr['kv_heads']} kv heads x {dr['head_dim']}, "
@@ -128,9 +153,9 @@ def print_info(d: dict, out: Path) -> None:
     shared = d["shared"]
     if shared:
         once = {(s["file"], s["offset"]): s["length"] for s in shared.values()}
-        click.echo(f"shared   {len(shared)} weight names stored once in {C.SHARED_DATA} ({_human(sum(once.values()))})")
-    click.echo("files    " + ", ".join(f"{k} {_human(v)}" for k, v in d["files"].items()))
-    click.echo(f"total    {_human(d['total_bytes'])}")
+        click.echo(f"shared   {len(shared)} weight names stored once in {C.SHARED_DATA} ({human(sum(once.values()))})")
+    click.echo("files    " + ", ".join(f"{k} {human(v)}" for k, v in d["files"].items()))
+    click.echo(f"total    {human(d['total_bytes'])}")
     click.echo(f"hashes   {d['hashes']}")
     if d["engines"]:
         click.echo(f"engines  TensorRT build record present ({', '.join(sorted(d['engines']))})")

@@ -268,20 +268,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         log = (lambda msg: click.echo(f"calibrate: {msg}", err=True)) if not as_json else (lambda msg: None)
         calibration = calibrate(out, provider, backend, candidates, base.spin, prompts, n, warmup, log)
     cfg = settings_for(out, backend, provider, threads=threads, spin=spin, verify=verify)
-    labels = sorted(set(candidates) | {cfg.threads}) if sweep else [cfg.threads]
-
-    def open_(t):
-        if backend == "trt":
-            return open_backend(out, "trt")
-        return open_backend(out, "ort", provider, **(cfg.ort_kwargs() | {"threads": t, "graph_threads": {}}))
-
-    backends = {t: open_(t) for t in labels}
-    key = cfg.threads  # the run's backend: the calibrated per-graph counts, else one count for all
-    if cfg.graph_threads and backend == "ort" and set(cfg.graph_threads.values()) != {cfg.threads}:
-        key = "graphs"
-        backends[key] = open_backend(out, "ort", provider, **cfg.ort_kwargs())
-        if not sweep:
-            del backends[cfg.threads]
+    backends, key = _backends_by_threads(out, backend, provider, cfg, candidates, sweep)
     control, draft = controller_for(speculation, cfg.costs, m.block_size), speculation != "never"
     runs = measure_many(backends, prompts, n, warmup, cfg.verify, temperature, control, draft)
     main = backends[key]
@@ -312,12 +299,39 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     if as_json:
         click.echo(json.dumps(report))
         return
-    r, t = report, report["tokens_per_second"]
+    echo_bench(report, source, m.vocab_size, temperature)
+    if plot is not None:
+        click.echo(f"plot: {plot}")
+
+
+def _backends_by_threads(out, backend: str, provider: str, cfg, candidates: list[int], sweep: bool) -> tuple[dict, object]:
+    """({thread count: backend} to measure side by side, the key of the run's own): a sweep opens
+    every candidate count; the run's backend uses the calibrated per-graph counts when they differ."""
+    labels = sorted(set(candidates) | {cfg.threads}) if sweep else [cfg.threads]
+
+    def open_(t):
+        if backend == "trt":
+            return open_backend(out, "trt")
+        return open_backend(out, "ort", provider, **(cfg.ort_kwargs() | {"threads": t, "graph_threads": {}}))
+
+    backends = {t: open_(t) for t in labels}
+    key = cfg.threads  # the run's backend: the calibrated per-graph counts, else one count for all
+    if cfg.graph_threads and backend == "ort" and set(cfg.graph_threads.values()) != {cfg.threads}:
+        key = "graphs"
+        backends[key] = open_backend(out, "ort", provider, **cfg.ort_kwargs())
+        if not sweep:
+            del backends[cfg.threads]
+    return backends, key
+
+
+def echo_bench(r: dict, source: str, vocab_size: int, temperature: float) -> None:
+    """bench's report for people: the settings, tau and speedup, then where the time went."""
+    t = r["tokens_per_second"]
     per_graph = f" (per graph {r['graph_threads']})" if set((r["graph_threads"] or {}).values()) - {r["threads"]} else ""
     click.echo(f"prompts: {source}; {r['max_new_tokens']} new tokens each; {r['provider']}; threads {r['threads']}"
                f"{per_graph}, spin {'on' if r['spin'] else 'off'}, verify {r['verify']}")
     if r.get("draft_vocab"):
-        click.echo(f"draft vocabulary: {r['draft_vocab']} of {m.vocab_size} tokens")
+        click.echo(f"draft vocabulary: {r['draft_vocab']} of {vocab_size} tokens")
     click.echo(f"tau {r['tau']:.2f}{f' at temperature {temperature}' if temperature else ''}, mean verify length {r['mean_verify_len']:.2f}  histogram {r['acceptance_histogram']}")
     click.echo(f"speculative {t['speculative']:.1f} tok/s, autoregressive {t['autoregressive']:.1f} tok/s, "
                f"speedup {r['speedup']:.2f}x")
@@ -329,7 +343,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
                    f"{o['tokens_per_second']['speculative']:.1f} tok/s, autoregressive "
                    f"{o['tokens_per_second']['autoregressive']:.1f} tok/s, speedup {o['speedup']:.2f}x, tau {o['tau']:.2f}, "
                    f"rounds {o['rounds']['drafted']} drafted / {o['rounds']['plain']} plain")
-    if sweep:
+    if "by_threads" in r:
         click.echo(f"best threads {r['best_threads']}; speedup vs plain at its best thread count "
                    f"{r['speedup_vs_best_plain']:.2f}x; by threads {r['by_threads']}")
     click.echo(f"time to first token: {r['ttft_ms']:.1f} ms for a {r['ttft_prompt_tokens']}-token prompt "
@@ -339,12 +353,10 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
                f"ideal speedup {r['ideal_speedup']:.2f}x, loop efficiency {r['loop_efficiency']:.3f}")
     for mode, s in r["time_split_s"].items():
         click.echo(f"{mode}: " + ", ".join(f"{k} {v:.3f}s" for k, v in s.items()))
-    if ctx:
+    if "step_ms_by_context" in r:
         click.echo("step ms by context: " + ", ".join(f"{k}: {v:.3f}" for k, v in r["step_ms_by_context"].items()))
     lossless = "not compared (sampled)" if r["lossless"] is None else r["lossless"]
     click.echo(f"lossless (speculative == autoregressive tokens): {lossless}; peak RSS {r['peak_rss_mb']:.0f} MB")
-    if plot is not None:
-        click.echo(f"plot: {plot}")
 
 
 COMMANDS = [generate, bench]

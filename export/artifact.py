@@ -11,7 +11,6 @@ export leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
-import os
 import json
 import shutil
 import struct
@@ -26,7 +25,7 @@ from ..errors import DFlashError, InternalError
 from .. import sources as S
 from ..lazy import lazy_import
 from . import draft_vocab as DV, stream, trace as T
-from .outdir import check_out_dir, commit, write_manifest_checked
+from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_checked
 from .progress import Phases, report
 from .quantize import check_options, quantize_artifact
 from .save import copy_tokenizer, graph_spec, opset_of, save_graphs
@@ -128,26 +127,6 @@ def check_room(weight_bytes: int, out: Path, dtype: str, streamed: int = 0) -> N
                           f"free disk space, choose another --out, or {smaller}")
 
 
-def clean_stale_staging(out: Path) -> list[Path]:
-    """Remove `.<out>.partial-<pid>` / `.<out>.old-<pid>` left by an export that was killed
-    (its pid gone); a running export's folder is left alone. -> the removed paths."""
-    removed = []
-    for p in out.parent.glob(f".{out.name}.*-*"):
-        kind, _, pid = p.name[len(out.name) + 2 :].partition("-")
-        if kind not in ("partial", "old") or not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # alive (an export running now): not ours to remove
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # alive, another user's
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        removed.append(p)
-    return removed
-
-
 def plan_draft_vocab(n, data, target_dir, vocab_size: int, eos: list[int], family: str = "dflash", own: int | None = None):
     """-> (the N ids or None, the manifest's draft_vocab record or None), before any weight is loaded.
     own: the size of a drafter's own reduced vocabulary (speculators d2t), recorded once loaded."""
@@ -179,6 +158,21 @@ def hybrid_fields(tc) -> dict:
     return dict(target_layer_types=list(tc.layer_types), linear=dict(
         conv_kernel=la.conv_kernel, conv_dim=la.conv_dim, k_heads=la.num_key_heads, v_heads=la.num_value_heads,
         k_dim=la.key_head_dim, v_dim=la.value_head_dim, max_seq=_chunk()))
+
+
+def windowed_fields(tc) -> dict:
+    """A gpt-oss / Gemma 4 target's layer kinds and the record of its attention (contract.window):
+    the sliding layers' ring holds the window (their queries see no further back)."""
+    w = tc.windowed
+    if w is None:
+        return {}
+    rec = dict(family=w.family, kv_source=list(w.kv_source), sinks=w.sinks, k_eq_v=w.k_eq_v,
+               final_logit_softcapping=w.final_logit_softcapping, per_layer_input=w.per_layer_input,
+               rope={t: k.rope.kind for t, k in w.kinds.items()}, window=None, ring=None, kv_heads=0, head_dim=0)
+    sliding = w.kinds.get("sliding_attention")
+    if sliding is not None:
+        rec.update(window=sliding.window, ring=sliding.window, kv_heads=sliding.num_kv_heads, head_dim=sliding.head_dim)
+    return dict(target_layer_types=list(tc.layer_types), windowed=rec)
 
 
 def draft_ring(dc, max_context: int) -> int | None:
@@ -267,9 +261,10 @@ def export_artifact(
     tc, dc, k, mask = plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset, dsrc.label)
     if attention not in C.ATTENTION_FLAVOURS:
         raise DFlashError(f"--attention must be one of {', '.join(C.ATTENTION_FLAVOURS)} (got {attention!r})")
-    if attention == "ort" and tc.hybrid:
+    if attention == "ort" and tc.family != "dense":
+        why = "Gated DeltaNet hybrid" if tc.hybrid else "sliding-window and full attention layers"
         raise DFlashError(f"--attention ort covers Llama/Qwen2/Qwen3 targets; this {tc.architecture} target "
-                          "(Gated DeltaNet hybrid) exports with --attention standard only")
+                          f"({why}) exports with --attention standard only")
     if tc.hybrid and dtype == "bf16":
         raise DFlashError("--dtype bf16 is not supported for hybrid (Gated DeltaNet) targets: the runtime's host state "
                           "commit has no bf16 path and ONNX Runtime's CPU provider cannot run bf16; use --dtype fp16")
@@ -281,7 +276,7 @@ def export_artifact(
                                                dc.draft_vocab_size)
     elements = checkpoint_elements(target_dir) + checkpoint_elements(draft_dir)
     weight_bytes = BYTES[dtype] * (elements + (0 if vocab_ids is None else len(vocab_ids) * tc.hidden_size))
-    stale = clean_stale_staging(out)
+    stale = clean_stale(out)
     if room_check:
         check_room(weight_bytes, out, dtype, streamed=BYTES[dtype] * stream.expert_elements(target_dir) if moe_path else 0)
     manifest = M.Manifest(
@@ -291,6 +286,7 @@ def export_artifact(
         draft_layers=dc.num_layers, draft_kv_heads=dc.num_kv_heads, draft_head_dim=dc.head_dim,
         architecture=tc.architecture, eos_token_ids=eos,
         opset=0, graphs={}, tools=tool_versions(), attention=attention, draft_vocab=vocab_record, ragged=True, **hybrid_fields(tc),
+        **windowed_fields(tc),
         selector=selector_record(dc), draft_ring=draft_ring(dc, max_context),
         moe=moe_graphs.record(tc, moe_path) if moe_path else None,
     )
@@ -298,10 +294,8 @@ def export_artifact(
     for p in stale:
         ui.console.print(f"removed {p.name}, left by an export that did not finish")
     t0 = time.perf_counter()
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging(out)
     try:
-        tmp.mkdir()
         with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
             manifest.sources = {"target": tsrc.record(), "draft": dsrc.record()}  # hashes the weight files
             with checkpoint.experts_on_meta() if moe_path else contextlib.nullcontext():

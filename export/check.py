@@ -220,6 +220,13 @@ def cases(target, drafter, m: M.Manifest, seed: int):
     yield C.TARGET, f"prefill P=0 S={S}", tg, [ids(S), pos(0, S), *cached(target.empty_kv(), 0, S)]
     yield C.TARGET, f"step P={P} S=1", tg, [ids(1), pos(P, 1), *cached(past, P, 1)]
     yield C.TARGET, f"verify P={P} S={K}", tg, [ids(K), pos(P, K), *cached(past, P, K)]
+    ring = (C.window(m) or {}).get("ring")
+    if ring and ring + 3 + K <= m.max_context:  # a past past the window: the sliding layers' rings have wrapped
+        P2 = ring + 3
+        with torch.inference_mode():
+            cache = target.new_cache(P2)
+            cache.append(target(ids(P2), pos(0, P2), target.empty_kv())[2])
+        yield C.TARGET, f"verify P={P2} S={K} (rings wrapped)", tg, [ids(K), pos(P2, K), *cached(cache.view(), P2, K)]
     yield C.DRAFT_CONTEXT, f"C={P}", cg, [taps, pos(0, P)]
     yield C.DRAFT_CONTEXT, "C=1", cg, [taps[:, -1:], pos(P - 1, 1)]
     yield C.DRAFT_BLOCK, f"past_ctx=0 K={K}", bg, [block(), pos(0, K), *block_inputs(m, drafter.empty_kv(), 0)]

@@ -15,15 +15,34 @@ def _flat(kv) -> list:
 
 
 def _position_major(m: M.Manifest | None, kv) -> list:
-    """[B, P, ...] attention K/V -> the ragged graphs' [P, B, ...] (a target's linear states,
-    given its manifest `m`, stay as they are)."""
-    return [t if m is not None and m.is_linear(i // 2) else t.transpose(0, 1).contiguous() for i, t in enumerate(_flat(kv))]
+    """[B, P, ...] attention K/V -> the ragged graphs' [P, B, ...] (a target's linear states and
+    sliding layers' rings, given its manifest `m`, stay as they are; KV-sharing layers have none)."""
+    kinds = C.layer_kinds(C.TARGET, m) if m is not None else [C.ATTENTION] * len(kv)
+    return [t if kinds[i] in (C.LINEAR, C.SLIDING) else t.transpose(0, 1).contiguous()
+            for i, pair in enumerate(kv) if kinds[i] != C.SHARED for t in pair]
+
+
+def ring_slots(p: int, ring: int) -> list[int]:
+    """The positions a ring of `ring` slots holds after p positions: slot s keeps the last one = s mod ring."""
+    return [p - 1 - (p - 1 - s) % ring for s in range(min(p, ring))]
+
+
+def in_window_rings(m: M.Manifest, kv, p: int) -> list:
+    """A sliding-window target's prefix past (slot = position, per layer) as the runtime holds it:
+    each sliding layer's last `ring` positions in their ring slots (runtime/window.py)."""
+    w = C.window(m)
+    if not w or w["ring"] is None:
+        return kv
+    kinds, pos = C.layer_kinds(C.TARGET, m), ring_slots(p, w["ring"])
+    return [(pair[0][:, pos], pair[1][:, pos]) if kinds[i] == C.SLIDING else pair for i, pair in enumerate(kv)]
 
 
 def target_inputs(m: M.Manifest, kv, p: int, s: int, lengths=None) -> list:
     """The target graph's inputs after ids and positions, for past `kv` of p positions and s
     new ones (`lengths`: each row's valid past, ragged graphs; default all p)."""
     b = kv[0][0].shape[0] if kv else 1
+    if C.window(m) and lengths is None:  # a prefix of every row: the sliding layers' rings from it
+        kv = in_window_rings(m, kv, p)
     lengths = torch.full((b,), p, dtype=torch.long) if lengths is None else lengths
     picks = [torch.arange(s).expand(b, s).contiguous()] if C.ragged(m) else []
     if C.flavour(m) == "ort":  # lengths + the whole head-major buffers holding the past (contract.TARGET_ORT)
@@ -84,7 +103,12 @@ def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, stric
             pasts.append(past)
             ctxs.append(ctx)
     pad = lambda t, p: torch.cat([t, t.new_zeros(t.shape[0], p - t.shape[1], *t.shape[2:])], 1)  # noqa: E731
-    batch_past = [tuple(torch.cat([pad(p_[i][j], P) if not m.is_linear(i) else p_[i][j] for p_ in pasts], 0)
+    kinds, w = C.layer_kinds(C.TARGET, m), C.window(m)
+    if w:  # each row's sliding layers as its ring, all rows' rings bound to the longest row's slots
+        pasts = [in_window_rings(m, p_, n) for p_, n in zip(pasts, lens)]
+    size = {C.ATTENTION: P, C.SLIDING: min(P, (w or {}).get("ring") or P)}
+    batch_past = [None if kinds[i] == C.SHARED else
+                  tuple(torch.cat([pad(p_[i][j], size[kinds[i]]) if kinds[i] in size else p_[i][j] for p_ in pasts], 0)
                         for j in range(2)) for i in range(len(pasts[0]))]
     ctxs, Pc = [in_ring(m, c, n) for c, n in zip(ctxs, lens)], min(P, C.ring(m) or P)
     batch_ctx = [tuple(torch.cat([pad(c[i][j], Pc) for c in ctxs], 0) for j in range(2)) for i in range(len(ctxs[0]))]

@@ -61,6 +61,38 @@ class TargetGraph(nn.Module):
         return (*_picked(self.target, x, logits_index), taps, *_flat(new))
 
 
+class WindowedTargetGraph(nn.Module):
+    """The ragged target graph of a gpt-oss / Gemma 4 target (models/windowed.py): full layers'
+    past position-major [P, B, ...] as every target's; sliding layers' past the ring slots
+    [B, Pw, ...] (contract.WINDOW_KV); KV-sharing layers none. Each slot's position comes from
+    the row's `past_lengths`: a full layer's slot t holds position t (while t < length); a ring
+    slot s holds the newest position below the length congruent to s mod ring."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.target = target
+        kinds = target.config.windowed.kinds
+        self.ring = kinds["sliding_attention"].window if "sliding_attention" in kinds else None
+
+    def forward(self, input_ids, position_ids, past_lengths, logits_index, *past):
+        t = self.target
+        pairs, layers, slots = iter(_pairs(past)), [], {}
+        for i, shape in enumerate(t.kv_shapes()):
+            kv = None if shape is None else next(pairs)
+            if kv is not None and t.kinds[i] == "full_attention":
+                kv = (kv[0].transpose(0, 1), kv[1].transpose(0, 1))
+            layers.append(kv)
+            if kv is not None and t.kinds[i] not in slots:
+                n = torch.arange(kv[0].shape[1], device=input_ids.device)[None]
+                last = past_lengths[:, None] - 1
+                if t.kinds[i] == "full_attention":
+                    slots[t.kinds[i]] = torch.where(n <= last, n, -1)
+                else:  # (+ ring: a non-negative operand, as ONNX exports of an integer remainder need)
+                    slots[t.kinds[i]] = last - torch.remainder(last - n + self.ring, self.ring)
+        x, taps, new = t.hidden(input_ids, position_ids, layers, slots)
+        return (*_picked(t, x, logits_index), taps, *_flat(kv for kv in new if kv is not None))
+
+
 class TargetGraph1(TargetGraph):
     """The batch-1 target graph of exports made before ragged batches (contract.GRAPHS)."""
 
@@ -89,8 +121,9 @@ class TargetOrtGraph(nn.Module):
         self.rotary = d % 16 == 0
         if self.rotary:  # the same products as rope_cos_sin, one row per position
             freqs = torch.arange(max_context).float()[:, None] * target.inv_freq.float()[None]
-            self.register_buffer("cos_cache", freqs.cos().to(dtype), persistent=False)
-            self.register_buffer("sin_cache", freqs.sin().to(dtype), persistent=False)
+            scale = target.config.rope.attention_factor  # YaRN's, as rope_cos_sin
+            self.register_buffer("cos_cache", (freqs.cos() * scale).to(dtype), persistent=False)
+            self.register_buffer("sin_cache", (freqs.sin() * scale).to(dtype), persistent=False)
 
     def forward(self, input_ids, position_ids, seqlens_k, total, logits_index, *cache):
         return self.run(input_ids, position_ids, seqlens_k, total, logits_index, cache)
@@ -100,7 +133,7 @@ class TargetOrtGraph(nn.Module):
         layers = t.model.layers
         x = t.embed(input_ids)
         if not self.rotary:
-            cos, sin = rope_cos_sin(position_ids, t.inv_freq, x.dtype)
+            cos, sin = rope_cos_sin(position_ids, t.inv_freq, x.dtype, t.config.rope.attention_factor)
         h = layers[0].input_layernorm(x)
         outs, present = {}, []
         for i, layer in enumerate(layers):
@@ -241,6 +274,8 @@ def wrapper(graph: str, target, drafter, attention: str = "standard", max_contex
     """The module export traces for `graph` (`ragged=False`: older exports' batch-1 graphs, for check)."""
     if graph == C.TARGET and attention == "ort":
         return (TargetOrtGraph if ragged else TargetOrtGraph1)(target, max_context)
+    if graph == C.TARGET and hasattr(target, "kv_shapes"):  # gpt-oss / Gemma 4: ragged graphs only
+        return WindowedTargetGraph(target)
     if graph == C.TARGET:
         return (TargetGraph if ragged else TargetGraph1)(target)
     if graph == C.DRAFT_BLOCK:

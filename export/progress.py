@@ -10,6 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from ..runtime.memory import human
+
 
 class Phases:
     """One status line per phase on stderr, then its time and the process's peak RSS so far
@@ -38,11 +40,3 @@ def report(ui: Phases, out: Path, seconds: float) -> None:
         table.add_row(p.name, human(p.stat().st_size))
     table.add_row("[bold]total", f"[bold]{human(total)}")
     ui.console.print(table)
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"

@@ -24,7 +24,6 @@ import contextlib
 import copy
 import dataclasses
 import logging
-import os
 import shutil
 import sys
 import time
@@ -37,7 +36,7 @@ from ..runtime import contract as C, manifest as M
 from ..errors import DFlashError
 from ..lazy import lazy_import
 from .ops import QUANT_OPS
-from .outdir import check_out_dir, commit, write_manifest_checked
+from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_checked
 from . import accuracy_level as AL
 from .progress import Phases, report
 from . import stream
@@ -220,13 +219,13 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
     check_options(q, m.dtype)
     check_out_dir(out, force)
     ui = Phases(progress)
+    for p in clean_stale(out):
+        ui.console.print(f"removed {p.name}, left by an export or quantization that did not finish")
     t0 = time.perf_counter()
-    tmp = out.parent / f".{out.name}.partial-q{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging(out, "partial-q")  # export --quantize: its own export's staging is `partial`
     embed, head = C.SHARED_INITIALIZERS
     quantized: dict[str, list[str]] = {}
     try:
-        tmp.mkdir()
         extra = " + LM head" if q.lm_head else ""
         extra += " + embedding" if q.embedding else ""
         with ui.phase("quantize", f"{q.scheme}, block {q.block_size}, {'symmetric' if q.symmetric else 'asymmetric'}: "

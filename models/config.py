@@ -35,6 +35,13 @@ TARGET_ARCHS = {
 HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                 "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")
 MOE_ARCHS = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")
+# per-layer sliding / full attention with their own caches (models/windowed.py): gpt-oss and Gemma 4
+WINDOWED_ARCHS = {"GptOssForCausalLM": "gpt_oss", "Gemma4ForCausalLM": "gemma4",
+                  "Gemma4ForConditionalGeneration": "gemma4"}
+# refused in one line naming what they need (model_type or architecture prefix -> what is missing)
+MLA_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25")
+MLA_REASON = ("multi-head latent attention (MLA: compressed K/V with a decoupled RoPE key) and group-limited "
+              "expert routing (n_group / topk_group) are not implemented")
 DRAFT_ARCH = "DFlashDraftModel"
 DRAFT2_ARCH = "DFlash2DraftModel"  # models/dflash2.py
 
@@ -42,17 +49,28 @@ DRAFT2_ARCH = "DFlash2DraftModel"  # models/dflash2.py
 @dataclass
 class Rope:
     theta: float
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # default | linear | llama3 | yarn | proportional
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated frequencies
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0  # yarn: cos and sin times this (so scores times its square), as transformers
+    partial: float = 1.0  # proportional: the fraction of head_dim that rotates (the rest has frequency 0)
 
     def inv_freq(self, head_dim: int) -> list[float]:
         """Per-pair rotation frequencies, scaled as transformers' rope init functions do."""
+        if self.kind == "proportional":  # Gemma 4's full layers: exponents over the whole head_dim
+            angles = int(self.partial * head_dim // 2)
+            inv = 1.0 / (self.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim))
+            return torch.cat([inv, torch.zeros(head_dim // 2 - angles)]) / self.factor
         inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if self.kind == "linear":
             inv = inv / self.factor
+        elif self.kind == "yarn":
+            inv = _yarn(self, head_dim)
         elif self.kind == "llama3":
             low_wavelen = self.original_max_position / self.low_freq_factor
             high_wavelen = self.original_max_position / self.high_freq_factor
@@ -67,6 +85,27 @@ class Rope:
         return inv
 
 
+def _yarn(r: Rope, dim: int):
+    """YaRN (arXiv 2309.00071): frequencies below the ramp interpolated by `factor`, above it
+    kept, a linear blend between; the ramp's ends from beta_fast / beta_slow rotations.
+    Written in transformers' operation order, so the frequencies agree to the bit."""
+    def at(rotations: float) -> float:
+        return dim * math.log(r.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(r.theta))
+
+    low, high = at(r.beta_fast), at(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    keep = 1 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos = r.theta ** (torch.arange(0, dim, 2).float() / dim)
+    return 1.0 / (r.factor * pos) * (1 - keep) + 1.0 / pos * keep
+
+
+ROPE_KINDS = ("default", "linear", "llama3", "yarn", "proportional")
+
+
 def parse_rope(cfg: dict, where: str) -> Rope:
     """RoPE from `rope_theta` + `rope_scaling` (transformers 4) or `rope_parameters` (5)."""
     params = cfg.get("rope_parameters") or {}
@@ -78,16 +117,36 @@ def parse_rope(cfg: dict, where: str) -> Rope:
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
-    if kind not in ("default", "linear", "llama3"):
-        raise DFlashError(f"{where}: rope type {kind!r} is not supported (supported: default, linear, llama3)")
+    if kind not in ROPE_KINDS:
+        raise DFlashError(f"{where}: rope type {kind!r} is not supported (supported: {', '.join(ROPE_KINDS)})")
+    factor = float(merged.get("factor", 1.0) or 1.0)
+    original = int(merged.get("original_max_position_embeddings", 8192))
+    attention = 1.0
+    if kind == "yarn":
+        if merged.get("factor") is None:  # as transformers: the context extension the config states
+            factor = float(cfg.get("max_position_embeddings", original)) / original
+        attention = merged.get("attention_factor")
+        if attention is None:
+            mscale, mscale_all = merged.get("mscale"), merged.get("mscale_all_dim")
+            attention = _mscale(factor, mscale) / _mscale(factor, mscale_all) if mscale and mscale_all else _mscale(factor)
     return Rope(
         theta=float(theta),
         kind=kind,
-        factor=float(merged.get("factor", 1.0)),
+        factor=factor,
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
+        original_max_position=original,
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        truncate=bool(merged.get("truncate", True)),
+        attention_factor=float(attention),
+        partial=float(merged.get("partial_rotary_factor", 1.0)) if kind == "proportional" else 1.0,
     )
+
+
+def _mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature, 0.1 * mscale * ln(scale) + 1 (1 when not extending)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def read_config(directory: str | Path, what: str) -> dict:
@@ -206,9 +265,18 @@ class TargetConfig:
     attn_output_gate: bool = False
     moe: MoeConfig | None = None  # mixture-of-experts targets only (models/moe.py)
 
+    # gpt-oss / Gemma 4 (models/windowed.py): per-layer "sliding_attention" / "full_attention" in
+    # layer_types, and what differs from a Llama-style decoder
+    windowed: "Windowed | None" = None
+
     @property
     def hybrid(self) -> bool:
-        return bool(self.layer_types)
+        return self.linear is not None
+
+    @property
+    def family(self) -> str:
+        """"dense" (Llama / Qwen2 / Qwen3), "hybrid" (Qwen3.5 / 3.6), "gpt_oss" or "gemma4"."""
+        return self.windowed.family if self.windowed else "hybrid" if self.hybrid else "dense"
 
     @property
     def linear_layers(self) -> list[int]:
@@ -219,13 +287,17 @@ class TargetConfig:
         cfg = {**cfg.get("text_config", {}), **cfg} if "text_config" in cfg and "hidden_size" not in cfg else cfg
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
-        refuse_unsupported_moe(cfg, arch, where)
+        refuse_unsupported_moe(cfg, arch, where)  # by the config's features; then by name where it lacks them
+        if cfg.get("model_type") in MLA_TYPES or str(arch).startswith(("DeepseekV2", "DeepseekV3", "Kimi_K2", "KimiK2")):
+            raise DFlashError(f"{where}: {arch or cfg.get('model_type')} is not supported: {MLA_REASON}")
+        if arch in WINDOWED_ARCHS:
+            return _windowed(cfg, arch, where)
         if arch in (DRAFT_ARCH, DRAFT2_ARCH) or speculators.is_speculators(cfg):
             raise DFlashError(f"{where} is a DFlash drafter ({arch or cfg.get(speculators.KIND)}), not a target: "
                               "pass it as --draft and the model it drafts for as --target")
         if arch not in TARGET_ARCHS:
             raise DFlashError(
-                f"{where}: architecture {arch!r} is not supported (supported: {', '.join(TARGET_ARCHS)})"
+                f"{where}: architecture {arch!r} is not supported (supported: {', '.join([*TARGET_ARCHS, *WINDOWED_ARCHS])})"
             )
         if cfg.get("use_sliding_window") and arch != "LlamaForCausalLM":
             raise DFlashError(f"{where}: sliding-window attention in the target is not supported")
@@ -303,6 +375,147 @@ def _hybrid_fields(cfg: dict, where: str) -> dict:
     )
 
 
+@dataclass
+class AttentionKind:
+    """The K/V shape, RoPE and window of one kind of attention layer (gpt-oss's sliding and
+    full layers share them; Gemma 4's full layers have their own head dim, KV heads and RoPE)."""
+
+    num_kv_heads: int
+    head_dim: int
+    rope: Rope
+    window: int | None  # sliding layers: keys within this many positions (the query's own included)
+
+
+@dataclass
+class Windowed:
+    """What a gpt-oss or Gemma 4 target adds to a Llama-style decoder (models/windowed.py)."""
+
+    family: str  # "gpt_oss" | "gemma4"
+    kinds: dict[str, AttentionKind]  # "sliding_attention" / "full_attention"
+    kv_source: list[int]  # per layer: the layer whose K/V it attends to (itself, or a KV-sharing source)
+    sinks: bool = False  # gpt-oss: a learned per-head logit in each softmax's denominator
+    attention_scale: float | None = None  # scores' factor (None: head_dim^-0.5; Gemma 4: 1.0)
+    k_eq_v: bool = False  # Gemma 4: a full layer's V is its K projection (before k_norm and RoPE)
+    embed_scale: float = 1.0  # Gemma 4: the embedding times sqrt(hidden)
+    final_logit_softcapping: float | None = None  # Gemma 4: cap * tanh(logits / cap), in the graph
+    hidden_act: str = "silu"
+    per_layer_input: int = 0  # Gemma 4 per-layer input embeddings: width per layer (0: none)
+    per_layer_vocab: int = 0
+    double_wide_mlp: bool = False  # Gemma 4: KV-sharing layers' MLP twice as wide
+    experts: int = 0  # gpt-oss: every layer's MLP is a mixture of this many experts
+    top_k: int = 0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    @property
+    def shared_layers(self) -> list[int]:
+        """Layers that keep no cache: they attend to an earlier layer's K/V."""
+        return [i for i, j in enumerate(self.kv_source) if i != j]
+
+
+def _windowed(cfg: dict, arch: str, where: str) -> "TargetConfig":
+    """A gpt-oss or Gemma 4 target config, strictly (as transformers 5 reads them)."""
+    family = WINDOWED_ARCHS[arch]
+    if family == "gemma4" and isinstance(cfg.get("text_config"), dict):  # released checkpoints: the multimodal wrapper
+        cfg = {**cfg["text_config"], "architectures": [arch], **{k: cfg[k] for k in ("eos_token_id",) if k in cfg}}
+    layers = int(_req(cfg, "num_hidden_layers", where))
+    heads, hidden = int(_req(cfg, "num_attention_heads", where)), int(_req(cfg, "hidden_size", where))
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    window = int(_req(cfg, "sliding_window", where))
+    if family == "gpt_oss":
+        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    else:
+        types = list(cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                                 for i in range(layers)])
+        types[-1:] = ["full_attention"]  # transformers forces the last layer full
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise DFlashError(f"{where}: layer_types must list {layers} of sliding_attention / full_attention (got {types})")
+    act = cfg.get("hidden_act" if family == "gpt_oss" else "hidden_activation", "silu" if family == "gpt_oss" else "gelu_pytorch_tanh")
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise DFlashError(f"{where}: activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
+    eos = cfg.get("eos_token_id")
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    common = dict(
+        architecture=arch, vocab_size=int(_req(cfg, "vocab_size", where)), hidden_size=hidden, num_layers=layers,
+        num_heads=heads, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family == "gemma4")),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)), eos_token_ids=eos,
+        dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"), layer_types=list(types),
+    )
+    if family == "gpt_oss":
+        rope = parse_rope({**cfg, "rope_theta": cfg.get("rope_theta", 150000.0)}, where)
+        kinds = {t: AttentionKind(kv, head_dim, rope, window if t == "sliding_attention" else None) for t in dict.fromkeys(types)}
+        bias = bool(cfg.get("attention_bias", True))
+        w = Windowed(family, kinds, list(range(layers)), sinks=True, hidden_act=act,
+                     experts=int(_req(cfg, "num_local_experts", where)), top_k=int(cfg.get("num_experts_per_tok", 4)),
+                     swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+        return TargetConfig(**common, num_kv_heads=kv, head_dim=head_dim, rope=rope,
+                            intermediate_size=int(_req(cfg, "intermediate_size", where)), qkv_bias=bias, o_bias=bias,
+                            windowed=w)
+    return _gemma4(cfg, common, types, kv, head_dim, window, act, where)
+
+
+def _gemma4(cfg: dict, common: dict, types: list[str], kv: int, head_dim: int, window: int, act: str,
+            where: str) -> "TargetConfig":
+    layers = common["num_layers"]
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise DFlashError(f"{where}: use_bidirectional_attention='all' (non-causal text attention) is not supported")
+    if cfg.get("enable_moe_block"):
+        raise DFlashError(f"{where}: Gemma 4 mixture-of-experts targets (enable_moe_block) are not supported yet; "
+                          "dense Gemma 4 targets are")
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    # the full layers' shape: transformers 5 saves it per layer (per_layer_config); released
+    # checkpoints state global_head_dim / num_global_key_value_heads (the latter only with k_eq_v)
+    full = {"head_dim": int(cfg.get("global_head_dim", 512))}
+    if k_eq_v and cfg.get("num_global_key_value_heads") is not None:
+        full["num_key_value_heads"] = int(cfg["num_global_key_value_heads"])
+    per_layer = cfg.get("per_layer_config")
+    if isinstance(per_layer, dict) and per_layer:
+        by_type: dict[str, list] = {}
+        for i, t in enumerate(types):
+            by_type.setdefault(t, []).append(per_layer.get(str(i), per_layer.get(i, {})))
+        bad = [t for t, v in by_type.items() if any(x != v[0] for x in v) or set(v[0]) - {"head_dim", "num_key_value_heads"}]
+        if bad or by_type.get("sliding_attention", [{}])[0]:
+            raise DFlashError(f"{where}: per_layer_config must give every full_attention layer the same head_dim / "
+                              "num_key_value_heads and sliding layers none")
+        full = dict(by_type.get("full_attention", [{}])[0])
+    rope_params = cfg.get("rope_parameters") or {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}}
+    if not all(isinstance(rope_params.get(t), dict) for t in dict.fromkeys(types)):
+        raise DFlashError(f"{where}: rope_parameters must hold one entry per layer type (sliding_attention, full_attention)")
+    kinds = {
+        "sliding_attention": AttentionKind(kv, head_dim, parse_rope({"rope_parameters": rope_params["sliding_attention"]},
+                                                                    where), window),
+        "full_attention": AttentionKind(int(full.get("num_key_value_heads", kv)), int(full.get("head_dim", head_dim)),
+                                        parse_rope({"rope_parameters": rope_params["full_attention"]}, where), None),
+    }
+    kinds = {t: k for t, k in kinds.items() if t in types}
+    shared = int(cfg.get("num_kv_shared_layers") or 0)
+    first = layers - shared
+    source = list(range(layers))
+    if shared:
+        if not 0 < first:
+            raise DFlashError(f"{where}: num_kv_shared_layers {shared} leaves no layer with its own K/V")
+        for i in range(first, layers):
+            owners = [j for j in range(first) if types[j] == types[i]]
+            if not owners:
+                raise DFlashError(f"{where}: KV-sharing layer {i} ({types[i]}) has no earlier layer of its type")
+            source[i] = owners[-1]
+    ple = int(cfg.get("hidden_size_per_layer_input") or 0)
+    cap = cfg.get("final_logit_softcapping")
+    w = Windowed("gemma4", kinds, source, attention_scale=1.0, k_eq_v=k_eq_v, embed_scale=common["hidden_size"] ** 0.5,
+                 final_logit_softcapping=float(cap) if cap else None, hidden_act=act, per_layer_input=ple,
+                 per_layer_vocab=int(cfg.get("vocab_size_per_layer_input") or common["vocab_size"]) if ple else 0,
+                 double_wide_mlp=bool(cfg.get("use_double_wide_mlp", False)))
+    full_kind = kinds.get("full_attention") or kinds["sliding_attention"]
+    return TargetConfig(**common, num_kv_heads=full_kind.num_kv_heads, head_dim=full_kind.head_dim, rope=full_kind.rope,
+                        intermediate_size=int(_req(cfg, "intermediate_size", where)),
+                        qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
+                        qk_norm=True, windowed=w)
+
+
 def not_a_drafter(arch) -> str:
     """Why a checkpoint of architecture `arch` is not a drafter, in words."""
     if arch in TARGET_ARCHS or arch in MOE_ARCHS or str(arch).endswith("ForCausalLM"):
@@ -341,6 +554,7 @@ class DraftConfig:
     output_multiplier: float = 1.0  # draft logits times this, then
     final_logit_softcapping: float | None = None  # cap * tanh(logits / cap) (None: off)
     input_embedding_scale: float = 1.0  # the block's embedding (the target's table) times this
+    attention_bias: bool = False  # q/k/v/o projections with biases (gpt-oss drafters)
     raw: dict = field(default_factory=dict, repr=False)  # the original config, saved back as is
     format: str = "z-lab"  # or "speculators" (models/speculators.py): the checkpoint's layout
     draft_vocab_size: int | None = None  # speculators: the N tokens its own head scores (d2t); None: all
@@ -363,8 +577,6 @@ class DraftConfig:
         if unsupported:
             raise DFlashError(f"{where}: DFlash2 features are not supported: {', '.join(unsupported)} (under "
                               f"{archs[0]}; a DFlash 2 drafter's architecture is {DRAFT2_ARCH})")
-        if cfg.get("attention_bias"):
-            raise DFlashError(f"{where}: attention_bias=true is not supported in drafters")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise DFlashError(f"{where}: hidden_act {act!r} is not supported (only silu)")
@@ -428,6 +640,7 @@ class DraftConfig:
             output_multiplier=mult,
             final_logit_softcapping=cap or None,
             input_embedding_scale=scale,
+            attention_bias=bool(cfg.get("attention_bias", False)),
             raw=cfg,
         )
 

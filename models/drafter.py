@@ -39,10 +39,11 @@ class DraftAttention(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
         self.h, self.hkv, self.d = c.num_heads, c.num_kv_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.h * self.d, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, self.hkv * self.d, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, self.hkv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.h * self.d, c.hidden_size, bias=False)
+        bias = c.attention_bias
+        self.q_proj = nn.Linear(c.hidden_size, self.h * self.d, bias=bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.hkv * self.d, bias=bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.hkv * self.d, bias=bias)
+        self.o_proj = nn.Linear(self.h * self.d, c.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.d, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, c.rms_norm_eps)
 
@@ -103,7 +104,7 @@ class Drafter(nn.Module):
     def context_kv(self, taps: torch.Tensor, ctx_position_ids: torch.Tensor) -> KV:
         """taps [B,C,T*H] of accepted positions -> per layer (k, v) [B,C,Hkv,D] to append."""
         ctx = self.hidden_norm(self.fc(taps))
-        cos, sin = rope_cos_sin(ctx_position_ids, self.inv_freq, ctx.dtype)
+        cos, sin = rope_cos_sin(ctx_position_ids, self.inv_freq, ctx.dtype, self.config.rope.attention_factor)
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
     def block_mask(self, j: int, ctx_len: int, k: int, anchors: torch.Tensor | None = None, device=None,
@@ -156,7 +157,7 @@ class Drafter(nn.Module):
         """
         x = block_emb
         b, k, _ = x.shape
-        cos, sin = rope_cos_sin(block_position_ids, self.inv_freq, x.dtype)
+        cos, sin = rope_cos_sin(block_position_ids, self.inv_freq, x.dtype, self.config.rope.attention_factor)
         p = past_ctx[0][0].shape[0 if position_major else 1]
         for j, layer in enumerate(self.layers):
             a = layer.self_attn
@@ -276,15 +277,17 @@ def draft_config_dict(
     intermediate_size: int | None = None,
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
+    attention_bias: bool | None = None,
 ) -> dict:
-    """A fresh drafter config in the z-lab layout, sized for `target` (training, tests)."""
+    """A fresh drafter config in the z-lab layout, sized for `target` (training, tests);
+    `attention_bias` None: as the family's released drafters (gpt-oss's have biases)."""
     if target_layer_ids is None:
         target_layer_ids = default_target_layer_ids(target.num_layers, num_layers)
     heads = num_heads or target.num_heads
     cfg = {
         "architectures": [DRAFT_ARCH],
         "model_type": "qwen3",
-        "attention_bias": False,
+        "attention_bias": target.family == "gpt_oss" if attention_bias is None else attention_bias,
         "attention_dropout": 0.0,
         "hidden_act": "silu",
         "hidden_size": target.hidden_size,
@@ -309,7 +312,12 @@ def draft_config_dict(
         "dtype": "float32",
     }
     r = target.rope
-    if r.kind != "default":  # the drafter rotates at the target's positions: same RoPE
+    if r.kind == "proportional":  # Gemma 4: its full layers' partial RoPE is theirs; drafters rotate whole heads
+        cfg["rope_theta"] = r.theta
+    elif r.kind == "yarn":  # gpt-oss: its drafters are released with the target's YaRN
+        cfg["rope_scaling"] = {"rope_type": "yarn", "factor": r.factor, "beta_fast": r.beta_fast, "beta_slow": r.beta_slow,
+                               "original_max_position_embeddings": r.original_max_position, "truncate": r.truncate}
+    elif r.kind != "default":  # the drafter rotates at the target's positions: same RoPE
         cfg["rope_scaling"] = {
             "rope_type": r.kind,
             "factor": r.factor,

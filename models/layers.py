@@ -36,10 +36,13 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos/sin [B, S, D] for positions [B, S], computed in fp32 as transformers does."""
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+    """cos/sin [B, S, D] for positions [B, S], computed in fp32 as transformers does; `scale`:
+    YaRN's attention factor, which transformers multiplies into both (Rope.attention_factor)."""
     freqs = position_ids.float()[..., None] * inv_freq.float()
     emb = torch.cat([freqs, freqs], dim=-1)
+    if scale != 1.0:
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -62,11 +65,23 @@ def causal_visible(p: int, s: int, past_lengths: torch.Tensor | None = None, dev
     return visible[None] & valid[:, None, :]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+def position_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Which keys each query sees, from positions: [B, S, T] for query positions [B, S] and key
+    positions [B, T] (< 0: an empty slot). Causal, and within `window` positions (the query's
+    own included, transformers' sliding window) when given. Slots of any order: a ring cache's."""
+    q, k = q_pos[:, :, None], k_pos[:, None, :]
+    visible = (k >= 0) & (k <= q)
+    return visible & (q - k < window) if window is not None else visible
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
+           scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B,S,H,D], k/v [B,T,Hkv,D] (GQA) -> [B,S,H*D].
 
     visible: None, one mask [S,T] for the whole batch (inference, export), or one per batch
     row [B,S,T] / [B,1,T] (training: many blocks, each over its own context prefix).
+    scale: the scores' factor (None: D^-0.5). sinks [H]: gpt-oss's learned per-head logit,
+    one more column of the softmax whose probability is dropped (the weights sum below 1).
     """
     b, s, h, d = q.shape
     hkv = k.shape[2]
@@ -76,7 +91,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     q = q.reshape(b, s, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * s, d)  # B Hkv (g S) D
     k = k.transpose(1, 2)  # B Hkv T D
     v = v.transpose(1, 2)
-    scores = torch.matmul(q, k.transpose(2, 3)) * (d**-0.5)
+    scores = torch.matmul(q, k.transpose(2, 3)) * (d**-0.5 if scale is None else scale)
     if visible is not None:
         if visible.dim() == 2:
             m = visible.repeat(g, 1)  # rows ordered (g, s), like q
@@ -84,6 +99,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
             m = visible[:, None]
             m = m.repeat(1, 1, g, 1) if m.shape[2] > 1 else m
         scores = scores.masked_fill(~m, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    else:  # rows ordered (g, s) per KV head, like q: head kv * g + j sits in rows j * s .. j * s + s - 1
+        sink = sinks.reshape(hkv, g, 1).expand(hkv, g, s).reshape(1, hkv, g * s, 1).expand(b, -1, -1, -1)
+        probs = torch.softmax(torch.cat([scores, sink.to(scores.dtype)], -1).float(), dim=-1)[..., :-1].to(q.dtype)
     out = torch.matmul(probs, v)  # B Hkv (g S) D
     return out.reshape(b, hkv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h * d)

@@ -253,7 +253,7 @@ class HybridTarget(nn.Module):
         K/V or GDN tuples. `past_lengths` [B]: each row's valid attention past (a ragged batch)."""
         s = input_ids.shape[1]
         x = self.embed(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype, self.config.rope.attention_factor)
         p = next((kv[0].shape[1] for layer, kv in zip(self.model.layers, past) if layer.kind != "linear_attention"), 0)
         visible = causal_visible(p, s, past_lengths, x.device)
         outs, new = {}, []

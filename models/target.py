@@ -20,6 +20,7 @@ from .config import TargetConfig
 from .kvcache import KV, KVCache
 from .layers import RMSNorm, apply_rope, attend, causal_visible, rope_cos_sin
 from .moe import fuse_experts, mlp_for
+from . import gemma4, gpt_oss
 from .qwen35 import HybridTarget
 
 
@@ -111,7 +112,7 @@ class Target(nn.Module):
         `position_major`: the past comes [P, B, Hkv, D] (the ragged graphs' cache); the new K/V
         join it on that axis, so the exported graph transposes [past; new] once, as before."""
         x = self.embed(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype, self.config.rope.attention_factor)
         cache = past if isinstance(past, KVCache) else None
         s, p = input_ids.shape[1], cache.length if cache else past[0][0].shape[0 if position_major else 1]
         visible = causal_visible(p, s, past_lengths, x.device)  # new query i sits at index p + i
@@ -149,6 +150,9 @@ class Target(nn.Module):
         if config.hybrid:  # Qwen3.5 / 3.6: Gated DeltaNet + gated attention
 
             return HybridTarget.from_pretrained(directory, tap_ids, dtype)
+        if config.windowed:  # gpt-oss / Gemma 4: sliding and full attention layers (models/windowed.py)
+            family = {"gpt_oss": gpt_oss, "gemma4": gemma4}[config.windowed.family]
+            return family.from_pretrained(config, directory, tap_ids, dtype)
         with torch.device("meta"):
             model = cls(config, tap_ids)
         state = fuse_experts(load_state_dict(directory, "target"), config, f"target {directory}")

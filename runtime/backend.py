@@ -37,6 +37,7 @@ from .names import Names
 from .manifest import Manifest
 from ..errors import DFlashError, InternalError
 from .hybrid import LinearStates
+from .window import WindowRings
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Backend(ABC):
     limit = ("exported max context", "export with a larger --max-context")  # what bounds max_len, and the fix
     names: Names  # every per-layer tensor name, built once at load (names.names_of)
     states: LinearStates | None = None  # hybrid targets: the committed DeltaNet states, host side (runtime/hybrid.py)
+    rings: WindowRings | None = None  # sliding-window targets: the sliding layers' rings, host side (runtime/window.py)
     _rows: tuple | None = None  # (lengths, ctx_lengths, pending), made on first use
 
     # -- per-row lengths ------------------------------------------------------------------
@@ -143,6 +145,8 @@ class Backend(ABC):
                 raise InternalError(f"commit({k}) of row {b} but the last target call wrote {pending[b]} positions")
         if self.states is not None:  # a hybrid target's rollback: only n positions reach the states
             self.states.commit_rows(rows, n)
+        if self.rings is not None:  # and a sliding layer's: only n positions reach its ring
+            self.rings.commit_rows(rows, n, lengths)
         for b, k in zip(rows, n):
             lengths[b] += k
             pending[b] = 0
@@ -196,6 +200,11 @@ class Backend(ABC):
         `samples_drafts`."""
         raise InternalError(f"{type(self).__name__} does not return draft logits")
 
+    def draft_walk_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """DFlash 2 (a manifest with a selector): the last `draft_block_rows` call's candidates
+        [n, K-1, k] and walk scores [n, K-1, k, k] on the host (runtime/walk.py)."""
+        raise InternalError(f"{type(self).__name__} does not return draft candidates")
+
     @property
     def samples_drafts(self) -> bool:
         """Whether rejection sampling can run: draft logits on the host and, for a reduced draft
@@ -240,6 +249,8 @@ class Backend(ABC):
         self._move_caches(src, dst)
         if self.states is not None:
             self.states.move(src, dst)
+        if self.rings is not None:
+            self.rings.move(src, dst)
         for a in self._row_state():
             a[dst] = a[src]
         self.reset_row(src)
@@ -277,15 +288,49 @@ class Backend(ABC):
             if n:
                 raise InternalError(f"keep({n}) of {self.target_len} positions: a hybrid target keeps all or none")
             self.states.reset()
+        if self.rings is not None and n not in (self.target_len, 0) and self.target_len > self.rings.ring:
+            raise InternalError(f"keep({n}) of {self.target_len} positions: the sliding layers' rings were overwritten")
         self.target_len, self.context_len, self._pending = n, min(self.context_len, n), 0
 
     def reusable(self, n: int) -> int:
         """The longest prefix, at most n positions, of the cached sequence that `keep` can keep.
-        Attention caches keep any prefix; a recurrent state (hybrid targets) all or nothing."""
+        Attention caches keep any prefix; a recurrent state (hybrid targets) all or nothing; a
+        sliding layer's ring any prefix until it has wrapped, then all or nothing."""
+        if self.rings is not None and n != self.target_len and self.target_len > self.rings.ring:
+            return 0
         if self.states is None or n == self.target_len:
             # a drafter context ring (runtime/ort/row_cache.py) keeps only its latest positions: no shorter context
             return n if n >= self.context_len or not C.ring(self.manifest) else 0
         return 0
+
+    # -- what only some backends do: each declared here, refused by the others ------------
+
+    forks: bool = False  # whether `fork` gives another sequence over the same weights
+
+    def fork(self) -> "Backend":
+        """Another sequence over the same weights (its own caches, lengths at 0): a server slot each."""
+        raise InternalError(f"{type(self).__name__} does not share its weights between sequences")
+
+    def last_taps(self, rows: int) -> np.ndarray | None:
+        """A host copy of the last one-position call's taps [rows, T*H], for `context_from_taps`
+        later (runtime/controller.py's plain steps). None: no host taps, so each plain step's
+        position is projected at once (`draft_context_rows`)."""
+        return None
+
+    def context_from_taps(self, b: int, taps: np.ndarray) -> None:
+        """Row b's drafter context gains the positions of `taps` [n, T*H] (kept from `last_taps`)."""
+        raise InternalError(f"{type(self).__name__} keeps no host taps")
+
+    parks_rows: bool = False  # whether `save_row` / `load_row` copy a row's caches out and back (runtime/prefix.py)
+
+    def save_row(self, b: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Copies of row b's valid caches: (target K/V of its `lengths[b]` positions, drafter
+        context of its `ctx_lengths[b]` positions or None), in the backend's own layout."""
+        raise InternalError(f"{type(self).__name__} cannot park a row's caches")
+
+    def load_row(self, b: int, kv: np.ndarray, ctx: np.ndarray | None, n: int, ctx_n: int) -> None:
+        """Slot b holds the first n target and ctx_n drafter positions of `save_row`'s copies, nothing else."""
+        raise InternalError(f"{type(self).__name__} cannot park a row's caches")
 
     def close(self) -> None:
         """Release sessions/engines and device memory (optional)."""

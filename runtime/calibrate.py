@@ -250,7 +250,7 @@ def ttft_prompt(backend: Backend, seed: int = 0) -> list[int]:
 def prefill_ms(backend: Backend, prompt: list[int], chunks: list[int], repeats: int = 2) -> dict[int, float]:
     """{chunk: median ms to the first token of `prompt`} (prefill of target and drafter, as
     `generate` does it), chunks interleaved; each chunk's shapes warmed up first."""
-    draft = getattr(backend, "has_drafter", True)
+    draft = backend.has_drafter
     for c in chunks:
         generate(backend, prompt[: c + 1], 1, draft=draft, prefill_chunk=c)
     times: dict[int, list[float]] = {c: [] for c in chunks}

@@ -54,6 +54,19 @@ each row's at its own length. For one row this is the same memory as `[1, P, Hkv
 computes: a prefill asks for its last position only, a verify for all of them. Manifests
 without `ragged` (older exports) keep the batch-1 graphs (`GRAPHS`) and run batch 1 only.
 
+Sliding-window targets (gpt-oss, Gemma 4: `Manifest.windowed`; docs/windowed.md): a
+`sliding_attention` layer i keeps a ring of `windowed["ring"]` slots per row, position t in
+slot t mod ring, batch-major, in its kind's shape (Gemma 4's full layers have their own):
+
+    in   past_key.{i}  [batch, window_past, window_kv_heads, window_head_dim]  (ring slots, <= ring)
+    out  new_key.{i}   [batch, seq, window_kv_heads, window_head_dim]          (the new positions)
+
+The graph finds each slot's position from `past_lengths` (the newest position congruent to
+the slot below the row's length); the runtime writes only committed positions into the ring
+(runtime/window.py), so a rejected draft never overwrites a slot still in the window, and the
+ring's memory does not grow with the context. A KV-sharing layer (`windowed["kv_source"]`)
+carries no cache tensors: it attends to an earlier layer's K/V inside the graph.
+
 All-sliding drafters (`Manifest.draft_ring`): the context cache is a ring, position t in slot t mod
 ring, `past_ctx` <= ring, slot positions found from `ctx_lengths` (runtime/ort/row_cache.py). DFlash 2
 drafters (`Manifest.selector`): draft_block also returns `SELECTOR_OUTPUTS`.
@@ -92,22 +105,27 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
     "generation_config.json",
+    "chat_template.jinja",  # where transformers 5 saves a chat template (gpt-oss's harmony template ships so)
 )
 
 # -- dim roles ---------------------------------------------------------------------------
 # dynamic: sized per call (value: the smallest size a graph must take)
 BATCH, SEQ, PAST, CTX, PAST_CTX, PICKS = "batch", "seq", "past", "ctx", "past_ctx", "picks"
-DYNAMIC = {BATCH: 1, SEQ: 1, PAST: 0, CTX: 1, PAST_CTX: 0, PICKS: 1}
+WINDOW_PAST = "window_past"  # a sliding target layer's ring slots bound (<= the ring)
+DYNAMIC = {BATCH: 1, SEQ: 1, PAST: 0, CTX: 1, PAST_CTX: 0, PICKS: 1, WINDOW_PAST: 0}
 # static: fixed by the manifest (`sizes`)
 BLOCK, DRAFTS, VOCAB, TAPS_WIDTH, MAX_CTX = "block", "drafts", "vocab", "taps_width", "max_context"
 DRAFT_VOCAB = "draft_vocab"  # the tokens draft_block scores: the vocabulary, or N (export --draft-vocab)
 TOP_K = "selector_top_k"  # DFlash 2: candidates per draft position (Manifest.selector["top_k"])
 KV_HEADS, HEAD_DIM, DRAFT_KV_HEADS, DRAFT_HEAD_DIM = "kv_heads", "head_dim", "draft_kv_heads", "draft_head_dim"
+# static, sliding-window targets only: the sliding layers' K/V shape (manifest.windowed)
+WINDOW_KV_HEADS, WINDOW_HEAD_DIM = "window_kv_heads", "window_head_dim"
 # static, hybrid targets only: the Gated DeltaNet dims (manifest.linear)
 CONV_WINDOW, CONV_DIM, K_HEADS, V_HEADS, K_DIM, V_DIM = "conv_window", "conv_dim", "k_heads", "v_heads", "k_dim", "v_dim"
 
-# layer kinds (a hybrid target's `target_layer_types`; every other layer is attention)
-ATTENTION, LINEAR = "full_attention", "linear_attention"
+# layer kinds (a hybrid or sliding-window target's `target_layer_types`; every other layer is
+# attention); a KV-sharing layer is SHARED whatever its type (no cache tensors)
+ATTENTION, LINEAR, SLIDING, SHARED = "full_attention", "linear_attention", "sliding_attention", "shared_kv"
 
 # dtypes: numpy names, plus MODEL = the export's float dtype (manifest.dtype)
 INT64, INT32, FLOAT32, MODEL = "int64", "int32", "float32", "model"
@@ -172,6 +190,11 @@ LINEAR_NEW = (
     Tensor("delta_u.{i}", (BATCH, SEQ, V_HEADS, V_DIM), FLOAT32, True, LINEAR),
     Tensor("delta_g.{i}", (BATCH, SEQ, V_HEADS), FLOAT32, True, LINEAR),
 )
+# a sliding layer's ring (batch-major: every row has the same slots) and its new positions
+WINDOW_KV = tuple(Tensor(t.name, t.dims, t.dtype, True, SLIDING)
+                  for t in _kv("past", (BATCH, WINDOW_PAST, WINDOW_KV_HEADS, WINDOW_HEAD_DIM)))
+WINDOW_NEW = tuple(Tensor(t.name, t.dims, t.dtype, True, SLIDING)
+                   for t in _kv("new", (BATCH, SEQ, WINDOW_KV_HEADS, WINDOW_HEAD_DIM)))
 CACHE_KV = _kv("past", (BATCH, KV_HEADS, MAX_CTX, HEAD_DIM))  # ort flavour: the whole head-major buffer
 PRESENT_KV = _kv("present", (BATCH, KV_HEADS, MAX_CTX, HEAD_DIM))  # ... bound to the same memory as past
 ATTENTION_FLAVOURS = ("standard", "ort")  # Manifest.attention, export --attention
@@ -184,6 +207,7 @@ GRAPHS: dict[str, Graph] = {
             Tensor(POSITION_IDS, (BATCH, SEQ), INT64),
             *PAST_KV,
             *LINEAR_STATE,
+            *WINDOW_KV,
         ),
         outputs=(
             Tensor(LOGITS, (BATCH, SEQ, VOCAB), FLOAT32),
@@ -191,6 +215,7 @@ GRAPHS: dict[str, Graph] = {
             Tensor(TAPS, (BATCH, SEQ, TAPS_WIDTH), MODEL),  # decoder layer outputs, target_layer_ids order
             *NEW_KV,
             *LINEAR_NEW,
+            *WINDOW_NEW,
         ),
     ),
     DRAFT_CONTEXT: Graph(
@@ -241,6 +266,7 @@ RAGGED: dict[str, Graph] = {
             Tensor(LOGITS_INDEX, (BATCH, PICKS), INT64),  # positions (0..S-1) whose logits are computed
             *PAST_KV_ROWS,
             *LINEAR_STATE,
+            *WINDOW_KV,
         ),
         outputs=(*_PICKED, *GRAPHS[TARGET].outputs[2:]),
     ),
@@ -283,10 +309,20 @@ def _expand(tensors: tuple[Tensor, ...], kinds: list[str]) -> list[Tensor]:
 
 
 def layer_kinds(graph: str, m) -> list[str]:
-    """The kind of each layer whose tensors `graph` carries (only a hybrid target has LINEAR ones)."""
+    """The kind of each layer whose tensors `graph` carries: ATTENTION, a hybrid target's LINEAR,
+    a sliding-window target's SLIDING and SHARED (KV-sharing: none)."""
     g = GRAPHS[graph]
     types = getattr(m, "target_layer_types", None) if g.layers == "target_layers" else None
-    return [LINEAR if t == LINEAR else ATTENTION for t in types] if types else [ATTENTION] * getattr(m, g.layers)
+    if not types:
+        return [ATTENTION] * getattr(m, g.layers)
+    source = (window(m) or {}).get("kv_source") or list(range(len(types)))
+    return [SHARED if source[i] != i else t if t in (LINEAR, SLIDING) else ATTENTION for i, t in enumerate(types)]
+
+
+def window(m) -> dict | None:
+    """A sliding-window target's record (Manifest.windowed: family, window, ring, the sliding
+    layers' kv_heads / head_dim, kv_source, ...); None for every other target."""
+    return getattr(m, "windowed", None)
 
 
 def flavour(m) -> str:
@@ -343,12 +379,18 @@ def tensor(graph: str, name: str, m) -> Tensor:
 
 def find(graph: str, name: str, m=None) -> Tensor:
     """The declared tensor (a template for per-layer ones) behind a concrete name (without a
-    manifest: the batch-1 graphs' first, then the ragged ones')."""
+    manifest: the batch-1 graphs' first, then the ragged ones'; with one, the template of that
+    layer's kind)."""
+    kinds = layer_kinds(graph, m) if m is not None else None
     for g in (GRAPHS[graph], RAGGED[graph]) if m is None else (spec(graph, m),):
         for t in (*g.inputs, *g.outputs, *(SELECTOR_OUTPUTS if graph == DRAFT_BLOCK and m is None else ())):
             prefix = t.name.split("{")[0]
-            if name == t.name or (t.per_layer and name.startswith(prefix) and name[len(prefix):].isdigit()):
+            if name == t.name:
                 return t
+            if t.per_layer and name.startswith(prefix) and name[len(prefix):].isdigit():
+                i = int(name[len(prefix):])
+                if kinds is None or (i < len(kinds) and kinds[i] == t.kind):
+                    return t
     raise DFlashError(f"{graph} has no tensor {name!r}; re-export the directory")
 
 
@@ -368,6 +410,7 @@ def sizes(m) -> dict[str, int]:
         MAX_CTX: getattr(m, "max_context", None),  # the ort flavour's whole-buffer dim
         **({TOP_K: int(selector(m)["top_k"])} if selector(m) else {}),
         **linear_sizes(getattr(m, "linear", None)),
+        **({WINDOW_KV_HEADS: window(m)["kv_heads"], WINDOW_HEAD_DIM: window(m)["head_dim"]} if window(m) else {}),
     }
 
 

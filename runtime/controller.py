@@ -304,7 +304,7 @@ class Controller:
                                    prior=self.costs.ratio(1, self.block_size) + PRIOR)
         self._clock(rows)
         self._skipped, self._edge = 0, math.inf  # (a `choose` that does not set the edge never skips plain rounds)
-        per_row = bool(getattr(backend, "verify_per_row", False))
+        per_row = backend is not None and backend.verify_per_row
         want = self.choose(rows, per_row)
         spec = any(want.values())
         D = tuple(self._len(r.ctl) for r in rows if want.get(id(r)))
@@ -371,7 +371,7 @@ class Controller:
         keep = [b for b, r in enumerate(rows) if r.req.speculative and not r.done and r.ctl is not None]
         if not keep:
             return
-        taps = backend.last_taps(len(rows)) if hasattr(backend, "last_taps") else None
+        taps = backend.last_taps(len(rows))
         if taps is None:
             more = np.array([produced[b] if b in keep else 0 for b in range(len(rows))], np.int64)
             backend.draft_context_rows(list(range(len(rows))), more)

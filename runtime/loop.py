@@ -164,7 +164,7 @@ def stream_batch(
     B = batch or backend.max_batch
     if not 1 <= B <= backend.max_batch:
         raise DFlashError(f"batch {B}: the backend was loaded for at most {backend.max_batch} rows")
-    if draft and not getattr(backend, "has_drafter", True):
+    if draft and not backend.has_drafter:
         raise DFlashError("this backend was loaded without the drafter; use autoregressive mode (--no-draft)")
     k = m.block_size if draft else 1
     chunk = min(prefill_chunk or backend.max_chunk, backend.max_chunk)  # the backend's: calibrated

@@ -76,6 +76,10 @@ class Manifest:
     # DeltaNet dims {conv_kernel, conv_dim, k_heads, v_heads, k_dim, v_dim, max_seq}
     target_layer_types: list[str] = field(default_factory=list)
     linear: dict | None = None
+    # sliding-window targets (gpt-oss, Gemma 4; contract.window): {"family", "window", "ring", "kv_heads",
+    # "head_dim" (the sliding layers' K/V), "kv_source" (per layer: whose K/V it reads), "sinks",
+    # "final_logit_softcapping", "rope" (per layer type)}; target_layer_types then lists sliding/full per layer
+    windowed: dict | None = None
     draft_vocab: dict | None = None  # reduced draft vocabulary: {"size": N, "source": ...}; None: full
     # DFlash 2 drafters: the candidate selector {"top_k", "rank", "conv_kernel", "conv_group"} (draft_block
     # then also returns draft_candidates / draft_scores, contract.SELECTOR_OUTPUTS); None: DFlash 1

@@ -28,7 +28,7 @@ from . import contract as C
 @dataclass
 class Parked:
     tokens: list[int]  # the sequence whose K/V `kv` holds, by position
-    kv: np.ndarray  # the target's attention K/V of those positions, one row (layout: the backend's, see _kv_of)
+    kv: np.ndarray  # the target's attention K/V of those positions, one row (layout: the backend's save_row)
     ctx: np.ndarray | None  # the drafter's context K/V of its first `ctx_len` positions
     ctx_len: int
 
@@ -38,40 +38,24 @@ class Parked:
 
 
 def supported(backend) -> bool:
-    """Whether the backend's rows can be parked: ONNX Runtime rows of attention caches, the
-    drafter's context not a ring (a ring holds only its latest positions, not a prefix to keep:
-    the rule `Backend.reusable` applies to one row)."""
-    return (backend.max_batch > 1 and backend.states is None and hasattr(backend, "kv_all")
+    """Whether the backend's rows can be parked (`Backend.parks_rows`: ONNX Runtime rows of
+    attention caches, no recurrent states or sliding rings), the drafter's context not a ring
+    (a ring holds only its latest positions, not a prefix to keep: the rule `Backend.reusable`
+    applies to one row)."""
+    return (backend.parks_rows and backend.states is None and backend.rings is None
             and not C.ring(backend.manifest))
-
-
-def _kv_of(backend, b: int, p: int) -> np.ndarray:
-    """Row b's first p target positions: [2 x attention layers, p, Hkv, D] (position-major
-    caches) or [2 x attention layers, Hkv, p, D] (the ort flavour's head-major buffers)."""
-    if backend.in_place:
-        return np.stack([buf[b, :, :p] for buf in backend.kv if buf is not None])
-    return backend.kv_all[:, :p, b].copy()
 
 
 def save_row(backend, b: int, tokens: list[int]) -> Parked:
     """Copy row b's valid caches out (the tokens they hold: `tokens[:lengths[b]]`)."""
     p, pc = int(backend.lengths[b]), int(backend.ctx_lengths[b])
-    ctx = backend.ctx_all[:, :pc, b].copy() if backend.has_drafter and pc else None
-    return Parked(list(tokens[:p]), _kv_of(backend, b, p), ctx, pc if ctx is not None else 0)
+    kv, ctx = backend.save_row(b)
+    return Parked(list(tokens[:p]), kv, ctx, pc if ctx is not None else 0)
 
 
 def load_row(backend, b: int, parked: Parked, n: int, ctx_n: int) -> None:
     """Slot b holds the first n target and ctx_n drafter positions of `parked`, nothing else."""
-    backend._layout()  # a width set at this round boundary is laid out at the next call: now, before the write
-    backend.reset_row(b)
-    if backend.in_place:
-        for j, buf in enumerate(x for x in backend.kv if x is not None):
-            buf[b, :, :n] = parked.kv[j, :, :n]
-    else:
-        backend.kv_all[:, :n, b] = parked.kv[:, :n]
-    if ctx_n:
-        backend.ctx_all[:, :ctx_n, b] = parked.ctx[:, :ctx_n]
-    backend.lengths[b], backend.ctx_lengths[b] = n, ctx_n
+    backend.load_row(b, parked.kv, parked.ctx, n, ctx_n)
 
 
 def common(a: list[int], b: list[int]) -> int:

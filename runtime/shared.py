@@ -1,6 +1,6 @@
 """The weights several graphs share (embedding, LM head, the drafter's K/V projections), read
 from shared.data where the manifest's `shared` table says they are: numpy only, so that any
-backend maps them the same way (runtime/ort/backend.py hands them to every session that holds them)."""
+backend maps them the same way (runtime/ort/sessions.py hands them to every session that holds them)."""
 
 from __future__ import annotations
 

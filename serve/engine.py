@@ -1,4 +1,4 @@
-"""The server's engine: generation slots over one loaded model, a FIFO queue, metrics.
+"""The server's engine: generation slots over one loaded model and a FIFO queue (metrics: serve/jobs.py).
 
 Each slot is a thread with its own backend fork: its own KV buffers and IO bindings over
 the one set of ONNX Runtime sessions (one copy of the weights; ORT runs a session from
@@ -184,7 +184,7 @@ def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, b
     control = controller_for(speculation, cfg.costs, first.manifest.block_size) if drafter else None
     if max_batch > 1:
         return BatchEngine(first, text, model, max_queue, cfg.verify, control)
-    if slots > 1 and not hasattr(first, "fork"):
+    if slots > 1 and not first.forks:
         raise DFlashError(f"--slots {slots} needs a backend that shares its weights between sequences "
                           "(--backend ort); with this backend use --slots 1")
     backends = [first] + [first.fork() for _ in range(slots - 1)]

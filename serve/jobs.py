@@ -167,7 +167,7 @@ class EngineBase:
 
     @property
     def has_drafter(self) -> bool:
-        return getattr(self.slots[0].backend, "has_drafter", True)
+        return self.slots[0].backend.has_drafter
 
     def idle_slots(self) -> int:
         with self.lock:

@@ -41,6 +41,9 @@ class Text:
         self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         if chat_template is None:
             chat_template = config.get("chat_template")
+            jinja = Path(directory) / "chat_template.jinja"  # transformers 5 saves it beside the config
+            if chat_template is None and jinja.is_file():
+                chat_template = jinja.read_text()
             if isinstance(chat_template, list):  # [{"name": "default", "template": ...}, ...]
                 named = {t.get("name"): t.get("template") for t in chat_template if isinstance(t, dict)}
                 chat_template = named.get("default")
@@ -57,7 +60,8 @@ class Text:
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat as the model was trained to see it; ValueError with the template's message."""
         if self.template is None:
-            raise ValueError("this model has no chat template (tokenizer_config.json has no \"chat_template\"); "
+            raise ValueError("this model has no chat template (neither tokenizer_config.json nor chat_template.jinja "
+                             "holds one); "
                              "use /v1/completions, or start the server with --chat-template FILE")
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,

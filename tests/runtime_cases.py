@@ -47,6 +47,7 @@ class Case:
     moe_config: tuple[tuple[str, object], ...] = ()  # expert config overrides (make_target's `moe`)
     released: str | None = None  # a released drafter config (FIXTURES) at this case's sizes (`block`: --block-size,
     # `draft_layers`: its last ones)
+    target_extra: tuple = ()  # (key, value) pairs overriding the target's config (testing.make_target's `extra`)
 
     @property
     def name(self) -> str:
@@ -68,6 +69,14 @@ CASES = {  # taps on the target's last layer: qwen3, llama, qwen3-b16 (llama/b16
     "llama": Case("llama", layers=2, draft_layers=1, block=4, tie=True),  # tied, llama3 rope
     "qwen2": Case("qwen2", layers=3, draft_layers=3, block=16, bias=1.0, seed=1, sliding=6),
     "qwen3-b16": Case("qwen3", layers=2, draft_layers=1, block=16, seed=2),
+}
+SW, FA = "sliding_attention", "full_attention"
+WINDOWED_CASES = {  # sliding-window targets (window 4: every prompt wraps the rings): tests/test_windowed.py
+    "gpt_oss": Case("gpt_oss", layers=4, draft_layers=1, block=4, bias=1.5, hidden=32),  # served: room for a chat
+    # KV sharing (layers 2, 3 read 0, 1), per-layer embeddings, k_eq_v, full layers of their own shape
+    "gemma4": Case("gemma4", layers=4, draft_layers=1, block=4, bias=1.0, hidden=32, max_context=96,
+                   layer_types=(SW, FA, SW, FA),
+                   target_extra=(("num_kv_shared_layers", 2), ("hidden_size_per_layer_input", 8))),
 }
 FP16 = Case("qwen3", layers=1, hidden=32, max_context=64, block=8, dtype="fp16")  # test_export_half, TensorRT lint
 TRT_CASES = {  # the TensorRT lint (both) and the stand-in build (fp32-k4, engines at max context 64)
@@ -197,7 +206,8 @@ def _export(case: Case, tmp: Path) -> None:
 
     make_target(tmp / "t", case.arch, seed=case.seed, layers=case.layers, tie=case.tie, hidden=case.hidden,
                 layer_types=list(case.layer_types) if case.layer_types else None,
-                moe={k: list(v) if isinstance(v, tuple) else v for k, v in case.moe_config} or None)
+                moe={k: list(v) if isinstance(v, tuple) else v for k, v in case.moe_config} or None,
+                **({"extra": dict(case.target_extra)} if case.target_extra else {}))
     if case.bias:
         _bias_target(tmp / "t", case.bias)
     extra = {}

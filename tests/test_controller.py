@@ -82,8 +82,8 @@ def test_plain_stretches_keep_the_drafters_context():
             self.__dict__["inner"] = inner
 
         def __getattr__(self, name):
-            if name == "last_taps":
-                raise AttributeError(name)
+            if name == "last_taps":  # the Backend interface's default: no host taps
+                return lambda rows: None
             return getattr(self.inner, name)
 
     for seed, p in enumerate(prompts(5, be.manifest.vocab_size, seed=4)):

@@ -145,3 +145,98 @@ def test_doc_links_resolve():
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 broken.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+# -- defaults: an options table's "default" column and "(default X)" against click's defaults --
+
+TABLE = re.compile(r"^\|(.*)\|\s*$")
+OPTION = re.compile(r"`(--[a-z][\w-]*)")
+NUMBER = re.compile(r"-?\d+(\.\d+)?")
+
+
+def _all_commands(group: click.Group = cli):
+    for sub in group.commands.values():
+        yield from _all_commands(sub) if isinstance(sub, click.Group) else [sub]
+
+
+def _owner(options: list[str]) -> click.Command | None:
+    """The command that has every option of a table (None: no single command has them)."""
+    return next((c for c in _all_commands() if set(options) <= _options(c)), None)
+
+
+def _option(command: click.Command, name: str) -> click.Option:
+    return next(p for p in command.params if isinstance(p, click.Option) and name in p.opts + p.secondary_opts)
+
+
+def _default(command: click.Command, name: str):
+    """Option `name`'s default; None where it has none (click >= 8.3 says so with its UNSET sentinel)."""
+    d = _option(command, name).default
+    return None if d is None or repr(d) == "Sentinel.UNSET" else d
+
+
+def _same(doc: str, command: click.Command, name: str) -> bool:
+    """A documented default names the option's: equal as numbers, else as words (a unit after it allowed).
+    An option without a default (resolved at run time) has no number in the docs, except the one its help declares."""
+    default, word = _default(command, name), (doc.split() or [""])[0]
+    if default is None or default is False:
+        return not NUMBER.fullmatch(word) or f"[default: {word}]" in (_option(command, name).help or "")
+    try:
+        return float(word) == float(default)
+    except (TypeError, ValueError):
+        return word == str(default)
+
+
+def _tables(text: str) -> list[list[tuple[list[str], list[str]]]]:
+    """Each table whose second column is `default`: its rows' (option names, documented defaults)."""
+    tables, col = [], None
+    for line in text.splitlines():
+        if not TABLE.match(line):
+            col = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if col is None:
+            col = 1 if len(cells) > 2 and cells[1].lower() == "default" else -1
+            tables.append([])
+            continue
+        if col < 0 or set(cells[0]) <= set("-: "):
+            continue
+        names = OPTION.findall(cells[0])
+        values = [v.replace("`", "").strip() for v in cells[col].split(",")] if cells[col] else [""] * len(names)
+        if names and len(values) == len(names):
+            tables[-1].append((names, values))
+    return [t for t in tables if t]
+
+
+def _default_cases():
+    for doc in (d for d in DOCS if d.exists()):
+        text = doc.read_text()
+        for table in _tables(text):
+            command = _owner([n for names, _ in table for n in names])
+            for names, values in table:
+                yield pytest.param(command, names, values, id=f"{doc.relative_to(ROOT)}: {' '.join(names)}")
+        for m in re.finditer(r"^\| `(--[\w-]+)[^|]*\|[^|]*\(default:? ([^)]+)\)", text, re.M):  # "| `--x N` | ... (default 8) |"
+            yield pytest.param(_owner([m.group(1)]), [m.group(1)], [m.group(2).replace("`", "")],
+                               id=f"{doc.relative_to(ROOT)}: {m.group(1)}")
+
+
+DEFAULT_CASES = list(_default_cases())
+
+
+@pytest.mark.parametrize("command, names, values", DEFAULT_CASES)
+def test_doc_defaults_match_the_options(command, names, values):
+    """Each documented default is the option's own: its value where click has one, no number where it is resolved at run time."""
+    assert command is not None, f"no command has all of {names}"
+    for name, doc in zip(names, values):
+        assert _same(doc, command, name), \
+            f"{command.name} {name}: the docs say default {doc!r}, the option's is {_default(command, name)!r}"
+
+
+def test_default_checker_refuses_drift():
+    """The check finds the tables, and rejects a wrong value and a number for a default resolved at run time."""
+    assert len(DEFAULT_CASES) > 15
+    serve = _owner(["--port", "--threads", "--slots"])
+    assert _same("8000", serve, "--port") and not _same("8080", serve, "--port") and _same("10 s", serve, "--shutdown-timeout")
+    assert not _same("1", serve, "--threads") and _same("calibrated", serve, "--threads")
+    assert _same("1", serve, "--replicas") and not _same("2", serve, "--replicas")  # its help: [default: 1]
+    table = "| flag | default | meaning |\n|---|---|---|\n| `--a`, `--b` | `1`, x | y |\n"
+    assert _tables(table) == [[(["--a", "--b"], ["1", "x"])]]

@@ -177,7 +177,7 @@ def test_check_parity_and_oracle_identity(exported):
 
 def test_runtime_lossless_and_round_for_round(exported):
     be = OrtBackend(exported / "out")
-    assert be._tied_head_graphs == {C.TARGET}  # tied fp32 head, packed from the table (no folded copy)
+    assert be.graphs.tied_head_graphs == {C.TARGET}  # tied fp32 head, packed from the table (no folded copy)
     drafter = Drafter.from_pretrained(exported / "d")
     target = Target.from_pretrained(exported / "t", drafter.config.target_layer_ids)
     from dflash_export.export.check import draft_vocab_ids

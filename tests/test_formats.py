@@ -272,7 +272,9 @@ def test_unsupported_target_architecture_is_refused(tiny_target_dir, tmp_path):
     d = _target_config(tiny_target_dir, tmp_path, lambda c: c.update(architectures=["MistralForCausalLM"]))
     with pytest.raises(DFlashError, match=r"architecture 'MistralForCausalLM' is not supported \(supported: "
                                           r"LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3_5ForCausalLM, "
-                                          r"Qwen3_5ForConditionalGeneration\)") as e:
+                                          r"Qwen3_5ForConditionalGeneration, Qwen3MoeForCausalLM, Qwen3_5MoeForCausalLM, "
+                                          r"Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM, GptOssForCausalLM, Gemma4ForCausalLM, "
+                                          r"Gemma4ForConditionalGeneration\)") as e:
         Target.from_pretrained(d)
     one_line(e)
 
@@ -281,9 +283,10 @@ def test_unsupported_target_architecture_is_refused(tiny_target_dir, tmp_path):
 def test_unsupported_rope_type_is_refused(tiny_target_dir, tmp_path, key):
     def edit(c):
         c.pop("rope_parameters", None)
-        c[key] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6, "original_max_position_embeddings": 32}
+        c[key] = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6, "original_max_position_embeddings": 32}
     d = _target_config(tiny_target_dir, tmp_path, edit)
-    with pytest.raises(DFlashError, match=r"rope type 'yarn' is not supported \(supported: default, linear, llama3\)"):
+    with pytest.raises(DFlashError, match=r"rope type 'longrope' is not supported \(supported: default, linear, "
+                                          r"llama3, yarn, proportional\)"):
         Target.from_pretrained(d)
     with pytest.raises(DFlashError, match=r"rope type 'dynamic' is not supported"):
         parse_rope({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "drafter")
@@ -326,7 +329,6 @@ def test_bad_config_values_are_one_line_errors(tmp_path):
         ({"layer_types": ["full_attention"] * 2}, r"layer_types has 2 entries for 5 layers"),
         ({"layer_types": ["chunked_attention"] * 5}, r"layer type\(s\) \['chunked_attention'\] are not supported"),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
-        ({"attention_bias": True}, r"attention_bias=true is not supported"),
         ({"block_size": 0}, r"block_size must be >= 1"),
         ({"num_key_value_heads": 5}, r"divisible by num_key_value_heads"),
         ({"dflash_config": {}, "num_target_layers": None}, r"neither dflash_config\.target_layer_ids nor num_target_layers"),

@@ -202,3 +202,19 @@ def test_package_imports_from_a_checkout():
     assert p.returncode == 0, p.stderr
     shim, loop = p.stdout.split()
     assert Path(shim) == ROOT / "dflash_export" / "__init__.py" and Path(loop) == ROOT / "runtime" / "loop.py", p.stdout
+
+
+def test_backends_are_used_through_the_declared_interface():
+    """No caller probes a backend (`hasattr(backend, ...)`, `getattr(backend, ..., default)`):
+    what only some backends do is declared on runtime/backend.py's Backend and refused there."""
+    probes = []
+    for m, f in MODULES.items():
+        if m.startswith("dflash_export.runtime.ort") or m.startswith("dflash_export.runtime.trt"):
+            continue  # a backend's own attributes
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr"):
+                arg = node.args[0] if node.args else None
+                name = arg.id if isinstance(arg, ast.Name) else arg.attr if isinstance(arg, ast.Attribute) else ""
+                if name in ("backend", "be", "first") or name.endswith("_backend"):
+                    probes.append(f"{f.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert not probes, "backend probes (declare the attribute on Backend instead):\n" + "\n".join(probes)

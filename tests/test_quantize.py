@@ -370,3 +370,28 @@ def test_quantized_logits_are_close_to_float(made):
     got = ort_session(out / "target.onnx").run(["logits"], feeds)[0]
     err = np.abs(got - ref).max() / np.abs(ref).max()
     assert 0 < err < 0.05, err  # int8, block 32
+
+
+def test_a_killed_quantize_leaves_nothing_after_the_next_run(tmp_path):
+    """quantize killed with -9 mid-way (no cleanup runs) leaves its staging folder; the next
+    quantize to the same --out removes it (export/outdir.py owns the names) and publishes."""
+    import subprocess
+    import sys
+
+    _, _, src = artifact(CASES["qwen3"])
+    out = tmp_path / "q"
+    args = ["quantize", str(src), "--out", str(out), "--quantize", "int8", "--quiet"]
+    code = ("import sys, time\nimport dflash_export.export.quantize as Q\nsave = Q.save_graphs\n"
+            "def hold(*a, **k):\n    r = save(*a, **k)\n    print('saved', flush=True)\n    time.sleep(600)\n    return r\n"
+            f"Q.save_graphs = hold\nfrom dflash_export.cli import cli\ncli({args!r})\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "saved"  # the graphs are in the staging folder now
+    finally:
+        p.kill()  # SIGKILL: no except/finally of quantize runs
+        p.wait()
+    left = list(tmp_path.glob(".q.*"))
+    assert [x.name for x in left] == [f".q.partial-q{p.pid}"] and any(left[0].iterdir()) and not out.exists()
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    assert not list(tmp_path.glob(".q.*")) and M.load_manifest(out, verify=True).quantization["scheme"] == "int8"

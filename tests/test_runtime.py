@@ -240,9 +240,9 @@ def test_shared_initializers_are_one_copy_used_by_both_graphs(pair):
     _, _, out = pair
     for low_memory in (False, True):
         be = OrtBackend(out, low_memory=low_memory)
-        assert set(C.SHARED_INITIALIZERS) <= set(be._shared), "the export must name both shared initializers"
-        assert not be._tied_head_graphs  # untied: the head is stored [H, V], nothing to fold
-        emb = be._shared["embed_tokens.weight"][0]
+        assert set(C.SHARED_INITIALIZERS) <= set(be.graphs.shared), "the export must name both shared initializers"
+        assert not be.graphs.tied_head_graphs  # untied: the head is stored [H, V], nothing to fold
+        emb = be.graphs.shared["embed_tokens.weight"][0]
         before = _outputs(be)
         saved = emb.copy()
         emb *= 0.5
@@ -251,15 +251,15 @@ def test_shared_initializers_are_one_copy_used_by_both_graphs(pair):
         emb[:] = saved
         assert all(np.array_equal(x, y) for x, y in zip(before, _outputs(be)))
         if low_memory:  # no folded/prepacked copy of the LM head either
-            be._shared["lm_head.weight"][0][:] = 0  # all-zero logits -> argmax 0 in both graphs
+            be.graphs.shared["lm_head.weight"][0][:] = 0  # all-zero logits -> argmax 0 in both graphs
             logits, drafts = _outputs(be)
             assert (logits == 0).all() and (drafts == 0).all()
-            be._shared["lm_head.weight"][0][:] = _initializer(out / "target.onnx", "lm_head.weight")
+            be.graphs.shared["lm_head.weight"][0][:] = _initializer(out / "target.onnx", "lm_head.weight")
     # the weights mapped through the manifest's table equal what onnx reads from the graphs
     for graph in (C.TARGET, C.DRAFT_BLOCK, C.DRAFT_CONTEXT):
         for name, t in be.manifest.shared.items():
             if graph in t.graphs:
-                np.testing.assert_array_equal(_initializer(out / C.GRAPH_FILES[graph], name), be._shared[name][0])
+                np.testing.assert_array_equal(_initializer(out / C.GRAPH_FILES[graph], name), be.graphs.shared[name][0])
 
 
 def _initializer(path, name):
@@ -278,7 +278,7 @@ def test_drafter_kv_projection_is_one_copy_used_by_both_drafter_graphs(pair):
     be = OrtBackend(out, low_memory=True)
     name = "layers.0.self_attn.k_proj.weight"
     assert be.manifest.shared[name].graphs == [C.DRAFT_CONTEXT, C.DRAFT_BLOCK]
-    w = be._shared[name][0]
+    w = be.graphs.shared[name][0]
 
     def context():
         be.reset()
@@ -336,5 +336,5 @@ def test_tied_embedding_and_head_are_read_once():
     """A tied model stores both names at the same bytes of shared.data: one array serves both."""
     _, _, out = artifact(CASES["llama"])
     be = OrtBackend(out)
-    assert be._shared["embed_tokens.weight"][0] is be._shared["lm_head.weight"][0]
+    assert be.graphs.shared["embed_tokens.weight"][0] is be.graphs.shared["lm_head.weight"][0]
     assert len(generate(be, [1, 2, 3], 8, stop_token_ids=()).tokens) == 8

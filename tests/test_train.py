@@ -302,6 +302,8 @@ def test_bf16_save_loads_as_fp32(tiny):
     (["--target-layer-ids", "1,9"], "outside the target's 4 layers"),
     (["--mask-token-id", "500"], "outside the target's vocabulary"),
     ([], "exactly one of --steps"),
+    (["--target-layer-ids", "1-x"], "is not a list like"),
+    (["--family", "dflash2"], "DFlash drafters only"),
 ])
 def test_cli_one_line_errors(tiny, extra, message):
     root, target = tiny

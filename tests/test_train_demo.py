@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_export.cli import cli
-from dflash_export.cli.train import parse_layer_ids
+from dflash_export.train.config import parse_layer_ids
 from dflash_export.train.data import default_taps
 
 

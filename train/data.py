@@ -115,7 +115,7 @@ def _hidden(target, ids: torch.Tensor, pos: torch.Tensor, cache: _HeadMajorCache
     b, s = ids.shape
     p, end = cache.length, cache.length + s
     x = target.embed(ids)
-    cos, sin = rope_cos_sin(pos, target.inv_freq, x.dtype)
+    cos, sin = rope_cos_sin(pos, target.inv_freq, x.dtype, target.config.rope.attention_factor)
     outs = {}
     for i, layer in enumerate(target.model.layers):
         q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)

@@ -48,7 +48,7 @@ def block_hidden(drafter, target, ctx_kv, seq_index: torch.Tensor, block_ids: to
 def grouped_block(drafter, x: torch.Tensor, positions: torch.Tensor, ctx_kv, anchors: torch.Tensor, per: int):
     """`Drafter.block` for N = B * per blocks, sequence-major, over per-sequence contexts [B, C, Hkv, D]."""
     n, k, _ = x.shape
-    cos, sin = rope_cos_sin(positions, drafter.inv_freq, x.dtype)
+    cos, sin = rope_cos_sin(positions, drafter.inv_freq, x.dtype, drafter.config.rope.attention_factor)
     c = ctx_kv[0][0].shape[1]
     for j, layer in enumerate(drafter.layers):
         a = layer.self_attn

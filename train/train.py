@@ -33,6 +33,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from ..errors import DFlashError
 from . import cache as C, data as D, speed as P
+from .config import TrainConfig
 from ..models.config import DraftConfig, TargetConfig
 from ..models.drafter import Drafter, draft_config_dict, new_drafter
 from ..models.generate import speculative_generate
@@ -53,57 +54,62 @@ def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
 # -- the whole run -----------------------------------------------------------------------
 
 
-@dataclass
-class TrainConfig:
-    """Everything `train-draft` takes (see its --help for each field's meaning)."""
-
-    target_dir: Path
-    out: Path
-    data: list[Path]
-    steps: int = 0  # train for N steps ...
-    minutes: float = 0.0  # ... or for M minutes of training (in all, across --resume)
-    max_total_minutes: float = 0.0  # bound on the whole command's wall time (0: none)
-    eval_prompts: Path | None = None
-    block_size: int = 16
-    layers: int = 1
-    target_layer_ids: list[int] | None = None  # default: D.default_taps
-    intermediate_size: int | None = None
-    gamma: float = 7.0
-    lr: float = 1e-3
-    warmup: float = 0.05  # fraction of the budget
-    batch: int = 8
-    anchors: int = 48
-    sequences: int = 2048
-    gen_minutes: float = 0.0
-    gen_tokens: int = 256
-    gen_batch: int = 64
-    sample_prefix: int = 0
-    prompt_max_tokens: int = 160
-    mask_token_id: int | None = None
-    eval_every: int = 0
-    eval_n: int = 8
-    eval_tokens: int = 128
-    save_dtype: str = "fp32"
-    precision: str = "auto"
-    gen_precision: str = "auto"
-    feature_cache_gb: float = 8.0
-    work: Path | None = None
-    resume: bool = False
-    seed: int = 0
-    threads: int = 0
-
-    def check(self) -> None:
-        if (self.steps > 0) == (self.minutes > 0):
-            raise DFlashError("give exactly one of --steps N or --minutes M")
-        if self.block_size < 2:
-            raise DFlashError(f"--block-size must be >= 2 (got {self.block_size})")
-        if self.max_total_minutes and self.minutes and self.max_total_minutes <= self.minutes:
-            raise DFlashError(f"--max-total-minutes {self.max_total_minutes:g} leaves no time beside --minutes "
-                              f"{self.minutes:g} of training; raise it or lower --minutes")
-
-
 def _mins(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
+
+
+@dataclass
+class Pair:
+    """The frozen target, a new drafter that fits it, and the prompts both are run on."""
+
+    target: Target
+    drafter: Drafter
+    tc: TargetConfig
+    taps: list[int]
+    mask_id: int
+    stop: tuple
+    ids: list[list[int]]  # training prompts
+    eval_ids: list[list[int]]  # held-out prompts
+
+
+@dataclass
+class Plan:
+    """Precisions chosen by measurement, the generation batches, and the time each phase may take."""
+
+    bf16: bool  # training matmuls
+    gen_bf16: bool  # the target's continuations
+    gen_dir: Path
+    eval_dir: Path
+    train_batches: list
+    eval_batches: list
+    gen_cap: float  # seconds generation may take (inf: no cap)
+    plan_eval: float  # seconds the final evaluation is expected (or allowed) to take
+    total_s: float  # --max-total-minutes in seconds (0: no bound)
+
+
+@dataclass
+class Data:
+    """The continuations (train/data.py shards) and the target features cached beside them."""
+
+    shards: list
+    names: list[str]
+    eval_shards: list
+    eval_names: list[str]
+    eval_taps: list
+    feats: C.FeatureCache
+    seconds: float
+    count: int  # training continuations
+
+
+@dataclass
+class Trained:
+    """What the optimisation loop leaves for the final evaluation and training.json."""
+
+    state: TrainState
+    initial: dict | None  # held-out numbers before training (None: resumed)
+    weights: torch.Tensor  # the loss weights per block position
+    wall: float  # seconds this run trained (evaluations included)
+    tokens_per_s: float  # supervised tokens per second of this run's training
 
 
 def run_training(cfg: TrainConfig, log=print) -> dict:
@@ -114,11 +120,22 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     console = Console(stderr=True)
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     torch.manual_seed(cfg.seed)
-    target_dir, out = Path(cfg.target_dir), Path(cfg.out)
+    out = Path(cfg.out)
     work = Path(cfg.work) if cfg.work else out.with_name(out.name + ".work")
-    k = cfg.block_size
+    pair = load_pair(cfg, log)
+    plan = plan_run(cfg, pair, work, t_start, log)
+    data = generate_data(cfg, pair, plan, work, console, log)
+    run = train(cfg, pair, plan, data, work, t_start, console, log)
+    t0 = time.time()  # final: reload what was written and decode for real
+    res = evaluate(cfg, pair, data, run.state, run.weights, plan.bf16, len(pair.eval_ids), final=True,
+                   deadline=t_start + plan.total_s if plan.total_s else 0.0)
+    run.state.log.append(res)
+    return write_summary(cfg, pair, plan, data, run, res, t_start, time.time() - t0, log)
 
-    # -- the target, and a drafter that fits it ---------------------------------------
+
+def load_pair(cfg: TrainConfig, log) -> Pair:
+    """The target, a new drafter that fits it (taps, mask token, depth checked) and the prompts."""
+    target_dir, k = Path(cfg.target_dir), cfg.block_size
     tc = TargetConfig.load(target_dir)
     taps = cfg.target_layer_ids or D.default_taps(tc.num_layers)
     bad = [i for i in taps if not 0 <= i < tc.num_layers]
@@ -131,11 +148,15 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
                  intermediate_size=cfg.intermediate_size)
     DraftConfig.from_dict(draft_config_dict(tc, **shape)).check_fits(tc)
     drafter = new_drafter(tc, **shape).train()
-    stop = tuple(tc.eos_token_ids)
     log(f"target {target_dir}: {tc.num_layers} layers, hidden {tc.hidden_size}, taps {taps}, mask id {mask_id}")
     ids, eval_ids, _ = C.split_prompts(cfg, tok)
+    return Pair(target, drafter, tc, taps, mask_id, tuple(tc.eos_token_ids), ids, eval_ids)
 
-    # -- precision by measurement, then the plan ----------------------------------------
+
+def plan_run(cfg: TrainConfig, pair: Pair, work: Path, t_start: float, log) -> Plan:
+    """Precision by measurement, then what each phase will cost: a decode step and a drafted
+    round timed here, generation capped by what training and evaluation leave of the bound."""
+    target, tc, k, ids, eval_ids = pair.target, pair.tc, cfg.block_size, pair.ids, pair.eval_ids
     rows = cfg.batch * cfg.anchors * (k - 1)
     bf16 = P.choose("training", cfg.precision, f"LM-head matmul fwd+bwd {rows}x{tc.hidden_size}x{tc.vocab_size}",
                     lambda b: P.lm_head_probe(rows, tc.hidden_size, tc.vocab_size, b), log) == "bf16"
@@ -150,7 +171,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     D.continue_batch(target, probe_ids, 24, bf16=gen_bf16)
     step_s = (time.perf_counter() - t) / 24
     t = time.perf_counter()
-    g = speculative_generate(target, drafter, eval_ids[0], 16, mask_token_id=mask_id, block_size=k)
+    g = speculative_generate(target, pair.drafter, eval_ids[0], 16, mask_token_id=pair.mask_id, block_size=k)
     round_s = (time.perf_counter() - t) / max(len(g.acceptance_lengths), 1)
     cached = sum((gen_dir / f"{D.shard_name(i, b)}.pt").is_file() for i, b in enumerate(train_batches))
     plan_gen = (len(train_batches) - cached) * cfg.gen_tokens * step_s * 1.3 + len(eval_batches) * cfg.gen_tokens * step_s
@@ -167,34 +188,60 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
         f"({cached} cached) ~{_mins(plan_gen)}; train {f'{cfg.minutes:g} min' if cfg.minutes else f'{cfg.steps} steps'}; "
         f"evaluate {len(eval_ids)} held-out prompts x {cfg.eval_tokens} tokens <= ~{_mins(plan_eval)} "
         f"({f'whole command <= {cfg.max_total_minutes:g} min: evaluation stops at the bound' if total_s else 'bound: tau 1, 30% margin'})")
+    return Plan(bf16, gen_bf16, gen_dir, eval_dir, train_batches, eval_batches, gen_cap, plan_eval, total_s)
 
-    # -- data ---------------------------------------------------------------------------
-    t0 = time.time()
-    # the target's features: captured while generating, keyed by the continuations and the taps
-    feats = C.FeatureCache(work / f"feat-{C.key(gen_dir.name, taps)}", target, gen_bf16, cfg.feature_cache_gb * 2**30)
-    p, upd = C.progress(console, "generate", len(train_batches))
+
+def generate_data(cfg: TrainConfig, pair: Pair, plan: Plan, work: Path, console, log) -> Data:
+    """The target's continuations of the training and held-out prompts (cached shards), its
+    features captured on the way (keyed by the continuations and the taps)."""
+    t0, target, gen_cap = time.time(), pair.target, plan.gen_cap
+    feats = C.FeatureCache(work / f"feat-{C.key(plan.gen_dir.name, pair.taps)}", target, plan.gen_bf16,
+                           cfg.feature_cache_gb * 2**30)
+    p, upd = C.progress(console, "generate", len(plan.train_batches))
     with p:
-        shards, names, made = D.generate_shards(target, train_batches, gen_dir, cfg.gen_tokens, cfg.sample_prefix, stop,
-                                                cfg.seed, upd, seconds=0 if gen_cap == float("inf") else gen_cap,
-                                                bf16=gen_bf16, on_features=feats.put)
-    p, upd = C.progress(console, "held-out", len(eval_batches))
+        shards, names, made = D.generate_shards(target, plan.train_batches, plan.gen_dir, cfg.gen_tokens, cfg.sample_prefix,
+                                                pair.stop, cfg.seed, upd, seconds=0 if gen_cap == float("inf") else gen_cap,
+                                                bf16=plan.gen_bf16, on_features=feats.put)
+    p, upd = C.progress(console, "held-out", len(plan.eval_batches))
     with p:
         left = gen_cap - (time.time() - t0) if gen_cap != float("inf") else 0.0
         eval_taps: dict = {}
         eval_shards, eval_names, eval_made = D.generate_shards(
-            target, eval_batches, eval_dir, cfg.gen_tokens, 0, stop, cfg.seed + 1, upd, bf16=gen_bf16,
+            target, plan.eval_batches, plan.eval_dir, cfg.gen_tokens, 0, pair.stop, cfg.seed + 1, upd, bf16=plan.gen_bf16,
             seconds=max(left, 1e-3) if gen_cap != float("inf") else 0.0, on_features=lambda n, t, c: eval_taps.update({n: t}))
-    eval_taps = [eval_taps.get(n) for n in eval_names]  # captured, or None (from the cache: the target runs)
-    gen_seconds = time.time() - t0
-    gen_count = sum(s.tokens.shape[0] for s in shards)
-    cut = sum(n.endswith("-partial") for n in names)
-    log(f"data: {gen_count} continuations x {cfg.gen_tokens} tokens ({made} of {len(shards)} batches generated now, "
-        f"{len(shards) - made} from the cache in {gen_dir}"
+    data = Data(shards, names, eval_shards, eval_names, [eval_taps.get(n) for n in eval_names],  # None: from the cache
+                feats, time.time() - t0, sum(s.tokens.shape[0] for s in shards))
+    train_batches, cut = plan.train_batches, sum(n.endswith("-partial") for n in names)
+    log(f"data: {data.count} continuations x {cfg.gen_tokens} tokens ({made} of {len(shards)} batches generated now, "
+        f"{len(shards) - made} from the cache in {plan.gen_dir}"
         f"{f'; stopped at {len(shards)} of {len(train_batches)} batches by the time limit' if len(shards) < len(train_batches) else ''}"
         f"{f', the last cut short ({shards[-1].tokens.shape[1] - int(train_batches[len(shards) - 1].shape[1])} tokens; not cached)' if cut else ''}"
-        f"; held-out: {eval_made} of {len(eval_shards)} generated) in {gen_seconds:.0f}s")
+        f"; held-out: {eval_made} of {len(eval_shards)} generated) in {data.seconds:.0f}s")
+    return data
 
-    # -- training ----------------------------------------------------------------------
+
+def evaluate(cfg: TrainConfig, pair: Pair, data: Data, state: TrainState, weights, bf16: bool, n_prompts: int,
+             final: bool = False, deadline: float = 0.0) -> dict:
+    """Teacher-forced numbers on the held-out continuations and real tau on `n_prompts` held-out
+    prompts; final: of the drafter reloaded from OUT (what was written)."""
+    drafter = pair.drafter
+    drafter.eval()
+    d = Drafter.from_pretrained(Path(cfg.out)) if final else drafter
+    res = {"step": state.step, "minutes": round(state.elapsed / 60, 2)}
+    res.update(teacher_forced(pair.target, d, data.eval_shards, cfg.block_size, pair.mask_id, weights, seed=cfg.seed,
+                              autocast=bf16, taps=data.eval_taps))
+    res.update(real_tau(pair.target, d, pair.eval_ids[:n_prompts], cfg.eval_tokens, pair.mask_id, cfg.block_size,
+                        pair.stop, deadline))
+    drafter.train()
+    return res
+
+
+def train(cfg: TrainConfig, pair: Pair, plan: Plan, data: Data, work: Path, t_start: float, console, log) -> Trained:
+    """The optimisation loop (resumed from --work's checkpoint with --resume) until the steps or
+    minutes are done or the bound leaves only the final evaluation's time; the drafter saved to
+    OUT."""
+    target, drafter, k, mask_id, out = pair.target, pair.drafter, cfg.block_size, pair.mask_id, Path(cfg.out)
+    shards, names, feats, bf16, total_s = data.shards, data.names, data.feats, plan.bf16, plan.total_s
     for p_ in drafter.parameters():
         p_.requires_grad_(True)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -209,24 +256,16 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     weights = loss_weights(k, cfg.gamma)
     train_s = cfg.minutes * 60 - state.elapsed if cfg.minutes else float("inf")  # this run's share
     if total_s:
-        train_s = min(train_s, total_s - (time.time() - t_start) - plan_eval)
+        train_s = min(train_s, total_s - (time.time() - t_start) - plan.plan_eval)
         if train_s < (cfg.minutes * 60 - state.elapsed if cfg.minutes else float("inf")):
             log(f"--max-total-minutes: training gets {_mins(max(train_s, 0))} of this run")
     sched = Schedule(cfg.lr, warmup=cfg.warmup, steps=cfg.steps, seconds=state.elapsed + train_s if cfg.minutes else 0.0)
     initial = None
     if not cfg.resume:  # the held-out loss before training, for training.json's before/after
-        initial = teacher_forced(target, drafter, eval_shards, k, mask_id, weights, seed=cfg.seed, autocast=bf16, taps=eval_taps)
+        initial = teacher_forced(target, drafter, data.eval_shards, k, mask_id, weights, seed=cfg.seed, autocast=bf16,
+                                 taps=data.eval_taps)
         log(f"held-out teacher-forced loss before training: {initial['tf_loss']:.3f}")
     run_t0, run_elapsed0 = time.time(), state.elapsed
-
-    def evaluate(n_prompts: int, final: bool = False, deadline: float = 0.0) -> dict:
-        drafter.eval()
-        d = Drafter.from_pretrained(out) if final else drafter
-        res = {"step": state.step, "minutes": round(state.elapsed / 60, 2)}
-        res.update(teacher_forced(target, d, eval_shards, k, mask_id, weights, seed=cfg.seed, autocast=bf16, taps=eval_taps))
-        res.update(real_tau(target, d, eval_ids[:n_prompts], cfg.eval_tokens, mask_id, k, stop, deadline))
-        drafter.train()
-        return res
 
     def done() -> bool:
         if state.elapsed - run_elapsed0 >= train_s:
@@ -275,7 +314,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
                 state.log.append({"step": state.step, "minutes": round(state.elapsed / 60, 2), "loss": round(loss_avg, 4),
                                   "lr": lr, "tokens_per_s": round(tps)})
             if cfg.eval_every and state.step % cfg.eval_every == 0 and not done():
-                res = evaluate(cfg.eval_n)
+                res = evaluate(cfg, pair, data, state, weights, bf16, cfg.eval_n)
                 state.log.append(res)
                 log(f"eval step {state.step}: real tau {res['real_tau']} (held-out, {cfg.eval_n} prompts), "
                     f"teacher-forced tau {res['tf_tau']}")
@@ -289,28 +328,30 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     save_checkpoint(ckpt, drafter, opt, state, gen)
     save_drafter(drafter, out, cfg.save_dtype)
     feats.save()
+    return Trained(state, initial, weights, train_wall, (state.tokens - tokens0) / max(state.elapsed - run_elapsed0, 1e-9))
 
-    # -- final: reload what was written and decode for real ----------------------------
-    t0 = time.time()
-    res = evaluate(len(eval_ids), final=True, deadline=t_start + total_s if total_s else 0.0)
-    eval_seconds = time.time() - t0
-    state.log.append(res)
+
+def write_summary(cfg: TrainConfig, pair: Pair, plan: Plan, data: Data, run: Trained, res: dict, t_start: float,
+                  eval_seconds: float, log) -> dict:
+    """OUT/training.json (the settings, the data, the run, before/after numbers) and the closing lines."""
+    out, k, feats, eval_ids = Path(cfg.out), cfg.block_size, data.feats, pair.eval_ids
+    state, initial, train_wall, tps = run.state, run.initial, run.wall, run.tokens_per_s
     wall = time.time() - t_start
-    tps = (state.tokens - tokens0) / max(state.elapsed - run_elapsed0, 1e-9)
     keep = ("block_size", "layers", "gamma", "lr", "warmup", "batch", "anchors", "gen_tokens", "gen_minutes",
             "sample_prefix", "max_total_minutes")
     summary = {
-        "target": str(target_dir), "target_layer_ids": taps, "mask_token_id": mask_id,
+        "target": str(cfg.target_dir), "target_layer_ids": pair.taps, "mask_token_id": pair.mask_id,
         **{f: v for f, v in asdict(cfg).items() if f in keep},
-        "precision": "bf16" if bf16 else "fp32", "gen_precision": "bf16" if gen_bf16 else "fp32",
-        "drafter_params": sum(p.numel() for p in drafter.parameters()),
-        "sequences": gen_count, "generation_seconds": round(gen_seconds, 1), "train_steps": state.step,
+        "precision": "bf16" if plan.bf16 else "fp32", "gen_precision": "bf16" if plan.gen_bf16 else "fp32",
+        "drafter_params": sum(p.numel() for p in pair.drafter.parameters()),
+        "sequences": data.count, "generation_seconds": round(data.seconds, 1), "train_steps": state.step,
         "train_minutes": round(state.elapsed / 60, 2), "supervised_tokens": state.tokens, "tokens_per_s": round(tps),
         "features": {"captured_rows": feats.captured, "computed_rows": feats.computed, "reused_rows": feats.reused},
         "eval_seconds": round(eval_seconds, 1), "wall_seconds": round(wall, 1),
         "initial": initial, "final": res, "log": state.log,
     }
     (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
+    gen_seconds = data.seconds
     log(f"done: {state.step} steps, {state.elapsed / 60:.1f} min of training ({tps:.0f} tok/s this run); held-out real "
         f"tau {res['real_tau']} ({res['prompts']}{'' if res['prompts'] == len(eval_ids) else f' of {len(eval_ids)} (--max-total-minutes)'} "
         f"prompts, {cfg.eval_tokens} new tokens, block {k}); "

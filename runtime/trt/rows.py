@@ -5,7 +5,7 @@ the double of the real TensorRT 10.12 / 11.4 bindings and the hand-written cuda-
 (tests/trt_fake.py, whose strided copy refuses overlapping areas as CUDA does), every row's tokens
 compared with ONNX Runtime's; what TensorRT computes on a GPU is tests/test_trt_gpu.py's to show.
 
-The layout is ONNX Runtime's (runtime/ort/rows.py, docs/batching.md): device caches are
+The layout is ONNX Runtime's (runtime/ort/backend.py, docs/batching.md): device caches are
 position-major, `[max_len, W, Hkv, D]` per layer for the W rows a call carries, so the valid
 prefix of every row, `[P, W, Hkv, D]`, is one region bound in place (set_tensor_address) and a
 row's slots past its own length are masked (`past_lengths`, `ctx_lengths`). The new K/V of a
