@@ -128,11 +128,11 @@ def test_streamed_quantized_experts_are_what_qmoe_reads(tmp_path, bits):
     parts = {}
     for name, fn, shape in [("fc1", lambda e: reader.fc1(0, e, interleaved=True), (4, 32, 32)),
                             ("fc2", lambda e: reader.fc2(0, e), (4, 32, 16))]:
-        for part in ("weights", "scales"):
-            t = stream.StreamedQuantized(fn, shape, bits, block, part, f"{name}_{part}")
+        for part in ("codes", "scales"):
+            t = stream.StreamedQuantized(fn, shape, ir.DataType.FLOAT, bits, block, part, f"{name}_{part}")
             buf = io.BytesIO()
             t.tofile(buf)
-            parts[name if part == "weights" else f"{name}_scales"] = np.frombuffer(
+            parts[name if part == "codes" else f"{name}_scales"] = np.frombuffer(
                 buf.getvalue(), t.dtype.numpy()).reshape(tuple(t.shape))
     sess = _qmoe_node(bits, block, 2, 32, 4, parts)
     fc1 = np.stack([reader.fc1(0, e, interleaved=True) for e in range(4)])
