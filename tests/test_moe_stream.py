@@ -21,12 +21,12 @@ import onnx_ir as ir
 import pytest
 import torch
 from click.testing import CliRunner
-from onnx import numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 from safetensors.torch import load_file, save_file
 
 from dflash_export.cli import cli
 from dflash_export.errors import DFlashError
-from dflash_export.export import artifact, moe as moe_export, stream
+from dflash_export.export import artifact, moe as moe_export, save, stream
 from dflash_export.models import Target, moe
 from dflash_export.testing import make_drafter, make_target
 
@@ -58,12 +58,14 @@ def test_reader_gives_each_expert_as_the_reference_loads_it(tmp_path, fused):
 def test_export_and_quantize_stream_experts_one_at_a_time(tmp_path, monkeypatch):
     """fp32 + int4 from a fused bf16 checkpoint: each expert is read from the checkpoint once and
     written (gate/up rows interleaved for the MoE op); no expert initializer is ever asked for
-    whole, by the export or by the quantizer (which copies them from the float export's data
-    file); the quantized artifact holds the reference's experts and loads in ONNX Runtime."""
-    def whole(self):
-        raise AssertionError(f"{self.name} was materialized whole")
+    whole, by the export or by the quantizer (which copies the experts from the float export's
+    data file, or writes their QMoE form expert by expert from it); the quantized artifact holds
+    the reference's experts, as they are or quantized, and loads in ONNX Runtime."""
+    def whole(self):  # (tensors under 1 KiB stay inline in the .onnx file: those are read whole)
+        assert self.nbytes < save.INLINE_BELOW, f"{self.name} was materialized whole"
+        return whole_of[type(self)](self)
 
-    load = ir.ExternalTensor._load
+    load, whole_of = ir.ExternalTensor._load, {c: c._whole for c in (stream.StreamedExperts, stream.StreamedQuantized)}
 
     def load_no_experts(self):
         assert ".mlp.experts." not in (self.name or ""), f"{self.name} was loaded whole"
@@ -71,13 +73,14 @@ def test_export_and_quantize_stream_experts_one_at_a_time(tmp_path, monkeypatch)
 
     fc2, read = stream.ExpertReader.fc2, []
     monkeypatch.setattr(stream.StreamedExperts, "_whole", whole)
+    monkeypatch.setattr(stream.StreamedQuantized, "_whole", whole)
     monkeypatch.setattr(ir.ExternalTensor, "_load", load_no_experts)
     monkeypatch.setattr(stream.ExpertReader, "fc2", lambda self, layer, e: read.append((layer, e)) or fc2(self, layer, e))
     t = _bf16_target(tmp_path / "t", fused=True)
     make_drafter(tmp_path / "d", t)
     r = CliRunner().invoke(cli, ["export", "--target", str(t), "--draft", str(tmp_path / "d"), "--out",
-                                 str(tmp_path / "o"), "--moe", "op", "--quantize", "int4", "--max-context", "64",
-                                 "--quiet"])
+                                 str(tmp_path / "o"), "--moe", "op", "--quantize", "int4", "--quant-block-size", "16",
+                                 "--max-context", "64", "--quiet"])
     assert r.exit_code == 0, r.output
     assert sorted(read) == [(i, e) for i in (0, 1) for e in range(4)]  # each expert read once, from the checkpoint
     graph = onnx.load(str(tmp_path / "o" / "target.onnx"))
@@ -88,14 +91,16 @@ def test_export_and_quantize_stream_experts_one_at_a_time(tmp_path, monkeypatch)
     for i, b in zip(ref.config.moe.sparse_layers, moe.blocks(ref)):
         want[f"model.layers.{i}.mlp.experts.gate_up_proj"] = moe_export.interleave(b.experts.gate_up_proj.data).numpy()
         want[f"model.layers.{i}.mlp.experts.down_proj"] = b.experts.down_proj.detach().numpy()
+    qmoe = any(n.op_type == "QMoE" for n in graph.graph.node)  # experts quantized (com.microsoft::QMoE) or float
+    if qmoe:
+        want = {f"{name}{suffix}": np.stack([stream.quantize_expert(x, 4, 16)[part] for x in w])
+                for name, w in want.items() for suffix, part in (("_Q4", 0), ("_scales", 1))}
     assert sorted(got) == sorted(want)
     for name, w in want.items():
-        assert got[name].dtype == np.float32 and np.array_equal(got[name], w), name
+        assert got[name].dtype == w.dtype and np.array_equal(got[name], w), name
 
 
 def _qmoe_node(bits: int, block: int, k: int, h: int, e: int, inits: dict):
-    from onnx import TensorProto, helper
-
     node = helper.make_node("QMoE", ["x", "logits", "fc1", "fc1_scales", "", "fc2", "fc2_scales"], ["y"],
                             domain="com.microsoft", k=k, activation_type="swiglu", swiglu_fusion=1,
                             normalize_routing_weights=1, expert_weight_bits=bits, block_size=block)
