@@ -19,7 +19,7 @@ and the embedding lookup (`--quantize X --quantize-lm-head --quantize-embedding`
 accuracy level measured per artifact, or --accuracy-level), as llama.cpp's quantized files do.
 
     python bench/vs_llamacpp.py [--model demo,qwen3-0.6b,qwen3-1.7b:8] [--threads 1,2] [--formats fp32,int8,int4]
-        [--max-new-tokens 64] [--depth 64] [--repeats 2] [--accuracy-level auto|0|4] [--json]
+        [--max-new-tokens 64] [--depth 64] [--repeats 2] [--accuracy-level auto|0|4] [--ours int4=DIR] [--json]
 
 The last line of stdout is the JSON list of rows: {model, format, llama_format, threads, mode,
 ours_tok_s, llama_tok_s, ratio (ours / llama.cpp), ...}; above it the table (or with --json one
@@ -241,9 +241,10 @@ def target_mb(out: Path) -> float:
     return (sum(f.stat().st_size for f in own if f.is_file()) + sum(s[2] for s in spans)) / 1e6
 
 
-def accuracy_level(out: Path) -> int | None:
+def quant_record(out: Path) -> dict:
+    """The manifest's accuracy level and block size of a quantized export (None each for fp32)."""
     q = json.loads((out / "manifest.json").read_text()).get("quantization") or {}
-    return q.get("accuracy_level")
+    return {"accuracy_level": q.get("accuracy_level"), "quant_block_size": q.get("block_size")}
 
 
 def compare_shape(src: Path, bins: Path, name: str, layers: int, a) -> list[dict]:
@@ -254,9 +255,10 @@ def compare_shape(src: Path, bins: Path, name: str, layers: int, a) -> list[dict
     rows = []
     for fmt in a.formats:
         gguf = f32 if fmt == "fp32" else quantize(bins, f32, LLAMA_QUANT[fmt])
-        out = export(tdir, ddir, f"{name}-{key}", a.max_context, our_options(fmt, a.accuracy_level), attention=a.attention)
+        out = a.ours.get(fmt) or export(tdir, ddir, f"{name}-{key}", a.max_context, our_options(fmt, a.accuracy_level),
+                                        attention=a.attention)
         base = {"model": label, "layers": layers, "format": fmt, "llama_format": LLAMA_QUANT[fmt],
-                "accuracy_level": accuracy_level(out), "ours_file_mb": target_mb(out), "ours_artifact_mb": dir_mb(out),
+                **quant_record(out), "ours_file_mb": target_mb(out), "ours_artifact_mb": dir_mb(out),
                 "llama_file_mb": gguf.stat().st_size / 1e6}
         for t in a.threads:
             tg, pp, ours = [], [], []
@@ -340,8 +342,12 @@ def main() -> None:
     ap.add_argument("--calibrate", action="store_true",
                     help="demo: `bench --calibrate` our export once (runtime.json: adaptive verify, on bench's "
                          "built-in prompts, not the measured ones); without it ours verifies the full block")
+    ap.add_argument("--ours", action="append", default=[], metavar="FORMAT=DIR",
+                    help="shapes: our export of FORMAT to use as is (one shape); else exported here, cached by the "
+                         "exporter's source, which any change to it re-exports")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    a.ours = {f: Path(d) for f, _, d in (x.partition("=") for x in a.ours)}
     a.threads = [int(x) for x in a.threads.split(",")]
     a.formats = a.formats.split(",")
     if bad := set(a.formats) - set(LLAMA_QUANT):

@@ -270,7 +270,7 @@ def export_artifact(
                           "commit has no bf16 path and ONNX Runtime's CPU provider cannot run bf16; use --dtype fp16")
     if moe is not None and tc.moe is None:
         raise DFlashError(f"--moe {moe}: this {tc.architecture} target has no experts; leave --moe out")
-    moe_path = moe_graphs.choose_path(moe, dtype) if tc.moe is not None else None
+    moe_path = moe_graphs.choose_path(moe, dtype, tc.moe.activation) if tc.moe is not None else None
     eos = eos_ids(target_dir, tc.eos_token_ids)
     vocab_ids, vocab_record = plan_draft_vocab(draft_vocab, draft_vocab_data, target_dir, tc.vocab_size, eos, dc.family,
                                                dc.draft_vocab_size)
@@ -298,9 +298,12 @@ def export_artifact(
     try:
         with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
             manifest.sources = {"target": tsrc.record(), "draft": dsrc.record()}  # hashes the weight files
-            with checkpoint.experts_on_meta() if moe_path else contextlib.nullcontext():
+            # the Qwen line's experts stream from the checkpoint (export/stream.py); gpt-oss's (transposed,
+            # biased, MXFP4 as released) and Gemma 4's load into memory with the rest
+            streams = moe_path is not None and tc.windowed is None
+            with checkpoint.experts_on_meta() if streams else contextlib.nullcontext():
                 target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
-            streamed = moe_path is not None and stream.placeholders(target, interleaved=moe_path == "op")
+            streamed = streams and stream.placeholders(target, interleaved=moe_path == "op")
             if moe_path:
                 moe_graphs.use_path(target, moe_path)
             drafter = dflash2.load_drafter(draft_dir, tdtype, config=dc)
