@@ -85,7 +85,7 @@ def _chunk() -> int:
 
 EXPORT_PEAK = 1.3  # export peak RSS / weight bytes: 1.26 measured (bench/export_2gb.py, docs/results.md)
 # a MoE target's routed experts are streamed (export/stream.py): peak RSS / the bytes export does
-# hold, bf16 checkpoint -> fp32 (its bf16 copy is held while converting): 1.58 measured (bench/moe_export.py)
+# hold, bf16 checkpoint -> fp32 (its bf16 copy is held while converting): 1.54 measured (bench/moe_export.py)
 STREAMED_PEAK = 1.6
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
@@ -276,9 +276,12 @@ def export_artifact(
                                                dc.draft_vocab_size)
     elements = checkpoint_elements(target_dir) + checkpoint_elements(draft_dir)
     weight_bytes = BYTES[dtype] * (elements + (0 if vocab_ids is None else len(vocab_ids) * tc.hidden_size))
+    # the Qwen line's experts stream from the checkpoint (export/stream.py); gpt-oss's (transposed,
+    # biased, MXFP4 as released) and Gemma 4's load into memory with the rest
+    streams = moe_path is not None and tc.windowed is None
     stale = clean_stale(out)
     if room_check:
-        check_room(weight_bytes, out, dtype, streamed=BYTES[dtype] * stream.expert_elements(target_dir) if moe_path else 0)
+        check_room(weight_bytes, out, dtype, streamed=BYTES[dtype] * stream.expert_elements(target_dir) if streams else 0)
     manifest = M.Manifest(
         block_size=k, mask_token_id=mask, target_layer_ids=list(dc.target_layer_ids), dtype=dtype,
         vocab_size=tc.vocab_size, max_context=int(max_context), hidden_size=tc.hidden_size,
@@ -298,9 +301,6 @@ def export_artifact(
     try:
         with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
             manifest.sources = {"target": tsrc.record(), "draft": dsrc.record()}  # hashes the weight files
-            # the Qwen line's experts stream from the checkpoint (export/stream.py); gpt-oss's (transposed,
-            # biased, MXFP4 as released) and Gemma 4's load into memory with the rest
-            streams = moe_path is not None and tc.windowed is None
             with checkpoint.experts_on_meta() if streams else contextlib.nullcontext():
                 target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
             streamed = streams and stream.placeholders(target, interleaved=moe_path == "op")
