@@ -106,6 +106,8 @@ def make_target(
                 p.uniform_(-1.0, 1.0)
             elif p.dim() > 1:
                 p.normal_(0.0, std * (3.0 if "conv1d" in name else 1.0))
+            elif name.endswith(("router.scale", "per_expert_scale")):
+                p.uniform_(0.5, 1.5)  # Gemma 4's router scales: far from 0, so the experts count
             elif "norm" in name and arch in HYBRID + MOE[1:] and "linear_attn" not in name:
                 p.uniform_(-0.2, 0.2)  # (1 + w) norms
             elif "norm" in name:

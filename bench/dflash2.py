@@ -108,6 +108,7 @@ def acceptance(a) -> dict:
 
     from dflash_export.runtime.load import open_backend
     from dflash_export.runtime.loop import Request, generate_batch
+    from dflash_export.runtime.sampling import Sampling
     from dflash_export.testing import hf_model
 
     torch.set_num_threads(1)
@@ -117,7 +118,7 @@ def acceptance(a) -> dict:
     hf = hf_model(root / "t")
     be = open_backend(root / "out", "ort", "cpu", max_batch=32)
     prompts = [np.random.default_rng(10**6 + s).integers(0, V, 3 + s % 5).tolist() for s in range(a.seeds)]
-    gens, _ = generate_batch(be, [Request(p, a.new, temperature=TEMP, seed=s, stop_token_ids=())
+    gens, _ = generate_batch(be, [Request(p, a.new, Sampling(TEMP, seed=s), stop_token_ids=())
                                   for s, p in enumerate(prompts)], batch=32)
     ours = [x for g in gens for x in g.acceptance_lengths]
     ref = []

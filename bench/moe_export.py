@@ -91,9 +91,14 @@ def do_make(work: Path, layers: int, fused: bool) -> dict:
     return {"make_s": round(time.perf_counter() - t0, 1), "make_peak_rss": peak_rss_bytes()}
 
 
-def do_export(work: Path, dtype: str, moe: str) -> dict:
+def do_export(work: Path, dtype: str, moe: str, whole: bool) -> dict:
     from dflash_export.export.artifact import checkpoint_elements, export_artifact
 
+    if whole:  # the comparison: experts loaded with the rest of the checkpoint, as before streaming
+        import contextlib
+
+        from dflash_export.models import checkpoint
+        checkpoint.experts_on_meta = contextlib.nullcontext
     out = work / f"out-{dtype}-{moe}"
     t0 = time.perf_counter()
     export_artifact(work / "target", work / "draft", out, dtype=dtype, moe=moe, max_context=1024, force=True,
@@ -103,9 +108,16 @@ def do_export(work: Path, dtype: str, moe: str) -> dict:
     artifact = sum(f.stat().st_size for f in out.iterdir())
     fp32 = 4 * (checkpoint_elements(work / "target") + checkpoint_elements(work / "draft"))
     shutil.rmtree(out)  # room for the next one
-    return {"dtype": dtype, "moe": moe, "export_s": round(seconds, 1), "peak_rss": peak, "artifact_bytes": artifact,
+    return {"dtype": dtype, "moe": moe, "experts": "whole" if whole else "streamed", "export_s": round(seconds, 1), "peak_rss": peak, "artifact_bytes": artifact,
             "fp32_weight_bytes": fp32, "peak_over_artifact": round(peak / artifact, 3),
             "peak_over_fp32_weights": round(peak / fp32, 3)}
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.machine())
+    ram = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
+    return f"{cpu}, {os.cpu_count()} CPUs, {ram:.0f} GiB RAM"
 
 
 def main() -> None:
@@ -113,29 +125,31 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/dflash-moe-export"))
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--layout", choices=("per-expert", "fused"), default="per-expert")
-    ap.add_argument("--runs", default="fp32:op,fp16:standard", help="dtype:moe pairs, comma-separated")
+    ap.add_argument("--runs", default="fp32:op,fp16:standard,fp16:standard:whole",
+                    help="dtype:moe[:whole] exports, comma-separated (whole: experts loaded, not streamed)")
     ap.add_argument("--step", choices=("make", "export"))
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--moe", default="op")
+    ap.add_argument("--whole", action="store_true")
     args = ap.parse_args()
     if args.step == "make":
         print(json.dumps(do_make(args.work, args.layers, args.layout == "fused")))
         return
     if args.step == "export":
-        print(json.dumps(do_export(args.work, args.dtype, args.moe)))
+        print(json.dumps(do_export(args.work, args.dtype, args.moe, args.whole)))
         return
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
     common = ["--work", str(args.work), "--layers", str(args.layers), "--layout", args.layout]
-    report = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": platform.processor()
-              or platform.machine(), "cpus": os.cpu_count(), "layers": args.layers, "layout": args.layout,
-              "shape": SHAPE, "load_before": uptime()}
+    report = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
+              "layers": args.layers, "layout": args.layout, "shape": SHAPE, "load_before": uptime()}
     report["make"] = run_child(__file__, [*common, "--step", "make"])
     report["checkpoint_bytes"] = sum(f.stat().st_size for f in (args.work / "target").iterdir())
     report["exports"] = []
     for run in args.runs.split(","):
-        dtype, moe = run.split(":")
-        report["exports"].append(run_child(__file__, [*common, "--step", "export", "--dtype", dtype, "--moe", moe]))
+        dtype, moe, *whole = run.split(":")
+        report["exports"].append(run_child(__file__, [*common, "--step", "export", "--dtype", dtype, "--moe", moe]
+                                           + (["--whole"] if whole == ["whole"] else [])))
     report["load_after"] = uptime()
     shutil.rmtree(args.work, ignore_errors=True)
     print(json.dumps(report))

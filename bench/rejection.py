@@ -3,9 +3,9 @@ reference's rejection sampling vs sample-and-compare, same prompts, many seeds.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/rejection.py --work /tmp/rej --seeds 8 --new 64
 
-- runtime, rejection: `generate(..., sampling="rejection")` on the ONNX Runtime backend over
+- runtime, rejection: `generate(..., sampling=Sampling(T, method="rejection"))` on the ONNX Runtime backend over
   the demo pair exported with this checkout (the default at T > 0).
-- runtime, compare: the same with `sampling="compare"` (argmax drafts vs a target sample).
+- runtime, compare: the same with `method="compare"` (argmax drafts vs a target sample).
 - reference: the official z-lab `dflash_generate` (the `dflash` 0.1.0 package, installed with
   --no-deps by make setup) over transformers' Qwen3 target and its `DFlashDraftModel`, the
   same checkpoints, seeded with torch.manual_seed.
@@ -61,6 +61,7 @@ def main() -> None:
     from dflash_export.export.artifact import export_artifact
     from dflash_export.runtime.loop import generate
     from dflash_export.runtime.ort.backend import OrtBackend
+    from dflash_export.runtime.sampling import Sampling
     from dflash_export.serve.text import load_tokenizer
 
     torch.set_num_threads(1)
@@ -87,7 +88,7 @@ def main() -> None:
         for i, p in enumerate(prompts):
             s = 1000 * seed + i
             for mode in ("rejection", "compare"):
-                g = generate(be, p, a.new, temperature=a.temperature, seed=s, sampling=mode, stop_token_ids=())
+                g = generate(be, p, a.new, sampling=Sampling(a.temperature, seed=s, method=mode), stop_token_ids=())
                 taus[f"runtime_{mode}"].append(g.acceptance_lengths)
             taus["reference_rejection"].append(ref_run(p, a.new, a.temperature, s)[1])
 

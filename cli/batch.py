@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import DFlashError
 from ..runtime.loop import BatchStats, Request, stream_batch
+from ..runtime.sampling import GREEDY, Sampling
 
 def batch_report(gens, stats) -> dict:
     """Aggregate and per-request rates of one batched run."""
@@ -39,11 +40,12 @@ def batch_report(gens, stats) -> dict:
 
 
 def run_batch(backend, prompts: list[list[int]], max_new_tokens: int, batch: int, *, draft: bool = True,
-              verify=None, control=None, **sampling) -> tuple[list, object]:
+              verify=None, control=None, sampling: Sampling = GREEDY,
+              stop_token_ids: tuple[int, ...] | None = None) -> tuple[list, object]:
     """All prompts through `stream_batch` at `batch` rows -> (Generations in prompt order, BatchStats).
     Generation.total_s of each request is its wall time from joining to finishing."""
     stats, outs, order, start, done = BatchStats(), [], [], {}, {}
-    reqs = [Request(p, max_new_tokens, **sampling) for p in prompts]
+    reqs = [Request(p, max_new_tokens, sampling, stop_token_ids) for p in prompts]
     t0 = time.perf_counter()
     for i, _ in stream_batch(backend, reqs, batch=batch, draft=draft, verify=verify, outs=outs, stats=stats,
                              control=control):
@@ -60,10 +62,11 @@ def run_batch(backend, prompts: list[list[int]], max_new_tokens: int, batch: int
 
 
 def generate_many(backend, tok, prompts: list[list[int]], max_new_tokens: int, batch: int, draft: bool, verify,
-                  as_json: bool, control=None, **sampling) -> None:
+                  as_json: bool, control=None, sampling: Sampling = GREEDY,
+                  stop_token_ids: tuple[int, ...] | None = None) -> None:
     """`generate --prompts`: one output line per prompt, in input order."""
     gens, stats = run_batch(backend, prompts, max_new_tokens, batch, draft=draft, verify=verify, control=control,
-                            **sampling)
+                            sampling=sampling, stop_token_ids=stop_token_ids)
     for i, g in enumerate(gens):
         text = tok.decode(g.tokens) if tok is not None else None
         if as_json:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import click
 
-from ..runtime import contract as C, manifest as M
+from ..runtime import contract as C, manifest as M, settings as S
+from ..runtime.controller import Costs, auto_policy, default_costs, describe_auto
 from ..runtime.memory import human
 from ..errors import DFlashError
 
@@ -54,6 +55,9 @@ def describe(out: Path, verify: bool = True) -> dict:
         "engines": m.engines,
         "tools": m.tools,
         "sources": m.sources,
+        "runtime": runtime_choices(out, m.block_size),
+        "moe": m.moe,
+        "quantization": m.quantization and {k: v for k, v in m.quantization.items() if k != "weights"},
     }
 
 
@@ -62,6 +66,8 @@ def attention_kinds(m) -> dict:
     types = m.target_layer_types or [C.ATTENTION] * m.target_layers
     w = C.window(m) or {}
     family = w.get("family") or ("hybrid" if m.linear_layers else "dense")
+    if m.moe and not w.get("family"):
+        family += " mixture-of-experts"
     kinds: dict = {}
     for i, (t, kind) in enumerate(zip(types, C.layer_kinds(C.TARGET, m))):
         k = kinds.setdefault(t, {"layers": []})
@@ -77,7 +83,26 @@ def attention_kinds(m) -> dict:
     extra = {"kv_shared": {i: j for i, j in enumerate(w["kv_source"]) if i != j}} if w.get("kv_source") else {}
     if w:
         extra.update(sinks=w.get("sinks", False), final_logit_softcapping=w.get("final_logit_softcapping"))
+    if m.moe:  # the experts: how many, routed how, in which graph form (export/moe.py)
+        extra["experts"] = {k: m.moe.get(k) for k in ("experts", "top_k", "activation", "path")}
     return {"family": family, "attention_kinds": kinds, **extra}
+
+
+def runtime_choices(out: Path, block: int) -> dict:
+    """{device key: the calibrated choices in runtime.json (threads, verify policy, what
+    `--speculation auto` does with its costs)}; {} when not calibrated; a bad file: {"error": ...}."""
+    try:
+        keys = S.calibrated_devices(out)
+        entries = {k: S.load_settings(out, k) for k in keys}
+    except DFlashError as e:
+        return {"error": str(e)}
+    choices = {}
+    for k, s in entries.items():
+        costs = Costs.from_json(s.costs) if s.costs else default_costs(block)
+        policy = auto_policy(costs, block)
+        choices[k] = {"threads": s.threads, "verify": S.policy_json(s.verify), "costs": costs.source,
+                      "auto_policy": policy, "auto": describe_auto(policy, costs.source)}
+    return choices
 
 
 def source_line(rec: dict) -> str:
@@ -90,6 +115,20 @@ def source_line(rec: dict) -> str:
     hashes = ", ".join(f"{name} sha256 {digest[:12]}" for name, digest in sorted(files.items())[:3])
     more = f" (+{len(files) - 3} more)" if len(files) > 3 else ""
     return f"{where}; {hashes}{more}" if files else where
+
+
+def moe_line(e: dict, q: dict | None) -> str:
+    """A manifest's `moe` record in a line: routing, shared expert, MoE layers and the graph form."""
+    norm = "renormalised" if e["norm_topk_prob"] else "not renormalised"
+    shared = f"shared expert of width {e['shared_expert_size']} (sigmoid-gated)" if e["shared_expert_size"] else \
+        "no shared expert"
+    if e["path"] == "op":
+        op = f"QMoE {q['scheme']}, block {q['block_size']}" if q else "MoE"
+        path = f"op (com.microsoft::{op}: ONNX Runtime only)"
+    else:
+        path = "standard (gathered experts in ai.onnx ops)"
+    return (f"{e['experts']} experts of width {e['expert_size']}, top {e['top_k']} ({norm}), {shared}; "
+            f"MoE in layers {e['layers']}; path {path}")
 
 
 def _shape(t: C.Tensor, m) -> list:
@@ -123,7 +162,11 @@ def print_info(d: dict, out: Path) -> None:
         click.echo(f"  {name:<17} {len(k['layers'])} layer(s) {k['layers']}: {k['cache']}" + (f", {what}" if what else ""))
     notes = [f"KV-sharing layers {sorted(t['kv_shared'])} read layers {sorted(set(t['kv_shared'].values()))}"
              if t.get("kv_shared") else "", "attention sinks" if t.get("sinks") else "",
-             f"logits soft-capped at {t['final_logit_softcapping']:g}" if t.get("final_logit_softcapping") else ""]
+             f"logits soft-capped at {t['final_logit_softcapping']:g}" if t.get("final_logit_softcapping") else "",
+             "{experts} experts, top {top_k}, {activation} ({path} ops)".format(
+                 **{**t["experts"], "activation": t["experts"]["activation"] or "swiglu",
+                    "path": "ONNX Runtime's MoE" if t["experts"]["path"] == "op" else "standard"})
+             if t.get("experts") else ""]
     if any(notes):
         click.echo("  " + "; ".join(n for n in notes if n))
     sel = dr.get("selector")
@@ -137,6 +180,8 @@ def print_info(d: dict, out: Path) -> None:
             click.echo(f"{what} {source_line(rec)}")
     click.echo(f"export   {d['dtype']}, attention {flavour.get(d['attention'], d['attention'])}, block size {d['block_size']}, max context {d['max_context']}, opset {d['opset']}, "
                f"eos {d['eos_token_ids']}, tokenizer {'yes' if d['tokenizer'] else 'no'}")
+    if d["moe"]:
+        click.echo(f"experts  {moe_line(d['moe'], d['quantization'])}")
     m = M.load_manifest(out, verify=False)
     for g in C.GRAPHS:
         graph = C.spec(g, m)  # the ort attention flavour declares its own target graph
@@ -159,6 +204,15 @@ def print_info(d: dict, out: Path) -> None:
     click.echo(f"hashes   {d['hashes']}")
     if d["engines"]:
         click.echo(f"engines  TensorRT build record present ({', '.join(sorted(d['engines']))})")
+    runtime = d["runtime"]
+    if not runtime:
+        click.echo("runtime  not calibrated (full-block verify; auto with the default cost model): "
+                   "dflash-export bench --calibrate")
+    elif "error" in runtime:
+        click.echo(f"runtime  {runtime['error']}")
+    for key, r in runtime.items() if "error" not in runtime else ():
+        verify = S.describe_policy(None if r["verify"] == "full" else S.VerifyPolicy(**r["verify"]))
+        click.echo(f"runtime  {key}: threads {r['threads'] or 'default'}, verify {verify}; {r['auto']}")
 
 
 COMMANDS = [info]

@@ -9,6 +9,7 @@ import functools
 import click
 
 from ..errors import DFlashError
+from ..runtime.sampling import Sampling
 
 
 def model_options(required: bool, target_help: str = "", draft_help: str = ""):
@@ -74,15 +75,22 @@ def device_options(f):
 
 
 def sampling_options(f):
-    """--temperature --top-k --top-p --seed (runtime/sampling.py checks them)."""
+    """--temperature --top-k --top-p --seed: the command receives them as one record, `sampling`
+    (runtime/sampling.py Sampling, which checks them: one line each)."""
+
+    @functools.wraps(f)
+    def wrapper(*args, temperature, top_k, top_p, seed, **kwargs):
+        return f(*args, sampling=Sampling(temperature, top_k, top_p, seed), **kwargs)
+
     for option in (
         click.option("--seed", default=0, show_default=True, type=int, help="Seeds the sampling stream (deterministic)."),
         click.option("--top-p", default=1.0, show_default=True, type=float, help="1 disables."),
         click.option("--top-k", default=0, show_default=True, type=int, help="0 disables."),
-        click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy."),
+        click.option("--temperature", default=0.0, show_default=True, type=float,
+                     help="0 = greedy (so is anything below 1e-5)."),
     ):
-        f = option(f)
-    return f
+        wrapper = option(wrapper)
+    return wrapper
 
 
 def num_prompts_option(default: int, help: str):

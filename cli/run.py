@@ -16,15 +16,15 @@ import numpy as np
 
 from .batch import bench_batch, check_batch_value, echo_bench_batch, generate_many
 from .options import device_options, sampling_options, resolve_speculation, speculation_option
-from ..runtime.controller import controller_for, rounds_of
+from ..runtime.controller import auto_policy, controller_for, describe_auto, rounds_of
 from ..runtime.calibrate import calibrate, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
 from ..errors import DFlashError
 from ..runtime.load import open_artifact, open_backend, settings_for
 from ..runtime.loop import Generation
 from ..runtime.loop import stream as run
 from ..runtime.manifest import load_manifest
+from ..runtime.sampling import Sampling
 from ..runtime.measure import measure_many, off_domain_report, random_text_prompts, rate, summarize
-from ..runtime.sampling import check_sampling
 from ..runtime.settings import policy_json
 from ..serve.text import load_tokenizer
 
@@ -61,7 +61,7 @@ def _parse_ids(text: str, what: str) -> list[int]:
 @click.option("--stream", is_flag=True, help="Print tokens as each round is accepted.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with tokens and statistics.")
 @device_options
-def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, temperature, top_k, top_p, seed, stop_ids,
+def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, sampling, stop_ids,
              no_draft, speculation, stream, as_json, provider, backend, threads, spin, verify):
     """Speculative decoding of a prompt (or of --prompts FILE, --batch at a time) with an exported directory OUT."""
     if sum(x is not None for x in (prompt, prompt_ids, prompts_file)) != 1:
@@ -70,7 +70,6 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
         raise DFlashError("--batch needs --prompts FILE (one prompt per line)")
     if stream and (as_json or prompts_file is not None):
         raise DFlashError("--stream and --json (or --prompts) are exclusive: --stream prints one prompt as it comes")
-    check_sampling(temperature, top_k, top_p)
     stop = None if stop_ids is None else tuple(_parse_ids(stop_ids, "--stop-ids"))
     speculation = resolve_speculation(no_draft, speculation)
     no_draft = speculation == "never"
@@ -81,7 +80,7 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
         prompts, _ = _bench_prompts(prompts_file, tok, be.manifest.vocab_size)
         generate_many(be, tok, prompts, max_new_tokens, batch, not no_draft, cfg.verify, as_json,
                       control=controller_for(speculation, cfg.costs, be.manifest.block_size),
-                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop)
+                      sampling=sampling, stop_token_ids=stop)
         return
     ids = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
     backend, cfg = open_artifact(out, backend=backend, provider=provider, drafter=not no_draft, threads=threads, spin=spin,
@@ -94,8 +93,7 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, tempe
 
     g = Generation()
     shown = ""
-    for new in run(backend, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                   stop_token_ids=stop, draft=not no_draft, verify=cfg.verify, out=g,
+    for new in run(backend, ids, max_new_tokens, sampling=sampling, stop_token_ids=stop, draft=not no_draft, verify=cfg.verify, out=g,
                    control=controller_for(speculation, cfg.costs, backend.manifest.block_size)):
         if stream:
             if tok is not None:
@@ -240,7 +238,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     if ctx and max(ctx) + m.block_size > m.max_context:
         raise DFlashError(f"--context {max(ctx)} needs an export with --max-context >= {max(ctx) + m.block_size} "
                           f"(context + block size); {out} holds {m.max_context}")
-    check_sampling(temperature, 0, 1.0)
+    Sampling(temperature)  # checked before anything loads
     if off_domain < 0:
         raise DFlashError(f"--off-domain must be >= 0 (got {off_domain})")
     tok = load_tokenizer(out)
@@ -273,6 +271,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     runs = measure_many(backends, prompts, n, warmup, cfg.verify, temperature, control, draft)
     main = backends[key]
     report = {"provider": main.provider, "speculation": speculation, "costs": control.costs.source if control else None,
+              "auto_policy": auto_policy(control.costs, m.block_size) if control else None,
               **summarize(*runs[key], m.block_size, temperature)}
     report.update(max_new_tokens=n, prompt_source=source, threads=cfg.threads, graph_threads=cfg.graph_threads or None,
                   spin=cfg.spin, verify=policy_json(cfg.verify), draft_vocab=(m.draft_vocab or {}).get("size"),
@@ -337,6 +336,8 @@ def echo_bench(r: dict, source: str, vocab_size: int, temperature: float) -> Non
                f"speedup {r['speedup']:.2f}x")
     click.echo(f"speculation {r['speculation']}: {r['rounds']['drafted']} rounds drafted, {r['rounds']['plain']} plain"
                + (f" (cost model: {r['costs']})" if r["costs"] else ""))
+    if r["auto_policy"]:
+        click.echo(describe_auto(r["auto_policy"], r["costs"]))
     if "off_domain" in r:
         o = r["off_domain"]
         click.echo(f"off-domain ({o['prompts']} prompts, {o['source']}): speculative "

@@ -30,6 +30,7 @@ from ..lazy import lazy_import
 from ..runtime.load import settings_for
 from ..runtime.memory import check_cache_memory
 from ..runtime.settings import check_options
+from ..serve.options import ServeOptions
 
 DEMO_CONTEXT = 2048
 DEFAULT_BATCH = 4  # rows per round when --max-batch is not given (docs/serve.md: measured)
@@ -170,8 +171,12 @@ def _batch_rows(directory, m, max_batch: int | None, slots: int | None, backend:
     return max_batch, slots or 1
 
 
-def _ray_options(use_ray, replicas, autoscale, address, cpus, gpus, per_node, max_ongoing, up, down, health) -> dict:
-    """The --ray flags checked (one line each), as serve/ray.py build's keywords."""
+def _ray_options(ray: dict) -> dict:
+    """The --ray flags (cli/options.py ray_options: one dict) checked, one line each, as serve/ray.py build's keywords."""
+    use_ray, replicas, autoscale, address, per_node, max_ongoing = (
+        ray[k] for k in ("use_ray", "replicas", "autoscale", "ray_address", "max_replicas_per_node", "max_ongoing"))
+    cpus, gpus, up, down, health = (ray[k] for k in ("replica_cpus", "replica_gpus", "upscale_delay",
+                                                     "downscale_delay", "health_check_period"))
     given = [f for f, v in (("--replicas", replicas), ("--autoscale", autoscale), ("--ray-address", address),
                             ("--max-replicas-per-node", per_node), ("--max-ongoing", max_ongoing)) if v is not None]
     if not use_ray:
@@ -251,13 +256,10 @@ def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_f
             raise DFlashError(f"{name} must be >= {low} (got {value})")
     check_options(threads, verify)  # before --demo's first export, not after it
     speculation = resolve_speculation(no_draft, speculation)
-    no_draft = speculation == "never"
     if (slots or 1) > 1 and backend != "ort":
         raise DFlashError(f"--slots {slots} needs --backend ort (its slots share one copy of the weights)")
     use_ray = ray["use_ray"]
-    ray_kw = _ray_options(use_ray, ray["replicas"], ray["autoscale"], ray["ray_address"], ray["replica_cpus"],
-                          ray["replica_gpus"], ray["max_replicas_per_node"], ray["max_ongoing"], ray["upscale_delay"],
-                          ray["downscale_delay"], ray["health_check_period"])
+    ray_kw = _ray_options(ray)
     template = None
     if chat_template is not None:
         if not chat_template.is_file():
@@ -269,14 +271,13 @@ def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_f
     # a wrong folder, --threads or runtime.json is one line now, not after binding
     manifest = M.load_manifest(directory, verify=False)
     settings_for(directory, backend, provider, threads=threads, spin=spin, verify=verify)
-    max_batch, slots = _batch_rows(directory, manifest, max_batch, slots, backend, provider, not no_draft)
-
-    options = serve_app.ServeOptions(Path(directory), model_name=model_name or ("dflash-demo" if demo else None), slots=slots,
-                           max_batch=max_batch, max_queue=max_queue, api_key=api_key, backend=backend, provider=provider,
-                           threads=threads,
-                           spin=spin, verify=verify,
-                           default_max_tokens=default_max_tokens, chat_template=template, speculative=not no_draft,
-                           speculation=speculation, access_log=not no_access_log)
+    options = ServeOptions(Path(directory), model_name=model_name or ("dflash-demo" if demo else None),
+                           max_queue=max_queue, api_key=api_key, backend=backend, provider=provider, threads=threads,
+                           spin=spin, verify=verify, default_max_tokens=default_max_tokens, chat_template=template,
+                           speculation=speculation, no_draft=no_draft, access_log=not no_access_log)
+    options.max_batch, options.slots = _batch_rows(directory, manifest, max_batch, slots, backend, provider,
+                                                   options.speculative)
+    max_batch, slots = options.max_batch, options.slots
     if not _is_loopback(host) and not api_key:
         click.echo(f"warning: listening on {host} without an API key: anyone who can reach it can use it "
                    "(set --api-key or DFLASH_API_KEY)", err=True)

@@ -16,7 +16,7 @@ from ..lazy import lazy_import
 from ..runtime.manifest import load_manifest
 
 # TensorRT, polygraphy and onnx: only when the command runs (lazy.py)
-trt_backend = lazy_import("dflash_export.runtime.trt.backend")
+trt_engines = lazy_import("dflash_export.runtime.trt.engines")
 trt_build = lazy_import("dflash_export.export.trt_build")
 trt_lint = lazy_import("dflash_export.export.trt_lint")
 
@@ -57,7 +57,7 @@ def build(out: Path, precision, max_context, max_prompt, max_batch, timing_cache
         click.echo(f"lint: every graph passes the TensorRT {trt_lint.lint_range()} checks (operators, types, shapes)")
         click.echo(trt_build.describe(plan))
         return
-    trt_backend.import_tensorrt()  # fail fast, before touching OUT
+    trt_engines.import_tensorrt()  # fail fast, before touching OUT
     if workspace <= 0:
         raise DFlashError(f"--workspace {workspace}: give the builder's workspace in GB, > 0")
     trt_build.build_engines(out, precision, max_context, max_prompt, timing_cache, workspace, progress=not no_progress,

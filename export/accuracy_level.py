@@ -38,11 +38,11 @@ STEPS = 15
 
 
 def set_level(root: Path, level: int) -> None:
-    """Write `level` into every MatMulNBits node of the artifact's graphs (weights untouched)."""
+    """Write `level` into every MatMulNBits and QMoE node of the artifact's graphs (weights untouched)."""
     for f in C.GRAPH_FILES.values():
         path = Path(root) / f
         model = onnx.load(str(path), load_external_data=False)
-        nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+        nodes = [n for n in model.graph.node if n.op_type in ("MatMulNBits", "QMoE")]  # QMoE: MoE experts
         if not nodes:
             continue
         for n in nodes:

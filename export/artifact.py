@@ -84,6 +84,9 @@ def _chunk() -> int:
 # -- room: memory and disk, before anything is loaded -----------------------------------
 
 EXPORT_PEAK = 1.3  # export peak RSS / weight bytes: 1.26 measured (bench/export_2gb.py, docs/results.md)
+# a MoE target's routed experts are streamed (export/stream.py): peak RSS / the bytes export does
+# hold, bf16 checkpoint -> fp32 (its bf16 copy is held while converting): 1.58 measured (bench/moe_export.py)
+STREAMED_PEAK = 1.6
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
@@ -106,14 +109,17 @@ def checkpoint_elements(directory: Path) -> int:
     return total
 
 
-def check_room(weight_bytes: int, out: Path, dtype: str) -> None:
+def check_room(weight_bytes: int, out: Path, dtype: str, streamed: int = 0) -> None:
     """Refuse, with a one-line hint, an export this machine's memory or disk cannot hold:
-    better than being killed by the OS half-way (or filling the disk)."""
+    better than being killed by the OS half-way (or filling the disk). `streamed`: bytes of
+    `weight_bytes` that go from the checkpoint to disk without being held (a MoE's experts)."""
     gb = lambda b: f"{b / 1e9:.1f} GB"  # noqa: E731
     smaller = "export with --dtype fp16 or bf16 (half the bytes)" if dtype == "fp32" else "export on a larger machine"
-    need, avail = int(EXPORT_PEAK * weight_bytes), available_memory()
+    held = weight_bytes - streamed
+    need, avail = int((STREAMED_PEAK if streamed else EXPORT_PEAK) * held), available_memory()
     if avail is not None and need > avail:
-        raise DFlashError(f"export needs about {gb(need)} of memory for {gb(weight_bytes)} of {dtype} weights, but only "
+        also = f" ({gb(streamed)} of them experts streamed from the checkpoint)" if streamed else ""
+        raise DFlashError(f"export needs about {gb(need)} of memory for {gb(weight_bytes)} of {dtype} weights{also}, but only "
                           f"{gb(avail)} is available; {smaller}, free memory, or pass --no-room-check to try anyway")
     free = shutil.disk_usage(out.parent).free
     if weight_bytes > free:
@@ -264,7 +270,7 @@ def export_artifact(
                           "commit has no bf16 path and ONNX Runtime's CPU provider cannot run bf16; use --dtype fp16")
     if moe is not None and tc.moe is None:
         raise DFlashError(f"--moe {moe}: this {tc.architecture} target has no experts; leave --moe out")
-    moe_path = moe_graphs.choose_path(moe, dtype) if tc.moe is not None else None
+    moe_path = moe_graphs.choose_path(moe, dtype, tc.moe.activation) if tc.moe is not None else None
     eos = eos_ids(target_dir, tc.eos_token_ids)
     vocab_ids, vocab_record = plan_draft_vocab(draft_vocab, draft_vocab_data, target_dir, tc.vocab_size, eos, dc.family,
                                                dc.draft_vocab_size)
@@ -272,7 +278,7 @@ def export_artifact(
     weight_bytes = BYTES[dtype] * (elements + (0 if vocab_ids is None else len(vocab_ids) * tc.hidden_size))
     stale = clean_stale(out)
     if room_check:
-        check_room(weight_bytes, out, dtype)
+        check_room(weight_bytes, out, dtype, streamed=BYTES[dtype] * stream.expert_elements(target_dir) if moe_path else 0)
     manifest = M.Manifest(
         block_size=k, mask_token_id=mask, target_layer_ids=list(dc.target_layer_ids), dtype=dtype,
         vocab_size=tc.vocab_size, max_context=int(max_context), hidden_size=tc.hidden_size,
@@ -292,9 +298,12 @@ def export_artifact(
     try:
         with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
             manifest.sources = {"target": tsrc.record(), "draft": dsrc.record()}  # hashes the weight files
-            with checkpoint.experts_on_meta() if moe_path else contextlib.nullcontext():
+            # the Qwen line's experts stream from the checkpoint (export/stream.py); gpt-oss's (transposed,
+            # biased, MXFP4 as released) and Gemma 4's load into memory with the rest
+            streams = moe_path is not None and tc.windowed is None
+            with checkpoint.experts_on_meta() if streams else contextlib.nullcontext():
                 target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
-            streamed = moe_path is not None and stream.placeholders(target, interleaved=moe_path == "op")
+            streamed = streams and stream.placeholders(target, interleaved=moe_path == "op")
             if moe_path:
                 moe_graphs.use_path(target, moe_path)
             drafter = dflash2.load_drafter(draft_dir, tdtype, config=dc)

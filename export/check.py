@@ -330,6 +330,12 @@ def run_check(
                     report.notes.append(f"accuracy level {q['accuracy_level']} quantizes activations too: "
                                         "the dequantized reference is reported, not held to fp32 tolerances")
                     report.strict = False
+                elif q.get("bits") == 8 and (m.moe or {}).get("path") == "op":
+                    report.notes.append("int8 experts: ONNX Runtime's QMoE has no fp32 kernel for block-wise 8-bit "
+                                        "experts on CPU and quantizes their activations to int8, so the graphs differ "
+                                        "from the dequantized reference by that rounding too: reported, not held to "
+                                        "fp32 tolerances")
+                    report.strict = False
         try:
             backend = open_backend(root, "ort", provider, verify=False)  # hashes verified just above
         except DFlashError as e:

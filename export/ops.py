@@ -13,6 +13,7 @@ STANDARD_DOMAINS = ("", "ai.onnx")
 QUANT_OPS = (("com.microsoft", "MatMulNBits"), ("com.microsoft", "GatherBlockQuantized"))
 ORT_FLAVOUR_OPS = (("com.microsoft", "GroupQueryAttention"), ("com.microsoft", "SkipSimplifiedLayerNormalization"))  # the ort flavour's target
 MOE_OPS = (("com.microsoft", "MoE"),)  # an MoE target exported with --moe op
+QMOE_OPS = (("com.microsoft", "QMoE"),)  # ... and quantized (export/moe.py to_qmoe)
 
 
 def register_ort_schemas() -> None:
@@ -44,8 +45,24 @@ def register_ort_schemas() -> None:
                     P("fc3_experts_bias", "T", param_option=opt)],
             outputs=[P("output", "T")],
             type_constraints=[T],
+            # every attribute we set must be listed: onnxscript drops the ones a schema lacks, silently
             attributes=ints("k", "normalize_routing_weights", "swiglu_fusion", required=False)
-            + [OpSchema.Attribute("activation_type", OpSchema.AttrType.STRING, "", required=False)]),
+            + [OpSchema.Attribute("activation_type", OpSchema.AttrType.STRING, "", required=False)]
+            + [OpSchema.Attribute(n, OpSchema.AttrType.FLOAT, "", required=False)
+               for n in ("activation_alpha", "activation_beta", "swiglu_limit")]),
+        "QMoE": dict(  # the inputs up to the zero points (quant_type "int")
+            inputs=[P("input", "T"), P("router_probs", "T")]
+            + [P(f"fc{i}_{what}", ty, param_option=opt if (i == 3 or what != "experts_weights") else
+                 OpSchema.FormalParameterOption.Single)
+               for i in (1, 2, 3) for what, ty in (("experts_weights", "T1"), ("scales", "T"), ("experts_bias", "T"))]
+            + [P(f"fc{i}_zero_points", "T1", param_option=opt) for i in (1, 2, 3)],
+            outputs=[P("output", "T")],
+            type_constraints=[T, ("T1", ["tensor(uint8)"], "")],
+            attributes=ints("k", "normalize_routing_weights", "swiglu_fusion", "expert_weight_bits", "block_size",
+                            "weights_prepacked", "accuracy_level", required=False)
+            + [OpSchema.Attribute("activation_type", OpSchema.AttrType.STRING, "", required=False)]
+            + [OpSchema.Attribute(n, OpSchema.AttrType.FLOAT, "", required=False)
+               for n in ("activation_alpha", "activation_beta", "swiglu_limit")]),
     }
     for name, kw in schemas.items():
         try:

@@ -39,6 +39,7 @@ from .ops import QUANT_OPS
 from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_checked
 from . import accuracy_level as AL
 from .progress import Phases, report
+from . import stream
 from .save import graph_spec, save_graphs
 from .trace import store_transposed
 from .validate import validate_artifact
@@ -49,8 +50,10 @@ ort_pybind = lazy_import("onnxruntime.capi._pybind_state")  # its C++ blockwise 
 onnx = lazy_import("onnx")
 numpy_helper = lazy_import("onnx.numpy_helper")
 torch = lazy_import("torch")
+moe = lazy_import("dflash_export.export.moe")
 
 SCHEMES = {"int4": 4, "int8": 8}
+ROUTERS = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")  # MoE routing weights: kept in the export dtype
 
 
 @dataclass
@@ -74,6 +77,8 @@ class QuantOptions:
         return (C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK) if self.draft else (C.TARGET,)
 
     def quantizes(self, graph: str, weight: str) -> bool:
+        if weight.endswith(ROUTERS):  # an MoE router: a rounded logit would choose other experts
+            return False
         if weight in C.SHARED_INITIALIZERS:  # the head: in both graphs or in neither, so it stays one copy
             return self.lm_head
         return graph in self.graphs()
@@ -102,6 +107,7 @@ def quantize_graph(model, q: QuantOptions, graph: str):
     """onnx_ir model -> (quantized onnx_ir model, names of the weights that were quantized)."""
     for i, node in enumerate(model.graph):  # the quantizer selects nodes by name
         node.name = node.name or f"node_{i}"
+    aside = set_experts_aside(model)
     ir.external_data.load_to_model(model)  # the quantizer reads weights as arrays from the proto
     proto = ir.serde.serialize_model(model)
     inits = {t.name for t in proto.graph.initializer}
@@ -123,8 +129,27 @@ def quantize_graph(model, q: QuantOptions, graph: str):
     if len(done) != len(quantized):
         raise DFlashError(f"ONNX Runtime's quantizer converted {len(done)} of {len(quantized)} linear layers; "
                           "re-export without --quantize")
+    if graph == C.TARGET:  # an MoE export's experts (--moe op): com.microsoft::MoE -> QMoE
+        quantized += moe.to_qmoe(out, q.bits, q.block_size, q.symmetric)
     del proto
-    return ir.serde.deserialize_model(out), quantized
+    model = ir.serde.deserialize_model(out)
+    for name, t in aside.items():
+        value = model.graph.initializers[name]
+        value.const_value, value.shape = t, t.shape
+    return model, quantized
+
+
+def set_experts_aside(model) -> dict:
+    """A MoE target's routed experts are no linear layer's weight: they stay in the float
+    export's data file (copied from there when written), and a one-element stand-in goes
+    through the quantizer in their place, so a 30B-class target's experts are never held
+    (export/stream.py). -> name: the tensor set aside."""
+    aside = {}
+    for value in model.graph.initializers.values():
+        if stream.INITIALIZER.search(value.name) and value.const_value is not None:
+            aside[value.name] = t = value.const_value
+            value.const_value = ir.Tensor(np.zeros(1, t.dtype.numpy()), dtype=t.dtype)
+    return aside
 
 
 def pack_blocks(w_in_out: np.ndarray, q: QuantOptions) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -198,6 +223,9 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
         raise DFlashError(f"{src} is already quantized ({m.quantization['scheme']}); quantize its float export "
                           "(or re-export from the checkpoints with --quantize)")
     check_options(q, m.dtype)
+    if (m.moe or {}).get("path") == "standard":
+        raise DFlashError(f"{src} runs its experts in standard ops (--moe standard), whose gathered expert weights have "
+                          "no quantized form here; quantize an --moe op export (ONNX Runtime's QMoE)")
     check_out_dir(out, force)
     ui = Phases(progress)
     for p in clean_stale(out):
@@ -327,14 +355,15 @@ QUANTIZED_NODES = ("MatMulNBits", "GatherBlockQuantized")
 
 def dequantized_weights(root) -> dict[str, dict[str, np.ndarray]]:
     """graph -> {float weight name: [N, K] float32} for every MatMulNBits (and the lookup table
-    of a GatherBlockQuantized) of a quantized artifact."""
+    of a GatherBlockQuantized) of a quantized artifact, and [E, N, K] for the experts of each QMoE."""
     out = {}
     for graph, f in C.GRAPH_FILES.items():
         model = onnx.load(str(Path(root) / f), load_external_data=False)
         nodes = [n for n in model.graph.node if n.op_type in QUANTIZED_NODES]
-        if not nodes:
+        experts = [n for n in model.graph.node if n.op_type == "QMoE"]
+        if not nodes and not experts:
             continue
-        wanted = {i for n in nodes for i in n.input if i}
+        wanted = {i for n in nodes + experts for i in n.input if i}
         arrays = {}
         for t in model.graph.initializer:
             if t.name in wanted:
@@ -343,6 +372,8 @@ def dequantized_weights(root) -> dict[str, dict[str, np.ndarray]]:
                 arrays[t.name] = numpy_helper.to_array(t)
         weight = lambda n: (n.input[0] if n.op_type == "GatherBlockQuantized" else n.input[1]).rsplit("_Q", 1)[0]  # noqa: E731
         out[graph] = {weight(n): dequantize(n, arrays) for n in nodes}
+        for n in experts:
+            out[graph].update(moe.dequantize_qmoe(n, arrays))
     return out
 
 

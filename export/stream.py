@@ -31,6 +31,8 @@ from ..lazy import lazy_import
 ir = lazy_import("onnx_ir")  # torch, onnx_ir and the models: on first use (lazy.py)
 torch = lazy_import("torch")
 moe = lazy_import("dflash_export.models.moe")
+checkpoint = lazy_import("dflash_export.models.checkpoint")
+ort_c = lazy_import("onnxruntime.capi._pybind_state")  # quantize_matmul_{4,8}bits
 
 # a routed expert tensor in the checkpoint, either layout (any prefix: model., model.language_model., ...)
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.(gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))$")
@@ -47,10 +49,6 @@ class Entry:
     shape: tuple[int, ...]
     start: int  # absolute byte offset in the file
 
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(_NP[self.dtype]).itemsize
-
 
 def _header(path: Path) -> tuple[int, dict]:
     try:
@@ -61,12 +59,31 @@ def _header(path: Path) -> tuple[int, dict]:
         raise DFlashError(f"{path}: unreadable safetensors header ({e})") from None
 
 
+def read_rows(e: Entry, first: int, count: int) -> np.ndarray:
+    """`count` rows of the tensor's first axis from `first` on, as float32 (a plain file read)."""
+    row = int(np.prod(e.shape[1:], dtype=np.int64))
+    itemsize = np.dtype(_NP[e.dtype]).itemsize
+    try:
+        with open(e.path, "rb") as f:
+            f.seek(e.start + first * row * itemsize)
+            a = np.fromfile(f, _NP[e.dtype], count * row)
+    except OSError as err:
+        raise DFlashError(f"{e.path}: cannot read expert tensor {e.key} ({err})") from None
+    if a.size != count * row:
+        raise DFlashError(f"{e.path}: expert tensor {e.key} ends past the end of the file (truncated or changed "
+                          "while exporting)")
+    a = a.reshape(count, *e.shape[1:])
+    if e.dtype == "BF16":
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32, copy=False)
+
+
 class ExpertReader:
     """Where each layer's routed experts lie in a checkpoint's safetensors files (headers only)."""
 
     def __init__(self, directory: str | Path):
         self.layers: dict[int, dict] = {}  # layer -> {"fused": {proj: Entry}} or {"per": {e: {proj: Entry}}}
-        for path in sorted(Path(directory).glob("*.safetensors")):
+        for path in checkpoint.weight_files(directory, "target"):  # the files the target was loaded from
             n, header = _header(path)
             for key, t in header.items():
                 m = _KEY.search(key) if key != "__metadata__" and not key.startswith("mtp.") else None
@@ -85,32 +102,14 @@ class ExpertReader:
         return [e for layer in self.layers.values()
                 for e in [*layer.get("fused", {}).values(), *(x for p in layer.get("per", {}).values() for x in p.values())]]
 
-    def _read(self, e: Entry, first: int, count: int) -> np.ndarray:
-        """`count` rows of the tensor's first axis from `first` on, as float32."""
-        row = int(np.prod(e.shape[1:], dtype=np.int64))
-        itemsize = np.dtype(_NP[e.dtype]).itemsize
-        try:
-            with open(e.path, "rb") as f:
-                f.seek(e.start + first * row * itemsize)
-                a = np.fromfile(f, _NP[e.dtype], count * row)
-        except OSError as err:
-            raise DFlashError(f"{e.path}: cannot read expert tensor {e.key} ({err})") from None
-        if a.size != count * row:
-            raise DFlashError(f"{e.path}: expert tensor {e.key} ends past the end of the file (truncated or changed "
-                              "while exporting)")
-        a = a.reshape(count, *e.shape[1:])
-        if e.dtype == "BF16":
-            return (a.astype(np.uint32) << 16).view(np.float32)
-        return a.astype(np.float32, copy=False)
-
     def fc1(self, layer: int, expert: int, interleaved: bool) -> np.ndarray:
         """Expert `expert`'s gate and up rows [2I, H]: gate rows then up rows, or alternating."""
         where = self.layers[layer]
         if "fused" in where:
-            w = self._read(where["fused"]["gate_up_proj"], expert, 1)[0]
+            w = read_rows(where["fused"]["gate_up_proj"], expert, 1)[0]
         else:
             g, u = where["per"][expert]["gate_proj"], where["per"][expert]["up_proj"]
-            w = np.concatenate([self._read(g, 0, g.shape[0]), self._read(u, 0, u.shape[0])])
+            w = np.concatenate([read_rows(g, 0, g.shape[0]), read_rows(u, 0, u.shape[0])])
         if interleaved:
             w = np.ascontiguousarray(w.reshape(2, -1, w.shape[-1]).transpose(1, 0, 2)).reshape(w.shape)
         return w
@@ -119,9 +118,9 @@ class ExpertReader:
         """Expert `expert`'s down projection [H, I]."""
         where = self.layers[layer]
         if "fused" in where:
-            return self._read(where["fused"]["down_proj"], expert, 1)[0]
+            return read_rows(where["fused"]["down_proj"], expert, 1)[0]
         p = where["per"][expert]["down_proj"]
-        return self._read(p, 0, p.shape[0])
+        return read_rows(p, 0, p.shape[0])
 
 
 class StreamedExperts(ir.LazyTensor):
@@ -141,6 +140,55 @@ class StreamedExperts(ir.LazyTensor):
     def tofile(self, file) -> None:
         for e in range(self.shape[0]):
             file.write(self._one(e).tobytes())
+
+
+def external_experts(t) -> callable:
+    """e -> expert e of an [E, N, K] float initializer in external data (the float export's
+    data file), read by itself as float32: what `StreamedQuantized` reads when an export's
+    experts are quantized after the float export was written."""
+    dtype = {ir.DataType.FLOAT: "F32", ir.DataType.FLOAT16: "F16", ir.DataType.BFLOAT16: "BF16"}[t.dtype]
+    entry = Entry(Path(t.path), t.name, dtype, tuple(int(d) for d in t.shape), int(t.offset or 0))
+    return lambda e: read_rows(entry, e, 1)[0]
+
+
+def quantize_expert(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """One expert [N, K] float32 -> (uint8 [N, K * bits / 8], float32 scales [N, K / block]):
+    symmetric block-wise round-to-nearest along K by ONNX Runtime's own kernel (the one its
+    MatMulNBits quantizer calls), in com.microsoft::QMoE's raw layout (weights_prepacked=0;
+    no zero points: QMoE's default 2^(bits-1) is the symmetric one)."""
+    n, k = w.shape
+    blocks, per_byte = k // block, 8 // bits
+    packed = np.zeros((n, blocks, block // per_byte), np.uint8)
+    scales = np.zeros((n, blocks), np.float32)
+    zero_points = np.zeros((n, (blocks + per_byte - 1) // per_byte), np.uint8)  # written, unused when symmetric
+    fn = {4: ort_c.quantize_matmul_4bits, 8: ort_c.quantize_matmul_8bits}[bits]
+    fn(packed, np.ascontiguousarray(w.T, dtype=np.float32), scales, zero_points, block, n, k, True)
+    return packed.reshape(n, -1), scales
+
+
+class StreamedQuantized(ir.LazyTensor):
+    """QMoE's packed weights [E, N, K * bits / 8] (part "weights") or scales [E, N, K / block]
+    (part "scales") of an [E, N, K] expert tensor, each expert read from `expert(e)` and
+    quantized only while the data file is written: int4 / int8 experts written directly,
+    with no float copy of the layer held. (The two parts read the source once each.)"""
+
+    def __init__(self, expert, shape: tuple[int, int, int], bits: int, block: int, part: str, name: str):
+        e, n, k = shape
+        if k % block:
+            raise DFlashError(f"{name}: its input width {k} is not a multiple of the quantization block {block}")
+        self.expert, self.bits, self.block, self.index = expert, bits, block, ("weights", "scales").index(part)
+        dtype, out = (ir.DataType.UINT8, (e, n, k * bits // 8)) if part == "weights" else (ir.DataType.FLOAT, (e, n, k // block))
+        super().__init__(self._whole, dtype=dtype, shape=ir.Shape(out), name=name)
+
+    def _one(self, e: int) -> np.ndarray:
+        return quantize_expert(self.expert(e), self.bits, self.block)[self.index]
+
+    def _whole(self):  # only if something asks for the whole array (the data file's writer never does)
+        return ir.Tensor(np.stack([self._one(e) for e in range(self.shape[0])]), dtype=self.dtype)
+
+    def tofile(self, file) -> None:
+        for e in range(self.shape[0]):
+            file.write(np.ascontiguousarray(self._one(e)).tobytes())
 
 
 def placeholders(target, interleaved: bool) -> bool:

@@ -35,7 +35,7 @@ from ..runtime.contract import BATCH, GRAPH_FILES, GRAPHS, ring
 from ..runtime.manifest import Manifest, load_manifest, write_manifest
 from ..errors import DFlashError
 from ..lazy import lazy_import
-from ..runtime.trt.backend import gpu_info, import_tensorrt
+from ..runtime.trt.engines import gpu_info, import_tensorrt
 from ..runtime.trt.profiles import (
     ENGINE_DIR, ENGINE_FILES, Limits, check_precision, profile_record, refuse_quantized, resolve_limits, trt_version_tuple,
 )
@@ -75,6 +75,8 @@ def build_plan(manifest: Manifest, precision: str | None = None, max_context: in
                max_prompt: int | None = None, workspace_gb: float = 4.0, max_batch: int = 1) -> BuildPlan:
     """The whole build decided from the manifest; raises DFlashError on impossible requests."""
     refuse_quantized(manifest)
+    if (manifest.moe or {}).get("path") == "op":
+        raise DFlashError(f"this export is {trt_lint.MOE_OP}")
     if ring(manifest):  # the TensorRT backend writes a drafter context slot per position
         raise DFlashError(f"this export keeps its drafter context in a ring of {ring(manifest)} slots (every drafter "
                           "layer slides), which the TensorRT backend does not run yet; re-export with --max-context "

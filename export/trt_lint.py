@@ -34,6 +34,8 @@ from ..runtime.trt.profiles import TRT_BELOW, TRT_MIN, axis_role, profiles, refu
 OPS_FILE = Path(__file__).with_name("trt_ops.json")
 ORT_FLAVOUR = ("exported with --attention ort (com.microsoft GroupQueryAttention, ONNX Runtime only): TensorRT "
                "accepts the standard flavour only; re-export with --attention standard")
+MOE_OP = ("exported with --moe op (com.microsoft::MoE, ONNX Runtime only): TensorRT builds the experts in standard "
+          "ops only; re-export with --moe standard")
 MIN_VERSION = ".".join(map(str, TRT_MIN))  # lint for the whole supported range unless told the exact version
 TYPE_NAMES = {
     onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.FLOAT16: "FP16", onnx.TensorProto.BFLOAT16: "BF16",
@@ -274,8 +276,11 @@ def lint_dir(out_dir: str | Path, manifest: Manifest | None = None, trt_version:
     found = []
     if C.flavour(manifest) == "ort":  # the standard flavour is the only TensorRT input
         found.append(Finding(C.TARGET, "error", ORT_FLAVOUR))
+    moe_op = (manifest.moe or {}).get("path") == "op"
+    if moe_op:
+        found.append(Finding(C.TARGET, "error", MOE_OP))
     for graph in manifest.graphs:
-        if graph == C.TARGET and C.flavour(manifest) == "ort":
+        if graph == C.TARGET and (C.flavour(manifest) == "ort" or moe_op):
             continue
         path = out_dir / GRAPH_FILES[graph]
         model = onnx.load(str(path), load_external_data=False)

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..runtime import contract as C
 from ..errors import DFlashError
 from ..lazy import lazy_import
-from .ops import MOE_OPS, ORT_FLAVOUR_OPS, QUANT_OPS, STANDARD_DOMAINS, register_ort_schemas
+from .ops import MOE_OPS, ORT_FLAVOUR_OPS, QMOE_OPS, QUANT_OPS, STANDARD_DOMAINS, register_ort_schemas
 
 onnx = lazy_import("onnx")  # on first use (lazy.py)
 ort = lazy_import("onnxruntime")
@@ -75,12 +75,12 @@ def validate_artifact(root: Path, dtype: str = "fp32", quantized: bool = False, 
 
     quantized: the lint accepts ONNX Runtime's MatMulNBits (export/quantize.py); attention
     "ort": the target may hold GroupQueryAttention (export --attention ort); moe "op": the
-    target may hold com.microsoft::MoE (export --moe op); nothing else."""
+    target may hold com.microsoft::MoE (export --moe op), QMoE once quantized; nothing else."""
     if attention == "ort" or moe == "op":
         register_ort_schemas()
     for g, f in C.GRAPH_FILES.items():
         ort_ops = ORT_FLAVOUR_OPS if g == C.TARGET and attention == "ort" else ()
-        ort_ops += MOE_OPS if g == C.TARGET and moe == "op" else ()
+        ort_ops += (QMOE_OPS if quantized else MOE_OPS) if g == C.TARGET and moe == "op" else ()
         check_graph(root / f, (QUANT_OPS if quantized else ()) + ort_ops)
     for f in C.GRAPH_FILES.values():
         try:

@@ -35,8 +35,8 @@ def experts_on_meta(pattern: re.Pattern = EXPERTS):
         _ON_META.reset(token)
 
 
-def load_state_dict(directory: str | Path, what: str) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory: one file, or shards listed by an index."""
+def weight_files(directory: str | Path, what: str) -> list[Path]:
+    """A checkpoint directory's safetensors files: the shards its index lists, else every one."""
     d = Path(directory)
     index = d / "model.safetensors.index.json"
     if index.is_file():
@@ -48,12 +48,17 @@ def load_state_dict(directory: str | Path, what: str) -> dict[str, torch.Tensor]
         files = sorted(p.name for p in d.glob("*.safetensors"))
     if not files:
         raise DFlashError(f"{what} directory {d} has no *.safetensors weights (only safetensors checkpoints are read)")
+    for name in files:
+        if not (d / name).is_file():
+            raise DFlashError(f"{what} directory {d}: shard {name} listed in the index is missing")
+    return [d / name for name in files]
+
+
+def load_state_dict(directory: str | Path, what: str) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory: one file, or shards listed by an index."""
     state: dict[str, torch.Tensor] = {}
     meta = _ON_META.get()
-    for name in files:
-        path = d / name
-        if not path.is_file():
-            raise DFlashError(f"{what} directory {d}: shard {name} listed in the index is missing")
+    for path in weight_files(directory, what):
         try:
             state.update(safetensors_torch.load_file(path) if meta is None else _load_some(path, meta))
         except Exception as e:  # safetensors raises its own error types across versions

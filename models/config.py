@@ -196,6 +196,14 @@ class MoeConfig:
     norm_topk_prob: bool  # renormalise the k selected probabilities to sum 1
     shared_expert_size: int = 0  # the shared expert's width, gated by sigmoid(Linear(H -> 1)); 0: none
     sparse_layers: list[int] = field(default_factory=list)  # layers whose MLP is the MoE block (others: dense MLP)
+    # what gpt-oss and Gemma 4 differ in (models/moe.py Experts): "swiglu" is act(gate) * (up + beta) with
+    # act(g) = g * sigmoid(alpha g), gate clamped above and up both ways at `limit` (None: no clamp); Qwen's
+    # alpha 1, beta 0; gpt-oss's 1.702, 1, 7. "geglu": gelu_tanh(gate) * up (Gemma 4)
+    activation: str = "swiglu"
+    alpha: float = 1.0
+    beta: float = 0.0
+    limit: float | None = None
+    bias: bool = False  # router and experts with biases (gpt-oss)
 
 
 # config keys of mixture-of-experts variants that are not implemented -> what they would need
@@ -402,10 +410,6 @@ class Windowed:
     per_layer_input: int = 0  # Gemma 4 per-layer input embeddings: width per layer (0: none)
     per_layer_vocab: int = 0
     double_wide_mlp: bool = False  # Gemma 4: KV-sharing layers' MLP twice as wide
-    experts: int = 0  # gpt-oss: every layer's MLP is a mixture of this many experts
-    top_k: int = 0
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
 
     @property
     def shared_layers(self) -> list[int]:
@@ -447,13 +451,29 @@ def _windowed(cfg: dict, arch: str, where: str) -> "TargetConfig":
         rope = parse_rope({**cfg, "rope_theta": cfg.get("rope_theta", 150000.0)}, where)
         kinds = {t: AttentionKind(kv, head_dim, rope, window if t == "sliding_attention" else None) for t in dict.fromkeys(types)}
         bias = bool(cfg.get("attention_bias", True))
-        w = Windowed(family, kinds, list(range(layers)), sinks=True, hidden_act=act,
-                     experts=int(_req(cfg, "num_local_experts", where)), top_k=int(cfg.get("num_experts_per_tok", 4)),
-                     swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
-        return TargetConfig(**common, num_kv_heads=kv, head_dim=head_dim, rope=rope,
-                            intermediate_size=int(_req(cfg, "intermediate_size", where)), qkv_bias=bias, o_bias=bias,
-                            windowed=w)
+        w = Windowed(family, kinds, list(range(layers)), sinks=True, hidden_act=act)
+        inter, experts = int(_req(cfg, "intermediate_size", where)), int(_req(cfg, "num_local_experts", where))
+        top_k = int(cfg.get("num_experts_per_tok", 4))
+        if not 0 < top_k <= experts:
+            raise DFlashError(f"{where}: num_experts_per_tok {top_k} must be between 1 and num_local_experts {experts}")
+        # top-k on the biased logits, then a softmax over the k: softmax, top-k, renormalise
+        moe = MoeConfig(num_experts=experts, top_k=top_k, expert_size=inter, norm_topk_prob=True,
+                        sparse_layers=list(range(layers)), alpha=float(cfg.get("swiglu_alpha", 1.702)), beta=1.0,
+                        limit=float(cfg.get("swiglu_limit", 7.0)), bias=True)
+        _mxfp4_only(cfg, where)
+        return TargetConfig(**common, num_kv_heads=kv, head_dim=head_dim, rope=rope, intermediate_size=inter,
+                            qkv_bias=bias, o_bias=bias, windowed=w, moe=moe)
     return _gemma4(cfg, common, types, kv, head_dim, window, act, where)
+
+
+def _mxfp4_only(cfg: dict, where: str) -> None:
+    """gpt-oss's released checkpoints quantize the experts to MXFP4 (models/mxfp4.py dequantises
+    them on load); any other quantization_config is refused."""
+    q = cfg.get("quantization_config")
+    if q and (not isinstance(q, dict) or q.get("quant_method") != "mxfp4"):
+        method = q.get("quant_method") if isinstance(q, dict) else q
+        raise DFlashError(f"{where}: quantization_config {method!r} is not supported (gpt-oss's own mxfp4 is; "
+                          "pass the unquantized checkpoint)")
 
 
 def _gemma4(cfg: dict, common: dict, types: list[str], kv: int, head_dim: int, window: int, act: str,
@@ -461,9 +481,6 @@ def _gemma4(cfg: dict, common: dict, types: list[str], kv: int, head_dim: int, w
     layers = common["num_layers"]
     if cfg.get("use_bidirectional_attention") == "all":
         raise DFlashError(f"{where}: use_bidirectional_attention='all' (non-causal text attention) is not supported")
-    if cfg.get("enable_moe_block"):
-        raise DFlashError(f"{where}: Gemma 4 mixture-of-experts targets (enable_moe_block) are not supported yet; "
-                          "dense Gemma 4 targets are")
     k_eq_v = bool(cfg.get("attention_k_eq_v", False))
     # the full layers' shape: transformers 5 saves it per layer (per_layer_config); released
     # checkpoints state global_head_dim / num_global_key_value_heads (the latter only with k_eq_v)
@@ -510,7 +527,16 @@ def _gemma4(cfg: dict, common: dict, types: list[str], kv: int, head_dim: int, w
                  per_layer_vocab=int(cfg.get("vocab_size_per_layer_input") or common["vocab_size"]) if ple else 0,
                  double_wide_mlp=bool(cfg.get("use_double_wide_mlp", False)))
     full_kind = kinds.get("full_attention") or kinds["sliding_attention"]
-    return TargetConfig(**common, num_kv_heads=full_kind.num_kv_heads, head_dim=full_kind.head_dim, rope=full_kind.rope,
+    moe = None
+    if cfg.get("enable_moe_block"):  # 26B-A4B: experts beside the dense MLP in every layer
+        experts, top_k = int(_req(cfg, "num_experts", where)), int(_req(cfg, "top_k_experts", where))
+        if not 0 < top_k <= experts:
+            raise DFlashError(f"{where}: top_k_experts {top_k} must be between 1 and num_experts {experts}")
+        if act != "gelu_pytorch_tanh":
+            raise DFlashError(f"{where}: Gemma 4 experts with hidden_activation {act!r} are not supported (gelu_pytorch_tanh)")
+        moe = MoeConfig(num_experts=experts, top_k=top_k, expert_size=int(_req(cfg, "moe_intermediate_size", where)),
+                        norm_topk_prob=True, sparse_layers=list(range(layers)), activation="geglu")
+    return TargetConfig(**common, moe=moe, num_kv_heads=full_kind.num_kv_heads, head_dim=full_kind.head_dim, rope=full_kind.rope,
                         intermediate_size=int(_req(cfg, "intermediate_size", where)),
                         qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
                         qk_norm=True, windowed=w)

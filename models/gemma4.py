@@ -6,6 +6,11 @@ a GeGLU MLP (gelu-tanh) between pre_ and post_feedforward_layernorm, each added 
 residual; then, where configured, the per-layer input: gelu(gate(x)) * this layer's slice of the
 per-layer embeddings, projected back, normed and added; finally the whole times `layer_scalar`.
 
+Gemma 4 26B-A4B (`enable_moe_block`) adds a mixture of GeGLU experts beside the dense MLP in
+every layer: routed from the residual (Router), run on its own pre-norm, summed with the MLP's
+output after a post-norm each; the k weights (softmax, top-k, renormalise) times the router's
+`per_expert_scale`, which export folds into the down projections (Layer.fold).
+
 Per-layer embeddings (`hidden_size_per_layer_input` > 0), computed once per call from the ids
 and the scaled embedding: (norm(proj(embedding) / sqrt(hidden)) + table(ids) * sqrt(width)) / sqrt(2),
 reshaped to one slice per layer.
@@ -21,6 +26,7 @@ from torch.nn import functional as F
 
 from .checkpoint import load_state_dict, strict_load
 from .config import TargetConfig
+from .moe import Experts, route
 from .windowed import Norm, WindowAttention, WindowedTarget, drop_unused
 
 
@@ -40,7 +46,26 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Router(nn.Module):
+    """Gemma 4's router: RMSNorm without scale, times a learned scale and H^-0.5, then the logits.
+    Its `per_expert_scale` multiplies each selected expert's weight (Layer.route)."""
+
+    def __init__(self, c: TargetConfig):
+        super().__init__()
+        h = c.hidden_size
+        self.norm = Norm(h, c.rms_norm_eps, scale=False)
+        self.proj = nn.Linear(h, c.moe.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(h))
+        self.per_expert_scale = nn.Parameter(torch.ones(c.moe.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x) * self.scale * x.shape[-1] ** -0.5)
+
+
 class Layer(nn.Module):
+    """A decoder layer; with `enable_moe_block` also the MoE block of models/moe.py's protocol
+    (`experts`, `top_k`, `norm_topk_prob`, `graph_experts`, `fold`), beside the dense MLP."""
+
     def __init__(self, c: TargetConfig, i: int):
         super().__init__()
         w, h, eps = c.windowed, c.hidden_size, c.rms_norm_eps
@@ -56,10 +81,36 @@ class Layer(nn.Module):
             self.per_layer_input_gate = nn.Linear(h, w.per_layer_input, bias=False)
             self.per_layer_projection = nn.Linear(w.per_layer_input, h, bias=False)
             self.post_per_layer_input_norm = Norm(h, eps)
+        if c.moe is not None:
+            self.router = Router(c)
+            self.experts = Experts(c.moe.num_experts, h, c.moe.expert_size, c.moe)
+            for name in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2"):
+                setattr(self, name, Norm(h, eps))
+            self.top_k, self.norm_topk_prob, self.graph_experts = c.moe.top_k, True, None
+
+    def moe(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts' output for the residual x [B, S, H]: routed from x, run on its own norm."""
+        t = x.reshape(-1, x.shape[-1])
+        logits = self.router(t)
+        t = self.pre_feedforward_layernorm_2(t)
+        if self.graph_experts is not None:  # export/moe.py (per_expert_scale folded into down_proj)
+            return self.graph_experts(self, t, logits).reshape(x.shape)
+        weights, ids = route(logits, self.top_k, True)
+        weights = weights * self.router.per_expert_scale[ids].to(weights.dtype)
+        return self.experts(t, ids, weights).reshape(x.shape)
+
+    def fold(self) -> None:
+        """per_expert_scale into each expert's down projection (no biases: exact up to rounding), then 1."""
+        s = self.router.per_expert_scale.data
+        self.experts.down_proj.data = self.experts.down_proj.data * s[:, None, None].to(self.experts.down_proj.dtype)
+        self.router.per_expert_scale.data = torch.ones_like(s)
 
     def forward(self, x, attention, extra=None):
         x = x + self.post_attention_layernorm(attention(self.input_layernorm(x)))
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        y = self.mlp(self.pre_feedforward_layernorm(x))
+        if hasattr(self, "experts"):  # 26B-A4B: the dense MLP and the experts, each normed, then summed
+            y = self.post_feedforward_layernorm_1(y) + self.post_feedforward_layernorm_2(self.moe(x))
+        x = x + self.post_feedforward_layernorm(y)
         if extra is not None:
             y = self.act(self.per_layer_input_gate(x)) * extra
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(y))

@@ -10,7 +10,7 @@ The tokens are the prefill token plus every round's `a + 1`:
 At temperature > 0 (runtime/sampling.py has the rules and the randomness layout): by
 default the drafts are samples from the drafter's q and the round verifies them by
 rejection sampling against the target's p (the official reference's rule);
-`sampling="compare"` drafts the argmax and compares it with a target sample at each
+`Sampling(method="compare")` drafts the argmax and compares it with a target sample at each
 position. Either way every emitted token is an exact target sample given its prefix.
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import DFlashError
-from ..runtime.sampling import (accept, check_request, check_sampling, choose, cut_at_stop, draft_uniforms,
+from ..runtime.sampling import (GREEDY, Sampling, accept, check_request, choose, cut_at_stop, draft_uniforms,
                                 position_uniforms, probabilities, rejection, sample_drafts)
 from .kvcache import KVCache
 
@@ -65,13 +65,9 @@ def speculative_generate(
     *,
     mask_token_id: int,
     block_size: int | None = None,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
+    sampling: Sampling = GREEDY,
     stop_token_ids: tuple[int, ...] = (),
     max_context: int | None = None,
-    sampling: str = "rejection",
 ) -> Generation:
     k = drafter.config.block_size if block_size is None else block_size
     if k < 1:
@@ -83,31 +79,28 @@ def speculative_generate(
         if ud is None:
             return drafter.draft_tokens(dlogits)[0].tolist(), None
         ids = getattr(drafter, "vocab_ids", None)
-        drafted = sample_drafts(dlogits[0].numpy(), ud, temperature, top_k, top_p, None if ids is None else ids.numpy())
+        drafted = sample_drafts(dlogits[0].numpy(), ud, sampling, None if ids is None else ids.numpy())
         return drafted.tokens.tolist(), drafted
 
     return speculative_loop(target, drafter, prompt, max_new_tokens, draft, mask_token_id=mask_token_id, k=k,
-                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            stop_token_ids=stop_token_ids, max_context=max_context, sampling=sampling)
+                            sampling=sampling, stop_token_ids=stop_token_ids, max_context=max_context)
 
 
 def speculative_loop(target, drafter, prompt: list[int], max_new_tokens: int, draft, *, mask_token_id: int, k: int,
-                     temperature: float, top_k: int, top_p: float, seed: int, stop_token_ids: tuple[int, ...],
-                     max_context: int | None, sampling: str) -> Generation:
+                     sampling: Sampling, stop_token_ids: tuple[int, ...], max_context: int | None) -> Generation:
     """The rounds, whatever drafts them: `draft(block, positions, past, ud)` -> (drafts, Drafted
     or None), ud the draft uniforms from the block's second position (None: greedy or compare).
     Shared by the DFlash and DFlash 2 oracles (models/generate_dflash2.py), which differ only there."""
-    check_sampling(temperature, top_k, top_p, sampling)
     max_length = check_pair(target, drafter, prompt, max_new_tokens, max_context, mask_token_id)
-    u = position_uniforms(seed, max_length + 1)  # u[t]: the token at absolute position t
-    ud = draft_uniforms(seed, max_length + 1) if temperature > 0 and sampling == "rejection" else None
+    u = position_uniforms(sampling.seed, max_length + 1)  # u[t]: the token at absolute position t
+    ud = draft_uniforms(sampling.seed, max_length + 1) if not sampling.greedy and sampling.method == "rejection" else None
     stop = set(stop_token_ids)
     n = len(prompt)
     tcache, dcache = _target_cache(target, max_length), KVCache.for_model(drafter, max_length)
 
     logits, taps, _ = target(torch.tensor([prompt]), torch.arange(n)[None], tcache)
     tcache.commit(n)
-    anchor = int(choose(logits[0, -1:].numpy(), u[n:], temperature, top_k, top_p)[0])
+    anchor = int(choose(logits[0, -1:].numpy(), u[n:], sampling)[0])
     out, lengths, start = [anchor], [], n  # `start` = position of the anchor
     ctx_taps, ctx_pos = taps, torch.arange(n)[None]
     stopped = anchor in stop
@@ -121,11 +114,11 @@ def speculative_loop(target, drafter, prompt: list[int], max_new_tokens: int, dr
         verify = torch.tensor([[anchor] + drafts[: s - 1]])
         logits, taps, _ = target(verify, positions[:, :s], tcache)
         if drafted is None:
-            choice = choose(logits[0].numpy(), u[start + 1 :], temperature, top_k, top_p).tolist()
+            choice = choose(logits[0].numpy(), u[start + 1 :], sampling).tolist()
             a = accept(drafts[: s - 1], choice[: s - 1])
             last = choice[a]
         else:
-            p = probabilities(logits[0].numpy(), temperature, top_k, top_p)
+            p = probabilities(logits[0].numpy(), sampling)
             a, last = rejection(drafted, s - 1, p, ud[start + 1 :, 1], u[start + 1 :])
         emitted = (drafts[:a] + [last])[: max_length - start - 1]
         emitted, stopped = cut_at_stop(emitted, stop)
@@ -146,24 +139,20 @@ def autoregressive_generate(
     prompt: list[int],
     max_new_tokens: int,
     *,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
+    sampling: Sampling = GREEDY,
     stop_token_ids: tuple[int, ...] = (),
     max_context: int | None = None,
 ) -> Generation:
     """Plain decoding of the target, one token per step, on the same static cache."""
-    check_sampling(temperature, top_k, top_p)
     max_length = check_request(prompt, max_new_tokens, target.config.vocab_size, max_context)
-    u = position_uniforms(seed, max_length + 1)
+    u = position_uniforms(sampling.seed, max_length + 1)
     cache = _target_cache(target, max_length)
     ids, pos = torch.tensor([prompt]), torch.arange(len(prompt))[None]
     out: list[int] = []
     while True:
         logits, _, _ = target(ids, pos, cache)
         cache.commit(ids.shape[1])
-        tok = int(choose(logits[0, -1:].numpy(), u[cache.length :], temperature, top_k, top_p)[0])
+        tok = int(choose(logits[0, -1:].numpy(), u[cache.length :], sampling)[0])
         out.append(tok)
         if tok in stop_token_ids:
             return Generation(out, [1] * (len(out) - 1), True)

@@ -5,11 +5,11 @@ Greedy (T = 0): the greedy walk's drafts, the longest prefix equal to the target
 the target's own token, so the output is the target's greedy output.
 
 Sampled (T > 0), runtime/sampling.py's rules and randomness layout: by default
-(`sampling="rejection"`) the walk draws each draft from q = softmax(scores[i, prev] / T) over
+(`Sampling.method` "rejection") the walk draws each draft from q = softmax(scores[i, prev] / T) over
 its position's k candidates at that position's draft uniform (the PyTorch selector's
 `sample_walk`, checked against the official one), and the round verifies the drafts by
 rejection sampling with that q spread over the candidate ids (no top-k / top-p on q, as the
-official reference); `sampling="compare"` verifies the greedy walk against target samples.
+official reference); "compare" verifies the greedy walk against target samples.
 Either way every emitted token is an exact sample of the target given its prefix.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import DFlashError
-from ..runtime.sampling import Drafted
+from ..runtime.sampling import GREEDY, Drafted, Sampling
 from .dflash2 import DFlash2Drafter
 from .generate import Generation, speculative_loop
 
@@ -50,19 +50,15 @@ def dflash2_generate(
     *,
     mask_token_id: int,
     block_size: int | None = None,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
+    sampling: Sampling = GREEDY,
     stop_token_ids: tuple[int, ...] = (),
     max_context: int | None = None,
-    sampling: str = "rejection",
 ) -> Generation:
     k = drafter.config.block_size if block_size is None else block_size
     if k < 2:
         raise DFlashError(f"block size must be >= 2 for a DFlash2 drafter (got {k})")
     return speculative_loop(target, drafter, prompt, max_new_tokens,
                             lambda block, positions, past, ud: walk_drafts(drafter, target, block, positions, past, ud,
-                                                                           temperature),
-                            mask_token_id=mask_token_id, k=k, temperature=temperature, top_k=top_k, top_p=top_p,
-                            seed=seed, stop_token_ids=stop_token_ids, max_context=max_context, sampling=sampling)
+                                                                           sampling.temperature),
+                            mask_token_id=mask_token_id, k=k, sampling=sampling, stop_token_ids=stop_token_ids,
+                            max_context=max_context)

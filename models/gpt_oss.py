@@ -1,13 +1,16 @@
 """The gpt-oss decoder layer (transformers' `GptOssForCausalLM`): sinks attention + a mixture of experts.
 
 Attention is models/windowed.py's (biases, YaRN, sinks, sliding / full per layer). The MLP
-routes each token to `top_k` of `experts` experts: top-k on the biased router logits, then a
+routes each token to `top_k` of its experts: top-k on the biased router logits, then a
 softmax over those k (the same weights as softmax, top-k, renormalise). An expert is a
 clamped SwiGLU with biases, its gate and up columns interleaved in `gate_up_proj` [E, H, 2I]:
 g = min(gate, limit), u = clamp(up, -limit, limit), out = ((u + 1) * g * sigmoid(alpha g)) @ down.
 
-The reference runs every expert on every token and weights the unselected ones by 0: exact,
-in standard ops, and affordable at test sizes; real sizes need the routed expert path.
+The MLP is models/moe.py's SparseMoe (router and experts biased, the clamped activation): its
+reference runs only the selected experts, and export/moe.py gives it either graph form
+(ONNX Runtime's MoE op with activation_alpha 1.702, activation_beta 1, swiglu_limit 7,
+swiglu_fusion 1; or standard ops). Loading renames the router and transposes the experts to
+[E, 2I, H] / [E, H, I]; released MXFP4 experts are dequantised (models/mxfp4.py).
 """
 
 from __future__ import annotations
@@ -16,63 +19,19 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from .checkpoint import load_state_dict, strict_load
 from .config import TargetConfig
+from .moe import SparseMoe, blocks
+from .mxfp4 import dequantize_experts
 from .windowed import Norm, WindowAttention, WindowedTarget
-
-
-class Router(nn.Module):
-    def __init__(self, c: TargetConfig):
-        super().__init__()
-        w = c.windowed
-        self.weight = nn.Parameter(torch.zeros(w.experts, c.hidden_size))
-        self.bias = nn.Parameter(torch.zeros(w.experts))
-        self.top_k = w.top_k
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, H] -> routing weights [N, E]: softmax over the top-k logits, 0 elsewhere."""
-        top, idx = torch.topk(F.linear(x, self.weight, self.bias), self.top_k, dim=-1)
-        return torch.zeros(x.shape[0], self.weight.shape[0], dtype=x.dtype).scatter(1, idx, torch.softmax(top, -1))
-
-
-class Experts(nn.Module):
-    def __init__(self, c: TargetConfig):
-        super().__init__()
-        w, h, i = c.windowed, c.hidden_size, c.intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.zeros(w.experts, h, 2 * i))
-        self.gate_up_proj_bias = nn.Parameter(torch.zeros(w.experts, 2 * i))
-        self.down_proj = nn.Parameter(torch.zeros(w.experts, i, h))
-        self.down_proj_bias = nn.Parameter(torch.zeros(w.experts, h))
-        self.alpha, self.limit = w.swiglu_alpha, w.swiglu_limit
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, H], weights [N, E] -> sum_e weights[:, e] * expert_e(x)."""
-        gu = torch.einsum("nh,ehf->enf", x, self.gate_up_proj) + self.gate_up_proj_bias[:, None]
-        gate, up = gu[..., ::2].clamp(max=self.limit), gu[..., 1::2].clamp(-self.limit, self.limit)
-        act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        out = torch.einsum("enf,efh->enh", act, self.down_proj) + self.down_proj_bias[:, None]
-        return (out * weights.t()[..., None]).sum(0)
-
-
-class MoE(nn.Module):
-    def __init__(self, c: TargetConfig):
-        super().__init__()
-        self.router = Router(c)
-        self.experts = Experts(c)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        flat = x.reshape(-1, h)
-        return self.experts(flat, self.router(flat)).reshape(b, s, h)
 
 
 class Layer(nn.Module):
     def __init__(self, c: TargetConfig, i: int):
         super().__init__()
         self.self_attn = WindowAttention(c, c.layer_types[i], shared=False)
-        self.mlp = MoE(c)
+        self.mlp = SparseMoe(c.hidden_size, c.moe)
         self.input_layernorm = Norm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = Norm(c.hidden_size, c.rms_norm_eps)
 
@@ -101,10 +60,28 @@ class GptOssTarget(WindowedTarget):
 def from_pretrained(config: TargetConfig, directory: str | Path, tap_ids, dtype: torch.dtype) -> GptOssTarget:
     with torch.device("meta"):
         model = GptOssTarget(config, tap_ids)
-    state = load_state_dict(directory, "target")
+    state = experts_as_moe(dequantize_experts(load_state_dict(directory, "target"), f"target {directory}"))
+    for block in blocks(model):
+        block.experts.interleaved = True  # gpt-oss's gate and up columns alternate
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     for name in tied:
         state.pop(name, None)
     strict_load(model, state, f"target {directory}", dtype, tied=tied)
     model.set_frequencies()
     return model.eval()
+
+
+def experts_as_moe(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' gpt-oss names and layout -> models/moe.py's: the router is `gate`, and the
+    experts' [E, H, 2I] / [E, I, H] are transposed to [E, 2I, H] / [E, H, I] (gate and up rows
+    still interleaved: ONNX Runtime's MoE op reads them so, swiglu_fusion=1)."""
+    out = {}
+    for name, t in state.items():
+        if ".mlp.router." in name:
+            name = name.replace(".mlp.router.", ".mlp.gate.")
+        elif name.endswith(".mxfp4"):  # dequantised MXFP4 (models/mxfp4.py): already [E, rows, cols]
+            name = name[: -len(".mxfp4")]
+        elif name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            t = t.transpose(1, 2).contiguous()
+        out[name] = t
+    return out

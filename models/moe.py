@@ -1,4 +1,6 @@
-"""The mixture-of-experts MLP of the Qwen line: Qwen3-MoE, Qwen3.5 / 3.6-MoE, Qwen3-Next.
+"""The mixture-of-experts MLP of the Qwen line (Qwen3-MoE, Qwen3.5 / 3.6-MoE, Qwen3-Next), and
+the experts of gpt-oss (biased router and experts, clamped SwiGLU: models/gpt_oss.py) and
+Gemma 4 (GeGLU experts beside the dense MLP: models/gemma4.py), which MoeConfig describes.
 
 Semantics are transformers 5.x's `Qwen3MoeSparseMoeBlock` (and its Qwen3.5-MoE / Qwen3-Next
 copies): router logits = Linear(H -> E); softmax in fp32; top-k; the k probabilities
@@ -43,21 +45,37 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts as two 3-D parameters (transformers 5.x's fused layout).
+    """E gated experts as two 3-D parameters (transformers 5.x's fused layout), optionally biased.
 
     `interleaved`: gate_up_proj's rows are g0, u0, g1, u1, ... instead of [gate; up]: the
-    layout ONNX Runtime's MoE op reads on CPU (export/moe.py stores it so, once)."""
+    layout ONNX Runtime's MoE op reads on CPU (export/moe.py stores it so, once; gpt-oss's
+    checkpoints hold it so). The activation is MoeConfig's: Qwen's SwiGLU, gpt-oss's clamped
+    one, Gemma 4's GeGLU."""
 
-    def __init__(self, num_experts: int, hidden: int, width: int):
+    def __init__(self, num_experts: int, hidden: int, width: int, moe: MoeConfig | None = None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
+        if moe is not None and moe.bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * width))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
         self.interleaved = False
+        self.activation, self.alpha, self.beta, self.limit = (
+            (moe.activation, moe.alpha, moe.beta, moe.limit) if moe is not None else ("swiglu", 1.0, 0.0, None))
+
+    @property
+    def biased(self) -> bool:
+        return hasattr(self, "down_proj_bias")
 
     def swiglu(self, h: torch.Tensor) -> torch.Tensor:
-        """[..., 2I] products of gate_up_proj -> silu(gate) * up [..., I], in either layout."""
+        """[..., 2I] products of gate_up_proj -> act(gate) * up [..., I], in either layout."""
         gate, up = (h[..., 0::2], h[..., 1::2]) if self.interleaved else h.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        if self.activation == "geglu":
+            return F.gelu(gate, approximate="tanh") * up
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        act = F.silu(gate) if self.alpha == 1.0 else gate * torch.sigmoid(gate * self.alpha)
+        return act * (up + self.beta) if self.beta else act * up
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids / weights [T, k] -> sum over each token's k experts [T, H].
@@ -67,9 +85,9 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():
             token, slot = torch.where(ids == e)
-            h = self.swiglu(F.linear(x[token], self.gate_up_proj[e]))
-            y = F.linear(h, self.down_proj[e]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
+            h = F.linear(x[token], self.gate_up_proj[e], self.gate_up_proj_bias[e] if self.biased else None)
+            y = F.linear(self.swiglu(h), self.down_proj[e], self.down_proj_bias[e] if self.biased else None)
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
 
 
@@ -79,8 +97,8 @@ class SparseMoe(nn.Module):
     def __init__(self, hidden: int, moe: MoeConfig):
         super().__init__()
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
-        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)  # the router
-        self.experts = Experts(moe.num_experts, hidden, moe.expert_size)
+        self.gate = nn.Linear(hidden, moe.num_experts, bias=moe.bias)  # the router
+        self.experts = Experts(moe.num_experts, hidden, moe.expert_size, moe)
         if moe.shared_expert_size:
             self.shared_expert = MLP(hidden, moe.shared_expert_size)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
@@ -98,9 +116,10 @@ class SparseMoe(nn.Module):
         else:
             weights, ids = route(logits, self.top_k, self.norm_topk_prob)
             y = self.experts(t, ids, weights)
-        if self.shared:
-            y = y + torch.sigmoid(self.shared_expert_gate(t)) * self.shared_expert(t)
-        return y.reshape(shape)
+        y = y.reshape(shape)
+        if self.shared:  # on [B, S, H]: traced as MatMul like the dense MLP, so `quantize` takes it
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
 
 
 def mlp_for(c: TargetConfig, layer: int) -> nn.Module:
@@ -110,9 +129,10 @@ def mlp_for(c: TargetConfig, layer: int) -> nn.Module:
     return MLP(c.hidden_size, c.intermediate_size, c.mlp_bias)
 
 
-def blocks(model: nn.Module) -> list[SparseMoe]:
-    """Every MoE block of a target, in layer order."""
-    return [m for m in model.modules() if isinstance(m, SparseMoe)]
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """Every MoE block of a target, in layer order: SparseMoe, or a family's own block with the
+    same `experts`, `top_k`, `norm_topk_prob` and `graph_experts` (Gemma 4's, models/gemma4.py)."""
+    return [m for m in model.modules() if hasattr(m, "graph_experts") and isinstance(getattr(m, "experts", None), Experts)]
 
 
 # -- checkpoints: one key per expert (released safetensors) -> transformers 5.x's fused layout --

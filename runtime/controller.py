@@ -14,6 +14,14 @@ Each row keeps a discounted mean of the tokens its drafted rounds emitted (GAMMA
 last 10 rounds; a new row starts with one round's worth of PRIOR tokens above the batch-1
 break-even) plus HOPE standard errors (acceptance is bursty), and an average verify length.
 
+Verify length: a drafting row's estimate at its average verify length is read as a per-draft
+acceptance `alpha` (`best_length`), and the row verifies the length s >= 2 with the most
+expected tokens per ms under the costs (its `cap`; the calibrated verify policy may cut it
+shorter): the block where a verify costs about a step, a short verify where the cost grows
+with the length (a MoE target's verify of s tokens reads up to k*s experts). Whether it
+drafts at all compares that round with a plain step (`pays`); the prior is the break-even
+at the length the row verifies.
+
 Probes: while plain, a row counts its plain rounds and drafts again after `gap` of them; a
 probe that does not pay doubles the gap, up to `max_gap`. At a probe the rounds before the
 plain stretch count FADE ** (plain rounds) less (the text has moved on: code prompts often
@@ -48,8 +56,8 @@ over what the model charged them, against the same for plain rounds, corrects dr
 rounds' cost (`correction`, within 0.7-1.5x) for the rows that do not decide for themselves.
 Without them, `default_costs`, in units of a batch-1 step: a call over p positions costs
 1 + 0.08 (p - 1) steps (a 16-token verify 2.2 steps, as measured on 2-core CPUs), a draft
-1 step, a context update 0.1 step: a full 16-token block is drafted only above 3.3 tokens
-a round. That is cautious: where a verify costs about a step (a GPU at small batch) the
+1 step, a context update 0.1 step: a full 16-token block pays only above 3.3 tokens a
+round. That is cautious: where a verify costs about a step (a GPU at small batch) the
 break-even is ~1.2-1.4 tokens a round and drafting almost never stops (docs/runtime.md
 shows both); calibrate on the deployed hardware.
 """
@@ -161,6 +169,26 @@ def default_costs(block_size: int, rows: int = 8) -> Costs:
                  [call(r) for r in rs], [0.1 * call(r) for r in rs])
 
 
+def alpha(tokens: float, length: int) -> float:
+    """The per-draft acceptance a whose rounds of `length` positions emit `tokens` on average:
+    (1 - a^length) / (1 - a) = tokens (1 token: 0; `length` tokens: 1), by bisection."""
+    if tokens >= length - 1e-9 or length <= 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if sum(a**i for i in range(length)) < tokens else (lo, a)
+    return lo
+
+
+def _best(costs: Costs, rows: int, per_row: bool, block: int, a: float) -> tuple[int, float]:
+    emitted = lambda s: float(s) if a >= 1 else (1 - a**s) / (1 - a)  # noqa: E731
+    if block < 2:
+        return block, 1.0
+    s = max(range(2, block + 1), key=lambda s: (emitted(s) / costs.round_ms(rows, (s,), per_row), s))
+    return s, emitted(s)
+
+
 def max_gap(probe: float) -> int:
     """The largest probe gap: a probe adding `probe` steps per gap + 1 rounds is <= PROBE_BOUND of them."""
     return max(1, math.ceil(probe / PROBE_BOUND) - 1)
@@ -197,6 +225,7 @@ class RowControl:
         var = max(0.0, self.squares / self.weight - mean * mean)
         return self.tokens + HOPE * math.sqrt(var / self.weight)
     taps: list = field(default_factory=list)  # its plain steps' taps, for the drafter's context (host backends)
+    cap: int = 0  # this round's verify length at most (0: the block; set when it drafts)
 
 
 @dataclass
@@ -240,6 +269,18 @@ class Controller:
     def _len(self, c: RowControl) -> int:
         return max(1, min(self.block_size, math.ceil(c.length) if c.length else self.block_size))
 
+    def best_length(self, c: RowControl, rows: int, per_row: bool) -> tuple[int, float]:
+        """(verify length, expected tokens) of the row's drafted round with the most expected tokens
+        per ms: its estimate at its average length read as a per-draft acceptance `alpha` (a round
+        verifying s positions emits (1 - alpha^s) / (1 - alpha) on average), each s >= 2 priced by
+        the cost model. Where a verify costs about a step this is the block; where it grows with
+        its length (MoE targets: s positions route to up to k*s experts) a short verify."""
+        L, t = self._len(c), min(c.hopeful, self._len(c))
+        if c.own:
+            rows, per_row = 1, False  # its own history and the batch-1 costs: its tokens stay its seed's
+        key = ("best", rows, per_row, L, round(t, 2))
+        return self.costs._memo_of(key, lambda: _best(self.costs, rows, per_row, self.block_size, alpha(t, L)))
+
     def break_even(self, c: RowControl, rows: int, per_row: bool, s: int = 0) -> float:
         """Tokens a row's drafted round verifying s positions (default: its average) must emit to
         pay for itself alone in a round of `rows` (one that decides for itself: at batch 1):
@@ -278,16 +319,22 @@ class Controller:
             f = GAMMA * FADE ** c.plain  # the rounds before a plain stretch count less after it (the text moved on)
             c.emitted, c.squares, c.weight = f * c.emitted + a, f * c.squares + a * a, f * c.weight + 1
             c.length = float(v) if c.length == 0 else c.length + ALPHA * (v - c.length)
+            c.prior = self.costs.ratio(1, self._len(c)) + PRIOR  # at the length it verifies (a block's prior overrates short ones)
             if c.gap:  # a probe: back to drafting if the estimate now pays; a probe that did not pay itself doubles the gap
-                ratio = self.break_even(c, rows, per_row)
-                c.gap = 0 if c.hopeful > ratio else min(c.gap if a > ratio else 2 * c.gap, max_gap(
+                ratio = self.break_even(c, rows, per_row, v)
+                c.gap = 0 if self.pays(c, rows, per_row) else min(c.gap if a > ratio else 2 * c.gap, max_gap(
                     self.probe_cost(c, rows, per_row)))
             c.plain = 0
         c.seen = len(g.acceptance_lengths)
 
-    def _wants(self, c: RowControl, ratio: float) -> bool:
-        """A row's own wish: its average pays, or its probe is due."""
-        return c.hopeful > ratio or (c.gap > 0 and c.plain >= c.gap)
+    def pays(self, c: RowControl, rows: int, per_row: bool) -> bool:
+        """Whether the row's best drafted round (`best_length`) is expected to emit more than its break-even."""
+        s, tokens = self.best_length(c, rows, per_row)
+        return tokens > self.break_even(c, rows, per_row, s)
+
+    def _wants(self, c: RowControl, rows: int, per_row: bool) -> bool:
+        """A row's own wish: its best drafted round pays, or its probe is due."""
+        return self.pays(c, rows, per_row) or (c.gap > 0 and c.plain >= c.gap)
 
     def decide(self, rows, backend=None) -> bool:
         """Whether this round drafts; sets each row's `ctl.drafts` (rows: the loop's `_Row`s,
@@ -307,7 +354,7 @@ class Controller:
         per_row = backend is not None and backend.verify_per_row
         want = self.choose(rows, per_row)
         spec = any(want.values())
-        D = tuple(self._len(r.ctl) for r in rows if want.get(id(r)))
+        D = tuple(r.ctl.cap or self._len(r.ctl) for r in rows if want.get(id(r)))
         self._last = (len(rows), spec, self.costs.round_ms(len(rows), D, per_row))
         for b, r in enumerate(rows):
             r.ctl.drafts = spec and bool(r.req.speculative) and want.get(id(r), False)
@@ -336,7 +383,7 @@ class Controller:
             if not r.req.speculative or r.req.speculative == "always":
                 want[id(r)] = bool(r.req.speculative)
             elif c.own:
-                want[id(r)] = self._wants(c, self.break_even(c, R, per_row))
+                want[id(r)] = self._wants(c, R, per_row)
             elif due and self.could_pay(c, R, per_row):
                 want[id(r)] = True
             else:
@@ -347,11 +394,15 @@ class Controller:
         sure = [r for r in rows if want.get(id(r))]
         fix = self.correction(R)
         best, best_rate, plain, self._edge = 0, -1.0, R / self.costs.plain_ms(R), 0.0  # edge: best drafted rate / plain
-        tokens, lengths = sum(hope[id(r)] for r in sure) + R - len(sure), [self._len(r.ctl) for r in sure]
+        best_of = {id(r): self.best_length(r.ctl, R, per_row) for r in rows if r.req.speculative == True}  # noqa: E712
+        for r in rows:
+            r.ctl.cap = best_of[id(r)][0] if id(r) in best_of else 0
+        tokens = sum(best_of[id(r)][1] if id(r) in best_of else hope[id(r)] for r in sure) + R - len(sure)
+        lengths = [r.ctl.cap or self._len(r.ctl) for r in sure]
         for d in range(len(free) + 1):
             if d:
-                tokens += hope[id(free[d - 1])] - 1
-                lengths.append(self._len(free[d - 1].ctl))
+                tokens += best_of[id(free[d - 1])][1] - 1
+                lengths.append(free[d - 1].ctl.cap)
             rate = plain
             if lengths:
                 rate = tokens / (self.costs.round_ms(R, tuple(lengths), per_row) * fix)
@@ -382,6 +433,32 @@ class Controller:
             if len(c.taps) >= backend.max_chunk:  # a row that stays plain (4 rows on a CPU) holds a chunk at most
                 backend.context_from_taps(b, np.stack(c.taps))
                 c.taps = []
+
+
+def auto_policy(costs: Costs, block: int) -> list[dict]:
+    """What `--speculation auto` does with these costs, per measured batch size (every row
+    drafting): the tokens a drafted round verifying s positions must emit per row to match plain
+    steps (`break_even`; a round emits at most s), and the longest verify that can pay at all
+    (None: none can; the rows then step, their probes bounded). `bench` and `info` report it."""
+    lengths = sorted({s for s in (2, 4, 8, block) if 2 <= s <= block})
+    out = []
+    for r in costs.rows:
+        paying = [s for s in range(2, block + 1) if costs.ratio(r, s) < s]
+        out.append({"rows": r, "break_even": {str(s): round(costs.ratio(r, s), 2) for s in lengths},
+                    "longest_paying": max(paying, default=None)})
+    return out
+
+
+def describe_auto(policy: list[dict], source: str) -> str:
+    """`auto_policy` (of `source` costs: calibrated or default) in a line for people."""
+    parts = []
+    for p in policy:
+        be = p["break_even"]
+        pays = ("no verify length can pay: plain steps" if p["longest_paying"] is None else
+                f"verifies of up to {p['longest_paying']} can pay")
+        parts.append(f"{p['rows']} row(s): verify {'/'.join(be)} pays above {'/'.join(f'{x:g}' for x in be.values())}"
+                     f" tokens a round, {pays}")
+    return f"auto ({source} costs): " + "; ".join(parts)
 
 
 def controller_for(mode: str, costs: dict | None, block_size: int) -> Controller | None:

@@ -32,7 +32,7 @@ import numpy as np
 from .backend import Backend
 from ..errors import DFlashError, InternalError
 from .logprobs import Logprobs, check_logprobs, prefill_call
-from .sampling import (accept, check_request, check_sampling, choose, cut_at_stop, draft_uniforms, position_uniforms,
+from .sampling import (GREEDY, Sampling, accept, check_request, choose, cut_at_stop, draft_uniforms, position_uniforms,
                        probabilities, rejection)
 from .settings import VerifyPolicy, pad_verify
 from .walk import drafter_sampler  # q of the draft logits, or of DFlash 2's candidate walk
@@ -82,17 +82,15 @@ class Generation:
 
 @dataclass
 class Request:
-    """One prompt of a batch and its own sampling settings (each row keeps its own seed)."""
+    """One prompt of a batch and how to generate from it: the loop's record of a request, made
+    by the command line or by the server's validation (serve/validate.py), whose checks are the
+    loop's own (runtime/sampling.py); each row keeps its own sampling and seed."""
 
     prompt: list[int]
     max_new_tokens: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_token_ids: tuple[int, ...] | None = None
+    sampling: Sampling = GREEDY
+    stop_token_ids: tuple[int, ...] | None = None  # None: the model's eos ids
     reuse: int = 0  # prompt tokens already in the slot's caches (batch 1: a server slot's prompt reuse)
-    sampling: str = "rejection"  # T > 0: "rejection" (drafts from q) or "compare" (runtime/sampling.py)
     speculative: bool | str = True  # False: plain (its anchor alone); True: as `control` decides; "always"
     logprobs: Logprobs | None = None  # asks for the target's log-probabilities, and receives them (runtime/logprobs.py)
     prefix: object = None  # batched prompt reuse (runtime/prefix.py Hook): restore at join, park at leave
@@ -223,7 +221,7 @@ def stream_batch(
         lens = np.zeros(len(rows), np.int64)
         uses = [spec and bool(r.req.speculative) and (r.ctl is None or r.ctl.drafts) for r in rows]  # verifies drafts
         for b, r in enumerate(rows):
-            s = min(k if uses[b] else 1, r.max_length - r.start)
+            s = min(k if uses[b] else 1, r.max_length - r.start, (r.ctl.cap or k) if r.ctl is not None else k)
             if conf is not None and r.req.speculative:
                 r.gen.confidences.append(conf[b].copy())
                 if verify is not None:
@@ -243,11 +241,11 @@ def stream_batch(
             s, q = int(lens[b]), r.req
             guess = ids[b, 1:s].tolist()
             if b in drafted:  # rejection sampling against the target's p
-                p = probabilities(res.logits[b, :s], q.temperature, q.top_k, q.top_p)
+                p = probabilities(res.logits[b, :s], q.sampling)
                 a, last = rejection(drafted[b], s - 1, p, r.ud[r.start + 1 :, 1], r.u[r.start + 1 :])
             else:
                 if r.u is not None:
-                    choice = choose(res.logits[b, :s], r.u[r.start + 1 :], q.temperature, q.top_k, q.top_p).tolist()
+                    choice = choose(res.logits[b, :s], r.u[r.start + 1 :], q.sampling).tolist()
                 else:
                     choice = res.next_ids[b, :s].tolist()
                 a = accept(guess, choice[: s - 1])
@@ -294,23 +292,22 @@ def _sample_drafts(backend: Backend, rows: list[_Row], drafts: np.ndarray) -> di
     draw, out = drafter_sampler(backend, len(rows)), {}
     for b, r in enumerate(rows):
         if r.ud is not None:
-            q = r.req
-            out[b] = draw(b, r.ud[r.start + 1 :, 0], q.temperature, q.top_k, q.top_p)
+            out[b] = draw(b, r.ud[r.start + 1 :, 0], r.req.sampling)
     return out
 
 
 def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, chunk: int) -> _Row:
     """A joining row: its prompt through the target (and drafter context) on its slot alone;
     its first token from the last prompt position."""
-    check_sampling(q.temperature, q.top_k, q.top_p, q.sampling)
     m = backend.manifest
     max_length = check_request(q.prompt, q.max_new_tokens, m.vocab_size, backend.max_len, *backend.limit)
     check_logprobs(q.logprobs, m, q.reuse)
     g = Generation(prompt_len=len(q.prompt), reused=q.reuse)
-    u = position_uniforms(q.seed, max_length + 1) if q.temperature > 0 else None  # u[t]: token at position t
+    s = q.sampling
+    u = None if s.greedy else position_uniforms(s.seed, max_length + 1)  # u[t]: the token at position t
     row = _Row(index, q, g, set(m.eos_token_ids if q.stop_token_ids is None else q.stop_token_ids), max_length, u)
-    if u is not None and draft and q.sampling == "rejection" and backend.samples_drafts:
-        row.ud = draft_uniforms(q.seed, max_length + 1)
+    if u is not None and draft and s.method == "rejection" and backend.samples_drafts:
+        row.ud = draft_uniforms(s.seed, max_length + 1)
     t0 = time.perf_counter()
     if slot == 0 and backend.max_batch == 1:
         backend.keep(q.reuse)
@@ -327,7 +324,7 @@ def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, c
         if draft:
             backend.draft_context_rows([slot], [n])
     row.anchor = int(res.next_ids[0, -1] if u is None else
-                     choose(res.logits[0, -1:], u[len(q.prompt):], q.temperature, q.top_k, q.top_p)[0])
+                     choose(res.logits[0, -1:], u[len(q.prompt):], s)[0])
     row.start, g.stopped = len(q.prompt), row.anchor in row.stop
     g.tokens.append(row.anchor)
     if q.logprobs is not None:
@@ -357,22 +354,18 @@ def stream(
     prompt: list[int],
     max_new_tokens: int,
     *,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
+    sampling: Sampling = GREEDY,
     stop_token_ids: tuple[int, ...] | None = None,
     draft: bool = True,
     prefill_chunk: int | None = None,
     reuse: int = 0,
     verify: VerifyPolicy | None = None,
     out: Generation | None = None,
-    sampling: str = "rejection",
     control=None,
 ) -> Iterator[list[int]]:
     """Yield each round's tokens as accepted (statistics in `out`). `reuse`: the first `reuse` prompt
     tokens are already in the caches (a server slot's last sequence); the last one is always run."""
-    q = Request(list(prompt), max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, reuse, sampling)
+    q = Request(list(prompt), max_new_tokens, sampling, stop_token_ids, reuse)
     outs: list[Generation] = []
     for _, tokens in stream_batch(backend, [q], batch=1, draft=draft, prefill_chunk=prefill_chunk, verify=verify,
                                   outs=outs, control=control):

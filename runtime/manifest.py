@@ -89,7 +89,8 @@ class Manifest:
     draft_ring: int | None = None
     # mixture-of-experts targets: how the target graph runs the experts and the routing, {"path": "op" (ONNX
     # Runtime's com.microsoft::MoE) | "standard" (gathered experts in ai.onnx ops), "experts", "top_k",
-    # "expert_size", "shared_expert_size", "norm_topk_prob", "layers": the MoE layers}; None: a dense target
+    # "expert_size", "shared_expert_size", "norm_topk_prob", "layers": the MoE layers, "activation": "swiglu" |
+    # "geglu"}; None: a dense target
     moe: dict | None = None
     # the graphs take ragged batches (contract.RAGGED: per-row lengths, position-major caches,
     # logits_index); False for older exports, which run batch 1 only

@@ -14,6 +14,7 @@ import numpy as np
 
 from .controller import rounds_of
 from .loop import Generation, generate
+from .sampling import Sampling
 
 PHASES = ("prefill", "draft", "verify", "host", "total")
 
@@ -70,7 +71,7 @@ def measure_many(backends: dict, prompts: list[list[int]], max_new_tokens: int, 
     out = {label: ([], []) for label in backends}
     for p in prompts:
         for label, be in backends.items():
-            kw = dict(temperature=temperature, seed=len(out[label][0]))
+            kw = dict(sampling=Sampling(temperature, seed=len(out[label][0])))
             out[label][0].append(generate(be, p, max_new_tokens, draft=draft, verify=verify, control=control, **kw))
             out[label][1].append(generate(be, p, max_new_tokens, draft=False, **kw))
     return out

@@ -47,32 +47,56 @@ from ..errors import DFlashError
 
 
 SAMPLING = ("rejection", "compare")  # how a round verifies sampled drafts (module docstring)
+# Below this temperature a request is greedy (vLLM's floor): logits / T overflows float64 long before
+# T reaches 0 (5e-324 gave inf, NaN probabilities and token 0), and what a smaller T samples is the argmax
+MIN_TEMPERATURE = 1e-5
 
 
-def check_sampling(temperature: float, top_k: int, top_p: float, sampling: str = "rejection") -> None:
-    if sampling not in SAMPLING:
-        raise DFlashError(f"unknown sampling {sampling!r}; choose rejection (the default) or compare")
-    if not temperature >= 0:
-        raise DFlashError(f"temperature must be >= 0 (got {temperature}); use 0 for greedy decoding")
-    if top_k < 0:
-        raise DFlashError(f"top-k must be >= 0 (got {top_k}); 0 disables it")
-    if not 0 < top_p <= 1:
-        raise DFlashError(f"top-p must be in (0, 1] (got {top_p}); 1 disables it")
+@dataclass(frozen=True)
+class Sampling:
+    """How a request draws its tokens, one record from the command line or an HTTP request down to
+    each row of the loop and the oracle. Checked when made (one-line DFlashError); a temperature
+    below MIN_TEMPERATURE is greedy (0). `method`: how a round verifies sampled drafts (above)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    method: str = "rejection"
+
+    def __post_init__(self):
+        if self.method not in SAMPLING:
+            raise DFlashError(f"unknown sampling {self.method!r}; choose rejection (the default) or compare")
+        if not self.temperature >= 0:
+            raise DFlashError(f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy decoding")
+        if self.top_k < 0:
+            raise DFlashError(f"top-k must be >= 0 (got {self.top_k}); 0 disables it")
+        if not 0 < self.top_p <= 1:
+            raise DFlashError(f"top-p must be in (0, 1] (got {self.top_p}); 1 disables it")
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
-def probabilities(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+GREEDY = Sampling()
+
+
+def probabilities(logits: np.ndarray, s: Sampling) -> np.ndarray:
     """Row-wise sampling distribution [n, V] in float64 after temperature, top-k, top-p."""
-    z = np.asarray(logits, dtype=np.float64) / temperature
+    z = np.asarray(logits, dtype=np.float64) / s.temperature
     z = z - z.max(axis=-1, keepdims=True)
-    if 0 < top_k < z.shape[-1]:
-        kth = np.partition(z, -top_k, axis=-1)[..., -top_k, None]
+    if 0 < s.top_k < z.shape[-1]:
+        kth = np.partition(z, -s.top_k, axis=-1)[..., -s.top_k, None]
         z = np.where(z < kth, -np.inf, z)
     p = np.exp(z)
     p /= p.sum(axis=-1, keepdims=True)
-    if top_p < 1.0:
+    if s.top_p < 1.0:
         order = np.argsort(-p, axis=-1, kind="stable")
         sorted_p = np.take_along_axis(p, order, axis=-1)
-        keep_sorted = (np.cumsum(sorted_p, axis=-1) - sorted_p) < top_p  # always keeps the top token
+        keep_sorted = (np.cumsum(sorted_p, axis=-1) - sorted_p) < s.top_p  # always keeps the top token
         keep = np.zeros_like(keep_sorted)
         np.put_along_axis(keep, order, keep_sorted, axis=-1)
         p = np.where(keep, p, 0.0)
@@ -110,10 +134,9 @@ class Drafted:
     ids: np.ndarray | None = None
 
 
-def sample_drafts(logits: np.ndarray, u: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                  ids: np.ndarray | None = None) -> Drafted:
+def sample_drafts(logits: np.ndarray, u: np.ndarray, s: Sampling, ids: np.ndarray | None = None) -> Drafted:
     """Drafts from the drafter's logits [n, N] (after its transforms) at the draft uniforms u [n]."""
-    q = probabilities(logits, temperature, top_k, top_p)
+    q = probabilities(logits, s)
     u = np.asarray(u, np.float64)[: len(q)]
     j = inverse_cdf(q, np.pad(u, (0, len(q) - len(u)), constant_values=0.5))  # past the budget: never verified
     return Drafted(j if ids is None else np.asarray(ids)[j], q, q[np.arange(len(j)), j], ids)
@@ -139,19 +162,13 @@ def rejection(d: Drafted, m: int, p: np.ndarray, u_accept: np.ndarray, u_target:
     return a, int(inverse_cdf(r[None], u_target[a : a + 1])[0])
 
 
-def choose(
-    logits: np.ndarray,
-    u: np.ndarray | None,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-) -> np.ndarray:
+def choose(logits: np.ndarray, u: np.ndarray | None, s: Sampling = GREEDY) -> np.ndarray:
     """The target's choice at each row of logits [n, V]: argmax, or the inverse CDF at u[row]
     (`u`: the uniforms of the positions these rows choose, from `position_uniforms`)."""
     logits = np.asarray(logits)
-    if temperature == 0:
+    if s.greedy:
         return logits.argmax(axis=-1).astype(np.int64)
-    return inverse_cdf(probabilities(logits, temperature, top_k, top_p), u)
+    return inverse_cdf(probabilities(logits, s), u)
 
 
 def accept(draft: np.ndarray, choice: np.ndarray) -> int:

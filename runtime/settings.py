@@ -113,6 +113,11 @@ def _read(root: Path) -> dict:
     return raw
 
 
+def calibrated_devices(root: str | Path) -> list[str]:
+    """The device keys runtime.json holds settings for (none: not calibrated)."""
+    return sorted(_read(Path(root)).get("devices", {}))
+
+
 def load_settings(root: str | Path, key: str) -> Settings:
     """The calibrated settings for device `key`, or the defaults (all None / off)."""
     entry = _read(Path(root)).get("devices", {}).get(key)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from . import contract as C
-from .sampling import Drafted, inverse_cdf, sample_drafts
+from .sampling import Drafted, Sampling, inverse_cdf, sample_drafts
 
 
 def sample_walk(cand: np.ndarray, scores: np.ndarray, u: np.ndarray, temperature: float) -> Drafted:
@@ -38,12 +38,12 @@ def sample_walk(cand: np.ndarray, scores: np.ndarray, u: np.ndarray, temperature
     return Drafted(np.asarray(cand)[rows, pick].astype(np.int64), q, q[rows, pick], np.asarray(cand, np.int64))
 
 
-def drafter_sampler(backend, n: int) -> Callable[..., Drafted]:
-    """(row, draft uniforms, temperature, top_k, top_p) -> that row's sampled drafts from the last
+def drafter_sampler(backend, n: int) -> Callable[[int, np.ndarray, Sampling], Drafted]:
+    """(row, draft uniforms, Sampling) -> that row's sampled drafts from the last
     `draft_block_rows` call of `n` rows: from the draft logits, or by DFlash 2's walk."""
     walk = backend.draft_walk_rows(n) if C.selector(backend.manifest) else None
     if walk is not None:
         cand, scores = walk
-        return lambda b, u, t, top_k, top_p: sample_walk(cand[b], scores[b], u, t)
+        return lambda b, u, s: sample_walk(cand[b], scores[b], u, s.temperature)
     logits, ids = backend.draft_logits_rows(n), backend.draft_vocab_ids
-    return lambda b, u, t, top_k, top_p: sample_drafts(logits[b], u, t, top_k, top_p, ids)
+    return lambda b, u, s: sample_drafts(logits[b], u, s, ids)

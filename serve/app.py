@@ -15,53 +15,25 @@ import asyncio
 import sys
 import threading
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import __version__
 from ..errors import DFlashError
+from . import validate
 from .engine import Engine, load_engine
-from .requests import (
-    REPLICA, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, Guard, check_common, check_ids,
-    check_logprobs, check_model, error_response, parse_body, render_chat,
-)  # REPLICA: serve/ray.py's
-from .respond import INTERNAL, Want, respond
-
-MAX_CHOICES = 64  # prompts x n per request (each a row or slot of its own, queued like separate requests)
-
-
-@dataclass
-class ServeOptions:
-    directory: Path
-    model_name: str | None = None  # default: the directory's name
-    slots: int = 1
-    max_batch: int = 1  # > 1: one batched loop of this many rows (serve/batch.py) instead of slots
-    max_queue: int = 16
-    api_key: str | None = None
-    backend: str = "ort"
-    provider: str = "cpu"
-    threads: int | None = None  # None: runtime.json's calibrated count, else the default (runtime/settings.py)
-    spin: bool | None = None
-    verify: str = "auto"
-    default_max_tokens: int = 256
-    max_body_bytes: int = 4 << 20
-    chat_template: str | None = None  # template text overriding the artifact's
-    speculative: bool = True  # False: load without the drafter, plain decoding only
-    speculation: str = "auto"  # auto: the controller decides per round; always: draft every round
-    access_log: bool = False  # one line per request on stderr (the command turns it on; --no-access-log)
-
-    @property
-    def rows(self) -> int:
-        """Requests generating at once: batch rows, or slots."""
-        return max(self.max_batch, self.slots)
-
-    @property
-    def model(self) -> str:
-        return self.model_name or Path(self.directory).resolve().name
+from .options import ServeOptions  # noqa: F401 (serve/ray.py's, tests')
+from .requests import (  # REPLICA: serve/ray.py's
+    REPLICA, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, Guard, error_response,
+    parse_body,
+)
+from .respond import INTERNAL, respond
+from .validate import check_ids, check_model
 
 
 class Holder:
@@ -76,11 +48,7 @@ class Holder:
 
     def load(self, options: ServeOptions) -> None:
         try:
-            self.engine = load_engine(
-                options.directory, slots=options.slots, model=options.model, max_queue=options.max_queue,
-                backend=options.backend, provider=options.provider, threads=options.threads, spin=options.spin,
-                verify=options.verify, drafter=options.speculative, chat_template=options.chat_template,
-                max_batch=options.max_batch, speculation=options.speculation)
+            self.engine = load_engine(options)
         except DFlashError as e:
             self.error = str(e)
         except Exception as e:  # a load failure is reported in one line by the command
@@ -110,7 +78,8 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
         if holder.engine is not None:
             await asyncio.to_thread(holder.engine.close)
 
-    app = FastAPI(title="dflash-export serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="dflash-export serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.openapi = lambda: _openapi(app)
     app.state.holder, app.state.options = holder, options
     app.add_middleware(Guard, options=options)
 
@@ -155,14 +124,16 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         engine = holder.get()
-        body = await parse_body(request, TokenizeRequest)
+        body = await parse_body(request, TokenizeRequest, engine.max_len)
         check_model(engine, body.model)
         if (body.prompt is None) == (body.messages is None):
-            raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
+            raise ApiError(400, "give exactly one of prompt (a string) or messages (a list of chat messages)",
+                           param="prompt")
         if body.prompt is not None:
-            ids = engine.text.encode(body.prompt, body.add_special_tokens is not False)
+            ids = await validate.encode(engine, body.prompt, body.add_special_tokens is not False, "prompt")
         else:
-            ids = engine.text.encode(render_chat(engine, body.messages, body.add_generation_prompt is not False), False)
+            text = await validate.render_chat(engine, body.messages, body.add_generation_prompt is not False)
+            ids = await validate.encode(engine, text, False, "messages")
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_len}
 
     @app.get("/tokenizer_info")
@@ -174,56 +145,45 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         engine = holder.get()
-        body = await parse_body(request, DetokenizeRequest)
+        body = await parse_body(request, DetokenizeRequest, engine.max_len)
         check_model(engine, body.model)
         check_ids(engine, body.tokens, "tokens")
-        return {"prompt": engine.text.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(engine.text.decode, body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         engine = holder.get()
-        body = await parse_body(request, CompletionRequest)
-        check_common(engine, body)
-        want = Want(check_logprobs(engine, body.logprobs, 5, "logprobs"), bool(body.echo), bool(body.echo)
-                    and body.max_tokens == 0)
-        if body.suffix:
-            raise ApiError(400, "suffix is not supported by this server", param="suffix", code="unsupported")
-        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], (str, list)) \
-            else [body.prompt]
-        if not 1 <= len(prompts) * (body.n or 1) <= MAX_CHOICES:
-            raise ApiError(400, f"{len(prompts)} prompts x n {body.n or 1}: give 1 to {MAX_CHOICES} choices per request",
-                           param="prompt")
-        ids = []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                ids.append(engine.text.encode(prompt))
-            else:
-                check_ids(engine, prompt, "prompt" if len(prompts) == 1 else f"prompt.{i}")
-                ids.append(list(prompt))
-        return await respond(engine, request, body, ids, body.max_tokens, False, options.default_max_tokens, want)
+        body = await parse_body(request, CompletionRequest, engine.max_len)
+        plan = await validate.completion(validate.Server(engine, options), body)
+        return await respond(engine, request, plan)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         engine = holder.get()
-        body = await parse_body(request, ChatRequest)
-        check_common(engine, body)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        want = Want(check_logprobs(engine, (body.top_logprobs or 0) if body.logprobs else None, 20, "top_logprobs"))
-        if body.tools or body.functions:
-            raise ApiError(400, "tool calling is not supported by this server", param="tools", code="unsupported")
-        if body.response_format and body.response_format.get("type") != "text":
-            raise ApiError(400, f"response_format {body.response_format.get('type')!r} is not supported by this server "
-                                "(only plain text)", param="response_format", code="unsupported")
-        if (body.n or 1) > MAX_CHOICES:
-            raise ApiError(400, f"n must be at most {MAX_CHOICES} (got {body.n})", param="n")
-        ids = engine.text.encode(render_chat(engine, body.messages, body.add_generation_prompt is not False), False)
-        if body.max_completion_tokens is not None:
-            return await respond(engine, request, body, [ids], body.max_completion_tokens, True,
-                                 options.default_max_tokens, want, "max_completion_tokens")
-        return await respond(engine, request, body, [ids], body.max_tokens, True, options.default_max_tokens, want)
+        body = await parse_body(request, ChatRequest, engine.max_len)
+        plan = await validate.chat(validate.Server(engine, options), body)
+        return await respond(engine, request, plan)
 
     return app
+
+
+BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest, "/tokenize": TokenizeRequest,
+          "/detokenize": DetokenizeRequest}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """GET /openapi.json: the routes, with the request bodies the routes parse themselves (parse_body,
+    so that every refusal is OpenAI's error body rather than FastAPI's 422) described by their models."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=__version__, routes=app.routes)
+        _, defs = models_json_schema([(m, "validation") for m in BODIES.values()],
+                                     ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        for path, model in BODIES.items():
+            schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _model_card(engine: Engine) -> dict:

@@ -21,12 +21,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 
-from ..runtime import contract as C, prefix
+from ..runtime import prefix
 from ..errors import DFlashError
 from ..runtime.loop import BatchStats, Generation, Request, stream_batch
 from ..runtime.memory import available_memory
-from ..runtime.sampling import check_request, check_sampling
+from ..runtime.logprobs import check_logprobs
+from ..runtime.sampling import check_request
 from .jobs import EngineBase, Job, Metrics, QueueFull, Slot, Unavailable, _emit
 
 
@@ -117,20 +119,14 @@ class BatchEngine(EngineBase):
                 job = self.waiting.popleft()
                 if job.cancelled.is_set():
                     continue
-                p = job.params
-                stop = tuple(dict.fromkeys(list(self.manifest.eos_token_ids) + list(p.stop_token_ids)))
+                p = job.request
                 echo = job.logprobs is not None and job.logprobs.echo  # scores every prompt position: no reuse
-                hook = self.prefixes.hook(p.prompt, p.speculative, p.cache_prompt and not echo)
-                q = Request(p.prompt, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, stop,
-                            reuse=hook.reuse, speculative=p.speculative, logprobs=job.logprobs, prefix=hook)
-                try:
-                    check_sampling(q.temperature, q.top_k, q.top_p)
+                hook = self.prefixes.hook(p.prompt, p.speculative, job.cache_prompt and not echo)
+                q = replace(p, reuse=hook.reuse, prefix=hook)
+                try:  # the loop's own checks, before the row joins: a bad one fails alone, never the batch
                     check_request(q.prompt, q.max_new_tokens, self.manifest.vocab_size, self.backend.max_len)
-                    if p.speculative and not self.has_drafter:
-                        raise DFlashError("this server was started without the drafter")
-                    if job.logprobs is not None and not C.ragged(self.manifest):
-                        raise DFlashError("log-probabilities need an export made by this version; re-export")
-                except DFlashError as e:  # alone: the batch never sees it
+                    check_logprobs(q.logprobs, self.manifest, q.reuse)
+                except DFlashError as e:
                     _emit(job, ("error", f"generation failed: {e}"))
                     continue
                 self.jobs[self.gens.n + len(given)] = job
@@ -161,7 +157,7 @@ class BatchEngine(EngineBase):
             mt.rows.labels(**mt.labels).observe(busy - self._seen[1])
             self._seen = (rounds, busy)
         self._timed(job, len(new))
-        if g.acceptance_lengths and job.params.speculative:
+        if g.acceptance_lengths and job.request.speculative:
             mt.round(len(new), self.manifest.block_size, g.drafted[-1])
         delta = job.text.push(new) if job.text is not None else ""
         finish = None

@@ -23,12 +23,13 @@ from dataclasses import replace
 from ..runtime.controller import controller_for
 from ..errors import DFlashError
 from ..runtime.load import open_artifact
-from ..runtime.loop import Generation, Request, stream_batch
+from ..runtime.loop import Generation, stream_batch
 from . import text as text_module
 from .batch import BatchEngine
 from .jobs import (  # noqa: F401 (the engine's names, as before)
-    EngineBase, Job, Metrics, Params, QueueFull, Slot, Unavailable, _emit, replica,
+    EngineBase, Job, Metrics, QueueFull, Slot, Unavailable, _emit, replica,
 )
+from .options import ServeOptions
 
 
 class Engine(EngineBase):
@@ -61,8 +62,8 @@ class Engine(EngineBase):
                 raise Unavailable("the server is shutting down")
             free = [s for s in self.slots if s.job is None]
             if free and not self.waiting:
-                p = job.params
-                slot = max(free, key=lambda s: s.reusable(p.prompt, p.speculative) if p.cache_prompt else 0)
+                q = job.request
+                slot = max(free, key=lambda s: s.reusable(q.prompt, q.speculative) if job.cache_prompt else 0)
                 self._assign(slot, job)
                 return
             if len(self.waiting) >= self.max_queue:
@@ -121,17 +122,14 @@ class Engine(EngineBase):
                 return
 
     def _run(self, slot: Slot, job: Job) -> None:
-        p, b, mt = job.params, slot.backend, self.metrics
+        b, mt = slot.backend, self.metrics
         if job.cancelled.is_set():
             _emit(job, ("end", "cancelled", None, ""))
             return
-        if p.speculative and not self.has_drafter:
-            raise DFlashError("this server was started without the drafter")
         echo = job.logprobs is not None and job.logprobs.echo  # scores every prompt position: no reuse
-        reuse = slot.reusable(p.prompt, p.speculative) if p.cache_prompt and not echo else 0
-        stop = tuple(dict.fromkeys(list(self.manifest.eos_token_ids) + list(p.stop_token_ids)))
-        q = Request(p.prompt, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, stop, reuse,
-                    speculative=p.speculative, logprobs=job.logprobs)
+        p = job.request
+        reuse = slot.reusable(p.prompt, p.speculative) if job.cache_prompt and not echo else 0
+        q = replace(p, reuse=reuse)
         outs: list[Generation] = []
         rounds = stream_batch(b, [q], batch=1, draft=self.has_drafter, verify=self.verify, outs=outs,
                               control=slot.control)
@@ -161,31 +159,29 @@ class Engine(EngineBase):
         self._ended(job, g, finish)
 
 
-def load_engine(directory, *, slots: int = 1, model: str, max_queue: int = 16, backend: str = "ort",
-                provider: str = "cpu", threads: int | None = None, spin: bool | None = None, verify: str = "auto",
-                drafter: bool = True, chat_template: str | None = None, max_batch: int = 1,
-                speculation: str = "auto") -> Engine:
+def load_engine(options: ServeOptions) -> Engine:
     """Load the model once: `max_batch` > 1 rows of one batched loop (serve/batch.py; ONNX Runtime
     on CPU, or TensorRT engines built with `build --max-batch`), or `slots` sequences forked
     from it (weights shared), each its own loop. Threads (per
     graph), spinning, the prefill chunk and the verify policy resolve as in generate/bench
     (runtime/settings.py); `speculation` auto: the controller decides per round (runtime/controller.py)."""
-    if slots < 1:
-        raise DFlashError(f"--slots must be >= 1 (got {slots})")
-    if max_queue < 0:
-        raise DFlashError(f"--max-queue must be >= 0 (got {max_queue})")
-    if max_batch < 1:
-        raise DFlashError(f"--max-batch must be >= 1 (got {max_batch})")
-    if max_batch > 1 and slots > 1:
-        raise DFlashError(f"give --max-batch {max_batch} or --slots {slots}, not both")
-    text = text_module.Text(directory, chat_template)
-    first, cfg = open_artifact(directory, backend=backend, provider=provider, drafter=drafter, threads=threads, spin=spin,
-                               verify=verify, max_batch=max_batch)
-    control = controller_for(speculation, cfg.costs, first.manifest.block_size) if drafter else None
-    if max_batch > 1:
-        return BatchEngine(first, text, model, max_queue, cfg.verify, control)
-    if slots > 1 and not first.forks:
-        raise DFlashError(f"--slots {slots} needs a backend that shares its weights between sequences "
+    o = options
+    if o.slots < 1:
+        raise DFlashError(f"--slots must be >= 1 (got {o.slots})")
+    if o.max_queue < 0:
+        raise DFlashError(f"--max-queue must be >= 0 (got {o.max_queue})")
+    if o.max_batch < 1:
+        raise DFlashError(f"--max-batch must be >= 1 (got {o.max_batch})")
+    if o.max_batch > 1 and o.slots > 1:
+        raise DFlashError(f"give --max-batch {o.max_batch} or --slots {o.slots}, not both")
+    text = text_module.Text(o.directory, o.chat_template)
+    first, cfg = open_artifact(o.directory, backend=o.backend, provider=o.provider, drafter=o.speculative,
+                               threads=o.threads, spin=o.spin, verify=o.verify, max_batch=o.max_batch)
+    control = controller_for(o.speculation, cfg.costs, first.manifest.block_size) if o.speculative else None
+    if o.max_batch > 1:
+        return BatchEngine(first, text, o.model, o.max_queue, cfg.verify, control)
+    if o.slots > 1 and not first.forks:
+        raise DFlashError(f"--slots {o.slots} needs a backend that shares its weights between sequences "
                           "(--backend ort); with this backend use --slots 1")
-    backends = [first] + [first.fork() for _ in range(slots - 1)]
-    return Engine(backends, text, model, max_queue, cfg.verify, control)
+    backends = [first] + [first.fork() for _ in range(o.slots - 1)]
+    return Engine(backends, text, o.model, o.max_queue, cfg.verify, control)

@@ -1,4 +1,4 @@
-"""What the engines share: a request (Params, Job), the metrics, the slots or rows they run in,
+"""What the engines share: a request (Job, around the loop's own Request), the metrics, the slots or rows they run in,
 the queue's errors, the replica's name, and the base of both engines (EngineBase).
 
 Nothing here knows HTTP or asyncio: a Job reports through its `emit` callback, called from
@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..lazy import lazy_import
-from ..runtime.logprobs import Logprobs
-from ..runtime.loop import Generation
+from ..runtime.loop import Generation, Request
 from .text import TextStream
 
 prometheus = lazy_import("prometheus_client")  # the serve extra, when a server starts (lazy.py)
@@ -32,32 +31,23 @@ class Unavailable(Exception):
 
 
 @dataclass
-class Params:
-    """What a request asks the loop for (already validated by the app)."""
-
-    prompt: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's eos ids
-    stop: tuple[str, ...] = ()
-    speculative: bool | str = True  # False: plain; True: as the server's controller decides; "always"
-    cache_prompt: bool = True
-
-
-@dataclass
 class Job:
-    params: Params
+    """One choice of an API request in an engine: the loop's Request as validation made it
+    (serve/validate.py; the engine adds only its prompt reuse), and how it reports."""
+
+    request: Request
     emit: Callable[[tuple], None]
-    text: TextStream | None = None
+    text: TextStream | None = None  # its streamed text, which finds the stop strings
+    cache_prompt: bool = True
     submitted: float = field(default_factory=time.perf_counter)
     slot: int | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
-    logprobs: Logprobs | None = None  # the target's log-probabilities, recorded by the loop when asked
     first: float = 0.0  # when its first token was reported (perf_counter)
     last: float = 0.0  # when its last round was reported
+
+    @property
+    def logprobs(self):  # the target's log-probabilities, recorded by the loop when asked
+        return self.request.logprobs
 
 
 class Metrics:
@@ -166,6 +156,11 @@ class EngineBase:
         return self.slots[0].backend.max_len
 
     @property
+    def room(self) -> int:
+        """Requests the server holds at once: generating, plus waiting (the most one API request may ask for)."""
+        return len(self.slots) + self.max_queue
+
+    @property
     def has_drafter(self) -> bool:
         return self.slots[0].backend.has_drafter
 
@@ -213,7 +208,7 @@ class EngineBase:
         if job.text is not None and job.text.stopped:  # usage, timings, metrics: the kept tokens
             del g.tokens[len(job.text.tokens):]
         tail = job.text.finish() if job.text is not None else ""
-        mt.prompt_tokens.labels(**mt.labels).inc(len(job.params.prompt))
+        mt.prompt_tokens.labels(**mt.labels).inc(len(job.request.prompt))
         mt.cached_tokens.labels(**mt.labels).inc(g.reused)
         mt.generation_tokens.labels(**mt.labels).inc(len(g.tokens))
         mt.success.labels(finished_reason=finish, **mt.labels).inc()

@@ -143,11 +143,7 @@ class DFlashReplica:
         self.options = options
         try:  # OrtBackend hashes every listed file against the manifest before loading
             self.stamp = _stamp(options.directory)
-            self.engine = load_engine(
-                options.directory, slots=options.slots, model=options.model, max_queue=options.max_queue,
-                backend=options.backend, provider=options.provider, threads=options.threads,
-                spin=options.spin, verify=options.verify, drafter=options.speculative, chat_template=options.chat_template,
-                max_batch=options.max_batch, speculation=options.speculation)
+            self.engine = load_engine(options)
         except DFlashError as e:
             raise _refuse(str(e)) from None
         log.info(f"dflash-export replica {serve_engine.replica()}: serving {options.directory} (verified)")

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import math
-import secrets
 import sys
 import time
 from typing import Annotated, Literal
@@ -19,8 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..runtime import contract as C
-from .engine import Engine, Params, replica
+from .jobs import replica
 
 REPLICA = "x-dflash-replica"  # every response names the process and slot that answered it
 OPEN_PATHS = ("/health", "/health/ready", "/metrics")  # no API key needed (as vLLM: /v1 and the rest need it)
@@ -47,8 +44,28 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 # -- request bodies ---------------------------------------------------------------------------
+# Every list and string a request may send is bounded here, so that a hostile size is refused by
+# the parse, before anything costs; the context bounds the rest (serve/validate.py).
+
+MAX_CHOICES = 64  # prompts x n per request (each a row or slot of its own, queued like separate requests)
+MAX_STOP, MAX_STOP_CHARS = 16, 256  # stop strings
+MAX_STOP_IDS = 64  # stop_token_ids
+MAX_MESSAGES = 1024  # chat messages
+MAX_PARTS = 64  # content parts of one message
+MAX_LIST = 1 << 16  # any other list or object (token ids: the context bounds them further)
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
+Ids = Annotated[list[int], Field(max_length=MAX_LIST)]
+Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+
+# what a field whose value may take several forms accepts (pydantic's own message names one form)
+ACCEPTS = {
+    "prompt": (f"a string, a list of token ids (integers), or a list of 1 to {MAX_CHOICES} strings or of 1 to "
+               f"{MAX_CHOICES} lists of token ids"),
+    "stop": f"a string or a list of at most {MAX_STOP} strings, each at most {MAX_STOP_CHARS} characters",
+    "speculative": 'true, false or "always"',
+    "content": f"a string or a list of at most {MAX_PARTS} parts {{\"type\": \"text\", \"text\": ...}}",
+}
 
 
 class StreamOptions(BaseModel):
@@ -67,21 +84,23 @@ class Common(BaseModel):
     top_p: Float | None = None
     top_k: int | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_IDS)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = None
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
-    logit_bias: dict | None = None
-    # extension: false: plain decoding; true: drafting allowed (the server's controller decides); "always": draft every round
+    logit_bias: Annotated[dict, Field(max_length=300)] | None = None  # OpenAI's bound (refused when not empty)
+    # extension: false: plain decoding; true: drafting allowed (the server's mode decides; a server without
+    # the drafter decodes plainly); "always": draft every round
     speculative: bool | Literal["always"] | None = None
     cache_prompt: bool | None = None  # extension (llama.cpp): false: no reuse of the slot's cached prefix
 
 
 class CompletionRequest(Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: (str | Ids | Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]
+             | Annotated[list[Ids], Field(min_length=1, max_length=MAX_CHOICES)])
     logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -97,17 +116,17 @@ class TextPart(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_PARTS)] | None = None
 
 
 class ChatRequest(Common):
-    messages: list[Message] = Field(min_length=1)
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None
-    tools: list | None = None  # refused when not empty: no tool calling here
-    functions: list | None = None
+    tools: Annotated[list, Field(max_length=MAX_LIST)] | None = None  # refused when not empty: no tool calling here
+    functions: Annotated[list, Field(max_length=MAX_LIST)] | None = None
     response_format: dict | None = None  # refused unless {"type": "text"}
 
 
@@ -115,7 +134,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     prompt: str | None = None
-    messages: list[Message] | None = None
+    messages: Annotated[list[Message], Field(max_length=MAX_MESSAGES)] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
 
@@ -123,15 +142,29 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
-    tokens: list[int]
+    tokens: Ids
 
 
 # -- the app --------------------------------------------------------------------------------------
 
 
-async def parse_body(request: Request, model: type[BaseModel]):
-    """The JSON body as `model` (whatever the Content-Type says, as curl -d sends form), or a 400."""
+def max_values(context: int) -> int:
+    """The most JSON values (counted by commas) a valid request to a server of this context holds:
+    MAX_CHOICES prompts of token ids filling the context, MAX_MESSAGES chat messages of a few
+    fields each, and room for the rest."""
+    return MAX_CHOICES * context + 16 * MAX_MESSAGES + 4096
+
+
+async def parse_body(request: Request, model: type[BaseModel], context: int):
+    """The JSON body as `model` (whatever the Content-Type says, as curl -d sends form), or a 400.
+    A body with more values than any valid request needs is refused before it is parsed: parsing
+    holds the event loop (and the GIL) for as long as the list is long."""
     raw = await request.body()
+    limit = max_values(context)
+    if raw.count(b",") > limit:
+        raise ApiError(413, f"the body holds more than {limit} JSON values; no valid request to this server needs "
+                            f"that many (at most {MAX_CHOICES} prompts of its context of {context} tokens, "
+                            f"{MAX_MESSAGES} messages)", code="request_too_large")
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, a 5000-digit integer, deep nesting
@@ -142,113 +175,43 @@ async def parse_body(request: Request, model: type[BaseModel]):
     try:
         return model.model_validate(obj)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = [str(x) for x in err.get("loc", ())]
-        where = ".".join(loc) or "body"
-        raise ApiError(400, f"{where}: {err.get('msg', 'invalid')}", param=loc[0] if loc else None,
+        where, message = explain(e.errors()[0])
+        raise ApiError(400, f"{where}: {message}", param=where.split(".")[0] if where != "body" else None,
                        code="invalid_value") from None
 
 
-def check_model(engine: Engine, name: str | None) -> None:
-    if name is not None and name != engine.model:
-        raise ApiError(404, f"the model {name!r} does not exist; this server serves {engine.model!r}",
-                       param="model", code="model_not_found")
+def explain(err: dict) -> tuple[str, str]:
+    """(where, what is wrong) of a pydantic error, in the request's terms: the field's path without
+    pydantic's union branch names (`prompt.str`), and for a field that takes several forms, what
+    it accepts and what it got."""
+    loc = err.get("loc", ())
+    path = []
+    for x in loc:
+        if isinstance(x, int) or (x in ACCEPTS or x.isidentifier()) and not _branch(x):
+            path.append(str(x))
+        else:
+            break  # a union branch name: the rest is inside that branch
+    field = next((p for p in reversed(path) if p in ACCEPTS), None)
+    if field is not None and err.get("type") != "missing":
+        where = ".".join(path[: len(path) - path[::-1].index(field)])
+        got = _short(err.get("input"))
+        return where, f"expected {ACCEPTS[field]} (got {got})"
+    return ".".join(path) or "body", err.get("msg", "invalid")
 
 
-def check_ids(engine: Engine, ids: list[int], what: str) -> None:
-    v = engine.manifest.vocab_size
-    bad = [t for t in ids if not 0 <= t < v]
-    if bad:
-        raise ApiError(400, f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {v})", param=what)
+def _branch(name: str) -> bool:
+    return name in ("str", "int", "bool", "float", "dict", "list") or any(c in name for c in "[]'()-")
 
 
-def check_common(engine: Engine, body: Common) -> None:
-    check_model(engine, body.model)
-    if body.n is not None and body.n < 1:
-        raise ApiError(400, f"n must be >= 1 (got {body.n})", param="n")
-    best_of = getattr(body, "best_of", None)
-    if best_of not in (None, 1, body.n or 1):
-        raise ApiError(400, f"best_of {best_of} is not supported by this server (it returns every sample: ask for n "
-                            f"{best_of} and rank them yourself, or set best_of to n)", param="best_of", code="unsupported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise ApiError(400, f"{name} is not supported by this server (use 0 or omit it)", param=name,
-                           code="unsupported")
-    if body.logit_bias:
-        raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias", code="unsupported")
-
-
-def check_logprobs(engine: Engine, k: int | None, cap: int, param: str) -> int | None:
-    """How many alternatives per token (None: no log-probabilities), or a 400."""
-    if k is None:
-        return None
-    if not 0 <= k <= cap:
-        raise ApiError(400, f"{param} must be between 0 and {cap} (got {k})", param=param)
-    if not C.ragged(engine.manifest):
-        raise ApiError(400, "log-probabilities need an export made by this version of dflash-export (its target "
-                            "graph takes logits_index); re-export the model", param=param, code="unsupported")
-    return k
-
-
-def render_chat(engine: Engine, messages: list[Message], add_generation_prompt: bool) -> str:
-    plain = []
-    for i, m in enumerate(messages):
-        d = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):
-            if any(p.type != "text" or p.text is None for p in m.content):
-                raise ApiError(400, f"messages.{i}.content: only text parts are supported", param="messages")
-            d["content"] = "\n".join(p.text for p in m.content)
-        d.setdefault("content", "")
-        plain.append(d)
+def _short(x) -> str:
+    """A value as JSON, cut short (a hostile input may be megabytes)."""
+    if isinstance(x, (list, dict)) and len(x) > 4:
+        x = list(x)[:4] + ["..."]
     try:
-        return engine.text.render(plain, add_generation_prompt)
-    except ValueError as e:
-        raise ApiError(400, str(e), param="messages") from None
-
-
-def build_params(engine: Engine, body: Common, ids: list[int], max_tokens: int | None, default_max: int,
-            max_param: str = "max_tokens") -> Params:
-    """Validated generation parameters, or a 400 naming the field and the allowed range."""
-    if not ids:
-        raise ApiError(400, "the prompt is empty (0 tokens); give at least one token", param="prompt")
-    limit = engine.max_len
-    if len(ids) >= limit:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens but the exported context holds {limit} "
-                            f"(prompt + at least 1 new token); shorten the prompt", param="prompt",
-                       code="context_length_exceeded")
-    if max_tokens is None:
-        max_tokens = min(default_max, limit - len(ids))
-    elif max_tokens < 1:
-        raise ApiError(400, f"{max_param} must be >= 1 (got {max_tokens}; 0 only with echo)", param=max_param)
-    elif len(ids) + max_tokens > limit:
-        raise ApiError(400, f"prompt ({len(ids)} tokens) + {max_param} ({max_tokens}) = {len(ids) + max_tokens} "
-                            f"exceeds the exported context of {limit} tokens; lower {max_param} to at most "
-                            f"{limit - len(ids)}", param=max_param, code="context_length_exceeded")
-    t = 1.0 if body.temperature is None else body.temperature
-    if not 0 <= t <= 2:
-        raise ApiError(400, f"temperature must be in [0, 2] (got {t})", param="temperature")
-    top_p = 1.0 if body.top_p is None else body.top_p
-    if not 0 < top_p <= 1:
-        raise ApiError(400, f"top_p must be in (0, 1] (got {top_p})", param="top_p")
-    top_k = 0 if body.top_k in (None, -1) else body.top_k
-    if top_k < 0:
-        raise ApiError(400, f"top_k must be >= 0, or -1 to disable (got {top_k})", param="top_k")
-    if body.seed is not None and not -(2**63) <= body.seed < 2**64:
-        raise ApiError(400, f"seed must fit in 64 bits (got {body.seed})", param="seed")
-    seed = secrets.randbits(63) if body.seed is None else body.seed % 2**64
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > 16 or any(len(s) > 256 for s in stop):
-        raise ApiError(400, "stop: at most 16 strings of at most 256 characters", param="stop")
-    stop_ids = list(body.stop_token_ids or [])
-    check_ids(engine, stop_ids, "stop_token_ids")
-    speculative = True if body.speculative is None else body.speculative
-    if speculative and not engine.has_drafter:
-        raise ApiError(400, "this server was started without the drafter (--no-draft); send speculative: false",
-                       param="speculative")
-    if not all(map(math.isfinite, (t, top_p))):  # belt and braces: pydantic already refused NaN/inf
-        raise ApiError(400, "sampling values must be finite")
-    return Params(ids, max_tokens, t, top_k, top_p, seed, tuple(stop_ids), tuple(stop), speculative,
-                  body.cache_prompt is not False)
+        text = json.dumps(x)
+    except (TypeError, ValueError):
+        return type(x).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # -- the HTTP guard: what every request meets before a route --------------------------------

@@ -5,11 +5,12 @@ Chat templates are Jinja rendered in a sandbox, as transformers renders them
 `tojson`, `strftime_now`): a template is data from a model folder, never trusted code.
 
 `TextStream` turns the tokens of each accepted round into the text to send now. It decodes
-the whole completion every time (so merged tokens and byte-level pieces are joined as the
-tokenizer joins them) and holds back the tail that is an incomplete UTF-8 sequence (the
-decoder shows it as U+FFFD) or that may still be the start of a stop string. At a stop string
-it keeps only the tokens up to the one that completes it, so the engine can report those
-(token ids, usage) and not the rest of the round.
+incrementally with the tokenizers library's own streaming decoder (`DecodeStream`: each token
+costs a small window, not the whole completion, and it waits while a character is an incomplete
+UTF-8 sequence), searches for stop strings only where new text could complete one, and holds
+back a tail that may still be the start of a stop string. At a stop string it keeps only the
+tokens up to the one that completes it, so the engine can report those (token ids, usage) and
+not the rest of the round.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from datetime import datetime
 from pathlib import Path
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from ..runtime.manifest import read_json
 from ..errors import DFlashError
@@ -50,9 +52,14 @@ class Text:
         self.template = _compile(chat_template) if isinstance(chat_template, str) else None
         self.template_source = chat_template if isinstance(chat_template, str) else None
         self.pieces = Pieces(self)  # token texts for logprobs, cached across requests (they never change)
+        # no token is longer than this in characters, so text longer than the context times it cannot fit
+        # (serve/validate.py refuses it before tokenizing); vocabulary strings are never shorter than their text
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, special: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=special).ids
+        # encode_batch releases the GIL while it works (encode holds it): a long prompt tokenized in a
+        # worker thread then leaves the event loop free (/health, other streams)
+        return self.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -100,11 +107,14 @@ def _compile(source: str):
 
 
 class TextStream:
-    """Text deltas of a completion as its tokens arrive, cut at the first stop string."""
+    """Text deltas of a completion as its tokens arrive, cut at the first stop string.
+    `text`: a serve Text or a tokenizers.Tokenizer."""
 
-    def __init__(self, decode, stop: list[str] | tuple[str, ...] = ()):
-        self.decode = decode
+    def __init__(self, text, stop: list[str] | tuple[str, ...] = ()):
+        self.tokenizer = getattr(text, "tokenizer", text)
+        self.decoder = DecodeStream(skip_special_tokens=True)
         self.stop = [s for s in stop if s]
+        self.longest = max(map(len, self.stop), default=0)
         self.tokens: list[int] = []  # the completion's tokens (up to a stop string's last one)
         self.text = ""  # the completion's text so far (cut at a stop string once one is found)
         self.sent = 0  # characters of `text` already handed out
@@ -114,26 +124,29 @@ class TextStream:
         """Add a round's tokens; return the text that is safe to send now."""
         if self.stopped:
             return ""
-        self.tokens += tokens
-        text = self.decode(self.tokens)
-        if self._hit(text) is not None:  # keep the tokens up to the one that completes it (as vLLM)
-            n = next(n for n in range(len(self.tokens) - len(tokens) + 1, len(self.tokens) + 1)
-                     if self._hit(text := self.decode(self.tokens[:n])) is not None)
-            self.stopped, self.tokens, self.text = True, self.tokens[:n], text[: self._hit(text)]
-            return self._take(len(self.text))
-        self.text = text
-        end = len(text)
-        while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence so far
-            end -= 1
-        held = max((k for s in self.stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
+        for t in tokens:
+            before = len(self.text)
+            self.text += self.decoder.step(self.tokenizer, t) or ""  # None: a character not complete yet
+            self.tokens.append(t)
+            hit = self._hit(max(0, before - self.longest + 1)) if self.stop and len(self.text) > before else None
+            if hit is not None:  # this token completes it: keep the tokens up to it (as vLLM)
+                self.stopped, self.text = True, self.text[:hit]
+                return self._take(hit)
+        end = len(self.text)
+        held = max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
         return self._take(max(self.sent, end - held))
 
-    def _hit(self, text: str) -> int | None:
-        """Where the first stop string in `text` starts."""
-        return min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=None)
+    def _hit(self, start: int) -> int | None:
+        """Where the first stop string at or after `start` begins."""
+        return min((i for i in (self.text.find(s, start) for s in self.stop) if i >= 0), default=None)
 
     def finish(self) -> str:
-        """Whatever was held back, at the end of the completion."""
+        """Whatever was held back, at the end of the completion (with a trailing incomplete
+        character as the whole decode shows it)."""
+        if not self.stopped:
+            whole = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+            if whole.startswith(self.text):
+                self.text = whole
         return self._take(len(self.text))
 
     def _take(self, end: int) -> str:

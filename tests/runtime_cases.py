@@ -71,12 +71,15 @@ CASES = {  # taps on the target's last layer: qwen3, llama, qwen3-b16 (llama/b16
     "qwen3-b16": Case("qwen3", layers=2, draft_layers=1, block=16, seed=2),
 }
 SW, FA = "sliding_attention", "full_attention"
+GEMMA4_MOE = (("enable_moe_block", True), ("num_experts", 4), ("top_k_experts", 2), ("moe_intermediate_size", 16))
 WINDOWED_CASES = {  # sliding-window targets (window 4: every prompt wraps the rings): tests/test_windowed.py
-    "gpt_oss": Case("gpt_oss", layers=4, draft_layers=1, block=4, bias=1.5, hidden=32),  # served: room for a chat
-    # KV sharing (layers 2, 3 read 0, 1), per-layer embeddings, k_eq_v, full layers of their own shape
+    # experts on ONNX Runtime's MoE op (the default at fp32); served: room for a chat
+    "gpt_oss": Case("gpt_oss", layers=4, draft_layers=1, block=4, bias=1.5, hidden=32),
+    # KV sharing (layers 2, 3 read 0, 1), per-layer embeddings, k_eq_v, full layers of their own shape, and
+    # 26B-A4B's GeGLU experts beside the dense MLP (standard ops: the only form for GeGLU)
     "gemma4": Case("gemma4", layers=4, draft_layers=1, block=4, bias=1.0, hidden=32, max_context=96,
                    layer_types=(SW, FA, SW, FA),
-                   target_extra=(("num_kv_shared_layers", 2), ("hidden_size_per_layer_input", 8))),
+                   target_extra=(("num_kv_shared_layers", 2), ("hidden_size_per_layer_input", 8), *GEMMA4_MOE)),
 }
 FP16 = Case("qwen3", layers=1, hidden=32, max_context=64, block=8, dtype="fp16")  # test_export_half, TensorRT lint
 TRT_CASES = {  # the TensorRT lint (both) and the stand-in build (fp32-k4, engines at max context 64)

@@ -19,6 +19,7 @@ from dflash_export.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import VerifyPolicy
+from dflash_export.runtime.sampling import Sampling
 
 
 @pytest.fixture(scope="module", params=list(ORT_CASES))
@@ -70,9 +71,11 @@ def test_sampling_matches_plain_sampling(case):
     _, _, out = case
     be = OrtBackend(out, threads=1)
     for seed, prompt in enumerate(prompts(3, be.manifest.vocab_size, seed=12)):
-        kw = dict(temperature=0.8, top_k=20, seed=seed, stop_token_ids=())
-        assert generate(be, prompt, 20, sampling="compare", **kw).tokens == generate(be, prompt, 20, draft=False, **kw).tokens
-        assert generate(be, prompt, 20, **kw).tokens == generate(be, prompt, 20, **kw).tokens  # rejection: its seed's
+        s, compare = Sampling(0.8, top_k=20, seed=seed), Sampling(0.8, top_k=20, seed=seed, method="compare")
+        kw = dict(stop_token_ids=())
+        assert (generate(be, prompt, 20, sampling=compare, **kw).tokens
+                == generate(be, prompt, 20, draft=False, sampling=s, **kw).tokens)
+        assert generate(be, prompt, 20, sampling=s, **kw).tokens == generate(be, prompt, 20, sampling=s, **kw).tokens
 
 
 def test_cache_is_one_buffer_updated_in_place(case):
@@ -151,17 +154,19 @@ def test_serve_engine_runs_the_flavour_with_prompt_reuse(case, monkeypatch):
     head-major cache; a follow-up prompt reuses the cached prefix and still equals plain decoding."""
     import queue
 
-    from dflash_export.serve.engine import Job, Params, load_engine
+    from dflash_export.runtime.loop import Request
+    from dflash_export.serve.engine import Job, load_engine
+    from dflash_export.serve.options import ServeOptions
 
     monkeypatch.setattr("dflash_export.serve.text.Text", lambda *args: None)  # this artifact has no tokenizer
     _, _, out = case
     be = OrtBackend(out, threads=1)
-    engine = load_engine(out, slots=2, model="m", threads=1, verify="full")
+    engine = load_engine(ServeOptions(out, slots=2, model_name="m", threads=1, verify="full"))
     eos = tuple(be.manifest.eos_token_ids)  # the engine stops on them too
 
     def run(prompt: list[int]):
         events: queue.Queue = queue.Queue()
-        engine.submit(Job(Params(prompt, 16, stop_token_ids=()), emit=events.put))
+        engine.submit(Job(Request(prompt, 16), emit=events.put))  # stops: the model's eos ids
         while (ev := events.get(timeout=60))[0] != "end":
             pass
         return ev[2]

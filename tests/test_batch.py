@@ -23,6 +23,7 @@ from dflash_export.errors import DFlashError
 from dflash_export.runtime.loop import Request, generate, generate_batch
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import VerifyPolicy
+from dflash_export.runtime.sampling import Sampling
 
 LIN, FULL = "linear_attention", "full_attention"
 HYBRID = Case("qwen35", layers=3, draft_layers=1, block=6, bias=2.0, hidden=32, max_context=200,
@@ -74,8 +75,8 @@ def test_adaptive_verify_and_chunked_prefill_in_a_batch():
     ps = prompts(6, be1.manifest.vocab_size, seed=3)
     ps[4] = ps[4] + ps[0] + ps[1]  # a longer prompt: several chunks of 7
     reqs = [Request(p, 30, stop_token_ids=()) for p in ps]
-    reqs[2] = Request(ps[2], 30, temperature=0.9, seed=5, stop_token_ids=())  # its output depends on its verify lengths
-    alone = [generate(be1, q.prompt, 30, temperature=q.temperature, seed=q.seed, verify=policy, prefill_chunk=7,
+    reqs[2] = Request(ps[2], 30, Sampling(0.9, seed=5), stop_token_ids=())  # its output depends on its verify lengths
+    alone = [generate(be1, q.prompt, 30, sampling=q.sampling, verify=policy, prefill_chunk=7,
                       stop_token_ids=()) for q in reqs]
     counts, real = [], be4.target_rows
     be4.target_rows = lambda rows, ids, n, *a, **k: counts.append(set(map(int, n))) or real(rows, ids, n, *a, **k)
@@ -92,8 +93,8 @@ def test_sampled_row_depends_only_on_its_seed():
     _, _, out = artifact(CASES["qwen3"])
     be1, be3 = OrtBackend(out, threads=1), OrtBackend(out, threads=1, max_batch=3)
     ps = prompts(5, be1.manifest.vocab_size, seed=8)
-    reqs = [Request(p, 20, temperature=0.9, top_k=20, seed=100 + i, stop_token_ids=()) for i, p in enumerate(ps)]
-    alone = [generate(be1, q.prompt, 20, temperature=0.9, top_k=20, seed=q.seed, stop_token_ids=()).tokens for q in reqs]
+    reqs = [Request(p, 20, Sampling(0.9, top_k=20, seed=100 + i), stop_token_ids=()) for i, p in enumerate(ps)]
+    alone = [generate(be1, q.prompt, 20, sampling=q.sampling, stop_token_ids=()).tokens for q in reqs]
     gens, _ = generate_batch(be3, reqs)
     assert [g.tokens for g in gens] == alone
     assert len({tuple(t) for t in alone}) > 1

@@ -26,6 +26,7 @@ from dflash_export.errors import DFlashError
 from dflash_export.runtime.loop import Generation, Request, generate, generate_batch
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import Settings, load_settings, save_settings
+from dflash_export.runtime.sampling import Sampling
 
 MODELS = {**CASES, **ORT_CASES, "hybrid": HYBRID}
 
@@ -105,19 +106,21 @@ def test_sampled_rows_keep_their_seed_under_the_controller(name):
     K, V = be1.manifest.block_size, be1.manifest.vocab_size
     ctl = Controller(flat_costs(K, 3.0), K)
     ps = prompts(5, V, seed=9)
-    kw = dict(temperature=0.9, top_k=20, stop_token_ids=())
-    alone = [generate(be1, p, 30, seed=50 + i, control=ctl, **kw) for i, p in enumerate(ps)]
-    gens, _ = generate_batch(be3, [Request(p, 30, seed=50 + i, **kw) for i, p in enumerate(ps)], control=ctl)
+    def s(i, method="rejection"):
+        return Sampling(0.9, top_k=20, seed=50 + i, method=method)
+
+    alone = [generate(be1, p, 30, sampling=s(i), control=ctl, stop_token_ids=()) for i, p in enumerate(ps)]
+    gens, _ = generate_batch(be3, [Request(p, 30, s(i), stop_token_ids=()) for i, p in enumerate(ps)], control=ctl)
     assert [g.tokens for g in gens] == [g.tokens for g in alone]
     assert {d for g in alone for d in g.drafted} == {True, False}
-    plain = [generate(be1, p, 30, seed=50 + i, draft=False, **kw).tokens for i, p in enumerate(ps)]
+    plain = [generate(be1, p, 30, sampling=s(i), draft=False, stop_token_ids=()).tokens for i, p in enumerate(ps)]
     for i, p in enumerate(ps):
-        assert generate(be1, p, 30, seed=50 + i, sampling="compare", control=Coin(K, i), **kw).tokens == plain[i]
+        assert generate(be1, p, 30, sampling=s(i, "compare"), control=Coin(K, i), stop_token_ids=()).tokens == plain[i]
     for per_row in (False, True):  # rows drafting and plain in one round, by each row's own coin
-        reqs = [Request(p, 30, seed=50 + i, sampling="compare", **kw) for i, p in enumerate(ps)]
+        reqs = [Request(p, 30, s(i, "compare"), stop_token_ids=()) for i, p in enumerate(ps)]
         gens, _ = generate_batch(be3, reqs, control=Coin(K, 7, per_row=per_row))
         assert [g.tokens for g in gens] == plain
-    mixed = [Request(p, 30, seed=50 + i, sampling="rejection" if i % 2 else "compare", **kw) for i, p in enumerate(ps)]
+    mixed = [Request(p, 30, s(i, "rejection" if i % 2 else "compare"), stop_token_ids=()) for i, p in enumerate(ps)]
     gens, _ = generate_batch(be3, mixed, control=Controller(flat_costs(K, 3.0), K))  # rejection rows decide alone
     assert [g.tokens for g in gens] == [alone[i].tokens if i % 2 else plain[i] for i in range(len(ps))]
 
@@ -146,26 +149,32 @@ def test_always_rows_draft_and_never_rows_do_not(name):
 # -- the cost model, without a backend ---------------------------------------------------------
 
 
-def simulate(costs: Costs, block: int, accept, rounds: int, rows: int = 1):
-    """The controller's decisions over rows whose drafted rounds emit accept(rng) tokens each:
-    (drafted rounds, plain rounds, tokens, time in the cost model's unit, mean tokens of a drafted row-round)."""
+def simulate(costs: Costs, block: int, accept, rounds: int, rows: int = 1, request: int = 0):
+    """The controller's decisions over rows whose drafted rounds would emit accept(rng) tokens
+    each at the full block (a round verifying s positions, the controller's cap: at most s):
+    (drafted rounds, plain rounds, tokens, time in the cost model's unit, mean tokens of a
+    drafted row-round). `request` > 0: every row is a new request after that many tokens."""
     ctl, rng = Controller(costs, block), np.random.default_rng(0)
-    rs = [SimpleNamespace(req=SimpleNamespace(speculative=True), ud=None, ctl=None, gen=Generation(), done=False)
-          for _ in range(rows)]
+    new = lambda: SimpleNamespace(req=SimpleNamespace(speculative=True), ud=None, ctl=None, gen=Generation(),  # noqa: E731
+                                  done=False)
+    rs = [new() for _ in range(rows)]
     drafted = plain = tokens = drafted_tokens = 0
     spent, last = 0.0, None
     for _ in range(rounds):
         spec = ctl.decide(rs, backend=None)
+        S = max(r.ctl.cap or block for r in rs) if spec else 1
         for r in rs:
-            a = min(int(accept(rng)), block) if spec else 1
+            a = min(int(accept(rng)), S) if spec else 1
             r.gen.acceptance_lengths.append(a)
-            r.gen.verify_lengths.append(block if spec else 1)
+            r.gen.verify_lengths.append(S)
             r.gen.drafted.append(spec)
             tokens += a
             drafted_tokens += a if spec else 0
         catch_up = costs._at(costs.context, rows) if spec and last is False else 0.0  # the plain steps' context
-        spent += costs.spec_ms(rows, block) + catch_up if spec else costs.plain_ms(rows)
+        spent += costs.spec_ms(rows, S) + catch_up if spec else costs.plain_ms(rows)
         drafted, plain, last = drafted + spec, plain + (not spec), spec
+        if request:
+            rs = [new() if sum(r.gen.acceptance_lengths) >= request else r for r in rs]
     return drafted, plain, tokens, spent, drafted_tokens / max(1, drafted * rows)
 
 
@@ -304,7 +313,8 @@ def test_coin_flips_are_not_skipped():
 
 def per_row_rounds(costs: Costs, accepts: list, per_row: bool, rounds: int = 400):
     """Rows drafting `accepts[b]` tokens a round under the controller (the backend's verify per
-    row or batched): the fraction of each row's rounds that drafted, and tokens per unit of time."""
+    row or batched): the fraction of each row's rounds that verified more than 4 positions (per row,
+    a short verify costs about a one-position call), and tokens per unit of time."""
     ctl, rng = Controller(costs, 16), np.random.default_rng(0)
     rs = [SimpleNamespace(req=SimpleNamespace(speculative=True), ud=None, ctl=None, gen=Generation(), done=False)
           for _ in accepts]
@@ -312,22 +322,25 @@ def per_row_rounds(costs: Costs, accepts: list, per_row: bool, rounds: int = 400
     tokens = spent = 0.0
     for _ in range(rounds):
         ctl.decide(rs, backend)
-        lengths = tuple(16 for r in rs if r.ctl.drafts)
+        lengths = tuple(r.ctl.cap or 16 for r in rs if r.ctl.drafts)
+        S = max(lengths, default=1)
         for r, acc in zip(rs, accepts):
-            a = min(int(acc(rng)), 16) if r.ctl.drafts else 1
+            s = (r.ctl.cap or 16 if per_row else S) if r.ctl.drafts else 1
+            a = min(int(acc(rng)), s)
             r.gen.acceptance_lengths.append(a)
-            r.gen.verify_lengths.append(16 if r.ctl.drafts else 1)
+            r.gen.verify_lengths.append(s)
             r.gen.drafted.append(r.ctl.drafts)
             tokens += a
         spent += costs.round_ms(len(rs), lengths, per_row)
-    return [float(np.mean(r.gen.drafted)) for r in rs], tokens / spent
+    return [float(np.mean([v > 4 for v in r.gen.verify_lengths])) for r in rs], tokens / spent
 
 
 def test_per_row_decisions_where_the_verify_is_per_row():
     """A backend whose verify runs a call per row (ONNX Runtime's GroupQueryAttention flavour):
     a drafted round costs the draft call, each drafting row's own verify and each other row's
     one-position call, so in a batch of two code-like rows (tau 4.7) and two rows that accept
-    nothing the first draft (most rounds) and the others step (nearly always), and that beats both all-plain
+    nothing the first draft (most rounds) and the others step or verify a few positions (about as
+    cheap as a step's call: nearly always), and that beats both all-plain
     and all-drafted rounds by 5%. Where one padded call verifies every row, a round drafts all rows or none."""
     one = [1.0 + 0.02 * s for s in range(16)]  # a call of one row over s positions (a GPU-like flat verify)
     per_row = Costs([1, 4], [1.0, 2.5], [one, [2.5] + [4 * x for x in one[1:]]], [0.5, 0.8], [0.05, 0.1])
@@ -384,7 +397,7 @@ def test_costs_in_runtime_json(tmp_path):
     with pytest.raises(DFlashError, match="--speculation must be one of"):
         controller_for("sometimes", {}, 8)
     c = Controller(default_costs(16), 16)
-    assert c._wants(RowControl(prior=c.costs.ratio(1, 16) + 1), c.costs.ratio(1, 16))  # a new row drafts its first round
+    assert c._wants(RowControl(prior=c.costs.ratio(1, 16) + 1), 1, False)  # a new row drafts its first round
 
 
 def test_cli_speculation_modes(tmp_path):
@@ -406,3 +419,27 @@ def test_cli_speculation_modes(tmp_path):
     assert runs["--speculation always"]["rounds"]["plain"] == 0 and runs["--speculation auto"]["speculation"] == "auto"
     r = CliRunner().invoke(cli, ["generate", str(out), "--prompt-ids", "5,9", "--no-draft", "--speculation", "always"])
     assert r.exit_code != 0 and "--no-draft means --speculation never" in r.output and "Traceback" not in r.output
+
+
+def moe_costs(top: float) -> Costs:
+    """A MoE target's costs in plain steps (a verify of s positions routes to up to k*s experts):
+    verify cost linear from a step at 1 position to `top` steps at 16; the drafter's calls cheap."""
+    return Costs([1], [1.0], [[1.0 + (top - 1.0) * (s - 1) / 15 for s in range(1, 17)]], [0.2], [0.05])
+
+
+@pytest.mark.parametrize("top", [3.0, 8.0, 22.0])
+def test_moe_costs_verify_short_or_step(top):
+    """Verify cost growing with its length (Qwen3-30B-A3B's expert shape: a 16-token verify ~22
+    steps on 2 CPU threads): with a drafter that accepts nothing, 128-token requests run at
+    >= 0.95x plain steps (no full block ever pays, so none is drafted); with the demo drafter's
+    acceptance the controller verifies short blocks and beats both plain steps and drafting
+    the full block every round (where either can pay)."""
+    c = moe_costs(top)
+    d, p, tokens, spent, _ = simulate(c, 16, lambda rng: 1, 1000, request=128)
+    assert tokens / spent >= 0.95 / c.plain_ms(1), (d, p, tokens / spent)
+    ctl = Controller(c, 16)
+    assert ctl.best_length(RowControl(emitted=4.7, weight=1.0, length=16.0), 1, False)[0] < 16
+    d, p, tokens, spent, tau = simulate(c, 16, demo_accept, 3000, request=128)
+    full = np.mean([demo_accept(np.random.default_rng(i)) for i in range(2000)]) / c.spec_ms(1, 16)
+    print(f"MoE verify {top:g} steps at 16: auto {tokens / spent:.3f} tok/step, full block {full:.3f}, plain 1")
+    assert tokens / spent >= max(0.95, 1.02 * full), (d, p, tokens / spent, full)

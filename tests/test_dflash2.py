@@ -20,6 +20,7 @@ from dflash_export.models.dflash2 import DFlash2Config, DFlash2Drafter, dynamic_
 from dflash_export.models.generate_dflash2 import dflash2_generate
 from dflash_export.errors import DFlashError
 from dflash_export.testing import hf_model, make_target
+from dflash_export.runtime.sampling import Sampling
 
 torch.set_num_threads(1)
 FIXTURES = Path(__file__).parent / "fixtures" / "drafter-configs"
@@ -214,7 +215,7 @@ def test_generator_refuses_what_it_does_not_do(pair, tmp_path):
     _, ddir = official_drafter(tmp_path / "d", target.config, CASES["full-b4"])
     ours = DFlash2Drafter.from_pretrained(ddir)
     with pytest.raises(DFlashError, match="unknown sampling"):
-        dflash2_generate(target, ours, [1, 2], 5, mask_token_id=99, temperature=0.8, sampling="typical")
+        dflash2_generate(target, ours, [1, 2], 5, mask_token_id=99, sampling=Sampling(0.8, method="typical"))
     with pytest.raises(DFlashError, match="block size must be >= 2"):
         dflash2_generate(target, ours, [1, 2], 5, mask_token_id=99, block_size=1)
     with pytest.raises(DFlashError, match="not supported for DFlash2"):

@@ -20,6 +20,7 @@ from test_dflash2 import CASES, _official, official_drafter
 
 from dflash_export.models import Target, TargetConfig, autoregressive_generate
 from dflash_export.testing import hf_model, make_target
+from dflash_export.runtime.sampling import Sampling
 
 torch.set_num_threads(1)
 # one sliding causal layer with softcap (drafts get accepted); two layers, sliding + full, non-causal,
@@ -141,7 +142,7 @@ def test_host_walk_is_the_reference_walk_and_its_q_verifies_exactly(exports):
     candidates, emits exactly the target's p (exact law over one draft position), and a q off
     by a factor does not (the check has power)."""
     from dflash_export.models.dflash2 import DFlash2Drafter
-    from dflash_export.runtime.sampling import Drafted, probabilities, rejection
+    from dflash_export.runtime.sampling import Drafted, Sampling, probabilities, rejection
     from dflash_export.runtime.walk import sample_walk
 
     ours = DFlash2Drafter.from_pretrained(exports["mixed-b6-noncausal"][1])
@@ -157,7 +158,7 @@ def test_host_walk_is_the_reference_walk_and_its_q_verifies_exactly(exports):
     # the exact law of the first emitted token, over a grid of uniforms
     rng = np.random.default_rng(3)
     V, k = 8, 4
-    p = probabilities(rng.normal(size=(2, V)), 1.0)
+    p = probabilities(rng.normal(size=(2, V)), Sampling(1.0))
     c = np.stack([rng.permutation(V)[:k] for _ in range(2)])
     s = rng.normal(size=(2, k, k))
 
@@ -188,11 +189,11 @@ def test_sampled_rows_are_their_own_seed(exports):
     backend = open_backend(art, "ort", "cpu", max_batch=3)
     assert backend.samples_drafts
     ps = prompts(4, 101, seed=7)
-    reqs = [Request(p, 24, temperature=0.8, seed=s, stop_token_ids=()) for s, p in enumerate(ps)]
+    reqs = [Request(p, 24, Sampling(0.8, seed=s), stop_token_ids=()) for s, p in enumerate(ps)]
     gens, _ = generate_batch(backend, reqs, batch=3)
     one = open_backend(art, "ort", "cpu")
     for r, g in zip(reqs, gens):
-        alone = generate(one, r.prompt, 24, temperature=0.8, seed=r.seed, stop_token_ids=())
+        alone = generate(one, r.prompt, 24, sampling=r.sampling, stop_token_ids=())
         assert g.tokens == alone.tokens and g.acceptance_lengths == alone.acceptance_lengths
     assert sum(a - 1 for g in gens for a in g.acceptance_lengths) > 0
 
@@ -230,8 +231,8 @@ def test_tensorrt_double_runs_dflash2(exports, monkeypatch, tmp_path):
     ref = OrtBackend(out, "cpu")
     ps = prompts(4, 101, seed=3)
     reqs = [Request(p[:12], 20, stop_token_ids=()) for p in ps[:3]]
-    reqs.append(Request(ps[3][:12], 20, temperature=0.8, seed=5, stop_token_ids=()))
-    want = [generate(ref, q.prompt, 20, temperature=q.temperature, seed=q.seed, stop_token_ids=()) for q in reqs]
+    reqs.append(Request(ps[3][:12], 20, Sampling(0.8, seed=5), stop_token_ids=()))
+    want = [generate(ref, q.prompt, 20, sampling=q.sampling, stop_token_ids=()) for q in reqs]
     walks = []
     walk_rows = TensorRTBackend.draft_walk_rows
     monkeypatch.setattr(TensorRTBackend, "draft_walk_rows", lambda self, n: walks.append(n) or walk_rows(self, n))

@@ -27,7 +27,7 @@ from dflash_export.models.generate_dflash2 import dflash2_generate
 from dflash_export.runtime import walk
 from dflash_export.runtime.load import open_backend
 from dflash_export.runtime.loop import Request, generate, generate_batch
-from dflash_export.runtime.sampling import Drafted, probabilities
+from dflash_export.runtime.sampling import Drafted, Sampling, probabilities
 
 torch.set_num_threads(1)
 dm = pytest.importorskip("dflash.model", reason="the official z-lab package `dflash` 0.1.0 is not installed")
@@ -48,9 +48,10 @@ def test_deployed_loop_is_the_oracle_seed_for_seed(trained):
     accepted = 0
     for seed in range(8):
         prompt = np.random.default_rng(seed).integers(0, V, 3 + seed % 4).tolist()
-        for kw in (dict(temperature=TEMP), dict(temperature=TEMP, sampling="compare"), dict()):
-            g = generate(be, prompt, 30, seed=seed, stop_token_ids=(), **kw)
-            o = dflash2_generate(target, ours, prompt, 30, mask_token_id=MASK, seed=seed, **kw)
+        for s in (Sampling(TEMP, seed=seed), Sampling(TEMP, seed=seed, method="compare"), Sampling(seed=seed)):
+            kw = dict(sampling=s)
+            g = generate(be, prompt, 30, stop_token_ids=(), **kw)
+            o = dflash2_generate(target, ours, prompt, 30, mask_token_id=MASK, **kw)
             assert g.tokens == o.tokens and g.acceptance_lengths == o.acceptance_lengths, (seed, kw)
             accepted += sum(a - 1 for a in g.acceptance_lengths)
     assert accepted > 100
@@ -60,7 +61,7 @@ def _exact_joint(hf, prompt: list[int]) -> np.ndarray:
     """P(t1, t2, t3) [V,V,V] of the target sampled at TEMP, from three batched forwards."""
     def next_probs(seqs):
         with torch.no_grad():
-            return probabilities(hf(torch.tensor(seqs), use_cache=False).logits[:, -1].numpy(), TEMP)
+            return probabilities(hf(torch.tensor(seqs), use_cache=False).logits[:, -1].numpy(), Sampling(TEMP))
 
     p1 = next_probs([prompt])[0]
     p2 = next_probs([prompt + [a] for a in range(V)])
@@ -81,7 +82,7 @@ def test_output_is_the_target_distribution(trained, monkeypatch):
     views = {(0,): (1, 2), (2,): (0, 1), (0, 1): (2,), (1, 2): (0,)}
 
     def pvalues() -> tuple[dict, float]:
-        reqs = [Request(prompt, 3, temperature=TEMP, seed=s, stop_token_ids=()) for s in range(n)]
+        reqs = [Request(prompt, 3, Sampling(TEMP, seed=s), stop_token_ids=()) for s in range(n)]
         gens, _ = generate_batch(be, reqs, batch=64)
         x = np.array([g.tokens for g in gens])
         drafts = sum(g.acceptance_lengths[0] > 1 for g in gens)
@@ -115,7 +116,7 @@ def test_acceptance_matches_the_official_sampling_loop(trained, monkeypatch):
     be = open_backend(trained / "out", "ort", "cpu", max_batch=32)
     seeds, new = 64, 48
     prompts = [np.random.default_rng(100 + s).integers(0, V, 3 + s % 5).tolist() for s in range(seeds)]
-    gens, _ = generate_batch(be, [Request(p, new, temperature=TEMP, seed=s, stop_token_ids=())
+    gens, _ = generate_batch(be, [Request(p, new, Sampling(TEMP, seed=s), stop_token_ids=())
                                   for s, p in enumerate(prompts)], batch=32)
     ours = [a for g in gens for a in g.acceptance_lengths]
     ref = []

@@ -26,6 +26,7 @@ from dflash_export.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.testing import exported_taps_error, make_drafter, make_target
+from dflash_export.runtime.sampling import Sampling
 from test_runtime_cli import char_tokenizer
 
 # -- choosing the N tokens ----------------------------------------------------------------
@@ -200,7 +201,7 @@ def test_runtime_lossless_and_round_for_round(exported):
     assert be.samples_drafts and be.draft_vocab_ids.tolist() == ids.tolist()
     accepted = 0
     for seed, p in enumerate(prompts(4, 101, seed=5)):
-        kw = dict(temperature=0.9, top_k=30, seed=seed, stop_token_ids=(100,))
+        kw = dict(sampling=Sampling(0.9, top_k=30, seed=seed), stop_token_ids=(100,))
         g = generate(be, p, 30, **kw)
         o = speculative_generate(target, drafter, p, 30, mask_token_id=be.manifest.mask_token_id, block_size=6, **kw)
         assert g.tokens == o.tokens and g.acceptance_lengths == o.acceptance_lengths

@@ -21,6 +21,7 @@ from dflash_export.runtime.hybrid import commit_state
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.testing import hf_model
+from dflash_export.runtime.sampling import Sampling
 
 LIN, FULL = "linear_attention", "full_attention"
 CASE = Case("qwen35", layers=3, draft_layers=1, block=6, bias=2.0, hidden=32, max_context=200,
@@ -164,9 +165,9 @@ def test_runtime_sampling_equals_oracle(pair):
     be = OrtBackend(out)
     m = be.manifest
     for seed in range(3):
-        g = generate(be, [5, 6, 7], 20, temperature=1.5, seed=seed, stop_token_ids=())
+        g = generate(be, [5, 6, 7], 20, sampling=Sampling(1.5, seed=seed), stop_token_ids=())
         o = speculative_generate(target, drafter, [5, 6, 7], 20, mask_token_id=m.mask_token_id,
-                                 block_size=m.block_size, temperature=1.5, seed=seed)
+                                 block_size=m.block_size, sampling=Sampling(1.5, seed=seed))
         assert g.tokens == o.tokens, seed
 
 
@@ -264,7 +265,7 @@ def test_tensorrt_backend_is_lossless_on_a_hybrid_target(tmp_path, monkeypatch):
         rejected_everywhere(be, prompt, n, ref)
     ort_be = OrtBackend(out)
     for seed in range(2):  # sampling: the same draws as ONNX Runtime's, round for round
-        kw = dict(temperature=1.5, seed=seed, stop_token_ids=())
+        kw = dict(sampling=Sampling(1.5, seed=seed), stop_token_ids=())
         got, want = generate(be, cases[0], 20, **kw), generate(ort_be, cases[0], 20, **kw)
         assert (got.tokens, got.acceptance_lengths) == (want.tokens, want.acceptance_lengths), seed
     be.close()

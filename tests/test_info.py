@@ -95,3 +95,26 @@ def test_unreadable_manifests_and_runtime_json_are_one_line(out, tmp_path, conte
     (bad / C.RUNTIME).write_bytes(content)
     r = CliRunner().invoke(cli, ["generate", str(bad), "--prompt-ids", "1,2", "--max-new-tokens", "2"])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "runtime.json" in r.output, r.output
+
+
+def test_info_reports_the_calibrated_policy(out, tmp_path):
+    """`info` says what runtime.json chose: not calibrated, or per device the threads, the
+    verify policy and what `--speculation auto` does with the calibrated costs (a MoE-like
+    table where every verify costs more than the tokens it can emit: plain steps)."""
+    from dflash_export.runtime.settings import Settings, VerifyPolicy, save_settings
+
+    art = tmp_path / "art"
+    shutil.copytree(out, art)
+    r = CliRunner().invoke(cli, ["info", str(art), "--no-verify"])
+    assert r.exit_code == 0 and "runtime  not calibrated" in r.output, r.output
+    k = M.load_manifest(art).block_size
+    moe = {"rows": [1], "step_ms": [1.0], "verify_ms": [[1.0 + 1.4 * (s - 1) for s in range(1, k + 1)]],
+           "draft_ms": [0.2], "context_ms": [0.05]}
+    save_settings(art, "ort:cpu", Settings(threads=2, verify=VerifyPolicy(0.1, 2), costs=moe))
+    r = CliRunner().invoke(cli, ["info", str(art), "--no-verify"])
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.output.splitlines() if x.startswith("runtime  ort:cpu"))
+    assert "threads 2" in line and "theta 0.1" in line and "calibrated costs" in line and "plain steps" in line, line
+    d = json.loads(CliRunner().invoke(cli, ["info", str(art), "--json", "--no-verify"]).output)
+    policy = d["runtime"]["ort:cpu"]["auto_policy"][0]
+    assert policy["longest_paying"] is None and policy["break_even"]["2"] > 2

@@ -68,7 +68,7 @@ def lazy(node) -> bool:
 # where the helper's generic message would not do.
 INNER_IMPORTS = {
     ("dflash_export.runtime.load", "ort_backend_class"): "onnxruntime or not: the hint names both flavours (cpu, gpu)",
-    ("dflash_export.runtime.trt.backend", "import_tensorrt"): "tensorrt and cuda-python or not: one line names every missing package",
+    ("dflash_export.runtime.trt.engines", "import_tensorrt"): "tensorrt and cuda-python or not: one line names every missing package",
     ("dflash_export.cli.run", "plot_bench"): "matplotlib or not; matplotlib.use('Agg') must run before pyplot is imported",
 }
 

@@ -19,6 +19,7 @@ from dflash_export.errors import DFlashError
 from dflash_export.runtime.logprobs import Logprobs, entries
 from dflash_export.runtime.loop import Request, generate_batch
 from dflash_export.runtime.ort.backend import OrtBackend
+from dflash_export.runtime.sampling import Sampling
 
 LP_CASES = {"qwen3": CASES["qwen3"], "llama": CASES["llama"], "qwen2": CASES["qwen2"], "qwen3-ort": ORT_CASES["qwen3-ort"]}
 
@@ -64,8 +65,8 @@ def test_logprobs_in_a_batch_and_sampled_rows():
             continue
         assert [e.token for e in lp.tokens] == g.tokens == [e.token for e in ref.tokens]
         assert max(abs(a.logprob - b.logprob) for a, b in zip(lp.tokens, ref.tokens)) <= 1e-5
-    g, lp = _run(be1, ps[0], 16, draft=True, temperature=0.7, top_k=5, seed=3)
-    g2, lp2 = _run(be1, ps[0], 16, draft=False, k=0, temperature=0.7, top_k=5, seed=3)
+    g, lp = _run(be1, ps[0], 16, draft=True, sampling=Sampling(0.7, top_k=5, seed=3))
+    g2, lp2 = _run(be1, ps[0], 16, draft=False, k=0, sampling=Sampling(0.7, top_k=5, seed=3))
     assert [e.token for e in lp.tokens] == g.tokens and all(e.top == [] for e in lp2.tokens)
     # each sampled token's value is log_softmax at temperature 1 of a target row: check against a plain rescoring
     g3, lp3 = _run(be1, ps[0] + g.tokens[:-1], 1, draft=False, echo=True)

@@ -23,6 +23,7 @@ from dflash_export.errors import DFlashError
 from test_formats import SUPPORTED, fixture, shrink, write_drafter
 from test_oracle import OracleDrafter
 from dflash_export.testing import make_target
+from dflash_export.runtime.sampling import Sampling
 
 TOL = 1e-4
 N_PROMPT, K = 11, 5
@@ -181,11 +182,11 @@ def test_sampling_is_deterministic_and_top_k_1_is_greedy(zoo):
     target, _, drafters = zoo[0]
     target.tap_ids = list(drafters[0].config.target_layer_ids)
     prompt = [3, 1, 4, 1, 5]
-    a = speculative_generate(target, drafters[0], prompt, 20, mask_token_id=99, temperature=1.3, seed=5)
-    assert a == speculative_generate(target, drafters[0], prompt, 20, mask_token_id=99, temperature=1.3, seed=5)
+    a = speculative_generate(target, drafters[0], prompt, 20, mask_token_id=99, sampling=Sampling(1.3, seed=5))
+    assert a == speculative_generate(target, drafters[0], prompt, 20, mask_token_id=99, sampling=Sampling(1.3, seed=5))
     greedy = autoregressive_generate(target, prompt, 20).tokens
-    assert speculative_generate(target, drafters[0], prompt, 20, mask_token_id=99, temperature=2.0, top_k=1,
-                                seed=3).tokens == greedy
+    assert speculative_generate(target, drafters[0], prompt, 20, mask_token_id=99,
+                                sampling=Sampling(2.0, top_k=1, seed=3)).tokens == greedy
 
 
 # -- released drafter configs on a hybrid target ------------------------------------------------

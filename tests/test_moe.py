@@ -11,19 +11,25 @@ model inside the VL class too) and Qwen3-Next, built with transformers' own clas
 from __future__ import annotations
 
 import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import transformers
+import trt_fake
 from click.testing import CliRunner
-from runtime_cases import Case, artifact, prompts
+from runtime_cases import Case, _bias_target, artifact, cached, prompts
 from test_hybrid_runtime import rejected_everywhere
+from test_runtime_cli import char_tokenizer
+from test_serve import running
 
 from dflash_export.cli import cli
 from dflash_export.errors import DFlashError
 from dflash_export.export import moe as moe_export
-from dflash_export.models import Target, TargetConfig
+from dflash_export.models import Target, TargetConfig, draft_config_dict
 from dflash_export.runtime import manifest as M
 from dflash_export.runtime.loop import Request, generate, generate_batch
 from dflash_export.runtime.ort.backend import OrtBackend
@@ -236,3 +242,168 @@ def test_check_parity_per_graph_and_end_to_end(name):
     print(f"check {name}: {len(rows)} outputs, worst max abs error {worst:.1e} (tolerance {rep['tolerance']})")
     assert rep["passed"] and worst <= 1e-4 and rep["end_to_end"]["identical"] == 3
 
+
+
+# -- quantized experts: com.microsoft::QMoE -------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_quantized_experts_check_by_cause(scheme, tmp_path):
+    """`quantize` turns the op path's MoE nodes into QMoE (experts int4 / int8 block-wise, router
+    kept float); `check` holds the graphs to PyTorch with their dequantized weights (int4 at
+    accuracy level 0: fp32 activations, at the fp32 tolerance) and prints the error by cause:
+    int8 experts' int8 activations (and the measured level's) are reported, not hidden;
+    speculative == plain greedy through the same graphs."""
+    if not moe_export.ort_has_op():
+        pytest.skip(f"onnxruntime {ort.__version__} has no CPU MoE kernel")
+    tdir, ddir, out = artifact(CASES["qwen3_moe-op"])
+    q = tmp_path / scheme
+    runner = CliRunner()
+    level = ["--quant-accuracy-level", "0"] if scheme == "int4" else []  # int8: measured (auto), QMoE included
+    r = runner.invoke(cli, ["quantize", str(out), "--out", str(q), "--quantize", scheme, "--quant-block-size", "16",
+                            *level, "--quiet"])
+    assert r.exit_code == 0, r.output
+    g = onnx.load(str(q / "target.onnx"), load_external_data=False)
+    ops = [n.op_type for n in g.graph.node]
+    assert ops.count("QMoE") == 2 and "MoE" not in ops, ops  # layers 0 and 2 (1 is dense)
+    m = M.load_manifest(q)
+    names = m.quantization["weights"]["target"]
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names and not any(n.endswith("mlp.gate.weight") for n in names)
+    r = runner.invoke(cli, ["check", str(q), "--target", str(tdir), "--draft", str(ddir), "--num-prompts", "2"])
+    assert r.exit_code == 0, r.output
+    flat = " ".join(r.output.split())
+    assert "target logits vs the float source" in flat and "the activations' rounding alone" in flat, r.output
+    int8_note = "quantizes their activations to int8" in flat or "quantizes activations too" in flat
+    assert int8_note == (scheme == "int8"), r.output
+    rep = json.loads(runner.invoke(cli, ["check", str(q), "--target", str(tdir), "--draft", str(ddir),
+                                         "--num-prompts", "2", "--json"]).stdout)
+    total, kernels = rep["accuracy"]["float"]["max_abs"], rep["accuracy"]["dequantized"]["max_abs"]
+    print(f"{scheme} experts: target logits max abs error vs float {total:.1e}, of it the kernels' (vs the "
+          f"dequantized weights) {kernels:.1e} (tolerance {rep['tolerance'] or 'reported only'})")
+    assert total > 1e-3  # the experts really are rounded
+    if scheme == "int4":  # fp32 activations: parity with the dequantized weights, token for token
+        assert rep["tolerance"] == 1e-4 and kernels <= 1e-4 and rep["end_to_end"]["identical"] == 2
+    else:  # int8 activations in the expert GEMMs
+        assert rep["tolerance"] is None and kernels > 1e-4
+    assert rep["end_to_end"]["speculative_equals_plain"] == 2
+    info = runner.invoke(cli, ["info", str(q), "--no-verify"])
+    assert f"com.microsoft::QMoE {scheme}, block 16" in info.output and "top 2 (not renormalised)" in info.output
+
+
+def test_quantize_refusals_for_experts(tmp_path):
+    _, _, std = artifact(CASES["qwen3_moe-standard"])
+    runner = CliRunner()
+    r = runner.invoke(cli, ["quantize", str(std), "--out", str(tmp_path / "q"), "--quantize", "int4"])
+    assert r.exit_code == 2 and "--moe standard" in r.output and "QMoE" in r.output, r.output
+    assert not (tmp_path / "q").exists()
+    if moe_export.ort_has_op():  # width 16, hidden 32: block 32 does not divide the experts' width
+        _, _, op = artifact(CASES["qwen3_moe-op"])
+        r = runner.invoke(cli, ["quantize", str(op), "--out", str(tmp_path / "q"), "--quantize", "int4"])
+        assert r.exit_code == 2 and "does not divide" in r.output and "Traceback" not in r.output, r.output
+        assert not (tmp_path / "q").exists()
+
+
+# -- TensorRT: planned from the standard-op graph, on the bindings double -------------------
+
+
+def test_tensorrt_builds_the_standard_path_and_refuses_the_op(monkeypatch, tmp_path):
+    """`build` lints and plans the standard-op MoE graph (TopK, Gather, batched MatMul: in
+    TensorRT's ONNX support list) and the engines run the loop (the double's engines are ONNX
+    Runtime: this checks our calls and bookkeeping, not what TensorRT computes); an --moe op
+    export is refused in one line, in the dry run too."""
+    from dflash_export.runtime.trt.backend import TensorRTBackend  # imports what the double installs
+
+    trt_fake.install(monkeypatch)
+    out = tmp_path / "std"
+    shutil.copytree(artifact(CASES["qwen3_moe-standard"])[2], out)
+    runner = CliRunner()
+    r = runner.invoke(cli, ["build", str(out), "--timing-cache", str(tmp_path / "tc"), "--no-progress", "--max-batch", "2"])
+    assert r.exit_code == 0, r.output
+    ref, be = OrtBackend(out), TensorRTBackend(out, max_batch=2)
+    ps = prompts(2, ref.manifest.vocab_size, seed=5)
+    assert generate(be, ps[0], 12, stop_token_ids=()).tokens == generate(ref, ps[0], 12, stop_token_ids=()).tokens
+    gens, _ = generate_batch(be, [Request(p, 10, stop_token_ids=()) for p in ps])
+    assert [g.tokens for g in gens] == [generate(ref, p, 10, stop_token_ids=()).tokens for p in ps]
+    be.close()
+    if moe_export.ort_has_op():
+        op = artifact(CASES["qwen3_moe-op"])[2]
+        for extra in ([], ["--dry-run"]):
+            r = runner.invoke(cli, ["build", str(op), "--no-progress", *extra])
+            assert r.exit_code == 2 and "--moe op" in r.output and "--moe standard" in r.output, r.output
+            assert r.output.count("\n") == 1 and not (op / "engines").exists(), r.output
+
+
+# -- served: rows of one batch ---------------------------------------------------------------
+
+
+def test_served_concurrent_requests_equal_offline_greedy(tmp_path):
+    """`serve --max-batch 2` over an MoE export (torch blocked in the server): two concurrent
+    greedy requests, each == the offline greedy decoding of its prompt."""
+    out = tmp_path / "moe"
+    shutil.copytree(artifact(CASES["qwen3_moe-op" if moe_export.ort_has_op() else "qwen3_moe-standard"])[2], out)
+    char_tokenizer(out / "tokenizer.json")
+    m = M.load_manifest(out, verify=False)
+    m.tokenizer = True
+    M.write_manifest(out, m)
+    ref = OrtBackend(out, threads=1)
+    ps, budgets = prompts(2, m.vocab_size, seed=11), [14, 9]
+    want = [generate(ref, p, n, draft=False).tokens for p, n in zip(ps, budgets)]
+    server = running(out, tmp_path / "serve.log", "--max-batch", 2)
+    s = next(server)
+    try:
+        client = s.client()
+
+        def ask(i):
+            r = client.completions.create(model="moe", prompt=ps[i], max_tokens=budgets[i], temperature=0)
+            return r.choices[0].model_extra["token_ids"]
+
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(ask, range(2)))
+    finally:
+        next(server, None)
+    assert got == want
+
+
+# -- the official z-lab code: its drafter, its loop ------------------------------------------
+
+
+def _official_pair(tmp):
+    """A biased qwen3_moe target (real acceptance) and a drafter made by the official z-lab
+    `DFlashDraftModel`, exported (--moe op where this ONNX Runtime runs it)."""
+    from dflash import model as dm
+
+    from dflash_export.export.artifact import export_artifact
+
+    t = make_target(tmp / "t", "qwen3_moe", layers=3, hidden=32, moe=dict(norm_topk_prob=True))
+    _bias_target(t, 2.0)
+    raw = draft_config_dict(TargetConfig.load(t), num_layers=1, block_size=6, target_layer_ids=[0, 2], mask_token_id=99)
+    torch.manual_seed(4)
+    drafter = dm.DFlashDraftModel(transformers.Qwen3Config(**raw))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    drafter.save_pretrained(tmp / "d")
+    export_artifact(t, tmp / "d", tmp / "out", max_context=160, moe="op" if moe_export.ort_has_op() else "standard",
+                    progress=False)
+
+
+def test_rounds_equal_the_official_zlab_loop(monkeypatch):
+    """A drafter made by the official `dflash` package, exported with its MoE target: the runtime
+    loop over the graphs == the official `dflash_generate` over transformers' Qwen3MoeForCausalLM
+    and the official drafter, token for token and round for round (acceptance lengths)."""
+    dm = pytest.importorskip("dflash.model")
+    monkeypatch.setattr(dm, "_cuda_time", __import__("time").perf_counter)  # its stats synchronise CUDA
+    root = cached("qwen3_moe-zlab-official", "v1", _official_pair)
+    official = dm.DFlashDraftModel.from_pretrained(str(root / "d"), dtype=torch.float32).eval()
+    hf, be = hf_model(root / "t"), OrtBackend(root / "out", threads=1)
+    rounds = []
+    for p in prompts(4, be.manifest.vocab_size, seed=13):
+        n = 24
+        ref = dm.dflash_generate(official, hf, torch.tensor([p]), n, None, return_stats=True)
+        g = generate(be, p, n, stop_token_ids=())
+        assert g.tokens == ref.output_ids[0, len(p):len(p) + n].tolist()
+        assert g.acceptance_lengths == ref.acceptance_lengths
+        rounds += g.acceptance_lengths
+    print(f"official z-lab loop: {len(rounds)} rounds identical, mean acceptance {np.mean(rounds):.2f}")
+    assert len(set(rounds)) > 1  # rounds of several acceptance lengths compared

@@ -2,7 +2,8 @@
 
 - the reader gives each expert exactly as the PyTorch reference loads it (bf16 checkpoints,
   per-expert keys and transformers 5.x's fused tensors, gate/up rows as is or interleaved);
-- an export never holds a layer's experts as one array, and writes the reference's bytes;
+- an export (and its quantization) never holds a layer's experts as one array, and writes the
+  reference's bytes;
 - a checkpoint that fails mid-stream, or whose experts disagree with its config: one line,
   exit 2, nothing written (no output, no staging folder).
 
@@ -11,10 +12,12 @@ The exported graphs' losslessness (streamed experts, both graph forms) is tests/
 
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 import torch
 from click.testing import CliRunner
@@ -22,7 +25,8 @@ from onnx import numpy_helper
 from safetensors.torch import load_file, save_file
 
 from dflash_export.cli import cli
-from dflash_export.export import moe as moe_export, stream
+from dflash_export.errors import DFlashError
+from dflash_export.export import artifact, moe as moe_export, stream
 from dflash_export.models import Target, moe
 from dflash_export.testing import make_drafter, make_target
 
@@ -51,30 +55,97 @@ def test_reader_gives_each_expert_as_the_reference_loads_it(tmp_path, fused):
     assert stream.expert_elements(d) == 2 * 4 * 3 * 16 * 32
 
 
-def test_export_streams_experts_one_at_a_time(tmp_path, monkeypatch):
-    """fp16 from a fused bf16 checkpoint: no expert initializer is ever asked for as a whole
-    (only written expert by expert), and target.data holds the reference's fp16 experts."""
+def test_export_and_quantize_stream_experts_one_at_a_time(tmp_path, monkeypatch):
+    """fp32 + int4 from a fused bf16 checkpoint: each expert is read from the checkpoint once and
+    written (gate/up rows interleaved for the MoE op); no expert initializer is ever asked for
+    whole, by the export or by the quantizer (which copies them from the float export's data
+    file); the quantized artifact holds the reference's experts and loads in ONNX Runtime."""
     def whole(self):
         raise AssertionError(f"{self.name} was materialized whole")
 
+    load = ir.ExternalTensor._load
+
+    def load_no_experts(self):
+        assert ".mlp.experts." not in (self.name or ""), f"{self.name} was loaded whole"
+        return load(self)
+
     fc2, read = stream.ExpertReader.fc2, []
     monkeypatch.setattr(stream.StreamedExperts, "_whole", whole)
+    monkeypatch.setattr(ir.ExternalTensor, "_load", load_no_experts)
     monkeypatch.setattr(stream.ExpertReader, "fc2", lambda self, layer, e: read.append((layer, e)) or fc2(self, layer, e))
     t = _bf16_target(tmp_path / "t", fused=True)
     make_drafter(tmp_path / "d", t)
     r = CliRunner().invoke(cli, ["export", "--target", str(t), "--draft", str(tmp_path / "d"), "--out",
-                                 str(tmp_path / "o"), "--dtype", "fp16", "--moe", "standard", "--max-context", "64",
+                                 str(tmp_path / "o"), "--moe", "op", "--quantize", "int4", "--max-context", "64",
                                  "--quiet"])
     assert r.exit_code == 0, r.output
     assert sorted(read) == [(i, e) for i in (0, 1) for e in range(4)]  # each expert read once, from the checkpoint
     graph = onnx.load(str(tmp_path / "o" / "target.onnx"))
+    assert any(n.op_type == "MatMulNBits" for n in graph.graph.node)
     got = {i.name: numpy_helper.to_array(i) for i in graph.graph.initializer if ".mlp.experts." in i.name}
-    ref = Target.from_pretrained(t, dtype=torch.float16)
-    want = {f"model.layers.{i}.mlp.experts.{p}": getattr(b.experts, p).detach().numpy()
-            for i, b in zip(ref.config.moe.sparse_layers, moe.blocks(ref)) for p in ("gate_up_proj", "down_proj")}
+    ref = Target.from_pretrained(t)
+    want = {}
+    for i, b in zip(ref.config.moe.sparse_layers, moe.blocks(ref)):
+        want[f"model.layers.{i}.mlp.experts.gate_up_proj"] = moe_export.interleave(b.experts.gate_up_proj.data).numpy()
+        want[f"model.layers.{i}.mlp.experts.down_proj"] = b.experts.down_proj.detach().numpy()
     assert sorted(got) == sorted(want)
     for name, w in want.items():
-        assert got[name].dtype == np.float16 and np.array_equal(got[name], w), name
+        assert got[name].dtype == np.float32 and np.array_equal(got[name], w), name
+
+
+def _qmoe_node(bits: int, block: int, k: int, h: int, e: int, inits: dict):
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("QMoE", ["x", "logits", "fc1", "fc1_scales", "", "fc2", "fc2_scales"], ["y"],
+                            domain="com.microsoft", k=k, activation_type="swiglu", swiglu_fusion=1,
+                            normalize_routing_weights=1, expert_weight_bits=bits, block_size=block)
+    graph = helper.make_graph(
+        [node], "qmoe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, h]),
+                         helper.make_tensor_value_info("logits", TensorProto.FLOAT, [None, e])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, h])],
+        [numpy_helper.from_array(a, n) for n, a in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    ort = pytest.importorskip("onnxruntime")
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _dequantize(packed: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
+    """[E, N, K*bits/8] + [E, N, K/block] -> float [E, N, K]; 4 bits: low nibble first; zero point 2^(bits-1)."""
+    q = np.stack([packed & 0x0F, packed >> 4], -1).reshape(*packed.shape[:2], -1) if bits == 4 else packed
+    q = q.astype(np.float32).reshape(*scales.shape, -1) - 2 ** (bits - 1)
+    return (q * scales[..., None]).reshape(*packed.shape[:2], -1)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_streamed_quantized_experts_are_what_qmoe_reads(tmp_path, bits):
+    """int4 / int8 experts quantized one at a time as they are written, from the checkpoint:
+    ONNX Runtime's QMoE over them == the MoE op's semantics over their dequantized values
+    (read back independently), and within quantization error of the float experts."""
+    if not moe_export.ort_has_op():
+        pytest.skip("onnxruntime has no CPU MoE kernel")
+    d = _bf16_target(tmp_path / "t", fused=False)
+    reader, block = stream.ExpertReader(d), 16
+    parts = {}
+    for name, fn, shape in [("fc1", lambda e: reader.fc1(0, e, interleaved=True), (4, 32, 32)),
+                            ("fc2", lambda e: reader.fc2(0, e), (4, 32, 16))]:
+        for part in ("weights", "scales"):
+            t = stream.StreamedQuantized(fn, shape, bits, block, part, f"{name}_{part}")
+            buf = io.BytesIO()
+            t.tofile(buf)
+            parts[name if part == "weights" else f"{name}_scales"] = np.frombuffer(
+                buf.getvalue(), t.dtype.numpy()).reshape(tuple(t.shape))
+    sess = _qmoe_node(bits, block, 2, 32, 4, parts)
+    fc1 = np.stack([reader.fc1(0, e, interleaved=True) for e in range(4)])
+    fc2 = np.stack([reader.fc2(0, e) for e in range(4)])
+    deq1, deq2 = _dequantize(parts["fc1"], parts["fc1_scales"], bits), _dequantize(parts["fc2"], parts["fc2_scales"], bits)
+    x, logits = torch.randn(7, 32), torch.randn(7, 4)
+    got = sess.run(None, {"x": x.numpy(), "logits": logits.numpy()})[0]
+    as_read = moe_export.moe_op(x, logits, torch.from_numpy(deq1), torch.from_numpy(deq2), 2, True).numpy()
+    float_ = moe_export.moe_op(x, logits, torch.from_numpy(fc1), torch.from_numpy(fc2), 2, True).numpy()
+    scale = float(np.abs(float_).max())
+    err, q_err = float(np.abs(got - as_read).max()) / scale, float(np.abs(as_read - float_).max()) / scale
+    print(f"int{bits}: QMoE vs its dequantized weights {err:.1e}, dequantized vs float {q_err:.1e} (relative to max |y|)")
+    assert err <= (1e-5 if bits == 4 else 2e-2) and q_err <= (0.2 if bits == 4 else 0.02)
 
 
 def _export(tmp_path, t):
@@ -93,15 +164,15 @@ def test_a_checkpoint_that_fails_mid_stream_leaves_nothing(tmp_path, monkeypatch
     """The checkpoint is cut short while the experts are being written (after two experts)."""
     t = make_target(tmp_path / "t", "qwen3_moe", layers=2, hidden=32, vocab=64)
     make_drafter(tmp_path / "d", t)
-    read, calls = stream.ExpertReader._read, []
+    read, calls = stream.read_rows, []
 
-    def cut_short(self, e, first, count):
+    def cut_short(e, first, count):
         calls.append(e.key)
         if len(calls) == 3:
             os.truncate(e.path, e.start)
-        return read(self, e, first, count)
+        return read(e, first, count)
 
-    monkeypatch.setattr(stream.ExpertReader, "_read", cut_short)
+    monkeypatch.setattr(stream, "read_rows", cut_short)
     _nothing_written(tmp_path, _export(tmp_path, t), "model.safetensors", "ends past the end of the file")
     assert len(calls) == 3
 
@@ -116,3 +187,11 @@ def test_experts_that_disagree_with_the_config_are_named(tmp_path, fused):
     name = "model.layers.0.mlp.experts.down_proj" if fused else "model.layers.0.mlp.experts.0.down_proj.weight"
     shapes = ("[4, 32, 16]", "[4, 32, 12]") if fused else ("[32, 16]", "[32, 12]")
     _nothing_written(tmp_path, _export(tmp_path, t), name, *shapes)
+
+
+def test_room_check_counts_only_the_weights_export_holds(tmp_path, monkeypatch):
+    """2 GB of weights of which 1.5 GB are streamed experts fit in 1 GB of memory; unstreamed they do not."""
+    monkeypatch.setattr(artifact, "available_memory", lambda: 10**9)
+    artifact.check_room(2 * 10**9, tmp_path, "fp32", streamed=15 * 10**8)
+    with pytest.raises(DFlashError, match="needs about 2.6 GB of memory"):
+        artifact.check_room(2 * 10**9, tmp_path, "fp32")

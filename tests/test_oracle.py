@@ -15,6 +15,7 @@ import torch
 from dflash_export.models import Target, autoregressive_generate, new_drafter, speculative_generate
 from dflash_export.errors import DFlashError
 from dflash_export.testing import hf_model, make_target
+from dflash_export.runtime.sampling import Sampling
 
 ARCHS = ("llama", "qwen3", "qwen2")
 TAPS = {1: [2], 2: [0, 3], 3: [1, 2, 3]}  # drafter depth -> tapped target layers (4-layer targets)
@@ -157,11 +158,11 @@ def test_sampling_is_deterministic_per_seed(zoo):
     prompt = [3, 1, 4, 1, 5]
     runs = {}
     for seed in range(4):
-        a = speculative_generate(target, drafter, prompt, 25, mask_token_id=9, temperature=1.3, seed=seed)
-        b = speculative_generate(target, drafter, prompt, 25, mask_token_id=9, temperature=1.3, seed=seed)
+        a = speculative_generate(target, drafter, prompt, 25, mask_token_id=9, sampling=Sampling(1.3, seed=seed))
+        b = speculative_generate(target, drafter, prompt, 25, mask_token_id=9, sampling=Sampling(1.3, seed=seed))
         assert a == b
-        c = autoregressive_generate(target, prompt, 25, temperature=1.3, seed=seed)
-        assert c == autoregressive_generate(target, prompt, 25, temperature=1.3, seed=seed)
+        c = autoregressive_generate(target, prompt, 25, sampling=Sampling(1.3, seed=seed))
+        assert c == autoregressive_generate(target, prompt, 25, sampling=Sampling(1.3, seed=seed))
         runs[seed] = tuple(a.tokens)
         _check_structure(a, drafter.config.block_size, 25, None)
     assert len(set(runs.values())) > 1  # the seed matters
@@ -174,8 +175,9 @@ def test_top_k_1_and_tiny_top_p_are_greedy(zoo):
     prompt = [11, 12, 13]
     greedy = autoregressive_generate(target, prompt, 20).tokens
     for kw in (dict(top_k=1), dict(top_p=1e-6)):
-        assert speculative_generate(target, drafter, prompt, 20, mask_token_id=9, temperature=2.0, seed=3, **kw).tokens == greedy
-        assert autoregressive_generate(target, prompt, 20, temperature=2.0, seed=3, **kw).tokens == greedy
+        s = Sampling(2.0, seed=3, **kw)
+        assert speculative_generate(target, drafter, prompt, 20, mask_token_id=9, sampling=s).tokens == greedy
+        assert autoregressive_generate(target, prompt, 20, sampling=s).tokens == greedy
 
 
 @pytest.mark.parametrize("kw", [dict(top_k=3), dict(top_p=0.4), dict(top_k=5, top_p=0.6)])
@@ -188,12 +190,13 @@ def test_top_k_top_p_restrict_the_sampled_tokens(zoo, kw):
     target.tap_ids = list(drafter.config.target_layer_ids)
     prompt = [2, 7, 1, 8]
     for seed in range(5):
-        for g in (speculative_generate(target, drafter, prompt, 20, mask_token_id=9, temperature=3.0, seed=seed, **kw),
-                  autoregressive_generate(target, prompt, 20, temperature=3.0, seed=seed, **kw)):
+        s = Sampling(3.0, seed=seed, **kw)
+        for g in (speculative_generate(target, drafter, prompt, 20, mask_token_id=9, sampling=s),
+                  autoregressive_generate(target, prompt, 20, sampling=s)):
             seq = prompt + g.tokens
             with torch.no_grad():
                 logits, _, _ = target(torch.tensor([seq[:-1]]), torch.arange(len(seq) - 1)[None], target.empty_kv())
-            p = probabilities(logits[0, len(prompt) - 1 :].numpy(), 3.0, kw.get("top_k", 0), kw.get("top_p", 1.0))
+            p = probabilities(logits[0, len(prompt) - 1 :].numpy(), s)
             assert all(p[i, t] > 0 for i, t in enumerate(g.tokens))
 
 
@@ -201,17 +204,17 @@ def test_probabilities_support():
     from dflash_export.runtime.sampling import choose, probabilities
 
     logits = np.array([[2.0, 0.5, 1.0, -1.0, 3.0, 0.0]])
-    p = probabilities(logits, 1.0, top_k=2)
+    p = probabilities(logits, Sampling(1.0, top_k=2))
     assert set(np.nonzero(p[0])[0]) == {0, 4} and np.isclose(p.sum(), 1.0)
-    full = probabilities(logits, 1.0)
+    full = probabilities(logits, Sampling(1.0))
     order = np.argsort(-full[0])
     for top_p in (0.3, 0.6, 0.8, 0.95, 1.0):
-        keep = set(np.nonzero(probabilities(logits, 1.0, top_p=top_p)[0])[0])
+        keep = set(np.nonzero(probabilities(logits, Sampling(1.0, top_p=top_p))[0])[0])
         mass_before = np.cumsum(full[0][order]) - full[0][order]
         assert keep == {int(i) for i, m in zip(order, mass_before) if m < top_p}  # smallest set reaching top_p
     u = np.random.default_rng(0).random(500)
-    draws = choose(np.repeat(logits, 500, 0), u, 1.0, top_k=3, top_p=0.9)
-    allowed = set(np.nonzero(probabilities(logits, 1.0, 3, 0.9)[0])[0])
+    draws = choose(np.repeat(logits, 500, 0), u, Sampling(1.0, top_k=3, top_p=0.9))
+    allowed = set(np.nonzero(probabilities(logits, Sampling(1.0, 3, 0.9))[0])[0])
     assert set(draws.tolist()) == allowed  # every kept token drawn, nothing else
 
 
@@ -254,7 +257,7 @@ def _exact_joint(target, prompt: list[int], temperature: float) -> np.ndarray:
         ids = torch.tensor(seqs)
         with torch.no_grad():
             logits, _, _ = target(ids, torch.arange(ids.shape[1])[None].expand_as(ids), target.empty_kv(len(seqs)))
-        return probabilities(logits[:, -1].numpy(), temperature)
+        return probabilities(logits[:, -1].numpy(), Sampling(temperature))
 
     p1 = next_probs([prompt])[0]
     p2 = next_probs([prompt + [a] for a in range(V)])  # [V, V]
@@ -289,12 +292,12 @@ def test_speculative_sampling_has_the_target_distribution(tmp_path, arch, sampli
 
     spec, plain, accepted = [], [], 0
     for s in range(n_samples):
-        g = speculative_generate(target, drafter, prompt, 3, mask_token_id=8, block_size=4, temperature=TEMP, seed=s,
-                                 sampling=sampling)
+        g = speculative_generate(target, drafter, prompt, 3, mask_token_id=8, block_size=4,
+                                 sampling=Sampling(TEMP, seed=s, method=sampling))
         spec.append(g.tokens)
         accepted += g.acceptance_lengths[0] > 1
         if not hybrid:
-            plain.append(autoregressive_generate(target, prompt, 3, temperature=TEMP, seed=10**6 + s).tokens)
+            plain.append(autoregressive_generate(target, prompt, 3, sampling=Sampling(TEMP, seed=10**6 + s)).tokens)
     spec, plain = np.array(spec), np.array(plain)
     assert spec.shape == (n_samples, 3) and (hybrid or plain.shape == spec.shape)
     assert accepted > n_samples // 10  # drafts were accepted, not only the bonus tokens
@@ -343,9 +346,6 @@ def test_bad_generation_input_is_a_one_line_error(zoo):
         (dict(prompt=[1, 101]), r"prompt token ids \[101\] are outside the vocabulary \[0, 101\)"),
         (dict(mask_token_id=101), r"mask_token_id 101 is outside the vocabulary"),
         (dict(block_size=0), r"block size must be >= 1"),
-        (dict(temperature=-1.0), r"temperature must be >= 0"),
-        (dict(top_k=-2), r"top-k must be >= 0"),
-        (dict(top_p=0.0), r"top-p must be in \(0, 1\]"),
         (dict(max_context=10), r"exceeds the max context 10"),
     ]
     for change, msg in cases:
@@ -354,6 +354,12 @@ def test_bad_generation_input_is_a_one_line_error(zoo):
         with pytest.raises(DFlashError, match=msg) as e:
             speculative_generate(target, drafter, args.pop("prompt"), args.pop("max_new_tokens"), **args)
         assert "\n" not in str(e.value)
+    for change, msg in ((dict(temperature=-1.0), r"temperature must be >= 0"), (dict(top_k=-2), r"top-k must be >= 0"),
+                        (dict(top_p=0.0), r"top-p must be in \(0, 1\]"), (dict(method="typical"), "unknown sampling")):
+        with pytest.raises(DFlashError, match=msg) as e:
+            Sampling(**change)  # the record checks itself: nothing takes a bad one
+        assert "\n" not in str(e.value)
+    assert Sampling(5e-324, seed=3).greedy and not Sampling(1e-5).greedy  # below the floor: greedy
     with pytest.raises(DFlashError, match=r"the target taps layers \[\] but the drafter reads \[2\]"):
         speculative_generate(Target(target.config), drafter, [1, 2], 4, mask_token_id=5)
     with pytest.raises(DFlashError, match=r"max_new_tokens must be >= 1"):

@@ -12,6 +12,7 @@ from runtime_cases import CASES, ORT_CASES, artifact, prompts
 from dflash_export.runtime.loop import Generation, Request, generate, stream_batch
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.prefix import PrefixCache, common, supported
+from dflash_export.runtime.sampling import Sampling
 
 
 def _turn(be, cache, specs):
@@ -27,7 +28,7 @@ def _turn(be, cache, specs):
         p, n, spec, temp = specs[i]
         hook = cache.hook(p, spec)
         joined.append(i)
-        return [Request(p, n, temperature=temp, seed=5, stop_token_ids=(), speculative=spec, reuse=hook.reuse,
+        return [Request(p, n, Sampling(temp, seed=5), stop_token_ids=(), speculative=spec, reuse=hook.reuse,
                         prefix=hook)]
 
     got: dict[int, list[int]] = {}
@@ -48,10 +49,10 @@ def test_parked_prefixes_are_reused_across_slots_and_every_output_equals_its_run
     ps = prompts(8, V, seed=21)
 
     def alone(p, n, spec, temp):
-        return generate(be1, p, n, draft=spec, temperature=temp, seed=5, stop_token_ids=()).tokens
+        return generate(be1, p, n, draft=spec, sampling=Sampling(temp, seed=5), stop_token_ids=()).tokens
 
     def rounds(p, n, spec, temp):
-        return generate(be1, p, n, draft=spec, temperature=temp, seed=5, stop_token_ids=()).acceptance_lengths
+        return generate(be1, p, n, draft=spec, sampling=Sampling(temp, seed=5), stop_token_ids=()).acceptance_lengths
 
     # turn 1: four fresh requests over three rows (one plain, one sampled)
     t1 = [(ps[0], 12, True, 0.0), (ps[1], 9, False, 0.0), (ps[2], 14, True, 0.0), (ps[3], 10, True, 0.9)]

@@ -16,7 +16,7 @@ import torch
 from dflash_export.models import Target, new_drafter
 from dflash_export.models.config import DraftConfig
 from dflash_export.models.drafter import Drafter
-from dflash_export.runtime.sampling import Drafted, inverse_cdf, probabilities, rejection, sample_drafts
+from dflash_export.runtime.sampling import Drafted, Sampling, inverse_cdf, probabilities, rejection, sample_drafts
 from dflash_export.testing import make_target
 
 import dflash.model as ref  # noqa: E402  (make setup installs it: dflash 0.1.0, --no-deps)
@@ -25,7 +25,7 @@ import dflash.model as ref  # noqa: E402  (make setup installs it: dflash 0.1.0,
 @pytest.mark.parametrize("kw", [dict(), dict(top_k=7), dict(top_p=0.7), dict(top_k=12, top_p=0.5)])
 def test_probabilities_are_the_reference_sampling_probs(kw):
     logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(1)) * 3
-    ours = probabilities(logits.numpy(), 0.8, kw.get("top_k", 0), kw.get("top_p", 1.0))
+    ours = probabilities(logits.numpy(), Sampling(0.8, **kw))
     theirs = ref._sampling_probs(logits, 0.8, kw.get("top_p", 1.0), kw.get("top_k", 0)).double().numpy()
     np.testing.assert_allclose(ours, theirs, atol=1e-6)
 
@@ -37,12 +37,12 @@ def test_rejection_rule_is_the_reference_draw_for_draw(monkeypatch):
     V, m, seen = 30, 6, set()
     for trial in range(300):
         ids = np.sort(rng.choice(V, 12, replace=False)) if trial % 3 == 0 else None
-        p = probabilities(rng.normal(size=(m + 1, V)) * 2, 1.0)
+        p = probabilities(rng.normal(size=(m + 1, V)) * 2, Sampling(1.0))
         q_logits = rng.normal(size=(m, V if ids is None else len(ids))) * 2
         if trial % 2:  # drafts that resemble the target: long acceptances
             q_logits = np.log(p[:m] + 1e-9)[:, ids if ids is not None else slice(None)] + rng.normal(size=q_logits.shape) * 0.3
         ud, ua, ut = rng.random(m), rng.random(m), rng.random(m + 1)
-        d = sample_drafts(q_logits, ud, 1.0, ids=ids)
+        d = sample_drafts(q_logits, ud, Sampling(1.0), ids=ids)
         a, tok = rejection(d, m, p, ua, ut)
 
         draws = iter(ut[a : a + 1])
@@ -112,14 +112,14 @@ def test_a_wrong_q_is_caught():
     distribution is no longer p (exact enumeration over one draft position)."""
     rng = np.random.default_rng(3)
     V = 6
-    p = probabilities(rng.normal(size=(2, V)), 1.0)
+    p = probabilities(rng.normal(size=(2, V)), Sampling(1.0))
     q_logits = rng.normal(size=(1, V))
 
     def law(scale: float) -> np.ndarray:
         n, out = 40000, np.zeros(V)
         u = np.random.default_rng(4).random((n, 3))
         for ud, ua, ut in u:
-            d = sample_drafts(q_logits, [ud], 1.0)
+            d = sample_drafts(q_logits, [ud], Sampling(1.0))
             d = Drafted(d.tokens, d.q, d.qx * scale)
             a, tok = rejection(d, 1, p, [ua], [ut, ut])
             out[d.tokens[0] if a else tok] += 1
@@ -162,8 +162,8 @@ def test_exported_drafter_applies_the_transforms_and_samples_like_the_oracle(tmp
     accepted = 0
     for seed in range(6):
         prompt = rng.integers(0, 62, 5 + seed).tolist()
-        for kw in (dict(), dict(temperature=0.8, sampling="rejection"), dict(temperature=0.8, sampling="compare")):
-            kw = dict(kw, seed=seed, stop_token_ids=())
+        for s in (Sampling(seed=seed), Sampling(0.8, seed=seed), Sampling(0.8, seed=seed, method="compare")):
+            kw = dict(sampling=s, stop_token_ids=())
             g = generate(be, prompt, 24, **kw)
             o = speculative_generate(target, drafter, prompt, 24, mask_token_id=m.mask_token_id, block_size=5, **kw)
             assert g.tokens == o.tokens and g.acceptance_lengths == o.acceptance_lengths, (seed, kw)

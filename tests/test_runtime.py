@@ -22,6 +22,7 @@ from dflash_export.runtime.names import names_of
 from dflash_export.errors import DFlashError
 from dflash_export.runtime.loop import Generation, generate, stream
 from dflash_export.runtime.ort.backend import OrtBackend, resolve_provider
+from dflash_export.runtime.sampling import Sampling
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def test_greedy_matches_oracle_round_for_round(pair, backend):
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.8), (0.5, 5, 0.9)])
 def test_sampling_matches_oracle_stream(pair, backend, temperature, top_k, top_p):
     for seed, prompt in enumerate(prompts(3, backend.manifest.vocab_size, seed=2)):
-        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        kw = dict(sampling=Sampling(temperature, top_k, top_p, seed))
         g = generate(backend, prompt, 32, **kw)
         o = oracle(pair, backend, prompt, 32, **kw)
         assert g.tokens == o.tokens and g.acceptance_lengths == o.acceptance_lengths
@@ -71,7 +72,7 @@ def test_sampling_matches_oracle_stream(pair, backend, temperature, top_k, top_p
 def test_autoregressive_mode_matches_oracle(pair, backend):
     m = backend.manifest
     for i, prompt in enumerate(prompts(3, m.vocab_size, seed=3)):
-        for kw in (dict(), dict(temperature=0.9, top_k=10, seed=i)):
+        for kw in (dict(), dict(sampling=Sampling(0.9, top_k=10, seed=i))):
             g = generate(backend, prompt, 24, draft=False, **kw)
             o = autoregressive_generate(pair[0], prompt, 24, stop_token_ids=tuple(m.eos_token_ids), **kw)
             assert g.tokens == o.tokens
@@ -85,7 +86,7 @@ def test_chunked_prefill_is_identical(backend):
     for chunk in (1, 7, 32):
         g = generate(backend, prompt, 30, prefill_chunk=chunk)
         assert g.tokens == whole.tokens and g.acceptance_lengths == whole.acceptance_lengths
-    sampled = [generate(backend, prompt, 20, temperature=1.0, seed=5, prefill_chunk=c).tokens for c in (5, 256)]
+    sampled = [generate(backend, prompt, 20, sampling=Sampling(1.0, seed=5), prefill_chunk=c).tokens for c in (5, 256)]
     assert sampled[0] == sampled[1]
 
 
@@ -310,9 +311,9 @@ def test_bad_requests(backend):
     with pytest.raises(DFlashError, match="outside the vocabulary"):
         generate(backend, [1, m.vocab_size], 5)
     with pytest.raises(DFlashError, match="temperature"):
-        generate(backend, [1], 5, temperature=-1)
+        generate(backend, [1], 5, sampling=Sampling(-1))
     with pytest.raises(DFlashError, match="top-p"):
-        generate(backend, [1], 5, temperature=1, top_p=0)
+        generate(backend, [1], 5, sampling=Sampling(1, top_p=0))
     with pytest.raises(DFlashError, match="max context"):
         generate(backend, [1] * (m.max_context + 1), 1)
     with pytest.raises(DFlashError, match="unknown provider 'tpu'; available: cpu"):

@@ -19,6 +19,7 @@ from dflash_export.runtime.controller import controller_for
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import load_settings
+from dflash_export.runtime.sampling import Sampling
 
 
 def char_tokenizer(path):
@@ -70,7 +71,7 @@ def test_generate_sampling_is_seeded(out):
     a, b, c = (json.loads(run(*args, "--seed", s).stdout)["tokens"] for s in ("1", "1", "2"))
     assert a == b and a != c
     be = OrtBackend(out)  # as generate runs it: speculation auto (a sampled row's draws follow its own rounds)
-    g = generate(be, [1, 2, 3], 20, temperature=0.8, top_k=30, top_p=0.9, seed=1,
+    g = generate(be, [1, 2, 3], 20, sampling=Sampling(0.8, top_k=30, top_p=0.9, seed=1),
                  control=controller_for("auto", load_settings(out, "ort:cpu").costs, be.manifest.block_size))
     assert a == g.tokens
 
@@ -131,12 +132,14 @@ def test_bench_json_and_plot(out, tmp_path):
     for k in ("speedup", "ideal_speedup", "loop_efficiency", "peak_rss_mb"):
         assert j[k] > 0
     assert j["loop_efficiency"] == pytest.approx(j["speedup"] / j["ideal_speedup"])
+    assert j["speculation"] == "auto" and j["auto_policy"][0]["rows"] == 1  # what auto does with the costs
     assert set(j["time_split_s"]["speculative"]) == {"prefill", "draft", "verify", "host", "total"}
     assert png.stat().st_size > 1000
     prompts = tmp_path / "p.txt"
     prompts.write_text("1,2,3\n4,5,6,7\n")
     r = run("bench", out, "--prompts", prompts, "--max-new-tokens", "8", "--warmup", "0")
     assert r.exit_code == 0 and "2 prompts from" in r.stdout and "loop efficiency" in r.stdout
+    assert "auto (default costs): 1 row(s): verify 2/4/8/16 pays above" in r.stdout, r.stdout
 
 
 def test_bench_reports_tau_when_sampling(out):

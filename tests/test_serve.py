@@ -34,9 +34,11 @@ from dflash_export.runtime.controller import controller_for
 from dflash_export.errors import DFlashError, InternalError
 from dflash_export.runtime.loop import Generation, generate, stream
 from dflash_export.runtime.ort.backend import OrtBackend
+from dflash_export.runtime.sampling import Sampling
 from dflash_export.runtime.settings import load_settings
 from dflash_export.serve.app import ServeOptions, create_app
-from dflash_export.serve.engine import Engine, Job, Params
+from dflash_export.runtime.loop import Request
+from dflash_export.serve.engine import Engine, Job
 from dflash_export.serve.text import Text, TextStream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +71,8 @@ def offline(art):
     backend = OrtBackend(art, threads=1)
     costs = load_settings(art, "ort:cpu").costs
 
-    def run(ids, n, **kw):
+    def run(ids, n, temperature=0.0, seed=0, **kw):
+        kw["sampling"] = Sampling(temperature, seed=seed)
         if kw.get("draft", True):
             kw.setdefault("control", controller_for("auto", costs, backend.manifest.block_size))
         return generate(backend, ids, n, **kw)
@@ -382,6 +385,22 @@ BAD = [  # (method, path, body, headers, status, words in the message)
     ("POST", "/v1/completions", {"prompt": "a", "stream": "yes"}, {}, 400, "stream"),
     ("POST", "/v1/completions", {"prompt": "a", "stream_options": {"include_usage": 1}}, {}, 400, "include_usage"),
     ("POST", "/detokenize", {"tokens": [1, 999]}, {}, 400, "outside the vocabulary"),
+    ("POST", "/detokenize", {"tokens": [1] * 257}, {}, 400, "more than the exported context of 256"),
+    # what a field accepts, rather than pydantic's name of one of its forms
+    ("POST", "/v1/completions", {"prompt": "a", "speculative": "never"}, {}, 400, 'expected true, false or "always"'),
+    ("POST", "/v1/completions", {"prompt": [1.0, 2.0]}, {}, 400, "a list of token ids (integers)"),
+    ("POST", "/v1/completions", {"prompt": "a", "n": 2, "best_of": 1}, {}, 400, "best_of must be at least n"),
+    # every list and string is bounded
+    ("POST", "/v1/completions", {"prompt": "a", "stop": ["x"] * 17}, {}, 400, "at most 16 strings"),
+    ("POST", "/v1/completions", {"prompt": "a", "stop": "x" * 257}, {}, 400, "at most 256 characters"),
+    ("POST", "/v1/completions", {"prompt": "a", "stop_token_ids": [1] * 65}, {}, 400, "at most 64"),
+    ("POST", "/v1/completions", {"prompt": "a", "logit_bias": {str(i): 1 for i in range(301)}}, {}, 400, "at most 300"),
+    ("POST", "/v1/completions", {"prompt": ["a"] * 65}, {}, 400, "1 to 64 strings"),
+    ("POST", "/v1/completions", {"prompt": [5] * 257}, {}, 400, "more than the exported context"),
+    ("POST", "/v1/completions", {"prompt": "a" * 5000}, {}, 400, "characters; this server reads at most"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 1025}, {}, 400, "at most 1024"),
+    # a request that can never fit this server (2 slots + --max-queue 8) is a 400 saying so, not a 429
+    ("POST", "/v1/completions", {"prompt": "a", "n": 11}, {}, 400, "holds at most 10 at once"),
     ("POST", "/tokenize", {}, {}, 400, "exactly one"),
     ("GET", "/v1/completions", None, {}, 405, "not allowed"),
     ("GET", "/v1/nothing", None, {}, 404, "no route"),
@@ -448,8 +467,13 @@ def test_api_key_queue_full_no_template_and_graceful_shutdown(art, tmp_path, off
         client = s.client("s3cret")
         assert client.completions.create(model="tiny-chat", prompt="a", max_tokens=2, temperature=0,
                                          extra_body={"speculative": False}).usage.completion_tokens == 2
-        with pytest.raises(openai.BadRequestError, match="without the drafter"):
-            client.completions.create(model="tiny-chat", prompt="a", max_tokens=2)
+        # an unmodified client (no `speculative`) decodes plainly; only "always" needs the drafter, and is
+        # refused naming the flag the server was started with
+        r = client.completions.create(model="tiny-chat", prompt="zz", max_tokens=12, temperature=0)
+        assert r.choices[0].model_extra["token_ids"] == offline(tok.encode("zz").ids, 12, draft=False).tokens
+        assert r.model_extra["timings"]["speculative"] is False
+        with pytest.raises(openai.BadRequestError, match="started with --no-draft"):
+            client.completions.create(model="tiny-chat", prompt="a", max_tokens=2, extra_body={"speculative": "always"})
         with pytest.raises(openai.BadRequestError, match="no chat template"):
             client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
                                            extra_body={"speculative": False})
@@ -625,7 +649,7 @@ def test_cancel_stops_within_one_round(art):
     engine = Engine([backend, backend.fork()], Text(art), "m", max_queue=2)
     try:
         events: queue.Queue = queue.Queue()
-        job = Job(Params([5, 6, 7], 200, speculative=False), emit=events.put)
+        job = Job(Request([5, 6, 7], 200, speculative=False), emit=events.put)
 
         def emit(ev):
             events.put(ev)
@@ -652,18 +676,18 @@ def test_text_stream_holds_back_broken_utf8_and_stop_strings():
     text = "naïve café 日本語 🙂 done"
     ids = tok.encode(text).ids
     assert any(dec(ids[:k]).endswith("\ufffd") for k in range(len(ids)))  # the case is exercised
-    ts = TextStream(dec)
+    ts = TextStream(tok)
     deltas = [ts.push([i]) for i in ids] + [ts.finish()]
     assert "".join(deltas) == dec(ids) == text and not any("\ufffd" in d for d in deltas)
     for stop in ("日本", "🙂 d", "café 日", "e"):
-        ts = TextStream(dec, [stop, "not there"])
+        ts = TextStream(tok, [stop, "not there"])
         deltas = [ts.push([i]) for i in ids] + [ts.finish()]
         assert "".join(deltas) == text[: text.index(stop)] and ts.stopped
         assert not any(stop in "".join(deltas[: i + 1]) for i in range(len(deltas)))
-        whole = TextStream(dec, [stop, "not there"])  # one round of all tokens: kept up to the stop's last one
+        whole = TextStream(tok, [stop, "not there"])  # one round of all tokens: kept up to the stop's last one
         assert whole.push(ids) == text[: text.index(stop)] and ids[: len(whole.tokens)] == whole.tokens
         assert stop in dec(whole.tokens) and stop not in dec(whole.tokens[:-1])
-    ts = TextStream(dec, ["done!"])  # a stop string's prefix is held back, then released at the end
+    ts = TextStream(tok, ["done!"])  # a stop string's prefix is held back, then released at the end
     out = "".join(ts.push([i]) for i in ids)
     assert out == text[: -len("done")] and ts.finish() == "done" and not ts.stopped
 
@@ -704,7 +728,7 @@ def test_health_is_503_until_the_engine_is_loaded(art):
     options = ServeOptions(art)
     status, body, headers = asyncio.run(_call(create_app(options), "GET", "/health"))  # lifespan not run: not loaded
     assert status == 503 and body["error"]["code"] == "loading" and headers[b"x-dflash-replica"].endswith(b"/-")
-    engine = load_engine(art, slots=2, model="given")
+    engine = load_engine(ServeOptions(art, slots=2, model_name="given"))
     try:
         status, body, _ = asyncio.run(_call(create_app(options, engine=engine), "GET", "/v1/models"))
         assert status == 200 and body["data"][0]["id"] == "given"

@@ -23,7 +23,8 @@ from test_serve import Server, running, art, decode, offline, replica_ok, tok  #
 from dflash_export.cli import cli
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.serve.batch import BatchEngine
-from dflash_export.serve.engine import Job, Params
+from dflash_export.runtime.loop import Request
+from dflash_export.serve.engine import Job
 from dflash_export.serve.text import Text
 
 
@@ -156,7 +157,7 @@ def test_engine_cancel_frees_the_row_before_the_next_round(art):
     engine = BatchEngine(OrtBackend(art, threads=1, max_batch=2), Text(art), "m", max_queue=2)
     try:
         events, other = queue.Queue(), queue.Queue()
-        job = Job(Params([5, 6, 7], 200, speculative=False), emit=events.put)
+        job = Job(Request([5, 6, 7], 200, speculative=False), emit=events.put)
         rounds = []
 
         def emit(ev):  # called by the loop's thread, between two rounds
@@ -167,7 +168,7 @@ def test_engine_cancel_frees_the_row_before_the_next_round(art):
                     engine.cancel(job)
 
         job.emit = emit
-        engine.submit(Job(Params([9, 8, 7, 6], 60), emit=other.put))
+        engine.submit(Job(Request([9, 8, 7, 6], 60), emit=other.put))
         engine.submit(job)
         got = [events.get(timeout=60)]
         while got[-1][0] != "end":
@@ -190,9 +191,9 @@ def test_engine_refuses_a_bad_request_alone(art):
     engine = BatchEngine(OrtBackend(art, threads=1, max_batch=2), Text(art), "m", max_queue=4)
     try:
         good, bad, long = queue.Queue(), queue.Queue(), queue.Queue()
-        engine.submit(Job(Params([9, 8, 7, 6], 40), emit=good.put))
-        engine.submit(Job(Params([5, 10**6], 5), emit=bad.put))
-        engine.submit(Job(Params([5] * 300, 5), emit=long.put))
+        engine.submit(Job(Request([9, 8, 7, 6], 40), emit=good.put))
+        engine.submit(Job(Request([5, 10**6], 5), emit=bad.put))
+        engine.submit(Job(Request([5] * 300, 5), emit=long.put))
         for q in (bad, long):
             ev = q.get(timeout=60)
             assert ev[0] == "error" and "generation failed" in ev[1], ev

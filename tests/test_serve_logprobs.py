@@ -23,10 +23,12 @@ from test_serve import Server, running, art, decode, tok  # noqa: F401 (fixtures
 
 from dflash_export.runtime.controller import controller_for
 from dflash_export.runtime.logprobs import Logprobs
+from dflash_export.runtime.sampling import Sampling
 from dflash_export.runtime.loop import Request, generate_batch
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import load_settings
-from dflash_export.serve.requests import ApiError, check_logprobs
+from dflash_export.serve.requests import ApiError
+from dflash_export.serve.validate import check_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +43,8 @@ def loop(art):
     be = OrtBackend(art, threads=1)
     costs = load_settings(art, "ort:cpu").costs
 
-    def run(prompt, n, k=5, echo=False, draft=True, **kw):
-        lp = Logprobs(k, echo)
+    def run(prompt, n, k=5, echo=False, draft=True, temperature=0.0, seed=0):
+        lp, kw = Logprobs(k, echo), dict(sampling=Sampling(temperature, seed=seed))
         control = controller_for("auto", costs, be.manifest.block_size) if draft else None
         (g,), _ = generate_batch(be, [Request(list(prompt), n, logprobs=lp, **kw)], draft=draft, control=control)
         return g.tokens, lp
@@ -163,6 +165,7 @@ def test_bad_fields_are_one_line_400s_and_every_error_has_a_code(server):
     bad = [({"prompt": "a", "logprobs": 6}, "logprobs must be between 0 and 5"),
            ({"prompt": "a", "logprobs": -1}, "logprobs must be between 0 and 5"),
            ({"prompt": "a", "best_of": 2}, "best_of 2 is not supported"),
+           ({"prompt": "a", "n": 3, "best_of": 2}, "best_of must be at least n"),
            ({"prompt": "a", "n": 0}, "n must be >= 1"),
            ({"prompt": "a", "n": 65}, "choices per request"),
            ({"prompt": "a", "max_tokens": 0}, "0 only with echo"),

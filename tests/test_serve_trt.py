@@ -24,6 +24,7 @@ from dflash_export.cli import cli
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.manifest import load_manifest
 from dflash_export.runtime.ort.backend import OrtBackend
+from dflash_export.runtime.sampling import Sampling
 
 pytestmark = pytest.mark.filterwarnings("ignore:Context managers for TensorRT types are deprecated")
 MC, MP, ROWS = 64, 16, 3  # the engines' max context and prompt (build --max-context/--max-prompt), batch
@@ -66,7 +67,8 @@ def requests_equal_ort_batch1(server, out: Path) -> None:
     ps = prompts(7, 101, seed=5)
     ps[1] = list(range(3, 24))  # longer than --max-prompt: its prefill is chunked
     jobs = [(p, 8 + 4 * (i % 4), dict(temperature=0.8, seed=7) if i == 2 else {}) for i, p in enumerate(ps)]
-    wants = [generate(ref, p, n, **k).tokens for p, n, k in jobs]  # alone, batch 1, ONNX Runtime
+    wants = [generate(ref, p, n, sampling=Sampling(k.get("temperature", 0), seed=k.get("seed", 0))).tokens
+             for p, n, k in jobs]  # alone, batch 1, ONNX Runtime
     assert wants[0] == generate(ref, ps[0], jobs[0][1], draft=False).tokens  # greedy: the target's own output
     client = server.client()
     before = [server.metric(f"dflash:batch_rows_per_round_{m}") for m in ("count", "sum")]

@@ -30,6 +30,7 @@ from dflash_export.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import FULL, Settings, VerifyPolicy, load_settings, resolve, save_settings
+from dflash_export.runtime.sampling import Sampling
 
 
 def test_policy_verifies_the_confident_prefix():
@@ -113,13 +114,14 @@ def test_sampled_output_does_not_depend_on_verify_length(backend, temperature, t
     sampling draw the same tokens. (Rejection sampling, the default, depends on the drafts and
     so on the verify length; it repeats exactly with its seed.)"""
     for seed, prompt in enumerate(prompts(4, backend.manifest.vocab_size, seed=6)):
-        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        plain = generate(backend, prompt, 32, draft=False, **kw).tokens
-        assert generate(backend, prompt, 32, sampling="compare", **kw).tokens == plain
+        s = Sampling(temperature, top_k, top_p, seed)
+        compare = Sampling(temperature, top_k, top_p, seed, method="compare")
+        plain = generate(backend, prompt, 32, draft=False, sampling=s).tokens
+        assert generate(backend, prompt, 32, sampling=compare).tokens == plain
         for policy in POLICIES:
-            assert generate(backend, prompt, 32, verify=policy, sampling="compare", **kw).tokens == plain
-        rej = generate(backend, prompt, 32, verify=POLICIES[0], **kw).tokens
-        assert generate(backend, prompt, 32, verify=POLICIES[0], **kw).tokens == rej
+            assert generate(backend, prompt, 32, verify=policy, sampling=compare).tokens == plain
+        rej = generate(backend, prompt, 32, verify=POLICIES[0], sampling=s).tokens
+        assert generate(backend, prompt, 32, verify=POLICIES[0], sampling=s).tokens == rej
 
 
 # -- the distribution with random verify lengths, on a 10-token target ---------------------
@@ -185,7 +187,7 @@ def test_adaptive_verify_keeps_the_target_distribution(tmp_path):
     policy = VerifyPolicy(0.5, 1)
     spec, lengths, accepted = [], [], 0
     for s in range(N_SAMPLES):
-        g = generate(be, prompt, 3, temperature=TEMP, seed=s, verify=policy)
+        g = generate(be, prompt, 3, sampling=Sampling(TEMP, seed=s), verify=policy)
         spec.append(g.tokens)
         lengths += g.verify_lengths
         accepted += g.acceptance_lengths[0] > 1
@@ -302,17 +304,18 @@ def test_speed_options_errors(art):
 def test_serve_engine_uses_the_calibrated_settings(art, monkeypatch):
     """serve resolves threads, spinning and the verify policy as generate/bench do."""
     from dflash_export.serve.engine import load_engine
+    from dflash_export.serve.options import ServeOptions
 
     monkeypatch.setattr("dflash_export.serve.text.Text", lambda *args: None)  # this artifact has no tokenizer
 
     save_settings(art, "ort:cpu", Settings(threads=1, verify=VerifyPolicy(0.2, 2)))
-    engine = load_engine(art, model="m")
+    engine = load_engine(ServeOptions(art, model_name="m"))
     try:
         assert engine.verify == VerifyPolicy(0.2, 2) and engine.slots[0].backend.threads == 1
         assert engine.slots[0].backend.spin is False
     finally:
         engine.close()
-    engine = load_engine(art, model="m", verify="full", threads=2, spin=True)
+    engine = load_engine(ServeOptions(art, model_name="m", verify="full", threads=2, spin=True))
     try:
         assert engine.verify is None and engine.slots[0].backend.threads == 2 and engine.slots[0].backend.spin
     finally:

@@ -24,6 +24,7 @@ from dflash_export.cli import cli
 from dflash_export.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.manifest import load_manifest
+from dflash_export.runtime.sampling import Sampling
 
 # Polygraphy's `with cache.serialize() as buffer`: the real 11.x bindings warn on it too
 pytestmark = pytest.mark.filterwarnings("ignore:Context managers for TensorRT types are deprecated")
@@ -253,13 +254,13 @@ def test_batched_rows_match_ort(exported, monkeypatch, tmp_path):
     prompts = [*PROMPTS, [9, 4, 11], list(range(30, 41))]
     budgets = [20, 9, 25, 3, 14]
     want = [generate(ref, p, n, draft=False).tokens for p, n in zip(prompts, budgets)]
-    sampled = Request([6, 2, 9, 1], 16, temperature=0.8, seed=7, stop_token_ids=())  # rejection sampling: draft logits per row
+    sampled = Request([6, 2, 9, 1], 16, Sampling(0.8, seed=7), stop_token_ids=())  # rejection sampling: draft logits per row
     be = TensorRTBackend(out, max_batch=3)
     for draft in (True, False):
         reqs = [Request(p, n, stop_token_ids=()) for p, n in zip(prompts, budgets)]
         gens, stats = generate_batch(be, reqs[:2] + [sampled] + reqs[2:], draft=draft)
         assert [g.tokens for g in gens[:2] + gens[3:]] == want
-        assert gens[2].tokens == generate(ref, sampled.prompt, 16, temperature=0.8, seed=7, stop_token_ids=(),
+        assert gens[2].tokens == generate(ref, sampled.prompt, 16, sampling=sampled.sampling, stop_token_ids=(),
                                           draft=draft).tokens  # its own seed's output, whatever else is in the batch
         assert stats.batch == 3 and stats.occupancy > 0.5
     with pytest.raises(DFlashError, match=r"--batch 4: the engines were built for batch 1\.\.3; rebuild them with "

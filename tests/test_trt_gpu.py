@@ -217,6 +217,7 @@ def test_trt_dflash2_rows_match_ort(tmp_path):
 
     from dflash_export.cli import cli
     from dflash_export.runtime.loop import Request, generate_batch
+    from dflash_export.runtime.sampling import Sampling
     from dflash_export.runtime.ort.backend import OrtBackend
     from dflash_export.runtime.trt.backend import TensorRTBackend
 
@@ -228,7 +229,7 @@ def test_trt_dflash2_rows_match_ort(tmp_path):
     ref = OrtBackend(out, "cpu")
     prompts = [[5, 17, 3, 42, 8], [1] * 13, [9, 4, 11]]
     want = [_tokens(ref, p, draft=False, n=20) for p in prompts]
-    sampled = Request([6, 2, 9, 1], 20, temperature=0.8, seed=7, stop_token_ids=())
+    sampled = Request([6, 2, 9, 1], 20, Sampling(0.8, seed=7), stop_token_ids=())
     for batch in (1, 3):
         be = TensorRTBackend(out, max_batch=batch)
         try:

@@ -15,11 +15,13 @@ import json
 import time
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
 import transformers
 
-from runtime_cases import WINDOWED_CASES, artifact, prompts
+from runtime_cases import GEMMA4_MOE, WINDOWED_CASES, artifact, prompts
 
 from dflash_export.cli.info import describe
 from dflash_export.errors import DFlashError
@@ -39,13 +41,15 @@ TARGETS = {  # family features a test pair does not cover: a longer window, Gemm
     "gpt_oss": dict(layer_types=[SW, FA, SW, FA, SW], window=5),
     "gemma4": dict(layer_types=[SW, SW, FA, SW, FA, SW], window=3,
                    extra=dict(num_kv_shared_layers=2, hidden_size_per_layer_input=8, use_double_wide_mlp=True)),
+    "gemma4-moe": dict(layer_types=[SW, FA, SW], window=3, extra=dict(GEMMA4_MOE, top_k_experts=3)),
 }
 
 
-@pytest.mark.parametrize("arch", list(TARGETS))
-def test_targets_match_transformers(tmp_path, arch):
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_targets_match_transformers(tmp_path, name):
     """Logits and every tap against transformers, in one pass and position by position on the cache."""
-    d = make_target(tmp_path, arch, layers=len(TARGETS[arch]["layer_types"]), hidden=32, **TARGETS[arch])
+    arch = name.split("-")[0]
+    d = make_target(tmp_path, arch, layers=len(TARGETS[name]["layer_types"]), hidden=32, **TARGETS[name])
     hf = hf_model(d)
     ours = Target.from_pretrained(d, list(range(hf.config.num_hidden_layers)))
     ids = torch.randint(0, 99, (1, 15), generator=torch.Generator().manual_seed(1))
@@ -86,10 +90,16 @@ def pair(request):
 
 def test_check_passes_with_wrapped_rings(pair):
     """Every graph in every regime (a past beyond the window included), ragged rows, and end to end."""
-    _, (t, d, out) = pair
+    name, (t, d, out) = pair
     report = run_check(out, t, d, prompts=3, max_new_tokens=16, progress=False)
+    print(report.summary())
     assert report.passed, report.summary()
     assert any("rings wrapped" in r.case for r in report.rows)
+    # the experts' graph form: gpt-oss on ONNX Runtime's MoE op, Gemma 4's GeGLU in standard ops
+    path = {"gpt_oss": "op", "gemma4": "standard"}[name]
+    assert load_manifest(out).moe["path"] == path
+    ops = {n.op_type for n in onnx.load(out / "target.onnx", load_external_data=False).graph.node}
+    assert ("MoE" in ops) == (path == "op"), ops
 
 
 def test_greedy_equals_official_and_transformers(pair, monkeypatch):
@@ -166,6 +176,8 @@ def test_info_names_the_family_and_its_attention(pair):
     kinds = t["attention_kinds"]
     assert t["family"] == name and set(kinds) == {SW, FA}
     assert kinds[SW]["cache"] == "ring of 4 slots" and kinds[SW]["window"] == 4
+    assert t["experts"] == {"experts": 4, "top_k": 2, "activation": {"gpt_oss": "swiglu", "gemma4": "geglu"}[name],
+                            "path": {"gpt_oss": "op", "gemma4": "standard"}[name]}
     if name == "gemma4":  # layers 2 and 3 read layers 0 and 1's K/V; full layers have their own shape
         assert t["kv_shared"] == {2: 0, 3: 1} and kinds[FA]["head_dim"] == 2 * kinds[SW]["head_dim"]
         assert t["final_logit_softcapping"] == 30.0
@@ -245,3 +257,152 @@ def test_served_chat_renders_the_checkpoint_template(tmp_path):
         engine.close()
     assert [a[0] for a in answers] == [200, 200], answers
     assert [a[1]["choices"][0]["message"]["content"] for a in answers] == offline
+
+
+# -- experts: gpt-oss on ONNX Runtime's MoE op, released MXFP4 weights, Gemma 4's GeGLU refused there --
+
+
+def test_gpt_oss_experts_on_the_contrib_op():
+    """com.microsoft::MoE with activation_alpha 1.702, activation_beta 1, swiglu_limit 7 and
+    swiglu_fusion 1 over the transposed [E, 2I, H] weights and the biases is transformers' own
+    GptOssMLP (biased router, top-k then softmax, clamped SwiGLU), with the clamp engaged."""
+    from onnx import TensorProto, helper, numpy_helper
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from dflash_export.export import moe as moe_export
+
+    if not moe_export.ort_has_op():
+        pytest.skip("this onnxruntime has no CPU MoE kernel")
+    torch.manual_seed(0)
+    block = GptOssMLP(transformers.GptOssConfig(hidden_size=32, intermediate_size=16, num_local_experts=8,
+                                                num_experts_per_tok=3))
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.5)
+    ex = block.experts
+    inits = {"fc1": ex.gate_up_proj.transpose(1, 2), "fc1_bias": ex.gate_up_proj_bias,
+             "fc2": ex.down_proj.transpose(1, 2), "fc2_bias": ex.down_proj_bias}
+    node = helper.make_node("MoE", ["x", "logits", "fc1", "fc1_bias", "fc2", "fc2_bias"], ["y"], domain="com.microsoft",
+                            k=3, activation_type="swiglu", activation_alpha=1.702, activation_beta=1.0, swiglu_limit=7.0,
+                            swiglu_fusion=1, normalize_routing_weights=1)
+    io = lambda n, w: helper.make_tensor_value_info(n, TensorProto.FLOAT, [None, w])  # noqa: E731
+    graph = helper.make_graph([node], "moe", [io("x", 32), io("logits", 8)], [io("y", 32)],
+                              [numpy_helper.from_array(t.detach().contiguous().numpy(), n) for n, t in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for tokens in (1, 6, 16):
+        x = torch.randn(tokens, 32) * 2
+        with torch.no_grad():
+            ref = block(x[None])[0][0]
+            logits = block.router(x)[0]
+            gate = (x @ ex.gate_up_proj + ex.gate_up_proj_bias[:, None])[..., ::2]
+        assert gate.max() > 7, "the clamp should be exercised"
+        got = sess.run(None, {"x": x.numpy(), "logits": logits.numpy()})[0]
+        err, scale = float(np.abs(got - ref.numpy()).max()), float(ref.abs().max())
+        print(f"gpt-oss experts, {tokens} tokens: max abs error {err:.1e} on values up to {scale:.0f} "
+              f"(tolerance 1e-6 x that)")
+        assert err <= 1e-6 * scale
+
+
+def test_gemma4_experts_refuse_the_contrib_op():
+    from dflash_export.export import moe as moe_export
+
+    assert moe_export.choose_path(None, "fp32", "geglu") == "standard"
+    with pytest.raises(DFlashError, match="SwiGLU experts only.*GEGLU.*--moe standard") as e:
+        moe_export.choose_path("op", "fp32", "geglu")
+    assert "\n" not in str(e.value)
+
+
+def _mxfp4(directory, rng):
+    """Rewrite a tiny gpt-oss checkpoint as the released ones are: every expert tensor as MXFP4
+    blocks and scales (random codes, exponents around 2^0), plus its quantization_config."""
+    from safetensors.torch import load_file, save_file
+
+    f = directory / "model.safetensors"
+    state, packed = load_file(f), {}
+    for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows_cols = state.pop(name).transpose(1, 2).shape  # the checkpoint's [E, rows, cols]
+        e, rows, cols = rows_cols
+        packed[name + "_blocks"] = torch.from_numpy(rng.integers(0, 256, (e, rows, cols // 32, 16), dtype=np.uint8))
+        packed[name + "_scales"] = torch.from_numpy(rng.integers(121, 126, (e, rows, cols // 32), dtype=np.uint8))
+    save_file({**state, **packed}, str(f), metadata={"format": "pt"})
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return packed
+
+
+def test_mxfp4_experts_load_as_transformers_dequantises_them(tmp_path):
+    """Released gpt-oss experts (MXFP4 blocks + scales) load as transformers' own converter reads
+    them, and the target then equals transformers' model holding those weights."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    d = make_target(tmp_path, "gpt_oss", layers=2, hidden=64, intermediate=64, layer_types=[SW, FA])  # blocks of 32
+    hf = hf_model(d)
+    packed = _mxfp4(d, np.random.default_rng(0))
+    ours = Target.from_pretrained(d, [0, 1])
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            for proj in ("gate_up_proj", "down_proj"):
+                name = f"model.layers.{i}.mlp.experts.{proj}"
+                ref = convert_moe_packed_tensors(packed[name + "_blocks"], packed[name + "_scales"], dtype=torch.float32)
+                getattr(layer.mlp.experts, proj).copy_(ref)
+                assert torch.equal(getattr(ours.model.layers[i].mlp.experts, proj), ref.transpose(1, 2))
+        ids = torch.randint(0, 99, (1, 9), generator=torch.Generator().manual_seed(3))
+        ref = hf(ids, use_cache=False).logits
+        got = ours(ids, torch.arange(9)[None], ours.empty_kv())[0]
+    assert (got - ref).abs().max() < 1e-4 * ref.abs().max(), (got - ref).abs().max()
+    cfg = json.loads((d / "config.json").read_text())
+    with pytest.raises(DFlashError, match="quantization_config 'gptq' is not supported"):
+        TargetConfig.from_dict({**cfg, "quantization_config": {"quant_method": "gptq"}})
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "gemma4-moe"])
+def test_experts_graph_forms_equal_the_reference(tmp_path, name):
+    """Both graph forms export/moe.py installs (standard ops; the MoE op's torch semantics) give the
+    reference's logits, on gpt-oss (biases, clamp) and Gemma 4 (per_expert_scale folded)."""
+    from dflash_export.export import moe as moe_export
+
+    arch = name.split("-")[0]
+    d = make_target(tmp_path, arch, layers=len(TARGETS[name]["layer_types"]), hidden=32, **TARGETS[name])
+    ids = torch.randint(0, 99, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        target = Target.from_pretrained(d)
+        ref = target(ids, torch.arange(12)[None], target.empty_kv())[0]
+        for path in ("standard", "op") if arch == "gpt_oss" else ("standard",):
+            target = Target.from_pretrained(d)
+            moe_export.use_path(target, path)
+            got = target(ids, torch.arange(12)[None], target.empty_kv())[0]
+            err = float((got - ref).abs().max())
+            print(f"{name} {path}: max abs error {err:.1e} (tolerance 1e-5)")
+            assert err <= 1e-5
+
+
+def test_gpt_oss_experts_quantize_with_their_biases_and_clamp():
+    """`quantize` turns gpt-oss's MoE node into QMoE: the expert biases and the clamped SwiGLU's
+    attributes carry over (int8 block-wise stays within a few percent of the float node)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dflash_export.export import moe as moe_export
+
+    if not moe_export.ort_has_op():
+        pytest.skip("this onnxruntime has no CPU MoE kernel")
+    rng = np.random.default_rng(0)
+    E, H, I = 8, 32, 16
+    inits = {"fc1": rng.normal(0, 0.5, (E, 2 * I, H)), "fc1_bias": rng.normal(0, 2.0, (E, 2 * I)),
+             "fc2": rng.normal(0, 0.5, (E, H, I)), "fc2_bias": rng.normal(0, 2.0, (E, H))}
+    node = helper.make_node("MoE", ["x", "logits", "fc1", "fc1_bias", "fc2", "fc2_bias"], ["y"], domain="com.microsoft",
+                            k=3, activation_type="swiglu", activation_alpha=1.702, activation_beta=1.0, swiglu_limit=7.0,
+                            swiglu_fusion=1, normalize_routing_weights=1)
+    io = lambda n, w: helper.make_tensor_value_info(n, TensorProto.FLOAT, [None, w])  # noqa: E731
+    graph = helper.make_graph([node], "moe", [io("x", H), io("logits", E)], [io("y", H)],
+                              [numpy_helper.from_array(a.astype(np.float32), n) for n, a in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    feed = {"x": rng.normal(0, 2, (6, H)).astype(np.float32), "logits": rng.normal(size=(6, E)).astype(np.float32)}
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    moe_export.to_qmoe(model, bits=8, block=16, symmetric=True)
+    assert [n.op_type for n in model.graph.node] == ["QMoE"]
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    err, scale = float(np.abs(got - ref).max()), float(np.abs(ref).max())
+    print(f"gpt-oss experts int8: max abs error {err:.2e} on values up to {scale:.1f} (tolerance 0.05 x that)")
+    assert err <= 0.05 * scale

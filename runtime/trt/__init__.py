@@ -1,3 +1,4 @@
-"""The TensorRT backend (backend.py: engines on one CUDA stream; rows.py: several rows per call;
-walk.py: DFlash 2's draft outputs) and the TensorRT arithmetic that needs no TensorRT (profiles.py).
+"""The TensorRT backend (engines.py: the engines, checked against the build record, and the
+TensorRT / CUDA imports; backend.py: device buffers and the calls, one row or several) and the
+TensorRT arithmetic that needs no TensorRT (profiles.py).
 NOT YET EXECUTED ON TENSORRT HARDWARE: checked against the real bindings' double (tests/trt_fake.py)."""

@@ -1,4 +1,5 @@
-"""The TensorRT backend: three engines on one CUDA stream over device KV buffers.
+"""The TensorRT backend: three engines (runtime/trt/engines.py) on one CUDA stream over device
+buffers it owns, one row or several per call.
 
 `TensorRTBackend` implements the Backend interface (runtime/backend.py) with the name-based
 execution API that TensorRT 10 introduced and 11 keeps (set_input_shape, set_tensor_address,
@@ -9,85 +10,55 @@ NOT YET EXECUTED ON TENSORRT HARDWARE: it needs `tensorrt`, `cuda-python` and an
 The test suite runs it against a double of the real TensorRT 10.12 and 11.4 Python bindings
 (tests/trt_double.py: every attribute, call, argument and return value checked against
 NVIDIA's own signatures; what an engine computes is simulated with ONNX Runtime) and a
-hand-written cuda-python stand-in; on a GPU machine tests/test_trt_gpu.py runs it for real.
+hand-written cuda-python stand-in (tests/trt_fake.py, whose strided copy refuses overlapping
+areas as CUDA does); on a GPU machine tests/test_trt_gpu.py runs it for real.
 
-`tensorrt` and `cuda` are imported inside functions only: importing this module needs numpy.
+Rows (ragged exports, `max_batch` > 1). The layout is ONNX Runtime's (runtime/ort/backend.py, docs/batching.md): device caches are
+position-major, `[max_len, W, Hkv, D]` per layer for the W rows a call carries, so the valid
+prefix of every row, `[P, W, Hkv, D]`, is one region bound in place (set_tensor_address) and a
+row's slots past its own length are masked (`past_lengths`, `ctx_lengths`). The new K/V of a
+call land in a scratch `[R, S, Hkv, D]` and each row's kept positions are written at its own
+length by one strided copy per layer (cudaMemcpy2DAsync, destination pitch W positions): a
+call's new positions only, never the cache. A joining row's prefill runs alone; past its first
+chunk its prefix is gathered by one strided copy per layer. A join or a leave lays the kept
+rows out again for the new width (through a scratch: CUDA's 2D copies may not overlap).
+A backend of several rows is run through these `*_rows` calls (runtime/loop.py does); the
+batch-1 methods (`target`, `draft_block`, ...) bind one-row caches and are for max_batch 1.
+
+DFlash 2. A DFlash 2 `draft_block` also writes `draft_candidates` [B, K-1, k] and `draft_scores`
+[B, K-1, k, k] (runtime/walk.py): every engine output needs an address, so they get device
+buffers sized for max_batch rows; greedy rounds read only `draft_ids` (the graph's own walk),
+sampled rows copy the two to the host for the walk (`draft_walk_rows`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
-from ..backend import Backend, Draft, TargetOut
+from ..backend import Backend, Draft, TargetOut, check_context_counts
 from .. import contract as C
 from ..names import names_of
 from ..contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, draft_vocab_size
 from ..manifest import Manifest, load_manifest
 from ...errors import DFlashError, InternalError
 from ..hybrid import LinearStates
-from .profiles import ENGINE_FILES, check_engine_record, check_trt_version
-from .rows import TrtRows, check_engine_rows
-
-INSTALL_HINT = 'pip install "dflash-export[trt]" (or: pip install tensorrt cuda-python --extra-index-url https://pypi.nvidia.com)'
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
-
-
-def import_tensorrt():
-    """`tensorrt` and cuda-python's runtime module, or one DFlashError naming what is missing."""
-    missing = []
-    try:
-        import tensorrt as trt
-    except ImportError:
-        trt = None
-        missing.append("tensorrt")
-    try:
-        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6 (the `trt` extra's floor)
-    except ImportError:
-        cudart = None
-        missing.append("cuda-python")
-    if missing:
-        raise DFlashError(f"TensorRT support needs the Python package(s) {', '.join(missing)}; install with: {INSTALL_HINT}")
-    check_trt_version(trt.__version__)
-    return trt, cudart
-
-
-def cuda_check(result):
-    """cuda-python calls return (err, *values): raise on error, return the values."""
-    err, *vals = result if isinstance(result, tuple) else (result,)
-    if int(getattr(err, "value", err)) != 0:  # cudaError_t.cudaSuccess == 0
-        raise DFlashError(f"CUDA error {err!r}; check the driver and that the GPU is visible (nvidia-smi)")
-    return vals[0] if len(vals) == 1 else (tuple(vals) if vals else None)
-
-
-def gpu_info(cudart, device: int = 0) -> tuple[str, str]:
-    """(compute capability "major.minor", GPU name) of `device`."""
-    prop = cuda_check(cudart.cudaGetDeviceProperties(device))
-    name = prop.name.decode(errors="replace").rstrip("\x00") if isinstance(prop.name, bytes) else str(prop.name)
-    return f"{prop.major}.{prop.minor}", name
-
-
-# -- the backend (NOT EXECUTED in development: no TensorRT, no GPU there) ----------------------
+from .engines import ITEMSIZE, Engines, check_engine_rows, cuda_check, gpu_info, import_tensorrt
+from .profiles import check_engine_record
 
 ALIGN = 256  # bytes: device addresses handed to TensorRT are kept 256-byte aligned
 
 
-@dataclass
-class _Engine:
-    engine: object
-    contexts: list  # one execution context per optimization profile
-
-
-class TensorRTBackend(TrtRows, Backend):
+class TensorRTBackend(Backend):
     """Runs the three engines on one CUDA stream over device KV buffers it owns.
 
     KV buffers are sequence-major [1, max_len, Hkv, D] (as on ONNX Runtime): a call binds
     the valid prefix in place with set_tensor_address (no copy) and the graph's new K/V
     outputs are bound straight into the slots after it when that address is 256-byte
     aligned; otherwise they land in a scratch buffer and only those S rows are copied.
-    `max_batch` > 1 (engines built with `--max-batch`): position-major caches, runtime/trt/rows.py.
+    `max_batch` > 1 (engines built with `--max-batch`): position-major caches (the module docstring).
 
     Hybrid targets (docs/hybrid.md): a linear-attention layer's committed states and a call's
     per-position increments are runtime/hybrid.py's host buffers, the same code and commit as
@@ -123,12 +94,9 @@ class TensorRTBackend(TrtRows, Backend):
         self.handle = int(self.stream)  # TensorRT takes the raw cudaStream_t as an int
         self._allocs: list[int] = []
 
-        self._logger = trt.Logger(trt.Logger.WARNING)
-        self._runtime = trt.Runtime(self._logger)
         self.has_drafter = drafter
         graphs = (TARGET, DRAFT_CONTEXT, DRAFT_BLOCK) if drafter else (TARGET,)
-        self.eng = {g: self._load(g, len(rec["profiles"][g])) for g in graphs}
-        self.inputs = {g: C.io(g, m)[0] for g in graphs}  # the contract's inputs, in order
+        self.engines = Engines(trt, self.out, m, rec, graphs, self.handle, self._sync)
 
         L, H, D = m.target_layers, m.target_kv_heads, m.target_head_dim
         dl, dh, dd = m.draft_layers, m.draft_kv_heads, m.draft_head_dim
@@ -164,62 +132,13 @@ class TensorRTBackend(TrtRows, Backend):
         self._alloc_rows(ms)
         self._taps_n = 0
         self.gpu = gpu
-        self._check_io()
 
-    def _check_io(self) -> None:
-        """Every tensor this backend binds exists in the engine as an input or output (as bound) with the
-        element size allocated for it, and every input's profile shapes are the manifest's record."""
-        trt, m = self.trt, self.manifest
-        size = {trt.float32: 4, trt.float16: 2, trt.bfloat16: 2, trt.int64: 8, trt.int32: 4}
-        for graph, e in self.eng.items():
-            names = {e.engine.get_tensor_name(i) for i in range(e.engine.num_io_tensors)}
-            ins, outs = C.io(graph, m)
-            bound = [(t, trt.TensorIOMode.INPUT) for t in self.inputs[graph]] + [(t, trt.TensorIOMode.OUTPUT) for t in outs]
-            for t, mode in bound:
-                where = f"{ENGINE_FILES[graph]}: {t.name}"
-                if t.name not in names:
-                    raise DFlashError(f"{ENGINE_FILES[graph]} has no tensor {t.name}; rebuild the engines for this export")
-                if e.engine.get_tensor_mode(t.name) != mode:
-                    raise DFlashError(f"{where} is not an {mode.name.lower()} of the engine; "
-                                      "rebuild the engines for this export")
-                got, want = size.get(e.engine.get_tensor_dtype(t.name)), C.dtype(t, m)
-                if got != ITEMSIZE[want]:
-                    raise DFlashError(f"{where} is {e.engine.get_tensor_dtype(t.name)} in the "
-                                      f"engine but {want} in the graph contract; rebuild the engines for this export")
-            for i, prof in enumerate(self.record["profiles"][graph]):
-                for t in ins:
-                    got = [list(d) for d in e.engine.get_tensor_profile_shape(t.name, i)]
-                    if got != prof["shapes"][t.name]:
-                        raise DFlashError(f"{ENGINE_FILES[graph]}: profile {i} of {t.name} is {got} in the engine but "
-                                          f"{prof['shapes'][t.name]} in the manifest; rebuild with `dflash-export build`")
-
-    # -- setup ----------------------------------------------------------------------------
-
-    cuda_check = staticmethod(cuda_check)  # for runtime/trt/rows.py
-
-    def _load(self, graph: str, nprof: int) -> _Engine:
-        path = self.out / ENGINE_FILES[graph]
-        engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
-        if engine is None:
-            raise DFlashError(f"{path}: TensorRT could not deserialize this engine; rebuild with `dflash-export build`")
-        if engine.num_optimization_profiles != nprof:
-            raise DFlashError(f"{path} has {engine.num_optimization_profiles} optimization profiles but the manifest "
-                              f"records {nprof}; rebuild with `dflash-export build`")
-        contexts = []
-        for i in range(nprof):
-            ctx = engine.create_execution_context()
-            if i and not ctx.set_optimization_profile_async(i, self.handle):
-                raise DFlashError(f"{path}: TensorRT refused optimization profile {i}; rebuild with `dflash-export build`")
-            contexts.append(ctx)
-        cuda_check(self.cudart.cudaStreamSynchronize(self.stream))
-        return _Engine(engine, contexts)
+    # -- device memory and copies ----------------------------------------------------------
 
     def _malloc(self, nbytes: int) -> int:
         ptr = int(cuda_check(self.cudart.cudaMalloc(max(int(nbytes), ALIGN))))
         self._allocs.append(ptr)
         return ptr
-
-    # -- copies ---------------------------------------------------------------------------
 
     def _h2d(self, dst: int, arr: np.ndarray) -> None:
         kind = self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
@@ -235,24 +154,6 @@ class TensorRTBackend(TrtRows, Backend):
 
     def _sync(self) -> None:
         cuda_check(self.cudart.cudaStreamSynchronize(self.stream))
-
-    # -- running one engine ---------------------------------------------------------------
-
-    def _bind(self, ctx, shapes: dict[str, tuple], addrs: dict[str, int]) -> None:
-        for name, shape in shapes.items():
-            if not ctx.set_input_shape(name, shape):
-                raise InternalError(f"TensorRT refused shape {shape} for {name}; rebuild the engines")
-        for name, ptr in addrs.items():
-            if not ctx.set_tensor_address(name, ptr):
-                raise InternalError(f"TensorRT refused the address of {name}")
-
-    def _run(self, graph: str, prof: int, addrs: dict, **dynamic: int) -> None:
-        """Enqueue one engine call on the stream (execute_async_v3); input shapes from the contract."""
-        ctx = self.eng[graph].contexts[prof]
-        shapes = {t.name: C.shape(t, self.manifest, **({"batch": 1} | dynamic)) for t in self.inputs[graph]}
-        self._bind(ctx, shapes, addrs)
-        if not ctx.execute_async_v3(self.handle):
-            raise InternalError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
 
     def _out_addr(self, base: int, pos: int, row: int, scratch: int) -> tuple[int, bool]:
         """Address for new rows at `pos` of a cache buffer: in place if aligned, else scratch."""
@@ -296,7 +197,7 @@ class TensorRTBackend(TrtRows, Backend):
                 addrs[new], inplace = self._out_addr(base, p, self.row, scr)
                 if not inplace:
                     copies.append((base + p * self.row, scr, s * self.row))
-        self._run(TARGET, prof, addrs, seq=s, past=p, picks=s)
+        self.engines.run(TARGET, prof, addrs, seq=s, past=p, picks=s)
         for dst, src, n in copies:
             self._d2d(dst, src, n)
         self._d2h(self.h_next[:s], self.d_next)
@@ -340,7 +241,7 @@ class TensorRTBackend(TrtRows, Backend):
                 addrs[name], inplace = self._out_addr(base, p, self.drow, scr)
                 if not inplace:
                     copies.append((base + p * self.drow, scr, c * self.drow))
-        self._run(DRAFT_CONTEXT, 0, addrs, ctx=c)
+        self.engines.run(DRAFT_CONTEXT, 0, addrs, ctx=c)
         for dst, src, nb in copies:
             self._d2d(dst, src, nb)
         self._sync()
@@ -366,12 +267,224 @@ class TensorRTBackend(TrtRows, Backend):
             addrs[C.CTX_LENGTHS] = self.d_clen
         for j, (kb, vb) in enumerate(self.ckv):
             addrs[N.past_ctx_key[j]], addrs[N.past_ctx_value[j]] = kb, vb
-        self._run(DRAFT_BLOCK, 0, addrs, past_ctx=p)
+        self.engines.run(DRAFT_BLOCK, 0, addrs, past_ctx=p)
         self._d2h(self.h_draft[: k - 1], self.d_draft)
         if self.d_conf is not None:
             self._d2h(self.h_conf[: k - 1], self.d_conf)
         self._sync()
         return Draft(self.h_draft[: k - 1], self.h_conf[: k - 1] if self.d_conf is not None else None)
+
+    # -- several rows per call (max_batch > 1) ---------------------------------------------
+
+    def _alloc_rows(self, ms: int) -> None:
+        """The ragged graphs' per-row inputs (past and context lengths, logits picks) and, for
+        several rows, a gathered row's prefix per cache and a relayout scratch. `ms`: the most
+        positions of one call (max(max_prompt, max_batch * K))."""
+        B, L = self.max_batch, len(self.kv)
+        self.d_plen, self.d_clen, self.d_picks = self._malloc(B * 8), self._malloc(B * 8), self._malloc(ms * 8)
+        self.h_plen, self.h_clen = np.zeros(B, np.int64), np.zeros(B, np.int64)
+        self.h_picks = np.arange(ms, dtype=np.int64)
+        self._h2d(self.d_picks, self.h_picks)  # one row: logits_index = 0..S-1, a prefix of this, never changes
+        if B > 1:
+            biggest = max(self.row, self.drow)
+            self.d_gather = [self._malloc(self.max_len * biggest) for _ in range(2 * max(L, len(self.ckv)))]
+            self.d_relayout = self._malloc(self.max_len * B * biggest)
+
+    # -- strided device copies ----------------------------------------------------------------
+
+    def _copy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> None:
+        """`height` rows of `width` bytes, each `spitch` apart at src and `dpitch` apart at dst."""
+        if height > 0:
+            kind = self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+            cuda_check(self.cudart.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, self.stream))
+
+    def _caches(self):
+        """(buffer, bytes per position of one row, valid length of each row) of every cache."""
+        for kv in self.kv:
+            if kv is not None:
+                yield kv[0], self.row, self.lengths
+                yield kv[1], self.row, self.lengths
+        for kv in self.ckv:
+            yield kv[0], self.drow, self.ctx_lengths
+            yield kv[1], self.drow, self.ctx_lengths
+
+    def _scatter(self, pairs: list, row: int, rows, lengths, s: int, counts) -> None:
+        """For each (cache, scratch) pair: row r's first counts[r] new positions ([R, s] in the
+        scratch, `row` bytes each) into the cache at that row's length."""
+        W = self.width
+        for base, scr in pairs:
+            for r, b in enumerate(rows):
+                at = int(lengths[b])
+                n = min(int(counts[r]), self.max_len - at)
+                self._copy2d(base + (at * W + b) * row, W * row, scr + r * s * row, row, row, n)
+
+    def _gather(self, base: int, row: int, b: int, p: int, into: int) -> int:
+        """Row b's first p positions, contiguous in `into`."""
+        self._copy2d(into, row, base + b * row, self.width * row, row, p)
+        return into
+
+    def _relayout(self, keep: int, old: int) -> None:
+        """The kept rows' valid prefixes, `old` positions a pitch, rewritten `width` a pitch
+        (through a scratch: CUDA's 2D copies may not overlap)."""
+        w = self.width
+        if keep:
+            for base, row, lens in self._caches():
+                p = int(lens[:keep].max())
+                if p:
+                    self._copy2d(self.d_relayout, w * row, base, old * row, keep * row, p)
+                    self._d2d(base, self.d_relayout, p * w * row)
+
+    def _move_caches(self, src: int, dst: int) -> None:
+        for base, row, lens in self._caches():
+            p = int(lens[src])
+            self._gather(base, row, src, p, self.d_relayout)
+            self._copy2d(base + dst * row, self.width * row, self.d_relayout, row, row, p)
+
+    # -- the calls ----------------------------------------------------------------------------
+
+    def _one_call(self, rows) -> None:
+        if len(rows) not in (1, self.width):
+            raise InternalError(f"a call over {len(rows)} rows at width {self.width}")
+
+    def target_rows(self, rows, ids, counts, picks=None, want_logits=False) -> TargetOut:
+        if self.max_batch == 1:
+            return Backend.target_rows(self, rows, ids, counts, picks, want_logits)
+        self._layout()
+        self._one_call(rows)
+        N_, m, k = self.names, self.manifest, self.k
+        ids = np.asarray(ids, np.int64)
+        R, S = ids.shape
+        lengths = self.lengths
+        self.check_room(rows, counts)
+        prof = 0 if S <= k else 1
+        if (prof and S > self.max_prompt) or (R > 1 and S > k):
+            raise DFlashError(f"a {S}-token call over {R} rows exceeds the engines' profiles (--max-prompt "
+                              f"{self.max_prompt} for one row, the block {k} for several)")
+        N = S if picks is None else np.asarray(picks).shape[1]
+        P = int(lengths[rows].max())
+        self.h_ids[: R * S] = ids.ravel()
+        self.h_pos[: R * S] = (lengths[rows, None] + np.arange(S)).ravel()
+        self.h_plen[:R] = lengths[rows]
+        self.h_picks[: R * N] = (np.broadcast_to(np.arange(S), (R, S)) if picks is None else np.asarray(picks)).ravel()
+        for d, h in ((self.d_ids, self.h_ids[: R * S]), (self.d_pos, self.h_pos[: R * S]),
+                     (self.d_plen, self.h_plen[:R]), (self.d_picks, self.h_picks[: R * N])):
+            self._h2d(d, h)
+        addrs = {C.INPUT_IDS: self.d_ids, C.POSITION_IDS: self.d_pos, C.PAST_LENGTHS: self.d_plen,
+                 C.LOGITS_INDEX: self.d_picks, C.LOGITS: self.d_logits, C.NEXT_IDS: self.d_next, C.TAPS: self.d_taps}
+        if self.states is not None:
+            self.states.layout(R, S)
+            self._states_to_device(addrs, rows[0] if R == 1 else 0, R)
+        one = R == 1 and self.width > 1 and P > 0  # a joining row among others: its prefix gathered
+        pairs = []
+        for i, kv in enumerate(self.kv):
+            if kv is None:
+                continue
+            for e, (past, new) in enumerate(((N_.past_key[i], N_.new_key[i]), (N_.past_value[i], N_.new_value[i]))):
+                addrs[past] = self._gather(kv[e], self.row, rows[0], P, self.d_gather[2 * i + e]) if one else kv[e]
+                addrs[new] = self.d_scratch[2 * i + e]
+                pairs.append((kv[e], self.d_scratch[2 * i + e]))
+        self.engines.run(C.TARGET, prof, addrs, batch=R, seq=S, past=P, picks=N)
+        self._scatter(pairs, self.row, rows, lengths, S, counts)
+        self._d2h(self.h_next[: R * N], self.d_next)
+        if self.states is not None:  # the increments to commit, [R, S, ...] on the host
+            for i in self.states.layers:
+                for name in (N_.new_conv[i], *N_.delta[i]):
+                    self._d2h(self.states.view(name).reshape(-1), self.d_linear[name])
+        if want_logits:
+            self._d2h(self.h_logits[: R * N], self.d_logits)
+        self._sync()
+        self.pending[rows] = counts
+        self._taps_n = S
+        logits = self.h_logits[: R * N].reshape(R, N, -1) if want_logits else None
+        return TargetOut(self.h_next[: R * N].reshape(R, N), logits)
+
+    def draft_context_rows(self, rows, n) -> None:
+        if self.max_batch == 1:
+            return Backend.draft_context_rows(self, rows, n)
+        self._layout()
+        self._one_call(rows)
+        N_, R, lengths = self.names, len(rows), self.ctx_lengths
+        c = int(n[0]) if R == 1 else self._taps_n  # several rows: each projects the whole last call
+        if c == 0:
+            return
+        check_context_counts(rows, n, self._taps_n, lengths, self.max_len)
+        self.h_cpos[: R * c] = (lengths[rows, None] + np.arange(c)).ravel()
+        self._h2d(self.d_cpos, self.h_cpos[: R * c])
+        addrs = {C.TAPS: self.d_taps, C.CTX_POSITION_IDS: self.d_cpos}
+        pairs = []
+        for j, (kb, vb) in enumerate(self.ckv):
+            for name, base, scr in ((N_.ctx_key[j], kb, self.d_scratch[2 * j]), (N_.ctx_value[j], vb, self.d_scratch[2 * j + 1])):
+                addrs[name] = scr
+                pairs.append((base, scr))
+        self.engines.run(C.DRAFT_CONTEXT, 0, addrs, batch=R, ctx=c)
+        self._scatter(pairs, self.drow, rows, lengths, c, n)
+        self._sync()
+        lengths[rows] += n
+
+    def draft_block_rows(self, rows, anchors):
+        if self.max_batch == 1:
+            return Backend.draft_block_rows(self, rows, anchors)
+        self._layout()
+        self._one_call(rows)
+        N_, m, k, R = self.names, self.manifest, self.k, len(rows)
+        lengths = self.ctx_lengths
+        if lengths[rows].min() < 1:
+            raise InternalError("draft_block_rows() before any context (prefill first)")
+        P = int(lengths[rows].max())
+        bids = self.h_bids[: R * k].reshape(R, k)
+        bids[:] = m.mask_token_id
+        bids[:, 0] = anchors
+        self.h_bpos[: R * k] = (lengths[rows, None] + np.arange(k)).ravel()
+        self.h_clen[:R] = lengths[rows]
+        for d, h in ((self.d_bids, self.h_bids[: R * k]), (self.d_bpos, self.h_bpos[: R * k]), (self.d_clen, self.h_clen[:R])):
+            self._h2d(d, h)
+        addrs = {C.BLOCK_IDS: self.d_bids, C.BLOCK_POSITION_IDS: self.d_bpos, C.CTX_LENGTHS: self.d_clen} | self.draft_outputs
+        one = R == 1 and self.width > 1
+        for j, (kb, vb) in enumerate(self.ckv):
+            for e, (name, base) in enumerate(((N_.past_ctx_key[j], kb), (N_.past_ctx_value[j], vb))):
+                addrs[name] = self._gather(base, self.drow, rows[0], P, self.d_gather[2 * j + e]) if one else base
+        self.engines.run(C.DRAFT_BLOCK, 0, addrs, batch=R, past_ctx=P)
+        n = R * (k - 1)
+        self._d2h(self.h_draft[:n], self.d_draft)
+        if self.d_conf is not None:
+            self._d2h(self.h_conf[:n], self.d_conf)
+        self._sync()
+        conf = self.h_conf[:n].reshape(R, k - 1) if self.d_conf is not None else None
+        return self.h_draft[:n].reshape(R, k - 1), conf
+
+    def draft_logits_rows(self, n: int) -> np.ndarray:
+        """The last draft_block call's draft_logits [n, K-1, V_draft], copied to the host."""
+        k = self.k
+        out = self.h_dlogits[: n * (k - 1)]
+        self._d2h(out, self.d_dlogits)
+        self._sync()
+        return out.reshape(n, k - 1, -1)
+
+    # -- DFlash 2: the selector's outputs --------------------------------------------------
+
+    @cached_property
+    def draft_outputs(self) -> dict[str, int]:
+        """Addresses of draft_block's outputs (ids, logits, conf, and DFlash 2's candidates and
+        scores, whose buffers are made here), built once, on the first draft."""
+        out = {C.DRAFT_IDS: self.d_draft, C.DRAFT_LOGITS: self.d_dlogits}
+        if self.d_conf is not None:
+            out[C.DRAFT_CONF] = self.d_conf
+        sel = C.selector(self.manifest)
+        if sel:
+            n, k = self.max_batch * (self.k - 1), sel["top_k"]
+            self.h_walk = {C.DRAFT_CANDIDATES: np.zeros((n, k), np.int64), C.DRAFT_SCORES: np.zeros((n, k, k), np.float32)}
+            self.d_walk = {name: self._malloc(a.nbytes) for name, a in self.h_walk.items()}
+            out |= self.d_walk
+        return out
+
+    def draft_walk_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """DFlash 2: the last draft_block call's candidates [n, K-1, k] and walk scores [n, K-1, k, k]."""
+        m = n * (self.k - 1)
+        for name, a in self.h_walk.items():
+            self._d2h(a[:m], self.d_walk[name])
+        self._sync()
+        cand, scores = self.h_walk[C.DRAFT_CANDIDATES], self.h_walk[C.DRAFT_SCORES]
+        return cand[:m].reshape(n, self.k - 1, -1), scores[:m].reshape(n, self.k - 1, *scores.shape[1:])
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -379,9 +492,8 @@ class TensorRTBackend(TrtRows, Backend):
         cudart = getattr(self, "cudart", None)
         if cudart is None:
             return
-        for e in getattr(self, "eng", {}).values():
-            e.contexts.clear()
-        self.eng = {}
+        if getattr(self, "engines", None) is not None:
+            self.engines.close()
         for ptr in self._allocs:
             cudart.cudaFree(ptr)
         self._allocs = []
