@@ -85,7 +85,7 @@ def _chunk() -> int:
 
 EXPORT_PEAK = 1.3  # export peak RSS / weight bytes: 1.26 measured (bench/export_2gb.py, docs/results.md)
 # a MoE target's routed experts are streamed (export/stream.py): peak RSS / the bytes export does
-# hold, bf16 checkpoint -> fp32 (its bf16 copy is held while converting): 1.58 measured (bench/moe_export.py)
+# hold, bf16 checkpoint -> fp32 (its bf16 copy is held while converting): 1.54 measured (bench/moe_export.py)
 STREAMED_PEAK = 1.6
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 

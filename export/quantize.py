@@ -133,22 +133,20 @@ def quantize_graph(model, q: QuantOptions, graph: str):
         quantized += moe.to_qmoe(out, q.bits, q.block_size, q.symmetric)
     del proto
     model = ir.serde.deserialize_model(out)
-    for name, t in aside.items():
-        value = model.graph.initializers[name]
-        value.const_value, value.shape = t, t.shape
+    stream.put_back(model, aside, q.bits, q.block_size, q.symmetric)
     return model, quantized
 
 
 def set_experts_aside(model) -> dict:
-    """A MoE target's routed experts are no linear layer's weight: they stay in the float
-    export's data file (copied from there when written), and a one-element stand-in goes
-    through the quantizer in their place, so a 30B-class target's experts are never held
-    (export/stream.py). -> name: the tensor set aside."""
+    """A MoE target's routed experts stay in the float export's data file: a stand-in of one
+    expert goes through the quantizers in their place (export/stream.py `put_back` then copies
+    them file to file, or quantizes them expert by expert), so a 30B-class target's experts
+    are never held. -> name: the tensor set aside."""
     aside = {}
     for value in model.graph.initializers.values():
         if stream.INITIALIZER.search(value.name) and value.const_value is not None:
             aside[value.name] = t = value.const_value
-            value.const_value = ir.Tensor(np.zeros(1, t.dtype.numpy()), dtype=t.dtype)
+            value.const_value = ir.Tensor(np.zeros((1, *t.shape[1:]), t.dtype.numpy()), dtype=t.dtype)
     return aside
 
 

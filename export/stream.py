@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import DFlashError
+from ..errors import DFlashError, InternalError
 from ..lazy import lazy_import
 
 ir = lazy_import("onnx_ir")  # torch, onnx_ir and the models: on first use (lazy.py)
@@ -151,37 +151,46 @@ def external_experts(t) -> callable:
     return lambda e: read_rows(entry, e, 1)[0]
 
 
-def quantize_expert(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """One expert [N, K] float32 -> (uint8 [N, K * bits / 8], float32 scales [N, K / block]):
-    symmetric block-wise round-to-nearest along K by ONNX Runtime's own kernel (the one its
-    MatMulNBits quantizer calls), in com.microsoft::QMoE's raw layout (weights_prepacked=0;
-    no zero points: QMoE's default 2^(bits-1) is the symmetric one)."""
+def quantize_expert(w: np.ndarray, bits: int, block: int, symmetric: bool = True):
+    """One expert [N, K] (float32 or float16) -> (codes uint8 [N, K * bits / 8], scales [N, K / block]
+    in w's dtype, zero points uint8 [N, ceil(K / block * bits / 8)] or None when symmetric):
+    block-wise round-to-nearest along K by ONNX Runtime's own kernel (the one its MatMulNBits
+    quantizer calls), in com.microsoft::QMoE's raw layout (weights_prepacked=0; no zero points:
+    QMoE's default 2^(bits-1), the symmetric one)."""
     n, k = w.shape
-    blocks, per_byte = k // block, 8 // bits
-    packed = np.zeros((n, blocks, block // per_byte), np.uint8)
-    scales = np.zeros((n, blocks), np.float32)
-    zero_points = np.zeros((n, (blocks + per_byte - 1) // per_byte), np.uint8)  # written, unused when symmetric
+    blocks = k // block
+    codes = np.zeros((n, blocks, block * bits // 8), np.uint8)
+    scales = np.zeros((n, blocks), w.dtype)
+    zero_points = np.zeros((n, (blocks * bits + 7) // 8), np.uint8)
     fn = {4: ort_c.quantize_matmul_4bits, 8: ort_c.quantize_matmul_8bits}[bits]
-    fn(packed, np.ascontiguousarray(w.T, dtype=np.float32), scales, zero_points, block, n, k, True)
-    return packed.reshape(n, -1), scales
+    fn(codes, np.ascontiguousarray(w.T), scales, zero_points, block, n, k, symmetric)
+    return codes.reshape(n, -1), scales, None if symmetric else zero_points
+
+
+PARTS = ("codes", "scales", "zero_points")
 
 
 class StreamedQuantized(ir.LazyTensor):
-    """QMoE's packed weights [E, N, K * bits / 8] (part "weights") or scales [E, N, K / block]
-    (part "scales") of an [E, N, K] expert tensor, each expert read from `expert(e)` and
-    quantized only while the data file is written: int4 / int8 experts written directly,
-    with no float copy of the layer held. (The two parts read the source once each.)"""
+    """One part of QMoE's quantized form of an [E, N, K] expert tensor: "codes" [E, N, K * bits / 8],
+    "scales" [E, N, K / block] or "zero_points" (asymmetric only), each expert read from
+    `expert(e)`, cast to `dtype` (the float export's) and quantized only while the data file is
+    written: int4 / int8 experts written directly, with no float copy of the layer held. Each
+    part reads the source once."""
 
-    def __init__(self, expert, shape: tuple[int, int, int], bits: int, block: int, part: str, name: str):
+    def __init__(self, expert, shape: tuple[int, int, int], dtype, bits: int, block: int, part: str, name: str,
+                 symmetric: bool = True):
         e, n, k = shape
         if k % block:
             raise DFlashError(f"{name}: its input width {k} is not a multiple of the quantization block {block}")
-        self.expert, self.bits, self.block, self.index = expert, bits, block, ("weights", "scales").index(part)
-        dtype, out = (ir.DataType.UINT8, (e, n, k * bits // 8)) if part == "weights" else (ir.DataType.FLOAT, (e, n, k // block))
+        self.expert, self.np_dtype, self.bits, self.block = expert, dtype.numpy(), bits, block
+        self.symmetric, self.index = symmetric, PARTS.index(part)
+        dtype, out = {"codes": (ir.DataType.UINT8, (e, n, k * bits // 8)), "scales": (dtype, (e, n, k // block)),
+                      "zero_points": (ir.DataType.UINT8, (e, n, (k // block * bits + 7) // 8))}[part]
         super().__init__(self._whole, dtype=dtype, shape=ir.Shape(out), name=name)
 
     def _one(self, e: int) -> np.ndarray:
-        return quantize_expert(self.expert(e), self.bits, self.block)[self.index]
+        w = self.expert(e).astype(self.np_dtype, copy=False)
+        return quantize_expert(w, self.bits, self.block, self.symmetric)[self.index]
 
     def _whole(self):  # only if something asks for the whole array (the data file's writer never does)
         return ir.Tensor(np.stack([self._one(e) for e in range(self.shape[0])]), dtype=self.dtype)
@@ -189,6 +198,28 @@ class StreamedQuantized(ir.LazyTensor):
     def tofile(self, file) -> None:
         for e in range(self.shape[0]):
             file.write(np.ascontiguousarray(self._one(e)).tobytes())
+
+
+def put_back(model, aside: dict, bits: int, block: int, symmetric: bool) -> None:
+    """After quantizing a graph whose experts went through as one-expert stand-ins
+    (export/quantize.py `set_experts_aside`): an expert tensor still there gets its float
+    bytes back (copied from the float export's file); one the quantizer turned into
+    QMoE's `<name>_Q<bits>`, `<name>_scales`, `<name>_zp<bits>` gets those written expert by
+    expert from the float export's file, quantized as they are written."""
+    inits = model.graph.initializers
+    for name, t in aside.items():
+        if name in inits:
+            inits[name].const_value, inits[name].shape = t, t.shape
+            continue
+        parts = {f"{name}_Q{bits}": "codes", f"{name}_scales": "scales", f"{name}_zp{bits}": "zero_points"}
+        found = [n for n in parts if n in inits]
+        if not found:
+            raise InternalError(f"quantizing dropped the experts {name} without a quantized form of them")
+        for n in found:
+            v = inits[n]
+            v.const_value = StreamedQuantized(external_experts(t), tuple(t.shape), t.dtype, bits, block, parts[n], n,
+                                              symmetric)
+            v.shape = v.const_value.shape
 
 
 def placeholders(target, interleaved: bool) -> bool:

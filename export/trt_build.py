@@ -75,15 +75,15 @@ def build_plan(manifest: Manifest, precision: str | None = None, max_context: in
                max_prompt: int | None = None, workspace_gb: float = 4.0, max_batch: int = 1) -> BuildPlan:
     """The whole build decided from the manifest; raises DFlashError on impossible requests."""
     refuse_quantized(manifest)
+    if getattr(manifest, "windowed", None):  # its sliding layers' rings are host arrays (runtime/window.py)
+        raise DFlashError(f"TensorRT engines for {manifest.architecture} targets (sliding-window layers with ring caches) "
+                          "are not built in this version; run this export with ONNX Runtime (--backend ort)")
     if (manifest.moe or {}).get("path") == "op":
         raise DFlashError(f"this export is {trt_lint.MOE_OP}")
     if ring(manifest):  # the TensorRT backend writes a drafter context slot per position
         raise DFlashError(f"this export keeps its drafter context in a ring of {ring(manifest)} slots (every drafter "
                           "layer slides), which the TensorRT backend does not run yet; re-export with --max-context "
                           f"<= {ring(manifest)} (a slot per position) or run it with ONNX Runtime (--backend ort)")
-    if getattr(manifest, "windowed", None):  # its sliding layers' rings are host arrays (runtime/window.py)
-        raise DFlashError(f"TensorRT engines for {manifest.architecture} targets (sliding-window layers with ring caches) "
-                          "are not built in this version; run this export with ONNX Runtime (--backend ort)")
     precision = check_precision(manifest.dtype, precision)
     if not workspace_gb > 0:
         raise DFlashError(f"--workspace {workspace_gb}: give the builder's workspace in GB, > 0")

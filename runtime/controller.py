@@ -14,7 +14,8 @@ Each row keeps a discounted mean of the tokens its drafted rounds emitted (GAMMA
 last 10 rounds; a new row starts with one round's worth of PRIOR tokens above the batch-1
 break-even) plus HOPE standard errors (acceptance is bursty), and an average verify length.
 
-Verify length: a drafting row's estimate at its average verify length is read as a per-draft
+Verify length (calibrated costs; the uncalibrated model verifies the whole block, as the
+official loop does): a drafting row's estimate at its average verify length is read as a per-draft
 acceptance `alpha` (`best_length`), and the row verifies the length s >= 2 with the most
 expected tokens per ms under the costs (its `cap`; the calibrated verify policy may cut it
 shorter): the block where a verify costs about a step, a short verify where the cost grows
@@ -94,6 +95,10 @@ class Costs:
     draft: list[float]  # one draft_block call
     context: list[float]  # one draft_context call (a position or a few per row)
     source: str = "default"  # "calibrated" (runtime.json) or "default"
+    # whether a drafted round may verify fewer than the block (`best_length`): not on the
+    # uncalibrated model, which knows no verify's real cost; there a drafting row verifies the
+    # whole block, as the official loop does, round for round
+    short_verifies: bool = True
     _memo: dict = field(default_factory=dict, repr=False)
 
     def _at(self, values: list[float], r: int) -> float:
@@ -166,7 +171,7 @@ def default_costs(block_size: int, rows: int = 8) -> Costs:
     rs = list(range(1, rows + 1))
     call = lambda positions: 1 + 0.08 * (positions - 1)  # noqa: E731
     return Costs(rs, [call(r) for r in rs], [[call(r * s) for s in range(1, block_size + 1)] for r in rs],
-                 [call(r) for r in rs], [0.1 * call(r) for r in rs])
+                 [call(r) for r in rs], [0.1 * call(r) for r in rs], short_verifies=False)
 
 
 def alpha(tokens: float, length: int) -> float:
@@ -185,7 +190,7 @@ def _best(costs: Costs, rows: int, per_row: bool, block: int, a: float) -> tuple
     emitted = lambda s: float(s) if a >= 1 else (1 - a**s) / (1 - a)  # noqa: E731
     if block < 2:
         return block, 1.0
-    s = max(range(2, block + 1), key=lambda s: (emitted(s) / costs.round_ms(rows, (s,), per_row), s))
+    s = max(range(2 if costs.short_verifies else block, block + 1), key=lambda s: (emitted(s) / costs.round_ms(rows, (s,), per_row), s))
     return s, emitted(s)
 
 

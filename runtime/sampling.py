@@ -14,7 +14,7 @@ exact sample of the target (the standard speculative-sampling argument), and acc
 than sample-and-compare whenever q resembles p. With a reduced draft vocabulary q is zero
 outside its N tokens: the same rule, exactly.
 
-Temperature > 0, sample-and-compare (`sampling="compare"`): argmax drafts, the target's
+Temperature > 0, sample-and-compare (`Sampling(method="compare")`): argmax drafts, the target's
 choice at each position is a sample from p, accept while they are equal. Also exact; it
 accepts less, but needs no drafter probabilities (an export whose draft vocabulary ids
 the runtime cannot read, a backend without draft logits) and its output does not depend

@@ -79,7 +79,7 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
             await asyncio.to_thread(holder.engine.close)
 
     app = FastAPI(title="dflash-export serve", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.openapi = lambda: _openapi(app)
+    app.openapi = lambda: _openapi(app, holder.engine)
     app.state.holder, app.state.options = holder, options
     app.add_middleware(Guard, options=options)
 
@@ -171,19 +171,45 @@ BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequ
           "/detokenize": DetokenizeRequest}
 
 
-def _openapi(app: FastAPI) -> dict:
+def _openapi(app: FastAPI, engine: Engine | None) -> dict:
     """GET /openapi.json: the routes, with the request bodies the routes parse themselves (parse_body,
-    so that every refusal is OpenAI's error body rather than FastAPI's 422) described by their models."""
-    if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=__version__, routes=app.routes)
-        _, defs = models_json_schema([(m, "validation") for m in BODIES.values()],
-                                     ref_template="#/components/schemas/{model}")
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
-        for path, model in BODIES.items():
-            schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
-        app.openapi_schema = schema
+    so that every refusal is OpenAI's error body rather than FastAPI's 422) described by their models;
+    once the model is loaded, with this server's own bounds (vocabulary, context, rows + queue)."""
+    if app.openapi_schema is not None and app.openapi_schema.get("x-loaded") == (engine is not None):
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=__version__, routes=app.routes)
+    _, defs = models_json_schema([(m, "validation") for m in BODIES.values()], ref_template="#/components/schemas/{model}")
+    if engine is not None:
+        _bounds(defs["$defs"], vocab=engine.manifest.vocab_size, context=engine.max_len, room=engine.room)
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+    for path, model in BODIES.items():
+        schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    app.openapi_schema = schema | {"x-loaded": engine is not None}
     return app.openapi_schema
+
+
+def _bounds(defs: dict, vocab: int, context: int, room: int) -> None:
+    """The loaded model's bounds into the bodies' schemas: token ids below the vocabulary, new tokens
+    within the context, choices within what the server holds at once."""
+    def walk(node, field=None):
+        if isinstance(node, dict):
+            if node.get("type") == "integer" and node.get("minimum") == 0 and field in ("prompt", "tokens",
+                                                                                         "stop_token_ids"):
+                node["maximum"] = vocab - 1
+            if node.get("type") == "integer" and field in ("max_tokens", "max_completion_tokens"):
+                node["maximum"] = context - 1
+            if node.get("type") == "integer" and field == "n":
+                node["maximum"] = min(node.get("maximum", room), room)
+            for k, v in node.items():
+                walk(v, k if k not in ("anyOf", "items", "properties") else field)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v, field)
+
+    for model in defs.values():
+        for name, prop in model.get("properties", {}).items():
+            walk(prop, name)
 
 
 def _model_card(engine: Engine) -> dict:

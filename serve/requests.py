@@ -54,8 +54,18 @@ MAX_MESSAGES = 1024  # chat messages
 MAX_PARTS = 64  # content parts of one message
 MAX_LIST = 1 << 16  # any other list or object (token ids: the context bounds them further)
 
+
+
+def ranged(kind, **schema):
+    """`kind` with the range serve/validate.py enforces (its messages name the field and the range),
+    stated in the OpenAPI schema for clients and for the tests generated from it; not checked here."""
+    return Annotated[kind, Field(allow_inf_nan=False, json_schema_extra=schema) if kind is float
+                     else Field(json_schema_extra=schema)]
+
+
 Float = Annotated[float, Field(allow_inf_nan=False)]
-Ids = Annotated[list[int], Field(max_length=MAX_LIST)]
+TokenId = ranged(int, minimum=0)
+Ids = Annotated[list[TokenId], Field(max_length=MAX_LIST)]
 Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 # what a field whose value may take several forms accepts (pydantic's own message names one form)
@@ -79,16 +89,16 @@ class Common(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: Float | None = None
-    top_p: Float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    max_tokens: ranged(int, minimum=0) | None = None
+    temperature: ranged(float, minimum=0, maximum=2) | None = None
+    top_p: ranged(float, exclusiveMinimum=0, maximum=1) | None = None
+    top_k: ranged(int, minimum=-1) | None = None
+    seed: ranged(int, minimum=-(2**63), maximum=2**64 - 1) | None = None
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOP)] | None = None
-    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_IDS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_IDS)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    n: ranged(int, minimum=1, maximum=MAX_CHOICES) | None = None
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
     logit_bias: Annotated[dict, Field(max_length=300)] | None = None  # OpenAI's bound (refused when not empty)
@@ -101,10 +111,10 @@ class Common(BaseModel):
 class CompletionRequest(Common):
     prompt: (str | Ids | Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]
              | Annotated[list[Ids], Field(min_length=1, max_length=MAX_CHOICES)])
-    logprobs: int | None = None
+    logprobs: ranged(int, minimum=0, maximum=5) | None = None
     echo: bool | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: ranged(int, minimum=1) | None = None
 
 
 class TextPart(BaseModel):
@@ -121,9 +131,9 @@ class Message(BaseModel):
 
 class ChatRequest(Common):
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: ranged(int, minimum=1) | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: ranged(int, minimum=0, maximum=20) | None = None
     add_generation_prompt: bool | None = None
     tools: Annotated[list, Field(max_length=MAX_LIST)] | None = None  # refused when not empty: no tool calling here
     functions: Annotated[list, Field(max_length=MAX_LIST)] | None = None

@@ -203,6 +203,11 @@ def _plan(server: Server, body: Common, prompts: list[list[int]], n: int, given:
 async def encode(engine, text: str, special: bool, what: str) -> list[int]:
     """Text -> token ids, bounded by characters first and tokenized off the event loop."""
     check_chars(engine, len(text), what)
+    try:
+        text.encode("utf-8")  # JSON may carry an unpaired surrogate ("\ud800"), which no tokenizer takes
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{what}: the text holds an unpaired surrogate ({text[e.start]!a} at character "
+                            f"{e.start}): not valid Unicode", param=what.split(".")[0]) from None
     return await asyncio.to_thread(engine.text.encode, text, special)
 
 

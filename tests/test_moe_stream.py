@@ -21,12 +21,12 @@ import onnx_ir as ir
 import pytest
 import torch
 from click.testing import CliRunner
-from onnx import numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 from safetensors.torch import load_file, save_file
 
 from dflash_export.cli import cli
 from dflash_export.errors import DFlashError
-from dflash_export.export import artifact, moe as moe_export, stream
+from dflash_export.export import artifact, moe as moe_export, save, stream
 from dflash_export.models import Target, moe
 from dflash_export.testing import make_drafter, make_target
 
@@ -58,12 +58,14 @@ def test_reader_gives_each_expert_as_the_reference_loads_it(tmp_path, fused):
 def test_export_and_quantize_stream_experts_one_at_a_time(tmp_path, monkeypatch):
     """fp32 + int4 from a fused bf16 checkpoint: each expert is read from the checkpoint once and
     written (gate/up rows interleaved for the MoE op); no expert initializer is ever asked for
-    whole, by the export or by the quantizer (which copies them from the float export's data
-    file); the quantized artifact holds the reference's experts and loads in ONNX Runtime."""
-    def whole(self):
-        raise AssertionError(f"{self.name} was materialized whole")
+    whole, by the export or by the quantizer (which copies the experts from the float export's
+    data file, or writes their QMoE form expert by expert from it); the quantized artifact holds
+    the reference's experts, as they are or quantized, and loads in ONNX Runtime."""
+    def whole(self):  # (tensors under 1 KiB stay inline in the .onnx file: those are read whole)
+        assert self.nbytes < save.INLINE_BELOW, f"{self.name} was materialized whole"
+        return whole_of[type(self)](self)
 
-    load = ir.ExternalTensor._load
+    load, whole_of = ir.ExternalTensor._load, {c: c._whole for c in (stream.StreamedExperts, stream.StreamedQuantized)}
 
     def load_no_experts(self):
         assert ".mlp.experts." not in (self.name or ""), f"{self.name} was loaded whole"
@@ -71,13 +73,14 @@ def test_export_and_quantize_stream_experts_one_at_a_time(tmp_path, monkeypatch)
 
     fc2, read = stream.ExpertReader.fc2, []
     monkeypatch.setattr(stream.StreamedExperts, "_whole", whole)
+    monkeypatch.setattr(stream.StreamedQuantized, "_whole", whole)
     monkeypatch.setattr(ir.ExternalTensor, "_load", load_no_experts)
     monkeypatch.setattr(stream.ExpertReader, "fc2", lambda self, layer, e: read.append((layer, e)) or fc2(self, layer, e))
     t = _bf16_target(tmp_path / "t", fused=True)
     make_drafter(tmp_path / "d", t)
     r = CliRunner().invoke(cli, ["export", "--target", str(t), "--draft", str(tmp_path / "d"), "--out",
-                                 str(tmp_path / "o"), "--moe", "op", "--quantize", "int4", "--max-context", "64",
-                                 "--quiet"])
+                                 str(tmp_path / "o"), "--moe", "op", "--quantize", "int4", "--quant-block-size", "16",
+                                 "--max-context", "64", "--quiet"])
     assert r.exit_code == 0, r.output
     assert sorted(read) == [(i, e) for i in (0, 1) for e in range(4)]  # each expert read once, from the checkpoint
     graph = onnx.load(str(tmp_path / "o" / "target.onnx"))
@@ -88,14 +91,16 @@ def test_export_and_quantize_stream_experts_one_at_a_time(tmp_path, monkeypatch)
     for i, b in zip(ref.config.moe.sparse_layers, moe.blocks(ref)):
         want[f"model.layers.{i}.mlp.experts.gate_up_proj"] = moe_export.interleave(b.experts.gate_up_proj.data).numpy()
         want[f"model.layers.{i}.mlp.experts.down_proj"] = b.experts.down_proj.detach().numpy()
+    qmoe = any(n.op_type == "QMoE" for n in graph.graph.node)  # experts quantized (com.microsoft::QMoE) or float
+    if qmoe:
+        want = {f"{name}{suffix}": np.stack([stream.quantize_expert(x, 4, 16)[part] for x in w])
+                for name, w in want.items() for suffix, part in (("_Q4", 0), ("_scales", 1))}
     assert sorted(got) == sorted(want)
     for name, w in want.items():
-        assert got[name].dtype == np.float32 and np.array_equal(got[name], w), name
+        assert got[name].dtype == w.dtype and np.array_equal(got[name], w), name
 
 
 def _qmoe_node(bits: int, block: int, k: int, h: int, e: int, inits: dict):
-    from onnx import TensorProto, helper
-
     node = helper.make_node("QMoE", ["x", "logits", "fc1", "fc1_scales", "", "fc2", "fc2_scales"], ["y"],
                             domain="com.microsoft", k=k, activation_type="swiglu", swiglu_fusion=1,
                             normalize_routing_weights=1, expert_weight_bits=bits, block_size=block)
@@ -116,6 +121,16 @@ def _dequantize(packed: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray
     return (q * scales[..., None]).reshape(*packed.shape[:2], -1)
 
 
+def _routed(x, logits, fc1: np.ndarray, fc2: np.ndarray) -> np.ndarray:
+    """The MoE op's semantics (the PyTorch reference's experts): softmax, top-2, renormalised, SwiGLU."""
+    weights, ids = moe.route(logits, 2, True)
+    ex = moe.Experts(*fc1.shape[::2], fc1.shape[1] // 2)
+    ex.gate_up_proj, ex.down_proj = torch.nn.Parameter(torch.from_numpy(fc1)), torch.nn.Parameter(torch.from_numpy(fc2))
+    ex.interleaved = True
+    with torch.no_grad():
+        return ex(x, ids, weights).numpy()
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_streamed_quantized_experts_are_what_qmoe_reads(tmp_path, bits):
     """int4 / int8 experts quantized one at a time as they are written, from the checkpoint:
@@ -128,11 +143,11 @@ def test_streamed_quantized_experts_are_what_qmoe_reads(tmp_path, bits):
     parts = {}
     for name, fn, shape in [("fc1", lambda e: reader.fc1(0, e, interleaved=True), (4, 32, 32)),
                             ("fc2", lambda e: reader.fc2(0, e), (4, 32, 16))]:
-        for part in ("weights", "scales"):
-            t = stream.StreamedQuantized(fn, shape, bits, block, part, f"{name}_{part}")
+        for part in ("codes", "scales"):
+            t = stream.StreamedQuantized(fn, shape, ir.DataType.FLOAT, bits, block, part, f"{name}_{part}")
             buf = io.BytesIO()
             t.tofile(buf)
-            parts[name if part == "weights" else f"{name}_scales"] = np.frombuffer(
+            parts[name if part == "codes" else f"{name}_scales"] = np.frombuffer(
                 buf.getvalue(), t.dtype.numpy()).reshape(tuple(t.shape))
     sess = _qmoe_node(bits, block, 2, 32, 4, parts)
     fc1 = np.stack([reader.fc1(0, e, interleaved=True) for e in range(4)])
@@ -140,9 +155,7 @@ def test_streamed_quantized_experts_are_what_qmoe_reads(tmp_path, bits):
     deq1, deq2 = _dequantize(parts["fc1"], parts["fc1_scales"], bits), _dequantize(parts["fc2"], parts["fc2_scales"], bits)
     x, logits = torch.randn(7, 32), torch.randn(7, 4)
     got = sess.run(None, {"x": x.numpy(), "logits": logits.numpy()})[0]
-    QWEN = (1.0, 0.0, moe_export.NO_LIMIT)  # SwiGLU: alpha 1, beta 0, no clamp; no biases
-    as_read = moe_export.moe_op(x, logits, torch.from_numpy(deq1), None, torch.from_numpy(deq2), None, 2, True, *QWEN).numpy()
-    float_ = moe_export.moe_op(x, logits, torch.from_numpy(fc1), None, torch.from_numpy(fc2), None, 2, True, *QWEN).numpy()
+    as_read, float_ = _routed(x, logits, deq1, deq2), _routed(x, logits, fc1, fc2)
     scale = float(np.abs(float_).max())
     err, q_err = float(np.abs(got - as_read).max()) / scale, float(np.abs(as_read - float_).max()) / scale
     print(f"int{bits}: QMoE vs its dequantized weights {err:.1e}, dequantized vs float {q_err:.1e} (relative to max |y|)")

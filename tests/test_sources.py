@@ -193,7 +193,7 @@ def test_train_draft_takes_an_id_too(hub, tmp_path):
     root, _, _ = hub
     with offline_hub(root / "hf"):
         r = CliRunner().invoke(cli, ["train-draft", "--target", "acme/missing@v3", "--out", str(tmp_path / "d"),
-                                     "--data", str(tmp_path / "x.txt")])
+                                     "--data", str(tmp_path / "x.txt"), "--steps", "1"])
     assert r.exit_code == 2 and r.stderr.startswith("error: target acme/missing@v3: acme/missing is not in the local "
                                                     "Hugging Face cache"), r.output
     assert "`hf download acme/missing --revision v3`" in r.stderr and not (tmp_path / "d").exists()

@@ -245,9 +245,8 @@ def test_served_chat_renders_the_checkpoint_template(tmp_path):
     assert rendered[0].startswith("<|start|>system<|message|>You are a model.") and rendered[0].endswith("<|start|>assistant")
     backend = OrtBackend(art)
     offline = [text.decode(generate(backend, text.encode(r), 10, stop_token_ids=()).tokens) for r in rendered]
-    options = ServeOptions(art, model_name="m", max_batch=2)
-    engine = load_engine(options)
-    app = create_app(options, engine=engine)
+    engine = load_engine(ServeOptions(art, model_name="m", max_batch=2))
+    app = create_app(ServeOptions(art), engine=engine)
 
     async def both():
         return await asyncio.gather(*(_call(app, "POST", "/v1/chat/completions", json.dumps(
