@@ -124,8 +124,9 @@ def make_target(
     return directory
 
 
-def _qwen35(arch: str, common: dict, layer_types, head_dim: int, tie: bool, linear: dict):
-    """A tiny hybrid Qwen3.5 with transformers' own classes (partial rotary, gated attention, GDN)."""
+def _hybrid_text(common: dict, layer_types, head_dim: int, tie: bool, linear: dict, **more) -> dict:
+    """The text config of a tiny Qwen3.5-style hybrid: every fourth layer full attention, the
+    rest Gated DeltaNet; partial rotary; `linear` and `more` override or add."""
     layers = common["num_hidden_layers"]
     text = dict(
         **common, head_dim=head_dim, tie_word_embeddings=tie,
@@ -133,8 +134,15 @@ def _qwen35(arch: str, common: dict, layer_types, head_dim: int, tie: bool, line
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
         linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                                    "partial_rotary_factor": 0.5},
+        **more,
     )
     text.update(linear)
+    return text
+
+
+def _qwen35(arch: str, common: dict, layer_types, head_dim: int, tie: bool, linear: dict):
+    """A tiny hybrid Qwen3.5 with transformers' own classes (partial rotary, gated attention, GDN)."""
+    text = _hybrid_text(common, layer_types, head_dim, tie, linear)
     if arch == "qwen35":
         return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text))
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=common["hidden_size"],
@@ -166,16 +174,7 @@ def _moe(arch: str, common: dict, layer_types, head_dim: int, tie: bool, linear:
     if arch == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(**common, head_dim=head_dim, tie_word_embeddings=tie, **experts)
         return transformers.Qwen3MoeForCausalLM(cfg)
-    layers = common["num_hidden_layers"]
-    text = dict(
-        **common, head_dim=head_dim, tie_word_embeddings=tie, shared_expert_intermediate_size=24,
-        layer_types=layer_types or ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)],
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
-        linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                                   "partial_rotary_factor": 0.5},
-        **experts,
-    )
-    text.update(linear)
+    text = _hybrid_text(common, layer_types, head_dim, tie, linear, shared_expert_intermediate_size=24, **experts)
     if arch == "qwen3_next":
         return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**text))
     text.pop("intermediate_size")  # Qwen3.5-MoE has no dense MLP

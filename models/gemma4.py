@@ -132,11 +132,7 @@ class Body(nn.Module):
 
 class Gemma4Target(WindowedTarget):
     def __init__(self, config: TargetConfig, tap_ids: list[int] = ()):
-        super().__init__(config, tap_ids)
-        self.model = Body(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config, tap_ids, Body(config))
 
     def layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """[B,S,L,width]: each layer's slice of the per-layer embeddings (x: the scaled embedding)."""

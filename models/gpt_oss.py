@@ -50,11 +50,7 @@ class Body(nn.Module):
 
 class GptOssTarget(WindowedTarget):
     def __init__(self, config: TargetConfig, tap_ids: list[int] = ()):
-        super().__init__(config, tap_ids)
-        self.model = Body(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config, tap_ids, Body(config))
 
 
 def from_pretrained(config: TargetConfig, directory: str | Path, tap_ids, dtype: torch.dtype) -> GptOssTarget:

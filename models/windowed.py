@@ -117,7 +117,7 @@ class WindowedTarget(nn.Module):
     (models/gpt_oss.py, models/gemma4.py): `layer(x, attention, extra)` with
     `attention(h) -> attention output` built here, where the caches and masks are."""
 
-    def __init__(self, config: TargetConfig, tap_ids: list[int] = ()):
+    def __init__(self, config: TargetConfig, tap_ids: list[int], body: nn.Module):
         super().__init__()
         self.config = config
         self.tap_ids = list(tap_ids)
@@ -126,6 +126,10 @@ class WindowedTarget(nn.Module):
         self.kv_source = w.kv_source
         for kind, k in w.kinds.items():  # per kind: its frequencies; YaRN's factor scales cos and sin
             self.register_buffer(f"inv_freq_{kind}", k.rope.inv_freq(k.head_dim), persistent=False)
+        self.model = body  # the family's embedding, layers and final norm
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     # -- what the export wrappers, the oracle and the runtime's checks read ------------------
 
