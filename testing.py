@@ -140,13 +140,18 @@ def _hybrid_text(common: dict, layer_types, head_dim: int, tie: bool, linear: di
     return text
 
 
+def _tiny_vision(hidden: int) -> dict:
+    """The smallest vision tower a Qwen3.5 vision-language wrapper takes (its text model is what we load)."""
+    return dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden,
+                patch_size=4, num_position_embeddings=16)
+
+
 def _qwen35(arch: str, common: dict, layer_types, head_dim: int, tie: bool, linear: dict):
     """A tiny hybrid Qwen3.5 with transformers' own classes (partial rotary, gated attention, GDN)."""
     text = _hybrid_text(common, layer_types, head_dim, tie, linear)
     if arch == "qwen35":
         return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text))
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=common["hidden_size"],
-                  patch_size=4, num_position_embeddings=16)
+    vision = _tiny_vision(common["hidden_size"])
     return transformers.Qwen3_5ForConditionalGeneration(
         transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie))
 
@@ -180,8 +185,7 @@ def _moe(arch: str, common: dict, layer_types, head_dim: int, tie: bool, linear:
     text.pop("intermediate_size")  # Qwen3.5-MoE has no dense MLP
     if arch == "qwen35_moe":
         return transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**text))
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=common["hidden_size"],
-                  patch_size=4, num_position_embeddings=16)
+    vision = _tiny_vision(common["hidden_size"])
     return transformers.Qwen3_5MoeForConditionalGeneration(
         transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie))
 

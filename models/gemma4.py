@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .checkpoint import load_state_dict, strict_load
+from .checkpoint import load_state_dict
 from .config import TargetConfig
 from .moe import Experts, route
 from .windowed import Norm, WindowAttention, WindowedTarget, drop_unused
@@ -157,9 +157,4 @@ def from_pretrained(config: TargetConfig, directory: str | Path, tap_ids, dtype:
     shared = tuple(f"model.layers.{i}.self_attn.{n}." for i in config.windowed.shared_layers
                    for n in ("k_proj", "v_proj", "k_norm", "v_norm"))
     state = drop_unused(state, shared, directory, "K/V weights of KV-sharing layers, which read an earlier layer's")
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    for name in tied:
-        state.pop(name, None)
-    strict_load(model, state, f"target {directory}", dtype, tied=tied)
-    model.set_frequencies()
-    return model.eval()
+    return model.load(state, directory, dtype)

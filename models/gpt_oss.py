@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import load_state_dict, strict_load
+from .checkpoint import load_state_dict
 from .config import TargetConfig
 from .moe import SparseMoe, blocks
 from .mxfp4 import dequantize_experts
@@ -59,12 +59,7 @@ def from_pretrained(config: TargetConfig, directory: str | Path, tap_ids, dtype:
     state = experts_as_moe(dequantize_experts(load_state_dict(directory, "target"), f"target {directory}"))
     for block in blocks(model):
         block.experts.interleaved = True  # gpt-oss's gate and up columns alternate
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    for name in tied:
-        state.pop(name, None)
-    strict_load(model, state, f"target {directory}", dtype, tied=tied)
-    model.set_frequencies()
-    return model.eval()
+    return model.load(state, directory, dtype)
 
 
 def experts_as_moe(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ import sys
 import torch
 from torch import nn
 
+from .checkpoint import strict_load
 from .config import TargetConfig
 from .kvcache import KVCache
 from .layers import apply_rope, attend, position_visible, rope_cos_sin
@@ -216,6 +217,16 @@ class WindowedTarget(nn.Module):
         """The RoPE buffers (meta-initialised modules get them after loading)."""
         for kind, k in self.config.windowed.kinds.items():
             setattr(self, f"inv_freq_{kind}", k.rope.inv_freq(k.head_dim))
+
+    def load(self, state: dict, directory, dtype: torch.dtype) -> "WindowedTarget":
+        """The family's state (its names already ours) into the module, strictly; a tied head's
+        copy dropped; then the RoPE buffers. Returns the module in eval mode."""
+        tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        for name in tied:
+            state.pop(name, None)
+        strict_load(self, state, f"target {directory}", dtype, tied=tied)
+        self.set_frequencies()
+        return self.eval()
 
 
 def drop_unused(state: dict, prefixes: tuple[str, ...], directory, why: str) -> dict:
