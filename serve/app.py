@@ -27,7 +27,7 @@ from .. import __version__
 from ..errors import DFlashError
 from . import validate
 from .engine import Engine, load_engine
-from .options import ServeOptions  # noqa: F401 (serve/ray.py's, tests')
+from .options import ServeOptions
 from .requests import (  # REPLICA: serve/ray.py's
     REPLICA, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, Guard, error_response,
     parse_body,

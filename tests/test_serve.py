@@ -39,7 +39,8 @@ from dflash_export.runtime.sampling import Sampling
 from dflash_export.runtime.settings import load_settings
 from dflash_export.serve.app import ServeOptions, create_app
 from dflash_export.runtime.loop import Request
-from dflash_export.serve.engine import Engine, Job
+from dflash_export.serve.engine import Engine
+from dflash_export.serve.jobs import Job
 from dflash_export.serve.text import Text, TextStream
 
 ROOT = Path(__file__).resolve().parents[1]
