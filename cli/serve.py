@@ -213,27 +213,28 @@ def serve(out, demo, host, port, api_key_file, shutdown_timeout, ray: RayOptions
     _need_serve_extra()
     if (out is None) == (not demo):
         raise DFlashError("give an exported directory OUT or --demo (not both)")
-    fields["api_key"] = _api_key(fields["api_key"], api_key_file)
-    for name, key, low in (("--max-batch", "max_batch", 1), ("--slots", "slots", 1), ("--max-queue", "max_queue", 0),
-                           ("--max-tokens", "default_max_tokens", 1)):
-        if fields[key] is not None and fields[key] < low:
-            raise DFlashError(f"{name} must be >= {low} (got {fields[key]})")
-    check_options(fields["threads"], fields["verify"])  # before --demo's first export, not after it
-    fields["speculation"] = resolve_speculation(fields["no_draft"], fields["speculation"])
-    if (fields["slots"] or 1) > 1 and fields["backend"] != "ort":
-        raise DFlashError(f"--slots {fields['slots']} needs --backend ort (its slots share one copy of the weights)")
+    options = ServeOptions(out, **fields)  # as given; the directory, batch and slots are resolved below
+    options.api_key = _api_key(options.api_key, api_key_file)
+    for name, value, low in (("--max-batch", options.max_batch, 1), ("--slots", options.slots, 1),
+                             ("--max-queue", options.max_queue, 0), ("--max-tokens", options.default_max_tokens, 1)):
+        if value is not None and value < low:
+            raise DFlashError(f"{name} must be >= {low} (got {value})")
+    check_options(options.threads, options.verify)  # before --demo's first export, not after it
+    options.speculation = resolve_speculation(options.no_draft, options.speculation)
+    if (options.slots or 1) > 1 and options.backend != "ort":
+        raise DFlashError(f"--slots {options.slots} needs --backend ort (its slots share one copy of the weights)")
     if ray.use_ray and not _importable("ray.serve"):
         raise DFlashError('--ray needs Ray Serve: pip install "dflash-export[ray]"')
     deploy = ray.deploy()
-    fields["chat_template"] = _template(fields["chat_template"])
+    options.chat_template = _template(options.chat_template)
     directory = demo_artifact() if demo else out
     if ray.use_ray:
         directory = Path(directory).resolve()  # every replica opens this path on its own node
     # a wrong folder, --threads or runtime.json is one line now, not after binding
     manifest = M.load_manifest(directory, verify=False)
-    settings_for(directory, fields["backend"], fields["provider"], threads=fields["threads"], spin=fields["spin"],
-                 verify=fields["verify"])
-    options = ServeOptions(Path(directory), **fields)
+    settings_for(directory, options.backend, options.provider, threads=options.threads, spin=options.spin,
+                 verify=options.verify)
+    options.directory = Path(directory)
     options.model_name = options.model_name or ("dflash-demo" if demo else None)
     options.max_batch, options.slots = _batch_rows(directory, manifest, options.max_batch, options.slots,
                                                    options.backend, options.provider, options.speculative)
