@@ -4,10 +4,12 @@ A shared machine's load changes within minutes: run one after another, the engin
 compared at different loads, so each round decodes --tokens with every export in turn (one
 process, ONNX Runtime) and runs `llama-bench` on every GGUF given (tg --tokens at the same
 --depth and threads, its own process), and the best and median round per entry are reported.
-Besides wall time, each round reads the CPU time the engine spent per token (its process's, or
-llama-bench's own from rusage): a run of SHORT tokens is subtracted from a run of SHORT + --tokens,
-which cancels loading, the prompt and warm-up. At 1 thread that figure is what a load on a shared
-machine changes least (other jobs delay a run; they do not add to its own CPU time).
+Besides wall time, each round reads the user CPU time the engine spent per token (its process's,
+or llama-bench's own from rusage): a run of SHORT tokens is subtracted from a run of SHORT +
+--tokens, which cancels loading, the prompt and warm-up (user time only: loading's page faults
+are system time, and varied by more than the tokens' cost). At 1 thread that figure is what a
+load on a shared machine changes least (other jobs delay a run; they do not add to its own CPU
+time); give --tokens 32 or more, as llama-bench's own start-up still varies.
 
     python bench/step_ms.py LABEL=DIR[,spin] [LABEL=FILE.gguf ...] [--threads 1] [--depth 64] [--tokens 12]
         [--rounds 4] [--cpus 0,1]
@@ -25,7 +27,6 @@ import json
 import os
 import resource
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -36,9 +37,8 @@ from dflash_export.runtime.loop import generate
 SHORT = 4  # tokens of the run subtracted from each measured one (CPU time)
 
 
-def children_cpu_s() -> float:
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
+def user_s(who: int = resource.RUSAGE_SELF) -> float:
+    return resource.getrusage(who).ru_utime
 
 
 def main() -> None:
@@ -73,17 +73,17 @@ def main() -> None:
     for _ in range(a.rounds):
         for k in entries:
             if k in ggufs:
-                c0 = children_cpu_s()
+                c0 = user_s(resource.RUSAGE_CHILDREN)
                 llama_bench(bins, ggufs[k], a.threads, n=SHORT, depth=a.depth)
-                c1 = children_cpu_s()
+                c1 = user_s(resource.RUSAGE_CHILDREN)
                 ms[k].append(llama_bench(bins, ggufs[k], a.threads, n=SHORT + a.tokens, depth=a.depth)["ms_per_token"])
-                cpu[k].append(((children_cpu_s() - c1) - (c1 - c0)) / a.tokens * 1e3)
+                cpu[k].append(((user_s(resource.RUSAGE_CHILDREN) - c1) - (c1 - c0)) / a.tokens * 1e3)
             else:
-                c0 = time.process_time()
+                c0 = user_s()
                 generate(backends[k], prompt, SHORT, draft=False, stop_token_ids=())
-                c1 = time.process_time()
+                c1 = user_s()
                 g = generate(backends[k], prompt, SHORT + a.tokens, draft=False, stop_token_ids=())
-                cpu[k].append(((time.process_time() - c1) - (c1 - c0)) / a.tokens * 1e3)
+                cpu[k].append(((user_s() - c1) - (c1 - c0)) / a.tokens * 1e3)
                 ms[k].append(g.decode_s / (len(g.tokens) - 1) * 1e3)
     load.append(os.getloadavg()[0])
     print(json.dumps({"threads": a.threads, "depth": a.depth, "tokens": a.tokens, "cpus": a.cpus,

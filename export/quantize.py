@@ -16,7 +16,7 @@ int8 dot products) is chosen per artifact by measurement (export/accuracy_level.
 
 The block size, unless given, is DEFAULT_BLOCK[scheme] (`default_block_size`): int4 blocks of 128
 (the common int4 group size, ONNX Runtime's quantizer's own default), measured on CPU at the
-Qwen3-0.6B shape to cost about two thirds of block 32's CPU time per token at a modestly larger
+Qwen3-0.6B shape to cost about 60 % of block 32's CPU time per token at a modestly larger
 error (docs/quantization.md, "Block size"); int8 and the experts of MoE targets keep 32.
 
 The graphs then need ONNX Runtime (CPU, CUDA and DirectML providers have MatMulNBits);
