@@ -227,7 +227,8 @@ def stream_batch(
                 if verify is not None:
                     s = verify.length(conf[b], s)
             lens[b] = s
-        S = pad_verify(lens, [r.max_length - r.start if r.req.speculative and r.ud is None else 0 for r in rows])
+        pads = not backend.verify_per_row  # padding is computed anyway only where rows share one call
+        S = pad_verify(lens, [r.max_length - r.start if pads and r.req.speculative and r.ud is None else 0 for r in rows])
         ids = np.zeros((len(rows), S), np.int64)
         ids[:, 0] = anchors
         if spec and S > 1:
