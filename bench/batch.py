@@ -177,7 +177,9 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
     from dflash_export.runtime.ort.backend import OrtBackend
 
     if not (work / "target" / "config.json").is_file():
+        t0 = time.perf_counter()
         make_checkpoint(work)
+        print(json.dumps({"made": "checkpoint", "seconds": round(time.perf_counter() - t0)}), flush=True)
     scatter = []
     real = ort_rows.scatter
 
@@ -188,7 +190,7 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
 
     ort_rows.scatter = timed_scatter
     def made(name: str) -> Path:  # int4: the standard export quantized; int4-ort: the ort one
-        out = work / f"out-{name}"
+        out, t0 = work / f"out-{name}", time.perf_counter()
         if not (out / "manifest.json").is_file():
             if name.startswith("int4"):
                 quantize_artifact(made("standard" if name == "int4" else name.removeprefix("int4-")), out,
@@ -197,6 +199,7 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
             else:
                 export_artifact(work / "target", work / "draft", out, max_context=1280, attention=name, force=True,
                                 progress=False)
+            print(json.dumps({"made": name, "seconds": round(time.perf_counter() - t0)}), flush=True)
         return out
 
     outs = {name: made(name) for name in exports}  # exported first (all cores), measured after pinning
