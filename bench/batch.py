@@ -190,11 +190,12 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
 
     ort_rows.scatter = timed_scatter
     def made(name: str) -> Path:  # int4: the standard export quantized; int4-ort: the ort one
-        out, t0 = work / f"out-{name}", time.perf_counter()
+        out = work / f"out-{name}"
         if not (out / "manifest.json").is_file():
-            if name.startswith("int4"):
-                quantize_artifact(made("standard" if name == "int4" else name.removeprefix("int4-")), out,
-                                  QuantOptions(scheme="int4", draft=True, lm_head=True, accuracy_level=4),
+            base = made("standard" if name == "int4" else name.removeprefix("int4-")) if name.startswith("int4") else None
+            t0 = time.perf_counter()
+            if base is not None:
+                quantize_artifact(base, out, QuantOptions(scheme="int4", draft=True, lm_head=True, accuracy_level=4),
                                   force=True, progress=False)
             else:
                 export_artifact(work / "target", work / "draft", out, max_context=1280, attention=name, force=True,
