@@ -111,6 +111,46 @@ def round_ms(be, rows: int, ctx: int, verify: int, split: dict) -> float:
     return 1e3 * (t3 - t0)
 
 
+def mixed_verify(out: Path, threads: int, batch: int, ctx: int, repeats: int) -> dict | None:
+    """A drafted round's verify on a per-row-verify export (`ort` flavour) where the first half
+    of the rows verify their anchor alone (plain rows) and the rest 6 positions: the backend's
+    call (one-position rows together) against one call per row (as before), interleaved,
+    fastest of 4 x `repeats`; target calls only, every row at `ctx` positions."""
+    import numpy as np
+
+    from dflash_export.runtime.ort.backend import OrtBackend
+
+    be = OrtBackend(out, threads=threads, max_batch=batch, drafter=False)
+    if not be.verify_per_row:
+        return None
+    fill(be, batch, ctx)
+    rows, half = list(range(batch)), batch // 2
+    counts = np.array([1] * half + [6] * (batch - half))
+    ids = np.ones((batch, 6), np.int64)
+
+    def joint():
+        be.target_rows(rows, ids, counts, None)
+
+    def each():  # one call per row, each at its own count
+        for r in rows:
+            c = int(counts[r])
+            be._target_call([r], ids[r : r + 1, :c], [c], np.zeros((1, 6), np.int64), False, r * 6)
+
+    ms: dict = {"joint": [], "one_row_per_call": []}
+    for i in range(4 * repeats + 1):
+        for key, f in (("joint", joint), ("one_row_per_call", each)):
+            be.lengths[:batch] = ctx
+            t = time.perf_counter()
+            f()
+            if i:
+                ms[key].append(1e3 * (time.perf_counter() - t))
+            be.commit_rows(rows, [1] * batch)
+    best = {k: round(min(v), 2) for k, v in ms.items()}
+    be.close()
+    return {"context": ctx, "rows verifying 1 / 6 positions": [half, batch - half], "verify_ms": best,
+            "one_row_per_call_over_joint": round(best["one_row_per_call"] / best["joint"], 3)}
+
+
 def op_split(out: Path, threads: int, batch: int, ctx: int, steps: int) -> dict:
     """ONNX Runtime's profiler over plain target steps at `batch` rows and at 1 row, alternating
     (`steps` each after 2 untimed), every row at `ctx` positions: kernel ms per step by op type,
@@ -207,7 +247,7 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
     if cores:
         os.sched_setaffinity(0, cores)
     print(json.dumps({"measuring_on_cpus": sorted(os.sched_getaffinity(0)), "uptime": uptime()}), flush=True)
-    cases = [(c, 1) for c in contexts if "plain" in modes] + [(c, 6) for c in contexts[:1] if "speculative" in modes]
+    cases = [(c, 1) for c in contexts if "plain" in modes] + [(c, 6) for c in contexts[:1] if {"speculative", "mixed"} & set(modes)]
     for name, out in outs.items():
         backends = {batch: OrtBackend(out, threads=threads, max_batch=batch, spin=spin),
                     1: OrtBackend(out, threads=threads, spin=spin)}
@@ -234,6 +274,10 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
                               "aggregate_ratio": round(batch * med[1] / med[batch], 3),
                               "cpu_ms": {f"batch_{b}": round(v, 2) for b, v in cpu.items()},
                               "aggregate_ratio_cpu_time": round(batch * cpu[1] / cpu[batch], 3), "uptime": uptime()}), flush=True)
+            if verify > 1 and "mixed" in modes:
+                r = mixed_verify(out, threads, batch, ctx, repeats)
+                if r is not None:
+                    print(json.dumps({"export": name, "mode": "mixed verify", **r, "uptime": uptime()}), flush=True)
             if profile and verify == 1:
                 print(json.dumps({"export": name, "context": ctx, "mode": "plain", "kernel_ms_per_step_by_op":
                                   op_split(out, threads, batch, ctx, profile)}), flush=True)
@@ -452,7 +496,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--exports", default="standard,int4,ort", help="part 06b: the exports (flavours, int4), comma-separated")
     ap.add_argument("--contexts", default="300,1000", help="part 06b: positions every row holds (speculative: the first)")
-    ap.add_argument("--modes", default="plain,speculative", help="part 06b: plain steps, speculative rounds (verify 6)")
+    ap.add_argument("--modes", default="plain,speculative",
+                    help="part 06b: plain steps, speculative rounds (verify 6), mixed (ort flavour: half the rows verify 1)")
     ap.add_argument("--cores", help="part 06b: measure pinned to these CPUs (e.g. 0,1), after the exports are made")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="part 06b: also ONNX Runtime's per-op kernel ms of STEPS plain steps at batch N and 1 per context")
