@@ -15,11 +15,11 @@ thread counts.
 Needs: the llama.cpp build and the demo pair's GGUFs under the llama.cpp cache
 (~/.cache/dflash-export/llamacpp or DFLASH_LLAMACPP_CACHE: build/bin, gguf/demo/{target,draft}-f32.gguf;
 converted here from the vendored source when missing) and our exports (`export --attention ort`,
-optionally `bench --calibrate`d: their runtime.json's verify policy is used). No torch. About a
-minute per thread count on a quiet machine with the defaults.
+calibrated by `bench --calibrate` or --calibrate here: their runtime.json's verify policy is used).
+No torch. About a minute per thread count on a quiet machine with the defaults.
 
     python bench/spec_cores.py --ours b16=DIR [--ours b8=DIR] [--threads 1,2] [--rounds 3] [--prompts 3]
-        [--max-new-tokens 64] [--json]
+        [--max-new-tokens 64] [--calibrate] [--json]
 
 The last line of stdout is the JSON list of rows {threads, what, tok_s, ...}.
 """
@@ -38,7 +38,7 @@ from common import ROOT
 from llamacpp import CACHE, convert, llama_dflash, llama_plain, prompt_file
 
 from dflash_export.runtime import manifest as M
-from dflash_export.runtime.calibrate import round_costs
+from dflash_export.runtime.calibrate import calibrate, round_costs
 from dflash_export.runtime.measure import measure_many, rate
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import device_key, resolve
@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-context", type=int, default=2048)
     ap.add_argument("--n-max", type=int, default=15, help="llama.cpp --spec-draft-n-max")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="`bench --calibrate` each export first over --threads, on 4 other demo prompts (its verify policy is then used)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     from tokenizers import Tokenizer
@@ -112,12 +114,18 @@ def main() -> None:
         raise SystemExit(f"--threads {max(threads)}: only {len(cores)} cores are allowed here")
     bins, tg, dg = ggufs()
     lines = (ROOT / "demo" / "prompts.jsonl").read_text().splitlines()
-    texts = [json.loads(ln)["prompt"] for ln in lines if ln.strip()][: a.prompts]
+    all_texts = [json.loads(ln)["prompt"] for ln in lines if ln.strip()]
+    texts = all_texts[: a.prompts]
     tok = Tokenizer.from_file(str(ROOT / "demo" / "pair" / "target" / "tokenizer.json"))
     prompts = [tok.encode(t).ids for t in texts]
     work = Path(tempfile.mkdtemp(prefix="spec_cores."))
     pfiles = [prompt_file(work / f"p{i}", p) for i, p in enumerate(texts)]
     load0, rows = os.getloadavg(), []
+    for d in ours.values() if a.calibrate else ():
+        os.sched_setaffinity(0, cores[: max(threads)])
+        held_out = [tok.encode(t).ids for t in all_texts[a.prompts : a.prompts + 4]]  # not the measured prompts
+        calibrate(d, "cpu", "ort", threads, None, held_out, a.max_new_tokens, 1,
+                  log=lambda msg: print(f"calibrate {d.name}: {msg}", flush=True))
     for t in threads:
         os.sched_setaffinity(0, cores[:t])  # this process and every child: llama.cpp's, ORT's threads
         backends, verify = {}, {}
