@@ -11,8 +11,9 @@ In one process, on 2 ORT threads:
    through the model (its routing, not uniform random ids at the experts): a plain step, a
    verify of every length 1..16, a draft, a context update; with the break-even of each length.
 2. A drafter that accepts nothing (the random drafter): plain decoding against `auto` with
-   those costs, prompt after prompt interleaved, one controller for all prompts (as `serve`
-   has); per prompt too (the first is the cold one), and auto's mean round time of each kind.
+   those costs, prompt after prompt interleaved (the order rotating), one controller for all
+   prompts (as `serve` has); per prompt too (the first is the cold one), and auto's mean round
+   time of each kind.
    The full block every round, `always`, on the first prompt's first --always-new tokens only
    (it is the slow one; 0: not run).
 3. An acceptance profile like the demo pair's, replayed against the measured costs: the demo
@@ -59,11 +60,13 @@ def live(be: OrtBackend, costs: Costs, prompts: list, new: int, always_new: int,
     generate(be, prompts[0][:8], 2, draft=False)  # warm the shapes up
     ctl = Controller(costs, k)
     plain, auto, always, alone = [], [], [], []
+    runs = [lambda p: plain.append(generate(be, p, new, draft=False)),
+            lambda p: auto.append(generate(be, p, new, control=ctl))]
+    if fresh:  # auto with a controller of its own per prompt: every prompt cold
+        runs.append(lambda p: alone.append(generate(be, p, new, control=Controller(costs, k))))
     for i, p in enumerate(prompts):
-        plain.append(generate(be, p, new, draft=False))
-        auto.append(generate(be, p, new, control=ctl))
-        if fresh:  # auto with a controller of its own per prompt: every prompt cold
-            alone.append(generate(be, p, new, control=Controller(costs, k)))
+        for run in runs[i % len(runs):] + runs[: i % len(runs)]:  # the order rotates: load drifts
+            run(p)
         if i == 0 and always_new:
             always.append(generate(be, p, always_new))
     assert all(a.tokens == b.tokens for a, b in zip(auto, plain))  # lossless
