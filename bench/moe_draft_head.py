@@ -2,7 +2,7 @@
 
     OMP_WAIT_POLICY=PASSIVE nice -n 5 python bench/moe_draft_head.py --policy POLICY.json
 
-POLICY.json: bench/moe_policy.py's output (its measured costs). The exported draft_block
+POLICY.json: bench/moe_policy.py's output (its last line: the report, with the measured costs). The exported draft_block
 scores all K-1 draft positions against the vocabulary (151936 x 2048 at Qwen3-30B-A3B's
 shape) though a verify of s positions uses s-1 of them. This measures that head alone (one
 MatMul [n, H] x [H, V] in ONNX Runtime, fp32, random weights of the shape, the threads of
@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    pol = json.loads(args.policy.read_text())
+    pol = json.loads(args.policy.read_text().strip().splitlines()[-1])
     c, k, threads = pol["costs_ms"], pol["target"]["block"], pol["threads"]
     report = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load_before": uptime(),
               "policy": str(args.policy), "policy_date": pol["date"], "threads": threads}
