@@ -12,8 +12,10 @@ In one process, on 2 ORT threads:
    verify of every length 1..16, a draft, a context update; with the break-even of each length.
 2. A drafter that accepts nothing (the random drafter): plain decoding against `auto` with
    those costs, prompt after prompt interleaved (the order rotating), one controller for all
-   prompts (as `serve` has); per prompt too (the first is the cold one), and auto's mean round
-   time of each kind.
+   prompts (as `serve` has); per prompt too (the first is the cold one). On a loaded machine
+   the runs' wall times drift apart by more than the drafted rounds cost, so also: the
+   median round time of each kind and the ratio at those medians (the runs' rounds counted
+   as they ran, each at its kind's median time, against plain decoding's median step).
    The full block every round, `always`, on the first prompt's first --always-new tokens only
    (it is the slow one; 0: not run).
 3. An acceptance profile like the demo pair's, replayed against the measured costs: the demo
@@ -71,19 +73,31 @@ def live(be: OrtBackend, costs: Costs, prompts: list, new: int, always_new: int,
             always.append(generate(be, p, always_new))
     assert all(a.tokens == b.tokens for a, b in zip(auto, plain))  # lossless
 
-    def round_ms(kind: bool) -> float:  # auto's mean round time of one kind (draft + verify + host)
-        t = [sum(s) for g in auto for s, d in zip(g.round_s, g.drafted) if d == kind]
-        return 1e3 * float(np.mean(t)) if t else 0.0
+    def median_ms(gens, kind: bool) -> float:  # the median round time of one kind (draft + verify + host)
+        t = [sum(s) for g in gens for s, d in zip(g.round_s, g.drafted) if d == kind]
+        return 1e3 * float(np.median(t)) if t else 0.0
+
+    def accounted(gens) -> float:
+        """Tokens per ms of these runs' rounds at their median times, over plain decoding's at
+        its median step: the ratio with the load's drift between runs taken out."""
+        d = sum(sum(g.drafted) for g in gens)
+        ms = (sum(len(g.drafted) for g in gens) - d) * median_ms(gens, False) + d * median_ms(gens, True)
+        return sum(sum(g.acceptance_lengths) for g in gens) * step / ms
+
+    step = median_ms(plain, False)
     out = {"tokens_per_second": {"plain": rate(plain), "auto": rate(auto)}, "auto_over_plain": rate(auto) / rate(plain),
            "auto_rounds": {"drafted": sum(sum(g.drafted) for g in auto),
                            "plain": sum(len(g.drafted) - sum(g.drafted) for g in auto)},
            "per_prompt": [{"auto_over_plain": rate([a]) / rate([b]), "drafted_rounds": sum(a.drafted)}
                           for a, b in zip(auto, plain)],
-           "auto_round_ms": {"drafted": round_ms(True), "plain": round_ms(False)}}
+           "median_round_ms": {"plain decoding": step, "auto plain": median_ms(auto, False),
+                               "auto drafted": median_ms(auto, True)},
+           "auto_over_plain_at_median_rounds": accounted(auto)}
     if alone:
         assert all(a.tokens == b.tokens for a, b in zip(alone, plain))
         out["auto_fresh_per_prompt"] = {"over_plain": rate(alone) / rate(plain),
-                                        "drafted_rounds": sum(sum(g.drafted) for g in alone)}
+                                        "drafted_rounds": sum(sum(g.drafted) for g in alone),
+                                        "over_plain_at_median_rounds": accounted(alone)}
     if always:
         assert always[0].tokens == plain[0].tokens[: len(always[0].tokens)]
         out["always_first_prompt"] = {"tokens_per_second": rate(always), "over_plain": rate(always) / rate(plain[:1]),
