@@ -14,8 +14,9 @@ In one process, on 2 ORT threads:
    those costs, prompt after prompt interleaved (the order rotating), one controller for all
    prompts (as `serve` has); per prompt too (the first is the cold one). On a loaded machine
    the runs' wall times drift apart by more than the drafted rounds cost, so also: the
-   median round time of each kind and the ratio at those medians (the runs' rounds counted
-   as they ran, each at its kind's median time, against plain decoding's median step).
+   median round time of each kind and the ratio at those medians (auto's rounds counted as
+   they ran, each at its kind's median time, against as many tokens at its plain rounds'
+   median: plain decoding's step as the same run saw it).
    The full block every round, `always`, on the first prompt's first --always-new tokens only
    (it is the slow one; 0: not run).
 3. An acceptance profile like the demo pair's, replayed against the measured costs: the demo
@@ -78,19 +79,18 @@ def live(be: OrtBackend, costs: Costs, prompts: list, new: int, always_new: int,
         return 1e3 * float(np.median(t)) if t else 0.0
 
     def accounted(gens) -> float:
-        """Tokens per ms of these runs' rounds at their median times, over plain decoding's at
-        its median step: the ratio with the load's drift between runs taken out."""
-        d = sum(sum(g.drafted) for g in gens)
-        ms = (sum(len(g.drafted) for g in gens) - d) * median_ms(gens, False) + d * median_ms(gens, True)
+        """Tokens per ms of these runs' rounds at their kind's median time, over a plain step's
+        (their own plain rounds' median): the ratio without the load's drift between runs."""
+        d, step = sum(sum(g.drafted) for g in gens), median_ms(gens, False)
+        ms = (sum(len(g.drafted) for g in gens) - d) * step + d * median_ms(gens, True)
         return sum(sum(g.acceptance_lengths) for g in gens) * step / ms
 
-    step = median_ms(plain, False)
     out = {"tokens_per_second": {"plain": rate(plain), "auto": rate(auto)}, "auto_over_plain": rate(auto) / rate(plain),
            "auto_rounds": {"drafted": sum(sum(g.drafted) for g in auto),
                            "plain": sum(len(g.drafted) - sum(g.drafted) for g in auto)},
            "per_prompt": [{"auto_over_plain": rate([a]) / rate([b]), "drafted_rounds": sum(a.drafted)}
                           for a, b in zip(auto, plain)],
-           "median_round_ms": {"plain decoding": step, "auto plain": median_ms(auto, False),
+           "median_round_ms": {"plain decoding": median_ms(plain, False), "auto plain": median_ms(auto, False),
                                "auto drafted": median_ms(auto, True)},
            "auto_over_plain_at_median_rounds": accounted(auto)}
     if alone:

@@ -445,9 +445,9 @@ def test_moe_costs_verify_short_or_step(top):
     assert tokens / spent >= max(0.95, 1.02 * full), (d, p, tokens / spent, full)
 
 
-# Qwen3-30B-A3B's layer shape at 2 layers, fp32 experts (ONNX Runtime's MoE op), 2 CPU threads, in
-# plain steps (bench/moe_policy.json): a draft call 1.71 steps (the drafter's head over 16 positions
-# of 151936 tokens), a verify of s positions from 1.46 steps at 2 to 3.39 at 16
+# Qwen3-30B-A3B's layer shape at 2 layers, fp32 experts (ONNX Runtime's MoE op), 2 CPU threads at load
+# average 12, in plain steps (bench/moe_policy.py, 2026-12-04 05:26 UTC): a draft call 1.71 steps (the
+# drafter's head over 16 positions of 151936 tokens), a verify of s positions from 1.46 steps at 2 to 3.39 at 16
 MOE_2L = Costs([1], [1.0], [[1.0, 1.46, 1.83, 1.77, 1.98, 2.15, 2.23, 2.26, 2.67, 2.59, 2.99, 3.02, 3.21, 3.37, 3.29,
                              3.39]], [1.71], [0.0057])
 
