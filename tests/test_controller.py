@@ -490,6 +490,14 @@ def test_new_requests_continue_a_plain_stretch():
     assert (c.new_row(False, 0).plain, c.new_row(False, 0).gap) == (40, 48)
     fresh = c.new_row(True, 0)  # a row that decides for itself starts from its prior, whatever ran before
     assert (fresh.weight, fresh.gap, fresh.plain) == (0.0, 0, 0)
+    # in a batch: a plain stretch carries over only while every row deciding with the batch is in one
+    row = lambda ctl: SimpleNamespace(req=SimpleNamespace(speculative=True), ud=None, ctl=ctl, gen=Generation())  # noqa: E731
+    drafting = RowControl(emitted=36.0, squares=432.0, weight=3.0, length=16.0)
+    plain = RowControl(emitted=3.0, squares=3.0, weight=3.0, length=2.0, plain=10, gap=48)
+    c.choose([row(drafting), row(plain)])
+    assert c.new_row(False, 0).gap == 0 and c.new_row(False, 0).weight == 0.0
+    c.choose([row(plain), row(RowControl(**{**vars(plain), "taps": [], "plain": 30}))])
+    assert (c.new_row(False, 0).plain, c.new_row(False, 0).gap) == (30, 48)
 
 
 def test_new_requests_draft_where_drafting_pays_and_find_a_turn():
