@@ -280,7 +280,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
                                        quantization=q.record(quantized, {}))
         level = {"accuracy_level": q.accuracy_level, "accuracy_level_from": "flag"}
         if q.accuracy_level is None:
-            with ui.phase("accuracy level", "MatMulNBits at levels 0 and 4: step time and logits vs the float export"):
+            with ui.phase("accuracy level", "MatMulNBits at levels 0 and 4: step time and logits vs a float reference"):
                 write_manifest_checked(tmp, manifest)  # the probe opens the directory like any reader
                 level = AL.choose(tmp, src, manifest)
         AL.set_level(tmp, level["accuracy_level"])
