@@ -123,20 +123,20 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
 
     from dflash_export.export.artifact import export_artifact
     from dflash_export.export.quantize import QuantOptions, quantize_artifact
-    from dflash_export.runtime.ort import backend as ort_rows  # the module whose calls use scatter
+    from dflash_export.runtime.ort import backend as ort_backend  # the module whose calls use scatter
     from dflash_export.runtime.ort.backend import OrtBackend
 
     if not (work / "target" / "config.json").is_file():
         make_checkpoint(work)
     scatter = []
-    real = ort_rows.scatter
+    real = ort_backend.scatter
 
     def timed_scatter(*a, **k):  # batching's own host work in a call: the new positions written per row
         t = time.perf_counter()
         real(*a, **k)
         scatter.append(time.perf_counter() - t)
 
-    ort_rows.scatter = timed_scatter
+    ort_backend.scatter = timed_scatter
     def made(name: str) -> Path:  # int4: the standard export quantized; int4-ort: the ort one
         out = work / f"out-{name}"
         if not (out / "manifest.json").is_file():

@@ -1,9 +1,10 @@
 """Options several commands share, declared once: the models (--target, --draft and their
-revisions), the device (backend, provider, threads, spin, verify), sampling, prompts, and the
-Ray flags of `serve --ray`."""
+revisions), the device (backend, provider, threads, spin, verify), sampling, prompts; and the
+options generated from a dataclass's fields (`train-draft`, `serve`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import click
@@ -125,37 +126,25 @@ def num_prompts_option(default: int, help: str):
     return decorate
 
 
-RAY_FLAGS = (
-    click.option("--ray", "use_ray", is_flag=True,
-                 help="Run as a Ray Serve application (replicas across nodes; needs the ray extra). See docs/ray.md."),
-    click.option("--replicas", type=int, help="--ray: a fixed number of replicas [default: 1]."),
-    click.option("--autoscale", metavar="MIN:MAX", help="--ray: autoscale between MIN and MAX replicas on ongoing requests."),
-    click.option("--ray-address", help="--ray: an existing cluster (e.g. 10.0.0.5:6379) [default: a local head on 127.0.0.1]."),
-    click.option("--replica-cpus", type=float, default=1.0, show_default=True, help="--ray: CPUs reserved per replica."),
-    click.option("--replica-gpus", type=float, default=0.0, show_default=True,
-                 help="--ray: GPUs per replica (1 with --provider cuda: one GPU each)."),
-    click.option("--max-replicas-per-node", type=int, help="--ray: at most this many replicas on one node (1: spread)."),
-    click.option("--max-ongoing", type=int, help="--ray: requests Ray sends a replica at once [default: batch rows (or slots) + queue + 8]."),
-    click.option("--upscale-delay", type=float, default=30.0, show_default=True,
-                 help="--autoscale: seconds of load before adding a replica."),
-    click.option("--downscale-delay", type=float, default=600.0, show_default=True,
-                 help="--autoscale: seconds of low load before removing one."),
-    click.option("--health-check-period", type=float, default=10.0, show_default=True,
-                 help="--ray: seconds between replica health checks (slot threads alive, artifact files unchanged)."),
-    click.option("--proxy", type=click.Choice(["HeadOnly", "EveryNode"]), default="HeadOnly", show_default=True,
-                 help="--ray: Ray Serve HTTP proxies on the head only, or on every node (same --host/--port each)."),
-)
-RAY_NAMES = ("use_ray", "replicas", "autoscale", "ray_address", "replica_cpus", "replica_gpus", "max_replicas_per_node",
-             "max_ongoing", "upscale_delay", "downscale_delay", "health_check_period", "proxy")
+def field_options(cls, into: str | None = None):
+    """One click option per field of dataclass `cls` that carries an option's metadata, in field order
+    (train/config.py TrainConfig, serve/options.py): named `--field-name` (or the metadata's `opt`), the
+    field's default unless the metadata gives the command's own, help, type and choices from the metadata.
+    The command receives them as keywords named after the fields, or with `into` as one `cls` record of that name."""
+    fields = [fld for fld in dataclasses.fields(cls) if fld.metadata.get("option")]
 
+    def decorate(command):
+        f = command
+        if into:
+            @functools.wraps(command)
+            def f(*args, **kwargs):
+                return command(*args, **{into: cls(**{fld.name: kwargs.pop(fld.name) for fld in fields})}, **kwargs)
+        for fld in reversed(fields):
+            kw = dict(fld.metadata["option"])
+            name = kw.pop("opt", "--" + fld.name.replace("_", "-"))
+            if not kw.get("required") and not kw.get("multiple"):
+                kw.setdefault("default", fld.default)
+            f = click.option(name, fld.name, **kw)(f)
+        return f
 
-def ray_options(f):
-    """The --ray flags as one group: the command receives them as one dict, `ray`."""
-
-    @functools.wraps(f)
-    def wrapper(*args, **kwargs):
-        return f(*args, ray={k: kwargs.pop(k) for k in RAY_NAMES}, **kwargs)
-
-    for option in reversed(RAY_FLAGS):
-        wrapper = option(wrapper)
-    return wrapper
+    return decorate

@@ -23,14 +23,14 @@ from pathlib import Path
 import click
 
 from .demo import demo_dir
-from .options import device_options, ray_options, resolve_speculation, speculation_option
+from .options import device_options, field_options, resolve_speculation, speculation_option
 from ..runtime import contract as C, manifest as M
 from ..errors import DFlashError
 from ..lazy import lazy_import
 from ..runtime.load import settings_for
 from ..runtime.memory import check_cache_memory
 from ..runtime.settings import check_options
-from ..serve.options import ServeOptions
+from ..serve.options import RayOptions, ServeOptions
 
 DEMO_CONTEXT = 2048
 DEFAULT_BATCH = 4  # rows per round when --max-batch is not given (docs/serve.md: measured)
@@ -171,40 +171,28 @@ def _batch_rows(directory, m, max_batch: int | None, slots: int | None, backend:
     return max_batch, slots or 1
 
 
-def _ray_options(ray: dict) -> dict:
-    """The --ray flags (cli/options.py ray_options: one dict) checked, one line each, as serve/ray.py build's keywords."""
-    use_ray, replicas, autoscale, address, per_node, max_ongoing = (
-        ray[k] for k in ("use_ray", "replicas", "autoscale", "ray_address", "max_replicas_per_node", "max_ongoing"))
-    cpus, gpus, up, down, health = (ray[k] for k in ("replica_cpus", "replica_gpus", "upscale_delay",
-                                                     "downscale_delay", "health_check_period"))
-    given = [f for f, v in (("--replicas", replicas), ("--autoscale", autoscale), ("--ray-address", address),
-                            ("--max-replicas-per-node", per_node), ("--max-ongoing", max_ongoing)) if v is not None]
-    if not use_ray:
-        if given:
-            raise DFlashError(f"{given[0]} needs --ray")
-        return {}
-    if not _importable("ray.serve"):
-        raise DFlashError('--ray needs Ray Serve: pip install "dflash-export[ray]"')
-    if replicas is not None and autoscale is not None:
-        raise DFlashError("give --replicas N or --autoscale MIN:MAX, not both")
-    kw = dict(num_cpus=cpus, num_gpus=gpus, max_ongoing=max_ongoing, max_replicas_per_node=per_node,
-              upscale_delay=up, downscale_delay=down, health_period=health)
-    if autoscale is not None:
-        lo, sep, hi = autoscale.partition(":")
-        if not (sep and lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
-            raise DFlashError(f"--autoscale takes MIN:MAX with 1 <= MIN <= MAX, e.g. 1:4 (got {autoscale!r})")
-        kw["autoscale"] = (int(lo), int(hi))
-    else:
-        kw["replicas"] = 1 if replicas is None else replicas
-        if kw["replicas"] < 1:
-            raise DFlashError(f"--replicas must be >= 1 (got {replicas})")
-    for name, v in (("--replica-cpus", cpus), ("--replica-gpus", gpus), ("--upscale-delay", up), ("--downscale-delay", down),
-                    ("--health-check-period", health)):
-        if v < 0:
-            raise DFlashError(f"{name} must be >= 0 (got {v})")
-    if per_node is not None and per_node < 1:
-        raise DFlashError(f"--max-replicas-per-node must be >= 1 (got {per_node})")
-    return kw
+def _api_key(api_key: str | None, api_key_file: Path | None) -> str | None:
+    """--api-key (or DFLASH_API_KEY), or the key read from --api-key-file."""
+    if api_key and api_key_file:
+        raise DFlashError("give --api-key or --api-key-file, not both")
+    if api_key_file is None:
+        return api_key
+    try:
+        api_key = api_key_file.read_text().strip()
+    except OSError as e:
+        raise DFlashError(f"--api-key-file {api_key_file}: {e.strerror}") from None
+    if not api_key:
+        raise DFlashError(f"--api-key-file {api_key_file} is empty")
+    return api_key
+
+
+def _template(path: Path | None) -> str | None:
+    """--chat-template's text (the record holds the template, not its file)."""
+    if path is None:
+        return None
+    if not path.is_file():
+        raise DFlashError(f"--chat-template {path}: no such file")
+    return path.read_text()
 
 
 @click.command()
@@ -212,78 +200,56 @@ def _ray_options(ray: dict) -> dict:
 @click.option("--demo", is_flag=True, help="Serve the shipped demo pair (exported once into ~/.cache/dflash-export/).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (other than loopback: set an API key).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port (0-65535); 0 picks a free one (printed).")
-@click.option("--max-batch", type=int,
-              help="Requests generating at once as rows of one batched loop: they join at a round boundary and "
-                   "leave when done [default: 4 where the export and memory allow, else 1].")
-@click.option("--slots", type=int,
-              help="Instead of --max-batch: this many separate loops over shared weights, each reusing its last "
-                   "prompt's prefix (the older mode; docs/serve.md compares them).")
-@click.option("--max-queue", default=16, show_default=True, type=int,
-              help="Requests that may wait for a row or slot (FIFO); more get 429.")
-@click.option("--api-key", envvar="DFLASH_API_KEY", help="Require 'Authorization: Bearer KEY' (env: DFLASH_API_KEY).")
+@field_options(ServeOptions)
 @click.option("--api-key-file", type=click.Path(path_type=Path), help="Read the API key from this file.")
-@click.option("--model-name", help="The model id clients send [default: the directory's name].")
-@click.option("--max-tokens", "default_max_tokens", default=256, show_default=True, type=int,
-              help="max_tokens when a request omits it (capped by the room left in the context).")
-@click.option("--chat-template", type=click.Path(path_type=Path), help="Jinja chat template file (overrides the artifact's).")
-@click.option("--no-draft", is_flag=True, help="Load without the drafter: plain decoding only (= --speculation never).")
 @speculation_option
 @click.option("--shutdown-timeout", default=10.0, show_default=True, type=float,
               help="Seconds in-flight requests may finish after Ctrl-C / SIGTERM before they are cancelled.")
-@click.option("--no-access-log", is_flag=True, help="No line per request on stderr.")
 @device_options
-@ray_options
-def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_file, model_name, default_max_tokens,
-          chat_template, no_draft, speculation, shutdown_timeout, no_access_log, backend, provider, threads, spin, verify,
-          ray: dict):
+@field_options(RayOptions, into="ray")
+def serve(out, demo, host, port, api_key_file, shutdown_timeout, ray: RayOptions, **fields):
     """An OpenAI-compatible server over an exported directory OUT (or --demo):
     /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize."""
     _need_serve_extra()
     if (out is None) == (not demo):
         raise DFlashError("give an exported directory OUT or --demo (not both)")
-    if api_key and api_key_file:
-        raise DFlashError("give --api-key or --api-key-file, not both")
-    if api_key_file is not None:
-        try:
-            api_key = api_key_file.read_text().strip()
-        except OSError as e:
-            raise DFlashError(f"--api-key-file {api_key_file}: {e.strerror}") from None
-        if not api_key:
-            raise DFlashError(f"--api-key-file {api_key_file} is empty")
-    for name, value, low in (("--max-batch", max_batch, 1), ("--slots", slots, 1), ("--max-queue", max_queue, 0),
-                             ("--max-tokens", default_max_tokens, 1)):
+    options = ServeOptions(out, **fields)  # as given; the directory, batch and slots are resolved below
+    options.api_key = _api_key(options.api_key, api_key_file)
+    for name, value, low in (("--max-batch", options.max_batch, 1), ("--slots", options.slots, 1),
+                             ("--max-queue", options.max_queue, 0), ("--max-tokens", options.default_max_tokens, 1)):
         if value is not None and value < low:
             raise DFlashError(f"{name} must be >= {low} (got {value})")
-    check_options(threads, verify)  # before --demo's first export, not after it
-    speculation = resolve_speculation(no_draft, speculation)
-    if (slots or 1) > 1 and backend != "ort":
-        raise DFlashError(f"--slots {slots} needs --backend ort (its slots share one copy of the weights)")
-    use_ray = ray["use_ray"]
-    ray_kw = _ray_options(ray)
-    template = None
-    if chat_template is not None:
-        if not chat_template.is_file():
-            raise DFlashError(f"--chat-template {chat_template}: no such file")
-        template = chat_template.read_text()
+    check_options(options.threads, options.verify)  # before --demo's first export, not after it
+    options.speculation = resolve_speculation(options.no_draft, options.speculation)
+    if (options.slots or 1) > 1 and options.backend != "ort":
+        raise DFlashError(f"--slots {options.slots} needs --backend ort (its slots share one copy of the weights)")
+    if ray.use_ray and not _importable("ray.serve"):
+        raise DFlashError('--ray needs Ray Serve: pip install "dflash-export[ray]"')
+    deploy = ray.deploy()
+    options.chat_template = _template(options.chat_template)
     directory = demo_artifact() if demo else out
-    if use_ray:
+    if ray.use_ray:
         directory = Path(directory).resolve()  # every replica opens this path on its own node
     # a wrong folder, --threads or runtime.json is one line now, not after binding
     manifest = M.load_manifest(directory, verify=False)
-    settings_for(directory, backend, provider, threads=threads, spin=spin, verify=verify)
-    options = ServeOptions(Path(directory), model_name=model_name or ("dflash-demo" if demo else None),
-                           max_queue=max_queue, api_key=api_key, backend=backend, provider=provider, threads=threads,
-                           spin=spin, verify=verify, default_max_tokens=default_max_tokens, chat_template=template,
-                           speculation=speculation, no_draft=no_draft, access_log=not no_access_log)
-    options.max_batch, options.slots = _batch_rows(directory, manifest, max_batch, slots, backend, provider,
-                                                   options.speculative)
-    max_batch, slots = options.max_batch, options.slots
-    if not _is_loopback(host) and not api_key:
+    settings_for(directory, options.backend, options.provider, threads=options.threads, spin=options.spin,
+                 verify=options.verify)
+    options.directory = Path(directory)
+    options.model_name = options.model_name or ("dflash-demo" if demo else None)
+    options.max_batch, options.slots = _batch_rows(directory, manifest, options.max_batch, options.slots,
+                                                   options.backend, options.provider, options.speculative)
+    if not _is_loopback(host) and not options.api_key:
         click.echo(f"warning: listening on {host} without an API key: anyone who can reach it can use it "
                    "(set --api-key or DFLASH_API_KEY)", err=True)
-    if use_ray:
-        return serve_ray.run(options, host=host, port=port, address=ray["ray_address"], proxy=ray["proxy"], shutdown_timeout=shutdown_timeout,
-                   **ray_kw)
+    if ray.use_ray:
+        return serve_ray.run(options, host=host, port=port, address=ray.ray_address, proxy=ray.proxy,
+                             shutdown_timeout=shutdown_timeout, **deploy)
+    _serve_here(options, host, port, shutdown_timeout)
+
+
+def _serve_here(options: ServeOptions, host: str, port: int, shutdown_timeout: float) -> None:
+    """One process: bind, load in the background (/health 503 until ready), print the URL, serve
+    until Ctrl-C / SIGTERM, then drain for up to shutdown_timeout seconds."""
     sock = _bind(host, port)
     port = sock.getsockname()[1]
     app = serve_app.create_app(options)
@@ -318,17 +284,17 @@ def serve(out, demo, host, port, max_batch, slots, max_queue, api_key, api_key_f
             return
         e = holder.engine
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-        mode = f"speculative (DFlash, speculation {speculation})" if e.has_drafter else "plain decoding"
-        rows = f"batch {max_batch}" if max_batch > 1 else f"{slots} slot(s)"
+        mode = f"speculative (DFlash, speculation {options.speculation})" if e.has_drafter else "plain decoding"
+        rows = f"batch {options.max_batch}" if options.max_batch > 1 else f"{options.slots} slot(s)"
         click.echo(f"dflash-export serve: ready at {url}  model {e.model!r}, {rows}, "
-                   f"queue {max_queue}, {mode}, {e.slots[0].backend.provider}, context {e.max_len}")
-        auth = ' -H "Authorization: Bearer $DFLASH_API_KEY"' if api_key else ""
+                   f"queue {options.max_queue}, {mode}, {e.slots[0].backend.provider}, context {e.max_len}")
+        auth = ' -H "Authorization: Bearer $DFLASH_API_KEY"' if options.api_key else ""
         click.echo(f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
                    f"-d '{{\"model\": \"{e.model}\", \"prompt\": \"def fib(n):\", \"max_tokens\": 32, \"temperature\": 0}}'")
         sys.stdout.flush()
 
     threading.Thread(target=announce, name="dflash-announce", daemon=True).start()
-    click.echo(f"dflash-export serve: listening on {host}:{port}, loading {directory} ...", err=True)
+    click.echo(f"dflash-export serve: listening on {host}:{port}, loading {options.directory} ...", err=True)
     try:
         server.run(sockets=[sock])
     finally:

@@ -7,7 +7,6 @@ definition each); the parsed options become that TrainConfig, whole, and
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
@@ -15,26 +14,14 @@ import click
 
 from .. import sources
 from ..lazy import lazy_import
+from .options import field_options
 from ..train.config import TrainConfig
 
 train = lazy_import("dflash_export.train.train")  # torch: only when the command runs
 
 
-def config_options(f):
-    """One click option per TrainConfig field that has an option's metadata, in field order."""
-    for fld in reversed(dataclasses.fields(TrainConfig)):
-        kw = dict(fld.metadata.get("option") or {})
-        if not kw:
-            continue
-        name = kw.pop("opt", "--" + fld.name.replace("_", "-"))
-        if not kw.get("required") and not kw.get("multiple"):
-            kw["default"] = fld.default
-        f = click.option(name, fld.name, **kw)(f)
-    return f
-
-
 @click.command("train-draft")
-@config_options
+@field_options(TrainConfig)
 @click.argument("more_data", nargs=-1, type=click.Path(path_type=Path), metavar="[MORE_DATA_FILES]...")
 def train_draft(more_data, **options):
     """Train a DFlash drafter on the target's own continuations of --data; writes a z-lab drafter.

@@ -260,18 +260,7 @@ def export_artifact(
         check_options(quantize, dtype)
     check_out_dir(out, force)
     tc, dc, k, mask = plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset, dsrc.label)
-    if attention not in C.ATTENTION_FLAVOURS:
-        raise DFlashError(f"--attention must be one of {', '.join(C.ATTENTION_FLAVOURS)} (got {attention!r})")
-    if attention == "ort" and tc.family != "dense":
-        why = "Gated DeltaNet hybrid" if tc.hybrid else "sliding-window and full attention layers"
-        raise DFlashError(f"--attention ort covers Llama/Qwen2/Qwen3 targets; this {tc.architecture} target "
-                          f"({why}) exports with --attention standard only")
-    if tc.hybrid and dtype == "bf16":
-        raise DFlashError("--dtype bf16 is not supported for hybrid (Gated DeltaNet) targets: the runtime's host state "
-                          "commit has no bf16 path and ONNX Runtime's CPU provider cannot run bf16; use --dtype fp16")
-    if moe is not None and tc.moe is None:
-        raise DFlashError(f"--moe {moe}: this {tc.architecture} target has no experts; leave --moe out")
-    moe_path = moe_graphs.choose_path(moe, dtype, tc.moe.activation) if tc.moe is not None else None
+    moe_path = graph_form(tc, dtype, attention, moe)
     eos = eos_ids(target_dir, tc.eos_token_ids)
     vocab_ids, vocab_record = plan_draft_vocab(draft_vocab, draft_vocab_data, target_dir, tc.vocab_size, eos, dc.family,
                                                dc.draft_vocab_size)
@@ -283,7 +272,65 @@ def export_artifact(
     stale = clean_stale(out)
     if room_check:
         check_room(weight_bytes, out, dtype, streamed=BYTES[dtype] * stream.expert_elements(target_dir) if streams else 0)
-    manifest = M.Manifest(
+    manifest = new_manifest(tc, dc, k, mask, dtype, max_context, eos, attention, vocab_record, moe_path)
+    ui = Phases(progress)
+    for p in stale:
+        ui.console.print(f"removed {p.name}, left by an export that did not finish")
+    t0 = time.perf_counter()
+    tmp = staging(out)
+    try:
+        with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
+            manifest.sources = {"target": tsrc.record(), "draft": dsrc.record()}  # hashes the weight files
+            target, drafter, streamed = load_pair(target_dir, draft_dir, dc, tdtype, streams=streams, moe_path=moe_path,
+                                                  vocab_ids=vocab_ids, label=dsrc.label)
+            if vocab_ids is None and drafter.vocab_ids is not None:
+                manifest.draft_vocab = own_vocab_record(drafter)
+        with ui.phase("trace", f"3 graphs, block size {k} (torch.onnx dynamo)"):
+            models = trace_graphs(target, drafter, manifest, tc, tdtype, opset, attention)
+            if streamed:  # the experts' bytes go from the checkpoint to target.data as it is written
+                stream_experts(models[C.TARGET], target_dir, tc, moe_path)
+        with ui.phase("save", "graphs + external data + tokenizer"):
+            shared = save_graphs(tmp, models, dict([C.SHARED_INITIALIZERS[::-1]]) if tc.tie_word_embeddings else {})
+            tokenizer = copy_tokenizer(target_dir, tmp)
+        manifest.shared = shared
+        del models, target, drafter
+        with ui.phase("validate", "onnx.checker, shape inference, op lint, ORT load"):
+            validate_artifact(tmp, dtype, attention=attention, moe=moe_path)
+        manifest = publish(tmp, out, manifest, tokenizer, quantize, progress)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt):
+            ui.console.print(f"[red]interrupted[/]: partial export removed, {out} unchanged")
+        raise
+    if quantize is None:
+        report(ui, out, time.perf_counter() - t0)
+    return manifest
+
+
+# -- export_artifact's steps ---------------------------------------------------------------
+
+
+def graph_form(tc, dtype: str, attention: str, moe: str | None) -> str | None:
+    """Refuse an attention flavour, dtype or --moe this target cannot export with; the MoE graph
+    form to export (export/moe.py; None: no experts)."""
+    if attention not in C.ATTENTION_FLAVOURS:
+        raise DFlashError(f"--attention must be one of {', '.join(C.ATTENTION_FLAVOURS)} (got {attention!r})")
+    if attention == "ort" and tc.family != "dense":
+        why = "Gated DeltaNet hybrid" if tc.hybrid else "sliding-window and full attention layers"
+        raise DFlashError(f"--attention ort covers Llama/Qwen2/Qwen3 targets; this {tc.architecture} target "
+                          f"({why}) exports with --attention standard only")
+    if tc.hybrid and dtype == "bf16":
+        raise DFlashError("--dtype bf16 is not supported for hybrid (Gated DeltaNet) targets: the runtime's host state "
+                          "commit has no bf16 path and ONNX Runtime's CPU provider cannot run bf16; use --dtype fp16")
+    if moe is not None and tc.moe is None:
+        raise DFlashError(f"--moe {moe}: this {tc.architecture} target has no experts; leave --moe out")
+    return moe_graphs.choose_path(moe, dtype, tc.moe.activation) if tc.moe is not None else None
+
+
+def new_manifest(tc, dc, k: int, mask: int, dtype: str, max_context: int, eos: list[int], attention: str,
+                 vocab_record, moe_path: str | None) -> M.Manifest:
+    """The manifest as far as the configs say (the graphs, their opset, sources and files come later)."""
+    return M.Manifest(
         block_size=k, mask_token_id=mask, target_layer_ids=list(dc.target_layer_ids), dtype=dtype,
         vocab_size=tc.vocab_size, max_context=int(max_context), hidden_size=tc.hidden_size,
         target_layers=tc.num_layers, target_kv_heads=tc.num_kv_heads, target_head_dim=tc.head_dim,
@@ -294,59 +341,55 @@ def export_artifact(
         selector=selector_record(dc), draft_ring=draft_ring(dc, max_context),
         moe=moe_graphs.record(tc, moe_path) if moe_path else None,
     )
-    ui = Phases(progress)
-    for p in stale:
-        ui.console.print(f"removed {p.name}, left by an export that did not finish")
-    t0 = time.perf_counter()
-    tmp = staging(out)
-    try:
-        with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
-            manifest.sources = {"target": tsrc.record(), "draft": dsrc.record()}  # hashes the weight files
-            with checkpoint.experts_on_meta() if streams else contextlib.nullcontext():
-                target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
-            streamed = streams and stream.placeholders(target, interleaved=moe_path == "op")
-            if moe_path:
-                moe_graphs.use_path(target, moe_path)
-            drafter = dflash2.load_drafter(draft_dir, tdtype, config=dc)
-            drafter.attach(target, f"drafter {dsrc.label}")
-            if vocab_ids is not None:
-                drafter.set_draft_vocab(torch.from_numpy(vocab_ids), target.lm_head.weight)
-            elif drafter.vocab_ids is not None:
-                manifest.draft_vocab = own_vocab_record(drafter)
-        with ui.phase("trace", f"3 graphs, block size {k} (torch.onnx dynamo)"):
-            models = {g: T.trace(g, graphs.wrapper(g, target, drafter, attention, manifest.max_context,
-                                                   ring=manifest.draft_ring), manifest, tdtype, opset) for g in C.GRAPHS}
-            for model in models.values():
-                T.fold_shape_constants(model)
-                T.rename_initializers(model, tc.tie_word_embeddings)
-                # tied embeddings: the head keeps reading the lookup table's bytes
-                T.store_transposed(model, keep=C.SHARED_INITIALIZERS[1:] if tc.tie_word_embeddings else ())
-            if streamed:  # the experts' bytes go from the checkpoint to target.data as it is written
-                names = stream.attach(models[C.TARGET], stream.ExpertReader(target_dir), interleaved=moe_path == "op")
-                if len(names) != 2 * len(tc.moe.sparse_layers):  # a placeholder left would be written as zeros
-                    raise InternalError(f"streamed {len(names)} expert tensors into the target graph, "
-                                        f"expected {2 * len(tc.moe.sparse_layers)}")
-        with ui.phase("save", "graphs + external data + tokenizer"):
-            shared = save_graphs(tmp, models, dict([C.SHARED_INITIALIZERS[::-1]]) if tc.tie_word_embeddings else {})
-            tokenizer = copy_tokenizer(target_dir, tmp)
-        manifest.shared = shared
-        del models, target, drafter
-        with ui.phase("validate", "onnx.checker, shape inference, op lint, ORT load"):
-            validate_artifact(tmp, dtype, attention=attention, moe=moe_path)
-        manifest.graphs = {name: graph_spec(tmp / f) for name, f in C.GRAPH_FILES.items()}
-        manifest.opset = opset_of(tmp / C.GRAPH_FILES[C.TARGET])
-        manifest.tokenizer = "tokenizer.json" in tokenizer or "tokenizer.model" in tokenizer
-        write_manifest_checked(tmp, manifest)
-        if quantize is None:
-            commit(tmp, out)
-        else:  # the float export is the quantizer's input; only the quantized one is published
-            manifest = quantize_artifact(tmp, out, quantize, force=True, progress=progress)
-            shutil.rmtree(tmp)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, KeyboardInterrupt):
-            ui.console.print(f"[red]interrupted[/]: partial export removed, {out} unchanged")
-        raise
+
+
+def load_pair(target_dir: Path, draft_dir: Path, dc, tdtype, *, streams: bool, moe_path: str | None, vocab_ids,
+              label: str):
+    """The reference target (streamed experts: placeholders, filled at save) and the drafter attached
+    to it, with the reduced draft head when one was planned: (target, drafter, streamed)."""
+    with checkpoint.experts_on_meta() if streams else contextlib.nullcontext():
+        target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
+    streamed = streams and stream.placeholders(target, interleaved=moe_path == "op")
+    if moe_path:
+        moe_graphs.use_path(target, moe_path)
+    drafter = dflash2.load_drafter(draft_dir, tdtype, config=dc)
+    drafter.attach(target, f"drafter {label}")
+    if vocab_ids is not None:
+        drafter.set_draft_vocab(torch.from_numpy(vocab_ids), target.lm_head.weight)
+    return target, drafter, streamed
+
+
+def trace_graphs(target, drafter, manifest: M.Manifest, tc, tdtype, opset: int | None, attention: str) -> dict:
+    """The three graphs traced (export/trace.py), shape constants folded, initializers named and stored
+    as the runtime reads them."""
+    models = {g: T.trace(g, graphs.wrapper(g, target, drafter, attention, manifest.max_context,
+                                           ring=manifest.draft_ring), manifest, tdtype, opset) for g in C.GRAPHS}
+    for model in models.values():
+        T.fold_shape_constants(model)
+        T.rename_initializers(model, tc.tie_word_embeddings)
+        # tied embeddings: the head keeps reading the lookup table's bytes
+        T.store_transposed(model, keep=C.SHARED_INITIALIZERS[1:] if tc.tie_word_embeddings else ())
+    return models
+
+
+def stream_experts(model, target_dir: Path, tc, moe_path: str) -> None:
+    """Point the target graph's expert placeholders at the checkpoint (export/stream.py)."""
+    names = stream.attach(model, stream.ExpertReader(target_dir), interleaved=moe_path == "op")
+    if len(names) != 2 * len(tc.moe.sparse_layers):  # a placeholder left would be written as zeros
+        raise InternalError(f"streamed {len(names)} expert tensors into the target graph, "
+                            f"expected {2 * len(tc.moe.sparse_layers)}")
+
+
+def publish(tmp: Path, out: Path, manifest: M.Manifest, tokenizer, quantize, progress: bool) -> M.Manifest:
+    """Describe the validated graphs in the manifest and move the staging folder onto `out`; with
+    `quantize` the float export is the quantizer's input and only the quantized one is published."""
+    manifest.graphs = {name: graph_spec(tmp / f) for name, f in C.GRAPH_FILES.items()}
+    manifest.opset = opset_of(tmp / C.GRAPH_FILES[C.TARGET])
+    manifest.tokenizer = "tokenizer.json" in tokenizer or "tokenizer.model" in tokenizer
+    write_manifest_checked(tmp, manifest)
     if quantize is None:
-        report(ui, out, time.perf_counter() - t0)
+        commit(tmp, out)
+        return manifest
+    manifest = quantize_artifact(tmp, out, quantize, force=True, progress=progress)
+    shutil.rmtree(tmp)
     return manifest

@@ -147,26 +147,31 @@ def _constants(graph: onnx.GraphProto) -> tuple[set[str], set[str]]:
 
 def lint_model(model: onnx.ModelProto, graph: str, manifest: Manifest | None = None,
                trt_version: str = MIN_VERSION, limits=None) -> list[Finding]:
-    """All findings for one graph (`graph` is target / draft_context / draft_block)."""
+    """All findings for one graph (`graph` is target / draft_context / draft_block): its opsets, its
+    operators, its inputs."""
     sup = support_list()
-    ops, unsupported = sup["ops"], set(sup["unsupported"])
-    found: list[Finding] = []
+    checks = (_opset_findings(model, sup, trt_version), _operator_findings(model, sup, trt_version),
+              _input_findings(model, graph, sup, manifest, limits))
+    return [Finding(graph, level, message) for check in checks for level, message in check]
 
-    def err(msg: str) -> None:
-        found.append(Finding(graph, "error", msg))
 
-    def warn(msg: str) -> None:
-        found.append(Finding(graph, "warning", msg))
+# -- lint_model's checks: each yields (level, message) -------------------------------------
 
-    # opsets and domains
+
+def _opset_findings(model: onnx.ModelProto, sup: dict, trt_version: str):
+    """The default domain's opset inside the range this TensorRT version parses."""
     hi = max_opset(trt_version)
     for imp in model.opset_import:
         if imp.domain in ("", "ai.onnx"):
             if not sup["opset_min"] <= imp.version <= hi:
-                err(f"opset {imp.version} is outside TensorRT {trt_version}'s range {sup['opset_min']}..{hi}; "
-                    f"re-export with --opset {min(max(imp.version, sup['opset_min']), hi)}")
+                yield "error", (f"opset {imp.version} is outside TensorRT {trt_version}'s range {sup['opset_min']}..{hi}; "
+                                f"re-export with --opset {min(max(imp.version, sup['opset_min']), hi)}")
 
-    # operators, attributes, constant inputs
+
+def _operator_findings(model: onnx.ModelProto, sup: dict, trt_version: str):
+    """Every node's operator against the support list (trt_ops.json): known and old enough (once per
+    operator), then its constant inputs, attributes and types."""
+    ops, unsupported = sup["ops"], set(sup["unsupported"])
     consts, foldable = _constants(model.graph)
     folded_warned: set[str] = set()
     types = _types(model)
@@ -175,60 +180,82 @@ def lint_model(model: onnx.ModelProto, graph: str, manifest: Manifest | None = N
         op, where = node.op_type, f"node {node.name!r}" if node.name else "a node"
         if node.domain not in ("", "ai.onnx"):
             if op not in seen_bad:
-                err(f"operator {node.domain}::{op} ({where}) is not a standard ONNX operator; TensorRT's parser "
-                    "would need a plugin for it")
+                yield "error", (f"operator {node.domain}::{op} ({where}) is not a standard ONNX operator; TensorRT's "
+                                "parser would need a plugin for it")
                 seen_bad.add(op)
             continue
         entry = ops.get(op)
         if entry is None:
             if op not in seen_bad:
                 why = "marked unsupported" if op in unsupported else "not listed"
-                err(f"operator {op} ({where}) is {why} in TensorRT's ONNX operator support list (trt_ops.json)")
+                yield "error", f"operator {op} ({where}) is {why} in TensorRT's ONNX operator support list (trt_ops.json)"
                 seen_bad.add(op)
             continue
         if "since" in entry and _ver(entry["since"]) > _ver(trt_version):
             if op not in seen_bad:
-                err(f"operator {op} ({where}) needs TensorRT >= {entry['since']} (linting for {trt_version})")
+                yield "error", f"operator {op} ({where}) needs TensorRT >= {entry['since']} (linting for {trt_version})"
                 seen_bad.add(op)
-        for idx in entry.get("const_inputs", []):
-            name = node.input[idx] if idx < len(node.input) else ""
-            if not name or name in consts:
-                continue
-            if name in foldable:
-                if op not in folded_warned:
-                    warn(f"{op} input {idx} ({name!r}, {where}) is computed from constants, not an initializer as "
-                         "TensorRT's parser documents; if the parse rejects it, constant-fold the graphs first")
-                    folded_warned.add(op)
-            else:
-                err(f"operator {op} ({where}): input {idx} ({name!r}) must be a build-time constant for TensorRT")
-        for name, want in entry.get("attr_equals", {}).items():
-            for a in node.attribute:
-                if a.name == name:
-                    got = onnx.helper.get_attribute_value(a)
-                    got = got.decode() if isinstance(got, bytes) else got
-                    if got != want:
-                        err(f"operator {op} ({where}): attribute {name}={got!r} is unsupported (TensorRT needs {want!r})")
-        allowed = set(entry["types"])
-        checked = list(node.input) + (list(node.output) if op in TYPE_SOURCES else [])
-        for t in checked:
-            if not t or t not in types or not types[t]:
-                continue
-            tn = _type_name(types[t])
-            if tn == "DOUBLE":
-                warn(f"{t!r} ({op}, {where}) is DOUBLE: TensorRT casts it down to FP32")
-            elif tn not in allowed:
-                err(f"operator {op} ({where}) gets {tn} on {t!r}; TensorRT supports {op} on {', '.join(entry['types'])}")
-                break  # one type error per node is enough
+        yield from _constant_inputs(node, where, entry, consts, foldable, folded_warned)
+        yield from _attributes(node, where, entry)
+        yield from _types_taken(node, where, entry, types)
 
-    # graph inputs: static dims, or named dynamic dims a profile covers
+
+def _constant_inputs(node, where: str, entry: dict, consts: set[str], foldable: set[str], folded_warned: set[str]):
+    """The inputs TensorRT needs as build-time constants: initializers (computed from constants: a warning,
+    once per operator)."""
+    op = node.op_type
+    for idx in entry.get("const_inputs", []):
+        name = node.input[idx] if idx < len(node.input) else ""
+        if not name or name in consts:
+            continue
+        if name in foldable:
+            if op not in folded_warned:
+                yield "warning", (f"{op} input {idx} ({name!r}, {where}) is computed from constants, not an initializer "
+                                  "as TensorRT's parser documents; if the parse rejects it, constant-fold the graphs first")
+                folded_warned.add(op)
+        else:
+            yield "error", f"operator {op} ({where}): input {idx} ({name!r}) must be a build-time constant for TensorRT"
+
+
+def _attributes(node, where: str, entry: dict):
+    """Attributes whose value TensorRT fixes (e.g. a mode it implements alone)."""
+    op = node.op_type
+    for name, want in entry.get("attr_equals", {}).items():
+        for a in node.attribute:
+            if a.name == name:
+                got = onnx.helper.get_attribute_value(a)
+                got = got.decode() if isinstance(got, bytes) else got
+                if got != want:
+                    yield "error", f"operator {op} ({where}): attribute {name}={got!r} is unsupported (TensorRT needs {want!r})"
+
+
+def _types_taken(node, where: str, entry: dict, types: dict[str, int]):
+    """The element types of the node's inputs (and of what a type source makes) among the operator's
+    supported ones; DOUBLE is a warning (cast down); one type error per node."""
+    op = node.op_type
+    allowed = set(entry["types"])
+    checked = list(node.input) + (list(node.output) if op in TYPE_SOURCES else [])
+    for t in checked:
+        if not t or t not in types or not types[t]:
+            continue
+        tn = _type_name(types[t])
+        if tn == "DOUBLE":
+            yield "warning", f"{t!r} ({op}, {where}) is DOUBLE: TensorRT casts it down to FP32"
+        elif tn not in allowed:
+            yield "error", f"operator {op} ({where}) gets {tn} on {t!r}; TensorRT supports {op} on {', '.join(entry['types'])}"
+            break  # one type error per node is enough
+
+
+def _input_findings(model: onnx.ModelProto, graph: str, sup: dict, manifest: Manifest | None, limits):
+    """Graph inputs: types TensorRT takes, static dims, or named dynamic dims a profile covers, and the
+    graph contract's names (runtime/contract.py gives every input axis its role: dynamic roles need a
+    named dim and a profile range, static ones a fixed size, the manifest's if given)."""
     init_names = {i.name for i in model.graph.initializer}
     covered = set()
     if manifest is not None:
         lim = limits or resolve_limits(manifest)
         for p in profiles(lim).get(graph, []):
             covered |= set(p.ranges)
-    # the graph contract (runtime/contract.py) gives every input axis its role: dynamic roles
-    # need a named dim and a profile range, static ones a fixed size (the manifest's, if given)
     static = C.sizes(manifest) if manifest is not None else {}
     expected = C.names(graph, manifest)[0] if manifest is not None else []
     for vi in model.graph.input:
@@ -236,35 +263,44 @@ def lint_model(model: onnx.ModelProto, graph: str, manifest: Manifest | None = N
             continue
         tn = _type_name(vi.type.tensor_type.elem_type)
         if tn not in sup["data_types"] or tn in sup["quantized_only_types"]:
-            err(f"input {vi.name} has type {tn}, which TensorRT cannot take as a network input")
+            yield "error", f"input {vi.name} has type {tn}, which TensorRT cannot take as a network input"
         dims = vi.type.tensor_type.shape.dim if vi.type.tensor_type.HasField("shape") else None
         if dims is None:
-            err(f"input {vi.name} has no shape; TensorRT needs the rank and a profile for each dynamic dim")
+            yield "error", f"input {vi.name} has no shape; TensorRT needs the rank and a profile for each dynamic dim"
             continue
         for axis, d in enumerate(dims):
-            role = axis_role(graph, vi.name, axis, manifest)
-            fixed = d.HasField("dim_value") and d.dim_value > 0
-            if role in C.DYNAMIC:
-                if fixed:
-                    continue
-                if not d.dim_param:
-                    err(f"input {vi.name} axis {axis} is dynamic without a name; TensorRT profiles need static or named dims")
-                elif manifest is not None and role not in covered:
-                    err(f"input {vi.name} axis {axis} ({d.dim_param!r}) has no range in the {graph} profiles")
-            elif role is not None and not fixed:
-                err(f"input {vi.name} axis {axis} ({role}) must be static per the graph contract, got {d.dim_param!r}; "
-                    "no TensorRT profile covers it")
-            elif role is not None and role in static and d.dim_value != static[role]:
-                err(f"input {vi.name} axis {axis} ({role}) is {d.dim_value} but the manifest says {static[role]}")
-            elif role is None and not fixed:
-                err(f"input {vi.name} axis {axis} is dynamic ({d.dim_param!r}) but no TensorRT profile covers that axis")
+            problem = _axis_problem(graph, vi.name, axis, d, manifest, covered, static)
+            if problem:
+                yield "error", problem
         if expected and vi.name not in expected:
-            err(f"input {vi.name} is not an input of {graph} in the graph contract; re-export the directory")
+            yield "error", f"input {vi.name} is not an input of {graph} in the graph contract; re-export the directory"
     names = {vi.name for vi in model.graph.input}
     for n in expected:
         if n not in names:
-            err(f"the graph contract lists input {n} but {graph}.onnx has no such input; re-export the directory")
-    return found
+            yield "error", f"the graph contract lists input {n} but {graph}.onnx has no such input; re-export the directory"
+
+
+def _axis_problem(graph: str, name: str, axis: int, d, manifest: Manifest | None, covered: set,
+                  static: dict) -> str | None:
+    """What is wrong with one input axis for TensorRT, by its role in the graph contract (None: nothing)."""
+    role = axis_role(graph, name, axis, manifest)
+    fixed = d.HasField("dim_value") and d.dim_value > 0
+    if role in C.DYNAMIC:
+        if fixed:
+            return None
+        if not d.dim_param:
+            return f"input {name} axis {axis} is dynamic without a name; TensorRT profiles need static or named dims"
+        if manifest is not None and role not in covered:
+            return f"input {name} axis {axis} ({d.dim_param!r}) has no range in the {graph} profiles"
+        return None
+    if role is not None and not fixed:
+        return (f"input {name} axis {axis} ({role}) must be static per the graph contract, got {d.dim_param!r}; "
+                "no TensorRT profile covers it")
+    if role is not None and role in static and d.dim_value != static[role]:
+        return f"input {name} axis {axis} ({role}) is {d.dim_value} but the manifest says {static[role]}"
+    if role is None and not fixed:
+        return f"input {name} axis {axis} is dynamic ({d.dim_param!r}) but no TensorRT profile covers that axis"
+    return None
 
 
 def lint_dir(out_dir: str | Path, manifest: Manifest | None = None, trt_version: str = MIN_VERSION,

@@ -207,84 +207,131 @@ def stream_batch(
                 continue
             st.wall_s = clock() - t_start
             return
-        call_rows = list(range(len(rows)))
-        t1 = clock()
-        anchors = np.array([r.anchor for r in rows], np.int64)
-        spec = draft and any(r.req.speculative for r in rows) and (control is None or control.decide(rows, backend))
-        drafts, conf = backend.draft_block_rows(call_rows, anchors) if spec else (None, None)
-        drafted = _sample_drafts(backend, rows, drafts) if spec and any(r.ud is not None for r in rows) else {}
-        if drafted:
-            drafts = drafts.copy()
-            for b, d in drafted.items():
-                drafts[b] = d.tokens
-        t2 = clock()
-        lens = np.zeros(len(rows), np.int64)
-        uses = [spec and bool(r.req.speculative) and (r.ctl is None or r.ctl.drafts) for r in rows]  # verifies drafts
-        for b, r in enumerate(rows):
-            s = min(k if uses[b] else 1, r.max_length - r.start, (r.ctl.cap or k) if r.ctl is not None else k)
-            if conf is not None and r.req.speculative:
-                r.gen.confidences.append(conf[b].copy())
-                if verify is not None:
-                    s = verify.length(conf[b], s)
-            lens[b] = s
-        S = pad_verify(lens, [r.max_length - r.start if r.req.speculative and r.ud is None else 0 for r in rows])
-        ids = np.zeros((len(rows), S), np.int64)
-        ids[:, 0] = anchors
-        if spec and S > 1:
-            ids[:, 1:] = drafts[:, : S - 1]
-        sample = any(r.u is not None or r.req.logprobs is not None for r in rows)
-        res = backend.target_rows(call_rows, ids, lens, None, want_logits=sample)
-        t3 = clock()
-        produced = np.zeros(len(rows), np.int64)
-        emitted_of = []
-        for b, r in enumerate(rows):
-            s, q = int(lens[b]), r.req
-            guess = ids[b, 1:s].tolist()
-            if b in drafted:  # rejection sampling against the target's p
-                p = probabilities(res.logits[b, :s], q.sampling)
-                a, last = rejection(drafted[b], s - 1, p, r.ud[r.start + 1 :, 1], r.u[r.start + 1 :])
-            else:
-                if r.u is not None:
-                    choice = choose(res.logits[b, :s], r.u[r.start + 1 :], q.sampling).tolist()
-                else:
-                    choice = res.next_ids[b, :s].tolist()
-                a = accept(guess, choice[: s - 1])
-                last = choice[a]
-            emitted = (guess[:a] + [last])[: r.max_length - r.start - 1]
-            emitted, r.gen.stopped = cut_at_stop(emitted, r.stop)
-            produced[b] = len(emitted)
-            emitted_of.append(emitted)
-            if q.logprobs is not None:  # emitted[i] was chosen from the verify's row i
-                q.logprobs.add(res.logits[b], emitted)
-        backend.commit_rows(call_rows, produced)  # anchor + accepted drafts; the rest of each verify rolls back
-        for b, r in enumerate(rows):
-            r.start += int(produced[b])
-            r.anchor = emitted_of[b][-1]
-        t4 = clock()
-        if spec:  # the next round needs the features of what each continuing speculative row kept
-            more = np.array([0 if r.done or not r.req.speculative else produced[b] for b, r in enumerate(rows)], np.int64)
-            if more.any():
-                backend.draft_context_rows(call_rows, more)
-        elif control is not None:  # plain: the controller keeps those features for its next drafted round
-            control.plain_step(backend, rows, produced)
-        t5 = clock()
-        st.rounds, st.plain_rounds = st.rounds + 1, st.plain_rounds + (not spec)
-        st.busy_rows += len(rows)
-        st.decode_s += t5 - t1
-        for b, r in enumerate(rows):
-            g = r.gen
-            g.round_s.append(((t2 - t1) + (t5 - t4), t3 - t2, t4 - t3))
-            g.draft_s += g.round_s[-1][0]
-            g.verify_s += t3 - t2
-            g.tokens += emitted_of[b]
-            g.acceptance_lengths.append(int(produced[b]))
-            g.verify_lengths.append(int(lens[b]))
-            g.drafted.append(uses[b])
-            g.total_s += t5 - t1  # the consumer's time between rounds is not ours
-            g.finished = r.done
-            yield r.index, emitted_of[b]
+        yield from _round(backend, rows, st, k=k, spec=draft and any(r.req.speculative for r in rows),
+                          verify=verify, control=control)
         for b in reversed([b for b, r in enumerate(rows) if r.done]):  # leaves, at the round boundary
             _leave(backend, rows, b)
+
+
+def _round(backend: Backend, rows: list[_Row], st: BatchStats, *, k: int, spec: bool,
+           verify: VerifyPolicy | None, control) -> Iterator[tuple[int, list[int]]]:
+    """One round of every row: draft (unless plain), verify, accept, commit, keep the drafter's
+    features; yields each row's tokens. `spec`: some row may draft (the controller decides)."""
+    clock = time.perf_counter
+    t1 = clock()
+    anchors = np.array([r.anchor for r in rows], np.int64)
+    spec = spec and (control is None or control.decide(rows, backend))
+    drafts, conf, drafted = _draft(backend, rows, anchors) if spec else (None, None, {})
+    t2 = clock()
+    lens, uses = _verify_lengths(rows, k, spec, conf, verify)
+    ids, res = _verify(backend, rows, anchors, drafts, lens)
+    t3 = clock()
+    emitted_of = [_accept(r, int(lens[b]), ids[b], res, b, drafted.get(b)) for b, r in enumerate(rows)]
+    produced = np.array([len(e) for e in emitted_of], np.int64)
+    backend.commit_rows(list(range(len(rows))), produced)  # anchor + accepted drafts; the rest of each verify rolls back
+    for r, emitted in zip(rows, emitted_of):
+        r.start += len(emitted)
+        r.anchor = emitted[-1]
+    t4 = clock()
+    _keep_features(backend, rows, produced, spec, control)
+    t5 = clock()
+    st.rounds, st.plain_rounds = st.rounds + 1, st.plain_rounds + (not spec)
+    st.busy_rows += len(rows)
+    st.decode_s += t5 - t1
+    for b, r in enumerate(rows):
+        _record(r, emitted_of[b], int(lens[b]), uses[b], (t1, t2, t3, t4, t5))
+        yield r.index, emitted_of[b]
+
+
+# -- one round's steps: draft, choose verify lengths, verify, accept, keep the drafter's features, record ----
+
+
+def _draft(backend: Backend, rows: list[_Row], anchors: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
+    """One draft_block call for every row: (drafts, their confidences, row -> drafts sampled from q for
+    the rows that sample by rejection; those rows' drafts are replaced by the sampled ones)."""
+    drafts, conf = backend.draft_block_rows(list(range(len(rows))), anchors)
+    drafted = _sample_drafts(backend, rows, drafts) if any(r.ud is not None for r in rows) else {}
+    if drafted:
+        drafts = drafts.copy()
+        for b, d in drafted.items():
+            drafts[b] = d.tokens
+    return drafts, conf, drafted
+
+
+def _verify_lengths(rows: list[_Row], k: int, spec: bool, conf: np.ndarray | None,
+                    verify: VerifyPolicy | None) -> tuple[np.ndarray, list[bool]]:
+    """Each row's verify length (its anchor + drafts: at most the block, the room left and the controller's
+    cap, fewer where the verify policy trusts fewer drafts) and whether it verifies drafts at all."""
+    lens = np.zeros(len(rows), np.int64)
+    uses = [spec and bool(r.req.speculative) and (r.ctl is None or r.ctl.drafts) for r in rows]
+    for b, r in enumerate(rows):
+        s = min(k if uses[b] else 1, r.max_length - r.start, (r.ctl.cap or k) if r.ctl is not None else k)
+        if conf is not None and r.req.speculative:
+            r.gen.confidences.append(conf[b].copy())
+            if verify is not None:
+                s = verify.length(conf[b], s)
+        lens[b] = s
+    return lens, uses
+
+
+def _verify(backend: Backend, rows: list[_Row], anchors: np.ndarray, drafts: np.ndarray | None, lens: np.ndarray):
+    """One target call verifying every row's [anchor, drafts], padded to the longest verify (pad_verify
+    lets the shorter speculative rows verify more there, for free): (the ids verified, the call's result)."""
+    S = pad_verify(lens, [r.max_length - r.start if r.req.speculative and r.ud is None else 0 for r in rows])
+    ids = np.zeros((len(rows), S), np.int64)
+    ids[:, 0] = anchors
+    if drafts is not None and S > 1:
+        ids[:, 1:] = drafts[:, : S - 1]
+    sample = any(r.u is not None or r.req.logprobs is not None for r in rows)
+    return ids, backend.target_rows(list(range(len(rows))), ids, lens, None, want_logits=sample)
+
+
+def _accept(r: _Row, s: int, ids: np.ndarray, res, b: int, drafted) -> list[int]:
+    """Row b's tokens this round: the longest prefix of its s - 1 drafts the target agrees with (argmax,
+    the row's own uniforms, or rejection sampling against q), the target's choice after it, cut at a stop."""
+    q = r.req
+    guess = ids[1:s].tolist()
+    if drafted is not None:  # rejection sampling against the target's p
+        p = probabilities(res.logits[b, :s], q.sampling)
+        a, last = rejection(drafted, s - 1, p, r.ud[r.start + 1 :, 1], r.u[r.start + 1 :])
+    else:
+        if r.u is not None:
+            choice = choose(res.logits[b, :s], r.u[r.start + 1 :], q.sampling).tolist()
+        else:
+            choice = res.next_ids[b, :s].tolist()
+        a = accept(guess, choice[: s - 1])
+        last = choice[a]
+    emitted = (guess[:a] + [last])[: r.max_length - r.start - 1]
+    emitted, r.gen.stopped = cut_at_stop(emitted, r.stop)
+    if q.logprobs is not None:  # emitted[i] was chosen from the verify's row i
+        q.logprobs.add(res.logits[b], emitted)
+    return emitted
+
+
+def _keep_features(backend: Backend, rows: list[_Row], produced: np.ndarray, spec: bool, control) -> None:
+    """The drafter's context for the next round: the features of what each continuing speculative row kept
+    (a plain round: the controller keeps them for its next drafted round)."""
+    if spec:
+        more = np.array([0 if r.done or not r.req.speculative else produced[b] for b, r in enumerate(rows)], np.int64)
+        if more.any():
+            backend.draft_context_rows(list(range(len(rows))), more)
+    elif control is not None:
+        control.plain_step(backend, rows, produced)
+
+
+def _record(r: _Row, emitted: list[int], s: int, drafted: bool, t: tuple[float, ...]) -> None:
+    """The round in the row's Generation: its tokens, acceptance, verify length and times."""
+    t1, t2, t3, t4, t5 = t
+    g = r.gen
+    g.round_s.append(((t2 - t1) + (t5 - t4), t3 - t2, t4 - t3))
+    g.draft_s += g.round_s[-1][0]
+    g.verify_s += t3 - t2
+    g.tokens += emitted
+    g.acceptance_lengths.append(len(emitted))
+    g.verify_lengths.append(s)
+    g.drafted.append(drafted)
+    g.total_s += t5 - t1  # the consumer's time between rounds is not ours
+    g.finished = r.done
 
 
 def _sample_drafts(backend: Backend, rows: list[_Row], drafts: np.ndarray) -> dict:

@@ -27,7 +27,7 @@ from .. import __version__
 from ..errors import DFlashError
 from . import validate
 from .engine import Engine, load_engine
-from .options import ServeOptions  # noqa: F401 (serve/ray.py's, tests')
+from .options import ServeOptions
 from .requests import (  # REPLICA: serve/ray.py's
     REPLICA, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, Guard, error_response,
     parse_body,
@@ -68,6 +68,19 @@ class Holder:
 def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
     """The ASGI app. Without `engine`, the app loads one from `options` when it starts (lifespan)."""
     holder = Holder(engine)
+    app = FastAPI(title="dflash-export serve", lifespan=_lifespan(holder, options), docs_url=None, redoc_url=None)
+    app.openapi = lambda: _openapi(app, holder.engine)
+    app.state.holder, app.state.options = holder, options
+    app.add_middleware(Guard, options=options)
+    _error_handlers(app)
+    _status_routes(app, holder)
+    _token_routes(app, holder)
+    _generation_routes(app, holder, options)
+    return app
+
+
+def _lifespan(holder: Holder, options: ServeOptions):
+    """Start: load the engine in a background thread (unless given); stop: drain, then close it."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -78,10 +91,11 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
         if holder.engine is not None:
             await asyncio.to_thread(holder.engine.close)
 
-    app = FastAPI(title="dflash-export serve", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.openapi = lambda: _openapi(app, holder.engine)
-    app.state.holder, app.state.options = holder, options
-    app.add_middleware(Guard, options=options)
+    return lifespan
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's body: ours, the router's (404, 405) and a bug's (500, one line on stderr)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -98,6 +112,10 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"dflash-export serve: internal error on {request.url.path}: {first}", file=sys.stderr)
         return error_response(500, f"internal error: {first}", code=INTERNAL)
+
+
+def _status_routes(app: FastAPI, holder: Holder) -> None:
+    """/health, /metrics, /v1/models: what the server is and how it is doing."""
 
     @app.get("/health")
     @app.get("/health/ready")
@@ -120,6 +138,10 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
         engine = holder.get()
         check_model(engine, name)
         return _model_card(engine)
+
+
+def _token_routes(app: FastAPI, holder: Holder) -> None:
+    """/tokenize, /tokenizer_info, /detokenize: the model's tokenizer over HTTP."""
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -150,6 +172,10 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
         check_ids(engine, body.tokens, "tokens")
         return {"prompt": await asyncio.to_thread(engine.text.decode, body.tokens)}
 
+
+def _generation_routes(app: FastAPI, holder: Holder, options: ServeOptions) -> None:
+    """/v1/completions, /v1/chat/completions: parse, validate into a plan (serve/validate.py), respond."""
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         engine = holder.get()
@@ -163,8 +189,6 @@ def create_app(options: ServeOptions, engine: Engine | None = None) -> FastAPI:
         body = await parse_body(request, ChatRequest, engine.max_len)
         plan = await validate.chat(validate.Server(engine, options), body)
         return await respond(engine, request, plan)
-
-    return app
 
 
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest, "/tokenize": TokenizeRequest,

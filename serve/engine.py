@@ -26,9 +26,7 @@ from ..runtime.load import open_artifact
 from ..runtime.loop import Generation, stream_batch
 from . import text as text_module
 from .batch import BatchEngine
-from .jobs import (  # noqa: F401 (the engine's names, as before)
-    EngineBase, Job, Metrics, QueueFull, Slot, Unavailable, _emit, replica,
-)
+from .jobs import EngineBase, Job, Metrics, QueueFull, Slot, Unavailable, _emit
 from .options import ServeOptions
 
 

@@ -1,31 +1,58 @@
-"""How a server was started: one record, `ServeOptions`, that the command line (cli/serve.py),
-a Ray replica (serve/ray.py) and the app pass whole to what loads and serves the model."""
+"""How a server was started, defined once: `ServeOptions`, the record the command line
+(cli/serve.py), a Ray replica (serve/ray.py) and the app pass whole to what loads and serves
+the model, and `RayOptions`, the replicas of `serve --ray`.
+
+A field with an option's metadata is also an option of `dflash-export serve`: cli/serve.py
+generates the command from these fields (`--name-with-dashes`, help, type and default here),
+so an option is added, renamed or given a new default here and nowhere else. The device
+fields (backend .. verify) and `speculation` are the options every running command shares
+(cli/options.py); a field without metadata is set from code only. click-only: no torch, no ray.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import click
+
+from ..errors import DFlashError
+
+
+def option(value=None, help: str | None = None, **click_kw):  # noqa: A002: click's own word
+    """A field (default `value`) that is also an option of `serve`; click_kw as click.option takes them,
+    `opt` its name, `default` only where the command's default is not the record's."""
+    return field(default=value, metadata={"option": dict(help=help, **click_kw)})
 
 
 @dataclass
 class ServeOptions:
     directory: Path
-    model_name: str | None = None  # default: the directory's name
-    slots: int = 1
-    max_batch: int = 1  # > 1: one batched loop of this many rows (serve/batch.py) instead of slots
-    max_queue: int = 16
-    api_key: str | None = None
+    max_batch: int = option(1, "Requests generating at once as rows of one batched loop: they join at a round boundary "
+                               "and leave when done [default: 4 where the export and memory allow, else 1].",
+                            type=int, default=None)  # > 1: one batched loop of this many rows (serve/batch.py)
+    slots: int = option(1, "Instead of --max-batch: this many separate loops over shared weights, each reusing its "
+                           "last prompt's prefix (the older mode; docs/serve.md compares them).", type=int, default=None)
+    max_queue: int = option(16, "Requests that may wait for a row or slot (FIFO); more get 429.", type=int,
+                            show_default=True)
+    api_key: str | None = option(None, "Require 'Authorization: Bearer KEY' (env: DFLASH_API_KEY).",
+                                 envvar="DFLASH_API_KEY")
+    model_name: str | None = option(None, "The model id clients send [default: the directory's name].")
+    default_max_tokens: int = option(256, "max_tokens when a request omits it (capped by the room left in the context).",
+                                     opt="--max-tokens", type=int, show_default=True)
+    chat_template: str | None = option(None, "Jinja chat template file (overrides the artifact's).",
+                                       type=click.Path(path_type=Path))  # the record holds the file's text
+    no_draft: bool = option(False, "Load without the drafter: plain decoding only (= --speculation never).",
+                            is_flag=True)  # the flag messages name
+    access_log: bool = option(False, "No line per request on stderr.", opt="--no-access-log", is_flag=True,
+                              flag_value=False, default=True)  # one line per request on stderr (the command's default)
     backend: str = "ort"
     provider: str = "cpu"
     threads: int | None = None  # None: runtime.json's calibrated count, else the default (runtime/settings.py)
     spin: bool | None = None
     verify: str = "auto"
-    default_max_tokens: int = 256
-    max_body_bytes: int = 4 << 20
-    chat_template: str | None = None  # template text overriding the artifact's
     speculation: str = "auto"  # auto: the controller decides per round; always: draft every round; never: plain
-    no_draft: bool = False  # started with --no-draft (= speculation never; the flag messages name)
-    access_log: bool = False  # one line per request on stderr (the command turns it on; --no-access-log)
+    max_body_bytes: int = 4 << 20
 
     @property
     def speculative(self) -> bool:
@@ -45,3 +72,64 @@ class ServeOptions:
     @property
     def model(self) -> str:
         return self.model_name or Path(self.directory).resolve().name
+
+
+@dataclass
+class RayOptions:
+    """`serve --ray`: where and how many replicas run; `deploy()` turns them into serve/ray.py build's keywords."""
+
+    use_ray: bool = option(False, "Run as a Ray Serve application (replicas across nodes; needs the ray extra). "
+                                  "See docs/ray.md.", opt="--ray", is_flag=True)
+    replicas: int | None = option(None, "--ray: a fixed number of replicas [default: 1].", type=int)
+    autoscale: str | None = option(None, "--ray: autoscale between MIN and MAX replicas on ongoing requests.",
+                                   metavar="MIN:MAX")
+    ray_address: str | None = option(None, "--ray: an existing cluster (e.g. 10.0.0.5:6379) [default: a local head "
+                                           "on 127.0.0.1].")
+    replica_cpus: float = option(1.0, "--ray: CPUs reserved per replica.", type=float, show_default=True)
+    replica_gpus: float = option(0.0, "--ray: GPUs per replica (1 with --provider cuda: one GPU each).", type=float,
+                                 show_default=True)
+    max_replicas_per_node: int | None = option(None, "--ray: at most this many replicas on one node (1: spread).",
+                                               type=int)
+    max_ongoing: int | None = option(None, "--ray: requests Ray sends a replica at once [default: batch rows (or "
+                                           "slots) + queue + 8].", type=int)
+    upscale_delay: float = option(30.0, "--autoscale: seconds of load before adding a replica.", type=float,
+                                  show_default=True)
+    downscale_delay: float = option(600.0, "--autoscale: seconds of low load before removing one.", type=float,
+                                    show_default=True)
+    health_check_period: float = option(10.0, "--ray: seconds between replica health checks (slot threads alive, "
+                                               "artifact files unchanged).", type=float, show_default=True)
+    proxy: str = option("HeadOnly", "--ray: Ray Serve HTTP proxies on the head only, or on every node (same "
+                                    "--host/--port each).", type=click.Choice(["HeadOnly", "EveryNode"]),
+                        show_default=True)
+
+    def deploy(self) -> dict:
+        """serve/ray.py build's keywords, every flag checked (one line each); {} without --ray."""
+        given = [f for f, v in (("--replicas", self.replicas), ("--autoscale", self.autoscale),
+                                ("--ray-address", self.ray_address), ("--max-replicas-per-node", self.max_replicas_per_node),
+                                ("--max-ongoing", self.max_ongoing)) if v is not None]
+        if not self.use_ray:
+            if given:
+                raise DFlashError(f"{given[0]} needs --ray")
+            return {}
+        if self.replicas is not None and self.autoscale is not None:
+            raise DFlashError("give --replicas N or --autoscale MIN:MAX, not both")
+        kw = dict(num_cpus=self.replica_cpus, num_gpus=self.replica_gpus, max_ongoing=self.max_ongoing,
+                  max_replicas_per_node=self.max_replicas_per_node, upscale_delay=self.upscale_delay,
+                  downscale_delay=self.downscale_delay, health_period=self.health_check_period)
+        if self.autoscale is not None:
+            lo, sep, hi = self.autoscale.partition(":")
+            if not (sep and lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
+                raise DFlashError(f"--autoscale takes MIN:MAX with 1 <= MIN <= MAX, e.g. 1:4 (got {self.autoscale!r})")
+            kw["autoscale"] = (int(lo), int(hi))
+        else:
+            kw["replicas"] = 1 if self.replicas is None else self.replicas
+            if kw["replicas"] < 1:
+                raise DFlashError(f"--replicas must be >= 1 (got {self.replicas})")
+        for name, v in (("--replica-cpus", self.replica_cpus), ("--replica-gpus", self.replica_gpus),
+                        ("--upscale-delay", self.upscale_delay), ("--downscale-delay", self.downscale_delay),
+                        ("--health-check-period", self.health_check_period)):
+            if v < 0:
+                raise DFlashError(f"{name} must be >= 0 (got {v})")
+        if self.max_replicas_per_node is not None and self.max_replicas_per_node < 1:
+            raise DFlashError(f"--max-replicas-per-node must be >= 1 (got {self.max_replicas_per_node})")
+        return kw

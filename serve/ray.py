@@ -31,11 +31,12 @@ from ray import serve
 from ray.serve._private import replica as ray_replica
 from starlette.middleware import Middleware
 
-from . import engine as serve_engine, jobs as serve_jobs
+from . import jobs as serve_jobs
 from ..runtime import manifest as M
 from ..errors import DFlashError
-from .app import REPLICA, ServeOptions, create_app
+from .app import REPLICA, create_app
 from .engine import load_engine
+from .options import ServeOptions
 
 APP = "dflash"  # the application and deployment name (also in deploy/ray-serve.yaml)
 HEADROOM = 8  # max_ongoing_requests beyond slots + queue: /health, /metrics and the requests answered 429
@@ -56,7 +57,7 @@ def _stamp(directory: Path) -> dict[str, tuple[int, int]]:
 
 
 def _refuse(message: str) -> RuntimeError:
-    line = f"dflash-export replica {serve_engine.replica()}: refusing to serve: {message}"
+    line = f"dflash-export replica {serve_jobs.replica()}: refusing to serve: {message}"
     log.error(line)
     print(line, file=sys.stderr, flush=True)
     return RuntimeError(line)
@@ -146,7 +147,7 @@ class DFlashReplica:
             self.engine = load_engine(options)
         except DFlashError as e:
             raise _refuse(str(e)) from None
-        log.info(f"dflash-export replica {serve_engine.replica()}: serving {options.directory} (verified)")
+        log.info(f"dflash-export replica {serve_jobs.replica()}: serving {options.directory} (verified)")
 
     def __serve_build_asgi_app__(self):
         self.asgi = create_app(self.options, engine=self.engine)

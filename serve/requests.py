@@ -231,14 +231,14 @@ class Guard:
     and the access log: one line per request on stderr when it ends (method, path, status,
     prompt and completion tokens, seconds; `ServeOptions.access_log`)."""
 
-    def __init__(self, app, options):  # options: app.ServeOptions (api_key, max_body_bytes, access_log)
+    def __init__(self, app, options):  # options: serve/options.py ServeOptions (api_key, max_body_bytes, access_log)
         self.app, self.options = app, options
         self.key = options.api_key.encode() if options.api_key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if not getattr(self.options, "access_log", False):
+        if not self.options.access_log:
             return await self.guard(scope, receive, send, {})
         seen, t0 = {}, time.perf_counter()
         scope.setdefault("state", {})  # where the route leaves its token counts

@@ -155,7 +155,8 @@ def test_serve_engine_runs_the_flavour_with_prompt_reuse(case, monkeypatch):
     import queue
 
     from dflash_export.runtime.loop import Request
-    from dflash_export.serve.engine import Job, load_engine
+    from dflash_export.serve.engine import load_engine
+    from dflash_export.serve.jobs import Job
     from dflash_export.serve.options import ServeOptions
 
     monkeypatch.setattr("dflash_export.serve.text.Text", lambda *args: None)  # this artifact has no tokenizer

@@ -169,9 +169,12 @@ def _option(command: click.Command, name: str) -> click.Option:
 
 
 def _default(command: click.Command, name: str):
-    """Option `name`'s default; None where it has none (click >= 8.3 says so with its UNSET sentinel)."""
-    d = _option(command, name).default
-    return None if d is None or repr(d) == "Sentinel.UNSET" else d
+    """Option `name`'s default; None where it has none (click >= 8.3 says so with its UNSET sentinel) and for
+    a flag, whose default is not being given (`--no-access-log` sets False where its default is True)."""
+    o = _option(command, name)
+    d = o.default
+    flag = o.is_flag and not o.secondary_opts
+    return None if d is None or repr(d) == "Sentinel.UNSET" or (flag and d != o.flag_value) else d
 
 
 def _same(doc: str, command: click.Command, name: str) -> bool:

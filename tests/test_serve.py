@@ -5,6 +5,7 @@ under it (slots sharing sessions, prompt reuse, streamed text) tested directly."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import http.client
 import itertools
 import json
@@ -38,7 +39,8 @@ from dflash_export.runtime.sampling import Sampling
 from dflash_export.runtime.settings import load_settings
 from dflash_export.serve.app import ServeOptions, create_app
 from dflash_export.runtime.loop import Request
-from dflash_export.serve.engine import Engine, Job
+from dflash_export.serve.engine import Engine
+from dflash_export.serve.jobs import Job
 from dflash_export.serve.text import Text, TextStream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -565,6 +567,23 @@ def test_serve_bad_arguments_are_one_line(art, args, message):
     r = CliRunner().invoke(cli, [str(art) if a == "OUT" else a for a in args])
     assert r.exit_code == 2 and message in r.output and "Traceback" not in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+def test_serve_options_are_the_records_fields():
+    """`serve`'s options are generated from ServeOptions and RayOptions: every field but the directory and
+    max_body_bytes is an option, with its field's default unless the field declares the command's own
+    (the shared device options and --speculation included: their defaults are the record's)."""
+    from dflash_export.serve.options import RayOptions
+
+    params = {p.name: p for p in cli.commands["serve"].params}
+    for cls in (ServeOptions, RayOptions):
+        for f in dataclasses.fields(cls):
+            if f.name in ("directory", "max_body_bytes"):
+                continue
+            assert f.name in params, f"{cls.__name__}.{f.name} is no option of serve"
+            own = (f.metadata.get("option") or {}).get("default", f.default)
+            assert params[f.name].default == own, f"{f.name}: option default {params[f.name].default!r}, field {own!r}"
+    assert params["max_batch"].default is None and params["access_log"].default is True  # resolved / the command's
 
 
 def test_demo_bad_run_options_fail_before_the_demo_export(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from dflash_export.cli import cli
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.serve.batch import BatchEngine
 from dflash_export.runtime.loop import Request
-from dflash_export.serve.engine import Job
+from dflash_export.serve.jobs import Job
 from dflash_export.serve.text import Text
 
 

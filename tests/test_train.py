@@ -301,13 +301,16 @@ def test_bf16_save_loads_as_fp32(tiny):
 @pytest.mark.parametrize("extra, message", [
     (["--target-layer-ids", "1,9"], "outside the target's 4 layers"),
     (["--mask-token-id", "500"], "outside the target's vocabulary"),
-    ([], "exactly one of --steps"),
+    ([], "--steps 0 and --minutes 0 train for nothing: give --steps N"),
+    (["--steps", "0"], "--steps 0 and --minutes 0 train for nothing: give --steps N"),
+    (["--minutes", "2"], "give --steps N or --minutes M, not both"),
+    (["--steps", "-3"], "--steps must be > 0 (got -3)"),
     (["--target-layer-ids", "1-x"], "is not a list like"),
     (["--family", "dflash2"], "DFlash drafters only"),
 ])
 def test_cli_one_line_errors(tiny, extra, message):
     root, target = tiny
-    steps = [] if not extra else ["--steps", "1"]
+    steps = [] if not extra else ["--steps", "1"]  # a later --steps in extra wins
     r = _train(root, target, root / "bad", *steps, *extra)
     assert r.exit_code == 2
     assert message in r.output and r.output.startswith("error: ") and r.output.count("\n") == 1

@@ -93,8 +93,13 @@ class TrainConfig:
         if self.family == "dflash2":  # the official objective for the candidate selector is unreleased
             raise DFlashError("train-draft trains DFlash drafters only: training DFlash2 drafters (selector, "
                               "convolutions) is not supported; use --family dflash")
-        if (self.steps > 0) == (self.minutes > 0):
-            raise DFlashError("give exactly one of --steps N or --minutes M")
+        for name, value in (("--steps", self.steps), ("--minutes", self.minutes)):
+            if value < 0:
+                raise DFlashError(f"{name} must be > 0 (got {value:g})")
+        if self.steps > 0 and self.minutes > 0:
+            raise DFlashError(f"give --steps N or --minutes M, not both (got --steps {self.steps} --minutes {self.minutes:g})")
+        if self.steps == 0 and self.minutes == 0:
+            raise DFlashError("--steps 0 and --minutes 0 train for nothing: give --steps N (N >= 1) or --minutes M (M > 0)")
         if self.block_size < 2:
             raise DFlashError(f"--block-size must be >= 2 (got {self.block_size})")
         if self.max_total_minutes and self.minutes and self.max_total_minutes <= self.minutes:
