@@ -93,7 +93,7 @@ def round_ms(be, rows: int, ctx: int, verify: int, split: dict) -> float:
     clock, r = time.perf_counter, list(range(rows))
     be.lengths[:rows] = ctx
     be.ctx_lengths[:rows] = ctx
-    t0 = clock()
+    t0, c0 = clock(), time.process_time()
     ids = np.ones((rows, verify), np.int64)
     if verify > 1:
         drafts, _ = be.draft_block_rows(r, np.ones(rows, np.int64))
@@ -107,10 +107,99 @@ def round_ms(be, rows: int, ctx: int, verify: int, split: dict) -> float:
     t3 = clock()
     for k, v in (("draft_block", t1 - t0), ("target", t2 - t1), ("draft_context", t3 - t2)):
         split.setdefault(k, []).append(1e3 * v)
+    split.setdefault("cpu", []).append(1e3 * (time.process_time() - c0))
     return 1e3 * (t3 - t0)
 
 
-def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[str], spin: bool = False) -> None:
+def mixed_verify(out: Path, threads: int, batch: int, ctx: int, repeats: int) -> dict | None:
+    """A drafted round's verify on a per-row-verify export (`ort` flavour) where the first half
+    of the rows verify their anchor alone (plain rows) and the rest 6 positions: the backend's
+    call (one-position rows together) against one call per row (as before), interleaved,
+    fastest of 4 x `repeats`; target calls only, every row at `ctx` positions."""
+    import numpy as np
+
+    from dflash_export.runtime.ort.backend import OrtBackend
+
+    be = OrtBackend(out, threads=threads, max_batch=batch, drafter=False)
+    if not be.verify_per_row:
+        return None
+    fill(be, batch, ctx)
+    rows, half = list(range(batch)), batch // 2
+    counts = np.array([1] * half + [6] * (batch - half))
+    ids = np.ones((batch, 6), np.int64)
+
+    def joint():
+        be.target_rows(rows, ids, counts, None)
+
+    def each():  # one call per row, each at its own count
+        for r in rows:
+            c = int(counts[r])
+            be._target_call([r], ids[r : r + 1, :c], [c], np.zeros((1, 6), np.int64), False, r * 6)
+
+    ms: dict = {"joint": [], "one_row_per_call": []}
+    for i in range(4 * repeats + 1):
+        for key, f in (("joint", joint), ("one_row_per_call", each)):
+            be.lengths[:batch] = ctx
+            t = time.perf_counter()
+            f()
+            if i:
+                ms[key].append(1e3 * (time.perf_counter() - t))
+            be.commit_rows(rows, [1] * batch)
+    best = {k: round(min(v), 2) for k, v in ms.items()}
+    be.close()
+    return {"context": ctx, "rows verifying 1 / 6 positions": [half, batch - half], "verify_ms": best,
+            "one_row_per_call_over_joint": round(best["one_row_per_call"] / best["joint"], 3)}
+
+
+def op_split(out: Path, threads: int, batch: int, ctx: int, steps: int) -> dict:
+    """ONNX Runtime's profiler over plain target steps at `batch` rows and at 1 row, alternating
+    (`steps` each after 2 untimed), every row at `ctx` positions: kernel ms per step by op type,
+    the LM head (the node reading lm_head.weight) apart. Profiled steps are slower than plain
+    ones (the profiler's per-node cost): read the split, and the wall ms of the rounds above."""
+    import collections
+
+    import numpy as np
+    import onnxruntime as ort
+    from op_profile import head_nodes
+
+    from dflash_export.runtime.ort import backend as ob
+
+    class Profiling(ort.SessionOptions):
+        def __init__(self):
+            super().__init__()
+            self.enable_profiling, self.profile_file_prefix = True, f"/tmp/dflash-batch-ops-{os.getpid()}"
+
+    real, ob.ort.SessionOptions = ob.ort.SessionOptions, Profiling
+    try:
+        bes = {b: ob.OrtBackend(out, threads=threads, max_batch=b, drafter=False) for b in (batch, 1)}
+    finally:
+        ob.ort.SessionOptions = real
+    heads, split = head_nodes(out), {}
+    for b, be in bes.items():
+        fill(be, b, ctx)
+    for _ in range(steps + 2):
+        for b, be in bes.items():
+            be.lengths[:b] = ctx
+            be.target_rows(list(range(b)), np.ones((b, 1), np.int64), np.ones(b, np.int64), None)
+            be.commit_rows(list(range(b)), [1] * b)
+    for b, be in bes.items():
+        path = Path(be.sessions["target"].end_profiling())
+        events = json.loads(path.read_text())
+        path.unlink()
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")[2:]
+        ms: dict = collections.defaultdict(float)
+        for e in events:
+            if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and any(a <= e["ts"] <= z for a, z in spans):
+                op = e["args"]["op_name"]
+                ms[f"LM head ({op})" if e["name"].removesuffix("_kernel_time") in heads else op] += e["dur"] / 1e3 / len(spans)
+        split[f"batch_{b}"] = {op: round(v, 2) for op, v in sorted(ms.items(), key=lambda kv: -kv[1])[:8]}
+        be.close()
+    return split
+
+
+def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[str], spin: bool = False,
+             contexts: tuple[int, ...] = (300, 1000), modes: tuple[str, ...] = ("plain", "speculative"),
+             cores: list[int] | None = None, profile: int = 0) -> None:
     """Qwen3-0.6B shape: rounds of the batched loop at `batch` rows vs 1 row, interleaved, fastest
     of `repeats` x 4 rounds (on a shared machine the fastest is the round nothing else preempted);
     every row holds 300 or 1000 positions (`fill`). Exports (once, reused): standard attention
@@ -119,6 +208,7 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
     import statistics
 
 
+    from common import uptime
     from real_sizes import make_checkpoint
 
     from dflash_export.export.artifact import export_artifact
@@ -127,7 +217,9 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
     from dflash_export.runtime.ort.backend import OrtBackend
 
     if not (work / "target" / "config.json").is_file():
+        t0 = time.perf_counter()
         make_checkpoint(work)
+        print(json.dumps({"made": "checkpoint", "seconds": round(time.perf_counter() - t0)}), flush=True)
     scatter = []
     real = ort_backend.scatter
 
@@ -140,22 +232,28 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
     def made(name: str) -> Path:  # int4: the standard export quantized; int4-ort: the ort one
         out = work / f"out-{name}"
         if not (out / "manifest.json").is_file():
-            if name.startswith("int4"):
-                quantize_artifact(made("standard" if name == "int4" else name.removeprefix("int4-")), out,
-                                  QuantOptions(scheme="int4", draft=True, lm_head=True, accuracy_level=4),
+            base = made("standard" if name == "int4" else name.removeprefix("int4-")) if name.startswith("int4") else None
+            t0 = time.perf_counter()
+            if base is not None:
+                quantize_artifact(base, out, QuantOptions(scheme="int4", draft=True, lm_head=True, accuracy_level=4),
                                   force=True, progress=False)
             else:
                 export_artifact(work / "target", work / "draft", out, max_context=1280, attention=name, force=True,
                                 progress=False)
+            print(json.dumps({"made": name, "seconds": round(time.perf_counter() - t0)}), flush=True)
         return out
 
-    for name in exports:
-        out = made(name)
+    outs = {name: made(name) for name in exports}  # exported first (all cores), measured after pinning
+    if cores:
+        os.sched_setaffinity(0, cores)
+    print(json.dumps({"measuring_on_cpus": sorted(os.sched_getaffinity(0)), "uptime": uptime()}), flush=True)
+    cases = [(c, 1) for c in contexts if "plain" in modes] + [(c, 6) for c in contexts[:1] if {"speculative", "mixed"} & set(modes)]
+    for name, out in outs.items():
         backends = {batch: OrtBackend(out, threads=threads, max_batch=batch, spin=spin),
                     1: OrtBackend(out, threads=threads, spin=spin)}
         for b, be in backends.items():
             fill(be, b, 1000)
-        for ctx, verify in ((300, 1), (1000, 1), (300, 6)):
+        for ctx, verify in cases:
             ms = {b: [] for b in backends}
             split = {b: {} for b in backends}
             scatter.clear()
@@ -165,14 +263,24 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
                 for b, be in backends.items():
                     ms[b].append(round_ms(be, b, ctx, verify, split[b]))
             med = {b: min(v) for b, v in ms.items()}
-            calls = {f"batch_{b}": {k: round(min(v), 2) for k, v in split[b].items() if verify > 1 or k == "target"}
+            calls = {f"batch_{b}": {k: round(min(v), 2) for k, v in split[b].items() if k != "cpu" and (verify > 1 or k == "target")}
                      for b in backends}
+            cpu = {b: min(split[b]["cpu"]) for b in backends}
             print(json.dumps({"model": "qwen3-0.6b-shape", "export": name, "threads": threads, "spin": spin, "context": ctx,
                               "mode": "plain" if verify == 1 else f"speculative, verify {verify}",
                               "round_ms": {f"batch_{b}": round(v, 2) for b, v in med.items()}, "calls_ms": calls,
                               "round_ms_median": {f"batch_{b}": round(statistics.median(v), 2) for b, v in ms.items()},
                               "scatter_ms_per_call": round(1e3 * min(scatter), 3) if scatter else 0,
-                              "aggregate_ratio": round(batch * med[1] / med[batch], 3)}), flush=True)
+                              "aggregate_ratio": round(batch * med[1] / med[batch], 3),
+                              "cpu_ms": {f"batch_{b}": round(v, 2) for b, v in cpu.items()},
+                              "aggregate_ratio_cpu_time": round(batch * cpu[1] / cpu[batch], 3), "uptime": uptime()}), flush=True)
+            if verify > 1 and "mixed" in modes:
+                r = mixed_verify(out, threads, batch, ctx, repeats)
+                if r is not None:
+                    print(json.dumps({"export": name, "mode": "mixed verify", **r, "uptime": uptime()}), flush=True)
+            if profile and verify == 1:
+                print(json.dumps({"export": name, "context": ctx, "mode": "plain", "kernel_ms_per_step_by_op":
+                                  op_split(out, threads, batch, ctx, profile)}), flush=True)
         for be in backends.values():
             be.close()
         del backends, be
@@ -387,6 +495,12 @@ def main() -> None:
     ap.add_argument("--spin", action="store_true", help="part 06b: ONNX Runtime's threads spin within a call")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--exports", default="standard,int4,ort", help="part 06b: the exports (flavours, int4), comma-separated")
+    ap.add_argument("--contexts", default="300,1000", help="part 06b: positions every row holds (speculative: the first)")
+    ap.add_argument("--modes", default="plain,speculative",
+                    help="part 06b: plain steps, speculative rounds (verify 6), mixed (ort flavour: half the rows verify 1)")
+    ap.add_argument("--cores", help="part 06b: measure pinned to these CPUs (e.g. 0,1), after the exports are made")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="part 06b: also ONNX Runtime's per-op kernel ms of STEPS plain steps at batch N and 1 per context")
     ap.add_argument("--attention", default="standard", help="part demo: the export's attention flavour")
     ap.add_argument("--old", help="part batch1: the version to compare with: a checkout folder or a git revision")
     ap.add_argument("--seconds", type=float, default=120, help="part batch1: how long to alternate runs")
@@ -397,7 +511,9 @@ def main() -> None:
                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                       "threads": 1 if a.part == "batch1" else a.threads}), flush=True)
     if a.part == "06b":
-        part_06b(a.work, a.threads, a.repeats, a.batch, a.exports.split(","), a.spin)
+        part_06b(a.work, a.threads, a.repeats, a.batch, a.exports.split(","), a.spin,
+                 tuple(int(c) for c in a.contexts.split(",")), tuple(a.modes.split(",")),
+                 [int(c) for c in a.cores.split(",")] if a.cores else None, a.profile)
     elif a.part == "demo":
         part_demo(a.work, a.threads, a.repeats, a.batch, a.attention)
     else:

@@ -8,7 +8,7 @@ graph (cache interference), and from ORT's profiler in a separate pass the media
 model_run and kernel ms (their difference includes the profiler's own per-node cost).
 
     python bench/round_profile.py DIR [DIR ...] [--prompts 3] [--max-new-tokens 64] [--threads 1]
-        [--verify THETA,MIN_LEN] [--passes 5]
+        [--verify THETA,MIN_LEN] [--passes 5] [--spin | --no-spin]
 """
 
 from __future__ import annotations
@@ -32,12 +32,14 @@ from dflash_export.runtime.settings import VerifyPolicy, device_key, resolve
 CALLS = ("draft_context", "draft_block", "target")
 
 
-def load(d: Path, threads: int, profile: bool = False, policy: VerifyPolicy | None = None) -> tuple[OrtBackend, object]:
-    """The backend as `bench` builds it (runtime.json's verify policy unless `policy`), optionally profiling."""
+def load(d: Path, threads: int, profile: bool = False, policy: VerifyPolicy | None = None,
+         spin: bool | None = None) -> tuple[OrtBackend, object]:
+    """The backend as `bench` builds it (runtime.json's verify policy unless `policy`, its spin
+    unless `spin`), optionally profiling."""
     import onnxruntime as ort
 
     m = M.load_manifest(d)
-    s = resolve(d, m, device_key("ort"), threads=threads)
+    s = resolve(d, m, device_key("ort"), threads=threads, spin=spin)
     plain = ort.SessionOptions
     if profile:
         class Profiling(ort.SessionOptions):
@@ -56,8 +58,8 @@ def load(d: Path, threads: int, profile: bool = False, policy: VerifyPolicy | No
 def timed(be: OrtBackend) -> dict[str, list[float]]:
     """Wrap the backend's three calls with a wall clock (seconds per call, by name)."""
     ts: dict[str, list[float]] = {c: [] for c in CALLS}
-    for name in CALLS:
-        fn = getattr(be, name)
+    for name in CALLS:  # the loop calls the rows forms (draft_block_rows, ...): wrap those
+        fn = getattr(be, f"{name}_rows")
 
         def wrapper(*a, _fn=fn, _name=name, **k):
             t = time.perf_counter()
@@ -65,7 +67,7 @@ def timed(be: OrtBackend) -> dict[str, list[float]]:
             ts[_name].append(time.perf_counter() - t)
             return r
 
-        setattr(be, name, wrapper)
+        setattr(be, f"{name}_rows", wrapper)
     return ts
 
 
@@ -94,10 +96,11 @@ def decode(be: OrtBackend, verify, prompts: list[list[int]], n: int) -> dict:
     return out
 
 
-def kernels(d: Path, threads: int, prompts: list[list[int]], n: int, policy: VerifyPolicy | None) -> dict:
+def kernels(d: Path, threads: int, prompts: list[list[int]], n: int, policy: VerifyPolicy | None,
+            spin: bool | None = None) -> dict:
     """Median per call of each graph (prefill calls are a few of many): ORT's model_run ms, its
     kernels' ms, the difference (ORT's own per-call overhead, profiler included); op ms means."""
-    be, verify = load(d, threads, profile=True, policy=policy)
+    be, verify = load(d, threads, profile=True, policy=policy, spin=spin)
     for p in prompts:
         generate(be, p, n, draft=True, verify=verify)
     out = {}
@@ -189,6 +192,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--verify", default=None, help="THETA,MIN_LEN for every directory instead of its runtime.json")
+    ap.add_argument("--spin", action=argparse.BooleanOptionalAction, default=None,
+                    help="ORT's idle workers spin (default: runtime.json's, else off)")
     a = ap.parse_args()
     from tokenizers import Tokenizer
 
@@ -197,7 +202,7 @@ def main() -> None:
     prompts = [tok.encode(json.loads(ln)["prompt"]).ids for ln in lines]
     load0 = os.getloadavg()
     policy = VerifyPolicy(float(a.verify.split(",")[0]), int(a.verify.split(",")[1])) if a.verify else None
-    bes = {d: load(d, a.threads, policy=policy) for d in a.dirs}
+    bes = {d: load(d, a.threads, policy=policy, spin=a.spin) for d in a.dirs}
     for be, verify in bes.values():  # warm-up
         generate(be, prompts[0], a.max_new_tokens, draft=True, verify=verify)
     best: dict = {}
@@ -208,8 +213,8 @@ def main() -> None:
                 best[d] = r
     bind = {d: binding_us(be) for d, (be, _) in bes.items()}
     inter = {d: interference(be) for d, (be, _) in bes.items()}
-    prof = {d: kernels(d, a.threads, prompts, a.max_new_tokens, policy) for d in a.dirs}
-    print(f"{a.threads} thread(s), {a.prompts} prompts x {a.max_new_tokens} tokens, fastest of {a.passes} passes; "
+    prof = {d: kernels(d, a.threads, prompts, a.max_new_tokens, policy, a.spin) for d in a.dirs}
+    print(f"{a.threads} thread(s), spin {a.spin}, {a.prompts} prompts x {a.max_new_tokens} tokens, fastest of {a.passes} passes; "
           f"load {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}")
     for d, r in best.items():
         print(f"{d}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()))

@@ -118,7 +118,7 @@ def demo(out, prompt, num_prompts, prompts_file, max_new_tokens, pair, verbose, 
     candidates = thread_candidates() if threads is None else [base.threads]
     t0 = clock()
     if verify == "auto":  # calibrated on the built-in prompts, measured below on the held-out ones
-        calibrate(art, "cpu", "ort", candidates, base.spin, [tok.encode(p).ids for p in BUILTIN_PROMPTS],
+        calibrate(art, "cpu", "ort", candidates, spin, [tok.encode(p).ids for p in BUILTIN_PROMPTS],
                   max_new_tokens, 1, log=lambda msg: console.print(f"calibrate: {msg}", markup=False))
     t_cal = clock() - t0
     cfg = settings_for(art, "ort", "cpu", threads=threads, spin=spin, verify=verify)

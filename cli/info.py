@@ -89,7 +89,7 @@ def attention_kinds(m) -> dict:
 
 
 def runtime_choices(out: Path, block: int) -> dict:
-    """{device key: the calibrated choices in runtime.json (threads, verify policy, what
+    """{device key: the calibrated choices in runtime.json (threads, spinning, verify policy, what
     `--speculation auto` does with its costs)}; {} when not calibrated; a bad file: {"error": ...}."""
     try:
         keys = S.calibrated_devices(out)
@@ -100,7 +100,7 @@ def runtime_choices(out: Path, block: int) -> dict:
     for k, s in entries.items():
         costs = Costs.from_json(s.costs) if s.costs else default_costs(block)
         policy = auto_policy(costs, block)
-        choices[k] = {"threads": s.threads, "verify": S.policy_json(s.verify), "costs": costs.source,
+        choices[k] = {"threads": s.threads, "spin": s.spin, "verify": S.policy_json(s.verify), "costs": costs.source,
                       "auto_policy": policy, "auto": describe_auto(policy, costs.source)}
     return choices
 
@@ -212,7 +212,8 @@ def print_info(d: dict, out: Path) -> None:
         click.echo(f"runtime  {runtime['error']}")
     for key, r in runtime.items() if "error" not in runtime else ():
         verify = S.describe_policy(None if r["verify"] == "full" else S.VerifyPolicy(**r["verify"]))
-        click.echo(f"runtime  {key}: threads {r['threads'] or 'default'}, verify {verify}; {r['auto']}")
+        spin = ", workers spin" if r["spin"] else ""
+        click.echo(f"runtime  {key}: threads {r['threads'] or 'default'}{spin}, verify {verify}; {r['auto']}")
 
 
 COMMANDS = [info]

@@ -44,7 +44,8 @@ threads_option = click.option(
          "small models and one per CPU from hidden size 1024).")
 spin_option = click.option(
     "--spin/--no-spin", default=None,
-    help="Let ORT's idle threads spin (default off: spinning made calls ~2x slower on shared vCPUs).")
+    help="Let ORT's idle threads spin [default: as `bench --calibrate` measured (it tries both), else off: "
+         "spinning made calls ~2x slower on shared vCPUs].")
 verify_option = click.option(
     "--verify", type=click.Choice(["auto", "full"]), default="auto", show_default=True,
     help="auto: verify the drafter's confident prefix as runtime.json's calibrated policy says (the full block "

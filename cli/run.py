@@ -264,7 +264,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     calibration = None
     if do_calibrate:
         log = (lambda msg: click.echo(f"calibrate: {msg}", err=True)) if not as_json else (lambda msg: None)
-        calibration = calibrate(out, provider, backend, candidates, base.spin, prompts, n, warmup, log)
+        calibration = calibrate(out, provider, backend, candidates, spin, prompts, n, warmup, log)
     cfg = settings_for(out, backend, provider, threads=threads, spin=spin, verify=verify)
     backends, key = _backends_by_threads(out, backend, provider, cfg, candidates, sweep)
     control, draft = controller_for(speculation, cfg.costs, m.block_size), speculation != "never"

@@ -8,6 +8,7 @@
   cost is flat in its length (a GPU) the full block stays.
 - `step_ms_by_context`: a 1-token step after a prefix of each given length.
 - `choose_count`: the thread count of the speculative loop (fewer unless more pay).
+- `choose_spin`: whether ONNX Runtime's idle workers spin, per thread count (only where it pays).
 - `graph_ms` / `choose_threads`: each graph's call of a speculative round at every thread
   count (interleaved), and the count each graph runs fastest with (target and drafter differ
   at real sizes).
@@ -234,6 +235,21 @@ def choose_count(rates: dict[int, float]) -> int:
     return fastest({t: 1 / max(r, 1e-12) for t, r in rates.items()}, THREAD_MARGIN)
 
 
+def choose_spin(rates: dict[tuple[int, bool], float]) -> dict[int, bool]:
+    """{thread count: spin} from the speculative tokens/s at each (count, spin): spinning where
+    it is THREAD_MARGIN faster than not. A quiet machine's idle workers wake in tens of us
+    while a spinning one answers at once, and a small model's call has tens of parallel ops;
+    on a shared machine a spinning worker holds a vCPU another job needs and is preempted
+    mid-call (measured ~4x slower there: docs/results.md), so only a measurement can decide."""
+    return {t: fastest({s: 1 / max(r, 1e-12) for (u, s), r in rates.items() if u == t}, THREAD_MARGIN)
+            for t in sorted({t for t, _ in rates})}
+
+
+def spin_label(threads: int, spin: bool) -> str:
+    """How runtime.json's `measured` and the log name a (thread count, spin) run: "2", "2 spin"."""
+    return f"{threads} spin" if spin else str(threads)
+
+
 def choose_threads(ms_by_threads: dict[int, dict[str, float]]) -> dict[str, int]:
     """{graph: thread count} from graph_ms at each count: each graph's fastest, fewer threads
     unless more are THREAD_MARGIN faster (a thread that barely helps only takes a shared core)."""
@@ -272,32 +288,45 @@ def chunk_candidates(backend: Backend, prompt_len: int) -> list[int]:
 # -- the driver: `bench --calibrate` and `demo` -------------------------------------------
 
 
-def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bool, prompts, max_new_tokens: int,
+def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bool | None, prompts, max_new_tokens: int,
               warmup: int, log=lambda msg: None) -> dict:
-    """Measure the thread counts, the prefill chunk and the verify policy; write them to runtime.json.
+    """Measure the thread counts, spinning, the prefill chunk and the verify policy; write them to runtime.json.
 
     Threads: the speculative loop (full block) at each candidate count, interleaved, gives
     the count of every graph; then each graph's own call at each count gives the per-graph
-    counts (`graph_threads`). Prefill chunk: the time to first token of a 512-token prompt
+    counts (`graph_threads`). Spinning (`spin` None, ONNX Runtime on CPU): every count above
+    one runs with idle workers spinning and blocking, in the same interleaved pass
+    (`choose_spin`). Prefill chunk: the time to first token of a 512-token prompt
     per chunk. Policy: the full-block rounds at the best count (drafter confidences and
     acceptance lengths) replayed against this machine's measured verify cost per length
     (the measurements above).
     """
-    def open_(t):
+    both = spin is None and backend == "ort" and provider == "cpu"
+    labels = [(t, s) for t in candidates for s in ((False, True) if both and t > 1 else (bool(spin),))]
+
+    def open_(t, s):
         if backend == "trt":
             return open_backend(out, "trt")
-        return open_backend(out, "ort", provider, threads=t, spin=spin, max_chunk=max(CHUNKS))
+        return open_backend(out, "ort", provider, threads=t, spin=s, max_chunk=max(CHUNKS))
 
-    backends = {t: open_(t) for t in candidates}
+    every = {label: open_(*label) for label in labels}
     try:
-        runs = measure_many(backends, prompts, max_new_tokens, warmup)
-        rates = {t: rate(spec) for t, (spec, _) in runs.items()}
+        runs = measure_many(every, prompts, max_new_tokens, warmup)
+        by_label = {label: rate(spec) for label, (spec, _) in runs.items()}
+        spins = choose_spin(by_label)
+        rates = {t: by_label[t, s] for t, s in spins.items()}
         best = choose_count(rates)
-        be, spec = backends[best], runs[best][0]
+        many = [t for t in rates if t > 1]  # the spin a run with --threads N > 1 gets: the best count's, else
+        spin = spins[best] if best > 1 or not many else spins[max(many, key=rates.get)]  # the fastest N's
+        backends = {t: every[t, s] for t, s in spins.items()}
+        for label in set(every) - set(spins.items()):
+            every.pop(label).close()
+        be, spec = backends[best], runs[best, spins[best]][0]
         if C.DRAFT_CONF not in {t.name for t in be.manifest.graphs[C.DRAFT_BLOCK].outputs}:
             raise DFlashError(f"{out}: draft_block has no draft_conf output (exported by an older version); "
                               "re-export to calibrate adaptive verify")
-        log(f"threads: speculative tok/s by count {', '.join(f'{t}: {r:.0f}' for t, r in rates.items())} -> {best}")
+        log(f"threads: speculative tok/s by count {', '.join(f'{spin_label(*k)}: {r:.0f}' for k, r in by_label.items())}"
+            f" -> {best}, spin {'on' if spin else 'off'}")
         by_graph = graph_ms_by(backends, prompts[0]) if backend == "ort" else {}
         graph_threads = choose_threads(by_graph) if len(by_graph) > 1 else {}
         if graph_threads:
@@ -324,14 +353,14 @@ def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bo
                 many.close()
         round_model = cost_model(by_rows)
     finally:
-        for b in backends.values():
+        for b in every.values():
             b.close()
     log(f"verify ms by length 1..{len(costs)}: {', '.join(f'{c:.2f}' for c in costs)}; draft {draft_ms:.2f} ms")
     log(f"policy: {policy_json(policy)}")
     log("round costs (ms) by rows: " + "; ".join(
         f"{r}: step {c['verify'][0]:.2f}, verify {c['verify'][-1]:.2f}, draft {c['draft']:.2f}, context {c['context']:.2f}"
         for r, c in by_rows.items()))
-    measured = {"speculative_tokens_per_second_by_threads": {str(t): r for t, r in rates.items()},
+    measured = {"speculative_tokens_per_second_by_threads": {spin_label(*k): r for k, r in by_label.items()},
                 "graph_ms_by_threads": {str(t): ms for t, ms in by_graph.items()},
                 "prefill_ms_by_chunk": {str(c): ms for c, ms in chunks.items()},
                 "verify_ms_by_length": costs, "draft_ms": draft_ms, "rounds": len(rounds),
@@ -339,6 +368,6 @@ def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bo
     settings = Settings(threads=best if backend == "ort" else None, spin=spin, verify=policy, measured=measured,
                         graph_threads=graph_threads, prefill_chunk=chunk, costs=round_model)
     path = save_settings(out, device_key(backend, provider), settings)
-    return {"runtime_json": str(path), "threads": settings.threads, "graph_threads": graph_threads,
+    return {"runtime_json": str(path), "threads": settings.threads, "spin": spin, "graph_threads": graph_threads,
             "prefill_chunk": chunk, "verify": policy_json(policy), "verify_ms_by_length": costs, "draft_ms": draft_ms,
             "costs": round_model}

@@ -276,8 +276,10 @@ def _verify_lengths(rows: list[_Row], k: int, spec: bool, conf: np.ndarray | Non
 
 def _verify(backend: Backend, rows: list[_Row], anchors: np.ndarray, drafts: np.ndarray | None, lens: np.ndarray):
     """One target call verifying every row's [anchor, drafts], padded to the longest verify (pad_verify
-    lets the shorter speculative rows verify more there, for free): (the ids verified, the call's result)."""
-    S = pad_verify(lens, [r.max_length - r.start if r.req.speculative and r.ud is None else 0 for r in rows])
+    lets the shorter speculative rows verify more there, for free; not on a per-row-verify backend,
+    where each row's call is its own length): (the ids verified, the call's result)."""
+    pads = not backend.verify_per_row  # padding is computed anyway only where rows share one call
+    S = pad_verify(lens, [r.max_length - r.start if pads and r.req.speculative and r.ud is None else 0 for r in rows])
     ids = np.zeros((len(rows), S), np.int64)
     ids[:, 0] = anchors
     if drafts is not None and S > 1:

@@ -88,6 +88,29 @@ def test_adaptive_verify_and_chunked_prefill_in_a_batch():
     assert sum(gens[i].tau for i in greedy) > sum(alone[i].tau for i in greedy)  # the padding verified drafts
 
 
+def test_ort_flavour_verifies_one_position_rows_together():
+    """The ort flavour verifies a row of several positions alone (GroupQueryAttention refuses
+    several new tokens with a past at batch > 1), but the rows of a drafted round that verify
+    their anchor alone (plain requests here) run in one call, as a plain step does; and a row
+    verifies its own policy's length (not padded to the round's longest: on this flavour the
+    padding would be computed, not free). Every row's tokens stay its batch-1 output."""
+    _, _, out = artifact(ORT_CASES["qwen3-ort"])
+    be1, be4 = OrtBackend(out, threads=1), OrtBackend(out, threads=1, max_batch=4)
+    policy = VerifyPolicy(theta=0.9, min_len=2)  # rows 2 and 3 verify different lengths
+    spec = [False, False, True, True, False, True]  # rows 0 and 1 plain, rows 2 and 3 drafting
+    ps = prompts(6, be1.manifest.vocab_size, seed=11)
+    reqs = [Request(p, 10 + 5 * i, stop_token_ids=(), speculative=sp) for i, (p, sp) in enumerate(zip(ps, spec))]
+    alone = [generate(be1, q.prompt, q.max_new_tokens, draft=q.speculative, verify=policy, stop_token_ids=()) for q in reqs]
+    calls, real = [], be4._target_call
+    be4._target_call = lambda rows, ids, *a, **k: calls.append((len(rows), ids.shape[1])) or real(rows, ids, *a, **k)
+    gens, _ = generate_batch(be4, reqs, verify=policy)
+    assert [g.tokens for g in gens] == [g.tokens for g in alone]
+    assert (2, 1) in calls and any(s > 1 for _, s in calls)  # two plain rows in one call; drafting rows verified alone
+    assert len({gens[2].verify_lengths[0], gens[3].verify_lengths[0]}) > 1
+    for q, g, a in zip(reqs, gens, alone):
+        assert g.verify_lengths == (a.verify_lengths if q.speculative else [1] * len(g.verify_lengths))
+
+
 def test_sampled_row_depends_only_on_its_seed():
     """A sampled request gives the same tokens alone and in a batch with other requests."""
     _, _, out = artifact(CASES["qwen3"])

@@ -115,6 +115,11 @@ def test_info_reports_the_calibrated_policy(out, tmp_path):
     assert r.exit_code == 0, r.output
     line = next(x for x in r.output.splitlines() if x.startswith("runtime  ort:cpu"))
     assert "threads 2" in line and "theta 0.1" in line and "calibrated costs" in line and "plain steps" in line, line
+    assert "spin" not in line
+    save_settings(art, "ort:cpu", Settings(threads=2, spin=True, verify=VerifyPolicy(0.1, 2), costs=moe))
+    r = CliRunner().invoke(cli, ["info", str(art), "--no-verify"])
+    assert "threads 2, workers spin" in next(x for x in r.output.splitlines() if x.startswith("runtime  ort:cpu"))
     d = json.loads(CliRunner().invoke(cli, ["info", str(art), "--json", "--no-verify"]).output)
+    assert d["runtime"]["ort:cpu"]["spin"] is True
     policy = d["runtime"]["ort:cpu"]["auto_policy"][0]
     assert policy["longest_paying"] is None and policy["break_even"]["2"] > 2

@@ -25,7 +25,7 @@ from dflash_export.cli import cli
 from dflash_export.models import Target, autoregressive_generate
 from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.backend import Backend, Draft, TargetOut
-from dflash_export.runtime.calibrate import choose_count, choose_policy, replay
+from dflash_export.runtime.calibrate import choose_count, choose_policy, choose_spin, replay
 from dflash_export.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
@@ -62,6 +62,14 @@ def test_thread_count_needs_a_margin_to_grow():
     assert choose_count({1: 100.0, 2: 104.0, 4: 90.0}) == 1
     assert choose_count({1: 100.0, 2: 110.0, 4: 111.0}) == 2  # 4 threads: within 5 % of 2
     assert choose_count({1: 0.0, 2: 50.0}) == 2
+
+
+def test_spinning_is_chosen_per_count_where_it_pays():
+    # a quiet machine: spinning workers answer at once; a shared one: they are preempted mid-call
+    rates = {(1, False): 300.0, (2, False): 280.0, (2, True): 520.0, (4, False): 200.0, (4, True): 205.0}
+    assert choose_spin(rates) == {1: False, 2: True, 4: False}  # 4: within the margin, off
+    assert choose_spin({(2, False): 745.0, (2, True): 168.0}) == {2: False}
+    assert choose_spin({(1, True): 10.0}) == {1: True}  # --spin given: the one state measured
 
 
 def test_spinning_stops_between_calls():
@@ -273,6 +281,10 @@ def test_bench_calibrate_then_generate_auto(art):
     costs = entry["costs"]  # the speculation controller's round costs (rows 1, 2, 4 where the export takes batches)
     assert costs["rows"][0] == 1 and all(len(v) == j["block_size"] for v in costs["verify_ms"]) and min(costs["step_ms"]) > 0
     assert j["speculation"] == "auto" and j["costs"] == "calibrated" and set(j["rounds"]) == {"drafted", "plain"}
+    by_threads = entry["measured"]["speculative_tokens_per_second_by_threads"]
+    if entry["threads"] > 1 or len(by_threads) > 1:  # every count above one ran spinning and not (choose_spin)
+        assert {k for k in by_threads if k.endswith(" spin")} == {f"{k} spin" for k in by_threads if k.isdigit() and int(k) > 1}
+        assert isinstance(entry["spin"], bool) and j["spin"] == entry["spin"]
     by_graph = entry["measured"]["graph_ms_by_threads"]  # each graph's call at each count -> its count
     if len(by_graph) > 1:
         assert set(entry["graph_threads"]) == {C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK}

@@ -289,8 +289,8 @@ class OrtBackend(Backend):
             self.ctx_all[:, :ctx_n, b] = ctx[:, :ctx_n]
         self.lengths[b], self.ctx_lengths[b] = n, ctx_n
 
-    def _target_io(self, row: int | None):
-        """The ort flavour's target binding for all rows (None) or row b: its cache buffers
+    def _target_io(self, row: int | tuple[int, int] | None):
+        """The ort flavour's target binding for row b, or rows (b, n): b..b+n-1. Its cache buffers
         (past and present, the rows' slices) are bound once, when it is made; they never move
         and the binding keeps them across runs (rebinding 4 per layer cost ~0.1 ms a call at
         6 layers). Not the lengths: binding copies a host input the kernel wants on the GPU at
@@ -301,7 +301,8 @@ class OrtBackend(Backend):
         io = self._io_target[row] = self._io[C.TARGET] if row in (None, 0) and self.max_batch == 1 \
             else self.sessions[C.TARGET].io_binding()
         saved, self._io[C.TARGET] = self._io[C.TARGET], io
-        rows, at = (row[1], 0) if isinstance(row, tuple) else (1, row * self.manifest.target_kv_heads)
+        (first, rows) = row if isinstance(row, tuple) else (row, 1)
+        at = first * self.manifest.target_kv_heads
         for i in range(self.manifest.target_layers):
             k, v = self.kv[2 * i], self.kv[2 * i + 1]
             for name, buf in ((self.names.past_key[i], k), (self.names.past_value[i], v), (self.names.present_key[i], k),
@@ -332,20 +333,42 @@ class OrtBackend(Backend):
         return self._target_call(rows, ids, counts, picks, want_logits, 0)
 
     def _target_each(self, rows, ids, counts, picks, want_logits) -> TargetOut:
+        """The ort flavour's verify of several rows: GroupQueryAttention takes several new tokens
+        with a past at batch 1 only, so a row verifying more than its anchor runs alone; rows
+        verifying one position (plain rows of a drafted round, a row at its last token) run
+        together, consecutive rows in one call as a plain step does. Taps land where a call over
+        all rows would write them ([R, S]: row r's at r * S), for draft_context_rows."""
         R, S = ids.shape
         N = S if picks is None else picks.shape[1]
-        next_ids, logits = np.zeros((R, N), np.int64), np.zeros((R, N, self.manifest.vocab_size), np.float32)
-        for r, b in enumerate(rows):
+        next_ids, logits = np.zeros((R, N), np.int64), np.zeros((R, N, self.manifest.vocab_size), np.float32) if want_logits else None
+        counts = np.asarray(counts)
+        runs, r = [], 0  # (first row, rows): consecutive one-position rows together, other rows alone
+        while r < R:
+            n = 1
+            while counts[r] == 1 and r + n < R and counts[r + n] == 1 and rows[r + n] == rows[r] + n:
+                n += 1
+            runs.append((r, n))
+            r += n
+        runs.sort(key=lambda run: run[1] == 1)  # the joint calls first: their taps land at [0, n), copied out
+        flat, joint = self.taps.reshape(-1, self.taps.shape[-1]), []
+        for r, n in runs:
             c = int(counts[r])
             if c == 0:  # an idle row
                 continue
-            at = np.minimum(np.arange(N) if picks is None else picks[r], c - 1)[None]
-            res = self._target_call([b], ids[r : r + 1, :c], [c], at, want_logits, r * S)
-            next_ids[r] = res.next_ids[0]
+            if n > 1:
+                res = self._target_call(rows[r : r + n], ids[r : r + n, :1], counts[r : r + n], np.zeros((n, N), np.int64),
+                                        want_logits, 0)
+                joint.append((r, flat[:n].copy()))
+            else:
+                at = np.minimum(np.arange(N) if picks is None else picks[r], c - 1)[None]
+                res = self._target_call([rows[r]], ids[r : r + 1, :c], [c], at, want_logits, r * S)
+            next_ids[r : r + n] = res.next_ids
             if want_logits:
-                logits[r] = res.logits[0]
+                logits[r : r + n] = res.logits
+        for r, taps in joint:
+            flat[r * S : r * S + len(taps) * S : S] = taps
         self._last_seq = S
-        return TargetOut(next_ids, logits if want_logits else None)
+        return TargetOut(next_ids, logits)
 
     def _target_call(self, rows, ids, counts, picks, want_logits, taps_at: int) -> TargetOut:
         """One session run over `rows` (one row, or all); taps written `taps_at` positions in."""
@@ -355,7 +378,9 @@ class OrtBackend(Backend):
         b0 = rows[0]
         P = int(lengths[b0]) if one else int(lengths[rows].max())
         N = S if picks is None or not self.ragged else picks.shape[1]
-        io = self._target_io(b0 if one else ("all", R)) if self.in_place else self._io[g]
+        if self.in_place and list(rows) != list(range(b0, b0 + R)):
+            raise InternalError(f"the ort flavour's target call takes consecutive rows, not {list(rows)}")
+        io = self._target_io(b0 if one else (b0, R)) if self.in_place else self._io[g]
         self._io[g], saved = io, self._io[g]
         self.ids.ravel()[: R * S] = np.asarray(ids).ravel()  # a call's [R, S] from the buffer's start
         self._bind(g, C.INPUT_IDS, self.ids, batch=R, seq=S)
