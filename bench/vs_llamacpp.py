@@ -24,7 +24,8 @@ and the embedding lookup (`--quantize X --quantize-lm-head --quantize-embedding`
 accuracy level measured per artifact, or --accuracy-level), as llama.cpp's quantized files do.
 
     python bench/vs_llamacpp.py [--model demo,qwen3-0.6b,qwen3-1.7b:8] [--threads 1,2] [--formats fp32,int8,int4]
-        [--max-new-tokens 64] [--depth 64] [--repeats 2] [--accuracy-level auto|0|4] [--ours int4=DIR] [--json]
+        [--max-new-tokens 64] [--depth 64] [--repeats 2] [--accuracy-level auto|0|4] [--quant-block-size N]
+        [--attention standard|ort] [--spin] [--cpus 2,3] [--ours int4=DIR] [--json]
 
 The last line of stdout is the JSON list of rows: {model, format, llama_format, threads, mode,
 ours_tok_s, llama_tok_s, ratio (ours / llama.cpp), ...}; above it the table (or with --json one
@@ -89,7 +90,7 @@ def export(target: Path, draft: Path, key: str, max_context: int, quant: list[st
     out.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="2")
     if not fp32 and " quantize " in run([*cli(), "--help"]).out:
-        base = export(target, draft, key, max_context, base=base)
+        base = export(target, draft, key, max_context, base=base, attention=attention, block_size=block_size)
         run([*cli(), "quantize", base, "--out", out, "--force", "--quiet", *quant], env=env, nice=True)
     else:
         run([*cli(), "export", "--target", target, "--draft", draft, "--out", out, "--max-context", max_context,
@@ -196,8 +197,8 @@ from dflash_export.runtime.calibrate import prefill_ms
 from dflash_export.runtime.load import open_backend
 from dflash_export.runtime.loop import generate
 out, threads, depth, n, prefill = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-verify = int(sys.argv[6]) if len(sys.argv) > 6 else 0
-b = open_backend(out, "ort", "cpu", threads=threads, drafter=False)
+verify, spin = int(sys.argv[6]), sys.argv[7] == "spin"
+b = open_backend(out, "ort", "cpu", threads=threads, drafter=False, spin=spin)
 rng = np.random.default_rng(0)
 prompt = rng.integers(0, b.manifest.vocab_size, depth).tolist()
 generate(b, prompt, 4, draft=False, stop_token_ids=())  # warm-up: shapes, pages
@@ -224,16 +225,18 @@ print(json.dumps(res))
 """
 
 
-def ours_probe(out: Path, threads: int, depth: int, n: int, prefill: int = PREFILL_TOKENS, verify: int = 0) -> dict:
-    r = run([sys.executable, "-c", OURS_PROBE, out, threads, depth, n, prefill, verify])
+def ours_probe(out: Path, threads: int, depth: int, n: int, prefill: int = PREFILL_TOKENS, verify: int = 0,
+               spin: bool = False) -> dict:
+    r = run([sys.executable, "-c", OURS_PROBE, out, threads, depth, n, prefill, verify, "spin" if spin else "no-spin"])
     return json.loads(r.out.strip().splitlines()[-1]) | {"rss_mb": r.rss_mb}
 
 
-def our_options(fmt: str, level: str) -> list[str] | None:
-    """`dflash-export quantize` options of our format (None: the fp32 export itself)."""
+def our_options(fmt: str, level: str, block: int | None = None) -> list[str] | None:
+    """`dflash-export quantize` options of our format (None: the fp32 export itself); block None: the default."""
     if fmt == "fp32":
         return None
-    return ["--quantize", fmt, "--quantize-lm-head", "--quantize-embedding", "--quant-accuracy-level", level]
+    return (["--quantize", fmt, "--quantize-lm-head", "--quantize-embedding", "--quant-accuracy-level", level]
+            + (["--quant-block-size", str(block)] if block else []))
 
 
 def shape_checkpoint(name: str, layers: int) -> tuple[Path, Path, str]:
@@ -296,7 +299,7 @@ def compare_moe(src: Path, bins: Path, name: str, layers: int, a) -> list[dict]:
             tg, pv, ours = [], [], []
             for _ in range(a.repeats):  # interleaved: a load spike hits one round of both
                 tg.append(llama_bench(bins, gguf, t, n=a.max_new_tokens, depth=a.depth))
-                ours.append(ours_probe(out, t, a.depth, a.max_new_tokens, prefill=0, verify=VERIFY_TOKENS))
+                ours.append(ours_probe(out, t, a.depth, a.max_new_tokens, prefill=0, verify=VERIFY_TOKENS, spin=a.spin))
                 pv.append(llama_bench(bins, gguf, t, prompt=VERIFY_TOKENS, depth=a.depth, reps=10))
             best_tg, best_pv = max(tg, key=lambda r: r["tok_s"]), max(pv, key=lambda r: r["tok_s"])
             best_dec, best_ver = max(ours, key=lambda r: r["decode_tok_s"]), min(ours, key=lambda r: r["verify_ms"])
@@ -335,7 +338,7 @@ def compare_shape(src: Path, bins: Path, name: str, layers: int, a) -> list[dict
     rows = []
     for fmt in a.formats:
         gguf = f32 if fmt == "fp32" else quantize(bins, f32, LLAMA_QUANT[fmt])
-        out = a.ours.get(fmt) or export(tdir, ddir, f"{name}-{key}", a.max_context, our_options(fmt, a.accuracy_level),
+        out = a.ours.get(fmt) or export(tdir, ddir, f"{name}-{key}", a.max_context, our_options(fmt, a.accuracy_level, a.quant_block_size),
                                         attention=a.attention)
         base = {"model": label, "layers": layers, "format": fmt, "llama_format": LLAMA_QUANT[fmt],
                 **quant_record(out), "ours_file_mb": target_mb(out), "ours_artifact_mb": dir_mb(out),
@@ -344,7 +347,7 @@ def compare_shape(src: Path, bins: Path, name: str, layers: int, a) -> list[dict
             tg, pp, ours = [], [], []
             for _ in range(a.repeats):  # interleaved: a load spike hits one round of both
                 tg.append(llama_bench(bins, gguf, t, n=a.max_new_tokens, depth=a.depth))
-                ours.append(ours_probe(out, t, a.depth, a.max_new_tokens))
+                ours.append(ours_probe(out, t, a.depth, a.max_new_tokens, spin=a.spin))
                 pp.append(llama_bench(bins, gguf, t, prompt=PREFILL_TOKENS))
             best_tg, best_pp = max(tg, key=lambda r: r["tok_s"]), max(pp, key=lambda r: r["tok_s"])
             best_dec, best_pre = max(ours, key=lambda r: r["decode_tok_s"]), min(ours, key=lambda r: r["prefill_ms"])
@@ -415,6 +418,8 @@ def main() -> None:
     ap.add_argument("--formats", default="fp32,int8,int4", help="shapes: of fp32, int8, int4 (vs F32, Q8_0, Q4_0)")
     ap.add_argument("--accuracy-level", default="auto", choices=["auto", "0", "1", "2", "3", "4"],
                     help="our MatMulNBits accuracy level (quantize --quant-accuracy-level)")
+    ap.add_argument("--quant-block-size", type=int, default=None,
+                    help="our quantized exports' block size (quantize --quant-block-size) [default: the quantizer's]")
     ap.add_argument("--max-context", type=int, default=2048, help="KV capacity, both sides (llama -c)")
     ap.add_argument("--n-max", type=int, default=15, help="llama.cpp --spec-draft-n-max (DFlash block 16 = 15 drafts)")
     ap.add_argument("--block-size", type=int, default=None,
@@ -428,8 +433,16 @@ def main() -> None:
                     help="shapes: our export of FORMAT to use as is (one shape); else exported here, cached by the "
                          "exporter's source, which any change to it re-exports")
     ap.add_argument("--keep-f32", action="store_true", help="MoE shapes: keep the F32 GGUF after quantizing it")
+    ap.add_argument("--spin", action="store_true",
+                    help="shapes: ours with ONNX Runtime's intra-op spinning on (`--spin`; off by default, as on a "
+                         "shared machine it slows every call; llama.cpp's threads spin by default)")
+    ap.add_argument("--cpus", default=None,
+                    help="comma-separated CPU ids both engines are pinned to (as taskset; children inherit it), for "
+                         "a quiet many-core machine: e.g. --threads 1,2 --cpus 2,3")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.cpus:
+        os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})
     a.ours = {f: Path(d) for f, _, d in (x.partition("=") for x in a.ours)}
     a.threads = [int(x) for x in a.threads.split(",")]
     a.formats = a.formats.split(",")
@@ -451,7 +464,8 @@ def main() -> None:
             "ours": head.strip(), "onnxruntime": onnxruntime.__version__, "max_new_tokens": a.max_new_tokens,
             "depth": a.depth, "repeats": a.repeats, "threads": a.threads, "cpu_count": os.cpu_count(),
             "cpu": cpu_name(), "machine": platform.machine(), "attention": a.attention, "block_size": a.block_size,
-            "calibrated": a.calibrate, "accuracy_level": a.accuracy_level,
+            "calibrated": a.calibrate, "accuracy_level": a.accuracy_level, "quant_block_size": a.quant_block_size,
+            "spin": a.spin, "cpus": a.cpus, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
     gl = goals(rows)
     if a.json:

@@ -14,6 +14,11 @@ two read the same bytes of shared.data.
 MatMulNBits' accuracy_level (0: fp32 activations; 4: activations quantized to int8 per block,
 int8 dot products) is chosen per artifact by measurement (export/accuracy_level.py) unless given.
 
+The block size, unless given, is DEFAULT_BLOCK[scheme] (`default_block_size`): int4 blocks of 128
+(the common int4 group size, ONNX Runtime's quantizer's own default), measured on CPU at the
+Qwen3-0.6B shape to cost about 60 % of block 32's CPU time per token at a modestly larger
+error (docs/quantization.md, "Block size"); int8 and the experts of MoE targets keep 32.
+
 The graphs then need ONNX Runtime (CPU, CUDA and DirectML providers have MatMulNBits);
 TensorRT's parser does not take it (export/trt_lint.py refuses such graphs).
 """
@@ -53,6 +58,8 @@ torch = lazy_import("torch")
 moe = lazy_import("dflash_export.export.moe")
 
 SCHEMES = {"int4": 4, "int8": 8}
+DEFAULT_BLOCK = {"int4": 128, "int8": 32}  # weights per block when --quant-block-size is not given
+MOE_BLOCK = 32  # MoE targets: QMoE needs every expert width to divide into blocks (gpt-oss: 2880)
 ROUTERS = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")  # MoE routing weights: kept in the export dtype
 
 
@@ -61,7 +68,7 @@ class QuantOptions:
     """What `export --quantize` asked for; `record()` is the manifest's `quantization`."""
 
     scheme: str  # "int4" | "int8"
-    block_size: int = 32
+    block_size: int | None = None  # None: default_block_size for the artifact (quantize_artifact)
     symmetric: bool = True
     draft: bool = False  # also the drafter's linear layers (draft_context, draft_block)
     lm_head: bool = False  # also the LM head (shared by target and draft_block)
@@ -97,10 +104,19 @@ def check_options(q: QuantOptions, dtype: str) -> None:
     if dtype == "bf16":
         raise DFlashError("--quantize with --dtype bf16 is not supported (ONNX Runtime's CPU MatMulNBits has no bf16 "
                           "kernel); export with --dtype fp32 or fp16")
-    if q.block_size < 16 or q.block_size & (q.block_size - 1):
+    if q.block_size is not None and (q.block_size < 16 or q.block_size & (q.block_size - 1)):
         raise DFlashError(f"--quant-block-size {q.block_size}: MatMulNBits takes a power of two >= 16 (e.g. 32, 64, 128)")
     if q.accuracy_level not in (None, 0, 1, 2, 3, 4):
         raise DFlashError(f"--quant-accuracy-level {q.accuracy_level}: MatMulNBits takes 0-4")
+
+
+def default_block_size(scheme: str, hidden: int, moe: bool) -> int:
+    """The block size when none was asked for: DEFAULT_BLOCK[scheme] (MOE_BLOCK for MoE targets),
+    halved (down to 16) until it divides the hidden size, as the embedding lookup's blocks must."""
+    block = MOE_BLOCK if moe else DEFAULT_BLOCK[scheme]
+    while block > 16 and hidden % block:
+        block //= 2
+    return block
 
 
 def quantize_graph(model, q: QuantOptions, graph: str):
@@ -232,6 +248,8 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
         raise DFlashError(f"{src} is already quantized ({m.quantization['scheme']}); quantize its float export "
                           "(or re-export from the checkpoints with --quantize)")
     check_options(q, m.dtype)
+    if q.block_size is None:
+        q = dataclasses.replace(q, block_size=default_block_size(q.scheme, m.hidden_size, m.moe is not None))
     if (m.moe or {}).get("path") == "standard":
         raise DFlashError(f"{src} runs its experts in standard ops (--moe standard), whose gathered expert weights have "
                           "no quantized form here; quantize an --moe op export (ONNX Runtime's QMoE)")

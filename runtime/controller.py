@@ -37,6 +37,16 @@ A due probe is skipped where it cannot pay (`could_pay`: no verify length whose 
 below it, e.g. one row drafting beside 3 plain rows on a CPU); the row looks again LOOK
 rounds later, and drafts meanwhile only if its estimate says so.
 
+Across requests: a row that starts while the rows read last (a server's or a CLI run's
+previous request; in a batch, every row that decides with the batch) are all in a plain
+stretch continues that stretch: the last one's record and probe schedule (plain rounds since
+a drafted round, the gap) taken as they were. So a drafter
+known not to pay is not paid for at every request's first round, and a stretch spanning
+short requests reaches the largest gap (PROBE_BOUND) as one long request does. Otherwise a
+new row starts from its PRIOR (drafting known to pay, or nothing known: its first round
+drafts); rows that decide for themselves always do (their tokens must not depend on what
+ran before).
+
 Host work: a round where every row drafts ("always", or 3+ drafted rounds with the mean at
 SURE x the break-even) lets the next SKIP rounds draft without deciding (the same rows; the
 GAMMA average moves by a few percent a round, so they would have drafted anyway); rows still
@@ -245,6 +255,16 @@ class Controller:
     _last: tuple = ()  # (rows, drafted, modelled ms) of the last decision
     _sure: tuple = ((), 0, False)  # (the rows' records, rounds left, drafts): rounds run without deciding
     _skipped: int = 0  # rounds since the last decision (the last of them is clocked against it)
+    recent: RowControl | None = None  # a row in a plain stretch, as every row read last was: a new row continues it
+
+    def new_row(self, own: bool, seen: int) -> RowControl:
+        """A new row's record: the recent plain stretch's (see the module docstring), else one
+        round's worth of PRIOR."""
+        last = self.recent
+        if last is not None and last.gap and not own:
+            return RowControl(last.emitted, last.squares, last.weight, last.length, last.plain, last.gap, seen=seen,
+                              prior=last.prior)
+        return RowControl(own=own, seen=seen, prior=self.costs.ratio(1, self.block_size) + PRIOR)
 
     def _clock(self, rows) -> None:
         """The last round's wall time (any row that ran it has it last in `round_s`) over what the
@@ -352,8 +372,7 @@ class Controller:
             return spec
         for r in rows:
             if r.ctl is None:
-                r.ctl = RowControl(own=r.ud is not None, seen=len(r.gen.acceptance_lengths),
-                                   prior=self.costs.ratio(1, self.block_size) + PRIOR)
+                r.ctl = self.new_row(r.ud is not None, len(r.gen.acceptance_lengths))
         self._clock(rows)
         self._skipped, self._edge = 0, math.inf  # (a `choose` that does not set the edge never skips plain rounds)
         per_row = backend is not None and backend.verify_per_row
@@ -394,6 +413,9 @@ class Controller:
             else:
                 c.gap = c.plain + LOOK if due else c.gap  # a probe that cannot pay at this batch size: look again later
                 free.append(r)
+        read = [r.ctl for r in rows if r.req.speculative and not r.ctl.own]
+        if read:  # what a new row starts from: a plain stretch only while every row is in one
+            self.recent = read[-1] if all(c.gap for c in read) else None
         hope = {id(r): r.ctl.hopeful for r in rows if r.req.speculative}
         free.sort(key=lambda r: -hope[id(r)])
         sure = [r for r in rows if want.get(id(r))]

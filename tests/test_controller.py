@@ -443,3 +443,73 @@ def test_moe_costs_verify_short_or_step(top):
     full = np.mean([demo_accept(np.random.default_rng(i)) for i in range(2000)]) / c.spec_ms(1, 16)
     print(f"MoE verify {top:g} steps at 16: auto {tokens / spent:.3f} tok/step, full block {full:.3f}, plain 1")
     assert tokens / spent >= max(0.95, 1.02 * full), (d, p, tokens / spent, full)
+
+
+# Qwen3-30B-A3B's layer shape at 2 layers, fp32 experts (ONNX Runtime's MoE op), 2 CPU threads at load
+# average 12, in plain steps (bench/moe_policy.py, 2026-12-04 05:26 UTC): a draft call 1.71 steps (the
+# drafter's head over 16 positions of 151936 tokens), a verify of s positions from 1.46 steps at 2 to 3.39 at 16
+MOE_2L = Costs([1], [1.0], [[1.0, 1.46, 1.83, 1.77, 1.98, 2.15, 2.23, 2.26, 2.67, 2.59, 2.99, 3.02, 3.21, 3.37, 3.29,
+                             3.39]], [1.71], [0.0057])
+
+
+def requests(costs: Costs, accepts, n: int = 128, block: int = 16):
+    """Requests of n tokens one after another under one controller (as `serve` or `generate
+    --prompts` run them), request i's drafted round at position t emitting accepts[i](t) tokens
+    (at most its verify length): per request (drafted rounds, tokens, time in the costs' unit,
+    plain rounds before its first drafted round)."""
+    ctl, out = Controller(costs, block), []
+    for accept in accepts:
+        row = SimpleNamespace(req=SimpleNamespace(speculative=True), ud=None, ctl=None, gen=Generation(), done=False)
+        t, spent, last = 0, 0.0, None
+        while t < n:
+            spec = ctl.decide([row], None)
+            s = (row.ctl.cap or block) if spec else 1
+            a = min(accept(t), s, n - t) if spec else 1
+            row.gen.acceptance_lengths.append(a)
+            row.gen.verify_lengths.append(s)
+            row.gen.drafted.append(spec)
+            spent += costs.spec_ms(1, s) + (costs.context[0] if last is False else 0.0) if spec else costs.plain_ms(1)
+            t, last = t + a, spec
+        out.append((sum(row.gen.drafted), t, spent, (row.gen.drafted + [True]).index(True)))
+    return out
+
+
+def test_new_requests_continue_a_plain_stretch():
+    """A drafter that accepts nothing on the 2-layer MoE costs: the first request pays its first
+    round and the first probes of its plain stretch; the requests after it start plain and probe
+    on the same schedule (its gaps keep doubling across them), so 8 requests of 128 tokens run at
+    >= 0.95x plain steps (each request cold: 0.91x)."""
+    out = requests(MOE_2L, [lambda t: 1] * 8)
+    rate = sum(x[1] for x in out) / sum(x[2] for x in out)
+    drafted = [x[0] for x in out]
+    print(f"accepts nothing, MoE 2-layer costs: {rate:.3f}x plain, drafted rounds per request {drafted}")
+    assert rate >= 0.95 / MOE_2L.plain_ms(1), (rate, drafted)
+    assert drafted[0] >= 2 and sum(drafted[1:]) <= len(drafted), drafted
+    c = Controller(MOE_2L, 16)
+    c.recent = RowControl(emitted=3.0, squares=3.0, weight=3.0, length=2.0, plain=40, gap=48)
+    assert (c.new_row(False, 0).plain, c.new_row(False, 0).gap) == (40, 48)
+    fresh = c.new_row(True, 0)  # a row that decides for itself starts from its prior, whatever ran before
+    assert (fresh.weight, fresh.gap, fresh.plain) == (0.0, 0, 0)
+    # in a batch: a plain stretch carries over only while every row deciding with the batch is in one
+    row = lambda ctl: SimpleNamespace(req=SimpleNamespace(speculative=True), ud=None, ctl=ctl, gen=Generation())  # noqa: E731
+    drafting = RowControl(emitted=36.0, squares=432.0, weight=3.0, length=16.0)
+    plain = RowControl(emitted=3.0, squares=3.0, weight=3.0, length=2.0, plain=10, gap=48)
+    c.choose([row(drafting), row(plain)])
+    assert c.new_row(False, 0).gap == 0 and c.new_row(False, 0).weight == 0.0
+    c.choose([row(plain), row(RowControl(**{**vars(plain), "taps": [], "plain": 30}))])
+    assert (c.new_row(False, 0).plain, c.new_row(False, 0).gap) == (30, 48)
+
+
+def test_new_requests_draft_where_drafting_pays_and_find_a_turn():
+    """A new request drafts its first round unless the recent row is in a plain stretch (a row
+    drafting well: it does); after requests that accepted nothing, a drafter that turns good is
+    found by the stretch's probes within its largest gap, and drafting resumes."""
+    good = requests(MOE_2L, [lambda t: 12] * 3)
+    assert all(d >= 10 for d, *_ in good), good  # ~128 / 12 drafted rounds each, from the first
+    out = requests(MOE_2L, [lambda t: 1] * 4 + [lambda t: 12] * 6)
+    g = max_gap(Controller(MOE_2L, 16).probe_cost(RowControl(), 1, False))
+    turned = [d for d, *_ in out[4:]]
+    i = next(i for i, x in enumerate(out[4:]) if x[0])
+    print(f"4 requests accepting nothing, then 12 a round: drafted rounds {turned}, largest gap {g}")
+    assert 128 * i + out[4 + i][3] <= g  # the first probe after the turn: within the largest gap
+    assert min(turned[i + 1:]) >= 10 and sum(x[1] for x in out[4:]) / sum(x[2] for x in out[4:]) > 1.5
