@@ -110,7 +110,7 @@ def run_logged(cmd: list, pattern: str, tries: int = 6) -> Run:
 # -- llama.cpp: source, build, conversion ------------------------------------------------------
 
 
-def build_llamacpp(jobs: int = 2) -> tuple[Path, Path]:
+def build_llamacpp(jobs: int = max(2, os.cpu_count() or 2)) -> tuple[Path, Path]:
     """(source dir, bin dir) of llama.cpp as vendored by the llama-cpp-python sdist; built once."""
     src = CACHE / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
     if not (src / "CMakeLists.txt").is_file():
@@ -124,7 +124,7 @@ def build_llamacpp(jobs: int = 2) -> tuple[Path, Path]:
             tf.extractall(CACHE, filter="data")
     build, bins = CACHE / "build", CACHE / "build" / "bin"
     if not all((bins / b).is_file() for b in BINARIES):
-        print(f"building llama.cpp (Release, {' '.join(BUILD_FLAGS)}, -j{jobs}; tens of minutes on 2 cores)", file=sys.stderr)
+        print(f"building llama.cpp (Release, {' '.join(BUILD_FLAGS)}, -j{jobs}; tens of minutes on 2 cores, minutes on 16)", file=sys.stderr)
         run(["cmake", "-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=Release", *BUILD_FLAGS,
              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
              "-DLLAMA_BUILD_APP=OFF"], nice=True)
