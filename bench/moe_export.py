@@ -7,8 +7,10 @@ Qwen3-30B-A3B's layer shape with real widths (hidden 2048, 32 query / 4 KV heads
 written the way the released checkpoint is (one safetensors shard per layer, per-expert keys;
 `--layout fused`: transformers 5.x's gate_up_proj / down_proj), plus a 1-layer drafter. Then,
 each in a process of its own so its peak RSS is its own: `export_artifact` per dtype (and
-path), its peak RSS (VmHWM) against the artifact it wrote and against the fp32 size of the
-weights it exports. Prints one JSON object. Not part of the test suite (minutes, GBs of disk).
+path; `fp32:op:int4`: `export --quantize int4`, the float export then its quantization), its
+peak RSS (VmHWM) against the artifact it wrote and against the fp32 size of the weights it
+exports. Prints one JSON object. `--step quantize --src FLOAT_EXPORT`: `quantize` alone, its
+peak against the quantized artifact. Not part of the test suite (minutes, GBs of disk).
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/dflash-moe-export"))
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--layout", choices=("per-expert", "fused"), default="per-expert")
-    ap.add_argument("--runs", default="fp32:op,fp16:standard,fp16:standard:whole",
+    ap.add_argument("--runs", default="fp32:op,fp32:op:int4,fp16:standard,fp16:standard:whole",
                     help="dtype:moe[:whole|:int4|:int8] exports, comma-separated (whole: experts loaded, not "
                          "streamed; int4 / int8: export --quantize, the float export then its quantization, one process)")
     ap.add_argument("--step", choices=("make", "export", "quantize"))

@@ -128,10 +128,13 @@ def reference(root: Path, float_root: Path) -> Path:
     out.mkdir()
     for f in os.listdir(root):
         if f.endswith(".data") or f == M.MANIFEST:
-            os.link(root / f, out / f)
-    graph_file = m_graph_file(root)
+            try:
+                os.link(root / f, out / f)
+            except OSError:  # a filesystem without hard links
+                shutil.copyfile(root / f, out / f)
+    graph_file = _target_file(root)
     model = onnx.load(str(root / graph_file), load_external_data=False)
-    float_model = onnx.load(str(float_root / m_graph_file(float_root)), load_external_data=False)
+    float_model = onnx.load(str(float_root / _target_file(float_root)), load_external_data=False)
     floats = {t.name: t for t in float_model.graph.initializer}
     wanted, nodes = {}, []
     for node in model.graph.node:
@@ -170,7 +173,7 @@ def reference(root: Path, float_root: Path) -> Path:
     return out
 
 
-def m_graph_file(root: Path) -> str:
+def _target_file(root: Path) -> str:
     return M.load_manifest(root, verify=False).graphs[C.TARGET].file
 
 
