@@ -91,8 +91,9 @@ def do_make(work: Path, layers: int, fused: bool) -> dict:
     return {"make_s": round(time.perf_counter() - t0, 1), "make_peak_rss": peak_rss_bytes()}
 
 
-def do_export(work: Path, dtype: str, moe: str, whole: bool) -> dict:
+def do_export(work: Path, dtype: str, moe: str, whole: bool, quantize: str | None = None) -> dict:
     from dflash_export.export.artifact import checkpoint_elements, export_artifact
+    from dflash_export.export.quantize import QuantOptions
 
     if whole:  # the comparison: experts loaded with the rest of the checkpoint, as before streaming
         import contextlib
@@ -102,15 +103,31 @@ def do_export(work: Path, dtype: str, moe: str, whole: bool) -> dict:
     out = work / f"out-{dtype}-{moe}"
     t0 = time.perf_counter()
     export_artifact(work / "target", work / "draft", out, dtype=dtype, moe=moe, max_context=1024, force=True,
-                    progress=True)
+                    progress=True, quantize=QuantOptions(quantize) if quantize else None)
     seconds = time.perf_counter() - t0
     peak = peak_rss_bytes()
     artifact = sum(f.stat().st_size for f in out.iterdir())
     fp32 = 4 * (checkpoint_elements(work / "target") + checkpoint_elements(work / "draft"))
     shutil.rmtree(out)  # room for the next one
-    return {"dtype": dtype, "moe": moe, "experts": "whole" if whole else "streamed", "export_s": round(seconds, 1), "peak_rss": peak, "artifact_bytes": artifact,
+    return {"dtype": dtype, "moe": moe, "quantize": quantize, "experts": "whole" if whole else "streamed", "export_s": round(seconds, 1), "peak_rss": peak, "artifact_bytes": artifact,
             "fp32_weight_bytes": fp32, "peak_over_artifact": round(peak / artifact, 3),
             "peak_over_fp32_weights": round(peak / fp32, 3)}
+
+
+def do_quantize(src: Path, scheme: str) -> dict:
+    """`quantize SRC --quantize SCHEME` of a float export, in this process: its peak RSS against what it wrote."""
+    from dflash_export.export.quantize import QuantOptions, quantize_artifact
+
+    out = src.parent / f"{src.name}-{scheme}"
+    t0 = time.perf_counter()
+    quantize_artifact(src, out, QuantOptions(scheme), force=True, progress=True)
+    seconds = time.perf_counter() - t0
+    peak = peak_rss_bytes()
+    artifact = sum(f.stat().st_size for f in out.iterdir())
+    float_bytes = sum(f.stat().st_size for f in src.iterdir())
+    shutil.rmtree(out)
+    return {"quantize": scheme, "src": str(src), "quantize_s": round(seconds, 1), "peak_rss": peak,
+            "artifact_bytes": artifact, "float_artifact_bytes": float_bytes, "peak_over_artifact": round(peak / artifact, 3)}
 
 
 def machine() -> str:
@@ -126,17 +143,23 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--layout", choices=("per-expert", "fused"), default="per-expert")
     ap.add_argument("--runs", default="fp32:op,fp16:standard,fp16:standard:whole",
-                    help="dtype:moe[:whole] exports, comma-separated (whole: experts loaded, not streamed)")
-    ap.add_argument("--step", choices=("make", "export"))
+                    help="dtype:moe[:whole|:int4|:int8] exports, comma-separated (whole: experts loaded, not "
+                         "streamed; int4 / int8: export --quantize, the float export then its quantization, one process)")
+    ap.add_argument("--step", choices=("make", "export", "quantize"))
+    ap.add_argument("--src", type=Path, help="--step quantize: the float export to quantize")
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--moe", default="op")
     ap.add_argument("--whole", action="store_true")
+    ap.add_argument("--quantize", choices=("int4", "int8"))
     args = ap.parse_args()
     if args.step == "make":
         print(json.dumps(do_make(args.work, args.layers, args.layout == "fused")))
         return
+    if args.step == "quantize":
+        print(json.dumps(do_quantize(args.src, args.quantize or "int4")))
+        return
     if args.step == "export":
-        print(json.dumps(do_export(args.work, args.dtype, args.moe, args.whole)))
+        print(json.dumps(do_export(args.work, args.dtype, args.moe, args.whole, args.quantize)))
         return
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
@@ -147,9 +170,10 @@ def main() -> None:
     report["checkpoint_bytes"] = sum(f.stat().st_size for f in (args.work / "target").iterdir())
     report["exports"] = []
     for run in args.runs.split(","):
-        dtype, moe, *whole = run.split(":")
+        dtype, moe, *extra = run.split(":")
         report["exports"].append(run_child(__file__, [*common, "--step", "export", "--dtype", dtype, "--moe", moe]
-                                           + (["--whole"] if whole == ["whole"] else [])))
+                                           + (["--whole"] if extra == ["whole"] else [])
+                                           + (["--quantize", extra[0]] if extra in (["int4"], ["int8"]) else [])))
     report["load_after"] = uptime()
     shutil.rmtree(args.work, ignore_errors=True)
     print(json.dumps(report))

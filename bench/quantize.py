@@ -34,9 +34,9 @@ from common import ROOT, make_checkpoint, peak_rss_bytes, run_child
 
 VARIANTS = {  # name -> QuantOptions arguments (None: the float export itself)
     "fp32": None,
-    "int8": dict(scheme="int8", draft=True, lm_head=True),
-    "int4": dict(scheme="int4", draft=True, lm_head=True),
-    "int4-acc4": dict(scheme="int4", draft=True, lm_head=True, accuracy_level=4),
+    "int8": dict(scheme="int8", block_size=32, draft=True, lm_head=True),
+    "int4": dict(scheme="int4", block_size=32, draft=True, lm_head=True),
+    "int4-acc4": dict(scheme="int4", block_size=32, draft=True, lm_head=True, accuracy_level=4),
 }
 
 

@@ -13,13 +13,19 @@ each side's rounds is kept, as a loaded machine only ever slows a run down):
                plain: llama-bench tg at the prompt's depth vs our decode rate (random prompt of
                --depth tokens); prefill: llama-bench pp512 vs 512 / our time to first token of a
                512-token prompt (target only, the runtime's default chunk)
+  qwen3-30b-a3b (MOE_SHAPES; `qwen3-30b-a3b:2` for 2 layers): Qwen3-30B-A3B's layer shape, 128
+               experts of width 768, top 8, random bf16 weights in the released checkpoint's layout
+               (bench/moe_export.py); ours exported `--moe op`, quantized experts as QMoE.
+               plain: as above; verify8: llama-bench pp8 at the prompt's depth (one 8-token batch)
+               vs one target call of 8 positions after the prompt (what a verify of 8 costs us)
 
 Formats: fp32 vs F32, int8 vs Q8_0, int4 vs Q4_0. Ours quantizes the linear layers, the LM head
 and the embedding lookup (`--quantize X --quantize-lm-head --quantize-embedding`; the MatMulNBits
 accuracy level measured per artifact, or --accuracy-level), as llama.cpp's quantized files do.
 
     python bench/vs_llamacpp.py [--model demo,qwen3-0.6b,qwen3-1.7b:8] [--threads 1,2] [--formats fp32,int8,int4]
-        [--max-new-tokens 64] [--depth 64] [--repeats 2] [--accuracy-level auto|0|4] [--ours int4=DIR] [--json]
+        [--max-new-tokens 64] [--depth 64] [--repeats 2] [--accuracy-level auto|0|4] [--quant-block-size N]
+        [--attention standard|ort] [--spin] [--cpus 2,3] [--ours int4=DIR] [--json]
 
 The last line of stdout is the JSON list of rows: {model, format, llama_format, threads, mode,
 ours_tok_s, llama_tok_s, ratio (ours / llama.cpp), ...}; above it the table (or with --json one
@@ -49,7 +55,9 @@ SHAPES = {
     "qwen3-1.7b": dict(vocab=151936, hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=6144),
     "qwen3-4b": dict(vocab=151936, hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=9728),
 }
+MOE_SHAPES = {"qwen3-30b-a3b": dict(layers=48)}  # bench/moe_export.py SHAPE: the widths; `layers` the real depth
 PREFILL_TOKENS = 512  # llama-bench's pp512
+VERIFY_TOKENS = 8  # the MoE rows' verify: llama-bench pp8
 
 
 def row(base: dict, mode: str, ours: float, llama: float, **extra) -> dict:
@@ -82,7 +90,7 @@ def export(target: Path, draft: Path, key: str, max_context: int, quant: list[st
     out.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="2")
     if not fp32 and " quantize " in run([*cli(), "--help"]).out:
-        base = export(target, draft, key, max_context, base=base)
+        base = export(target, draft, key, max_context, base=base, attention=attention, block_size=block_size)
         run([*cli(), "quantize", base, "--out", out, "--force", "--quiet", *quant], env=env, nice=True)
     else:
         run([*cli(), "export", "--target", target, "--draft", draft, "--out", out, "--max-context", max_context,
@@ -189,29 +197,46 @@ from dflash_export.runtime.calibrate import prefill_ms
 from dflash_export.runtime.load import open_backend
 from dflash_export.runtime.loop import generate
 out, threads, depth, n, prefill = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-b = open_backend(out, "ort", "cpu", threads=threads, drafter=False)
+verify, spin = int(sys.argv[6]), sys.argv[7] == "spin"
+b = open_backend(out, "ort", "cpu", threads=threads, drafter=False, spin=spin)
 rng = np.random.default_rng(0)
 prompt = rng.integers(0, b.manifest.vocab_size, depth).tolist()
 generate(b, prompt, 4, draft=False, stop_token_ids=())  # warm-up: shapes, pages
 g = generate(b, prompt, n, draft=False, stop_token_ids=())
-long = rng.integers(0, b.manifest.vocab_size, prefill).tolist()
-chunk = b.max_chunk
-ms = prefill_ms(b, long, [chunk], repeats=1)[chunk]
-print(json.dumps({"decode_tok_s": (len(g.tokens) - 1) / g.decode_s, "step_ms": g.decode_s / (len(g.tokens) - 1) * 1e3,
-                  "prefill_ms": ms, "prefill_chunk": chunk}))
+res = {"decode_tok_s": (len(g.tokens) - 1) / g.decode_s, "step_ms": g.decode_s / (len(g.tokens) - 1) * 1e3}
+if verify:  # one target call of `verify` positions after the prompt, rolled back: a verify's cost
+    import time
+    b.reset()
+    b.target(np.asarray(prompt, np.int64))
+    b.commit(len(prompt))
+    ids, times = np.asarray(g.tokens[:verify], np.int64), []
+    for i in range(12):
+        t0 = time.perf_counter()
+        b.target(ids)
+        if i >= 2:  # two warm-up calls
+            times.append(time.perf_counter() - t0)
+        b.commit(0)
+    res["verify_ms"] = float(np.median(times)) * 1e3
+if prefill:
+    long = rng.integers(0, b.manifest.vocab_size, prefill).tolist()
+    chunk = b.max_chunk
+    res |= {"prefill_ms": prefill_ms(b, long, [chunk], repeats=1)[chunk], "prefill_chunk": chunk}
+print(json.dumps(res))
 """
 
 
-def ours_probe(out: Path, threads: int, depth: int, n: int) -> dict:
-    r = run([sys.executable, "-c", OURS_PROBE, out, threads, depth, n, PREFILL_TOKENS])
+def ours_probe(out: Path, threads: int, depth: int, n: int, prefill: int = PREFILL_TOKENS, verify: int = 0,
+               spin: bool = False) -> dict:
+    r = run([sys.executable, "-c", OURS_PROBE, out, threads, depth, n, prefill, verify, "spin" if spin else "no-spin"])
     return json.loads(r.out.strip().splitlines()[-1]) | {"rss_mb": r.rss_mb}
 
 
-def our_options(fmt: str, level: str) -> list[str] | None:
-    """`dflash-export quantize` options of our format (None: the fp32 export itself)."""
+def our_options(fmt: str, level: str, block: int | None = None) -> list[str] | None:
+    """`dflash-export quantize` options of our format (None: the fp32 export itself); block None: the default."""
     if fmt == "fp32":
         return None
-    return ["--quantize", fmt, "--quantize-lm-head", "--quantize-embedding", "--quant-accuracy-level", level]
+    return (["--quantize", fmt, "--quantize-lm-head", "--quantize-embedding", "--quant-accuracy-level", level]
+            + (["--quant-block-size", str(block)] if block else []))
 
 
 def shape_checkpoint(name: str, layers: int) -> tuple[Path, Path, str]:
@@ -230,6 +255,64 @@ def shape_checkpoint(name: str, layers: int) -> tuple[Path, Path, str]:
         make_drafter(d / "draft", d / "target", layers=1, block_size=16)
         (d / "done").touch()
     return d / "target", d / "draft", key
+
+
+def moe_checkpoint(name: str, layers: int) -> tuple[Path, Path, str]:
+    """Random bf16 checkpoint of Qwen3-30B-A3B's layer shape at `layers` (bench/moe_export.py, per-expert
+    keys like the released one) + its 1-layer drafter, the demo's tokenizer files."""
+    from moe_export import SHAPE, make_drafter as moe_drafter, make_target as moe_target
+
+    key = hashlib.sha256(json.dumps([SHAPE, layers], sort_keys=True).encode()).hexdigest()[:8]
+    d = CACHE / "models" / f"{name}-L{layers}-{key}"
+    if not (d / "done").is_file():
+        print(f"building the random {name}-shape checkpoint ({layers} layers)", file=sys.stderr)
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        moe_target(d / "target", layers, fused=False)
+        for f in ("tokenizer.json", "tokenizer_config.json"):  # 4096 ids of 151936; the converter pads the rest
+            shutil.copy(ROOT / "demo" / "pair" / "target" / f, d / "target" / f)
+        moe_drafter(d / "target", d / "draft", layers)
+        (d / "done").touch()
+    return d / "target", d / "draft", key
+
+
+def compare_moe(src: Path, bins: Path, name: str, layers: int, a) -> list[dict]:
+    """plain and verify8 rows of the MoE shape, per format and thread count, the two engines interleaved."""
+    tdir, ddir, key = moe_checkpoint(name, layers)
+    gdir = CACHE / "gguf" / f"{name}-L{layers}-{key}"
+    label = name if layers == MOE_SHAPES[name]["layers"] else f"{name}:{layers}"
+    rows = []
+    for fmt in a.formats:
+        f32 = gdir / "target-f32.gguf"
+        gguf = gdir / f"target-{LLAMA_QUANT[fmt].lower()}.gguf"
+        if not gguf.is_file():
+            convert(src, tdir, f32)
+            if fmt != "fp32":
+                gguf = quantize(bins, f32, LLAMA_QUANT[fmt])
+        if fmt != "fp32" and f32.is_file() and not a.keep_f32:  # 4 bytes a weight: room on disk for the next one
+            f32.unlink()
+        out = a.ours.get(fmt) or export(tdir, ddir, f"{name}-{key}", a.max_context, our_options(fmt, a.accuracy_level))
+        base = {"model": label, "layers": layers, "format": fmt, "llama_format": LLAMA_QUANT[fmt],
+                **quant_record(out), "ours_file_mb": target_mb(out), "ours_artifact_mb": dir_mb(out),
+                "llama_file_mb": gguf.stat().st_size / 1e6}
+        for t in a.threads:
+            tg, pv, ours = [], [], []
+            for _ in range(a.repeats):  # interleaved: a load spike hits one round of both
+                tg.append(llama_bench(bins, gguf, t, n=a.max_new_tokens, depth=a.depth))
+                ours.append(ours_probe(out, t, a.depth, a.max_new_tokens, prefill=0, verify=VERIFY_TOKENS, spin=a.spin))
+                pv.append(llama_bench(bins, gguf, t, prompt=VERIFY_TOKENS, depth=a.depth, reps=10))
+            best_tg, best_pv = max(tg, key=lambda r: r["tok_s"]), max(pv, key=lambda r: r["tok_s"])
+            best_dec, best_ver = max(ours, key=lambda r: r["decode_tok_s"]), min(ours, key=lambda r: r["verify_ms"])
+            b = base | {"threads": t, "ours_rss_mb": max(r["rss_mb"] for r in ours),
+                        "llama_rss_mb": max(r["rss_mb"] for r in tg + pv)}
+            rows.append(row(b, "plain", best_dec["decode_tok_s"], best_tg["tok_s"], depth=a.depth,
+                            ours_ms=best_dec["step_ms"], llama_ms=best_tg["ms_per_token"],
+                            rounds={"ours": [r["decode_tok_s"] for r in ours], "llama": [r["tok_s"] for r in tg]}))
+            rows.append(row(b, "verify8", VERIFY_TOKENS / best_ver["verify_ms"] * 1e3, best_pv["tok_s"], depth=a.depth,
+                            ours_ms=best_ver["verify_ms"], llama_ms=VERIFY_TOKENS / best_pv["tok_s"] * 1e3,
+                            rounds={"ours_ms": [r["verify_ms"] for r in ours],
+                                    "llama_ms": [VERIFY_TOKENS / r["tok_s"] * 1e3 for r in pv]}))
+    return rows
 
 
 def target_mb(out: Path) -> float:
@@ -255,7 +338,7 @@ def compare_shape(src: Path, bins: Path, name: str, layers: int, a) -> list[dict
     rows = []
     for fmt in a.formats:
         gguf = f32 if fmt == "fp32" else quantize(bins, f32, LLAMA_QUANT[fmt])
-        out = a.ours.get(fmt) or export(tdir, ddir, f"{name}-{key}", a.max_context, our_options(fmt, a.accuracy_level),
+        out = a.ours.get(fmt) or export(tdir, ddir, f"{name}-{key}", a.max_context, our_options(fmt, a.accuracy_level, a.quant_block_size),
                                         attention=a.attention)
         base = {"model": label, "layers": layers, "format": fmt, "llama_format": LLAMA_QUANT[fmt],
                 **quant_record(out), "ours_file_mb": target_mb(out), "ours_artifact_mb": dir_mb(out),
@@ -264,7 +347,7 @@ def compare_shape(src: Path, bins: Path, name: str, layers: int, a) -> list[dict
             tg, pp, ours = [], [], []
             for _ in range(a.repeats):  # interleaved: a load spike hits one round of both
                 tg.append(llama_bench(bins, gguf, t, n=a.max_new_tokens, depth=a.depth))
-                ours.append(ours_probe(out, t, a.depth, a.max_new_tokens))
+                ours.append(ours_probe(out, t, a.depth, a.max_new_tokens, spin=a.spin))
                 pp.append(llama_bench(bins, gguf, t, prompt=PREFILL_TOKENS))
             best_tg, best_pp = max(tg, key=lambda r: r["tok_s"]), max(pp, key=lambda r: r["tok_s"])
             best_dec, best_pre = max(ours, key=lambda r: r["decode_tok_s"]), min(ours, key=lambda r: r["prefill_ms"])
@@ -316,15 +399,17 @@ def parse_models(spec: str) -> list[tuple[str, int]]:
     out = []
     for m in spec.split(","):
         name, _, layers = m.partition(":")
-        if name != "demo" and name not in SHAPES:
-            raise SystemExit(f"--model: unknown {name}; choose demo or {', '.join(SHAPES)} (NAME:LAYERS for a reduced depth)")
-        out.append((name, int(layers) if layers else SHAPES.get(name, {}).get("layers", 0)))
+        if name != "demo" and name not in SHAPES and name not in MOE_SHAPES:
+            raise SystemExit(f"--model: unknown {name}; choose demo, {', '.join([*SHAPES, *MOE_SHAPES])} "
+                             "(NAME:LAYERS for a reduced depth)")
+        out.append((name, int(layers) if layers else (SHAPES | MOE_SHAPES).get(name, {}).get("layers", 0)))
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="demo,qwen3-0.6b", help="comma-separated: demo, " + ", ".join(SHAPES) + " (NAME:LAYERS)")
+    ap.add_argument("--model", default="demo,qwen3-0.6b",
+                    help="comma-separated: demo, " + ", ".join([*SHAPES, *MOE_SHAPES]) + " (NAME:LAYERS)")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts, same on both sides")
     ap.add_argument("--prompts", type=int, default=3, help="demo/prompts.jsonl prompts (demo model)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -333,6 +418,8 @@ def main() -> None:
     ap.add_argument("--formats", default="fp32,int8,int4", help="shapes: of fp32, int8, int4 (vs F32, Q8_0, Q4_0)")
     ap.add_argument("--accuracy-level", default="auto", choices=["auto", "0", "1", "2", "3", "4"],
                     help="our MatMulNBits accuracy level (quantize --quant-accuracy-level)")
+    ap.add_argument("--quant-block-size", type=int, default=None,
+                    help="our quantized exports' block size (quantize --quant-block-size) [default: the quantizer's]")
     ap.add_argument("--max-context", type=int, default=2048, help="KV capacity, both sides (llama -c)")
     ap.add_argument("--n-max", type=int, default=15, help="llama.cpp --spec-draft-n-max (DFlash block 16 = 15 drafts)")
     ap.add_argument("--block-size", type=int, default=None,
@@ -345,8 +432,17 @@ def main() -> None:
     ap.add_argument("--ours", action="append", default=[], metavar="FORMAT=DIR",
                     help="shapes: our export of FORMAT to use as is (one shape); else exported here, cached by the "
                          "exporter's source, which any change to it re-exports")
+    ap.add_argument("--keep-f32", action="store_true", help="MoE shapes: keep the F32 GGUF after quantizing it")
+    ap.add_argument("--spin", action="store_true",
+                    help="shapes: ours with ONNX Runtime's intra-op spinning on (`--spin`; off by default, as on a "
+                         "shared machine it slows every call; llama.cpp's threads spin by default)")
+    ap.add_argument("--cpus", default=None,
+                    help="comma-separated CPU ids both engines are pinned to (as taskset; children inherit it), for "
+                         "a quiet many-core machine: e.g. --threads 1,2 --cpus 2,3")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.cpus:
+        os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})
     a.ours = {f: Path(d) for f, _, d in (x.partition("=") for x in a.ours)}
     a.threads = [int(x) for x in a.threads.split(",")]
     a.formats = a.formats.split(",")
@@ -359,13 +455,17 @@ def main() -> None:
     load_start = os.getloadavg()
     rows = []
     for name, layers in models:
-        rows += compare_demo(src, bins, a) if name == "demo" else compare_shape(src, bins, name, layers, a)
+        if name == "demo":
+            rows += compare_demo(src, bins, a)
+        else:
+            rows += (compare_moe if name in MOE_SHAPES else compare_shape)(src, bins, name, layers, a)
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     meta = {"llamacpp": f"{llama_commit()} (llama-cpp-python {VERSION} sdist)", "llamacpp_build": build_flags(),
             "ours": head.strip(), "onnxruntime": onnxruntime.__version__, "max_new_tokens": a.max_new_tokens,
             "depth": a.depth, "repeats": a.repeats, "threads": a.threads, "cpu_count": os.cpu_count(),
             "cpu": cpu_name(), "machine": platform.machine(), "attention": a.attention, "block_size": a.block_size,
-            "calibrated": a.calibrate, "accuracy_level": a.accuracy_level,
+            "calibrated": a.calibrate, "accuracy_level": a.accuracy_level, "quant_block_size": a.quant_block_size,
+            "spin": a.spin, "cpus": a.cpus, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
     gl = goals(rows)
     if a.json:

@@ -29,8 +29,9 @@ def quant_options(f):
     for opt in reversed([
         click.option("--quantize", type=str, default=None,
                      help="Weight-only quantization of the target's linear layers: int4 or int8 (ONNX Runtime MatMulNBits)."),
-        click.option("--quant-block-size", type=int, default=32, show_default=True,
-                     help="Weights per quantization block (along the input dimension); a power of two >= 16."),
+        click.option("--quant-block-size", type=int, default=None,
+                     help="Weights per quantization block (along the input dimension); a power of two >= 16 "
+                          "[default: int4 128, int8 32; MoE targets 32; smaller where the hidden size needs it]."),
         click.option("--quant-asymmetric", is_flag=True, help="Asymmetric quantization (zero points); symmetric by default."),
         click.option("--quantize-draft", is_flag=True, help="Also quantize the drafter's linear layers."),
         click.option("--quantize-lm-head", is_flag=True,

@@ -14,6 +14,11 @@ two read the same bytes of shared.data.
 MatMulNBits' accuracy_level (0: fp32 activations; 4: activations quantized to int8 per block,
 int8 dot products) is chosen per artifact by measurement (export/accuracy_level.py) unless given.
 
+The block size, unless given, is DEFAULT_BLOCK[scheme] (`default_block_size`): int4 blocks of 128
+(the common int4 group size, ONNX Runtime's quantizer's own default), measured on CPU at the
+Qwen3-0.6B shape to cost about 60 % of block 32's CPU time per token at a modestly larger
+error (docs/quantization.md, "Block size"); int8 and the experts of MoE targets keep 32.
+
 The graphs then need ONNX Runtime (CPU, CUDA and DirectML providers have MatMulNBits);
 TensorRT's parser does not take it (export/trt_lint.py refuses such graphs).
 """
@@ -40,7 +45,7 @@ from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_
 from . import accuracy_level as AL
 from .progress import Phases, report
 from . import stream
-from .save import graph_spec, save_graphs
+from .save import INLINE_BELOW, graph_spec, save_graphs
 from .trace import store_transposed
 from .validate import validate_artifact
 
@@ -53,6 +58,8 @@ torch = lazy_import("torch")
 moe = lazy_import("dflash_export.export.moe")
 
 SCHEMES = {"int4": 4, "int8": 8}
+DEFAULT_BLOCK = {"int4": 128, "int8": 32}  # weights per block when --quant-block-size is not given
+MOE_BLOCK = 32  # MoE targets: QMoE needs every expert width to divide into blocks (gpt-oss: 2880)
 ROUTERS = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")  # MoE routing weights: kept in the export dtype
 
 
@@ -61,7 +68,7 @@ class QuantOptions:
     """What `export --quantize` asked for; `record()` is the manifest's `quantization`."""
 
     scheme: str  # "int4" | "int8"
-    block_size: int = 32
+    block_size: int | None = None  # None: default_block_size for the artifact (quantize_artifact)
     symmetric: bool = True
     draft: bool = False  # also the drafter's linear layers (draft_context, draft_block)
     lm_head: bool = False  # also the LM head (shared by target and draft_block)
@@ -97,24 +104,41 @@ def check_options(q: QuantOptions, dtype: str) -> None:
     if dtype == "bf16":
         raise DFlashError("--quantize with --dtype bf16 is not supported (ONNX Runtime's CPU MatMulNBits has no bf16 "
                           "kernel); export with --dtype fp32 or fp16")
-    if q.block_size < 16 or q.block_size & (q.block_size - 1):
+    if q.block_size is not None and (q.block_size < 16 or q.block_size & (q.block_size - 1)):
         raise DFlashError(f"--quant-block-size {q.block_size}: MatMulNBits takes a power of two >= 16 (e.g. 32, 64, 128)")
     if q.accuracy_level not in (None, 0, 1, 2, 3, 4):
         raise DFlashError(f"--quant-accuracy-level {q.accuracy_level}: MatMulNBits takes 0-4")
 
 
+def default_block_size(scheme: str, hidden: int, moe: bool) -> int:
+    """The block size when none was asked for: DEFAULT_BLOCK[scheme] (MOE_BLOCK for MoE targets),
+    halved (down to 16) until it divides the hidden size, as the embedding lookup's blocks must."""
+    block = MOE_BLOCK if moe else DEFAULT_BLOCK[scheme]
+    while block > 16 and hidden % block:
+        block //= 2
+    return block
+
+
 def quantize_graph(model, q: QuantOptions, graph: str):
-    """onnx_ir model -> (quantized onnx_ir model, names of the weights that were quantized)."""
+    """onnx_ir model -> (quantized onnx_ir model, names of the weights that were quantized).
+
+    Only the linear weights to quantize go through ONNX Runtime's quantizer (a protobuf of the
+    graph, quantized in place): every other initializer goes through as a one-row stand-in and
+    keeps its bytes on disk (`set_aside`), so the embedding, a float head and a MoE target's
+    experts are never held, let alone copied into the protobuf."""
     for i, node in enumerate(model.graph):  # the quantizer selects nodes by name
         node.name = node.name or f"node_{i}"
-    aside = set_experts_aside(model)
+    inits = model.graph.initializers
+    linear = [n for n in model.graph if n.op_type == "MatMul" and len(n.inputs) == 2 and n.inputs[1] is not None
+              and n.inputs[1].name in inits and inits[n.inputs[1].name].const_value is not None]
+    chosen = {n.inputs[1].name for n in linear if q.quantizes(graph, n.inputs[1].name)}
+    exclude = [n.name for n in linear if n.inputs[1].name not in chosen]
+    aside = set_aside(model, keep=chosen)
     ir.external_data.load_to_model(model)  # the quantizer reads weights as arrays from the proto
     proto = ir.serde.serialize_model(model)
-    inits = {t.name for t in proto.graph.initializer}
-    linear = [n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
-    exclude = [n.name for n in linear if not q.quantizes(graph, n.input[1])]
+    del model
     quantizer = nbits.MatMulNBitsQuantizer(proto, bits=q.bits, block_size=q.block_size, is_symmetric=q.symmetric,
-                                     accuracy_level=q.accuracy_level, nodes_to_exclude=exclude)
+                                           accuracy_level=q.accuracy_level, nodes_to_exclude=exclude)
     logger = logging.getLogger("onnxruntime.quantization")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -124,29 +148,32 @@ def quantize_graph(model, q: QuantOptions, graph: str):
     finally:
         logger.setLevel(level)
     out = quantizer.model.model
-    quantized = sorted(n.input[1] for n in linear if n.name not in exclude)
+    quantized = sorted(chosen)
     done = [n for n in out.graph.node if n.op_type == "MatMulNBits"]
     if len(done) != len(quantized):
         raise DFlashError(f"ONNX Runtime's quantizer converted {len(done)} of {len(quantized)} linear layers; "
                           "re-export without --quantize")
     if graph == C.TARGET:  # an MoE export's experts (--moe op): com.microsoft::MoE -> QMoE
         quantized += moe.to_qmoe(out, q.bits, q.block_size, q.symmetric)
-    del proto
     model = ir.serde.deserialize_model(out)
+    del proto, out, quantizer
     stream.put_back(model, aside, q.bits, q.block_size, q.symmetric)
     return model, quantized
 
 
-def set_experts_aside(model) -> dict:
-    """A MoE target's routed experts stay in the float export's data file: a stand-in of one
-    expert goes through the quantizers in their place (export/stream.py `put_back` then copies
-    them file to file, or quantizes them expert by expert), so a 30B-class target's experts
-    are never held. -> name: the tensor set aside."""
+def set_aside(model, keep: set[str]) -> dict:
+    """Every initializer of 1 KiB or more but those in `keep` -> a stand-in of its first row
+    (a MoE target's routed experts: of one expert), the tensor itself kept aside with its bytes
+    still in the float export's data files; export/stream.py `put_back` gives them back after
+    quantizing (an expert tensor that became QMoE's is quantized expert by expert as it is
+    written). -> name: the tensor set aside."""
     aside = {}
     for value in model.graph.initializers.values():
-        if stream.INITIALIZER.search(value.name) and value.const_value is not None:
-            aside[value.name] = t = value.const_value
-            value.const_value = ir.Tensor(np.zeros((1, *t.shape[1:]), t.dtype.numpy()), dtype=t.dtype)
+        t = value.const_value
+        if value.name in keep or t is None or not t.shape or t.nbytes < INLINE_BELOW:
+            continue
+        aside[value.name] = t
+        value.const_value = ir.Tensor(np.zeros((1, *t.shape[1:]), t.dtype.numpy()), dtype=t.dtype)
     return aside
 
 
@@ -221,6 +248,8 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
         raise DFlashError(f"{src} is already quantized ({m.quantization['scheme']}); quantize its float export "
                           "(or re-export from the checkpoints with --quantize)")
     check_options(q, m.dtype)
+    if q.block_size is None:
+        q = dataclasses.replace(q, block_size=default_block_size(q.scheme, m.hidden_size, m.moe is not None))
     if (m.moe or {}).get("path") == "standard":
         raise DFlashError(f"{src} runs its experts in standard ops (--moe standard), whose gathered expert weights have "
                           "no quantized form here; quantize an --moe op export (ONNX Runtime's QMoE)")
@@ -269,7 +298,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
                                        quantization=q.record(quantized, {}))
         level = {"accuracy_level": q.accuracy_level, "accuracy_level_from": "flag"}
         if q.accuracy_level is None:
-            with ui.phase("accuracy level", "MatMulNBits at levels 0 and 4: step time and logits vs the float export"):
+            with ui.phase("accuracy level", "MatMulNBits at levels 0 and 4: step time and logits vs a float reference"):
                 write_manifest_checked(tmp, manifest)  # the probe opens the directory like any reader
                 level = AL.choose(tmp, src, manifest)
         AL.set_level(tmp, level["accuracy_level"])

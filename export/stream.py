@@ -201,9 +201,9 @@ class StreamedQuantized(ir.LazyTensor):
 
 
 def put_back(model, aside: dict, bits: int, block: int, symmetric: bool) -> None:
-    """After quantizing a graph whose experts went through as one-expert stand-ins
-    (export/quantize.py `set_experts_aside`): an expert tensor still there gets its float
-    bytes back (copied from the float export's file); one the quantizer turned into
+    """After quantizing a graph whose other tensors went through as one-row stand-ins
+    (export/quantize.py `set_aside`): a tensor still there gets its float bytes back
+    (copied from the float export's file when written); an expert tensor the quantizer turned into
     QMoE's `<name>_Q<bits>`, `<name>_scales`, `<name>_zp<bits>` gets those written expert by
     expert from the float export's file, quantized as they are written."""
     inits = model.graph.initializers

@@ -17,7 +17,7 @@ from runtime_cases import CASES, artifact, prompts
 from dflash_export.cli import cli
 from dflash_export.export import accuracy_level as AL
 from dflash_export.export.check import TOLERANCE, run_check
-from dflash_export.export.quantize import QuantOptions, quantize_artifact
+from dflash_export.export.quantize import QuantOptions, default_block_size, quantize_artifact
 from dflash_export.export.validate import lint
 from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.names import names_of
@@ -257,6 +257,29 @@ def test_accuracy_level_is_measured_and_recorded(made, tmp_path):
     levels = {a.i for g in C.GRAPH_FILES for n in graph(out, g).graph.node if n.op_type == "MatMulNBits"
               for a in n.attribute if a.name == "accuracy_level"}
     assert levels == {rec["accuracy_level"]}
+
+
+@pytest.mark.parametrize("scheme,hidden,moe,block", [("int4", 1024, False, 128), ("int4", 896, False, 128),
+                                                     ("int4", 64, False, 64), ("int4", 48, False, 16),
+                                                     ("int8", 1024, False, 32), ("int4", 2880, True, 32)])
+def test_default_block_size(scheme, hidden, moe, block):
+    """int4: blocks of 128 unless the hidden size needs smaller ones; int8 and MoE experts: 32."""
+    assert default_block_size(scheme, hidden, moe) == block
+
+
+def test_quantize_without_a_block_size_takes_the_default(made, tmp_path):
+    """`quantize --quantize int4` with no --quant-block-size writes the default blocks (the tiny
+    target's hidden 64 halves int4's 128 to 64), recorded in the manifest and read by every node."""
+    _, _, _, _, src, _ = made("qwen3")
+    out = tmp_path / "q"
+    r = CliRunner().invoke(cli, ["quantize", str(src), "--out", str(out), "--quantize", "int4",
+                                 "--quant-accuracy-level", "0", "--quiet"])
+    assert r.exit_code == 0, r.output
+    expected = default_block_size("int4", M.load_manifest(src).hidden_size, False)
+    assert expected == 64 and M.load_manifest(out).quantization["block_size"] == expected
+    blocks = {a.i for n in graph(out, C.TARGET).graph.node if n.op_type == "MatMulNBits"
+              for a in n.attribute if a.name == "block_size"}
+    assert blocks == {expected}
 
 
 @pytest.mark.parametrize("ms,err,level", [((10.0, 5.0), (1.0, 1.5), 4), ((10.0, 9.5), (1.0, 1.0), 0),
