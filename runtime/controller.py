@@ -40,12 +40,11 @@ rounds later, and drafts meanwhile only if its estimate says so.
 Across requests: a row that starts while the rows read last (a server's or a CLI run's
 previous request; in a batch, every row that decides with the batch) are all in a plain
 stretch continues that stretch: the last one's record and probe schedule (plain rounds since
-a drafted round, the gap) taken as they were. So a drafter
-known not to pay is not paid for at every request's first round, and a stretch spanning
-short requests reaches the largest gap (PROBE_BOUND) as one long request does. Otherwise a
-new row starts from its PRIOR (drafting known to pay, or nothing known: its first round
-drafts); rows that decide for themselves always do (their tokens must not depend on what
-ran before).
+a drafted round, the gap) taken as they were. So a drafter known not to pay is not paid for
+at every request's first round, and a stretch spanning short requests reaches the largest
+gap (PROBE_BOUND) as one long request does. Otherwise a new row starts from its PRIOR
+(drafting known to pay, or nothing known: its first round drafts); rows that decide for
+themselves always do (their tokens must not depend on what ran before).
 
 Host work: a round where every row drafts ("always", or 3+ drafted rounds with the mean at
 SURE x the break-even) lets the next SKIP rounds draft without deciding (the same rows; the
