@@ -292,27 +292,36 @@ def compare_moe(src: Path, bins: Path, name: str, layers: int, a) -> list[dict]:
         if fmt != "fp32" and f32.is_file() and not a.keep_f32:  # 4 bytes a weight: room on disk for the next one
             f32.unlink()
         out = a.ours.get(fmt) or export(tdir, ddir, f"{name}-{key}", a.max_context, our_options(fmt, a.accuracy_level))
-        base = {"model": label, "layers": layers, "format": fmt, "llama_format": LLAMA_QUANT[fmt],
-                **quant_record(out), "ours_file_mb": target_mb(out), "ours_artifact_mb": dir_mb(out),
-                "llama_file_mb": gguf.stat().st_size / 1e6}
+        base = base_record(label, layers, fmt, out, gguf)
         for t in a.threads:
             tg, pv, ours = [], [], []
             for _ in range(a.repeats):  # interleaved: a load spike hits one round of both
                 tg.append(llama_bench(bins, gguf, t, n=a.max_new_tokens, depth=a.depth))
                 ours.append(ours_probe(out, t, a.depth, a.max_new_tokens, prefill=0, verify=VERIFY_TOKENS, spin=a.spin))
                 pv.append(llama_bench(bins, gguf, t, prompt=VERIFY_TOKENS, depth=a.depth, reps=10))
-            best_tg, best_pv = max(tg, key=lambda r: r["tok_s"]), max(pv, key=lambda r: r["tok_s"])
-            best_dec, best_ver = max(ours, key=lambda r: r["decode_tok_s"]), min(ours, key=lambda r: r["verify_ms"])
+            best_pv, best_ver = max(pv, key=lambda r: r["tok_s"]), min(ours, key=lambda r: r["verify_ms"])
             b = base | {"threads": t, "ours_rss_mb": max(r["rss_mb"] for r in ours),
                         "llama_rss_mb": max(r["rss_mb"] for r in tg + pv)}
-            rows.append(row(b, "plain", best_dec["decode_tok_s"], best_tg["tok_s"], depth=a.depth,
-                            ours_ms=best_dec["step_ms"], llama_ms=best_tg["ms_per_token"],
-                            rounds={"ours": [r["decode_tok_s"] for r in ours], "llama": [r["tok_s"] for r in tg]}))
+            rows.append(plain_row(b, ours, tg, a.depth))
             rows.append(row(b, "verify8", VERIFY_TOKENS / best_ver["verify_ms"] * 1e3, best_pv["tok_s"], depth=a.depth,
                             ours_ms=best_ver["verify_ms"], llama_ms=VERIFY_TOKENS / best_pv["tok_s"] * 1e3,
                             rounds={"ours_ms": [r["verify_ms"] for r in ours],
                                     "llama_ms": [VERIFY_TOKENS / r["tok_s"] * 1e3 for r in pv]}))
     return rows
+
+
+def base_record(label: str, layers: int, fmt: str, out: Path, gguf: Path) -> dict:
+    """What a row says of the two files compared: format, our quantization, sizes."""
+    return {"model": label, "layers": layers, "format": fmt, "llama_format": LLAMA_QUANT[fmt], **quant_record(out),
+            "ours_file_mb": target_mb(out), "ours_artifact_mb": dir_mb(out), "llama_file_mb": gguf.stat().st_size / 1e6}
+
+
+def plain_row(b: dict, ours: list[dict], tg: list[dict], depth: int) -> dict:
+    """The plain-decoding row: each side's best interleaved round (llama-bench tg against our decode)."""
+    best_dec, best_tg = max(ours, key=lambda r: r["decode_tok_s"]), max(tg, key=lambda r: r["tok_s"])
+    return row(b, "plain", best_dec["decode_tok_s"], best_tg["tok_s"], depth=depth, ours_ms=best_dec["step_ms"],
+               llama_ms=best_tg["ms_per_token"],
+               rounds={"ours": [r["decode_tok_s"] for r in ours], "llama": [r["tok_s"] for r in tg]})
 
 
 def target_mb(out: Path) -> float:
@@ -340,22 +349,17 @@ def compare_shape(src: Path, bins: Path, name: str, layers: int, a) -> list[dict
         gguf = f32 if fmt == "fp32" else quantize(bins, f32, LLAMA_QUANT[fmt])
         out = a.ours.get(fmt) or export(tdir, ddir, f"{name}-{key}", a.max_context, our_options(fmt, a.accuracy_level, a.quant_block_size),
                                         attention=a.attention)
-        base = {"model": label, "layers": layers, "format": fmt, "llama_format": LLAMA_QUANT[fmt],
-                **quant_record(out), "ours_file_mb": target_mb(out), "ours_artifact_mb": dir_mb(out),
-                "llama_file_mb": gguf.stat().st_size / 1e6}
+        base = base_record(label, layers, fmt, out, gguf)
         for t in a.threads:
             tg, pp, ours = [], [], []
             for _ in range(a.repeats):  # interleaved: a load spike hits one round of both
                 tg.append(llama_bench(bins, gguf, t, n=a.max_new_tokens, depth=a.depth))
                 ours.append(ours_probe(out, t, a.depth, a.max_new_tokens, spin=a.spin))
                 pp.append(llama_bench(bins, gguf, t, prompt=PREFILL_TOKENS))
-            best_tg, best_pp = max(tg, key=lambda r: r["tok_s"]), max(pp, key=lambda r: r["tok_s"])
-            best_dec, best_pre = max(ours, key=lambda r: r["decode_tok_s"]), min(ours, key=lambda r: r["prefill_ms"])
+            best_pp, best_pre = max(pp, key=lambda r: r["tok_s"]), min(ours, key=lambda r: r["prefill_ms"])
             b = base | {"threads": t, "ours_rss_mb": max(r["rss_mb"] for r in ours),
                         "llama_rss_mb": max(r["rss_mb"] for r in tg + pp)}
-            rows.append(row(b, "plain", best_dec["decode_tok_s"], best_tg["tok_s"], depth=a.depth,
-                            ours_ms=best_dec["step_ms"], llama_ms=best_tg["ms_per_token"],
-                            rounds={"ours": [r["decode_tok_s"] for r in ours], "llama": [r["tok_s"] for r in tg]}))
+            rows.append(plain_row(b, ours, tg, a.depth))
             rows.append(row(b, "prefill", PREFILL_TOKENS / best_pre["prefill_ms"] * 1e3, best_pp["tok_s"],
                             ours_ms=best_pre["prefill_ms"], llama_ms=PREFILL_TOKENS / best_pp["tok_s"] * 1e3,
                             prefill_chunk=best_pre["prefill_chunk"],
