@@ -250,6 +250,10 @@ def print_report(report) -> None:
             line += (f"; of it, vs the graphs' own dequantized weights (the activations' rounding alone) mean "
                      f"{a['dequantized']['mean_abs']:.2e}, max {a['dequantized']['max_abs']:.2e}")
         console.print(line)
+        if "draft_float" in a:
+            d = a["draft_float"]
+            console.print(f"drafter: draft_logits vs the float source mean {d['mean_abs']:.2e}, max {d['max_abs']:.2e}, "
+                          f"top-1 {d['top1']:.4f} (costs acceptance at most; the output is the target's)")
         probe = (report.quantization or {}).get("accuracy_probe")
         if probe:
             console.print("measured at quantize time: " + "; ".join(

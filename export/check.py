@@ -133,6 +133,11 @@ def accuracy_effect(rows: list[Row], q: dict) -> dict:
         if logits:
             out[ref] = {"mean_abs": float(np.mean([r.mean for r in logits])), "max_abs": max(r.max for r in logits),
                         "top1": min(r.top1 for r in logits)}
+    drafts = [r for r in rows if r.graph == C.DRAFT_BLOCK and r.output == C.DRAFT_LOGITS and r.ref == "float"
+              and r.max is not None]
+    if q.get("draft") and drafts:  # a quantized drafter: what rounding did to its logits (acceptance, not output)
+        out["draft_float"] = {"mean_abs": float(np.mean([r.mean for r in drafts])), "max_abs": max(r.max for r in drafts),
+                              "top1": min(r.top1 for r in drafts)}
     return out
 
 

@@ -454,6 +454,7 @@ def test_draft_only_keeps_the_target_and_its_greedy_output(name, scheme, tmp_pat
         drafted = [r for r in report.rows if r.graph == C.DRAFT_BLOCK and r.max is not None]
         assert {r.ref for r in drafted} == {"dequantized", "float"}
         assert max(r.max for r in drafted if r.ref == "float") > 1e-3  # the rounding is measured, not hidden
+        assert report.accuracy["draft_float"]["max_abs"] > 1e-3
         target = [r.max for r in report.rows if r.graph == C.TARGET and r.ref == "float" and r.max is not None]
         assert target and max(target) < TOLERANCE  # the target is the float graph: float noise alone
 
