@@ -34,6 +34,9 @@ def quant_options(f):
                           "[default: int4 128, int8 32; MoE targets 32; smaller where the hidden size needs it]."),
         click.option("--quant-asymmetric", is_flag=True, help="Asymmetric quantization (zero points); symmetric by default."),
         click.option("--quantize-draft", is_flag=True, help="Also quantize the drafter's linear layers."),
+        click.option("--draft-only", is_flag=True,
+                     help="Quantize the drafter's graphs alone, their LM head included; the target stays as exported, "
+                          "so the output stays the float target's (acceptance may fall) [accuracy level default: 4]."),
         click.option("--quantize-lm-head", is_flag=True,
                      help="Also quantize the LM head (one copy shared by target and drafter)."),
         click.option("--quantize-embedding", is_flag=True,
@@ -47,14 +50,15 @@ def quant_options(f):
     return f
 
 
-def quant_request(quantize, block_size, asymmetric, draft, lm_head, embedding, accuracy_level):
+def quant_request(quantize, block_size, asymmetric, draft, draft_only, lm_head, embedding, accuracy_level):
     """The QuantOptions asked for, or None; the sub-options alone are a mistake."""
     if quantize is not None:
         level = None if accuracy_level in (None, "auto") else int(accuracy_level)
-        return export_quantize.QuantOptions(quantize, block_size, not asymmetric, draft, lm_head, level, embedding)
-    if draft or lm_head or embedding or asymmetric or accuracy_level is not None:
-        raise DFlashError("--quantize-draft, --quantize-lm-head, --quantize-embedding, --quant-asymmetric and "
-                          "--quant-accuracy-level need --quantize int4|int8")
+        q = export_quantize.QuantOptions(quantize, block_size, not asymmetric, draft, lm_head, level, embedding)
+        return export_quantize.draft_only(q) if draft_only else q
+    if draft or lm_head or embedding or asymmetric or accuracy_level is not None or draft_only:
+        raise DFlashError("--quantize-draft, --draft-only, --quantize-lm-head, --quantize-embedding, --quant-asymmetric "
+                          "and --quant-accuracy-level need --quantize int4|int8")
     return None
 
 
@@ -89,7 +93,7 @@ def quant_request(quantize, block_size, asymmetric, draft, lm_head, embedding, a
               help="Export even when free memory or disk look too small for the model (the OS may kill it).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, block_size, max_context, mask_token_id, opset,
-           attention, quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quantize_embedding,
+           attention, quantize, quant_block_size, quant_asymmetric, quantize_draft, draft_only, quantize_lm_head, quantize_embedding,
            quant_accuracy_level, draft_vocab, draft_vocab_data, moe, force, no_room_check, quiet):
     """Trace a target and its DFlash drafter to ONNX: target.onnx, draft_context.onnx,
     draft_block.onnx, their external weights (weights several graphs hold stored once, in
@@ -112,7 +116,7 @@ def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, bloc
       dflash-export export --target t --draft d --out art --draft-vocab 32768 --draft-vocab-data corpus.jsonl
       dflash-export export --target Qwen3-30B-A3B --draft d --out art --moe standard   # TensorRT
     """
-    q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quantize_embedding,
+    q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, draft_only, quantize_lm_head, quantize_embedding,
                       quant_accuracy_level)
     target_dir = sources.resolve(target_dir, revision, "target")
     draft_dir = sources.resolve(draft_dir, draft_revision, "drafter")
@@ -128,7 +132,7 @@ def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, bloc
 @quant_options
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory (only once quantization succeeded).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quantize_embedding,
+def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantize_draft, draft_only, quantize_lm_head, quantize_embedding,
              quant_accuracy_level, force, quiet):
     """Quantize the weights of an exported directory SRC (fp32 or fp16) into --out, without
     re-tracing: what `export --quantize` does after its float export (docs/quantization.md).
@@ -137,8 +141,9 @@ def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantiz
     Examples:
       dflash-export quantize art --out art-int4 --quantize int4
       dflash-export quantize art --out art-int8 --quantize int8 --quantize-draft --quantize-lm-head
+      dflash-export quantize art --out art-d8 --quantize int8 --draft-only   # the target stays float
     """
-    q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, quantize_lm_head, quantize_embedding,
+    q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, draft_only, quantize_lm_head, quantize_embedding,
                       quant_accuracy_level)
     if q is None:
         raise DFlashError("quantize needs --quantize int4|int8")

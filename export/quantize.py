@@ -60,6 +60,7 @@ moe = lazy_import("dflash_export.export.moe")
 SCHEMES = {"int4": 4, "int8": 8}
 DEFAULT_BLOCK = {"int4": 128, "int8": 32}  # weights per block when --quant-block-size is not given
 MOE_BLOCK = 32  # MoE targets: QMoE needs every expert width to divide into blocks (gpt-oss: 2880)
+DRAFT_ONLY_LEVEL = 4  # --draft-only's level: the output cannot change, and level 0 is int8's slow path on CPU
 ROUTERS = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")  # MoE routing weights: kept in the export dtype
 
 
@@ -74,6 +75,7 @@ class QuantOptions:
     lm_head: bool = False  # also the LM head (shared by target and draft_block)
     accuracy_level: int | None = None  # MatMulNBits' compute type on CPU (None: measured, export/accuracy_level.py)
     embedding: bool = False  # also the embedding lookup (GatherBlockQuantized)
+    target: bool = True  # False (--draft-only): the drafter's graphs alone, their LM head included; target.onnx untouched
 
     @property
     def bits(self) -> int:
@@ -81,13 +83,14 @@ class QuantOptions:
 
     def graphs(self) -> tuple[str, ...]:
         """Graphs whose linear layers are quantized (the shared LM head goes with `lm_head`)."""
-        return (C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK) if self.draft else (C.TARGET,)
+        drafter = (C.DRAFT_CONTEXT, C.DRAFT_BLOCK) if self.draft else ()
+        return ((C.TARGET,) if self.target else ()) + drafter
 
     def quantizes(self, graph: str, weight: str) -> bool:
         if weight.endswith(ROUTERS):  # an MoE router: a rounded logit would choose other experts
             return False
-        if weight in C.SHARED_INITIALIZERS:  # the head: in both graphs or in neither, so it stays one copy
-            return self.lm_head
+        if weight in C.SHARED_INITIALIZERS:  # the head: in both graphs or in neither, so it stays one copy,
+            return self.lm_head and (self.target or graph != C.TARGET)  # but --draft-only gives the drafter its own
         return graph in self.graphs()
 
     def record(self, weights: dict[str, list[str]], level: dict) -> dict:
@@ -108,6 +111,16 @@ def check_options(q: QuantOptions, dtype: str) -> None:
         raise DFlashError(f"--quant-block-size {q.block_size}: MatMulNBits takes a power of two >= 16 (e.g. 32, 64, 128)")
     if q.accuracy_level not in (None, 0, 1, 2, 3, 4):
         raise DFlashError(f"--quant-accuracy-level {q.accuracy_level}: MatMulNBits takes 0-4")
+    if not q.target and q.embedding:
+        raise DFlashError("--draft-only with --quantize-embedding: the lookup table is the target's; "
+                          "--draft-only quantizes the drafter's linear layers and LM head alone")
+
+
+def draft_only(q: QuantOptions) -> QuantOptions:
+    """--draft-only: the drafter's graphs, their LM head included, and nothing of the target.
+    The drafter only proposes tokens the float target verifies, so greedy output stays the
+    float target's own; rounding can only lower acceptance."""
+    return dataclasses.replace(q, draft=True, lm_head=True, target=False)
 
 
 def default_block_size(scheme: str, hidden: int, moe: bool) -> int:
@@ -276,8 +289,8 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
                         raise DFlashError("--quantize-embedding on tied embeddings needs --quantize-lm-head too: the "
                                           "float head reads the table's own bytes, so a quantized lookup would add a copy")
                 # a tied head keeps the table's bytes unless quantized: then it needs its own [in, out] layout
-                store_transposed(model, keep=(head,) if tied and not q.lm_head else ())
-                if name in q.graphs() or (q.lm_head and head in inits):
+                store_transposed(model, keep=(head,) if tied and not q.quantizes(name, head) else ())
+                if name in q.graphs() or (head in inits and q.quantizes(name, head)):
                     model, quantized[name] = quantize_graph(model, q, name)
                     if not quantized[name]:
                         raise DFlashError(f"{f} has no linear layer with a constant weight to quantize")
@@ -297,7 +310,9 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
         manifest = dataclasses.replace(m, graphs=specs, files={}, engines=None, shared=shared,
                                        quantization=q.record(quantized, {}))
         level = {"accuracy_level": q.accuracy_level, "accuracy_level_from": "flag"}
-        if q.accuracy_level is None:
+        if q.accuracy_level is None and not q.target:  # nothing the output depends on to measure: the fast kernel
+            level = {"accuracy_level": DRAFT_ONLY_LEVEL, "accuracy_level_from": "draft-only default"}
+        elif q.accuracy_level is None:
             with ui.phase("accuracy level", "MatMulNBits at levels 0 and 4: step time and logits vs a float reference"):
                 write_manifest_checked(tmp, manifest)  # the probe opens the directory like any reader
                 level = AL.choose(tmp, src, manifest)
@@ -318,7 +333,7 @@ def aliases(target, q: QuantOptions, tied: bool) -> dict[str, str]:
     embed, head = C.SHARED_INITIALIZERS
     if not tied:
         return {}
-    if not q.lm_head:
+    if not q.quantizes(C.TARGET, head):  # the target's float head reads the table
         return {head: embed}
     inits = target.graph.initializers
     out = {}
@@ -409,10 +424,14 @@ def dequantized_sources(root: Path, target, drafter):
     (None, why) when a quantized weight is not a parameter of the source."""
     qt, qd = copy.deepcopy(target), copy.deepcopy(drafter)
     embed, head = C.SHARED_INITIALIZERS
-    for graph, weights in dequantized_weights(root).items():
+    weights_of = dequantized_weights(root)
+    for graph, weights in weights_of.items():
         module = qt if graph == C.TARGET else qd
         for name, w in weights.items():
             # one head and one table for both graphs; a tied pair is untied: each reads its own rounding
+            if name == head and graph != C.TARGET and head not in weights_of.get(C.TARGET, {}):
+                qd.vocab_head = torch.from_numpy(w).to(qt.lm_head.weight.dtype)  # --draft-only: the drafter's own head
+                continue
             if name in (head, embed):
                 owner = qt.lm_head if name == head else qt.model.embed_tokens
                 p = owner.weight

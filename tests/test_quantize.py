@@ -418,3 +418,48 @@ def test_a_killed_quantize_leaves_nothing_after_the_next_run(tmp_path):
     r = CliRunner().invoke(cli, args)
     assert r.exit_code == 0, r.output
     assert not list(tmp_path.glob(".q.*")) and M.load_manifest(out, verify=True).quantization["scheme"] == "int8"
+
+
+@pytest.mark.parametrize("name,scheme", [("qwen3", "int8"), ("llama", "int4")])
+def test_draft_only_keeps_the_target_and_its_greedy_output(name, scheme, tmp_path):
+    """--draft-only: the drafter's graphs (their LM head included) are quantized, the target's
+    files stay byte for byte the float export's, and greedy speculative output through the
+    rounded drafter equals the float target's plain greedy output. At accuracy level 0 `check`
+    holds the drafter graphs to fp32 parity with their dequantized weights (the tied Llama's
+    drafter reads a head of its own) and reports their error against the float source."""
+    tdir, ddir, src = artifact(CASES[name])
+    out = tmp_path / name
+    r = CliRunner().invoke(cli, ["quantize", str(src), "--out", str(out), "--quantize", scheme, "--draft-only",
+                                 "--quant-accuracy-level", "0", "--quiet"])
+    assert r.exit_code == 0, r.output
+    q = M.load_manifest(out).quantization
+    assert q["target"] is False and C.TARGET not in q["weights"] and "lm_head.weight" in q["weights"][C.DRAFT_BLOCK]
+    assert not [n for n in graph(out, C.TARGET).graph.node if n.op_type == "MatMulNBits"]
+    assert (out / "target.onnx").read_bytes() == (src / "target.onnx").read_bytes()
+    for loc in {i.external_data[0].value for i in graph(src, C.TARGET).graph.initializer if i.external_data}:
+        if loc != "shared.data":
+            assert (out / loc).read_bytes() == (src / loc).read_bytes(), loc
+    for tname, t in M.load_manifest(src).shared.items():  # shared.data: the target's tensors at the same bytes
+        if C.TARGET in t.graphs:
+            mine = M.load_manifest(out).shared[tname]
+            read = lambda root, s: (root / s.file).read_bytes()[s.offset:s.offset + s.length]  # noqa: E731
+            assert (mine.file, mine.offset) == (t.file, t.offset) and read(out, mine) == read(src, t), tname
+    fl, dq = OrtBackend(src), OrtBackend(out)
+    for i, prompt in enumerate(prompts(8, fl.manifest.vocab_size, seed=11)):
+        n = 12 + 3 * i
+        assert generate(dq, prompt, n).tokens == generate(fl, prompt, n, draft=False).tokens, (name, i)
+    if name == "llama":
+        report = run_check(out, tdir, ddir, prompts=3, max_new_tokens=12, progress=False)
+        assert report.passed and report.strict, report.notes
+        drafted = [r for r in report.rows if r.graph == C.DRAFT_BLOCK and r.max is not None]
+        assert {r.ref for r in drafted} == {"dequantized", "float"}
+        assert max(r.max for r in drafted if r.ref == "float") > 1e-3  # the rounding is measured, not hidden
+        target = [r.max for r in report.rows if r.graph == C.TARGET and r.ref == "float" and r.max is not None]
+        assert target and max(target) < TOLERANCE  # the target is the float graph: float noise alone
+
+
+def test_draft_only_refuses_the_lookup(made, tmp_path):
+    *_, src, _ = made("qwen3")
+    r = CliRunner().invoke(cli, ["quantize", str(src), "--out", str(tmp_path / "o"), "--quantize", "int8",
+                                 "--draft-only", "--quantize-embedding"])
+    one_line_error(r, "--draft-only", "lookup")
