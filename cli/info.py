@@ -131,6 +131,19 @@ def moe_line(e: dict, q: dict | None) -> str:
             f"MoE in layers {e['layers']}; path {path}")
 
 
+def quant_line(q: dict) -> str:
+    """A manifest's `quantization` record in a line: what is quantized, how, and what stayed float."""
+    if q.get("target", True):
+        what = ["target linear layers"] + [w for key, w in (("lm_head", "LM head"), ("embedding", "embedding lookup"),
+                                                            ("draft", "drafter linear layers")) if q.get(key)]
+    else:
+        what = ["drafter's graphs and its own LM head (the target stays as exported)"]
+    level = q.get("accuracy_level")
+    return (f"{q['scheme']} weight-only, block {q['block_size']}, {'symmetric' if q.get('symmetric') else 'zero points'}"
+            + (f", MatMulNBits accuracy level {level} ({q.get('accuracy_level_from', 'recorded')})" if level is not None else "")
+            + ": " + ", ".join(what))
+
+
 def _shape(t: C.Tensor, m) -> list:
     static = C.sizes(m)
     return [r if r in C.DYNAMIC else static[r] for r in t.dims]
@@ -180,6 +193,8 @@ def print_info(d: dict, out: Path) -> None:
             click.echo(f"{what} {source_line(rec)}")
     click.echo(f"export   {d['dtype']}, attention {flavour.get(d['attention'], d['attention'])}, block size {d['block_size']}, max context {d['max_context']}, opset {d['opset']}, "
                f"eos {d['eos_token_ids']}, tokenizer {'yes' if d['tokenizer'] else 'no'}")
+    if d["quantization"]:
+        click.echo(f"quant    {quant_line(d['quantization'])}")
     if d["moe"]:
         click.echo(f"experts  {moe_line(d['moe'], d['quantization'])}")
     m = M.load_manifest(out, verify=False)

@@ -436,6 +436,9 @@ def test_draft_only_keeps_the_target_and_its_greedy_output(name, scheme, tmp_pat
     assert q["target"] is False and C.TARGET not in q["weights"] and "lm_head.weight" in q["weights"][C.DRAFT_BLOCK]
     assert not [n for n in graph(out, C.TARGET).graph.node if n.op_type == "MatMulNBits"]
     assert (out / "target.onnx").read_bytes() == (src / "target.onnx").read_bytes()
+    shown = CliRunner().invoke(cli, ["info", str(out), "--no-verify"])  # what a user reads of it
+    assert shown.exit_code == 0 and f"quant    {scheme} weight-only" in shown.output
+    assert "the target stays as exported" in shown.output and "accuracy level 0 (flag)" in shown.output
     for loc in {i.external_data[0].value for i in graph(src, C.TARGET).graph.initializer if i.external_data}:
         if loc != "shared.data":
             assert (out / loc).read_bytes() == (src / loc).read_bytes(), loc
