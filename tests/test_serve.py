@@ -511,9 +511,11 @@ def test_api_key_queue_full_no_template_and_graceful_shutdown(art, tmp_path, off
 
 @pytest.mark.parametrize("rows", [("--slots", 1), ("--max-batch", 2)])
 def test_shutdown_cancels_what_outlasts_the_bound(art, tmp_path, offline, tok, rows):
-    """--shutdown-timeout 0.2 with ~1000 rounds of work in flight: the running stream ends with an error
-    event, the waiting requests get 503, whatever finished is complete; exit 0, quickly, no traceback."""
-    s = Server(art, tmp_path / "serve.log", *rows, "--max-queue", 4, "--no-draft", "--shutdown-timeout", 0.2)
+    """--shutdown-timeout 0.2 with ~2000 rounds of work in flight: the running stream ends with an error
+    event, the waiting requests get 503, whatever finished is complete; exit 0, quickly, no traceback.
+    Eight requests for at most two rows: on a quiet machine a tiny model can finish four within
+    the bound, so there are more than that and some are still waiting when the signal comes."""
+    s = Server(art, tmp_path / "serve.log", *rows, "--max-queue", 8, "--no-draft", "--shutdown-timeout", 0.2)
     try:
         want = offline(tok.encode("zz").ids, 240, draft=False).tokens
         client = s.client()
@@ -529,11 +531,11 @@ def test_shutdown_cancels_what_outlasts_the_bound(art, tmp_path, offline, tok, r
                 return "cancelled", got
             return "done", got
 
-        with ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(one, i) for i in range(4)]
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(one, i) for i in range(8)]
             m = lambda name: s.metric(f"dflash:{name}")  # noqa: E731
-            s.until(lambda: m("num_requests_running") + m("num_requests_waiting") + m("request_success_total") >= 4,
-                    "4 requests in the server")
+            s.until(lambda: m("num_requests_running") + m("num_requests_waiting") + m("request_success_total") >= 8,
+                    "8 requests in the server")
             t0 = time.monotonic()
             s.proc.send_signal(signal.SIGTERM)
             assert s.proc.wait(60) == 0, s.log.read_text()
