@@ -224,7 +224,8 @@ def test_quantized_reduced_vocab_checks_against_its_dequantized_head(exported, t
     the graphs to a reference with their own dequantized weights, that head included."""
     q = tmp_path / "q4"
     r = CliRunner().invoke(main, ["quantize", str(exported / "out"), "--out", str(q), "--quantize", "int4",
-                                  "--quantize-draft", "--quiet"])
+                                  "--quantize-draft", "--quant-accuracy-level", "0", "--quiet"])  # level 0: fp32
+    # activations, so the dequantized reference is held to fp32 tolerances (auto's choice is timed, machine-dependent)
     assert r.exit_code == 0, r.output
     m = M.load_manifest(q)
     assert m.draft_vocab == M.load_manifest(exported / "out").draft_vocab
