@@ -720,8 +720,8 @@ def _scope(method: str, path: str, body: bytes = b"") -> dict:
 
 
 async def _call(app, method: str, path: str, body: bytes = b"", disconnect=None):
-    """One request straight into the ASGI app: (status, JSON body, headers). After the body, receive()
-    blocks until the asyncio.Event `disconnect` is set, then reports the client gone."""
+    """One request straight into the ASGI app: (status, body as JSON or else text, headers). After the
+    body, receive() blocks until the asyncio.Event `disconnect` is set, then reports the client gone."""
     sent, first = [], True
 
     async def receive():
@@ -738,7 +738,11 @@ async def _call(app, method: str, path: str, body: bytes = b"", disconnect=None)
         sent.append(message)
 
     await app(_scope(method, path, body), receive, send)
-    return sent[0]["status"], json.loads(sent[1]["body"]), dict(sent[0]["headers"])
+    data = b"".join(m.get("body", b"") for m in sent[1:])
+    try:
+        return sent[0]["status"], json.loads(data), dict(sent[0]["headers"])
+    except ValueError:
+        return sent[0]["status"], data.decode(), dict(sent[0]["headers"])
 
 
 def test_health_is_503_until_the_engine_is_loaded(art):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_serve import _scope, chat_art
+from test_serve import _call, chat_art
 from tokenizers import Tokenizer
 
 from dflash_export.runtime.loop import Request
@@ -48,26 +48,10 @@ def servers(art):
 
 
 async def call(app, method: str, path: str, body=None) -> tuple[int, object]:
-    """One request into the ASGI app, its whole response: (status, JSON or the raw text)."""
+    """One request into the ASGI app (test_serve's `_call`), a dict body sent as JSON: (status, JSON or text)."""
     raw = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
-    sent, first = [], True
-
-    async def receive():
-        nonlocal first
-        if first:
-            first = False
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await asyncio.Event().wait()  # the client stays
-
-    async def send(message):
-        sent.append(message)
-
-    await app(_scope(method, path, raw), receive, send)
-    data = b"".join(m.get("body", b"") for m in sent[1:])
-    try:
-        return sent[0]["status"], json.loads(data)
-    except ValueError:
-        return sent[0]["status"], data.decode()
+    status, got, _ = await _call(app, method, path, raw)
+    return status, got
 
 
 def run(coro):
