@@ -384,10 +384,11 @@ def _drop_unused(graph) -> None:
 
 def gathered_parts(proto) -> list[tuple[str, str, str, str | None, int]]:
     """The quantized expert tensors of a --moe standard target (`to_gathered`): (float name, codes,
-    scales, zero points or None, bits) for each, read from the initializers' names."""
+    scales, zero points or None, bits) for each codes initializer a gather reads (QMoE's are its inputs)."""
     names = {t.name for t in proto.graph.initializer}
+    gathered = {n.input[0] for n in proto.graph.node if n.op_type in GATHERS}
     out = []
-    for n in sorted(names):
+    for n in sorted(names & gathered):
         m = re.match(r"(.*)_Q(4|8)$", n)
         if m and EXPERTS.search(m.group(1)) and f"{m.group(1)}_scales" in names:
             bits = int(m.group(2))
