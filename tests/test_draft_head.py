@@ -1,0 +1,154 @@
+"""The drafter's LM head over only the drafts a verify uses (contract.DRAFT_INDEX).
+
+draft_block takes `draft_index` [n] and scores those draft positions only: parity with the
+PyTorch module at several n (and with the full head's first n rows), lossless speculative
+decoding when the controller verifies short blocks (the draft calls then score fewer than K-1),
+and an export made before the input (Manifest.draft_index absent) still loads and runs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from runtime_cases import CASES, artifact, prompts
+
+from dflash_export.export import graphs as G
+from dflash_export.models import Drafter, Target
+from dflash_export.models.config import DraftConfig
+from dflash_export.runtime import contract as C
+from dflash_export.runtime.controller import Controller, default_costs
+from dflash_export.runtime.loop import Request, generate, generate_batch
+from dflash_export.runtime.ort.backend import OrtBackend
+
+PAIRS = ("qwen3", "qwen2", "llama")  # block 8 (biased), 16 (biased, sliding drafter layer), 4 (tied)
+
+
+class Short(Controller):
+    """Drafts every round, each row verifying a seeded random length in 2..K (its `cap`), as a
+    calibrated controller on a MoE target does (runtime/controller.py best_length)."""
+
+    def __init__(self, block_size: int, seed: int):
+        super().__init__(default_costs(block_size), block_size)
+        self.rng = np.random.default_rng(seed)
+
+    def choose(self, rows, per_row=False):
+        for r in rows:
+            r.ctl.cap = int(self.rng.integers(2, self.block_size + 1))
+        return {id(r): True for r in rows}
+
+
+class Spy(OrtBackend):
+    """Records how many drafts each draft_block call returned."""
+
+    scored: list[int]
+
+    def draft_block_rows(self, rows, anchors, scored=None):
+        ids, conf = super().draft_block_rows(rows, anchors, scored)
+        self.scored.append(ids.shape[1])
+        return ids, conf
+
+
+def _spy(out, **kw) -> Spy:
+    be = Spy(out, threads=1, **kw)
+    be.scored = []
+    return be
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_head_over_used_drafts_matches_pytorch(name):
+    """The exported graph at n = 1, a middle n and K-1 against the PyTorch module with the same
+    draft_index, and against the full head's first n rows: ids equal, logits within 1e-4."""
+    tdir, ddir, out = artifact(CASES[name])
+    be = OrtBackend(out, threads=1)
+    m = be.manifest
+    assert m.draft_index and [t.name for t in C.io(C.DRAFT_BLOCK, m)[0]][3] == C.DRAFT_INDEX
+    dc = DraftConfig.load(ddir)
+    target, drafter = Target.from_pretrained(tdir, dc.target_layer_ids), Drafter.from_pretrained(ddir)
+    K, P = m.block_size, 11
+    g = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        ids = torch.randint(0, m.vocab_size, (2, P), generator=g)
+        ctx = []
+        for row in ids:
+            _, taps, _ = target(row[None], torch.arange(P)[None], target.empty_kv())
+            ctx.append(drafter.context_kv(taps, torch.arange(P)[None]))
+    lens = torch.tensor([P, P - 4])  # ragged: row 1 sees 7 context positions
+    past = [t.transpose(0, 1).contiguous() for j in range(m.draft_layers)
+            for t in (torch.cat([c[j][0] for c in ctx]), torch.cat([c[j][1] for c in ctx]))]
+    block = torch.full((2, K), m.mask_token_id)
+    block[:, 0] = torch.randint(0, m.vocab_size, (2,), generator=g)
+    pos = lens[:, None] + torch.arange(K)
+    module = G.wrapper(C.DRAFT_BLOCK, target, drafter, index=True)
+    names_in, names_out = C.names(C.DRAFT_BLOCK, m)
+    with torch.inference_mode():
+        full = module(block, pos, lens, torch.arange(K - 1), *past)
+    for n in sorted({1, max(1, (K - 1) // 2), K - 1}):
+        index = torch.arange(n)
+        inputs = [block, pos, lens, index, *past]
+        with torch.inference_mode():
+            ref = module(*inputs)
+        got = be.sessions[C.DRAFT_BLOCK].run(names_out, {k: v.numpy() for k, v in zip(names_in, inputs)})
+        err = float(np.abs(got[1] - ref[1].numpy()).max())
+        err_full = float(np.abs(got[1] - full[1][:, :n].numpy()).max())
+        conf_err = float(np.abs(got[2] - ref[2].numpy()).max())
+        print(f"{name} K={K} n={n}: draft_logits max |onnx - torch| {err:.2e}, vs the full head's first n {err_full:.2e}, "
+              f"draft_conf {conf_err:.2e}")
+        assert got[1].shape == (2, n, C.draft_vocab_size(m)) and got[0].shape == (2, n)
+        assert err < 1e-4 and err_full < 1e-4 and conf_err < 1e-4
+        assert (got[0] == ref[0].numpy()).all() and (got[0] == full[0][:, :n].numpy()).all()
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_short_verifies_score_fewer_drafts_and_stay_lossless(name):
+    """Rounds verifying random lengths 2..K: every draft call scores the round's longest verify's
+    drafts only (fewer than K-1 in most rounds), and the output is the target's own greedy decoding,
+    batch 1 and batch 3."""
+    _, _, out = artifact(CASES[name])
+    be1, be3 = _spy(out), _spy(out, max_batch=3)
+    K, V = be1.manifest.block_size, be1.manifest.vocab_size
+    ps = prompts(5, V, seed=21)
+    new = [int(n) for n in np.random.default_rng(21).integers(8, 40, len(ps))]
+    refs = [generate(be1, p, n, draft=False, stop_token_ids=()).tokens for p, n in zip(ps, new)]
+    ctl = Short(K, seed=3)
+    verified = []
+    for p, n, ref in zip(ps, new, refs):
+        be1.scored.clear()
+        g = generate(be1, p, n, stop_token_ids=(), control=ctl)
+        assert g.tokens == ref, name
+        assert len(be1.scored) == sum(g.drafted)
+        assert all(s == v - 1 or v == 1 for s, v in zip(be1.scored, g.verify_lengths)), (be1.scored, g.verify_lengths)
+        verified += g.verify_lengths
+    gens, _ = generate_batch(be3, [Request(p, n, stop_token_ids=()) for p, n in zip(ps, new)], control=Short(K, seed=4))
+    assert [g.tokens for g in gens] == refs, name
+    assert min(be3.scored) < K - 1 and max(be3.scored) <= K - 1
+    assert sum(v < K for v in verified) > len(verified) // 2  # mostly short verifies: the head shrank
+
+
+def test_an_export_without_draft_index_still_runs(tmp_path):
+    """An artifact of the older contract (exported without the input: Manifest.draft_index absent)
+    loads, its draft calls score all K-1 drafts whatever the loop asks, and short verifies stay
+    lossless; its manifest reads as the older exports' did."""
+    from dflash_export.export.artifact import export_artifact
+    from dflash_export.runtime.manifest import load_manifest
+
+    tdir, ddir, _ = artifact(CASES["llama"])
+    old = tmp_path / "old"
+    export_artifact(tdir, ddir, old, max_context=CASES["llama"].max_context, progress=False, draft_index=False)
+    raw = json.loads((old / "manifest.json").read_text())
+    assert raw.pop("draft_index") is False
+    (old / "manifest.json").write_text(json.dumps(raw))  # what an export before the field wrote
+    m = load_manifest(old)
+    assert not C.draft_index(m) and C.DRAFT_INDEX not in C.names(C.DRAFT_BLOCK, m)[0]
+    assert C.DRAFT_INDEX not in [t.name for t in m.graphs[C.DRAFT_BLOCK].inputs]
+    be = _spy(old)
+    K = m.block_size
+    for i, p in enumerate(prompts(3, m.vocab_size, seed=7)):
+        ref = generate(be, p, 20, draft=False, stop_token_ids=()).tokens
+        be.scored.clear()
+        assert generate(be, p, 20, stop_token_ids=(), control=Short(K, seed=i)).tokens == ref
+        assert set(be.scored) == {K - 1}
+    shutil.rmtree(old)
