@@ -41,21 +41,45 @@ class Short(Controller):
         return {id(r): True for r in rows}
 
 
-class Spy(OrtBackend):
-    """Records how many drafts each draft_block call returned."""
+def spy(be):
+    """The backend, recording in `be.scored` how many drafts each draft_block call returned."""
+    call, be.scored = be.draft_block_rows, []
 
-    scored: list[int]
-
-    def draft_block_rows(self, rows, anchors, scored=None):
-        ids, conf = super().draft_block_rows(rows, anchors, scored)
-        self.scored.append(ids.shape[1])
+    def draft_block_rows(rows, anchors, scored=None):
+        ids, conf = call(rows, anchors, scored)
+        be.scored.append(ids.shape[1])
         return ids, conf
 
-
-def _spy(out, **kw) -> Spy:
-    be = Spy(out, threads=1, **kw)
-    be.scored = []
+    be.draft_block_rows = draft_block_rows
     return be
+
+
+def _spy(out, **kw):
+    return spy(OrtBackend(out, threads=1, **kw))
+
+
+def lossless_short(be1, be3, seed: int) -> list[int]:
+    """Random short verifies (Short) on 5 prompts, batch 1 on be1 and batch 3 on be3: the target's own
+    greedy tokens, each draft call scoring its round's longest verify's drafts; the verify lengths."""
+    K, V = be1.manifest.block_size, be1.manifest.vocab_size
+    ps = prompts(5, V, seed=seed)
+    new = [int(n) for n in np.random.default_rng(seed).integers(8, 40, len(ps))]
+    refs = [generate(be1, p, n, draft=False, stop_token_ids=()).tokens for p, n in zip(ps, new)]
+    ctl = Short(K, seed=seed)
+    verified = []
+    for p, n, ref in zip(ps, new, refs):
+        be1.scored.clear()
+        g = generate(be1, p, n, stop_token_ids=(), control=ctl)
+        assert g.tokens == ref
+        assert len(be1.scored) == sum(g.drafted)
+        assert all(s == v - 1 or v == 1 for s, v in zip(be1.scored, g.verify_lengths)), (be1.scored, g.verify_lengths)
+        verified += g.verify_lengths
+    be3.scored.clear()
+    gens, _ = generate_batch(be3, [Request(p, n, stop_token_ids=()) for p, n in zip(ps, new)],
+                             control=Short(K, seed=seed + 1))
+    assert [g.tokens for g in gens] == refs
+    assert min(be3.scored) < K - 1 and max(be3.scored) <= K - 1
+    return verified
 
 
 @pytest.mark.parametrize("name", PAIRS)
@@ -108,24 +132,33 @@ def test_short_verifies_score_fewer_drafts_and_stay_lossless(name):
     drafts only (fewer than K-1 in most rounds), and the output is the target's own greedy decoding,
     batch 1 and batch 3."""
     _, _, out = artifact(CASES[name])
-    be1, be3 = _spy(out), _spy(out, max_batch=3)
-    K, V = be1.manifest.block_size, be1.manifest.vocab_size
-    ps = prompts(5, V, seed=21)
-    new = [int(n) for n in np.random.default_rng(21).integers(8, 40, len(ps))]
-    refs = [generate(be1, p, n, draft=False, stop_token_ids=()).tokens for p, n in zip(ps, new)]
-    ctl = Short(K, seed=3)
-    verified = []
-    for p, n, ref in zip(ps, new, refs):
-        be1.scored.clear()
-        g = generate(be1, p, n, stop_token_ids=(), control=ctl)
-        assert g.tokens == ref, name
-        assert len(be1.scored) == sum(g.drafted)
-        assert all(s == v - 1 or v == 1 for s, v in zip(be1.scored, g.verify_lengths)), (be1.scored, g.verify_lengths)
-        verified += g.verify_lengths
-    gens, _ = generate_batch(be3, [Request(p, n, stop_token_ids=()) for p, n in zip(ps, new)], control=Short(K, seed=4))
-    assert [g.tokens for g in gens] == refs, name
-    assert min(be3.scored) < K - 1 and max(be3.scored) <= K - 1
+    verified = lossless_short(_spy(out), _spy(out, max_batch=3), 21)
+    K = CASES[name].block
     assert sum(v < K for v in verified) > len(verified) // 2  # mostly short verifies: the head shrank
+
+
+@pytest.mark.filterwarnings("ignore:Context managers for TensorRT types are deprecated")
+def test_tensorrt_engines_take_the_head_length(monkeypatch, tmp_path):
+    """The TensorRT build profiles draft_index over 1..K-1 (the bindings double: shapes checked
+    against the profile, ONNX Runtime playing the engine); short verifies stay lossless on the
+    engines at batch 1 and 3, their draft calls scoring fewer drafts."""
+    import trt_fake
+    from click.testing import CliRunner
+
+    from dflash_export.cli import cli
+    from dflash_export.runtime.manifest import load_manifest
+    from dflash_export.runtime.trt.backend import TensorRTBackend
+
+    trt_fake.install(monkeypatch)
+    out = tmp_path / "out"
+    shutil.copytree(artifact(CASES["qwen3"])[2], out)
+    r = CliRunner().invoke(cli, ["build", str(out), "--max-context", "128", "--max-prompt", "48", "--max-batch", "3",
+                                 "--timing-cache", str(tmp_path / "tc"), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    K = load_manifest(out).block_size
+    shapes = load_manifest(out).engines["profiles"][C.DRAFT_BLOCK][0]["shapes"][C.DRAFT_INDEX]
+    assert shapes == [[1], [K - 1], [K - 1]]
+    lossless_short(spy(TensorRTBackend(out)), spy(TensorRTBackend(out, max_batch=3)), 31)
 
 
 def test_an_export_without_draft_index_still_runs(tmp_path):
