@@ -20,7 +20,8 @@ from dflash_export.export import graphs as G
 from dflash_export.models import Drafter, Target
 from dflash_export.models.config import DraftConfig
 from dflash_export.runtime import contract as C
-from dflash_export.runtime.controller import Controller, default_costs
+from dflash_export.runtime.calibrate import cost_model, round_costs
+from dflash_export.runtime.controller import Controller, Costs, RowControl, default_costs
 from dflash_export.runtime.loop import Request, generate, generate_batch
 from dflash_export.runtime.ort.backend import OrtBackend
 
@@ -185,3 +186,23 @@ def test_an_export_without_draft_index_still_runs(tmp_path):
         assert generate(be, p, 20, stop_token_ids=(), control=Short(K, seed=i)).tokens == ref
         assert set(be.scored) == {K - 1}
     shutil.rmtree(old)
+
+
+def test_calibrated_costs_price_the_head_by_length():
+    """bench --calibrate's round costs time a draft call scoring one draft beside the full one
+    (`draft_one_ms`); the controller then charges a round verifying s positions the head of s - 1
+    drafts, and so verifies shorter where the head is a large share of the draft call."""
+    _, _, out = artifact(CASES["qwen3"])
+    be = OrtBackend(out, threads=1)
+    c = round_costs(be, list(range(3, 20)), 1, repeats=3)
+    assert c["draft_one"] > 0 and c["draft"] > 0
+    costs = Costs.from_json(cost_model({1: c}))
+    assert costs.draft_one == [c["draft_one"]]
+    K = 16  # a MoE-like target (verify cost growing with its length), a draft call mostly its head
+    verify = [[1.0 + 0.15 * (s - 1) for s in range(1, K + 1)]]
+    flat, sliced = Costs([1], [1.0], verify, [1.7], [0.01]), Costs([1], [1.0], verify, [1.7], [0.01], draft_one=[0.3])
+    assert sliced.draft_ms(1, K) == 1.7 and sliced.draft_ms(1, 2) == 0.3 and abs(sliced.draft_ms(1, 9) - 1.0) < 1e-9
+    row = RowControl(emitted=4.7, weight=1.0, length=16.0)
+    s_flat, s_sliced = (Controller(c_, K).best_length(row, 1, False)[0] for c_ in (flat, sliced))
+    print(f"best verify length: draft at full cost {s_flat}, head priced by length {s_sliced}")
+    assert s_sliced < s_flat
