@@ -9,8 +9,10 @@ and `--moe op`, each quantized int8 and int4 (block 32, MatMulNBits accuracy lev
 attention layers of every quantized artifact alike). Then, interleaved over --rounds (every
 artifact in turn each round, so the machine's drift hits all alike): after a 32-token prompt,
 the target graph's 1-token step and K-token verify (the backend's `target` call, committed 0),
-median ms per artifact over the rounds' medians. Also the target's data file size. Prints one
-JSON object and writes it next to this script. About 3 minutes of CPU, most of it exporting.
+median ms per artifact over the rounds' medians, and the target's data file size. Then the
+dequantization alone, three ways (`dequantize_forms`: why the export writes Cast + Sub + Mul).
+Prints one JSON object and writes it next to this script. About 3 minutes of CPU, most of it
+exporting (the artifacts are kept in --work and reused).
 """
 
 from __future__ import annotations
@@ -82,6 +84,62 @@ def timed(be: OrtBackend, prompt: np.ndarray, block: int, reps: int) -> tuple[fl
     return out[0], out[1]
 
 
+def dequantize_forms(threads: int, reps: int) -> dict:
+    """One gather of k experts' [N, K] int8 codes and their dequantization, then a batched MatMul,
+    as three one-graph sessions timed interleaved: Cast + Sub + Mul at opset 20 (what the export
+    writes), DequantizeLinear's blocked form (opset 21), and the float gather it replaces. For T
+    tokens, median ms, and the max abs difference of each against the float one."""
+    import onnxruntime as ort
+    from onnx import TensorProto as TP, helper as h, numpy_helper as nh
+
+    e, n, k, block, top = 32, 1024, 512, 32, 4
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 256, (e, n, k), dtype=np.uint8)
+    scales = (rng.random((e, n, k // block), dtype=np.float32) * 0.01).astype(np.float32)
+
+    def session(form: str) -> ort.InferenceSession:
+        inits = [nh.from_array(codes, "codes"), nh.from_array(scales, "scales")]
+        nodes = [h.make_node("Gather", ["codes", "ids"], ["q"]), h.make_node("Gather", ["scales", "ids"], ["s"])]
+        if form == "Cast+Sub+Mul":
+            inits += [nh.from_array(np.array([-1, n, k // block, block], np.int64), "blocks"),
+                      nh.from_array(np.array([-1, n, k // block, 1], np.int64), "srows"),
+                      nh.from_array(np.array([-1, top, n, k], np.int64), "back"), nh.from_array(np.array(128, np.float32), "zp")]
+            nodes += [h.make_node("Reshape", ["q", "blocks"], ["qb"]), h.make_node("Cast", ["qb"], ["qf"], to=TP.FLOAT),
+                      h.make_node("Sub", ["qf", "zp"], ["qc"]), h.make_node("Reshape", ["s", "srows"], ["sb"]),
+                      h.make_node("Mul", ["qc", "sb"], ["wb"]), h.make_node("Reshape", ["wb", "back"], ["w"])]
+        elif form == "DequantizeLinear":
+            inits.append(nh.from_array(np.array(128, np.uint8), "zp"))
+            nodes += [h.make_node("Shape", ["s"], ["ss"]), h.make_node("Expand", ["zp", "ss"], ["z"]),
+                      h.make_node("DequantizeLinear", ["q", "s", "z"], ["w"], axis=3, block_size=block)]
+        else:
+            w = (codes.astype(np.float32) - 128) * np.repeat(scales, block, -1)
+            inits, nodes = [nh.from_array(w, "codes")], [h.make_node("Gather", ["codes", "ids"], ["w"])]
+        nodes.append(h.make_node("MatMul", ["w", "x"], ["y"]))
+        g = h.make_graph(nodes, "g", [h.make_tensor_value_info("ids", TP.INT64, ["T", top]),
+                                      h.make_tensor_value_info("x", TP.FLOAT, ["T", 1, k, 1])],
+                         [h.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+        m = h.make_model(g, opset_imports=[h.make_opsetid("", 21 if form == "DequantizeLinear" else 20)])
+        m.ir_version = 10
+        o = ort.SessionOptions()
+        o.intra_op_num_threads, o.log_severity_level = threads, 3
+        return ort.InferenceSession(m.SerializeToString(), o, providers=["CPUExecutionProvider"])
+
+    sessions = {f: session(f) for f in ("float gather", "Cast+Sub+Mul", "DequantizeLinear")}
+    out = {"experts": e, "n": n, "k": k, "block": block, "top_k": top}
+    for t in (1, 16):
+        feeds = {"ids": rng.integers(0, e, (t, top)).astype(np.int64), "x": rng.random((t, 1, k, 1), dtype=np.float32)}
+        ys = {f: s.run(None, feeds)[0] for f, s in sessions.items()}
+        times = {f: [] for f in sessions}
+        for _ in range(reps):
+            for f, s in sessions.items():
+                t0 = time.perf_counter()
+                s.run(None, feeds)
+                times[f].append(time.perf_counter() - t0)
+        out[f"T={t}"] = {f: {"ms": round(statistics.median(v) * 1e3, 3),
+                             "max_abs_vs_float": float(np.abs(ys[f] - ys["float gather"]).max())} for f, v in times.items()}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/moe-standard-quant"))
@@ -100,6 +158,7 @@ def main() -> None:
             s, v = timed(be, prompt, a.block, a.reps)
             runs[k]["step_ms"].append(s)
             runs[k]["verify_ms"].append(v)
+    forms = dequantize_forms(a.threads, 3 * a.reps)
     res = {k: {"step_ms": round(statistics.median(r["step_ms"]), 3), "verify_ms": round(statistics.median(r["verify_ms"]), 3),
                "target_data_mb": round(os.path.getsize(arts[k] / "target.data") / 2**20, 2)} for k, r in runs.items()}
     base = res["standard fp32"]
@@ -110,8 +169,10 @@ def main() -> None:
                          f"--block {a.block}",
               "date": datetime.now(timezone.utc).isoformat(timespec="minutes"), "machine": platform.processor()
               or platform.machine(), "cpus": os.cpu_count(), "shape": SHAPE, "verify_tokens": a.block,
-              "load_before": load_before, "results": res, "runs": runs, "load_after": uptime()}
-    print(json.dumps({k: report[k] for k in ("command", "date", "load_before", "results", "load_after")}, indent=1))
+              "load_before": load_before, "results": res, "dequantize_forms": forms, "runs": runs,
+              "load_after": uptime()}
+    print(json.dumps({k: report[k] for k in ("command", "date", "load_before", "results", "dequantize_forms", "load_after")},
+                     indent=1))
     Path(__file__).with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
 
 
