@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -39,8 +40,9 @@ def int8_copy(src: Path, dst: Path, scale: float = 0.02) -> Path:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    if (dst / "manifest.json").is_file():
-        return dst
+    if (dst / "manifest.json").is_file() and (dst / "manifest.json").stat().st_mtime >= (src / "manifest.json").stat().st_mtime:
+        return dst  # made from this export already
+    shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.name not in ("target.onnx", "manifest.json") and not (dst / f.name).exists():
