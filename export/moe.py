@@ -269,15 +269,15 @@ def to_gathered(proto, bits: int, block: int, symmetric: bool) -> list[str]:
     selected are ever in float. Returns the float tensors' names.
 
     Cast + Sub + Mul rather than DequantizeLinear's blocked form: that needs opset 21 (the export
-    writes 20; TensorRT 10.12 parses 20 at most), and on ONNX Runtime's CPU it was no faster
-    (docs/moe.md)."""
+    writes 20), which older ONNX Runtime releases and other providers, this form's users, may
+    not run, and on ONNX Runtime's CPU it was only 5-13 % faster (bench/moe_standard_quant.py)."""
     graph = proto.graph
     inits = {t.name: t for t in graph.initializer}
     users: dict[str, list] = {}
     for node in graph.node:
         for i in node.input:
             users.setdefault(i, []).append(node)
-    done = []
+    done, dropped = [], []
     for name in [n for n, t in inits.items() if EXPERTS.search(n) and len(t.dims) == 3]:
         w = numpy_helper.to_array(inits[name])
         k = w.shape[2]
@@ -287,31 +287,38 @@ def to_gathered(proto, bits: int, block: int, symmetric: bool) -> list[str]:
         parts = [f"{name}_Q{bits}", f"{name}_scales", f"{name}_zp{bits}"]
         codes, scales, zp = quantize_experts(w, bits, block, symmetric)
         graph.initializer.extend(numpy_helper.from_array(a, n) for a, n in zip((codes, scales, zp), parts) if a is not None)
-        for gather in _gathers(name, users):
+        gathers, transposes = _gathers(name, users)
+        for gather in gathers:
             at = list(graph.node).index(gather)
             new = dequantize_nodes(gather, parts if zp is not None else parts[:2], bits, block, w.shape[1:], w.dtype)
             del graph.node[at]
             for j, n in enumerate(new):
                 graph.node.insert(at + j, n)
         done.append(name)
-    _drop_unused(graph)
+        dropped += transposes
+    for node in dropped:  # read by the gathers alone (`_gathers`), which read codes now
+        graph.node.remove(node)
+    keep = [t for t in graph.initializer if t.name not in done]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
     return done
 
 
-def _gathers(name: str, users: dict) -> list:
-    """The gathers that read expert tensor `name` (through the identity Transposes a trace puts before
-    them). Anything else reading it is a graph this exporter did not write: an internal error."""
-    found, todo = [], list(users.get(name, []))
+def _gathers(name: str, users: dict) -> tuple[list, list]:
+    """(the gathers that read expert tensor `name`, the identity Transposes a trace puts between).
+    Anything else reading it is a graph this exporter did not write: an internal error."""
+    found, between, todo = [], [], list(users.get(name, []))
     while todo:
         node = todo.pop()
         attrs = attrs_of(node)
         if node.op_type == "Transpose" and attrs.get("perm") == [0, 1, 2]:
+            between.append(node)
             todo += users.get(node.output[0], [])
         elif node.op_type in GATHERS and attrs.get(GATHERS[node.op_type][0], 0) == GATHERS[node.op_type][1]:
             found.append(node)
         else:
             raise InternalError(f"expert tensor {name} is read by a {node.op_type} ({node.name}), not gathered per token")
-    return found
+    return found, between
 
 
 def dequantize_nodes(gather, parts: list[str], bits: int, block: int, nk: tuple[int, int], dtype) -> list:
@@ -330,14 +337,14 @@ def dequantize_nodes(gather, parts: list[str], bits: int, block: int, nk: tuple[
              const("blocks", [-1, n, blocks, block * bits // 8]), const("last", [-1]), const("width", [k]),
              helper.make_node("Shape", [f"{p}_codes"], [f"{p}_lead"], end=-1),  # the gathered dims and N
              helper.make_node("Reshape", [f"{p}_codes", f"{p}_blocks"], [f"{p}_packed"])]
-    nodes += _unpacked(f"{p}_packed", f"{p}_q", bits, p, [-1, n, blocks, block])
-    nodes += [helper.make_node("Cast", [f"{p}_q"], [f"{p}_qf"], to=to)]
+    q = _unpacked(nodes, f"{p}_packed", bits, p, [-1, n, blocks, block])
+    nodes += [helper.make_node("Cast", [q], [f"{p}_qf"], to=to)]
     if len(parts) == 3:  # asymmetric: each row's zero points, packed along the blocks
         nodes += [take(parts[2], f"{p}_zg"), const("zrows", [-1, n, zb]),
                   helper.make_node("Reshape", [f"{p}_zg", f"{p}_zrows"], [f"{p}_zpacked"])]
-        nodes += _unpacked(f"{p}_zpacked", f"{p}_zall", bits, f"{p}_z", [-1, n, zb * 8 // bits])
+        z = _unpacked(nodes, f"{p}_zpacked", bits, f"{p}_z", [-1, n, zb * 8 // bits])
         nodes += [const("zstart", [0]), const("zend", [blocks]), const("zaxis", [2]),
-                  helper.make_node("Slice", [f"{p}_zall", f"{p}_zstart", f"{p}_zend", f"{p}_zaxis"], [f"{p}_zu"]),
+                  helper.make_node("Slice", [z, f"{p}_zstart", f"{p}_zend", f"{p}_zaxis"], [f"{p}_zu"]),
                   helper.make_node("Cast", [f"{p}_zu"], [f"{p}_zf"], to=to),
                   helper.make_node("Unsqueeze", [f"{p}_zf", f"{p}_last"], [f"{p}_zero"])]
     else:
@@ -351,35 +358,21 @@ def dequantize_nodes(gather, parts: list[str], bits: int, block: int, nk: tuple[
     return nodes
 
 
-def _unpacked(src: str, dst: str, bits: int, p: str, shape: list[int]) -> list:
-    """uint8 codes -> one value per element (int4: two a byte, low nibble first), reshaped to `shape`."""
+def _unpacked(nodes: list, src: str, bits: int, p: str, shape: list[int]) -> str:
+    """uint8 codes `src` -> the name of one value per element (int4: two a byte, low nibble first,
+    reshaped to `shape`; int8: `src` itself), the nodes that make it appended to `nodes`."""
     if bits == 8:
-        return [helper.make_node("Identity", [src], [dst])]
+        return src
     c = lambda n, v, dt=np.int64: helper.make_node("Constant", [], [f"{p}_{n}"],  # noqa: E731
                                                    value=numpy_helper.from_array(np.array(v, dt), f"{p}_{n}"))
-    return [c("mask", 15, np.uint8), c("four", 4, np.uint8), c("pairs", [-1]), c("shape", shape),
+    nodes += [c("mask", 15, np.uint8), c("four", 4, np.uint8), c("pairs", [-1]), c("shape", shape),
             helper.make_node("BitwiseAnd", [src, f"{p}_mask"], [f"{p}_lo"]),
             helper.make_node("BitShift", [src, f"{p}_four"], [f"{p}_hi"], direction="RIGHT"),
             helper.make_node("Unsqueeze", [f"{p}_lo", f"{p}_pairs"], [f"{p}_lo1"]),
             helper.make_node("Unsqueeze", [f"{p}_hi", f"{p}_pairs"], [f"{p}_hi1"]),
             helper.make_node("Concat", [f"{p}_lo1", f"{p}_hi1"], [f"{p}_both"], axis=-1),
-            helper.make_node("Reshape", [f"{p}_both", f"{p}_shape"], [dst])]
-
-
-def _drop_unused(graph) -> None:
-    """Remove nodes whose outputs nothing reads (the float experts' Transposes) and initializers no node reads."""
-    outputs = {o.name for o in graph.output}
-    while True:
-        used = {i for n in graph.node for i in n.input} | outputs
-        dead = [n for n in graph.node if not any(o in used for o in n.output)]
-        if not dead:
-            break
-        for n in dead:
-            graph.node.remove(n)
-    used = {i for n in graph.node for i in n.input}
-    keep = [t for t in graph.initializer if t.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(keep)
+              helper.make_node("Reshape", [f"{p}_both", f"{p}_shape"], [f"{p}_unpacked"])]
+    return f"{p}_unpacked"
 
 
 def gathered_parts(proto) -> list[tuple[str, str, str, str | None, int]]:
