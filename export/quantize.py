@@ -56,6 +56,7 @@ onnx = lazy_import("onnx")
 numpy_helper = lazy_import("onnx.numpy_helper")
 torch = lazy_import("torch")
 moe = lazy_import("dflash_export.export.moe")
+moe_blocks = lazy_import("dflash_export.models.moe")
 
 SCHEMES = {"int4": 4, "int8": 8}
 DEFAULT_BLOCK = {"int4": 128, "int8": 32}  # weights per block when --quant-block-size is not given
@@ -434,6 +435,9 @@ def dequantized_sources(root: Path, target, drafter):
     qt, qd = copy.deepcopy(target), copy.deepcopy(drafter)
     embed, head = C.SHARED_INITIALIZERS
     weights_of = dequantized_weights(root)
+    for block in moe_blocks.blocks(qt):  # the graph's experts are folded (Gemma 4's per-expert scale: export/moe.py)
+        if hasattr(block, "fold"):
+            block.fold()
     for graph, weights in weights_of.items():
         module = qt if graph == C.TARGET else qd
         for name, w in weights.items():

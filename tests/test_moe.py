@@ -21,7 +21,7 @@ import torch
 import transformers
 import trt_fake
 from click.testing import CliRunner
-from runtime_cases import Case, _bias_target, artifact, cached, prompts
+from runtime_cases import WINDOWED_CASES, Case, _bias_target, artifact, cached, prompts
 from test_hybrid_runtime import rejected_everywhere
 from test_runtime_cli import char_tokenizer
 from test_serve import running
@@ -354,13 +354,15 @@ def test_export_standard_int8_experts_check_and_speculation(tmp_path):
 
 
 @pytest.mark.parametrize("name,args", [("qwen3_moe-standard", ["int4"]),
-                                       ("qwen3_next-standard", ["int4", "--quant-asymmetric"])])
+                                       ("qwen3_next-standard", ["int4", "--quant-asymmetric"]),
+                                       ("gemma4", ["int8"])])
 def test_quantized_standard_experts_are_lossless_against_themselves(name, args, tmp_path):
     """int4 experts (two codes a byte, unpacked in standard ops), symmetric and with zero points, on a
-    Qwen3-MoE and a hybrid Qwen3-Next with a shared expert: the graphs equal PyTorch with their own
-    dequantized weights at the fp32 tolerance, and speculative greedy decoding == plain greedy
-    through the same graphs on several prompts, with drafts rejected at every block position."""
-    tdir, ddir, src = artifact(CASES[name])
+    Qwen3-MoE and a hybrid Qwen3-Next with a shared expert, and Gemma 4's GeGLU experts (their
+    per-expert scale folded into the codes): the graphs equal PyTorch with their own dequantized
+    weights at the fp32 tolerance, and speculative greedy decoding == plain greedy through the
+    same graphs on several prompts, with drafts rejected at every block position."""
+    tdir, ddir, src = artifact({**CASES, "gemma4": WINDOWED_CASES["gemma4"]}[name])
     out = tmp_path / "q"
     r = CliRunner().invoke(cli, ["quantize", str(src), "--out", str(out), "--quantize", *args, "--quant-block-size", "16",
                                  "--quant-accuracy-level", "0", "--quiet"])
