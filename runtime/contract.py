@@ -356,6 +356,13 @@ def selector(m) -> dict | None:
     return getattr(m, "selector", None)
 
 
+def row_counts(m) -> bool:
+    """Whether the ort flavour's target takes each row's own count of new tokens (Manifest.row_counts):
+    the runtime feeds seqlens_k = length + count - 1 per row and the graph gives GroupQueryAttention
+    query_seqlens = seqlens_k + 1 - position_ids[:, 0] (rows right-padded to the call's length)."""
+    return bool(getattr(m, "row_counts", False))
+
+
 def draft_index(m) -> bool:
     """Whether draft_block takes `draft_index` (its head scores the drafts a verify uses); False
     for exports made before it, and for DFlash 2 drafters (their selector walks every position)."""
