@@ -337,8 +337,8 @@ class OrtBackend(Backend):
         return self._target_call(rows, ids, counts, picks, want_logits, 0)
 
     def _target_each(self, rows, ids, counts, picks, want_logits) -> TargetOut:
-        """The ort flavour's verify of several rows: GroupQueryAttention takes several new tokens
-        with a past at batch 1 only, so a row verifying more than its anchor runs alone; rows
+        """An older ort export's verify of several rows (no Manifest.row_counts): GroupQueryAttention
+        takes several new tokens with a past at batch 1 only without each row's count, so a row verifying more than its anchor runs alone; rows
         verifying one position (plain rows of a drafted round, a row at its last token) run
         together, consecutive rows in one call as a plain step does. Taps land where a call over
         all rows would write them ([R, S]: row r's at r * S), for draft_context_rows."""
