@@ -8,7 +8,11 @@ graph (cache interference), and from ORT's profiler in a separate pass the media
 model_run and kernel ms (their difference includes the profiler's own per-node cost).
 
     python bench/round_profile.py DIR [DIR ...] [--prompts 3] [--max-new-tokens 64] [--threads 1]
-        [--verify THETA,MIN_LEN] [--passes 5] [--spin | --no-spin]
+        [--verify THETA,MIN_LEN] [--passes 5] [--spin | --no-spin] [--head-lengths 4,8,16]
+
+--head-lengths: also draft_block's ms for rounds whose longest verify is each length (its head
+scoring length - 1 drafts, where the export takes draft_index; an older export scores all K - 1
+whatever is asked), every directory and length interleaved in one loop.
 """
 
 from __future__ import annotations
@@ -184,6 +188,25 @@ def interference(be: OrtBackend, reps: int = 200) -> dict:
             "draft_block alone": med(block, block), "draft_block after verify6": med(verify, block)}
 
 
+def head_ms(bes: dict, lengths: list[int], reps: int = 300) -> dict:
+    """{dir: {verify length: median ms of draft_block scoring length - 1 drafts}}, interleaved."""
+    import numpy as np
+
+    for be, _ in bes.values():
+        be.reset()
+        be.target(np.arange(5, 69, dtype=np.int64))
+        be.commit(64)
+        be.draft_context(64)
+    ts = {d: {s: [] for s in lengths} for d in bes}
+    for _ in range(reps):
+        for d, (be, _) in bes.items():
+            for s in lengths:
+                t = time.perf_counter()
+                be.draft_block(5, s - 1)
+                ts[d][s].append(time.perf_counter() - t)
+    return {d: {s: statistics.median(v) * 1e3 for s, v in by.items()} for d, by in ts.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dirs", nargs="+", type=Path)
@@ -194,6 +217,7 @@ def main() -> None:
     ap.add_argument("--verify", default=None, help="THETA,MIN_LEN for every directory instead of its runtime.json")
     ap.add_argument("--spin", action=argparse.BooleanOptionalAction, default=None,
                     help="ORT's idle workers spin (default: runtime.json's, else off)")
+    ap.add_argument("--head-lengths", default=None, help="verify lengths L,... to time draft_block at (see above)")
     a = ap.parse_args()
     from tokenizers import Tokenizer
 
@@ -211,6 +235,7 @@ def main() -> None:
             r = decode(be, verify, prompts, a.max_new_tokens)
             if d not in best or r["round_ms"] < best[d]["round_ms"]:
                 best[d] = r
+    heads = head_ms(bes, [int(x) for x in a.head_lengths.split(",")]) if a.head_lengths else {}
     bind = {d: binding_us(be) for d, (be, _) in bes.items()}
     inter = {d: interference(be) for d, (be, _) in bes.items()}
     prof = {d: kernels(d, a.threads, prompts, a.max_new_tokens, policy, a.spin) for d in a.dirs}
@@ -218,6 +243,8 @@ def main() -> None:
           f"load {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}")
     for d, r in best.items():
         print(f"{d}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()))
+        if d in heads:
+            print("  draft_block ms by the round's longest verify: " + ", ".join(f"{s} {v:.3f}" for s, v in heads[d].items()))
         print("  Python side per call, us: " + ", ".join(f"{k} {v:.0f}" for k, v in bind[d].items()))
         print("  call ms alone vs after the other graph: " + ", ".join(f"{k} {v:.2f}" for k, v in inter[d].items()))
         for g, p in prof[d].items():
