@@ -128,8 +128,9 @@ class TensorRTBackend(Backend):
         has_conf = "draft_conf" in {t.name for t in m.graphs[DRAFT_BLOCK].outputs} if drafter else False
         self.d_conf = self._malloc(bk * 4) if has_conf else None  # older exports lack it
         self.h_conf = np.zeros(bk, np.float32)
-        self.d_dindex = self._malloc(self.k * 8)  # draft_index (contract.DRAFT_INDEX): a prefix of 0..K-2
-        self._h2d(self.d_dindex, np.arange(max(1, self.k - 1), dtype=np.int64))
+        self.h_dindex = np.arange(max(1, self.k - 1), dtype=np.int64)  # draft_index (contract.DRAFT_INDEX): a prefix
+        self.d_dindex = self._malloc(self.h_dindex.nbytes)
+        self._h2d(self.d_dindex, self.h_dindex)
         self._scored = self.k - 1  # drafts the last draft_block call scored (its outputs are [R, scored])
         self.ragged = C.ragged(m)  # contract.RAGGED: per-row lengths and logits picks
         self._alloc_rows(ms)
