@@ -134,7 +134,9 @@ def moe_line(e: dict, q: dict | None) -> str:
 def quant_line(q: dict) -> str:
     """A manifest's `quantization` record in a line: what is quantized, how, and what stayed float."""
     if q.get("target", True):
-        what = ["target linear layers"] + [w for key, w in (("lm_head", "LM head"), ("embedding", "embedding lookup"),
+        hb = q.get("head_bits")
+        at = f" ({hb}-bit)" if hb and hb != q.get("bits") else ""  # --quant-head-bits: the vocabulary table's own bits
+        what = ["target linear layers"] + [w for key, w in (("lm_head", f"LM head{at}"), ("embedding", f"embedding lookup{at}"),
                                                             ("draft", "drafter linear layers")) if q.get(key)]
     else:
         what = ["drafter's graphs and its own LM head (the target stays as exported)"]
