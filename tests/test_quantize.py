@@ -24,8 +24,8 @@ from dflash_export.runtime.names import names_of
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
 
-# (case, options): int4 target+drafter; tied Llama with int8 everywhere incl. the LM head and the
-# lookup (one packed table read by both); Qwen2 int4 asymmetric, block 16, target + LM head + its
+# (case, options): int4 target+drafter; tied Llama with int4 layers and an int8 LM head and
+# lookup (--quant-head-bits 8; one packed table read by both); Qwen2 int4 asymmetric, block 16, target + LM head + its
 # own lookup table; an unbiased Qwen3, block 16, int8 asymmetric block 64 everywhere but the lookup.
 # Accuracy level 0 (fp32 activations): the dequantized parity is then held to fp32 tolerances.
 PLANS = {
@@ -93,6 +93,8 @@ def test_manifest_records_the_quantization(quantized):
     assert (rec["scheme"], rec["bits"], rec["block_size"], rec["symmetric"]) == (q.scheme, q.bits, q.block_size, q.symmetric)
     assert (rec["draft"], rec["lm_head"], rec["embedding"]) == (q.draft, q.lm_head, q.embedding) and "MatMulNBits" in rec["method"]
     assert rec["head_bits"] == q.head_bits
+    line = next(x for x in CliRunner().invoke(cli, ["info", str(out), "--no-verify"]).output.splitlines() if x.startswith("quant"))
+    assert ("LM head (8-bit)" in line and "embedding lookup (8-bit)" in line) == (q.head_bits == 8), line
     assert (rec["accuracy_level"], rec["accuracy_level_from"]) == (0, "flag")
     assert sorted(rec["weights"]) == sorted(set(q.graphs()) | ({C.DRAFT_BLOCK} if q.lm_head or q.embedding else set()))
     for g in C.GRAPH_FILES:
@@ -110,7 +112,7 @@ def test_manifest_records_the_quantization(quantized):
         assert len(nbits) == len(expect) and all(n.domain == "com.microsoft" for n in nbits + gathers)
         bits = {n.input[0] if n.op_type == "GatherBlockQuantized" else n.input[1]: a.i
                 for n in nbits + gathers for a in n.attribute if a.name == "bits"}
-        assert len(gathers) == lookup and bits  # the head and the lookup at --quant-head-bits, the layers at the scheme's
+        assert len(gathers) == lookup  # the head and the lookup at --quant-head-bits, the layers at the scheme's
         assert all(b == (q.head().bits if w.startswith(C.SHARED_INITIALIZERS) else q.bits) for w, b in bits.items()), bits
         assert {a.i for n in nbits for a in n.attribute if a.name == "accuracy_level"} == ({0} if nbits else set())
         quant_ops = (("com.microsoft", "MatMulNBits"), ("com.microsoft", "GatherBlockQuantized"))
