@@ -161,9 +161,8 @@ def quantize_graph(model, q: QuantOptions, graph: str):
     ir.external_data.load_to_model(model)  # the quantizer reads weights as arrays from the proto
     out = ir.serde.serialize_model(model)
     del model
-    head = q.head()  # the LM head at its own bits (--quant-head-bits): a pass of its own
-    passes = [(q, chosen - {C.SHARED_INITIALIZERS[1]}), (head, chosen & {C.SHARED_INITIALIZERS[1]})] if head is not q \
-        else [(q, chosen)]
+    head = {C.SHARED_INITIALIZERS[1]}  # at its own bits (--quant-head-bits): a pass of its own
+    passes = [(q, chosen)] if q.head() is q else [(q, chosen - head), (q.head(), chosen & head)]
     for opts, names in passes:
         if names:
             out = _run_quantizer(out, opts, [n.name for n in linear if n.inputs[1].name not in names])
