@@ -195,9 +195,11 @@ def test_unchanged_bindings_are_not_bound_again(pair, backend):
         Counting.sets, backend.trace = [], []
         g = generate(backend, prompt, 40)  # the same shapes again: the outputs stay bound
         calls = [name for name, _, _ in backend.trace]
-        for name in (C.DRAFT_IDS, C.DRAFT_CONF, C.BLOCK_IDS):  # one shape every round
-            assert calls.count(name) == len(g.acceptance_lengths) > 3 and Counting.sets.count(name) == 0, name
-        assert Counting.sets.count(C.NEXT_IDS) <= len({shape for name, _, shape in backend.trace if name == C.NEXT_IDS})
+        assert len(g.acceptance_lengths) > 3
+        for name in (C.DRAFT_IDS, C.DRAFT_CONF, C.BLOCK_IDS, C.NEXT_IDS):  # bound again only where the shape moved
+            shapes = [shape for n, _, shape in backend.trace if n == name]
+            moved = sum(a != b for a, b in zip(shapes, shapes[1:])) + 1
+            assert Counting.sets.count(name) <= moved < len(shapes) / 2, (name, shapes)
         assert 0 < len(Counting.sets) < len(calls)
     finally:
         backend._bound, backend.trace = {}, None
