@@ -86,11 +86,11 @@ class ForcedDrafts:
 
     def draft_block_rows(self, rows, anchors, scored=None):  # the loop's call (runtime/backend.py: rows; here row 0)
         k, p = self.inner.manifest.block_size, self.inner.context_len  # p: the anchor's position
-        ids, conf = self.inner.draft_block_rows(rows, anchors, scored)
+        _, conf = self.inner.draft_block_rows(rows, anchors, scored)
         drafts = np.array((self.seq[p + 1 : p + k] + [0] * k)[: k - 1], np.int64)
         if self.j < k - 1:
             drafts[self.j] = (drafts[self.j] + 1) % self.inner.manifest.vocab_size
-        return drafts[None, : ids.shape[1]], conf  # as many as the graph scored (draft_index)
+        return drafts[None], conf
 
 
 def rejected_everywhere(be, prompt: list[int], n: int, ref: list[int]) -> None:
