@@ -11,7 +11,11 @@ graph (cache interference, CPU time), and from ORT's profiler in a separate pass
 model_run and kernel ms (their difference includes the profiler's own per-node cost).
 
     python bench/round_profile.py DIR [DIR ...] [--prompts 3] [--max-new-tokens 64] [--threads 1]
-        [--verify THETA,MIN_LEN] [--passes 5] [--spin | --no-spin] [--parts-only]
+        [--verify THETA,MIN_LEN] [--passes 5] [--spin | --no-spin] [--head-lengths 4,8,16] [--parts-only]
+
+--head-lengths: also draft_block's ms for rounds whose longest verify is each length (its head
+scoring length - 1 drafts, where the export takes draft_index; an older export scores all K - 1
+whatever is asked), every directory and length interleaved in one loop.
 """
 
 from __future__ import annotations
@@ -219,6 +223,25 @@ def interference(be: OrtBackend, reps: int = 200) -> dict:
             "draft_context alone": med(lambda: None, context), f"draft_context after verify{k}": med(verify, context)}
 
 
+def head_ms(bes: dict, lengths: list[int], reps: int = 300) -> dict:
+    """{dir: {verify length: median ms of draft_block scoring length - 1 drafts}}, interleaved."""
+    import numpy as np
+
+    for be, _ in bes.values():
+        be.reset()
+        be.target(np.arange(5, 69, dtype=np.int64))
+        be.commit(64)
+        be.draft_context(64)
+    ts = {d: {s: [] for s in lengths} for d in bes}
+    for _ in range(reps):
+        for d, (be, _) in bes.items():
+            for s in lengths:
+                t = time.perf_counter()
+                be.draft_block(5, s - 1)
+                ts[d][s].append(time.perf_counter() - t)
+    return {d: {s: statistics.median(v) * 1e3 for s, v in by.items()} for d, by in ts.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dirs", nargs="+", type=Path)
@@ -229,6 +252,7 @@ def main() -> None:
     ap.add_argument("--verify", default=None, help="THETA,MIN_LEN for every directory instead of its runtime.json")
     ap.add_argument("--spin", action=argparse.BooleanOptionalAction, default=None,
                     help="ORT's idle workers spin (default: runtime.json's, else off)")
+    ap.add_argument("--head-lengths", default=None, help="verify lengths L,... to time draft_block at (see above)")
     ap.add_argument("--parts-only", action="store_true", help="the rounds' parts alone (no binding, interference, profiler passes)")
     a = ap.parse_args()
     from tokenizers import Tokenizer
@@ -247,6 +271,7 @@ def main() -> None:
             r = decode(be, verify, prompts, a.max_new_tokens)
             if d not in best or r["round_ms"] < best[d]["round_ms"]:
                 best[d] = r
+    heads = head_ms(bes, [int(x) for x in a.head_lengths.split(",")]) if a.head_lengths else {}
     extras = not a.parts_only
     bind = {d: binding_us(be) for d, (be, _) in bes.items()} if extras else {}
     inter = {d: interference(be) for d, (be, _) in bes.items()} if extras else {}
@@ -258,6 +283,8 @@ def main() -> None:
         for k in ("parts", "parts cpu"):
             print(f"  round, {'wall' if k == 'parts' else 'CPU'} ms: " + ", ".join(f"{p} {v:.3f}" for p, v in r[k].items())
                   + f"; sum {sum(r[k].values()):.3f}")
+        if d in heads:
+            print("  draft_block ms by the round's longest verify: " + ", ".join(f"{s} {v:.3f}" for s, v in heads[d].items()))
         if not extras:
             continue
         print("  Python side per call, us: " + ", ".join(f"{k} {v:.0f}" for k, v in bind[d].items()))

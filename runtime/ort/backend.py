@@ -53,6 +53,7 @@ class OrtBackend(Backend):
         threads: int | None = None,
         graph_threads: dict[str, int] | None = None,
         spin: bool = False,
+        spin_us: int | None = None,
         drafter: bool = True,
         verify: bool = True,
         low_memory: bool = False,
@@ -76,10 +77,10 @@ class OrtBackend(Backend):
         check_cache_memory(m, self.max_batch, self.max_len, drafter)
         self.trace: list | None = None  # set to [] to record every bound (name, ptr, shape)
         self._plans: dict[tuple[str, str], tuple] = {}  # (graph, tensor) -> how _bind shapes it
-        self.threads, self.spin = threads, spin
+        self.threads, self.spin, self.spin_us = threads, spin, spin_us
         self.graphs = Sessions(self.directory, m, self._provider, max_chunk=max_chunk, device=self.device,
                                threads=threads, graph_threads=graph_threads or {}, spin=spin, drafter=drafter,
-                               low_memory=low_memory, release_mapped=release_mapped)
+                               low_memory=low_memory, release_mapped=release_mapped, spin_us=spin_us)
         self.sessions, self.max_chunk = self.graphs.sessions, self.graphs.max_chunk
         self._alloc_state()
 
