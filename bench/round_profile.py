@@ -3,8 +3,9 @@
 For each export directory given, on the same prompts (interleaved, fastest of --passes kept):
 per round, the wall ms of draft_context, draft_block and the verify call as the loop sees
 them, and the loop's host time (acceptance, bookkeeping); the round part by part, wall and
-this thread's CPU time (each call's session run, the Python around it, the loop's own code;
-the CPU figures leave out the time other jobs held the core). Then (unless --parts-only):
+this thread's CPU time (each call's session run, the Python around it, the loop's own code:
+in wall time the round's, in CPU time also the generator's between rounds; the CPU figures leave
+out the time other jobs held the core). Then (unless --parts-only):
 the Python side of each call
 (binding; the graph run replaced by nothing), each call timed alone vs right after the other
 graph (cache interference, CPU time), and from ORT's profiler in a separate pass the median call's
