@@ -100,6 +100,7 @@ class OrtBackend(Backend):
 
     def close(self) -> None:
         self.sessions, self._io, self.graphs = {}, {}, None  # forks keep theirs: a session is freed with its last user
+        self._io_target, self._bound = {}, {} if self._bound is not None else None  # the bindings they hold
 
     # -- binding: a contract tensor to a buffer, in place ------------------------------------
 
