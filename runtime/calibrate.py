@@ -384,7 +384,8 @@ def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bo
     log(f"verify ms by length 1..{len(costs)}: {', '.join(f'{c:.2f}' for c in costs)}; draft {draft_ms:.2f} ms")
     log(f"policy: {policy_json(policy)}")
     log("round costs (ms) by rows: " + "; ".join(
-        f"{r}: step {c['verify'][0]:.2f}, verify {c['verify'][-1]:.2f}, draft {c['draft']:.2f}, context {c['context']:.2f}"
+        f"{r}: step {c['verify'][0]:.2f}, verify {c['verify'][-1]:.2f}, draft {c['draft']:.2f}"
+        + (f" (head over one draft {c['draft_one']:.2f})" if "draft_one" in c else "") + f", context {c['context']:.2f}"
         for r, c in by_rows.items()))
     measured = {"speculative_tokens_per_second_by_threads": {spin_label(*k): r for k, r in by_label.items()},
                 "graph_ms_by_threads": {str(t): ms for t, ms in by_graph.items()},

@@ -179,7 +179,7 @@ class TorchBackend(Backend):
                                                  for (a, b), (c, e) in zip(self.ctx, new)]
         self.context_len += n
 
-    def draft_block(self, anchor, scored=None):  # no draft_index: all K-1 drafts, whatever `scored` asks
+    def draft_block(self, anchor, scored=None):  # every draft scored (a caller reads the first `scored`)
         block = torch.tensor([[anchor] + [self.mask] * (self.k - 1)])
         pos = torch.arange(self.context_len, self.context_len + self.k)[None]
         with torch.no_grad():
