@@ -122,9 +122,13 @@ def moe_line(e: dict, q: dict | None) -> str:
     norm = "renormalised" if e["norm_topk_prob"] else "not renormalised"
     shared = f"shared expert of width {e['shared_expert_size']} (sigmoid-gated)" if e["shared_expert_size"] else \
         "no shared expert"
+    experts = q if q and q.get("target", True) else None  # --draft-only leaves the experts as exported
     if e["path"] == "op":
-        op = f"QMoE {q['scheme']}, block {q['block_size']}" if q else "MoE"
+        op = f"QMoE {q['scheme']}, block {q['block_size']}" if experts else "MoE"
         path = f"op (com.microsoft::{op}: ONNX Runtime only)"
+    elif experts:
+        path = (f"standard (gathered experts in ai.onnx ops: {q['scheme']} codes, block {q['block_size']}, "
+                "dequantized after the gather)")
     else:
         path = "standard (gathered experts in ai.onnx ops)"
     return (f"{e['experts']} experts of width {e['expert_size']}, top {e['top_k']} ({norm}), {shared}; "
@@ -136,7 +140,8 @@ def quant_line(q: dict) -> str:
     if q.get("target", True):
         hb = q.get("head_bits")
         at = f" ({hb}-bit)" if hb and hb != q.get("bits") else ""  # --quant-head-bits: the vocabulary table's own bits
-        what = ["target linear layers"] + [w for key, w in (("lm_head", f"LM head{at}"), ("embedding", f"embedding lookup{at}"),
+        what = ["target linear layers"] + [w for key, w in (("experts", "routed experts"), ("lm_head", f"LM head{at}"),
+                                                            ("embedding", f"embedding lookup{at}"),
                                                             ("draft", "drafter linear layers")) if q.get(key)]
     else:
         what = ["drafter's graphs and its own LM head (the target stays as exported)"]

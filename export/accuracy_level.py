@@ -12,9 +12,9 @@ is the same for every model, so both levels are measured on the artifact itself:
 - accuracy: the target's logits over a PROBE_TOKENS prompt against a float reference (mean
   absolute error, top-1 agreement): the quantized target graph with every MatMulNBits and
   GatherBlockQuantized given back its float weight from the float export (`reference`), i.e.
-  the float export's target for a dense model. A MoE target's QMoE experts stay quantized in
-  the reference, at level 0: a float copy of them is the memory that quantizing a MoE target
-  streams to avoid (export/stream.py). Level 0's error there is the dense layers' rounding
+  the float export's target for a dense model. A MoE target's experts stay quantized in the
+  reference (QMoE at level 0; --moe standard's gathered codes as they are): a float copy of
+  them is the memory that quantizing a MoE target streams to avoid (export/stream.py). Level 0's error there is the dense layers' rounding
   alone, so the budget on level 4 is stricter for MoE targets than for dense ones.
 
 Level 4 is chosen when its step is at least SPEED_MARGIN faster and its logits' mean error is

@@ -21,11 +21,13 @@ The PyTorch reference (models/moe.py) runs transformers' loop over the selected 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import torch
 from onnxscript import values
 
-from ..errors import DFlashError
+from ..errors import DFlashError, InternalError
 from ..lazy import lazy_import
 from ..models import moe as M
 from ..models.config import MoeConfig
@@ -253,6 +255,157 @@ def unnormalise(node, out: str, k: int) -> list:
             helper.make_node("Mul", [f"{out}_renormalised", f"{p}_sum"], [out])]
 
 
+# -- quantize: the standard path's experts, dequantized after the gather ------------------------
+
+EXPERTS = re.compile(r"(?:^|\.)experts\.(gate_up_proj|down_proj)$")  # a routed expert tensor [E, N, K]
+GATHERS = {"Gather": ("axis", 0), "GatherND": ("batch_dims", 0)}  # how a traced graph reads k experts per token
+
+
+def to_gathered(proto, bits: int, block: int, symmetric: bool) -> list[str]:
+    """--moe standard: every expert tensor [E, N, K] the target graph gathers -> the codes, scales
+    and zero points QMoE holds (`quantize_experts`: the same names and layout, so export/stream.py
+    `put_back` writes either form), gathered per token like the float tensor was and dequantized
+    right after the gather in standard ops (`dequantize_nodes`): only the k experts a token
+    selected are ever in float. Returns the float tensors' names.
+
+    Cast + Sub + Mul rather than DequantizeLinear's blocked form: that needs opset 21 (the export
+    writes 20), which older ONNX Runtime releases and other providers, this form's users, may
+    not run, and on ONNX Runtime's CPU it was only 5-13 % faster (bench/moe_standard_quant.py)."""
+    graph = proto.graph
+    inits = {t.name: t for t in graph.initializer}
+    users: dict[str, list] = {}
+    for node in graph.node:
+        for i in node.input:
+            users.setdefault(i, []).append(node)
+    done, dropped = [], []
+    for name in [n for n, t in inits.items() if EXPERTS.search(n) and len(t.dims) == 3]:
+        w = numpy_helper.to_array(inits[name])
+        k = w.shape[2]
+        if k % block:
+            raise DFlashError(f"--quant-block-size {block} does not divide the input width {k} of the experts {name}; "
+                              "choose a block size dividing the hidden size and the expert width")
+        parts = [f"{name}_Q{bits}", f"{name}_scales", f"{name}_zp{bits}"]
+        codes, scales, zp = quantize_experts(w, bits, block, symmetric)
+        graph.initializer.extend(numpy_helper.from_array(a, n) for a, n in zip((codes, scales, zp), parts) if a is not None)
+        gathers, transposes = _gathers(name, users)
+        for gather in gathers:
+            at = list(graph.node).index(gather)
+            new = dequantize_nodes(gather, parts if zp is not None else parts[:2], bits, block, w.shape[1:], w.dtype)
+            del graph.node[at]
+            for j, n in enumerate(new):
+                graph.node.insert(at + j, n)
+        done.append(name)
+        dropped += transposes
+    for node in dropped:  # read by the gathers alone (`_gathers`), which read codes now
+        graph.node.remove(node)
+    keep = [t for t in graph.initializer if t.name not in done]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    return done
+
+
+def _gathers(name: str, users: dict) -> tuple[list, list]:
+    """(the gathers that read expert tensor `name`, the identity Transposes a trace puts between).
+    Anything else reading it is a graph this exporter did not write: an internal error."""
+    found, between, todo = [], [], list(users.get(name, []))
+    while todo:
+        node = todo.pop()
+        attrs = attrs_of(node)
+        if node.op_type == "Transpose" and attrs.get("perm") == [0, 1, 2]:
+            between.append(node)
+            todo += users.get(node.output[0], [])
+        elif node.op_type in GATHERS and attrs.get(GATHERS[node.op_type][0], 0) == GATHERS[node.op_type][1]:
+            found.append(node)
+        else:
+            raise InternalError(f"expert tensor {name} is read by a {node.op_type} ({node.name}), not gathered per token")
+    return found, between
+
+
+def dequantize_nodes(gather, parts: list[str], bits: int, block: int, nk: tuple[int, int], dtype) -> list:
+    """The gather of `parts` (codes [E, N, K*bits/8], scales [E, N, K/block], zero points or none)
+    with `gather`'s indices, dequantized to the float [..., N, K] that `gather` gave: the codes
+    unpacked (int4: low nibble first, BitwiseAnd / BitShift), Cast, minus the zero point
+    (2^(bits-1) when symmetric), times the block's scale."""
+    out, idx = gather.output[0], gather.input[1]
+    (n, k), blocks, p = nk, nk[1] // block, f"{out}_dq"
+    zb = (blocks * bits + 7) // 8
+    to = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    const = lambda n, v, dt=np.int64: helper.make_node("Constant", [], [f"{p}_{n}"],  # noqa: E731
+                                                       value=numpy_helper.from_array(np.array(v, dt), f"{p}_{n}"))
+    take = lambda src, dst: helper.make_node(gather.op_type, [src, idx], [dst], **attrs_of(gather))  # noqa: E731
+    nodes = [take(parts[0], f"{p}_codes"), take(parts[1], f"{p}_scales"),
+             const("blocks", [-1, n, blocks, block * bits // 8]), const("last", [-1]), const("width", [k]),
+             helper.make_node("Shape", [f"{p}_codes"], [f"{p}_lead"], end=-1),  # the gathered dims and N
+             helper.make_node("Reshape", [f"{p}_codes", f"{p}_blocks"], [f"{p}_packed"])]
+    q = _unpacked(nodes, f"{p}_packed", bits, p, [-1, n, blocks, block])
+    nodes += [helper.make_node("Cast", [q], [f"{p}_qf"], to=to)]
+    if len(parts) == 3:  # asymmetric: each row's zero points, packed along the blocks
+        nodes += [take(parts[2], f"{p}_zg"), const("zrows", [-1, n, zb]),
+                  helper.make_node("Reshape", [f"{p}_zg", f"{p}_zrows"], [f"{p}_zpacked"])]
+        z = _unpacked(nodes, f"{p}_zpacked", bits, f"{p}_z", [-1, n, zb * 8 // bits])
+        nodes += [const("zstart", [0]), const("zend", [blocks]), const("zaxis", [2]),
+                  helper.make_node("Slice", [z, f"{p}_zstart", f"{p}_zend", f"{p}_zaxis"], [f"{p}_zu"]),
+                  helper.make_node("Cast", [f"{p}_zu"], [f"{p}_zf"], to=to),
+                  helper.make_node("Unsqueeze", [f"{p}_zf", f"{p}_last"], [f"{p}_zero"])]
+    else:
+        nodes += [const("zero", 2.0 ** (bits - 1), dtype)]
+    nodes += [helper.make_node("Sub", [f"{p}_qf", f"{p}_zero"], [f"{p}_centred"]),
+              const("srows", [-1, n, blocks, 1]),
+              helper.make_node("Reshape", [f"{p}_scales", f"{p}_srows"], [f"{p}_s"]),
+              helper.make_node("Mul", [f"{p}_centred", f"{p}_s"], [f"{p}_w"]),
+              helper.make_node("Concat", [f"{p}_lead", f"{p}_width"], [f"{p}_full"], axis=0),
+              helper.make_node("Reshape", [f"{p}_w", f"{p}_full"], [out], name=gather.name)]
+    return nodes
+
+
+def _unpacked(nodes: list, src: str, bits: int, p: str, shape: list[int]) -> str:
+    """uint8 codes `src` -> the name of one value per element (int4: two a byte, low nibble first,
+    reshaped to `shape`; int8: `src` itself), the nodes that make it appended to `nodes`."""
+    if bits == 8:
+        return src
+    c = lambda n, v, dt=np.int64: helper.make_node("Constant", [], [f"{p}_{n}"],  # noqa: E731
+                                                   value=numpy_helper.from_array(np.array(v, dt), f"{p}_{n}"))
+    nodes += [c("mask", 15, np.uint8), c("four", 4, np.uint8), c("pairs", [-1]), c("shape", shape),
+            helper.make_node("BitwiseAnd", [src, f"{p}_mask"], [f"{p}_lo"]),
+            helper.make_node("BitShift", [src, f"{p}_four"], [f"{p}_hi"], direction="RIGHT"),
+            helper.make_node("Unsqueeze", [f"{p}_lo", f"{p}_pairs"], [f"{p}_lo1"]),
+            helper.make_node("Unsqueeze", [f"{p}_hi", f"{p}_pairs"], [f"{p}_hi1"]),
+            helper.make_node("Concat", [f"{p}_lo1", f"{p}_hi1"], [f"{p}_both"], axis=-1),
+              helper.make_node("Reshape", [f"{p}_both", f"{p}_shape"], [f"{p}_unpacked"])]
+    return f"{p}_unpacked"
+
+
+def gathered_parts(proto) -> list[tuple[str, str, str, str | None, int]]:
+    """The quantized expert tensors of a --moe standard target (`to_gathered`): (float name, codes,
+    scales, zero points or None, bits) for each codes initializer a gather reads (QMoE's are its inputs)."""
+    names = {t.name for t in proto.graph.initializer}
+    gathered = {n.input[0] for n in proto.graph.node if n.op_type in GATHERS}
+    out = []
+    for n in sorted(names & gathered):
+        m = re.match(r"(.*)_Q(4|8)$", n)
+        if m and EXPERTS.search(m.group(1)) and f"{m.group(1)}_scales" in names:
+            bits = int(m.group(2))
+            zp = f"{m.group(1)}_zp{bits}"
+            out.append((m.group(1), n, f"{m.group(1)}_scales", zp if zp in names else None, bits))
+    return out
+
+
+def dequantize_experts(codes: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, bits: int) -> np.ndarray:
+    """codes uint8 [E, N, K*bits/8], scales [E, N, blocks], zero points uint8 [E, N, ceil(blocks*bits/8)]
+    or None (2^(bits-1)) -> float32 [E, N, K], per the contrib-op spec (4 bits: low nibble first).
+    Written here, not taken from ONNX Runtime, so that `check` compares the graphs with an
+    independent reading of their weights."""
+    s = scales.astype(np.float32)
+    e, n, blocks = s.shape
+    q = np.stack([codes & 0x0F, codes >> 4], -1) if bits == 4 else codes
+    q = q.reshape(e, n, blocks, -1)
+    if zp is not None:
+        z = (np.stack([zp & 0x0F, zp >> 4], -1).reshape(e, n, -1) if bits == 4 else zp)[..., :blocks]
+    else:
+        z = np.full((e, n, blocks), 2 ** (bits - 1), np.uint8)
+    return ((q.astype(np.float32) - z[..., None].astype(np.float32)) * s[..., None]).reshape(e, n, -1)
+
+
 def dequantize_qmoe(node, arrays: dict) -> dict[str, np.ndarray]:
     """A QMoE node's expert weights as the float [E, N, K] tensors the PyTorch source holds
     ({fc1 name: gate_up_proj, fc2 name: down_proj}), read from its packed inputs per the
@@ -260,21 +413,12 @@ def dequantize_qmoe(node, arrays: dict) -> dict[str, np.ndarray]:
     gate/up rows are put back as [gate; up]. Written here, not taken from ONNX Runtime, so
     that `check` compares the graph with an independent reading of its weights."""
     attr = attrs_of(node)
-    bits, block = attr.get("expert_weight_bits", 4), attr["block_size"]
+    bits = attr.get("expert_weight_bits", 4)
     ins = list(node.input) + [""] * 13
     out = {}
     for codes, scales, zp in ((ins[2], ins[3], ins[11]), (ins[5], ins[6], ins[12])):
-        b, s = arrays[codes], arrays[scales].astype(np.float32)
-        e, n, blocks = s.shape
-        q = np.stack([b & 0x0F, b >> 4], -1).reshape(e, n, blocks, block) if bits == 4 else b.reshape(e, n, blocks, block)
-        if zp:
-            z = arrays[zp]
-            z = (np.stack([z & 0x0F, z >> 4], -1).reshape(e, n, -1) if bits == 4 else z)[..., :blocks]
-        else:
-            z = np.full((e, n, blocks), 2 ** (bits - 1), np.uint8)
-        w = ((q.astype(np.float32) - z[..., None].astype(np.float32)) * s[..., None]).reshape(e, n, blocks * block)
-        name = codes.rsplit("_Q", 1)[0]
+        w = dequantize_experts(arrays[codes], arrays[scales], arrays[zp] if zp else None, bits)
         if codes == ins[2] and attr.get("swiglu_fusion") == 1:
             w = np.concatenate([w[:, 0::2], w[:, 1::2]], 1)
-        out[name] = w
+        out[codes.rsplit("_Q", 1)[0]] = w
     return out

@@ -56,12 +56,17 @@ onnx = lazy_import("onnx")
 numpy_helper = lazy_import("onnx.numpy_helper")
 torch = lazy_import("torch")
 moe = lazy_import("dflash_export.export.moe")
+moe_blocks = lazy_import("dflash_export.models.moe")
 
 SCHEMES = {"int4": 4, "int8": 8}
 DEFAULT_BLOCK = {"int4": 128, "int8": 128}  # weights per block when --quant-block-size is not given
 MOE_BLOCK = 32  # MoE targets: QMoE needs every expert width to divide into blocks (gpt-oss: 2880)
 DRAFT_ONLY_LEVEL = 4  # --draft-only's level: the output cannot change, and level 0 is int8's slow path on CPU
 ROUTERS = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")  # MoE routing weights: kept in the export dtype
+EXPERT_FORMS = {  # the manifest's quantization.experts, by the target's MoE graph form (export/moe.py)
+    "op": "com.microsoft::QMoE",
+    "standard": "gathered codes dequantized in standard ops (Gather, Cast, Sub, Mul)",
+}
 
 
 @dataclass
@@ -100,10 +105,13 @@ class QuantOptions:
             return self.lm_head and (self.target or graph != C.TARGET)  # but --draft-only gives the drafter its own
         return graph in self.graphs()
 
-    def record(self, weights: dict[str, list[str]], level: dict) -> dict:
-        """level: {"accuracy_level", "accuracy_level_from" ("flag" | "measured"), "accuracy_probe"}."""
+    def record(self, weights: dict[str, list[str]], level: dict, moe_path: str | None = None) -> dict:
+        """level: {"accuracy_level", "accuracy_level_from" ("flag" | "measured"), "accuracy_probe"};
+        moe_path: the target's MoE graph form, which says the quantized experts' (`experts`)."""
         d = asdict(self)
         d.update(method="onnxruntime MatMulNBitsQuantizer (RTN, blockwise)", bits=self.bits, weights=weights, **level)
+        if moe_path is not None and self.target:
+            d["experts"] = EXPERT_FORMS[moe_path]
         return d
 
 
@@ -171,8 +179,9 @@ def quantize_graph(model, q: QuantOptions, graph: str):
     if len(done) != len(quantized):
         raise DFlashError(f"ONNX Runtime's quantizer converted {len(done)} of {len(quantized)} linear layers; "
                           "re-export without --quantize")
-    if graph == C.TARGET:  # an MoE export's experts (--moe op): com.microsoft::MoE -> QMoE
-        quantized += moe.to_qmoe(out, q.bits, q.block_size, q.symmetric)
+    if graph == C.TARGET:  # an MoE export's experts: --moe op's MoE nodes -> QMoE; --moe standard's gathered
+        quantized += moe.to_qmoe(out, q.bits, q.block_size, q.symmetric)  # tensors -> codes dequantized after the gather
+        quantized += moe.to_gathered(out, q.bits, q.block_size, q.symmetric)
     model = ir.serde.deserialize_model(out)
     del out
     stream.put_back(model, aside, q.bits, q.block_size, q.symmetric)
@@ -284,9 +293,6 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
     check_options(q, m.dtype)
     if q.block_size is None:
         q = dataclasses.replace(q, block_size=default_block_size(q.scheme, m.hidden_size, m.moe is not None))
-    if (m.moe or {}).get("path") == "standard":
-        raise DFlashError(f"{src} runs its experts in standard ops (--moe standard), whose gathered expert weights have "
-                          "no quantized form here; quantize an --moe op export (ONNX Runtime's QMoE)")
     check_out_dir(out, force)
     ui = Phases(progress)
     for p in clean_stale(out):
@@ -330,7 +336,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
             validate_artifact(tmp, m.dtype, quantized=True, attention=m.attention, moe=(m.moe or {}).get("path"))
         specs = {name: graph_spec(tmp / f) for name, f in C.GRAPH_FILES.items()}
         manifest = dataclasses.replace(m, graphs=specs, files={}, engines=None, shared=shared,
-                                       quantization=q.record(quantized, {}))
+                                       quantization=q.record(quantized, {}, (m.moe or {}).get("path")))
         level = {"accuracy_level": q.accuracy_level, "accuracy_level_from": "flag"}
         if q.accuracy_level is None and not q.target:  # nothing the output depends on to measure: the fast kernel
             level = {"accuracy_level": DRAFT_ONLY_LEVEL, "accuracy_level_from": "draft-only default"}
@@ -339,7 +345,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
                 write_manifest_checked(tmp, manifest)  # the probe opens the directory like any reader
                 level = AL.choose(tmp, src, manifest)
         AL.set_level(tmp, level["accuracy_level"])
-        manifest = dataclasses.replace(manifest, quantization=q.record(quantized, level))
+        manifest = dataclasses.replace(manifest, quantization=q.record(quantized, level, (m.moe or {}).get("path")))
         write_manifest_checked(tmp, manifest)
         commit(tmp, out)
     except BaseException:
@@ -419,15 +425,17 @@ QUANTIZED_NODES = ("MatMulNBits", "GatherBlockQuantized")
 
 def dequantized_weights(root) -> dict[str, dict[str, np.ndarray]]:
     """graph -> {float weight name: [N, K] float32} for every MatMulNBits (and the lookup table
-    of a GatherBlockQuantized) of a quantized artifact, and [E, N, K] for the experts of each QMoE."""
+    of a GatherBlockQuantized) of a quantized artifact, and [E, N, K] for the experts of each QMoE
+    or gathered as codes (--moe standard)."""
     out = {}
     for graph, f in C.GRAPH_FILES.items():
         model = onnx.load(str(Path(root) / f), load_external_data=False)
         nodes = [n for n in model.graph.node if n.op_type in QUANTIZED_NODES]
         experts = [n for n in model.graph.node if n.op_type == "QMoE"]
-        if not nodes and not experts:
+        gathered = moe.gathered_parts(model)  # --moe standard: experts gathered as codes
+        if not nodes and not experts and not gathered:
             continue
-        wanted = {i for n in nodes + experts for i in n.input if i}
+        wanted = {i for n in nodes + experts for i in n.input if i} | {p for g in gathered for p in g[1:4] if p}
         arrays = {}
         for t in model.graph.initializer:
             if t.name in wanted:
@@ -438,6 +446,8 @@ def dequantized_weights(root) -> dict[str, dict[str, np.ndarray]]:
         out[graph] = {weight(n): dequantize(n, arrays) for n in nodes}
         for n in experts:
             out[graph].update(moe.dequantize_qmoe(n, arrays))
+        for name, codes, scales, zp, bits in gathered:
+            out[graph][name] = moe.dequantize_experts(arrays[codes], arrays[scales], arrays[zp] if zp else None, bits)
     return out
 
 
@@ -447,6 +457,9 @@ def dequantized_sources(root: Path, target, drafter):
     qt, qd = copy.deepcopy(target), copy.deepcopy(drafter)
     embed, head = C.SHARED_INITIALIZERS
     weights_of = dequantized_weights(root)
+    for block in moe_blocks.blocks(qt):  # the graph's experts are folded (Gemma 4's per-expert scale: export/moe.py)
+        if hasattr(block, "fold"):
+            block.fold()
     for graph, weights in weights_of.items():
         module = qt if graph == C.TARGET else qd
         for name, w in weights.items():

@@ -21,13 +21,14 @@ import torch
 import transformers
 import trt_fake
 from click.testing import CliRunner
-from runtime_cases import Case, _bias_target, artifact, cached, prompts
+from runtime_cases import WINDOWED_CASES, Case, _bias_target, artifact, cached, prompts
 from test_hybrid_runtime import rejected_everywhere
 from test_runtime_cli import char_tokenizer
 from test_serve import running
 
 from dflash_export.cli import cli
 from dflash_export.errors import DFlashError
+from dflash_export.export.check import TOLERANCE, run_check
 from dflash_export.export import moe as moe_export
 from dflash_export.models import Target, TargetConfig, draft_config_dict
 from dflash_export.runtime import manifest as M
@@ -291,16 +292,127 @@ def test_quantized_experts_check_by_cause(scheme, tmp_path):
 
 
 def test_quantize_refusals_for_experts(tmp_path):
+    """A block size that does not divide the experts' width (16; default block 32): one line, no output, either form."""
     _, _, std = artifact(CASES["qwen3_moe-standard"])
     runner = CliRunner()
-    r = runner.invoke(cli, ["quantize", str(std), "--out", str(tmp_path / "q"), "--quantize", "int4"])
-    assert r.exit_code == 2 and "--moe standard" in r.output and "QMoE" in r.output, r.output
-    assert not (tmp_path / "q").exists()
+    r = runner.invoke(cli, ["quantize", str(std), "--out", str(tmp_path / "q"), "--quantize", "int8"])
+    assert r.exit_code == 2 and "does not divide" in r.output and r.output.count("\n") == 1, r.output
+    assert "Traceback" not in r.output and not (tmp_path / "q").exists()
     if moe_export.ort_has_op():  # width 16, hidden 32: block 32 does not divide the experts' width
         _, _, op = artifact(CASES["qwen3_moe-op"])
         r = runner.invoke(cli, ["quantize", str(op), "--out", str(tmp_path / "q"), "--quantize", "int4"])
         assert r.exit_code == 2 and "does not divide" in r.output and "Traceback" not in r.output, r.output
         assert not (tmp_path / "q").exists()
+
+
+# -- quantized experts in standard ops: gathered codes, dequantized after the gather -----------
+
+
+def _gathered_codes(out) -> list[str]:
+    """The expert tensors target.onnx gathers as quantized codes (and asserts no float experts are left)."""
+    g = onnx.load(str(out / "target.onnx"), load_external_data=False)
+    inits = {t.name: t for t in g.graph.initializer}
+    assert not [n for n in inits if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert {n.domain for n in g.graph.node} <= {""} | {"com.microsoft"} and "QMoE" not in {n.op_type for n in g.graph.node}
+    return sorted(n.input[0] for n in g.graph.node if n.op_type in ("Gather", "GatherND") and "experts" in n.input[0]
+                  and n.input[0].endswith(("_Q4", "_Q8")) and inits[n.input[0]].data_type == onnx.TensorProto.UINT8)
+
+
+def test_export_standard_int8_experts_check_and_speculation(tmp_path):
+    """`export --moe standard --quantize int8`: the experts become uint8 codes + scales gathered per
+    token and dequantized in standard ops; `check` holds every graph to PyTorch with the weights
+    dequantized by the project's own reader at the fp32 tolerance (level 0), token for token end
+    to end, and reports the rounding against the float source; speculative greedy decoding ==
+    plain greedy through the same quantized graphs on several prompts."""
+    t = make_target(tmp_path / "t", "qwen3_moe", seed=5, layers=2, hidden=32, moe=dict(norm_topk_prob=True))
+    make_drafter(tmp_path / "d", t)
+    out = tmp_path / "q8"
+    runner = CliRunner()
+    r = runner.invoke(cli, ["export", "--target", str(t), "--draft", str(tmp_path / "d"), "--out", str(out), "--moe",
+                            "standard", "--quantize", "int8", "--quant-block-size", "16", "--quant-accuracy-level", "0",
+                            "--block-size", "4", "--max-context", "96"])
+    assert r.exit_code == 0, r.output
+    m = M.load_manifest(out)
+    assert m.moe["path"] == "standard" and m.quantization["experts"].startswith("gathered codes")
+    experts = [n for n in m.quantization["weights"]["target"] if "experts" in n]
+    assert sorted(experts) == sorted(f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj"))
+    assert _gathered_codes(out) == sorted(f"{n}_Q8" for n in experts)
+    rep = json.loads(runner.invoke(cli, ["check", str(out), "--target", str(t), "--draft", str(tmp_path / "d"),
+                                         "--num-prompts", "2", "--json"]).stdout)
+    rows = [row for g in rep["graphs"].values() for row in g]
+    parity = max(row["max"] for row in rows if row["max"] is not None and row["ref"] == "dequantized")
+    rounding = rep["accuracy"]["float"]["max_abs"]
+    print(f"int8 standard experts: worst error vs the dequantized weights {parity:.1e} (tolerance {rep['tolerance']}), "
+          f"target logits vs the float source {rounding:.1e} (reported)")
+    assert rep["passed"] and rep["tolerance"] == 1e-4 and parity <= 1e-4 and rounding > 1e-4
+    assert rep["end_to_end"]["identical"] == 2 and rep["end_to_end"]["speculative_equals_plain"] == 2
+    be = OrtBackend(out, threads=1)
+    for i, prompt in enumerate(prompts(4, m.vocab_size, seed=9)):
+        assert generate(be, prompt, 14 + 3 * i).tokens == generate(be, prompt, 14 + 3 * i, draft=False).tokens, i
+    shown = runner.invoke(cli, ["info", str(out), "--no-verify"]).output
+    assert "int8 codes, block 16, dequantized after the gather" in shown and "routed experts" in shown, shown
+
+
+@pytest.mark.parametrize("name,args", [("qwen3_moe-standard", ["int4"]),
+                                       ("qwen3_next-standard", ["int4", "--quant-asymmetric"]),
+                                       ("gemma4", ["int8"])])
+def test_quantized_standard_experts_are_lossless_against_themselves(name, args, tmp_path):
+    """int4 experts (two codes a byte, unpacked in standard ops), symmetric and with zero points, on a
+    Qwen3-MoE and a hybrid Qwen3-Next with a shared expert, and Gemma 4's GeGLU experts (their
+    per-expert scale folded into the codes): the graphs equal PyTorch with their own dequantized
+    weights at the fp32 tolerance, and speculative greedy decoding == plain greedy through the
+    same graphs on several prompts, with drafts rejected at every block position."""
+    tdir, ddir, src = artifact({**CASES, "gemma4": WINDOWED_CASES["gemma4"]}[name])
+    out = tmp_path / "q"
+    r = CliRunner().invoke(cli, ["quantize", str(src), "--out", str(out), "--quantize", *args, "--quant-block-size", "16",
+                                 "--quant-accuracy-level", "0", "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert len(_gathered_codes(out)) == 2 * len(M.load_manifest(out).moe["layers"])
+    report = run_check(out, tdir, ddir, prompts=0, progress=False)
+    parity = max(r.max for r in report.rows if r.max is not None and r.ref == "dequantized")
+    print(f"{name} {' '.join(args)}: worst error vs the dequantized weights {parity:.1e} (tolerance {TOLERANCE})")
+    assert report.passed and report.strict and parity <= TOLERANCE
+    be = OrtBackend(out, threads=1)
+    for i, prompt in enumerate(prompts(4, be.manifest.vocab_size, seed=13)):
+        plain = generate(be, prompt, 16 + 2 * i, draft=False).tokens
+        assert generate(be, prompt, 16 + 2 * i).tokens == plain, (name, i)
+    rejected_everywhere(be, prompt, 12, generate(be, prompt, 12, draft=False).tokens)
+
+
+def test_draft_only_on_a_standard_export_keeps_its_target(tmp_path):
+    """--draft-only on an --moe standard export: the drafter is quantized, target.onnx is the float
+    export's byte for byte, and greedy output is the float target's own."""
+    _, _, src = artifact(CASES["qwen3_moe-standard"])
+    out = tmp_path / "d8"
+    r = CliRunner().invoke(cli, ["quantize", str(src), "--out", str(out), "--quantize", "int8", "--draft-only",
+                                 "--quant-accuracy-level", "0", "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert (out / "target.onnx").read_bytes() == (src / "target.onnx").read_bytes()
+    assert "experts" not in M.load_manifest(out).quantization
+    fl, dq = OrtBackend(src, threads=1), OrtBackend(out, threads=1)
+    for i, prompt in enumerate(prompts(3, fl.manifest.vocab_size, seed=4)):
+        assert generate(dq, prompt, 12 + 2 * i).tokens == generate(fl, prompt, 12 + 2 * i, draft=False).tokens, i
+    shown = CliRunner().invoke(cli, ["info", str(out), "--no-verify"]).output
+    assert "path standard (gathered experts in ai.onnx ops)\n" in shown, shown
+
+
+def test_tensorrt_refuses_quantized_standard_experts(monkeypatch, tmp_path):
+    """`build` (and its dry run) refuses a quantized --moe standard export in one line saying why; the
+    lint, run on its target graph alone, finds the same two reasons in TensorRT's operator list:
+    MatMulNBits is no ONNX operator, and Gather takes no UINT8 codes."""
+    from dflash_export.export import trt_lint
+
+    trt_fake.install(monkeypatch)
+    _, _, src = artifact(CASES["qwen3_moe-standard"])
+    out = tmp_path / "q8"
+    assert CliRunner().invoke(cli, ["quantize", str(src), "--out", str(out), "--quantize", "int8", "--quant-block-size",
+                                    "16", "--quant-accuracy-level", "0", "--quiet"]).exit_code == 0
+    for extra in ([], ["--dry-run"]):
+        r = CliRunner().invoke(cli, ["build", str(out), "--no-progress", *extra])
+        assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+        assert "Gather" in r.output and "MatMulNBits" in r.output and not (out / "engines").exists(), r.output
+    found = [str(f) for f in trt_lint.lint_model(onnx.load(str(out / "target.onnx"), load_external_data=False), "target")]
+    assert any("Gather" in f and "UINT8" in f for f in found) and any("MatMulNBits" in f for f in found), found
 
 
 # -- TensorRT: planned from the standard-op graph, on the bindings double -------------------

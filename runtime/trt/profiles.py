@@ -62,8 +62,15 @@ def check_precision(export_dtype: str, precision: str | None) -> str:
 
 
 def refuse_quantized(manifest: Manifest) -> None:
-    """Weight-only quantized graphs hold ONNX Runtime's MatMulNBits, which TensorRT's parser does not take."""
+    """Weight-only quantized graphs hold ONNX Runtime's MatMulNBits, which TensorRT's parser does not take; a
+    quantized --moe standard target also gathers uint8 expert codes, which TensorRT's Gather does not take
+    (export/moe.py `to_gathered`; the onnx-tensorrt operator list, export/trt_ops.json). Not tried on a GPU."""
     q = manifest.quantization
+    if q is not None and q.get("target", True) and (manifest.moe or {}).get("path") == "standard":
+        raise DFlashError(f"this export is quantized ({q['scheme']}: the linear layers as ONNX Runtime MatMulNBits, the "
+                          "routed experts as uint8 codes gathered per token), which TensorRT cannot build: its parser takes "
+                          "no MatMulNBits, and its Gather no 8-bit integers (UINT8 is a network input/output type only, "
+                          "INT8 a Q/DQ type); build from the float --moe standard export")
     if q is not None:
         raise DFlashError(f"this export is quantized ({q['scheme']} weights as ONNX Runtime MatMulNBits), which TensorRT "
                           "cannot parse (TensorRT quantizes through Q/DQ nodes, which dflash-export does not write); build from an export "
