@@ -218,8 +218,8 @@ def test_tensorrt_engines_take_the_head_length(monkeypatch, tmp_path):
 
 def test_an_export_without_draft_index_still_runs(tmp_path):
     """An artifact of the older contract (exported without the input: Manifest.draft_index absent)
-    loads, its draft calls score all K-1 drafts whatever the loop asks, and short verifies stay
-    lossless; its manifest reads as the older exports' did."""
+    loads, its draft calls score all K-1 drafts whatever the loop asks, short verifies stay
+    lossless, and `check` checks its graphs as they are; its manifest reads as the older exports' did."""
     from dflash_export.export.artifact import export_artifact
     from dflash_export.runtime.manifest import load_manifest
 
@@ -244,6 +244,10 @@ def test_an_export_without_draft_index_still_runs(tmp_path):
         be.scored.clear()
         assert generate(be, p, 20, stop_token_ids=(), control=Short(K, seed=i)).tokens == ref
         assert set(be.scored) == {K - 1}
+    from dflash_export.export.check import run_check
+
+    report = run_check(old, tdir, ddir, prompts=2, max_new_tokens=8, progress=False)  # its graphs as they are
+    assert report.passed and any(r.graph == C.DRAFT_BLOCK for r in report.rows), report.notes
 
 
 def test_calibrated_costs_price_the_head_by_length():
