@@ -259,6 +259,7 @@ def export_artifact(
     draft_vocab: int | None = None,
     draft_vocab_data: list | tuple = (),
     moe: str | None = None,
+    draft_index: bool = True,
 ) -> M.Manifest:
     """Trace, save, validate and describe one artifact directory; atomic on failure.
 
@@ -268,7 +269,8 @@ def export_artifact(
     hidden directory), then quantized into `out` (quantize_artifact); streamed experts are
     never written in float: the quantizer reads them from the checkpoint (export/stream.py).
     moe: a mixture-of-experts target's graph form, "op" | "standard" (export/moe.py; None: the
-    default for this dtype)."""
+    default for this dtype). draft_index False: draft_block without contract.DRAFT_INDEX, as
+    exports before it (tests of older artifacts)."""
     out = Path(out_dir).absolute()
     tsrc, dsrc = S.resolve(target_dir, what="target"), S.resolve(draft_dir, what="drafter")
     target_dir, draft_dir = tsrc.path, dsrc.path
@@ -292,6 +294,7 @@ def export_artifact(
         check_room(weight_bytes, out, dtype, experts_bytes,
                    disk_bytes(weight_bytes, experts_bytes, dtype, quantize, tc.hidden_size))
     manifest = new_manifest(tc, dc, k, mask, dtype, max_context, eos, attention, vocab_record, moe_path)
+    manifest.draft_index = draft_index and manifest.selector is None  # DFlash 2's selector walks every position
     ui = Phases(progress)
     for p in stale:
         ui.console.print(f"removed {p.name}, left by an export that did not finish")
@@ -385,7 +388,8 @@ def trace_graphs(target, drafter, manifest: M.Manifest, tc, tdtype, opset: int |
     """The three graphs traced (export/trace.py), shape constants folded, initializers named and stored
     as the runtime reads them."""
     models = {g: T.trace(g, graphs.wrapper(g, target, drafter, attention, manifest.max_context,
-                                           ring=manifest.draft_ring), manifest, tdtype, opset) for g in C.GRAPHS}
+                                           ring=manifest.draft_ring, index=C.draft_index(manifest)), manifest, tdtype,
+                         opset) for g in C.GRAPHS}
     for model in models.values():
         T.fold_shape_constants(model)
         T.rename_initializers(model, tc.tie_word_embeddings)

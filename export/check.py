@@ -211,7 +211,7 @@ def cases(target, drafter, m: M.Manifest, seed: int):
     ids = lambda n: torch.randint(0, m.vocab_size, (1, n), generator=g)  # noqa: E731
     pos = lambda a, n: torch.arange(a, a + n)[None]  # noqa: E731
     ragged = C.ragged(m)
-    tg, cg, bg = (G.wrapper(g, target, drafter, C.flavour(m), m.max_context, ragged, C.ring(m))
+    tg, cg, bg = (G.wrapper(g, target, drafter, C.flavour(m), m.max_context, ragged, C.ring(m), C.draft_index(m))
                   for g in (C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK))
     with torch.inference_mode():
         _, taps, past = target(ids(P), pos(0, P), target.empty_kv())
@@ -236,6 +236,9 @@ def cases(target, drafter, m: M.Manifest, seed: int):
     yield C.DRAFT_CONTEXT, "C=1", cg, [taps[:, -1:], pos(P - 1, 1)]
     yield C.DRAFT_BLOCK, f"past_ctx=0 K={K}", bg, [block(), pos(0, K), *block_inputs(m, drafter.empty_kv(), 0)]
     yield C.DRAFT_BLOCK, f"past_ctx={P} K={K}", bg, [block(), pos(P, K), *block_inputs(m, ctx, P)]
+    if C.draft_index(m) and K > 2:  # the head over the first drafts only (a short verify's)
+        n = (K - 1) // 2
+        yield C.DRAFT_BLOCK, f"past_ctx={P} K={K} head over {n}", bg, [block(), pos(P, K), *block_inputs(m, ctx, P, n)]
 
 
 def committed_state_rows(target, m: M.Manifest, session, seed: int, strict: bool) -> list[Row]:
@@ -364,7 +367,7 @@ def run_check(
                     report.rows += compare(graph, case, names_out, got, ref, report.strict, "dequantized")
                 with torch.inference_mode():
                     ref_float = [_np(t) for t in G.wrapper(graph, target, drafter, C.flavour(m), m.max_context,
-                                                         C.ragged(m), C.ring(m))(*inputs)]
+                                                         C.ragged(m), C.ring(m), C.draft_index(m))(*inputs)]
                 report.rows += compare(graph, case, names_out, got, written_rows(feeds, names_out, ref_float), False,
                                        "float")
             saved.append((graph, case, feeds, dict(zip(names_out, ref)), dict(zip(names_out, got))))

@@ -67,12 +67,14 @@ def in_ring(m: M.Manifest, kv, p: int):
     return [(k[:, pos], v[:, pos]) for k, v in kv]
 
 
-def block_inputs(m: M.Manifest, ctx, p: int) -> list:
-    """draft_block's inputs after ids and positions for a context of p positions."""
+def block_inputs(m: M.Manifest, ctx, p: int, scored: int | None = None) -> list:
+    """draft_block's inputs after ids and positions for a context of p positions (its head over
+    the first `scored` drafts, default all, where the graph takes draft_index)."""
     ctx = in_ring(m, ctx, p)
     if not C.ragged(m):
         return _flat(ctx)
-    return [torch.full((ctx[0][0].shape[0],), p, dtype=torch.long), *_position_major(None, ctx)]
+    index = [torch.arange(scored or m.block_size - 1)] if C.draft_index(m) else []
+    return [torch.full((ctx[0][0].shape[0],), p, dtype=torch.long), *index, *_position_major(None, ctx)]
 
 
 def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, strict: bool, compare, to_numpy,
@@ -86,7 +88,8 @@ def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, stric
     K, lens, news = m.block_size, [9, 4], [m.block_size, max(1, m.block_size // 2)]
     P, S = max(lens), max(news)
     rows_ids = [torch.randint(0, m.vocab_size, (1, n + s), generator=g) for n, s in zip(lens, news)]
-    tg, bg = G.wrapper(C.TARGET, target, drafter), G.wrapper(C.DRAFT_BLOCK, target, drafter, ring=C.ring(m))
+    tg, bg = G.wrapper(C.TARGET, target, drafter), G.wrapper(C.DRAFT_BLOCK, target, drafter, ring=C.ring(m),
+                                                             index=C.draft_index(m))
     refs, pasts, ctxs = [], [], []
     with torch.inference_mode():
         for ids, n, s in zip(rows_ids, lens, news):
@@ -120,7 +123,8 @@ def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, stric
     for graph, inputs, which in (
         (C.TARGET, [ids, pos, *target_inputs(m, batch_past, P, S, lengths)], 0),
         (C.DRAFT_BLOCK, [torch.cat([r[2] for r in refs]), torch.stack([torch.arange(n, n + K) for n in lens]),
-                         lengths, *_position_major(None, batch_ctx)], 1),
+                         lengths, *([torch.arange(K - 1)] if C.draft_index(m) else []),
+                         *_position_major(None, batch_ctx)], 1),
     ):
         names_in, names_out = C.names(graph, m)
         got = sessions[graph].run(names_out, dict(zip(names_in, (_np(t) for t in inputs))))

@@ -216,6 +216,16 @@ class DraftBlockGraph(nn.Module):
                                           position_major, self.ring)
 
 
+class DraftBlockIndexGraph(DraftBlockGraph):
+    """The block graph whose head scores only the draft positions `draft_index` [n] names
+    (contract.DRAFT_INDEX; the hidden states are gathered before the head, so its MatMul is n
+    rows, not K-1)."""
+
+    def forward(self, block_ids, block_position_ids, ctx_lengths, draft_index, *past_ctx):
+        return self.drafter.block_outputs(self.shared, block_ids, block_position_ids, _pairs(past_ctx), ctx_lengths,
+                                          True, self.ring, draft_index)
+
+
 class DraftBlockGraph1(DraftBlockGraph):
     """The batch-1 block graph of exports made before ragged batches (contract.GRAPHS)."""
 
@@ -255,6 +265,8 @@ def trace_inputs(graph: str, m, dtype: torch.dtype):
             x = torch.full(size, n[C.PAST] if t.name == C.PAST_LENGTHS else n[C.PAST_CTX], dtype=torch.long)
         elif t.name == C.LOGITS_INDEX:
             x = torch.randint(0, n[C.SEQ], size)
+        elif t.name == C.DRAFT_INDEX:  # (repeats allowed: the sample size may exceed K - 1)
+            x = torch.randint(0, m.block_size - 1, size)
         elif t.name in (C.SEQLENS_K, C.TOTAL_LEN):
             x = torch.full(size, past_seq - (t.name == C.SEQLENS_K), dtype=torch.int32)
         elif t.name == C.BLOCK_IDS:
@@ -270,8 +282,9 @@ def trace_inputs(graph: str, m, dtype: torch.dtype):
 
 
 def wrapper(graph: str, target, drafter, attention: str = "standard", max_context: int = 0,
-            ragged: bool = True, ring: int | None = None) -> nn.Module:
-    """The module export traces for `graph` (`ragged=False`: older exports' batch-1 graphs, for check)."""
+            ragged: bool = True, ring: int | None = None, index: bool = False) -> nn.Module:
+    """The module export traces for `graph` (`ragged=False`: older exports' batch-1 graphs, for check;
+    `index`: draft_block takes draft_index, Manifest.draft_index)."""
     if graph == C.TARGET and attention == "ort":
         return (TargetOrtGraph if ragged else TargetOrtGraph1)(target, max_context)
     if graph == C.TARGET and hasattr(target, "kv_shapes"):  # gpt-oss / Gemma 4: ragged graphs only
@@ -279,5 +292,5 @@ def wrapper(graph: str, target, drafter, attention: str = "standard", max_contex
     if graph == C.TARGET:
         return (TargetGraph if ragged else TargetGraph1)(target)
     if graph == C.DRAFT_BLOCK:
-        return (DraftBlockGraph if ragged else DraftBlockGraph1)(drafter, target, ring)
+        return (DraftBlockIndexGraph if index else DraftBlockGraph if ragged else DraftBlockGraph1)(drafter, target, ring)
     return DraftContextGraph(drafter)

@@ -185,12 +185,15 @@ class Drafter(nn.Module):
         return y
 
     def draft_logits(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
-                     ctx_lengths: torch.Tensor | None = None, position_major: bool = False, ring: int | None = None):
+                     ctx_lengths: torch.Tensor | None = None, position_major: bool = False, ring: int | None = None,
+                     index: torch.Tensor | None = None):
         """Logits [B,K-1,V] (fp32) for the masked positions, with the target's embedding and head
         ([B,K-1,N] over the draft vocabulary when one is set). `ctx_lengths` [B]: each row's
-        valid context (a ragged batch: slot == position, so it is the row's anchor position)."""
-        return self.head(target, self.draft_hidden(target, block_ids, block_position_ids, past_ctx, ctx_lengths,
-                                                   position_major, ring))
+        valid context (a ragged batch: slot == position, so it is the row's anchor position).
+        `index` [n]: only those draft positions go through the head ([B,n,V]; the head's MatMul
+        shrinks with them, contract.DRAFT_INDEX)."""
+        hidden = self.draft_hidden(target, block_ids, block_position_ids, past_ctx, ctx_lengths, position_major, ring)
+        return self.head(target, hidden if index is None else hidden.index_select(1, index))
 
     def draft_hidden(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
                      ctx_lengths: torch.Tensor | None = None, position_major: bool = False,
@@ -224,10 +227,13 @@ class Drafter(nn.Module):
         return best if self.vocab_ids is None else self.vocab_ids[best]
 
     def block_outputs(self, target, block_ids: torch.Tensor, block_position_ids: torch.Tensor, past_ctx: KV,
-                      ctx_lengths: torch.Tensor | None = None, position_major: bool = False, ring: int | None = None):
+                      ctx_lengths: torch.Tensor | None = None, position_major: bool = False, ring: int | None = None,
+                      index: torch.Tensor | None = None):
         """What draft_block returns, in the contract's order: draft ids, logits (fp32) and
-        draft_conf (the top-1 probability per position: adaptive verify's input)."""
-        logits = self.draft_logits(target, block_ids, block_position_ids, past_ctx, ctx_lengths, position_major, ring)
+        draft_conf (the top-1 probability per position: adaptive verify's input); `index`: of
+        those draft positions only."""
+        logits = self.draft_logits(target, block_ids, block_position_ids, past_ctx, ctx_lengths, position_major, ring,
+                                   index)
         return self.draft_tokens(logits), logits, torch.softmax(logits, -1).amax(-1)
 
     # -- z-lab format -------------------------------------------------------------------

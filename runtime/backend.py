@@ -48,10 +48,11 @@ class TargetOut:
 
 @dataclass
 class Draft:
-    """What one drafter pass proposes for the K-1 masked positions of the block."""
+    """What one drafter pass proposes for the K-1 masked positions of the block (or the first n
+    of them: a head over the drafts a verify uses, contract.DRAFT_INDEX)."""
 
-    ids: np.ndarray  # [K-1] int64: the in-graph ArgMax
-    conf: np.ndarray | None = None  # [K-1] float32 top-1 probabilities (adaptive verify); None: not exported
+    ids: np.ndarray  # [K-1] (or [n]) int64: the in-graph ArgMax
+    conf: np.ndarray | None = None  # [K-1] (or [n]) float32 top-1 probabilities (adaptive verify); None: not exported
 
 
 class Backend(ABC):
@@ -162,12 +163,15 @@ class Backend(ABC):
         """
 
     @abstractmethod
-    def draft_block(self, anchor: int) -> Draft:
+    def draft_block(self, anchor: int, scored: int | None = None) -> Draft:
         """One drafter pass over [anchor, mask x (K-1)] at positions context_len .. context_len+K-1.
 
         K is the manifest's block_size (static). Attends to context slots [0, context_len)
         and the block (non-causal). Returns the Draft: ids [K-1] int64 (in-graph ArgMax) and,
         when the graph has them, their top-1 probabilities (adaptive verify). Caches nothing: the block's own K/V are never kept.
+        `scored` n (1..K-1): only the first n drafts are needed; where the graph takes
+        draft_index (contract.DRAFT_INDEX) its head scores only those and the Draft holds n,
+        else all K-1 (a caller reads the first n either way).
         """
 
     # -- several rows per call (batch-1 backends: row 0 through the methods above) ----------
@@ -188,14 +192,15 @@ class Backend(ABC):
         if n[0]:
             self.draft_context(int(n[0]))
 
-    def draft_block_rows(self, rows: list[int], anchors) -> tuple[np.ndarray, np.ndarray | None]:
-        """`draft_block` per row at its own context length: (draft ids [R, K-1], conf [R, K-1] or None)."""
+    def draft_block_rows(self, rows: list[int], anchors, scored: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """`draft_block` per row at its own context length: (draft ids [R, K-1], conf [R, K-1] or None);
+        `scored`: as draft_block's, [R, n] where the graph takes draft_index."""
         self._one_row(rows)
-        d = self.draft_block(int(anchors[0]))
+        d = self.draft_block(int(anchors[0])) if scored is None else self.draft_block(int(anchors[0]), scored)
         return d.ids[None], None if d.conf is None else d.conf[None]
 
     def draft_logits_rows(self, n: int) -> np.ndarray:
-        """The last `draft_block_rows` call's draft_logits [n, K-1, draft vocab] on the host
+        """The last `draft_block_rows` call's draft_logits [n, K-1 (or its scored), draft vocab] on the host
         (after the drafter's logit transforms): rejection sampling's q. Read only when
         `samples_drafts`."""
         raise InternalError(f"{type(self).__name__} does not return draft logits")

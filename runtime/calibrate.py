@@ -186,13 +186,15 @@ def round_costs(backend: Backend, prompt: list[int], rows: int, repeats: int = 2
     interleaved, each its 10th percentile (on a shared machine the delays other jobs add are
     what varies; the controller needs the calls' ratios); "verify"[0] is the plain step.
     "context" is one draft_context call (one position per row, kept: the caches grow by one
-    position per repeat)."""
+    position per repeat). Where draft_block takes draft_index, "draft_one" is a draft call whose
+    head scores one draft ("draft" all K-1): the head's cost is linear in the drafts it scores."""
     k = backend.manifest.block_size
     repeats = max(1, min(repeats, (backend.max_len - len(prompt) - k) // 2))
     _fill_rows(backend, prompt, rows)
     rs = list(range(rows))
     ids = np.tile(np.asarray((prompt * k)[:k], np.int64), (rows, 1))
-    times: dict = {s: [] for s in range(1, k + 1)} | {"draft": [], "context": []}
+    one = C.draft_index(backend.manifest) and k > 2
+    times: dict = {s: [] for s in range(1, k + 1)} | {"draft": [], "context": []} | ({"draft_one": []} if one else {})
     clock = time.perf_counter
     for _ in range(1 + repeats):  # the first pass warms every shape up
         for s in range(1, k + 1):
@@ -203,6 +205,10 @@ def round_costs(backend: Backend, prompt: list[int], rows: int, repeats: int = 2
         t0 = clock()
         backend.draft_block_rows(rs, ids[:, 0])
         times["draft"].append(clock() - t0)
+        if one:
+            t0 = clock()
+            backend.draft_block_rows(rs, ids[:, 0], 1)
+            times["draft_one"].append(clock() - t0)
         backend.target_rows(rs, ids[:, :1], np.ones(rows, np.int64), None)
         backend.commit_rows(rs, np.ones(rows, np.int64))
         t0 = clock()
@@ -211,7 +217,8 @@ def round_costs(backend: Backend, prompt: list[int], rows: int, repeats: int = 2
     backend.reset()
     backend.set_width(0)
     med = {key: float(np.percentile(ts[1:], 10)) * 1e3 for key, ts in times.items()}
-    return {"verify": [med[s] for s in range(1, k + 1)], "draft": med["draft"], "context": med["context"]}
+    return {"verify": [med[s] for s in range(1, k + 1)], "draft": med["draft"], "context": med["context"],
+            **({"draft_one": med["draft_one"]} if one else {})}
 
 
 def cost_model(by_rows: dict[int, dict]) -> dict:
@@ -219,7 +226,9 @@ def cost_model(by_rows: dict[int, dict]) -> dict:
     rows = sorted(by_rows)
     return {"rows": rows, "step_ms": [by_rows[r]["verify"][0] for r in rows],
             "verify_ms": [by_rows[r]["verify"] for r in rows], "draft_ms": [by_rows[r]["draft"] for r in rows],
-            "context_ms": [by_rows[r]["context"] for r in rows]}
+            "context_ms": [by_rows[r]["context"] for r in rows],
+            **({"draft_one_ms": [by_rows[r]["draft_one"] for r in rows]} if all("draft_one" in by_rows[r] for r in rows)
+               else {})}
 
 
 def fastest(ms_by: dict, margin: float = MARGIN):

@@ -67,6 +67,14 @@ the slot below the row's length); the runtime writes only committed positions in
 ring's memory does not grow with the context. A KV-sharing layer (`windowed["kv_source"]`)
 carries no cache tensors: it attends to an earlier layer's K/V inside the graph.
 
+Draft heads over the drafts used (`Manifest.draft_index`, every export since it): draft_block takes
+`draft_index` [n], the draft positions (0..K-2) whose hidden states its LM head scores, and returns
+draft_ids / draft_logits / draft_conf for those n positions only. The loop passes 0..n-1 with n + 1
+the longest verify it will run this round (decided before the draft: the controller's lengths,
+the room left), so a verify of s positions pays the head for s - 1 drafts, not K - 1: at a large
+vocabulary the head is most of a draft call. Manifests without it (older exports) score every
+draft position (`DRAFT_BLOCK_ALL`).
+
 All-sliding drafters (`Manifest.draft_ring`): the context cache is a ring, position t in slot t mod
 ring, `past_ctx` <= ring, slot positions found from `ctx_lengths` (runtime/ort/row_cache.py). DFlash 2
 drafters (`Manifest.selector`): draft_block also returns `SELECTOR_OUTPUTS`.
@@ -112,7 +120,8 @@ TOKENIZER_FILES = (
 # dynamic: sized per call (value: the smallest size a graph must take)
 BATCH, SEQ, PAST, CTX, PAST_CTX, PICKS = "batch", "seq", "past", "ctx", "past_ctx", "picks"
 WINDOW_PAST = "window_past"  # a sliding target layer's ring slots bound (<= the ring)
-DYNAMIC = {BATCH: 1, SEQ: 1, PAST: 0, CTX: 1, PAST_CTX: 0, PICKS: 1, WINDOW_PAST: 0}
+SCORED = "scored"  # the draft positions draft_block's head scores (Manifest.draft_index: 1..K-1)
+DYNAMIC = {BATCH: 1, SEQ: 1, PAST: 0, CTX: 1, PAST_CTX: 0, PICKS: 1, WINDOW_PAST: 0, SCORED: 1}
 # static: fixed by the manifest (`sizes`)
 BLOCK, DRAFTS, VOCAB, TAPS_WIDTH, MAX_CTX = "block", "drafts", "vocab", "taps_width", "max_context"
 DRAFT_VOCAB = "draft_vocab"  # the tokens draft_block scores: the vocabulary, or N (export --draft-vocab)
@@ -136,6 +145,7 @@ INPUT_IDS, POSITION_IDS, LOGITS, NEXT_IDS, TAPS = "input_ids", "position_ids", "
 CTX_POSITION_IDS = "ctx_position_ids"
 BLOCK_IDS, BLOCK_POSITION_IDS, DRAFT_IDS, DRAFT_LOGITS = "block_ids", "block_position_ids", "draft_ids", "draft_logits"
 DRAFT_CONF = "draft_conf"  # top-1 probability per draft: what adaptive verify reads
+DRAFT_INDEX = "draft_index"  # the draft positions (0..K-2) the head scores (Manifest.draft_index)
 # DFlash 2 drafters (Manifest.selector): per draft position the selector's top-k candidate ids and
 # the walk's scores [prev, cand] (row p: after the p-th candidate of the position before; position 0:
 # after the anchor, every row); draft_ids is then the greedy walk over them (docs/dflash2.md)
@@ -255,6 +265,13 @@ TARGET_ORT = Graph(
 # -- ragged batches (Manifest.ragged): the same graphs with per-row lengths and logits picks --
 PAST_KV_ROWS = _kv("past", (PAST, BATCH, *_TKV))  # position-major: all rows' prefix is one view
 PAST_CTX_KV_ROWS = _kv("past_ctx", (PAST_CTX, BATCH, *_DKV))
+_ROWS_IN = (
+    Tensor(BLOCK_IDS, (BATCH, BLOCK), INT64),
+    Tensor(BLOCK_POSITION_IDS, (BATCH, BLOCK), INT64),
+    Tensor(CTX_LENGTHS, (BATCH,), INT64),  # valid context positions of each row (== its anchor's position)
+)
+# exports before Manifest.draft_index: the head scores every draft position
+DRAFT_BLOCK_ALL = Graph("draft_block.onnx", "draft_layers", (*_ROWS_IN, *PAST_CTX_KV_ROWS), GRAPHS[DRAFT_BLOCK].outputs)
 _PICKED = (Tensor(LOGITS, (BATCH, PICKS, VOCAB), FLOAT32), Tensor(NEXT_IDS, (BATCH, PICKS), INT64))
 RAGGED: dict[str, Graph] = {
     TARGET: Graph(
@@ -273,13 +290,12 @@ RAGGED: dict[str, Graph] = {
     DRAFT_CONTEXT: GRAPHS[DRAFT_CONTEXT],  # per position: a row's padding is computed and not kept
     DRAFT_BLOCK: Graph(
         "draft_block.onnx", "draft_layers",
-        inputs=(
-            Tensor(BLOCK_IDS, (BATCH, BLOCK), INT64),
-            Tensor(BLOCK_POSITION_IDS, (BATCH, BLOCK), INT64),
-            Tensor(CTX_LENGTHS, (BATCH,), INT64),  # valid context positions of each row (== its anchor's position)
-            *PAST_CTX_KV_ROWS,
-        ),
-        outputs=GRAPHS[DRAFT_BLOCK].outputs,
+        inputs=(*_ROWS_IN,
+                Tensor(DRAFT_INDEX, (SCORED,), INT64),  # the loop's 0..n-1: n + 1 its longest verify this round
+                *PAST_CTX_KV_ROWS),
+        outputs=(Tensor(DRAFT_IDS, (BATCH, SCORED), INT64),
+                 Tensor(DRAFT_LOGITS, (BATCH, SCORED, DRAFT_VOCAB), FLOAT32),
+                 Tensor(DRAFT_CONF, (BATCH, SCORED), FLOAT32)),
     ),
 }
 TARGET_ORT_RAGGED = Graph(  # GroupQueryAttention takes per-row lengths already (seqlens_k)
@@ -340,6 +356,12 @@ def selector(m) -> dict | None:
     return getattr(m, "selector", None)
 
 
+def draft_index(m) -> bool:
+    """Whether draft_block takes `draft_index` (its head scores the drafts a verify uses); False
+    for exports made before it, and for DFlash 2 drafters (their selector walks every position)."""
+    return bool(getattr(m, "draft_index", False))
+
+
 def ring(m) -> int | None:
     """Slots of the drafter's context ring (Manifest.draft_ring); None: one slot per position."""
     return getattr(m, "draft_ring", None)
@@ -351,6 +373,8 @@ def spec(graph: str, m) -> Graph:
     if graph == TARGET and flavour(m) == "ort":
         return TARGET_ORT_RAGGED if r else TARGET_ORT
     g = (RAGGED if r else GRAPHS)[graph]
+    if graph == DRAFT_BLOCK and r and not draft_index(m):
+        g = DRAFT_BLOCK_ALL
     if graph == DRAFT_BLOCK and selector(m):
         return Graph(g.file, g.layers, g.inputs, g.outputs + SELECTOR_OUTPUTS)
     return g
@@ -382,7 +406,8 @@ def find(graph: str, name: str, m=None) -> Tensor:
     manifest: the batch-1 graphs' first, then the ragged ones'; with one, the template of that
     layer's kind)."""
     kinds = layer_kinds(graph, m) if m is not None else None
-    for g in (GRAPHS[graph], RAGGED[graph]) if m is None else (spec(graph, m),):
+    every = (GRAPHS[graph], RAGGED[graph], *((DRAFT_BLOCK_ALL,) if graph == DRAFT_BLOCK else ()))
+    for g in every if m is None else (spec(graph, m),):
         for t in (*g.inputs, *g.outputs, *(SELECTOR_OUTPUTS if graph == DRAFT_BLOCK and m is None else ())):
             prefix = t.name.split("{")[0]
             if name == t.name:

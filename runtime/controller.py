@@ -104,6 +104,10 @@ class Costs:
     draft: list[float]  # one draft_block call
     context: list[float]  # one draft_context call (a position or a few per row)
     source: str = "default"  # "calibrated" (runtime.json) or "default"
+    # a draft call whose head scores one draft (exports with contract.DRAFT_INDEX), by rows; None: a
+    # draft costs `draft` at every verify length. The head is linear in the drafts it scores, so a
+    # round verifying s positions pays draft_one + (draft - draft_one) (s - 2) / (K - 2) (`draft_ms`)
+    draft_one: list[float] | None = None
     # whether a drafted round may verify fewer than the block (`best_length`): not on the
     # uncalibrated model, which knows no verify's real cost; there a drafting row verifies the
     # whole block, as the official loop does, round for round
@@ -131,8 +135,16 @@ class Costs:
         s = max(1, min(s, len(self.verify[0])))
         return self._memo_of(("verify", r, s), lambda: self._at([v[s - 1] for v in self.verify], r))
 
+    def draft_ms(self, r: int, s: int) -> float:
+        """One draft call of r rows for a round whose longest verify is s positions (s - 1 drafts scored)."""
+        full, k = self._at(self.draft, r), len(self.verify[0])
+        if self.draft_one is None or s >= k or k <= 2:
+            return full
+        one = self._at(self.draft_one, r)
+        return one + (full - one) * (max(2, s) - 2) / (k - 2)
+
     def spec_ms(self, r: int, s: int) -> float:
-        return self._at(self.draft, r) + self.verify_ms(r, s) + self._at(self.context, r)
+        return self.draft_ms(r, s) + self.verify_ms(r, s) + self._at(self.context, r)
 
     def round_ms(self, r: int, lengths, per_row: bool = False) -> float:
         """A round of r rows whose drafting rows verify `lengths` (the others their anchor alone;
@@ -145,7 +157,7 @@ class Costs:
         if not per_row or r == 1:
             return self._memo_of(("spec", r, max(lengths)), lambda: self.spec_ms(r, max(lengths)))
         one = lambda s: max(self.verify_ms(r, max(2, s)) / r, self.verify_ms(1, s))  # noqa: E731
-        return self._memo_of(("rows", r, tuple(sorted(lengths))), lambda: self._at(self.draft, r) + self._at(
+        return self._memo_of(("rows", r, tuple(sorted(lengths))), lambda: self.draft_ms(r, max(lengths)) + self._at(
             self.context, r) + sum(map(one, lengths)) + (r - len(lengths)) * one(1))
 
     def plain_ms(self, r: int) -> float:
@@ -164,10 +176,11 @@ class Costs:
     def from_json(cls, d: dict) -> Costs:
         c = cls([int(r) for r in d["rows"]], [float(x) for x in d["step_ms"]],
                 [[float(x) for x in v] for v in d["verify_ms"]], [float(x) for x in d["draft_ms"]],
-                [float(x) for x in d["context_ms"]], "calibrated")
+                [float(x) for x in d["context_ms"]], "calibrated",
+                draft_one=[float(x) for x in d["draft_one_ms"]] if d.get("draft_one_ms") is not None else None)
         n = len(c.rows)
         if not n or c.rows != sorted(set(c.rows)) or c.rows[0] < 1 or any(
-                len(x) != n for x in (c.step, c.verify, c.draft, c.context)):
+                len(x) != n for x in (c.step, c.verify, c.draft, c.context, c.draft_one or c.draft)):
             raise ValueError("costs need one entry per measured row count (ascending)")
         if any(not v or len(v) != len(c.verify[0]) for v in c.verify) or min(c.step) <= 0:
             raise ValueError("costs need positive step times and one verify length curve per row count")

@@ -221,9 +221,10 @@ def _round(backend: Backend, rows: list[_Row], st: BatchStats, *, k: int, spec: 
     t1 = clock()
     anchors = np.array([r.anchor for r in rows], np.int64)
     spec = spec and (control is None or control.decide(rows, backend))
-    drafts, conf, drafted = _draft(backend, rows, anchors) if spec else (None, None, {})
+    longest, uses = _longest(rows, k, spec)
+    drafts, conf, drafted = _draft(backend, rows, anchors, int(longest.max()) - 1) if spec else (None, None, {})
     t2 = clock()
-    lens, uses = _verify_lengths(rows, k, spec, conf, verify)
+    lens = _verify_lengths(rows, longest, conf, verify)
     ids, res = _verify(backend, rows, anchors, drafts, lens)
     t3 = clock()
     emitted_of = [_accept(r, int(lens[b]), ids[b], res, b, drafted.get(b)) for b, r in enumerate(rows)]
@@ -246,10 +247,22 @@ def _round(backend: Backend, rows: list[_Row], st: BatchStats, *, k: int, spec: 
 # -- one round's steps: draft, choose verify lengths, verify, accept, keep the drafter's features, record ----
 
 
-def _draft(backend: Backend, rows: list[_Row], anchors: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
-    """One draft_block call for every row: (drafts, their confidences, row -> drafts sampled from q for
-    the rows that sample by rejection; those rows' drafts are replaced by the sampled ones)."""
-    drafts, conf = backend.draft_block_rows(list(range(len(rows))), anchors)
+def _longest(rows: list[_Row], k: int, spec: bool) -> tuple[np.ndarray, list[bool]]:
+    """Each row's longest verify this round, known before the draft (its anchor + drafts: at most the
+    block, the room left and the controller's cap; the verify policy may cut it after the draft),
+    and whether it verifies drafts at all."""
+    uses = [spec and bool(r.req.speculative) and (r.ctl is None or r.ctl.drafts) for r in rows]
+    longest = np.array([min(k if uses[b] else 1, r.max_length - r.start, (r.ctl.cap or k) if r.ctl is not None else k)
+                        for b, r in enumerate(rows)], np.int64)
+    return longest, uses
+
+
+def _draft(backend: Backend, rows: list[_Row], anchors: np.ndarray, scored: int) -> tuple[np.ndarray, np.ndarray, dict]:
+    """One draft_block call for every row, its head over the first `scored` drafts (the longest verify's;
+    at least one): (drafts, their confidences, row -> drafts sampled from q for the rows that sample by
+    rejection; those rows' drafts are replaced by the sampled ones). No verify reads a draft past
+    `scored`: every row verifies at most its longest, and pad_verify pads to the longest row's."""
+    drafts, conf = backend.draft_block_rows(list(range(len(rows))), anchors, max(1, scored))
     drafted = _sample_drafts(backend, rows, drafts) if any(r.ud is not None for r in rows) else {}
     if drafted:
         drafts = drafts.copy()
@@ -258,20 +271,18 @@ def _draft(backend: Backend, rows: list[_Row], anchors: np.ndarray) -> tuple[np.
     return drafts, conf, drafted
 
 
-def _verify_lengths(rows: list[_Row], k: int, spec: bool, conf: np.ndarray | None,
-                    verify: VerifyPolicy | None) -> tuple[np.ndarray, list[bool]]:
-    """Each row's verify length (its anchor + drafts: at most the block, the room left and the controller's
-    cap, fewer where the verify policy trusts fewer drafts) and whether it verifies drafts at all."""
+def _verify_lengths(rows: list[_Row], longest: np.ndarray, conf: np.ndarray | None,
+                    verify: VerifyPolicy | None) -> np.ndarray:
+    """Each row's verify length: its longest (`_longest`), fewer where the verify policy trusts fewer drafts."""
     lens = np.zeros(len(rows), np.int64)
-    uses = [spec and bool(r.req.speculative) and (r.ctl is None or r.ctl.drafts) for r in rows]
     for b, r in enumerate(rows):
-        s = min(k if uses[b] else 1, r.max_length - r.start, (r.ctl.cap or k) if r.ctl is not None else k)
+        s = int(longest[b])
         if conf is not None and r.req.speculative:
             r.gen.confidences.append(conf[b].copy())
             if verify is not None:
                 s = verify.length(conf[b], s)
         lens[b] = s
-    return lens, uses
+    return lens
 
 
 def _verify(backend: Backend, rows: list[_Row], anchors: np.ndarray, drafts: np.ndarray | None, lens: np.ndarray):

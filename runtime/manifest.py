@@ -95,6 +95,9 @@ class Manifest:
     # the graphs take ragged batches (contract.RAGGED: per-row lengths, position-major caches,
     # logits_index); False for older exports, which run batch 1 only
     ragged: bool = False
+    # draft_block takes draft_index (contract.DRAFT_INDEX: its head scores only the drafts a verify uses);
+    # False for older exports and DFlash 2 drafters, whose head scores every draft position
+    draft_index: bool = False
     # where the pair came from (sources.py): {"target": rec, "draft": rec}, rec = {"id" (a Hugging Face id or
     # None), "path" (a local directory, when no id), "revision" (asked), "commit" (resolved), "files": {weight
     # file: sha256}}; None for exports made before it was recorded

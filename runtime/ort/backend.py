@@ -222,6 +222,8 @@ class OrtBackend(Backend):
             self.block_ids = np.full((B, K), m.mask_token_id, np.int64)
             self.ctx_lengths_in = np.zeros(B, np.int64)
             self.draft_ids = np.empty((B, K - 1), np.int64)
+            self._draft_index = np.arange(K - 1, dtype=np.int64)  # draft_index: a prefix of it, 0..n-1
+            self._scored = K - 1  # drafts the last draft_block call scored
             self._draft_logits = self._alloc((B, K - 1, C.draft_vocab_size(m)), "float32")
             self._conf = np.empty((B, K - 1), np.float32)
             if C.selector(m):  # DFlash 2: candidates and walk scores (runtime/walk.py)
@@ -318,8 +320,8 @@ class OrtBackend(Backend):
     def draft_context(self, n: int) -> None:
         self.draft_context_rows([0], [n])
 
-    def draft_block(self, anchor: int) -> Draft:
-        ids, conf = self.draft_block_rows([0], [anchor])
+    def draft_block(self, anchor: int, scored: int | None = None) -> Draft:
+        ids, conf = self.draft_block_rows([0], [anchor], scored)
         return Draft(ids[0], None if conf is None else conf[0])
 
     def target_rows(self, rows, ids, counts, picks=None, want_logits=False) -> TargetOut:
@@ -499,9 +501,10 @@ class OrtBackend(Backend):
             scatter(self.ctx_all, self.ctx_new, rows, lengths, c, n)
         lengths[rows] += n
 
-    def draft_block_rows(self, rows, anchors):
+    def draft_block_rows(self, rows, anchors, scored=None):
         self._layout()
         m, g, R, B, K = self.manifest, C.DRAFT_BLOCK, len(rows), self.max_batch, self.manifest.block_size
+        n = self._scored = min(max(1, scored or K - 1), K - 1) if C.draft_index(m) else K - 1
         lengths = self.ctx_lengths
         P = min(int(lengths[rows[0]]) if R == 1 else int(lengths[rows].max()), self._ctx_len)  # a ring: every slot
         self.block_ids[:R, 0] = anchors
@@ -521,14 +524,16 @@ class OrtBackend(Backend):
         for j in range(2 * m.draft_layers):
             name = self.names.past_ctx_key[j // 2] if j % 2 == 0 else self.names.past_ctx_value[j // 2]
             self._bind(g, name, self._views["_row_ctx"][j] if gathered else self.ctx[j], batch=R, past_ctx=P)
-        self._bind(g, C.DRAFT_IDS, self.draft_ids, batch=R)
-        self._bind(g, C.DRAFT_LOGITS, self._draft_logits, batch=R)
-        self._bind(g, C.DRAFT_CONF, self._conf, batch=R)
+        if C.draft_index(m):  # the outputs are [R, n]: the first R * n elements of each buffer
+            self._bind(g, C.DRAFT_INDEX, self._draft_index, scored=n)
+        self._bind(g, C.DRAFT_IDS, self.draft_ids, batch=R, scored=n)
+        self._bind(g, C.DRAFT_LOGITS, self._draft_logits, batch=R, scored=n)
+        self._bind(g, C.DRAFT_CONF, self._conf, batch=R, scored=n)
         if C.selector(m):
             self._bind(g, C.DRAFT_CANDIDATES, self._cand, batch=R)
             self._bind(g, C.DRAFT_SCORES, self._scores, batch=R)
         self.sessions[g].run_with_iobinding(self._io[g])
-        return self.draft_ids[:R], self._conf[:R]
+        return self.draft_ids.reshape(-1)[: R * n].reshape(R, n), self._conf.reshape(-1)[: R * n].reshape(R, n)
 
     def draft_walk_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """DFlash 2: the last `draft_block_rows` call's candidates [n, K-1, k] and walk scores [n, K-1, k, k]."""
@@ -537,7 +542,8 @@ class OrtBackend(Backend):
 
     def draft_logits_rows(self, n: int) -> np.ndarray:
         x = self._draft_logits  # host memory on the CPU provider; a GPU provider's is copied here
-        return (x if isinstance(x, np.ndarray) else x.numpy())[:n]
+        x, s = (x if isinstance(x, np.ndarray) else x.numpy()), self._scored
+        return x.reshape(-1)[: n * s * x.shape[-1]].reshape(n, s, x.shape[-1])
 
     # -- plain steps between drafted rounds (runtime/controller.py) -------------------------
 

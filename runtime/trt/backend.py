@@ -128,6 +128,9 @@ class TensorRTBackend(Backend):
         has_conf = "draft_conf" in {t.name for t in m.graphs[DRAFT_BLOCK].outputs} if drafter else False
         self.d_conf = self._malloc(bk * 4) if has_conf else None  # older exports lack it
         self.h_conf = np.zeros(bk, np.float32)
+        self.d_dindex = self._malloc(self.k * 8)  # draft_index (contract.DRAFT_INDEX): a prefix of 0..K-2
+        self._h2d(self.d_dindex, np.arange(max(1, self.k - 1), dtype=np.int64))
+        self._scored = self.k - 1  # drafts the last draft_block call scored (its outputs are [R, scored])
         self.ragged = C.ragged(m)  # contract.RAGGED: per-row lengths and logits picks
         self._alloc_rows(ms)
         self._taps_n = 0
@@ -247,7 +250,15 @@ class TensorRTBackend(Backend):
         self._sync()
         self.context_len += c
 
-    def draft_block(self, anchor: int) -> Draft:
+    def _scoring(self, scored: int | None, addrs: dict) -> int:
+        """The drafts this draft_block call scores (all K-1 where the graph has no draft_index);
+        binds draft_index."""
+        if not C.draft_index(self.manifest):
+            return self.k - 1
+        addrs[C.DRAFT_INDEX] = self.d_dindex
+        return min(max(1, scored or self.k - 1), self.k - 1)
+
+    def draft_block(self, anchor: int, scored: int | None = None) -> Draft:
         N = self.names
         m, k = self.manifest, self.k
         p = self.context_len
@@ -267,12 +278,13 @@ class TensorRTBackend(Backend):
             addrs[C.CTX_LENGTHS] = self.d_clen
         for j, (kb, vb) in enumerate(self.ckv):
             addrs[N.past_ctx_key[j]], addrs[N.past_ctx_value[j]] = kb, vb
-        self.engines.run(DRAFT_BLOCK, 0, addrs, past_ctx=p)
-        self._d2h(self.h_draft[: k - 1], self.d_draft)
+        n = self._scored = self._scoring(scored, addrs)
+        self.engines.run(DRAFT_BLOCK, 0, addrs, past_ctx=p, scored=n)
+        self._d2h(self.h_draft[:n], self.d_draft)
         if self.d_conf is not None:
-            self._d2h(self.h_conf[: k - 1], self.d_conf)
+            self._d2h(self.h_conf[:n], self.d_conf)
         self._sync()
-        return Draft(self.h_draft[: k - 1], self.h_conf[: k - 1] if self.d_conf is not None else None)
+        return Draft(self.h_draft[:n], self.h_conf[:n] if self.d_conf is not None else None)
 
     # -- several rows per call (max_batch > 1) ---------------------------------------------
 
@@ -421,9 +433,9 @@ class TensorRTBackend(Backend):
         self._sync()
         lengths[rows] += n
 
-    def draft_block_rows(self, rows, anchors):
+    def draft_block_rows(self, rows, anchors, scored=None):
         if self.max_batch == 1:
-            return Backend.draft_block_rows(self, rows, anchors)
+            return Backend.draft_block_rows(self, rows, anchors, scored)
         self._layout()
         self._one_call(rows)
         N_, m, k, R = self.names, self.manifest, self.k, len(rows)
@@ -443,22 +455,24 @@ class TensorRTBackend(Backend):
         for j, (kb, vb) in enumerate(self.ckv):
             for e, (name, base) in enumerate(((N_.past_ctx_key[j], kb), (N_.past_ctx_value[j], vb))):
                 addrs[name] = self._gather(base, self.drow, rows[0], P, self.d_gather[2 * j + e]) if one else base
-        self.engines.run(C.DRAFT_BLOCK, 0, addrs, batch=R, past_ctx=P)
-        n = R * (k - 1)
+        s = self._scored = self._scoring(scored, addrs)
+        self.engines.run(C.DRAFT_BLOCK, 0, addrs, batch=R, past_ctx=P, scored=s)
+        n = R * s
         self._d2h(self.h_draft[:n], self.d_draft)
         if self.d_conf is not None:
             self._d2h(self.h_conf[:n], self.d_conf)
         self._sync()
-        conf = self.h_conf[:n].reshape(R, k - 1) if self.d_conf is not None else None
-        return self.h_draft[:n].reshape(R, k - 1), conf
+        conf = self.h_conf[:n].reshape(R, s) if self.d_conf is not None else None
+        return self.h_draft[:n].reshape(R, s), conf
 
     def draft_logits_rows(self, n: int) -> np.ndarray:
-        """The last draft_block call's draft_logits [n, K-1, V_draft], copied to the host."""
-        k = self.k
-        out = self.h_dlogits[: n * (k - 1)]
+        """The last draft_block call's draft_logits [n, its scored drafts (K-1 without draft_index), V_draft],
+        copied to the host."""
+        s = self._scored
+        out = self.h_dlogits[: n * s]
         self._d2h(out, self.d_dlogits)
         self._sync()
-        return out.reshape(n, k - 1, -1)
+        return out.reshape(n, s, -1)
 
     # -- DFlash 2: the selector's outputs --------------------------------------------------
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import contract as C
-from ..contract import BATCH, CTX, DRAFT_BLOCK, DRAFT_CONTEXT, PAST, PAST_CTX, PICKS, SEQ, TARGET
+from ..contract import BATCH, CTX, DRAFT_BLOCK, DRAFT_CONTEXT, PAST, PAST_CTX, PICKS, SCORED, SEQ, TARGET
 from ..manifest import Manifest
 from ...errors import DFlashError, InternalError
 
@@ -152,7 +152,8 @@ def profiles(limits: Limits) -> dict[str, list[Profile]]:
                     (covers chunked prefill and the 1-token steps of plain decoding)
     draft_context 0 context: ctx in [1, max(max_prompt, K)] (a prompt, or a round's a+1 <= K)
     draft_block   0 block:   past_ctx in [1, max_context - 1] (the anchor's position; K static;
-                    near the end the loop still drafts a full block and discards the overhang)
+                    near the end the loop still drafts a full block and discards the overhang),
+                    and (exports with draft_index) the drafts its head scores in [1, K - 1], opt K - 1
     opt is the middle of each range, except verify's seq (K) and ctx (K: the per-round size).
     Every profile takes batch in [1, max_batch] (opt max_batch: a full batch is the hot path;
     a joining row's prefill runs alone) and, ragged exports, `picks` (logits_index) in
@@ -171,7 +172,7 @@ def profiles(limits: Limits) -> dict[str, list[Profile]]:
             Profile("prefill", {BATCH: one, SEQ: rng(1, mp), PICKS: (1, 1, mp), PAST: rng(0, mc - 1)}),
         ],
         DRAFT_CONTEXT: [Profile("context", {BATCH: one, CTX: rng(1, cmax, min(k, cmax))})],
-        DRAFT_BLOCK: [Profile("block", {BATCH: one, PAST_CTX: rng(1, mc - 1)})],
+        DRAFT_BLOCK: [Profile("block", {BATCH: one, PAST_CTX: rng(1, mc - 1), SCORED: (1, max(1, k - 1), max(1, k - 1))})],
     }
 
 
