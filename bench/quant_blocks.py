@@ -1,18 +1,18 @@
-"""int4 block size and symmetry against error, on the one trained target the project ships (CPU).
+"""int4 / int8 block size, symmetry and head bits against error, on the one trained target the project ships (CPU).
 
 Random-weight checkpoints (the real-shape benches) say little about rounding error: their logits
 are near uniform. The demo pair's target (demo/pair, Qwen3 layout, hidden 256, 6 layers, trained
 on Python code) is a real weight distribution, and its hidden and intermediate sizes divide into
 blocks of 16 to 128. This exports it once (fp32, `--attention ort`), quantizes it at each
---blocks size, symmetric and with zero points (linear layers, LM head and lookup, as a CPU user
-would), and teacher-forces real text through each: the demo prompts followed by the float
-model's own greedy continuation (--new tokens). Against the float export, per variant and
-MatMulNBits accuracy level (0: fp32 activations, 4: int8 activations, what `auto` picks on x86):
-logits' mean absolute error, top-1 agreement, KL(float || quantized) per position, and the mean
-negative log-likelihood of the text.
+--scheme and --blocks size, symmetric and with zero points (linear layers, LM head and lookup, as
+a CPU user would; the head and lookup at each of --head-bits), and teacher-forces real text
+through each: the demo prompts followed by the float model's own greedy continuation (--new
+tokens). Against the float export, per variant and MatMulNBits accuracy level (0: fp32
+activations, 4: int8 activations, what `auto` picks on x86): logits' mean absolute error, top-1
+agreement, KL(float || quantized) per position, and the mean negative log-likelihood of the text.
 
-    python bench/quant_blocks.py [--work /tmp/dflash-quant-blocks] [--blocks 16,32,64,128] [--prompts 12]
-        [--new 64] [--json]
+    python bench/quant_blocks.py [--work /tmp/dflash-quant-blocks] [--scheme int4,int8] [--blocks 16,32,64,128]
+        [--head-bits 4,8] [--symmetric-only] [--prompts 12] [--new 64] [--json]
 
 Speed is the other half of the trade: bench/step_ms.py on exports of a real shape.
 """
@@ -43,7 +43,10 @@ def logits(backend, seq: np.ndarray) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/dflash-quant-blocks"))
+    ap.add_argument("--scheme", default="int4", help="comma-separated: int4, int8")
     ap.add_argument("--blocks", default="16,32,64,128")
+    ap.add_argument("--head-bits", default="", help="comma-separated bits of the head and lookup (default: the scheme's)")
+    ap.add_argument("--symmetric-only", action="store_true", help="no zero-point variants")
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--new", type=int, default=64, help="float greedy tokens appended to each prompt")
     ap.add_argument("--json", action="store_true")
@@ -62,13 +65,16 @@ def main() -> None:
     if not (base / "manifest.json").is_file():
         export_artifact(pair / "target", pair / "draft", base, max_context=1024, attention="ort", force=True, progress=False)
     variants = {}
-    for block in (int(b) for b in a.blocks.split(",")):
-        for symmetric in (True, False):
-            out = a.work / f"int4-b{block}{'' if symmetric else '-zp'}"
-            if not (out / "manifest.json").is_file():
-                q = QuantOptions("int4", block, symmetric, lm_head=True, embedding=True, accuracy_level=0)
-                quantize_artifact(base, out, q, force=True, progress=False)
-            variants[out.name] = (block, symmetric, out)
+    heads = [int(b) for b in a.head_bits.split(",") if b] or [None]
+    for scheme, block, head, symmetric in ((s, int(b), h, sym) for s in a.scheme.split(",") for b in a.blocks.split(",")
+                                           for h in heads for sym in ((True,) if a.symmetric_only else (True, False))):
+        q = QuantOptions(scheme, block, symmetric, lm_head=True, embedding=True, accuracy_level=0, head_bits=head)
+        out = a.work / f"{scheme}-b{block}{f'-h{q.head().bits}' if q.head() is not q else ''}{'' if symmetric else '-zp'}"
+        if out.name in variants:
+            continue
+        if not (out / "manifest.json").is_file():
+            quantize_artifact(base, out, q, force=True, progress=False)
+        variants[out.name] = (block, symmetric, out)
     tok = Tokenizer.from_file(str(pair / "target" / "tokenizer.json"))
     lines = (ROOT / "demo" / "prompts.jsonl").read_text().splitlines()
     prompts = [json.loads(ln)["prompt"] for ln in lines if ln.strip()][: a.prompts]
@@ -102,9 +108,9 @@ def main() -> None:
         print(json.dumps({"positions": int(sum(len(s) for s in seqs)), "rows": rows}))
         return
     print(f"demo target, {len(seqs)} texts, {sum(len(s) for s in seqs)} positions; fp32 NLL {rows[0]['nll']:.4f}")
-    print(f"{'variant':16s} level  logits err  top-1 agree  KL        NLL")
+    print(f"{'variant':18s} level  logits err  top-1 agree  KL        NLL")
     for r in rows[1:]:
-        print(f"{r['variant']:16s} {r['accuracy_level']:5d}  {r['logits_mean_abs_err']:10.4f}  {r['top1_agreement']:11.4f}  "
+        print(f"{r['variant']:18s} {r['accuracy_level']:5d}  {r['logits_mean_abs_err']:10.4f}  {r['top1_agreement']:11.4f}  "
               f"{r['kl']:.5f}  {r['nll']:.4f}")
 
 

@@ -2,13 +2,20 @@
 
 For each export directory given, on the same prompts (interleaved, fastest of --passes kept):
 per round, the wall ms of draft_context, draft_block and the verify call as the loop sees
-them, and the loop's host time (acceptance, bookkeeping). Then: the Python side of each call
+them, and the loop's host time (acceptance, bookkeeping); the round part by part, wall and
+this thread's CPU time (each call's session run, the Python around it, the loop's own code;
+the CPU figures leave out the time other jobs held the core). Then (unless --parts-only):
+the Python side of each call
 (binding; the graph run replaced by nothing), each call timed alone vs right after the other
 graph (cache interference), and from ORT's profiler in a separate pass the median call's
 model_run and kernel ms (their difference includes the profiler's own per-node cost).
 
     python bench/round_profile.py DIR [DIR ...] [--prompts 3] [--max-new-tokens 64] [--threads 1]
-        [--verify THETA,MIN_LEN] [--passes 5] [--spin | --no-spin]
+        [--verify THETA,MIN_LEN] [--passes 5] [--spin | --no-spin] [--head-lengths 4,8,16] [--parts-only]
+
+--head-lengths: also draft_block's ms for rounds whose longest verify is each length (its head
+scoring length - 1 drafts, where the export takes draft_index; an older export scores all K - 1
+whatever is asked), every directory and length interleaved in one loop.
 """
 
 from __future__ import annotations
@@ -55,44 +62,68 @@ def load(d: Path, threads: int, profile: bool = False, policy: VerifyPolicy | No
     return be, policy or s.verify
 
 
-def timed(be: OrtBackend) -> dict[str, list[float]]:
-    """Wrap the backend's three calls with a wall clock (seconds per call, by name)."""
-    ts: dict[str, list[float]] = {c: [] for c in CALLS}
-    for name in CALLS:  # the loop calls the rows forms (draft_block_rows, ...): wrap those
-        fn = getattr(be, f"{name}_rows")
+def timed(be: OrtBackend) -> dict[str, list[tuple[int, int]]]:
+    """Wrap the backend's three calls, and each graph's session run inside them, with the wall
+    clock and this thread's CPU clock ((wall ns, CPU ns) per call, by name; "run:" + graph for the
+    runs). At 1 thread ONNX Runtime runs every kernel on the calling thread, so CPU time is what
+    the call cost, less the time other jobs held the core; a call's Python is the call less its run."""
+    if hasattr(be, "clocks"):  # wrapped by an earlier pass
+        return be.clocks
+    ts = be.clocks = {c: [] for c in (*CALLS, *(f"run:{c}" for c in CALLS))}
+    wall, cpu = time.perf_counter_ns, time.thread_time_ns
 
-        def wrapper(*a, _fn=fn, _name=name, **k):
-            t = time.perf_counter()
-            r = _fn(*a, **k)
-            ts[_name].append(time.perf_counter() - t)
+    def clocked(fn, name):
+        def wrapper(*a, **k):
+            w, c = wall(), cpu()
+            r = fn(*a, **k)
+            ts[name].append((wall() - w, cpu() - c))
             return r
+        return wrapper
 
-        setattr(be, f"{name}_rows", wrapper)
+    for name in CALLS:  # the loop calls the rows forms (draft_block_rows, ...): wrap those
+        setattr(be, f"{name}_rows", clocked(getattr(be, f"{name}_rows"), name))
+
+    class Run:  # a session whose run is clocked
+        def __init__(self, sess, name):
+            self.run_with_iobinding = clocked(sess.run_with_iobinding, f"run:{name}")
+
+    be.sessions = {g: Run(s, g) for g, s in be.sessions.items()}
     return ts
 
 
 def decode(be: OrtBackend, verify, prompts: list[list[int]], n: int) -> dict:
-    """ms per round: each call's wall, the loop's host time; tau and rate."""
+    """ms per round: each call's wall, its session run's and its Python's (wall and CPU), the loop's
+    host time; tau and rate."""
     ts = timed(be)
-    gs, calls = [], {c: 0.0 for c in CALLS}
+    gs, calls, cpu = [], collections.Counter(), 0
     for p in prompts:
         g = Generation()
         for i, _ in enumerate(stream(be, p, n, draft=True, verify=verify, out=g)):
             if i == 0:  # prefill done: count the rounds' calls only
-                for c in CALLS:
-                    ts[c].clear()
-        for c in CALLS:
-            calls[c] += sum(ts[c])
+                for v in ts.values():
+                    v.clear()
+                c0 = time.thread_time_ns()
+        cpu += time.thread_time_ns() - c0
+        for c, v in ts.items():
+            calls[c] += sum(w for w, _ in v)
+            calls[f"{c} cpu"] += sum(u for _, u in v)
         gs.append(g)
     rounds = sum(len(g.acceptance_lengths) for g in gs)
     tokens = sum(len(g.tokens) - 1 for g in gs)
     decode_s = sum(g.decode_s for g in gs)
-    out = {f"{c}_ms": v / rounds * 1e3 for c, v in calls.items()}
+    ms = {k: v / rounds / 1e6 for k, v in calls.items()}
+    out = {f"{c}_ms": ms[c] for c in CALLS}
     out["host_ms"] = sum(g.host_s for g in gs) / rounds * 1e3
     out["round_ms"] = decode_s / rounds * 1e3
     out["tau"] = tokens / rounds
     out["verify_len"] = statistics.mean(s for g in gs for s in g.verify_lengths)
     out["tok_s"] = tokens / decode_s
+    for c in CALLS:  # the part-by-part split: graph run, and the Python binding around it
+        for k in ("", " cpu"):
+            out[f"parts{k}"] = out.get(f"parts{k}", {}) | {f"run {c}": ms[f"run:{c}{k}"],
+                                                          f"python {c}": ms[f"{c}{k}"] - ms[f"run:{c}{k}"]}
+    out["parts"]["loop host"] = out["host_ms"]
+    out["parts cpu"]["loop host"] = cpu / rounds / 1e6 - sum(ms[f"{c} cpu"] for c in CALLS)
     return out
 
 
@@ -184,6 +215,25 @@ def interference(be: OrtBackend, reps: int = 200) -> dict:
             "draft_block alone": med(block, block), "draft_block after verify6": med(verify, block)}
 
 
+def head_ms(bes: dict, lengths: list[int], reps: int = 300) -> dict:
+    """{dir: {verify length: median ms of draft_block scoring length - 1 drafts}}, interleaved."""
+    import numpy as np
+
+    for be, _ in bes.values():
+        be.reset()
+        be.target(np.arange(5, 69, dtype=np.int64))
+        be.commit(64)
+        be.draft_context(64)
+    ts = {d: {s: [] for s in lengths} for d in bes}
+    for _ in range(reps):
+        for d, (be, _) in bes.items():
+            for s in lengths:
+                t = time.perf_counter()
+                be.draft_block(5, s - 1)
+                ts[d][s].append(time.perf_counter() - t)
+    return {d: {s: statistics.median(v) * 1e3 for s, v in by.items()} for d, by in ts.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dirs", nargs="+", type=Path)
@@ -194,6 +244,8 @@ def main() -> None:
     ap.add_argument("--verify", default=None, help="THETA,MIN_LEN for every directory instead of its runtime.json")
     ap.add_argument("--spin", action=argparse.BooleanOptionalAction, default=None,
                     help="ORT's idle workers spin (default: runtime.json's, else off)")
+    ap.add_argument("--head-lengths", default=None, help="verify lengths L,... to time draft_block at (see above)")
+    ap.add_argument("--parts-only", action="store_true", help="the rounds' parts alone (no binding, interference, profiler passes)")
     a = ap.parse_args()
     from tokenizers import Tokenizer
 
@@ -211,13 +263,22 @@ def main() -> None:
             r = decode(be, verify, prompts, a.max_new_tokens)
             if d not in best or r["round_ms"] < best[d]["round_ms"]:
                 best[d] = r
-    bind = {d: binding_us(be) for d, (be, _) in bes.items()}
-    inter = {d: interference(be) for d, (be, _) in bes.items()}
-    prof = {d: kernels(d, a.threads, prompts, a.max_new_tokens, policy, a.spin) for d in a.dirs}
+    heads = head_ms(bes, [int(x) for x in a.head_lengths.split(",")]) if a.head_lengths else {}
+    extras = not a.parts_only
+    bind = {d: binding_us(be) for d, (be, _) in bes.items()} if extras else {}
+    inter = {d: interference(be) for d, (be, _) in bes.items()} if extras else {}
+    prof = {d: kernels(d, a.threads, prompts, a.max_new_tokens, policy, a.spin) for d in a.dirs} if extras else {}
     print(f"{a.threads} thread(s), spin {a.spin}, {a.prompts} prompts x {a.max_new_tokens} tokens, fastest of {a.passes} passes; "
           f"load {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}")
     for d, r in best.items():
-        print(f"{d}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()))
+        print(f"{d}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items() if not isinstance(v, dict)))
+        for k in ("parts", "parts cpu"):
+            print(f"  round, {'wall' if k == 'parts' else 'CPU'} ms: " + ", ".join(f"{p} {v:.3f}" for p, v in r[k].items())
+                  + f"; sum {sum(r[k].values()):.3f}")
+        if d in heads:
+            print("  draft_block ms by the round's longest verify: " + ", ".join(f"{s} {v:.3f}" for s, v in heads[d].items()))
+        if not extras:
+            continue
         print("  Python side per call, us: " + ", ".join(f"{k} {v:.0f}" for k, v in bind[d].items()))
         print("  call ms alone vs after the other graph: " + ", ".join(f"{k} {v:.2f}" for k, v in inter[d].items()))
         for g, p in prof[d].items():

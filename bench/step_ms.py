@@ -11,12 +11,13 @@ are system time, and varied by more than the tokens' cost). At 1 thread that fig
 load on a shared machine changes least (other jobs delay a run; they do not add to its own CPU
 time); give --tokens 32 or more, as llama-bench's own start-up still varies.
 
-    python bench/step_ms.py LABEL=DIR[,spin] [LABEL=FILE.gguf ...] [--threads 1] [--depth 64] [--tokens 12]
+    python bench/step_ms.py LABEL=DIR[,spin[=US]] [LABEL=FILE.gguf ...] [--threads 1] [--depth 64] [--tokens 12]
         [--rounds 4] [--cpus 0,1]
 
 `,spin` opens that export with ONNX Runtime's intra-op spinning on (the runtime's default is
-off). --cpus pins this process and its llama-bench children to those CPUs (taskset's effect),
-for a quiet many-core machine: e.g. --threads 2 --cpus 2,3. llama-bench is the cached build of
+off), `,spin=50` with spinning bounded to 50 microseconds (session.intra_op.spin_duration_us).
+--cpus pins this process and its llama-bench children to those CPUs (taskset's effect), for a
+quiet many-core machine: e.g. --threads 2 --cpus 2,3. llama-bench is the cached build of
 bench/llamacpp.py (never rebuilt here; run bench/vs_llamacpp.py once to build it).
 """
 
@@ -58,7 +59,9 @@ def main() -> None:
     for k, v in entries.items():
         if k not in ggufs:
             d, _, opt = v.partition(",")
-            backends[k] = open_backend(d, "ort", "cpu", threads=a.threads, drafter=False, spin=opt == "spin")
+            spin, _, us = opt.partition("=")
+            backends[k] = open_backend(d, "ort", "cpu", threads=a.threads, drafter=False, spin=spin == "spin",
+                                       spin_us=int(us) if us else None)
     vocab = min([b.manifest.vocab_size for b in backends.values()] or [32000])
     prompt = np.random.default_rng(0).integers(0, vocab, a.depth).tolist()
     for b in backends.values():  # warm-up: shapes, pages

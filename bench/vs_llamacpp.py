@@ -25,7 +25,7 @@ accuracy level measured per artifact, or --accuracy-level), as llama.cpp's quant
 
     python bench/vs_llamacpp.py [--model demo,qwen3-0.6b,qwen3-1.7b:8] [--threads 1,2] [--formats fp32,int8,int4]
         [--max-new-tokens 64] [--depth 64] [--repeats 2] [--accuracy-level auto|0|4] [--quant-block-size N]
-        [--attention standard|ort] [--spin] [--cpus 2,3] [--ours int4=DIR] [--json]
+        [--attention standard|ort] [--spin [--spin-us 50]] [--cpus 2,3] [--ours int4=DIR] [--json]
 
 The last line of stdout is the JSON list of rows: {model, format, llama_format, threads, mode,
 ours_tok_s, llama_tok_s, ratio (ours / llama.cpp), ...}; above it the table (or with --json one
@@ -197,8 +197,8 @@ from dflash_export.runtime.calibrate import prefill_ms
 from dflash_export.runtime.load import open_backend
 from dflash_export.runtime.loop import generate
 out, threads, depth, n, prefill = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-verify, spin = int(sys.argv[6]), sys.argv[7] == "spin"
-b = open_backend(out, "ort", "cpu", threads=threads, drafter=False, spin=spin)
+verify, spin, spin_us = int(sys.argv[6]), sys.argv[7] != "no-spin", int(sys.argv[7][5:] or 0) or None
+b = open_backend(out, "ort", "cpu", threads=threads, drafter=False, spin=spin, spin_us=spin_us)
 rng = np.random.default_rng(0)
 prompt = rng.integers(0, b.manifest.vocab_size, depth).tolist()
 generate(b, prompt, 4, draft=False, stop_token_ids=())  # warm-up: shapes, pages
@@ -226,8 +226,9 @@ print(json.dumps(res))
 
 
 def ours_probe(out: Path, threads: int, depth: int, n: int, prefill: int = PREFILL_TOKENS, verify: int = 0,
-               spin: bool = False) -> dict:
-    r = run([sys.executable, "-c", OURS_PROBE, out, threads, depth, n, prefill, verify, "spin" if spin else "no-spin"])
+               spin: bool = False, spin_us: int | None = None) -> dict:
+    how = f"spin {spin_us or ''}" if spin else "no-spin"  # "spin 50": spinning bounded to 50 us
+    r = run([sys.executable, "-c", OURS_PROBE, out, threads, depth, n, prefill, verify, how])
     return json.loads(r.out.strip().splitlines()[-1]) | {"rss_mb": r.rss_mb}
 
 
@@ -297,7 +298,8 @@ def compare_moe(src: Path, bins: Path, name: str, layers: int, a) -> list[dict]:
             tg, pv, ours = [], [], []
             for _ in range(a.repeats):  # interleaved: a load spike hits one round of both
                 tg.append(llama_bench(bins, gguf, t, n=a.max_new_tokens, depth=a.depth))
-                ours.append(ours_probe(out, t, a.depth, a.max_new_tokens, prefill=0, verify=VERIFY_TOKENS, spin=a.spin))
+                ours.append(ours_probe(out, t, a.depth, a.max_new_tokens, prefill=0, verify=VERIFY_TOKENS, spin=a.spin,
+                                       spin_us=a.spin_us))
                 pv.append(llama_bench(bins, gguf, t, prompt=VERIFY_TOKENS, depth=a.depth, reps=10))
             best_pv, best_ver = max(pv, key=lambda r: r["tok_s"]), min(ours, key=lambda r: r["verify_ms"])
             b = base | {"threads": t, "ours_rss_mb": max(r["rss_mb"] for r in ours),
@@ -354,7 +356,7 @@ def compare_shape(src: Path, bins: Path, name: str, layers: int, a) -> list[dict
             tg, pp, ours = [], [], []
             for _ in range(a.repeats):  # interleaved: a load spike hits one round of both
                 tg.append(llama_bench(bins, gguf, t, n=a.max_new_tokens, depth=a.depth))
-                ours.append(ours_probe(out, t, a.depth, a.max_new_tokens, spin=a.spin))
+                ours.append(ours_probe(out, t, a.depth, a.max_new_tokens, spin=a.spin, spin_us=a.spin_us))
                 pp.append(llama_bench(bins, gguf, t, prompt=PREFILL_TOKENS))
             best_pp, best_pre = max(pp, key=lambda r: r["tok_s"]), min(ours, key=lambda r: r["prefill_ms"])
             b = base | {"threads": t, "ours_rss_mb": max(r["rss_mb"] for r in ours),
@@ -440,6 +442,9 @@ def main() -> None:
     ap.add_argument("--spin", action="store_true",
                     help="shapes: ours with ONNX Runtime's intra-op spinning on (`--spin`; off by default, as on a "
                          "shared machine it slows every call; llama.cpp's threads spin by default)")
+    ap.add_argument("--spin-us", type=int, default=None,
+                    help="shapes: with --spin, idle workers spin at most this many microseconds, then block "
+                         "(ONNX Runtime's session.intra_op.spin_duration_us) [default: no bound]")
     ap.add_argument("--cpus", default=None,
                     help="comma-separated CPU ids both engines are pinned to (as taskset; children inherit it), for "
                          "a quiet many-core machine: e.g. --threads 1,2 --cpus 2,3")
@@ -469,7 +474,7 @@ def main() -> None:
             "depth": a.depth, "repeats": a.repeats, "threads": a.threads, "cpu_count": os.cpu_count(),
             "cpu": cpu_name(), "machine": platform.machine(), "attention": a.attention, "block_size": a.block_size,
             "calibrated": a.calibrate, "accuracy_level": a.accuracy_level, "quant_block_size": a.quant_block_size,
-            "spin": a.spin, "cpus": a.cpus, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "spin": a.spin, "spin_us": a.spin_us, "cpus": a.cpus, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
     gl = goals(rows)
     if a.json:

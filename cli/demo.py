@@ -140,7 +140,8 @@ def decode(console, art: Path, texts: list[str], max_new_tokens: int, cfg, candi
     speculative (with `cfg`'s threads and verify policy) and plain (at every candidate thread
     count: the best is the fair baseline), and return the bench report (runtime/measure.py)."""
     tok = Tokenizer.from_file(str(art / "tokenizer.json"))
-    backends = {t: open_backend(art, "ort", "cpu", threads=t, spin=cfg.spin) for t in sorted(set(candidates) | {cfg.threads})}
+    backends = {t: open_backend(art, "ort", "cpu", threads=t, spin=cfg.spin, spin_us=cfg.spin_us)
+                for t in sorted(set(candidates) | {cfg.threads})}
     backend = backends[cfg.threads]
     if set(cfg.graph_threads.values()) - {cfg.threads}:  # the calibrated per-graph counts
         backend = open_backend(art, "ort", "cpu", **cfg.ort_kwargs())

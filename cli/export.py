@@ -31,7 +31,7 @@ def quant_options(f):
                      help="Weight-only quantization of the target's linear layers: int4 or int8 (ONNX Runtime MatMulNBits)."),
         click.option("--quant-block-size", type=int, default=None,
                      help="Weights per quantization block (along the input dimension); a power of two >= 16 "
-                          "[default: int4 128, int8 32; MoE targets 32; smaller where the hidden size needs it]."),
+                          "[default: 128; MoE targets 32; smaller where the hidden size needs it]."),
         click.option("--quant-asymmetric", is_flag=True, help="Asymmetric quantization (zero points); symmetric by default."),
         click.option("--quantize-draft", is_flag=True, help="Also quantize the drafter's linear layers."),
         click.option("--draft-only", is_flag=True,
@@ -42,6 +42,9 @@ def quant_options(f):
         click.option("--quantize-embedding", is_flag=True,
                      help="Also quantize the embedding lookup (GatherBlockQuantized; tied embeddings: with --quantize-lm-head, "
                           "one copy of the table serves both)."),
+        click.option("--quant-head-bits", type=click.Choice(["4", "8"]), default=None,
+                     help="Bits of the quantized LM head and embedding lookup: 8 beside int4 layers keeps the "
+                          "vocabulary table, most of int4's error on a small model, at int8 [default: --quantize's]."),
         click.option("--quant-accuracy-level", type=click.Choice(["auto", "0", "1", "2", "3", "4"]), default=None,
                      help="MatMulNBits accuracy_level: 0 = fp32 activations, 4 = int8 activations (faster on CPU, more "
                           "error); auto measures both on the artifact (speed and logits vs float) [default: auto]."),
@@ -50,15 +53,16 @@ def quant_options(f):
     return f
 
 
-def quant_request(quantize, block_size, asymmetric, draft, draft_only, lm_head, embedding, accuracy_level):
+def quant_request(quantize, block_size, asymmetric, draft, draft_only, lm_head, embedding, head_bits, accuracy_level):
     """The QuantOptions asked for, or None; the sub-options alone are a mistake."""
     if quantize is not None:
         level = None if accuracy_level in (None, "auto") else int(accuracy_level)
-        q = export_quantize.QuantOptions(quantize, block_size, not asymmetric, draft, lm_head, level, embedding)
+        q = export_quantize.QuantOptions(quantize, block_size, not asymmetric, draft, lm_head, level, embedding,
+                                         head_bits=int(head_bits) if head_bits else None)
         return export_quantize.draft_only(q) if draft_only else q
-    if draft or lm_head or embedding or asymmetric or accuracy_level is not None or draft_only:
-        raise DFlashError("--quantize-draft, --draft-only, --quantize-lm-head, --quantize-embedding, --quant-asymmetric "
-                          "and --quant-accuracy-level need --quantize int4|int8")
+    if draft or lm_head or embedding or asymmetric or accuracy_level is not None or draft_only or head_bits:
+        raise DFlashError("--quantize-draft, --draft-only, --quantize-lm-head, --quantize-embedding, --quant-asymmetric, "
+                          "--quant-head-bits and --quant-accuracy-level need --quantize int4|int8")
     return None
 
 
@@ -94,7 +98,7 @@ def quant_request(quantize, block_size, asymmetric, draft, draft_only, lm_head, 
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, block_size, max_context, mask_token_id, opset,
            attention, quantize, quant_block_size, quant_asymmetric, quantize_draft, draft_only, quantize_lm_head, quantize_embedding,
-           quant_accuracy_level, draft_vocab, draft_vocab_data, moe, force, no_room_check, quiet):
+           quant_head_bits, quant_accuracy_level, draft_vocab, draft_vocab_data, moe, force, no_room_check, quiet):
     """Trace a target and its DFlash drafter to ONNX: target.onnx, draft_context.onnx,
     draft_block.onnx, their external weights (weights several graphs hold stored once, in
     shared.data), the tokenizer files and manifest.json with the sha256 of every file and
@@ -117,7 +121,7 @@ def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, bloc
       dflash-export export --target Qwen3-30B-A3B --draft d --out art --moe standard   # TensorRT
     """
     q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, draft_only, quantize_lm_head, quantize_embedding,
-                      quant_accuracy_level)
+                      quant_head_bits, quant_accuracy_level)
     target_dir = sources.resolve(target_dir, revision, "target")
     draft_dir = sources.resolve(draft_dir, draft_revision, "drafter")
     export_artifact.export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
@@ -133,7 +137,7 @@ def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, bloc
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory (only once quantization succeeded).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantize_draft, draft_only, quantize_lm_head, quantize_embedding,
-             quant_accuracy_level, force, quiet):
+             quant_head_bits, quant_accuracy_level, force, quiet):
     """Quantize the weights of an exported directory SRC (fp32 or fp16) into --out, without
     re-tracing: what `export --quantize` does after its float export (docs/quantization.md).
 
@@ -142,9 +146,10 @@ def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantiz
       dflash-export quantize art --out art-int4 --quantize int4
       dflash-export quantize art --out art-int8 --quantize int8 --quantize-draft --quantize-lm-head
       dflash-export quantize art --out art-d8 --quantize int8 --draft-only   # the target stays float
+      dflash-export quantize art --out art-4h8 --quantize int4 --quantize-lm-head --quantize-embedding --quant-head-bits 8
     """
     q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, draft_only, quantize_lm_head, quantize_embedding,
-                      quant_accuracy_level)
+                      quant_head_bits, quant_accuracy_level)
     if q is None:
         raise DFlashError("quantize needs --quantize int4|int8")
     export_quantize.quantize_artifact(src, out_dir, q, force=force, progress=not quiet)

@@ -100,7 +100,7 @@ def runtime_choices(out: Path, block: int) -> dict:
     for k, s in entries.items():
         costs = Costs.from_json(s.costs) if s.costs else default_costs(block)
         policy = auto_policy(costs, block)
-        choices[k] = {"threads": s.threads, "spin": s.spin, "verify": S.policy_json(s.verify), "costs": costs.source,
+        choices[k] = {"threads": s.threads, "spin": s.spin, "spin_us": s.spin_us if s.spin else None, "verify": S.policy_json(s.verify), "costs": costs.source,
                       "auto_policy": policy, "auto": describe_auto(policy, costs.source)}
     return choices
 
@@ -134,7 +134,9 @@ def moe_line(e: dict, q: dict | None) -> str:
 def quant_line(q: dict) -> str:
     """A manifest's `quantization` record in a line: what is quantized, how, and what stayed float."""
     if q.get("target", True):
-        what = ["target linear layers"] + [w for key, w in (("lm_head", "LM head"), ("embedding", "embedding lookup"),
+        hb = q.get("head_bits")
+        at = f" ({hb}-bit)" if hb and hb != q.get("bits") else ""  # --quant-head-bits: the vocabulary table's own bits
+        what = ["target linear layers"] + [w for key, w in (("lm_head", f"LM head{at}"), ("embedding", f"embedding lookup{at}"),
                                                             ("draft", "drafter linear layers")) if q.get(key)]
     else:
         what = ["drafter's graphs and its own LM head (the target stays as exported)"]
@@ -227,7 +229,7 @@ def print_info(d: dict, out: Path) -> None:
         click.echo(f"runtime  {runtime['error']}")
     for key, r in runtime.items() if "error" not in runtime else ():
         verify = S.describe_policy(None if r["verify"] == "full" else S.VerifyPolicy(**r["verify"]))
-        spin = ", workers spin" if r["spin"] else ""
+        spin = (f", workers spin up to {r['spin_us']} us" if r.get("spin_us") else ", workers spin") if r["spin"] else ""
         click.echo(f"runtime  {key}: threads {r['threads'] or 'default'}{spin}, verify {verify}; {r['auto']}")
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from .batch import bench_batch, check_batch_value, echo_bench_batch, generate_many
 from .options import device_options, sampling_options, resolve_speculation, speculation_option
 from ..runtime.controller import auto_policy, controller_for, describe_auto, rounds_of
-from ..runtime.calibrate import calibrate, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
+from ..runtime.calibrate import calibrate, describe_spin, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
 from ..errors import DFlashError
 from ..runtime.load import open_artifact, open_backend, settings_for
 from ..runtime.loop import Generation
@@ -274,7 +274,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
               "auto_policy": auto_policy(control.costs, m.block_size) if control else None,
               **summarize(*runs[key], m.block_size, temperature)}
     report.update(max_new_tokens=n, prompt_source=source, threads=cfg.threads, graph_threads=cfg.graph_threads or None,
-                  spin=cfg.spin, verify=policy_json(cfg.verify), draft_vocab=(m.draft_vocab or {}).get("size"),
+                  spin=cfg.spin, spin_us=cfg.spin_us if cfg.spin else None, verify=policy_json(cfg.verify), draft_vocab=(m.draft_vocab or {}).get("size"),
                   prefill_chunk=min(main.max_chunk, cfg.prefill_chunk or main.max_chunk))
     if sweep:
         by = {t: {"speculative": rate(sp), "autoregressive": rate(ba)} for t, (sp, ba) in runs.items() if t != "graphs"}
@@ -328,7 +328,7 @@ def echo_bench(r: dict, source: str, vocab_size: int, temperature: float) -> Non
     t = r["tokens_per_second"]
     per_graph = f" (per graph {r['graph_threads']})" if set((r["graph_threads"] or {}).values()) - {r["threads"]} else ""
     click.echo(f"prompts: {source}; {r['max_new_tokens']} new tokens each; {r['provider']}; threads {r['threads']}"
-               f"{per_graph}, spin {'on' if r['spin'] else 'off'}, verify {r['verify']}")
+               f"{per_graph}, spin {describe_spin(r['spin'], r.get('spin_us'))}, verify {r['verify']}")
     if r.get("draft_vocab"):
         click.echo(f"draft vocabulary: {r['draft_vocab']} of {vocab_size} tokens")
     click.echo(f"tau {r['tau']:.2f}{f' at temperature {temperature}' if temperature else ''}, mean verify length {r['mean_verify_len']:.2f}  histogram {r['acceptance_histogram']}")

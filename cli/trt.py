@@ -45,7 +45,7 @@ def build(out: Path, precision, max_context, max_prompt, max_batch, timing_cache
     \b
     target        profile 0 verify (seq 1..block size), profile 1 prefill (seq 1..max prompt)
     draft_context profile over the new-context length
-    draft_block   block fixed at K, profile over the past-context length
+    draft_block   block fixed at K, profile over the past-context length and the drafts its head scores
     Engines are strongly typed (the export's dtype decides precision) and run only with the
     same TensorRT version on the same GPU architecture.
     """

@@ -14,10 +14,10 @@ two read the same bytes of shared.data.
 MatMulNBits' accuracy_level (0: fp32 activations; 4: activations quantized to int8 per block,
 int8 dot products) is chosen per artifact by measurement (export/accuracy_level.py) unless given.
 
-The block size, unless given, is DEFAULT_BLOCK[scheme] (`default_block_size`): int4 blocks of 128
+The block size, unless given, is DEFAULT_BLOCK[scheme] (`default_block_size`): blocks of 128
 (the common int4 group size, ONNX Runtime's quantizer's own default), measured on CPU at the
-Qwen3-0.6B shape to cost about 60 % of block 32's CPU time per token at a modestly larger
-error (docs/quantization.md, "Block size"); int8 and the experts of MoE targets keep 32.
+Qwen3-0.6B shape to cost about 60 % (int4) and 65 % (int8) of block 32's CPU time per token at
+a modestly larger error (docs/quantization.md, "Block size"); the experts of MoE targets keep 32.
 
 The graphs then need ONNX Runtime (CPU, CUDA and DirectML providers have MatMulNBits);
 TensorRT's parser does not take it (export/trt_lint.py refuses such graphs).
@@ -58,7 +58,7 @@ torch = lazy_import("torch")
 moe = lazy_import("dflash_export.export.moe")
 
 SCHEMES = {"int4": 4, "int8": 8}
-DEFAULT_BLOCK = {"int4": 128, "int8": 32}  # weights per block when --quant-block-size is not given
+DEFAULT_BLOCK = {"int4": 128, "int8": 128}  # weights per block when --quant-block-size is not given
 MOE_BLOCK = 32  # MoE targets: QMoE needs every expert width to divide into blocks (gpt-oss: 2880)
 DRAFT_ONLY_LEVEL = 4  # --draft-only's level: the output cannot change, and level 0 is int8's slow path on CPU
 ROUTERS = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")  # MoE routing weights: kept in the export dtype
@@ -76,10 +76,17 @@ class QuantOptions:
     accuracy_level: int | None = None  # MatMulNBits' compute type on CPU (None: measured, export/accuracy_level.py)
     embedding: bool = False  # also the embedding lookup (GatherBlockQuantized)
     target: bool = True  # False (--draft-only): the drafter's graphs alone, their LM head included; target.onnx untouched
+    head_bits: int | None = None  # bits of the LM head and the lookup (None: the scheme's): 8 beside int4 layers
 
     @property
     def bits(self) -> int:
         return SCHEMES[self.scheme]
+
+    def head(self) -> "QuantOptions":
+        """The options the LM head and the embedding lookup are quantized with (--quant-head-bits)."""
+        if self.head_bits is None or self.head_bits == self.bits:
+            return self
+        return dataclasses.replace(self, scheme=next(k for k, b in SCHEMES.items() if b == self.head_bits))
 
     def graphs(self) -> tuple[str, ...]:
         """Graphs whose linear layers are quantized (the shared LM head goes with `lm_head`)."""
@@ -111,6 +118,11 @@ def check_options(q: QuantOptions, dtype: str) -> None:
         raise DFlashError(f"--quant-block-size {q.block_size}: MatMulNBits takes a power of two >= 16 (e.g. 32, 64, 128)")
     if q.accuracy_level not in (None, 0, 1, 2, 3, 4):
         raise DFlashError(f"--quant-accuracy-level {q.accuracy_level}: MatMulNBits takes 0-4")
+    if q.head_bits is not None and q.head_bits not in SCHEMES.values():
+        raise DFlashError(f"--quant-head-bits {q.head_bits}: choose 4 or 8")
+    if q.head_bits is not None and not (q.lm_head or q.embedding):
+        raise DFlashError("--quant-head-bits needs --quantize-lm-head or --quantize-embedding (the head and lookup are "
+                          "otherwise left in the export dtype)")
     if not q.target and q.embedding:
         raise DFlashError("--draft-only with --quantize-embedding: the lookup table is the target's; "
                           "--draft-only quantizes the drafter's linear layers and LM head alone")
@@ -145,11 +157,31 @@ def quantize_graph(model, q: QuantOptions, graph: str):
     linear = [n for n in model.graph if n.op_type == "MatMul" and len(n.inputs) == 2 and n.inputs[1] is not None
               and n.inputs[1].name in inits and inits[n.inputs[1].name].const_value is not None]
     chosen = {n.inputs[1].name for n in linear if q.quantizes(graph, n.inputs[1].name)}
-    exclude = [n.name for n in linear if n.inputs[1].name not in chosen]
     aside = set_aside(model, keep=chosen)
     ir.external_data.load_to_model(model)  # the quantizer reads weights as arrays from the proto
-    proto = ir.serde.serialize_model(model)
+    out = ir.serde.serialize_model(model)
     del model
+    head = {C.SHARED_INITIALIZERS[1]}  # at its own bits (--quant-head-bits): a pass of its own
+    passes = [(q, chosen)] if q.head() is q else [(q, chosen - head), (q.head(), chosen & head)]
+    for opts, names in passes:
+        if names:
+            out = _run_quantizer(out, opts, [n.name for n in linear if n.inputs[1].name not in names])
+    quantized = sorted(chosen)
+    done = [n for n in out.graph.node if n.op_type == "MatMulNBits"]
+    if len(done) != len(quantized):
+        raise DFlashError(f"ONNX Runtime's quantizer converted {len(done)} of {len(quantized)} linear layers; "
+                          "re-export without --quantize")
+    if graph == C.TARGET:  # an MoE export's experts (--moe op): com.microsoft::MoE -> QMoE
+        quantized += moe.to_qmoe(out, q.bits, q.block_size, q.symmetric)
+    model = ir.serde.deserialize_model(out)
+    del out
+    stream.put_back(model, aside, q.bits, q.block_size, q.symmetric)
+    return model, quantized
+
+
+def _run_quantizer(proto, q: QuantOptions, exclude: list[str]):
+    """ONNX Runtime's MatMulNBitsQuantizer over a model proto, every MatMul but `exclude` (by node
+    name) -> the quantized proto; its progress logging kept off stdout."""
     quantizer = nbits.MatMulNBitsQuantizer(proto, bits=q.bits, block_size=q.block_size, is_symmetric=q.symmetric,
                                            accuracy_level=q.accuracy_level, nodes_to_exclude=exclude)
     logger = logging.getLogger("onnxruntime.quantization")
@@ -160,18 +192,7 @@ def quantize_graph(model, q: QuantOptions, graph: str):
             quantizer.process()
     finally:
         logger.setLevel(level)
-    out = quantizer.model.model
-    quantized = sorted(chosen)
-    done = [n for n in out.graph.node if n.op_type == "MatMulNBits"]
-    if len(done) != len(quantized):
-        raise DFlashError(f"ONNX Runtime's quantizer converted {len(done)} of {len(quantized)} linear layers; "
-                          "re-export without --quantize")
-    if graph == C.TARGET:  # an MoE export's experts (--moe op): com.microsoft::MoE -> QMoE
-        quantized += moe.to_qmoe(out, q.bits, q.block_size, q.symmetric)
-    model = ir.serde.deserialize_model(out)
-    del proto, out, quantizer
-    stream.put_back(model, aside, q.bits, q.block_size, q.symmetric)
-    return model, quantized
+    return quantizer.model.model
 
 
 def set_aside(model, keep: set[str]) -> dict:
@@ -284,6 +305,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
     try:
         extra = " + LM head" if q.lm_head else ""
         extra += " + embedding" if q.embedding else ""
+        extra += f" (at {q.head().bits} bits)" if extra and q.head() is not q else ""
         with ui.phase("quantize", f"{q.scheme}, block {q.block_size}, {'symmetric' if q.symmetric else 'asymmetric'}: "
                                   f"{', '.join(q.graphs())}{extra} (onnxruntime)"):
             models, tied = {}, False
@@ -303,7 +325,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
                     model, quantized[name] = quantize_graph(model, q, name)
                     if not quantized[name]:
                         raise DFlashError(f"{f} has no linear layer with a constant weight to quantize")
-                if q.embedding and quantize_embedding(model, q):
+                if q.embedding and quantize_embedding(model, q.head()):
                     quantized.setdefault(name, []).append(embed)
                 models[name] = model
             # shared: the embedding, and what several graphs hold with the same bytes (a quantized
@@ -346,7 +368,7 @@ def aliases(target, q: QuantOptions, tied: bool) -> dict[str, str]:
         return {head: embed}
     inits = target.graph.initializers
     out = {}
-    for suffix in (f"_Q{q.bits}", "_scales", "_zero_points"):
+    for suffix in (f"_Q{q.head().bits}", "_scales", "_zero_points"):
         a, b = inits.get(embed + suffix), inits.get(head + suffix)
         if a is not None and b is not None and np.array_equal(a.const_value.numpy().ravel(), b.const_value.numpy().ravel()):
             out[a.name] = b.name

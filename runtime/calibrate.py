@@ -8,7 +8,8 @@
   cost is flat in its length (a GPU) the full block stays.
 - `step_ms_by_context`: a 1-token step after a prefix of each given length.
 - `choose_count`: the thread count of the speculative loop (fewer unless more pay).
-- `choose_spin`: whether ONNX Runtime's idle workers spin, per thread count (only where it pays).
+- `choose_spin`: whether ONNX Runtime's idle workers spin, and for how long (SPIN_US), per thread
+  count (only where it pays).
 - `graph_ms` / `choose_threads`: each graph's call of a speculative round at every thread
   count (interleaved), and the count each graph runs fastest with (target and drafter differ
   at real sizes).
@@ -244,19 +245,35 @@ def choose_count(rates: dict[int, float]) -> int:
     return fastest({t: 1 / max(r, 1e-12) for t, r in rates.items()}, THREAD_MARGIN)
 
 
-def choose_spin(rates: dict[tuple[int, bool], float]) -> dict[int, bool]:
-    """{thread count: spin} from the speculative tokens/s at each (count, spin): spinning where
-    it is THREAD_MARGIN faster than not. A quiet machine's idle workers wake in tens of us
-    while a spinning one answers at once, and a small model's call has tens of parallel ops;
-    on a shared machine a spinning worker holds a vCPU another job needs and is preempted
-    mid-call (measured ~4x slower there: docs/results.md), so only a measurement can decide."""
-    return {t: fastest({s: 1 / max(r, 1e-12) for (u, s), r in rates.items() if u == t}, THREAD_MARGIN)
-            for t in sorted({t for t, _ in rates})}
+SPIN_US = (50, 1000)  # bounded spinning tried by the calibration: microseconds an idle worker spins, then blocks
+SPIN_MODES = ((False, None), (True, None)) + tuple((True, us) for us in SPIN_US)  # (spin, spin_us): blocking first
 
 
-def spin_label(threads: int, spin: bool) -> str:
-    """How runtime.json's `measured` and the log name a (thread count, spin) run: "2", "2 spin"."""
-    return f"{threads} spin" if spin else str(threads)
+def choose_spin(rates: dict[tuple, float]) -> dict[int, tuple[bool, int | None]]:
+    """{thread count: (spin, spin_us)} from the speculative tokens/s at each (count, spin, spin_us)
+    (spin_us None: ORT's own spinning, unbounded in time): the first of blocking, bounded
+    spinning (shortest first) and full spinning within THREAD_MARGIN of the fastest. A quiet
+    machine's idle workers wake in tens of us while a spinning one answers at once, and a
+    small model's call has tens of parallel ops; on a shared machine a spinning worker holds
+    a vCPU another job needs and is preempted mid-call (measured ~4x slower there:
+    docs/results.md), and a bounded spin gives it back sooner: only a measurement can decide."""
+    out = {}
+    for t in sorted({k[0] for k in rates}):
+        mine = {k[1:]: r for k, r in rates.items() if k[0] == t}
+        best = max(mine.values())
+        order = sorted(mine, key=lambda m: (m[0], m[1] is None, m[1] or 0))  # less spinning first
+        out[t] = next(m for m in order if 1 / max(mine[m], 1e-12) <= (1 + THREAD_MARGIN) / max(best, 1e-12))
+    return out
+
+
+def spin_label(threads: int, spin: bool, spin_us: int | None = None) -> str:
+    """How runtime.json's `measured` and the log name a (thread count, spin, bound) run: "2", "2 spin", "2 spin 50us"."""
+    return f"{threads} spin {spin_us}us" if spin and spin_us else f"{threads} spin" if spin else str(threads)
+
+
+def describe_spin(spin: bool, spin_us: int | None) -> str:
+    """Spinning for people: "off", "on", "on, up to 50 us"."""
+    return f"on, up to {spin_us} us" if spin and spin_us else "on" if spin else "off"
 
 
 def choose_threads(ms_by_threads: dict[int, dict[str, float]]) -> dict[str, int]:
@@ -304,38 +321,38 @@ def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bo
     Threads: the speculative loop (full block) at each candidate count, interleaved, gives
     the count of every graph; then each graph's own call at each count gives the per-graph
     counts (`graph_threads`). Spinning (`spin` None, ONNX Runtime on CPU): every count above
-    one runs with idle workers spinning and blocking, in the same interleaved pass
-    (`choose_spin`). Prefill chunk: the time to first token of a 512-token prompt
-    per chunk. Policy: the full-block rounds at the best count (drafter confidences and
+    one runs with idle workers blocking, spinning for each of SPIN_US microseconds and
+    spinning without bound, in the same interleaved pass (`choose_spin`). Prefill chunk: the
+    time to first token of a 512-token prompt per chunk. Policy: the full-block rounds at the best count (drafter confidences and
     acceptance lengths) replayed against this machine's measured verify cost per length
     (the measurements above).
     """
     both = spin is None and backend == "ort" and provider == "cpu"
-    labels = [(t, s) for t in candidates for s in ((False, True) if both and t > 1 else (bool(spin),))]
+    labels = [(t, *m) for t in candidates for m in (SPIN_MODES if both and t > 1 else ((bool(spin), None),))]
 
-    def open_(t, s):
+    def open_(t, s, us):
         if backend == "trt":
             return open_backend(out, "trt")
-        return open_backend(out, "ort", provider, threads=t, spin=s, max_chunk=max(CHUNKS))
+        return open_backend(out, "ort", provider, threads=t, spin=s, spin_us=us, max_chunk=max(CHUNKS))
 
     every = {label: open_(*label) for label in labels}
     try:
         runs = measure_many(every, prompts, max_new_tokens, warmup)
         by_label = {label: rate(spec) for label, (spec, _) in runs.items()}
         spins = choose_spin(by_label)
-        rates = {t: by_label[t, s] for t, s in spins.items()}
+        rates = {t: by_label[(t, *m)] for t, m in spins.items()}
         best = choose_count(rates)
         many = [t for t in rates if t > 1]  # the spin a run with --threads N > 1 gets: the best count's, else
-        spin = spins[best] if best > 1 or not many else spins[max(many, key=rates.get)]  # the fastest N's
-        backends = {t: every[t, s] for t, s in spins.items()}
-        for label in set(every) - set(spins.items()):
+        spin, spin_us = spins[best] if best > 1 or not many else spins[max(many, key=rates.get)]  # the fastest N's
+        backends = {t: every[(t, *m)] for t, m in spins.items()}
+        for label in set(every) - {(t, *m) for t, m in spins.items()}:
             every.pop(label).close()
-        be, spec = backends[best], runs[best, spins[best]][0]
+        be, spec = backends[best], runs[(best, *spins[best])][0]
         if C.DRAFT_CONF not in {t.name for t in be.manifest.graphs[C.DRAFT_BLOCK].outputs}:
             raise DFlashError(f"{out}: draft_block has no draft_conf output (exported by an older version); "
                               "re-export to calibrate adaptive verify")
         log(f"threads: speculative tok/s by count {', '.join(f'{spin_label(*k)}: {r:.0f}' for k, r in by_label.items())}"
-            f" -> {best}, spin {'on' if spin else 'off'}")
+            f" -> {best}, spin {describe_spin(spin, spin_us)}")
         by_graph = graph_ms_by(backends, prompts[0]) if backend == "ort" else {}
         graph_threads = choose_threads(by_graph) if len(by_graph) > 1 else {}
         if graph_threads:
@@ -355,7 +372,7 @@ def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bo
         wide = [r for r in COST_ROWS if r > 1]
         if backend == "ort" and provider == "cpu" and be.manifest.ragged and wide:  # rows > 1: ragged exports on CPU
             many = open_backend(out, "ort", provider, threads=best, graph_threads=graph_threads, spin=spin,
-                                max_chunk=max(CHUNKS), max_batch=max(wide))
+                                spin_us=spin_us, max_chunk=max(CHUNKS), max_batch=max(wide))
             try:
                 by_rows |= {r: round_costs(many, prompts[0], r) for r in wide}
             finally:
@@ -367,16 +384,18 @@ def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bo
     log(f"verify ms by length 1..{len(costs)}: {', '.join(f'{c:.2f}' for c in costs)}; draft {draft_ms:.2f} ms")
     log(f"policy: {policy_json(policy)}")
     log("round costs (ms) by rows: " + "; ".join(
-        f"{r}: step {c['verify'][0]:.2f}, verify {c['verify'][-1]:.2f}, draft {c['draft']:.2f}, context {c['context']:.2f}"
+        f"{r}: step {c['verify'][0]:.2f}, verify {c['verify'][-1]:.2f}, draft {c['draft']:.2f}"
+        + (f" (head over one draft {c['draft_one']:.2f})" if "draft_one" in c else "") + f", context {c['context']:.2f}"
         for r, c in by_rows.items()))
     measured = {"speculative_tokens_per_second_by_threads": {spin_label(*k): r for k, r in by_label.items()},
                 "graph_ms_by_threads": {str(t): ms for t, ms in by_graph.items()},
                 "prefill_ms_by_chunk": {str(c): ms for c, ms in chunks.items()},
                 "verify_ms_by_length": costs, "draft_ms": draft_ms, "rounds": len(rounds),
                 "replay": table, "cpu_count": os.cpu_count()}
-    settings = Settings(threads=best if backend == "ort" else None, spin=spin, verify=policy, measured=measured,
-                        graph_threads=graph_threads, prefill_chunk=chunk, costs=round_model)
+    settings = Settings(threads=best if backend == "ort" else None, spin=spin, spin_us=spin_us if spin else None,
+                        verify=policy, measured=measured, graph_threads=graph_threads, prefill_chunk=chunk,
+                        costs=round_model)
     path = save_settings(out, device_key(backend, provider), settings)
-    return {"runtime_json": str(path), "threads": settings.threads, "spin": spin, "graph_threads": graph_threads,
-            "prefill_chunk": chunk, "verify": policy_json(policy), "verify_ms_by_length": costs, "draft_ms": draft_ms,
+    return {"runtime_json": str(path), "threads": settings.threads, "spin": spin, "spin_us": settings.spin_us,
+            "graph_threads": graph_threads, "prefill_chunk": chunk, "verify": policy_json(policy), "verify_ms_by_length": costs, "draft_ms": draft_ms,
             "costs": round_model}

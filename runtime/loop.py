@@ -325,8 +325,8 @@ def _keep_features(backend: Backend, rows: list[_Row], produced: np.ndarray, spe
     """The drafter's context for the next round: the features of what each continuing speculative row kept
     (a plain round: the controller keeps them for its next drafted round)."""
     if spec:
-        more = np.array([0 if r.done or not r.req.speculative else produced[b] for b, r in enumerate(rows)], np.int64)
-        if more.any():
+        more = [0 if r.done or not r.req.speculative else int(produced[b]) for b, r in enumerate(rows)]
+        if any(more):
             backend.draft_context_rows(list(range(len(rows))), more)
     elif control is not None:
         control.plain_step(backend, rows, produced)

@@ -172,9 +172,12 @@ def choose(logits: np.ndarray, u: np.ndarray | None, s: Sampling = GREEDY) -> np
 
 
 def accept(draft: np.ndarray, choice: np.ndarray) -> int:
-    """Length of the longest prefix where the drafts equal the target's choices."""
-    mismatch = np.nonzero(np.asarray(draft) != np.asarray(choice)[: len(draft)])[0]
-    return int(mismatch[0]) if len(mismatch) else len(draft)
+    """Length of the longest prefix where the drafts equal the target's choices (a plain loop: the
+    loop's lists are a block long, where numpy's calls cost more than the comparisons)."""
+    a, n = 0, min(len(draft), len(choice))
+    while a < n and draft[a] == choice[a]:
+        a += 1
+    return a
 
 
 def check_request(prompt: list[int], max_new_tokens: int, vocab_size: int, max_context: int | None = None,

@@ -56,7 +56,7 @@ def pad_verify(lens: np.ndarray, room) -> int:
     was let verify up to S (at most room[b] positions): the padding of a shorter row is computed
     anyway, so verifying drafts there is free and can only accept more. Lossless; room 0 for
     rows whose output depends on their verify length (rejection sampling) and plain rows."""
-    S = int(lens.max())
+    S = int(max(lens))  # a batch's few rows: the builtin is several times numpy's reduction
     for b, r in enumerate(room):
         if r > 0:
             lens[b] = max(lens[b], min(S, r))
@@ -79,6 +79,9 @@ def describe_policy(policy: VerifyPolicy | None) -> str:
 class Settings:
     threads: int | None = None  # intra-op threads of every graph (None: default_threads)
     spin: bool = False  # ORT intra-op spinning (on costs ~2x on shared vCPUs)
+    # while spinning, how long an idle worker spins before it blocks (ORT's session.intra_op.spin_duration_us);
+    # None: ORT's own spinning, unbounded in time. Bounded, a worker preempted on a shared vCPU gives it back sooner
+    spin_us: int | None = None
     verify: VerifyPolicy | None = None  # None: the whole block
     measured: dict = field(default_factory=dict)  # what the calibration saw, for the record
     # per graph counts over `threads` ({"target": 2, "draft_block": 1, ...}): the target is
@@ -92,7 +95,7 @@ class Settings:
     def ort_kwargs(self) -> dict:
         """What OrtBackend takes of these settings."""
         return {"threads": self.threads, "graph_threads": dict(self.graph_threads), "spin": self.spin,
-                "max_chunk": self.prefill_chunk or DEFAULT_CHUNK}
+                "spin_us": self.spin_us, "max_chunk": self.prefill_chunk or DEFAULT_CHUNK}
 
 
 def device_key(backend: str, provider: str = "cpu") -> str:
@@ -125,7 +128,7 @@ def load_settings(root: str | Path, key: str) -> Settings:
         return Settings()
     try:
         v = entry.get("verify")
-        s = Settings(threads=entry.get("threads"), spin=bool(entry.get("spin", False)),
+        s = Settings(threads=entry.get("threads"), spin=bool(entry.get("spin", False)), spin_us=entry.get("spin_us"),
                      verify=VerifyPolicy(float(v["theta"]), int(v["min_len"])) if v else None,
                      measured=entry.get("measured", {}), graph_threads=dict(entry.get("graph_threads") or {}),
                      prefill_chunk=entry.get("prefill_chunk"), costs=dict(entry.get("costs") or {}))
@@ -133,7 +136,7 @@ def load_settings(root: str | Path, key: str) -> Settings:
             Costs.from_json(s.costs)  # checked here: a bad file is one line at load, not an error mid-run
     except (TypeError, KeyError, ValueError, AttributeError) as e:
         raise DFlashError(f"{Path(root) / RUNTIME}: malformed entry {key!r} ({e}); rerun `dflash-export bench --calibrate`") from None
-    counts = {"threads": s.threads, "prefill_chunk": s.prefill_chunk, **{f"graph_threads.{g}": n for g, n in s.graph_threads.items()}}
+    counts = {"threads": s.threads, "prefill_chunk": s.prefill_chunk, "spin_us": s.spin_us, **{f"graph_threads.{g}": n for g, n in s.graph_threads.items()}}
     for what, n in counts.items():
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise DFlashError(f"{Path(root) / RUNTIME}: {what} must be a positive integer (got {n!r}); "
@@ -169,6 +172,7 @@ def resolve(root: str | Path, manifest: Manifest, key: str, *, threads: int | No
     return Settings(
         threads=threads or s.threads or default_threads(manifest),
         spin=s.spin if spin is None else spin,
+        spin_us=s.spin_us,  # the calibrated bound, also under an explicit --spin
         verify=s.verify if verify == "auto" else None,
         measured=s.measured,
         graph_threads={} if threads else s.graph_threads,

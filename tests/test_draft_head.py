@@ -24,6 +24,7 @@ from dflash_export.runtime.calibrate import cost_model, round_costs
 from dflash_export.runtime.controller import Controller, Costs, RowControl, default_costs
 from dflash_export.runtime.loop import Request, generate, generate_batch
 from dflash_export.runtime.ort.backend import OrtBackend
+from dflash_export.runtime.sampling import Sampling
 
 PAIRS = ("qwen3", "qwen2", "llama")  # block 8 (biased), 16 (biased, sliding drafter layer), 4 (tied)
 
@@ -53,6 +54,32 @@ def spy(be):
 
     be.draft_block_rows = draft_block_rows
     return be
+
+
+def full_head(be):
+    """The backend with every draft call scoring all K-1 drafts, whatever the loop asks."""
+    call = be.draft_block_rows
+    be.draft_block_rows = lambda rows, anchors, scored=None: call(rows, anchors)
+    return be
+
+
+def sampled_short(make, n: int = 3) -> None:
+    """Sampled rows (rejection sampling against the draft logits) under random short verifies: the
+    same tokens with the head over the drafts used as with every draft scored (q read from the
+    [rows, n, V] logits), batch 1 and 3."""
+    be, ref = make(), full_head(make())
+    V, K = be.manifest.vocab_size, be.manifest.block_size
+    reqs = [Request(p, 24, Sampling(0.9, seed=i), stop_token_ids=()) for i, p in enumerate(prompts(n, V, seed=9))]
+    assert be.samples_drafts
+    for i, q in enumerate(reqs):
+        kw = dict(sampling=q.sampling, stop_token_ids=())
+        assert generate(be, q.prompt, 24, control=Short(K, i), **kw).tokens == \
+            generate(ref, q.prompt, 24, control=Short(K, i), **kw).tokens
+    assert min(be.scored) < K - 1
+    be3, ref3 = make(max_batch=3), full_head(make(max_batch=3))
+    got = [g.tokens for g in generate_batch(be3, reqs, control=Short(K, 7))[0]]
+    assert got == [g.tokens for g in generate_batch(ref3, reqs, control=Short(K, 7))[0]]
+    assert min(be3.scored) < K - 1
 
 
 def _spy(out, **kw):
@@ -136,6 +163,33 @@ def test_short_verifies_score_fewer_drafts_and_stay_lossless(name):
     verified = lossless_short(_spy(out), _spy(out, max_batch=3), 21)
     K = CASES[name].block
     assert sum(v < K for v in verified) > len(verified) // 2  # mostly short verifies: the head shrank
+
+
+@pytest.mark.filterwarnings("ignore:Context managers for TensorRT types are deprecated")
+def test_sampled_rows_read_the_scored_logits():
+    _, _, out = artifact(CASES["qwen3"])
+    sampled_short(lambda **kw: _spy(out, **kw))
+
+
+def test_draft_only_quantized_head_scores_the_drafts_used(tmp_path):
+    """quantize --draft-only: the drafter's own head copy (MatMulNBits) reads the gathered hidden
+    states, and short verifies stay lossless (batch 1 and 3) and sample as with every draft scored."""
+    import onnx
+    from click.testing import CliRunner
+
+    from dflash_export.cli import cli
+
+    _, _, src = artifact(CASES["qwen3"])
+    out = tmp_path / "q"
+    r = CliRunner().invoke(cli, ["quantize", str(src), "--out", str(out), "--quantize", "int4", "--draft-only", "--quiet"])
+    assert r.exit_code == 0, r.output
+    g = onnx.load(out / "draft_block.onnx", load_external_data=False).graph
+    assert C.DRAFT_INDEX in [i.name for i in g.input]
+    made = {o: n for n in g.node for o in n.output}
+    head = [n for n in g.node if n.op_type == "MatMulNBits" and any("lm_head" in i for i in n.input)]
+    assert head and made[head[0].input[0]].op_type == "Gather"  # the head sees the picked positions only
+    lossless_short(_spy(out), _spy(out, max_batch=3), 41)
+    sampled_short(lambda **kw: _spy(out, **kw), n=2)
 
 
 @pytest.mark.filterwarnings("ignore:Context managers for TensorRT types are deprecated")

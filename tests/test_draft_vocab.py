@@ -293,3 +293,15 @@ def test_room_estimate_counts_safetensors_headers(exported):
     target = Target.from_pretrained(exported / "t")
     params = {id(p): p.numel() for p in target.parameters()}
     assert checkpoint_elements(exported / "t") == sum(params.values())
+
+
+def test_short_verifies_on_the_reduced_head(exported):
+    """The reduced head (the graph's own [N, H]) scores only the drafts a verify uses: random short
+    verifies stay lossless (batch 1 and 3) and rejection sampling over the N tokens draws as with
+    every draft scored (tests/test_draft_head.py)."""
+    from test_draft_head import _spy, lossless_short, sampled_short
+
+    out = exported / "out"
+    assert C.draft_index(OrtBackend(out).manifest)
+    lossless_short(_spy(out), _spy(out, max_batch=3), 51)
+    sampled_short(lambda **kw: _spy(out, **kw), n=2)

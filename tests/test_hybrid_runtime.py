@@ -84,9 +84,9 @@ class ForcedDrafts:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def draft_block_rows(self, rows, anchors):  # the loop's call (runtime/backend.py: rows; here row 0)
+    def draft_block_rows(self, rows, anchors, scored=None):  # the loop's call (runtime/backend.py: rows; here row 0)
         k, p = self.inner.manifest.block_size, self.inner.context_len  # p: the anchor's position
-        _, conf = self.inner.draft_block_rows(rows, anchors)
+        _, conf = self.inner.draft_block_rows(rows, anchors, scored)
         drafts = np.array((self.seq[p + 1 : p + k] + [0] * k)[: k - 1], np.int64)
         if self.j < k - 1:
             drafts[self.j] = (drafts[self.j] + 1) % self.inner.manifest.vocab_size

@@ -120,6 +120,10 @@ def test_info_reports_the_calibrated_policy(out, tmp_path):
     r = CliRunner().invoke(cli, ["info", str(art), "--no-verify"])
     assert "threads 2, workers spin" in next(x for x in r.output.splitlines() if x.startswith("runtime  ort:cpu"))
     d = json.loads(CliRunner().invoke(cli, ["info", str(art), "--json", "--no-verify"]).output)
-    assert d["runtime"]["ort:cpu"]["spin"] is True
+    assert d["runtime"]["ort:cpu"]["spin"] is True and d["runtime"]["ort:cpu"]["spin_us"] is None
+    save_settings(art, "ort:cpu", Settings(threads=2, spin=True, spin_us=50, verify=VerifyPolicy(0.1, 2), costs=moe))
+    r = CliRunner().invoke(cli, ["info", str(art), "--no-verify"])
+    assert "threads 2, workers spin up to 50 us" in next(x for x in r.output.splitlines() if x.startswith("runtime  ort:cpu"))
+    assert json.loads(CliRunner().invoke(cli, ["info", str(art), "--json", "--no-verify"]).output)["runtime"]["ort:cpu"]["spin_us"] == 50
     policy = d["runtime"]["ort:cpu"]["auto_policy"][0]
     assert policy["longest_paying"] is None and policy["break_even"]["2"] > 2

@@ -24,13 +24,14 @@ from dflash_export.runtime.names import names_of
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
 
-# (case, options): int4 target+drafter; tied Llama with int8 everywhere incl. the LM head and the
-# lookup (one packed table read by both); Qwen2 int4 asymmetric, block 16, target + LM head + its
+# (case, options): int4 target+drafter; tied Llama with int4 layers and an int8 LM head and
+# lookup (--quant-head-bits 8; one packed table read by both); Qwen2 int4 asymmetric, block 16, target + LM head + its
 # own lookup table; an unbiased Qwen3, block 16, int8 asymmetric block 64 everywhere but the lookup.
 # Accuracy level 0 (fp32 activations): the dequantized parity is then held to fp32 tolerances.
 PLANS = {
     "qwen3": QuantOptions("int4", 32, True, draft=True, accuracy_level=0),
-    "llama": QuantOptions("int8", 32, True, draft=True, lm_head=True, accuracy_level=0, embedding=True),
+    # int4 layers, the tied head and its lookup at 8 bits (--quant-head-bits 8)
+    "llama": QuantOptions("int4", 32, True, draft=True, lm_head=True, accuracy_level=0, embedding=True, head_bits=8),
     "qwen2": QuantOptions("int4", 16, False, lm_head=True, accuracy_level=0, embedding=True),
     "qwen3-b16": QuantOptions("int8", 64, False, draft=True, lm_head=True, accuracy_level=0),
 }
@@ -48,11 +49,12 @@ def made(tmp_path_factory):
             q = PLANS[name]
             tdir, ddir, src = artifact(CASES[name])
             out = tmp_path_factory.mktemp("quant") / name
-            if name == "qwen2":  # through the CLI once
+            if name in ("qwen2", "llama"):  # through the CLI
+                flags = {"--quant-asymmetric": not q.symmetric, "--quantize-draft": q.draft, "--quantize-lm-head": q.lm_head,
+                         "--quantize-embedding": q.embedding}
                 args = ["quantize", str(src), "--out", str(out), "--quantize", q.scheme, "--quant-block-size",
-                        str(q.block_size), "--quant-asymmetric", "--quantize-lm-head", "--quantize-embedding",
-                        "--quant-accuracy-level", "0", "--quiet"]
-                r = CliRunner().invoke(cli, args)
+                        str(q.block_size), *(f for f, on in flags.items() if on), "--quant-accuracy-level", "0", "--quiet"]
+                r = CliRunner().invoke(cli, args + (["--quant-head-bits", str(q.head_bits)] if q.head_bits else []))
                 assert r.exit_code == 0, r.output
             else:
                 quantize_artifact(src, out, q, progress=False)
@@ -90,6 +92,9 @@ def test_manifest_records_the_quantization(quantized):
     rec = m.quantization
     assert (rec["scheme"], rec["bits"], rec["block_size"], rec["symmetric"]) == (q.scheme, q.bits, q.block_size, q.symmetric)
     assert (rec["draft"], rec["lm_head"], rec["embedding"]) == (q.draft, q.lm_head, q.embedding) and "MatMulNBits" in rec["method"]
+    assert rec["head_bits"] == q.head_bits
+    line = next(x for x in CliRunner().invoke(cli, ["info", str(out), "--no-verify"]).output.splitlines() if x.startswith("quant"))
+    assert ("LM head (8-bit)" in line and "embedding lookup (8-bit)" in line) == (q.head_bits == 8), line
     assert (rec["accuracy_level"], rec["accuracy_level_from"]) == (0, "flag")
     assert sorted(rec["weights"]) == sorted(set(q.graphs()) | ({C.DRAFT_BLOCK} if q.lm_head or q.embedding else set()))
     for g in C.GRAPH_FILES:
@@ -105,7 +110,10 @@ def test_manifest_records_the_quantization(quantized):
         nbits = [n for n in qm.graph.node if n.op_type == "MatMulNBits"]
         gathers = [n for n in qm.graph.node if n.op_type == "GatherBlockQuantized"]
         assert len(nbits) == len(expect) and all(n.domain == "com.microsoft" for n in nbits + gathers)
-        assert len(gathers) == lookup and {a.i for n in nbits + gathers for a in n.attribute if a.name == "bits"} <= {q.bits}
+        bits = {n.input[0] if n.op_type == "GatherBlockQuantized" else n.input[1]: a.i
+                for n in nbits + gathers for a in n.attribute if a.name == "bits"}
+        assert len(gathers) == lookup  # the head and the lookup at --quant-head-bits, the layers at the scheme's
+        assert all(b == (q.head().bits if w.startswith(C.SHARED_INITIALIZERS) else q.bits) for w, b in bits.items()), bits
         assert {a.i for n in nbits for a in n.attribute if a.name == "accuracy_level"} == ({0} if nbits else set())
         quant_ops = (("com.microsoft", "MatMulNBits"), ("com.microsoft", "GatherBlockQuantized"))
         assert not lint(qm, quant_ops)  # the export lint allows exactly these ops
@@ -134,11 +142,12 @@ def test_shared_tensors_stay_one_copy(quantized):
     heads = [n for n in m.shared if n.startswith(head)]
     tables = [n for n in m.shared if n.startswith(embed)]
     assert (embed in m.shared) != q.embedding and (head in m.shared) != q.lm_head
+    hb = q.head().bits
     if q.lm_head:
-        assert f"{head}_Q{q.bits}" in heads
+        assert f"{head}_Q{hb}" in heads
     if q.embedding:
-        table, packed = m.shared[f"{embed}_Q{q.bits}"], m.shared.get(f"{head}_Q{q.bits}")
-        assert table.shape == [m.vocab_size, m.hidden_size * q.bits // 8]
+        table, packed = m.shared[f"{embed}_Q{hb}"], m.shared.get(f"{head}_Q{hb}")
+        assert table.shape == [m.vocab_size, m.hidden_size * hb // 8]
         # tied (llama): the lookup reads the quantized head's bytes, in its own shape; untied: its own
         assert (table.offset == packed.offset and table.shape != packed.shape) == (name == "llama")
     for n in [*tables, *heads]:
@@ -261,9 +270,10 @@ def test_accuracy_level_is_measured_and_recorded(made, tmp_path):
 
 @pytest.mark.parametrize("scheme,hidden,moe,block", [("int4", 1024, False, 128), ("int4", 896, False, 128),
                                                      ("int4", 64, False, 64), ("int4", 48, False, 16),
-                                                     ("int8", 1024, False, 32), ("int4", 2880, True, 32)])
+                                                     ("int8", 1024, False, 128), ("int8", 96, False, 32),
+                                                     ("int4", 2880, True, 32), ("int8", 2880, True, 32)])
 def test_default_block_size(scheme, hidden, moe, block):
-    """int4: blocks of 128 unless the hidden size needs smaller ones; int8 and MoE experts: 32."""
+    """int4 and int8: blocks of 128 unless the hidden size needs smaller ones; MoE experts: 32."""
     assert default_block_size(scheme, hidden, moe) == block
 
 
@@ -352,6 +362,8 @@ def one_line_error(r, *words):
     (["--quantize", "int4", "--dtype", "bf16"], ["bf16", "fp32 or fp16"]),
     (["--quantize", "int4", "--quant-block-size", "24"], ["24", "power of two"]),
     (["--quantize-draft"], ["need --quantize"]),
+    (["--quant-head-bits", "8"], ["need --quantize"]),
+    (["--quantize", "int4", "--quant-head-bits", "8"], ["--quant-head-bits", "--quantize-lm-head"]),
 ])
 def test_bad_export_options_are_one_line_errors(tmp_path, args, words):
     tdir, ddir, _ = artifact(CASES["qwen3"])
@@ -376,9 +388,9 @@ def test_requantizing_and_tensorrt_builds_are_refused(made, tmp_path, monkeypatc
 
 
 def test_quantized_logits_are_close_to_float(made):
-    """int8 (block 32) logits stay within a few percent of the float graph's: the weights
-    really are the float weights, rounded."""
-    *_, src, out = made("llama")
+    """int8 (block 64, zero points) logits stay within a few percent of the float graph's: the
+    weights really are the float weights, rounded."""
+    *_, src, out = made("qwen3-b16")
     ids = np.array([[3, 14, 15, 9, 26, 5]], np.int64)
     feeds = {"input_ids": ids, "position_ids": np.arange(6)[None], "past_lengths": np.zeros(1, np.int64),
              "logits_index": np.arange(6)[None]}
@@ -392,7 +404,7 @@ def test_quantized_logits_are_close_to_float(made):
     ref = ort_session(src / "target.onnx").run(["logits"], feeds)[0]
     got = ort_session(out / "target.onnx").run(["logits"], feeds)[0]
     err = np.abs(got - ref).max() / np.abs(ref).max()
-    assert 0 < err < 0.05, err  # int8, block 32
+    assert 0 < err < 0.05, err  # int8, block 64
 
 
 def test_a_killed_quantize_leaves_nothing_after_the_next_run(tmp_path):

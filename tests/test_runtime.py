@@ -171,6 +171,41 @@ def test_time_split_attributes_each_call(backend):
     assert g.tokens_per_second == pytest.approx((len(g.tokens) - 1) / g.decode_s)
 
 
+def test_unchanged_bindings_are_not_bound_again(pair, backend):
+    """On the CPU provider a round binds again only the tensors whose pointer or shape moved
+    (positions, cache prefixes), and decodes what binding every tensor every call decodes,
+    through verify lengths that vary round by round (the adaptive policy) and prompts of every length."""
+    from dflash_export.runtime.settings import VerifyPolicy
+
+    class Counting(dict):
+        sets: list = []  # the tensors actually bound, by name
+
+        def __setitem__(self, key, value):
+            Counting.sets.append(key[1])
+            super().__setitem__(key, value)
+
+    every = OrtBackend(pair[2])
+    every._bound = None  # the reference: every tensor bound at every call
+    backend._bound, backend.trace = Counting(), []
+    try:
+        for prompt in prompts(6, backend.manifest.vocab_size, seed=21):
+            for verify in (None, VerifyPolicy(0.3, 2)):
+                g, ref = generate(backend, prompt, 40, verify=verify), generate(every, prompt, 40, verify=verify)
+                assert (g.tokens, g.verify_lengths) == (ref.tokens, ref.verify_lengths)
+        Counting.sets, backend.trace = [], []
+        g = generate(backend, prompt, 40)  # the same shapes again: the outputs stay bound
+        calls = [name for name, _, _ in backend.trace]
+        assert len(g.acceptance_lengths) > 3
+        for name in (C.DRAFT_IDS, C.DRAFT_CONF, C.BLOCK_IDS, C.NEXT_IDS):  # bound again only where the shape moved
+            shapes = [shape for n, _, shape in backend.trace if n == name]
+            moved = sum(a != b for a, b in zip(shapes, shapes[1:])) + 1
+            assert Counting.sets.count(name) <= moved < len(shapes) / 2, (name, shapes)
+        assert 0 < len(Counting.sets) < len(calls)
+    finally:
+        backend._bound, backend.trace = {}, None
+        every.close()
+
+
 def test_caches_are_bound_in_place_never_copied(pair, backend):
     """Every past_* input is the buffer's own start, every new_* output the slot after the
     valid prefix; buffers keep their addresses; host allocations per round stay tiny."""

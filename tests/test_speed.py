@@ -25,7 +25,7 @@ from dflash_export.cli import cli
 from dflash_export.models import Target, autoregressive_generate
 from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.backend import Backend, Draft, TargetOut
-from dflash_export.runtime.calibrate import choose_count, choose_policy, choose_spin, replay
+from dflash_export.runtime.calibrate import SPIN_MODES, SPIN_US, choose_count, choose_policy, choose_spin, replay, spin_label
 from dflash_export.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
@@ -66,28 +66,37 @@ def test_thread_count_needs_a_margin_to_grow():
 
 def test_spinning_is_chosen_per_count_where_it_pays():
     # a quiet machine: spinning workers answer at once; a shared one: they are preempted mid-call
-    rates = {(1, False): 300.0, (2, False): 280.0, (2, True): 520.0, (4, False): 200.0, (4, True): 205.0}
-    assert choose_spin(rates) == {1: False, 2: True, 4: False}  # 4: within the margin, off
-    assert choose_spin({(2, False): 745.0, (2, True): 168.0}) == {2: False}
-    assert choose_spin({(1, True): 10.0}) == {1: True}  # --spin given: the one state measured
+    off, full, b50, b1000 = (False, None), (True, None), (True, 50), (True, 1000)
+    rates = {(1, *off): 300.0, (2, *off): 280.0, (2, *full): 520.0, (4, *off): 200.0, (4, *full): 205.0}
+    assert choose_spin(rates) == {1: off, 2: full, 4: off}  # 4: within the margin, off
+    assert choose_spin({(2, *off): 745.0, (2, *full): 168.0}) == {2: off}
+    assert choose_spin({(1, *full): 10.0}) == {1: full}  # --spin given: the one state measured
+    # bounded spinning: chosen where it pays; a draw goes to less spinning (shorter bound, then bounded over full)
+    assert choose_spin({(2, *off): 680.0, (2, *full): 86.0, (2, *b50): 900.0, (2, *b1000): 700.0}) == {2: b50}
+    assert choose_spin({(2, *off): 300.0, (2, *full): 520.0, (2, *b50): 400.0, (2, *b1000): 515.0}) == {2: b1000}
+    assert choose_spin({(2, *off): 300.0, (2, *full): 520.0, (2, *b50): 400.0, (2, *b1000): 450.0}) == {2: full}
+    assert choose_spin({(2, *off): 500.0, (2, *full): 520.0, (2, *b50): 521.0, (2, *b1000): 522.0}) == {2: off}
 
 
 def test_spinning_stops_between_calls():
     """Each graph has its own session and thread pool: with --spin, the pools stop spinning when
-    their call returns, so they do not take the vCPUs the next graph's call needs."""
+    their call returns, so they do not take the vCPUs the next graph's call needs; a bounded spin
+    (runtime.json's spin_us) reaches every session's options."""
     path = artifact(CASES["qwen3"])[2]
-    for spin in (False, True):
-        be = OrtBackend(path, threads=2, spin=spin)
+    keys = ("session.intra_op.allow_spinning", "session.force_spinning_stop", "session.intra_op.spin_duration_us")
+    for spin, us in ((False, None), (True, None), (True, 50), (False, 50)):
+        be = OrtBackend(path, threads=2, spin=spin, spin_us=us)
         for s in be.sessions.values():
             o = s.get_session_options()
             entries = {}
-            for k in ("session.intra_op.allow_spinning", "session.force_spinning_stop"):
+            for k in keys:
                 try:
                     entries[k] = o.get_session_config_entry(k)
                 except RuntimeError:  # not set
                     pass
             assert entries.get("session.intra_op.allow_spinning") == ("1" if spin else "0")
             assert (entries.get("session.force_spinning_stop") == "1") == spin
+            assert entries.get("session.intra_op.spin_duration_us") == ("50" if spin and us else None)
 
 
 # -- the ORT loop: greedy and sampled outputs do not depend on the verify lengths --------
@@ -170,7 +179,7 @@ class TorchBackend(Backend):
                                                  for (a, b), (c, e) in zip(self.ctx, new)]
         self.context_len += n
 
-    def draft_block(self, anchor):
+    def draft_block(self, anchor, scored=None):  # every draft scored (a caller reads the first `scored`)
         block = torch.tensor([[anchor] + [self.mask] * (self.k - 1)])
         pos = torch.arange(self.context_len, self.context_len + self.k)[None]
         with torch.no_grad():
@@ -256,7 +265,22 @@ def test_runtime_json_is_allowed_and_not_hashed(art):
     assert be.max_chunk == 64
     g = generate(be, list(range(1, 100)), 4)
     assert g.tokens == generate(OrtBackend(art, threads=1), list(range(1, 100)), 4, draft=False).tokens
+    # a calibrated bounded spin reaches the sessions, also under an explicit --spin; --no-spin turns it off
+    save_settings(art, key, Settings(threads=2, spin=True, spin_us=50, graph_threads=per))
+    assert (resolve(art, m, key).spin_us, resolve(art, m, key, spin=True).spin) == (50, True)
+    for spin, bound in ((None, "50"), (False, None)):
+        o = OrtBackend(art, drafter=False, **resolve(art, m, key, spin=spin).ort_kwargs()).sessions[C.TARGET]
+        try:
+            got = o.get_session_options().get_session_config_entry("session.intra_op.spin_duration_us")
+        except RuntimeError:  # not set
+            got = None
+        assert got == bound
     raw = json.loads((art / C.RUNTIME).read_text())
+    raw["devices"][key]["spin_us"] = -5
+    (art / C.RUNTIME).write_text(json.dumps(raw))
+    with pytest.raises(DFlashError, match="spin_us must be a positive integer"):
+        load_settings(art, key)
+    raw["devices"][key]["spin_us"] = None
     raw["devices"][key]["graph_threads"]["target"] = 0
     (art / C.RUNTIME).write_text(json.dumps(raw))
     with pytest.raises(DFlashError, match="graph_threads.target must be a positive integer"):
@@ -282,9 +306,12 @@ def test_bench_calibrate_then_generate_auto(art):
     assert costs["rows"][0] == 1 and all(len(v) == j["block_size"] for v in costs["verify_ms"]) and min(costs["step_ms"]) > 0
     assert j["speculation"] == "auto" and j["costs"] == "calibrated" and set(j["rounds"]) == {"drafted", "plain"}
     by_threads = entry["measured"]["speculative_tokens_per_second_by_threads"]
-    if entry["threads"] > 1 or len(by_threads) > 1:  # every count above one ran spinning and not (choose_spin)
-        assert {k for k in by_threads if k.endswith(" spin")} == {f"{k} spin" for k in by_threads if k.isdigit() and int(k) > 1}
-        assert isinstance(entry["spin"], bool) and j["spin"] == entry["spin"]
+    if entry["threads"] > 1 or len(by_threads) > 1:  # every count above one ran blocking, bounded and full spinning
+        many = [k for k in by_threads if k.isdigit() and int(k) > 1]
+        spinning = {spin_label(int(k), *m) for k in many for m in SPIN_MODES[1:]}
+        assert {k for k in by_threads if not k.isdigit()} == spinning
+        assert isinstance(entry["spin"], bool) and j["spin"] == entry["spin"] and j["spin_us"] == entry["spin_us"]
+        assert entry["spin_us"] in ((None, *SPIN_US) if entry["spin"] else (None,))
     by_graph = entry["measured"]["graph_ms_by_threads"]  # each graph's call at each count -> its count
     if len(by_graph) > 1:
         assert set(entry["graph_threads"]) == {C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK}

@@ -86,6 +86,21 @@ def test_trt_tokens_match_ort(built):
         trt_b.close()
 
 
+def test_trt_short_verifies_score_fewer_drafts(built):
+    """draft_block's head over the drafts a verify uses (draft_index, profiled over 1..K-1): random
+    short verifies on the engines score fewer drafts and stay lossless (tests/test_draft_head.py)."""
+    from test_draft_head import lossless_short, spy
+
+    from dflash_export.runtime.trt.backend import TensorRTBackend
+
+    out, _ = built
+    be = spy(TensorRTBackend(out))
+    try:
+        lossless_short(be, be, 61)
+    finally:
+        be.close()
+
+
 def test_refuses_other_tensorrt_or_gpu(built):
     from dflash_export.runtime.manifest import load_manifest
     from dflash_export.errors import DFlashError

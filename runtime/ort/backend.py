@@ -28,7 +28,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .. import contract as C, manifest as M
-from ..backend import Backend, Draft, TargetOut, check_context_counts
+from ..backend import Backend, Draft, TargetOut, check_context_counts, span
 from ...errors import InternalError
 from ..hybrid import LinearStates
 from ..window import WindowRings
@@ -53,6 +53,7 @@ class OrtBackend(Backend):
         threads: int | None = None,
         graph_threads: dict[str, int] | None = None,
         spin: bool = False,
+        spin_us: int | None = None,
         drafter: bool = True,
         verify: bool = True,
         low_memory: bool = False,
@@ -76,10 +77,10 @@ class OrtBackend(Backend):
         check_cache_memory(m, self.max_batch, self.max_len, drafter)
         self.trace: list | None = None  # set to [] to record every bound (name, ptr, shape)
         self._plans: dict[tuple[str, str], tuple] = {}  # (graph, tensor) -> how _bind shapes it
-        self.threads, self.spin = threads, spin
+        self.threads, self.spin, self.spin_us = threads, spin, spin_us
         self.graphs = Sessions(self.directory, m, self._provider, max_chunk=max_chunk, device=self.device,
                                threads=threads, graph_threads=graph_threads or {}, spin=spin, drafter=drafter,
-                               low_memory=low_memory, release_mapped=release_mapped)
+                               low_memory=low_memory, release_mapped=release_mapped, spin_us=spin_us)
         self.sessions, self.max_chunk = self.graphs.sessions, self.graphs.max_chunk
         self._alloc_state()
 
@@ -126,7 +127,10 @@ class OrtBackend(Backend):
         in, in place; its shape from the contract with the dynamic roles given (batch 1).
 
         Calls the binding's C++ object directly: the Python wrapper costs ~8 us a call,
-        which at 4 bindings per layer was several percent of a small model's step.
+        which at 4 bindings per layer was several percent of a small model's step. On the CPU
+        provider a tensor bound at the same pointer and shape as in the binding's last call is
+        not bound again (ORT reads host memory at run time; a GPU provider copies a host input
+        when it is bound, so there every call binds).
         """
         plan = self._plans.get((graph, name))
         if plan is None:  # once per tensor: which dims are dynamic (a batch-1 call binds ~40 tensors a round)
@@ -141,9 +145,13 @@ class OrtBackend(Backend):
         base, row, device = g if g is not None else self._geometry(buf, dtype)
         ptr = base + offset_rows * row
         raw = self._io[graph]._iobinding
-        (raw.bind_output if output else raw.bind_input)(name, device, onnx_type, shape, ptr)
         if self.trace is not None:
             self.trace.append((name, ptr, tuple(shape)))
+        if self._bound is not None and self._bound.get((raw, name)) == (ptr, shape):
+            return  # bound already, and host memory is read at run time: most of a round's tensors
+        (raw.bind_output if output else raw.bind_input)(name, device, onnx_type, shape, ptr)
+        if self._bound is not None:
+            self._bound[raw, name] = (ptr, shape)
 
     # -- what a sequence owns, and the calls over one row or several ----------------------
 
@@ -159,6 +167,7 @@ class OrtBackend(Backend):
         m, B = self.manifest, self.max_batch
         self._geom = {}
         self._io = {k: s.io_binding() for k, s in self.sessions.items()}
+        self._bound: dict | None = {} if self.device == "cpu" else None  # (binding, tensor) -> (pointer, shape)
         self._io_target: dict = {}  # ort flavour: one binding per cache view (all rows, or row b), bound once
         self._rows = None
         self.ragged = C.ragged(m)
@@ -376,9 +385,8 @@ class OrtBackend(Backend):
         """One session run over `rows` (one row, or all); taps written `taps_at` positions in."""
         m, g, lengths, B = self.manifest, C.TARGET, self.lengths, self.max_batch
         R, S = ids.shape
-        one = R == 1
-        b0 = rows[0]
-        P = int(lengths[b0]) if one else int(lengths[rows].max())
+        one, b0, sl = R == 1, rows[0], span(rows)
+        P = int(lengths[b0]) if one else int(lengths[sl].max())
         N = S if picks is None or not self.ragged else picks.shape[1]
         if self.in_place and list(rows) != list(range(b0, b0 + R)):
             raise InternalError(f"the ort flavour's target call takes consecutive rows, not {list(rows)}")
@@ -390,7 +398,7 @@ class OrtBackend(Backend):
             self._bind(g, C.POSITION_IDS, self.positions, P, seq=S)
         else:
             pos = self.row_pos.ravel()[: R * S].reshape(R, S)
-            np.add(lengths[rows, None], np.arange(S), out=pos)
+            np.add(lengths[sl, None], np.arange(S), out=pos)
             self._bind(g, C.POSITION_IDS, self.row_pos, batch=R, seq=S)
         if self.ragged:
             pick = self.picks.ravel()[: R * N].reshape(R, N)
@@ -398,13 +406,13 @@ class OrtBackend(Backend):
             self._bind(g, C.LOGITS_INDEX, self.picks, batch=R, picks=N)
         if self.in_place:  # GroupQueryAttention writes rows [P_b, P_b + S) of the buffers it reads
             seqlens, total = self.lengths_in
-            seqlens[:R] = lengths[rows] + S - 1
+            seqlens[:R] = lengths[sl] + S - 1
             total[()] = P + S
             self._bind(g, C.SEQLENS_K, seqlens, batch=R)
             self._bind(g, C.TOTAL_LEN, total)
         else:
             if self.ragged:
-                self.past_lengths[:R] = lengths[rows]
+                self.past_lengths[:R] = lengths[sl]
                 self._bind(g, C.PAST_LENGTHS, self.past_lengths, batch=R)
             self._bind_target_caches(rows, P, S)
         self._bind(g, C.TAPS, self.taps, taps_at, batch=R, seq=S)
@@ -412,13 +420,15 @@ class OrtBackend(Backend):
         big = R * N > B * m.block_size
         if big:  # a prefill chunk's every position: ORT allocates its logits
             io.bind_output(C.LOGITS, "cpu" if want_logits else self.device)
+            if self._bound is not None:
+                self._bound.pop((io._iobinding, C.LOGITS), None)
         else:
             self._bind(g, C.LOGITS, self.logits if want_logits else self._logits_scratch, batch=R, picks=N, seq=N)
         self.sessions[g].run_with_iobinding(io)
         self._io[g] = saved
         if self.kv_all is not None and not self.in_place and self.width > 1:  # width 1: written in place
             scatter(self.kv_all, self.kv_new, rows, lengths, S, counts)
-        self.pending[rows] = counts
+        self.pending[sl] = counts
         self._last_seq = S
         next_ids = self.next_ids.ravel()[: R * N].reshape(R, N)
         logits = None
@@ -480,13 +490,13 @@ class OrtBackend(Backend):
         if c == 0:
             return
         check_context_counts(rows, n, self._last_seq, lengths, self.max_len)
-        P = int(lengths[rows[0]])
+        P, sl = int(lengths[rows[0]]), span(rows)
         self._bind(g, C.TAPS, self.taps, batch=R, ctx=c)
         if R == 1:
             self._bind(g, C.CTX_POSITION_IDS, self.positions, P, ctx=c)
         else:
             pos = self.row_pos.ravel()[: R * c].reshape(R, c)
-            np.add(lengths[rows, None], np.arange(c), out=pos)
+            np.add(lengths[sl, None], np.arange(c), out=pos)
             self._bind(g, C.CTX_POSITION_IDS, self.row_pos, batch=R, ctx=c)
         for j in range(2 * m.draft_layers):
             name = self.names.ctx_key[j // 2] if j % 2 == 0 else self.names.ctx_value[j // 2]
@@ -499,24 +509,25 @@ class OrtBackend(Backend):
             ring_scatter(self.ctx, self.ctx_new, rows, lengths, c, n, self.ring)
         elif B > 1 and self.width > 1:
             scatter(self.ctx_all, self.ctx_new, rows, lengths, c, n)
-        lengths[rows] += n
+        lengths[sl] += n
 
     def draft_block_rows(self, rows, anchors, scored=None):
         self._layout()
         m, g, R, B, K = self.manifest, C.DRAFT_BLOCK, len(rows), self.max_batch, self.manifest.block_size
         n = self._scored = min(max(1, scored or K - 1), K - 1) if C.draft_index(m) else K - 1
         lengths = self.ctx_lengths
-        P = min(int(lengths[rows[0]]) if R == 1 else int(lengths[rows].max()), self._ctx_len)  # a ring: every slot
+        sl = span(rows)
+        P = min(int(lengths[rows[0]]) if R == 1 else int(lengths[sl].max()), self._ctx_len)  # a ring: every slot
         self.block_ids[:R, 0] = anchors
         self._bind(g, C.BLOCK_IDS, self.block_ids, batch=R)
         if R == 1:  # the block's positions start at the row's context length (P: the slots bound, a ring's at most)
             self._bind(g, C.BLOCK_POSITION_IDS, self.positions, int(lengths[rows[0]]))
         else:
             pos = self.row_pos.ravel()[: R * K].reshape(R, K)
-            np.add(lengths[rows, None], np.arange(K), out=pos)
+            np.add(lengths[sl, None], np.arange(K), out=pos)
             self._bind(g, C.BLOCK_POSITION_IDS, self.row_pos, batch=R)
         if self.ragged:
-            self.ctx_lengths_in[:R] = lengths[rows]
+            self.ctx_lengths_in[:R] = lengths[sl]
             self._bind(g, C.CTX_LENGTHS, self.ctx_lengths_in, batch=R)
         gathered = R == 1 and self.width > 1 and P > 0  # width 1: the one row's prefix is contiguous, bound in place
         if gathered:

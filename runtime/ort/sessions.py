@@ -65,9 +65,10 @@ class Sessions:
 
     def __init__(self, directory: Path, manifest: M.Manifest, provider: str, *, max_chunk: int, device: str,
                  threads: int | None, graph_threads: dict[str, int], spin: bool, drafter: bool, low_memory: bool,
-                 release_mapped: bool):
+                 release_mapped: bool, spin_us: int | None = None):
         self.directory, self.manifest, self.provider, self.max_chunk = directory, manifest, provider, max_chunk
         self.threads, self.spin, self.low_memory = threads, spin, low_memory  # threads None: ORT's default (one per core)
+        self.spin_us = spin_us  # spinning's bound in microseconds (None: ORT's own)
         self.graph_threads = dict(graph_threads)  # per graph counts over `threads` (runtime.json)
         # one copy of the shared weights, used in place by every session whose graph holds them
         self.shared = shared_weights(directory, manifest)
@@ -112,6 +113,8 @@ class Sessions:
         if self.spin:  # spin within a call only: each graph's session has its own pool, and pools left
             # spinning after their call took the vCPU the next graph's workers needed (docs/performance.md)
             opts.add_session_config_entry("session.force_spinning_stop", "1")
+            if self.spin_us:  # an idle worker blocks after this long (ORT 1.26+; docs/performance.md, "Spinning")
+                opts.add_session_config_entry("session.intra_op.spin_duration_us", str(self.spin_us))
         path = self.directory / self.manifest.graphs[graph].file
         for name, t in self.manifest.shared.items():
             if graph in t.graphs:

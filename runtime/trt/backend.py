@@ -25,6 +25,10 @@ rows out again for the new width (through a scratch: CUDA's 2D copies may not ov
 A backend of several rows is run through these `*_rows` calls (runtime/loop.py does); the
 batch-1 methods (`target`, `draft_block`, ...) bind one-row caches and are for max_batch 1.
 
+The draft head (exports with `draft_index`, contract.DRAFT_INDEX): draft_block's profile takes
+1..K-1 drafts; a call binds a prefix of one device copy of 0..K-2 and its outputs are
+[R, n], the first R * n elements of each output buffer.
+
 DFlash 2. A DFlash 2 `draft_block` also writes `draft_candidates` [B, K-1, k] and `draft_scores`
 [B, K-1, k, k] (runtime/walk.py): every engine output needs an address, so they get device
 buffers sized for max_batch rows; greedy rounds read only `draft_ids` (the graph's own walk),
@@ -128,8 +132,9 @@ class TensorRTBackend(Backend):
         has_conf = "draft_conf" in {t.name for t in m.graphs[DRAFT_BLOCK].outputs} if drafter else False
         self.d_conf = self._malloc(bk * 4) if has_conf else None  # older exports lack it
         self.h_conf = np.zeros(bk, np.float32)
-        self.d_dindex = self._malloc(self.k * 8)  # draft_index (contract.DRAFT_INDEX): a prefix of 0..K-2
-        self._h2d(self.d_dindex, np.arange(max(1, self.k - 1), dtype=np.int64))
+        self.h_dindex = np.arange(max(1, self.k - 1), dtype=np.int64)  # draft_index (contract.DRAFT_INDEX): a prefix
+        self.d_dindex = self._malloc(self.h_dindex.nbytes)
+        self._h2d(self.d_dindex, self.h_dindex)
         self._scored = self.k - 1  # drafts the last draft_block call scored (its outputs are [R, scored])
         self.ragged = C.ragged(m)  # contract.RAGGED: per-row lengths and logits picks
         self._alloc_rows(ms)
