@@ -198,10 +198,9 @@ def _run_quantizer(proto, q: QuantOptions, exclude: list[str]):
 def set_aside(model, keep: set[str]) -> dict:
     """Every initializer of 1 KiB or more but those in `keep` -> a stand-in of its first row
     (a MoE target's routed experts: of one expert), the tensor itself kept aside with its bytes
-    still in the float export's data files (or streamed from the checkpoint, `export --quantize`);
-    export/stream.py `put_back` gives them back after
-    quantizing (an expert tensor that became QMoE's is quantized expert by expert as it is
-    written). -> name: the tensor set aside."""
+    still in the float export's data files (experts under `export --quantize`: in the
+    checkpoint); export/stream.py `put_back` gives them back after quantizing (an expert tensor
+    that became QMoE's is quantized expert by expert as it is written). -> name: the tensor set aside."""
     aside = {}
     for value in model.graph.initializers.values():
         t = value.const_value
