@@ -295,6 +295,7 @@ def export_artifact(
                    disk_bytes(weight_bytes, experts_bytes, dtype, quantize, tc.hidden_size))
     manifest = new_manifest(tc, dc, k, mask, dtype, max_context, eos, attention, vocab_record, moe_path)
     manifest.draft_index = draft_index and manifest.selector is None  # DFlash 2's selector walks every position
+    manifest.row_counts = attention == "ort"
     ui = Phases(progress)
     for p in stale:
         ui.console.print(f"removed {p.name}, left by an export that did not finish")

@@ -37,9 +37,10 @@ def in_window_rings(m: M.Manifest, kv, p: int) -> list:
     return [(pair[0][:, pos], pair[1][:, pos]) if kinds[i] == C.SLIDING else pair for i, pair in enumerate(kv)]
 
 
-def target_inputs(m: M.Manifest, kv, p: int, s: int, lengths=None) -> list:
+def target_inputs(m: M.Manifest, kv, p: int, s: int, lengths=None, counts=None) -> list:
     """The target graph's inputs after ids and positions, for past `kv` of p positions and s
-    new ones (`lengths`: each row's valid past, ragged graphs; default all p)."""
+    new ones (`lengths`: each row's valid past, ragged graphs; default all p; `counts`: each
+    row's new tokens, the ort flavour's rows of different counts, default all s)."""
     b = kv[0][0].shape[0] if kv else 1
     if C.window(m) and lengths is None:  # a prefix of every row: the sliding layers' rings from it
         kv = in_window_rings(m, kv, p)
@@ -51,7 +52,7 @@ def target_inputs(m: M.Manifest, kv, p: int, s: int, lengths=None) -> list:
             buf = torch.zeros(b, t.shape[2], m.max_context, t.shape[3], dtype=t.dtype)
             buf[:, :, :p] = t.transpose(1, 2)
             bufs.append(buf)
-        return [(lengths + s - 1).int(), torch.tensor(p + s, dtype=torch.int32), *picks, *bufs]
+        return [(lengths + (s if counts is None else counts) - 1).int(), torch.tensor(p + s, dtype=torch.int32), *picks, *bufs]
     if not C.ragged(m):
         return _flat(kv)
     return [lengths, *picks, *_position_major(m, kv)]
@@ -82,13 +83,13 @@ def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, stric
     """Parity per row of a ragged batch: two rows with different past lengths (and verify
     lengths, the shorter padded) through the target and the block graph in one call each,
     every row's valid outputs against that row alone through PyTorch (batch 1)."""
-    if not C.ragged(m) or C.flavour(m) == "ort":  # the ort flavour verifies one row a call (docs/batching.md)
+    if not C.ragged(m) or (C.flavour(m) == "ort" and not C.row_counts(m)):  # older ort exports: one row a call
         return []
     g = torch.Generator().manual_seed(seed + 11)
     K, lens, news = m.block_size, [9, 4], [m.block_size, max(1, m.block_size // 2)]
     P, S = max(lens), max(news)
     rows_ids = [torch.randint(0, m.vocab_size, (1, n + s), generator=g) for n, s in zip(lens, news)]
-    tg, bg = G.wrapper(C.TARGET, target, drafter), G.wrapper(C.DRAFT_BLOCK, target, drafter, ring=C.ring(m),
+    tg, bg = G.wrapper(C.TARGET, target, drafter, C.flavour(m), m.max_context), G.wrapper(C.DRAFT_BLOCK, target, drafter, ring=C.ring(m),
                                                              index=C.draft_index(m))
     refs, pasts, ctxs = [], [], []
     with torch.inference_mode():
@@ -121,7 +122,7 @@ def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, stric
     _np = to_numpy
     rows = []
     for graph, inputs, which in (
-        (C.TARGET, [ids, pos, *target_inputs(m, batch_past, P, S, lengths)], 0),
+        (C.TARGET, [ids, pos, *target_inputs(m, batch_past, P, S, lengths, torch.tensor(news))], 0),
         (C.DRAFT_BLOCK, [torch.cat([r[2] for r in refs]), torch.stack([torch.arange(n, n + K) for n in lens]),
                          lengths, *([torch.arange(K - 1)] if C.draft_index(m) else []),
                          *_position_major(None, batch_ctx)], 1),

@@ -7,7 +7,12 @@ with the model's own functions (`attend`, `apply_rope`, RMSNorm's arithmetic):
 - `gqa`: q/k rotated at their absolute positions [total - seq, total) by rows of the
   cos/sin caches (when given), the new K/V written into a copy of the head-major cache at
   those rows, then `attend` over [0, total), causal. ONNX Runtime writes the same rows in
-  place when past and present are bound to one buffer (runtime/ort/backend.py).
+  place when past and present are bound to one buffer (runtime/ort/backend.py). With
+  `query_seqlens` (each row's count c of new tokens, the rest of its seq right padding) a row
+  holds seqlens_k + 1 positions after the call and its tokens sit at [seqlens_k + 1 - c,
+  seqlens_k + 1): rows of different lengths verify in one call (ONNX Runtime >= 1.32; without
+  it GroupQueryAttention refuses several new tokens with a past at batch > 1). Padding
+  positions write nothing; their outputs are zeros here and unspecified in ONNX Runtime.
 - `skip_rms`: (rms_norm(x + y) * weight, x + y), the second output being the residual stream.
 Fewer, larger nodes matter on CPU: ONNX Runtime's cost per node dominates a small model's step.
 """
@@ -24,9 +29,12 @@ from .ops import register_ort_schemas
 @torch.library.custom_op("dflash::gqa", mutates_args=())
 def gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
         seqlens_k: torch.Tensor, total: torch.Tensor, cos_cache: torch.Tensor | None, sin_cache: torch.Tensor | None,
-        num_heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [1,S,H*D], k/v [1,S,Hkv*D], past [1,Hkv,max,D], cos/sin [max,D/2] or None (q/k
-    already rotated) -> out [1,S,H*D], present [1,Hkv,max,D]."""
+        num_heads: int, kv_heads: int, query_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B,S,H*D], k/v [B,S,Hkv*D], past [B,Hkv,max,D], cos/sin [max,D/2] or None (q/k
+    already rotated), query_seqlens [B] or None (every row at [total - S, total)) -> out
+    [B,S,H*D], present [B,Hkv,max,D]."""
+    if query_seqlens is not None:
+        return _gqa_rows(q, k, v, past_k, past_v, seqlens_k, cos_cache, sin_cache, num_heads, kv_heads, query_seqlens)
     b, s, _ = q.shape
     d, end = past_k.shape[-1], int(total)
     start = end - s
@@ -42,8 +50,22 @@ def gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor,
     return out, pk, pv
 
 
+def _gqa_rows(q, k, v, past_k, past_v, seqlens_k, cos_cache, sin_cache, num_heads: int, kv_heads: int, counts):
+    """`gqa` row by row, each row's first counts[r] tokens at [seqlens_k[r] + 1 - counts[r], seqlens_k[r] + 1)."""
+    pk, pv = past_k.clone(), past_v.clone()
+    out = q.new_zeros(q.shape)
+    for r in range(q.shape[0]):
+        c, end = int(counts[r]), int(seqlens_k[r]) + 1
+        if c == 0:  # an idle row: its cache unchanged
+            continue
+        o, k_r, v_r = gqa(q[r : r + 1, :c], k[r : r + 1, :c], v[r : r + 1, :c], pk[r : r + 1], pv[r : r + 1],
+                          seqlens_k[r : r + 1], torch.tensor(end), cos_cache, sin_cache, num_heads, kv_heads)
+        out[r : r + 1, :c], pk[r : r + 1], pv[r : r + 1] = o, k_r, v_r
+    return out, pk, pv
+
+
 @gqa.register_fake
-def _(q, k, v, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, num_heads, kv_heads):
+def _(q, k, v, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, num_heads, kv_heads, query_seqlens=None):
     return q.new_empty(q.shape), past_k.new_empty(past_k.shape), past_v.new_empty(past_v.shape)
 
 
@@ -65,10 +87,13 @@ register_ort_schemas()
 _msft = values.Opset("com.microsoft", 1)
 
 
-def _gqa_onnx(q, k, v, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, num_heads: int, kv_heads: int):
+def _gqa_onnx(q, k, v, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, num_heads: int, kv_heads: int,
+              query_seqlens=None):
+    rows = () if query_seqlens is None else (None,) * 7 + (query_seqlens,)  # position_ids .. k_norm_weight unset
     if cos_cache is None:
-        return _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, num_heads=num_heads, kv_num_heads=kv_heads)
-    return _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, cos_cache, sin_cache,
+        return _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, *((None, None, *rows) if rows else ()),
+                                         num_heads=num_heads, kv_num_heads=kv_heads)
+    return _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, *rows,
                                      num_heads=num_heads, kv_num_heads=kv_heads, do_rotary=1)
 
 

@@ -114,6 +114,8 @@ class TargetOrtGraph(nn.Module):
     what GQA assumes.
     """
 
+    row_counts = True  # query_seqlens from seqlens_k and position_ids (contract.row_counts)
+
     def __init__(self, target, max_context: int):
         super().__init__()
         self.target = target
@@ -136,6 +138,9 @@ class TargetOrtGraph(nn.Module):
             cos, sin = rope_cos_sin(position_ids, t.inv_freq, x.dtype, t.config.rope.attention_factor)
         h = layers[0].input_layernorm(x)
         outs, present = {}, []
+        # each row's count of new tokens: the runtime feeds seqlens_k = length + count - 1 and
+        # positions from the row's length (older runtimes: count = S, as without the input)
+        counts = (seqlens_k + 1 - position_ids[:, 0].to(seqlens_k.dtype),) if self.row_counts else ()
         for i, layer in enumerate(layers):
             a = layer.self_attn
             q, k, v = a.q_proj(h).view(b, s, a.h, a.d), a.k_proj(h).view(b, s, a.hkv, a.d), a.v_proj(h)
@@ -145,7 +150,7 @@ class TargetOrtGraph(nn.Module):
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             rot = (self.cos_cache, self.sin_cache) if self.rotary else (None, None)
             o, pk, pv = gqa(q.reshape(b, s, -1), k.reshape(b, s, -1), v, cache[2 * i], cache[2 * i + 1],
-                            seqlens_k, total, *rot, a.h, a.hkv)
+                            seqlens_k, total, *rot, a.h, a.hkv, *counts)
             norm = layer.post_attention_layernorm
             h, x = skip_rms(x, a.o_proj(o), norm.weight, norm.eps)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else t.model.norm
@@ -162,6 +167,8 @@ class TargetOrtGraph(nn.Module):
 
 class TargetOrtGraph1(TargetOrtGraph):
     """The ort flavour's batch-1 graph of exports made before ragged batches (contract.TARGET_ORT)."""
+
+    row_counts = False
 
     def forward(self, input_ids, position_ids, seqlens_k, total, *cache):
         return self.run(input_ids, position_ids, seqlens_k, total, None, cache)

@@ -41,7 +41,10 @@ the only TensorRT input) keeps every graph in standard ai.onnx ops with a sequen
 cache the runtime grows by binding; "ort" exports the target with ONNX Runtime's
 com.microsoft GroupQueryAttention, whose head-major cache `[1, Hkv, max_context, D]` is
 one buffer bound as both past and present and updated in place (`TARGET_ORT`): a step's
-cost then barely grows with the context. The drafter graphs are the same in both.
+cost then barely grows with the context. The drafter graphs are the same in both. Its
+inputs carry each row's count of new tokens implicitly (`Manifest.row_counts`, `row_counts`):
+seqlens_k = the row's length + count - 1 and position_ids from the row's length, so a batch's
+rows verify different lengths in one call; older exports run such rows one call each.
 
 Ragged batches (`Manifest.ragged`, every export since batching; docs/batching.md): each
 row of a batch has its own positions, valid cache length and number of new tokens. The
@@ -354,6 +357,13 @@ def ragged(m) -> bool:
 def selector(m) -> dict | None:
     """A DFlash 2 export's candidate selector record ({"top_k", "rank", ...}); None: DFlash 1."""
     return getattr(m, "selector", None)
+
+
+def row_counts(m) -> bool:
+    """Whether the ort flavour's target takes each row's own count of new tokens (Manifest.row_counts):
+    the runtime feeds seqlens_k = length + count - 1 per row and the graph gives GroupQueryAttention
+    query_seqlens = seqlens_k + 1 - position_ids[:, 0] (rows right-padded to the call's length)."""
+    return bool(getattr(m, "row_counts", False))
 
 
 def draft_index(m) -> bool:

@@ -3,7 +3,7 @@
 Rows decide per round, together: the drafting rows share one `draft_block` and one
 `draft_context` call, and the target verifies them as the backend does (`verify_per_row`):
 one call padded to the longest drafting row (the others verify their anchor alone in it), or
-a call per row (ONNX Runtime's GroupQueryAttention flavour), each other row's step its own
+a call per row (older exports of ONNX Runtime's GroupQueryAttention flavour), each other row's step its own
 call too. A round without drafts is one plain step of every row. `Costs.round_ms` charges
 each what the calibration measured; the auto rows draft best-first (by their estimates) as
 long as that raises the round's expected tokens per ms. At one row the break-even is

@@ -98,6 +98,11 @@ class Manifest:
     # draft_block takes draft_index (contract.DRAFT_INDEX: its head scores only the drafts a verify uses);
     # False for older exports and DFlash 2 drafters, whose head scores every draft position
     draft_index: bool = False
+    # the ort flavour's target verifies rows of different lengths in one call: its
+    # GroupQueryAttention takes each row's count of new tokens (query_seqlens, derived in the
+    # graph from seqlens_k and position_ids, contract.row_counts); False for older exports,
+    # whose rows verifying several tokens run one call each
+    row_counts: bool = False
     # where the pair came from (sources.py): {"target": rec, "draft": rec}, rec = {"id" (a Hugging Face id or
     # None), "path" (a local directory, when no id), "revision" (asked), "commit" (resolved), "files": {weight
     # file: sha256}}; None for exports made before it was recorded

@@ -41,7 +41,9 @@ def test_manifest_and_graph_say_the_flavour(case):
     gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
     rotary = m.target_head_dim % 16 == 0
     assert all(any(a.name == "do_rotary" and a.i == 1 for a in n.attribute) == rotary for n in gqa)
-    assert all((len(n.input) == 9) == rotary for n in gqa)  # + cos_cache, sin_cache
+    assert all(all(n.input[7:9]) == rotary for n in gqa)  # + cos_cache, sin_cache
+    # each row's count of new tokens (query_seqlens, input 16): rows of different lengths verify in one call
+    assert m.row_counts and all(len(n.input) == 17 and n.input[16] and not any(n.input[9:16]) for n in gqa)
     assert [i.name for i in model.graph.input][:4] == [C.INPUT_IDS, C.POSITION_IDS, C.SEQLENS_K, C.TOTAL_LEN]
     cache = next(i for i in m.graphs[C.TARGET].inputs if i.name == "past_key.0")
     assert cache.shape[1:] == [m.target_kv_heads, m.max_context, m.target_head_dim]  # head-major, whole buffer

@@ -88,14 +88,25 @@ def test_adaptive_verify_and_chunked_prefill_in_a_batch():
     assert sum(gens[i].tau for i in greedy) > sum(alone[i].tau for i in greedy)  # the padding verified drafts
 
 
-def test_ort_flavour_verifies_one_position_rows_together():
-    """The ort flavour verifies a row of several positions alone (GroupQueryAttention refuses
-    several new tokens with a past at batch > 1), but the rows of a drafted round that verify
-    their anchor alone (plain requests here) run in one call, as a plain step does; and a row
-    verifies its own policy's length (not padded to the round's longest: on this flavour the
-    padding would be computed, not free). Every row's tokens stay its batch-1 output."""
+@pytest.mark.parametrize("row_counts", [True, False], ids=["row-counts", "older-export"])
+def test_ort_flavour_verify_calls(row_counts, tmp_path):
+    """The ort flavour verifies a round's rows in one call, each row its own count of new
+    tokens (GroupQueryAttention's query_seqlens, Manifest.row_counts). An export made before
+    it verifies a row of several positions alone (GroupQueryAttention refuses several new
+    tokens with a past at batch > 1 without the counts), the rows of a drafted round that
+    verify their anchor alone (plain requests here) in one call, as a plain step does, and a
+    row its own policy's length (not padded to the round's longest: there the padding would
+    be computed, not free). Every row's tokens stay its batch-1 output."""
     _, _, out = artifact(ORT_CASES["qwen3-ort"])
+    if not row_counts:  # as an older export: its manifest without row_counts
+        old = tmp_path / "old"
+        shutil.copytree(out, old)
+        manifest = json.loads((old / "manifest.json").read_text())
+        manifest.pop("row_counts")
+        (old / "manifest.json").write_text(json.dumps(manifest))
+        out = old
     be1, be4 = OrtBackend(out, threads=1), OrtBackend(out, threads=1, max_batch=4)
+    assert be4.verify_per_row != row_counts
     policy = VerifyPolicy(theta=0.9, min_len=2)  # rows 2 and 3 verify different lengths
     spec = [False, False, True, True, False, True]  # rows 0 and 1 plain, rows 2 and 3 drafting
     ps = prompts(6, be1.manifest.vocab_size, seed=11)
@@ -105,6 +116,9 @@ def test_ort_flavour_verifies_one_position_rows_together():
     be4._target_call = lambda rows, ids, *a, **k: calls.append((len(rows), ids.shape[1])) or real(rows, ids, *a, **k)
     gens, _ = generate_batch(be4, reqs, verify=policy)
     assert [g.tokens for g in gens] == [g.tokens for g in alone]
+    if row_counts:  # rows verifying several positions together, in as many calls as rounds
+        assert any(r > 1 and s > 1 for r, s in calls)
+        return
     assert (2, 1) in calls and any(s > 1 for _, s in calls)  # two plain rows in one call; drafting rows verified alone
     assert len({gens[2].verify_lengths[0], gens[3].verify_lengths[0]}) > 1
     for q, g, a in zip(reqs, gens, alone):

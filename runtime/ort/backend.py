@@ -100,6 +100,7 @@ class OrtBackend(Backend):
 
     def close(self) -> None:
         self.sessions, self._io, self.graphs = {}, {}, None  # forks keep theirs: a session is freed with its last user
+        self._io_target, self._bound = {}, {} if self._bound is not None else None  # the bindings they hold
 
     # -- binding: a contract tensor to a buffer, in place ------------------------------------
 
@@ -184,7 +185,9 @@ class OrtBackend(Backend):
         kv_type = C.dtype(C.PAST_KV[0], m)
         L, Hkv, D, n = m.target_layers, m.target_kv_heads, m.target_head_dim, self.max_len
         self.in_place = C.flavour(m) == "ort"  # head-major cache, past and present one buffer (contract.TARGET_ORT)
-        self.verify_per_row = self.in_place  # GroupQueryAttention: several new tokens with a past, one row a call
+        # GroupQueryAttention takes several new tokens with a past at batch > 1 only given each row's
+        # count (contract.row_counts); older ort exports verify such rows one call each
+        self.verify_per_row = self.in_place and not C.row_counts(m)
         kinds = C.layer_kinds(C.TARGET, m)
         att = [i for i in range(L) if kinds[i] == C.ATTENTION]  # the rest: states, rings or nothing
         self.kv_all = self.ctx_all = None
@@ -339,13 +342,13 @@ class OrtBackend(Backend):
         if not 1 <= S <= self.max_chunk:
             raise InternalError(f"target call with {S} tokens (1..{self.max_chunk})")
         self.check_room(rows, counts)
-        if self.in_place and R > 1 and S > 1:  # GroupQueryAttention: several new tokens with a past, one row a call
+        if self.verify_per_row and R > 1 and S > 1:  # GroupQueryAttention: several new tokens with a past, one row a call
             return self._target_each(rows, ids, counts, picks, want_logits)
         return self._target_call(rows, ids, counts, picks, want_logits, 0)
 
     def _target_each(self, rows, ids, counts, picks, want_logits) -> TargetOut:
-        """The ort flavour's verify of several rows: GroupQueryAttention takes several new tokens
-        with a past at batch 1 only, so a row verifying more than its anchor runs alone; rows
+        """An older ort export's verify of several rows (no Manifest.row_counts): GroupQueryAttention
+        takes several new tokens with a past at batch 1 only without each row's count, so a row verifying more than its anchor runs alone; rows
         verifying one position (plain rows of a drafted round, a row at its last token) run
         together, consecutive rows in one call as a plain step does. Taps land where a call over
         all rows would write them ([R, S]: row r's at r * S), for draft_context_rows."""
@@ -406,8 +409,12 @@ class OrtBackend(Backend):
             self._bind(g, C.LOGITS_INDEX, self.picks, batch=R, picks=N)
         if self.in_place:  # GroupQueryAttention writes rows [P_b, P_b + S) of the buffers it reads
             seqlens, total = self.lengths_in
-            seqlens[:R] = lengths[sl] + S - 1
-            total[()] = P + S
+            if C.row_counts(self.manifest) and not one:  # each row its own count (idle: 0), the rest right padding
+                seqlens[:R] = np.maximum(lengths[sl] + np.asarray(counts) - 1, 0)
+                total[()] = min(P + S, self.max_len)  # an upper bound here: a short row's padding writes nothing
+            else:
+                seqlens[:R] = lengths[sl] + S - 1
+                total[()] = P + S
             self._bind(g, C.SEQLENS_K, seqlens, batch=R)
             self._bind(g, C.TOTAL_LEN, total)
         else:
@@ -509,7 +516,7 @@ class OrtBackend(Backend):
             ring_scatter(self.ctx, self.ctx_new, rows, lengths, c, n, self.ring)
         elif B > 1 and self.width > 1:
             scatter(self.ctx_all, self.ctx_new, rows, lengths, c, n)
-        lengths[sl] += n
+        lengths[sl] += c if R == 1 else np.asarray(n)  # one row: its count, an int (no array built)
 
     def draft_block_rows(self, rows, anchors, scored=None):
         self._layout()
