@@ -9,8 +9,14 @@ written the way the released checkpoint is (one safetensors shard per layer, per
 each in a process of its own so its peak RSS is its own: `export_artifact` per dtype (and
 path; `fp32:op:int4`: `export --quantize int4`, the float export then its quantization), its
 peak RSS (VmHWM) against the artifact it wrote and against the fp32 size of the weights it
-exports. Prints one JSON object. `--step quantize --src FLOAT_EXPORT`: `quantize` alone, its
+exports, and its peak disk: the bytes allocated under `--out` and its hidden staging folders
+(the float export `.out.partial-PID`, the quantized one `.out.partial-qPID`), polled every
+0.2 s. Prints one JSON object. `--step quantize --src FLOAT_EXPORT`: `quantize` alone, its
 peak against the quantized artifact. Not part of the test suite (minutes, GBs of disk).
+
+Old against new, in one run: `--old-code DIR` (a checkout of the code before, e.g. `git
+worktree add /tmp/old <commit>`) and runs ending in `:old`, which import `dflash_export` from
+DIR instead, e.g. `--layers 1 --runs fp32:op:int4:old,fp32:op:int4`.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import json
 import os
 import platform
 import shutil
+import sys
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -93,7 +101,52 @@ def do_make(work: Path, layers: int, fused: bool) -> dict:
     return {"make_s": round(time.perf_counter() - t0, 1), "make_peak_rss": peak_rss_bytes()}
 
 
-def do_export(work: Path, dtype: str, moe: str, whole: bool, quantize: str | None = None) -> dict:
+class DiskWatch:
+    """Peak bytes allocated under `out` and its hidden staging siblings (`.out.*`), polled in a thread."""
+
+    def __init__(self, out: Path, every: float = 0.2):
+        self.out, self.every, self.peak = out, every, {"total": 0}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _size(self, p: Path) -> int:
+        total = 0
+        for f in p.rglob("*") if p.is_dir() else [p]:
+            try:
+                total += f.lstat().st_blocks * 512
+            except OSError:  # renamed or removed while walking
+                pass
+        return total
+
+    def sample(self) -> None:
+        sizes = {}
+        for p in self.out.parent.iterdir():
+            if p.name == self.out.name or p.name.startswith(f".{self.out.name}."):
+                kind = "output" if p.name == self.out.name else "quantized staging" if ".partial-q" in p.name \
+                    else "float staging" if ".partial-" in p.name else "other"
+                sizes[kind] = sizes.get(kind, 0) + self._size(p)
+        for k, v in [*sizes.items(), ("total", sum(sizes.values()))]:
+            self.peak[k] = max(self.peak.get(k, 0), v)
+
+    def _poll(self) -> None:
+        while not self.stop.wait(self.every):
+            self.sample()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.sample()
+
+
+def do_export(work: Path, dtype: str, moe: str, whole: bool, quantize: str | None = None, old_code: Path | None = None,
+              level: int | None = None) -> dict:
+    if old_code is not None:  # the code before: its dflash_export ahead of this checkout's (sys.path before the editable finder)
+        sys.path.insert(0, str(old_code))
+    import dflash_export
     from dflash_export.export.artifact import checkpoint_elements, export_artifact
     from dflash_export.export.quantize import QuantOptions
 
@@ -103,17 +156,21 @@ def do_export(work: Path, dtype: str, moe: str, whole: bool, quantize: str | Non
         from dflash_export.models import checkpoint
         checkpoint.experts_on_meta = contextlib.nullcontext
     out = work / f"out-{dtype}-{moe}"
+    q = QuantOptions(quantize, accuracy_level=level) if quantize else None
     t0 = time.perf_counter()
-    export_artifact(work / "target", work / "draft", out, dtype=dtype, moe=moe, max_context=1024, force=True,
-                    progress=True, quantize=QuantOptions(quantize) if quantize else None)
+    with DiskWatch(out) as disk:
+        export_artifact(work / "target", work / "draft", out, dtype=dtype, moe=moe, max_context=1024, force=True,
+                        progress=True, quantize=q)
     seconds = time.perf_counter() - t0
     peak = peak_rss_bytes()
     artifact = sum(f.stat().st_size for f in out.iterdir())
     fp32 = 4 * (checkpoint_elements(work / "target") + checkpoint_elements(work / "draft"))
     shutil.rmtree(out)  # room for the next one
-    return {"dtype": dtype, "moe": moe, "quantize": quantize, "experts": "whole" if whole else "streamed", "export_s": round(seconds, 1), "peak_rss": peak, "artifact_bytes": artifact,
-            "fp32_weight_bytes": fp32, "peak_over_artifact": round(peak / artifact, 3),
-            "peak_over_fp32_weights": round(peak / fp32, 3)}
+    return {"dtype": dtype, "moe": moe, "quantize": quantize, "experts": "whole" if whole else "streamed",
+            "code": str(Path(dflash_export.__path__[0])), "export_s": round(seconds, 1), "peak_rss": peak,
+            "artifact_bytes": artifact, "fp32_weight_bytes": fp32, "peak_over_artifact": round(peak / artifact, 3),
+            "peak_over_fp32_weights": round(peak / fp32, 3), "peak_disk": disk.peak,
+            "peak_disk_over_artifact": round(disk.peak["total"] / artifact, 3)}
 
 
 def do_quantize(src: Path, scheme: str) -> dict:
@@ -145,14 +202,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--layout", choices=("per-expert", "fused"), default="per-expert")
     ap.add_argument("--runs", default="fp32:op,fp32:op:int4,fp16:standard,fp16:standard:whole",
-                    help="dtype:moe[:whole|:int4|:int8] exports, comma-separated (whole: experts loaded, not "
-                         "streamed; int4 / int8: export --quantize, the float export then its quantization, one process)")
+                    help="dtype:moe[:whole|:int4|:int8][:old] exports, comma-separated (whole: experts loaded, not "
+                         "streamed; int4 / int8: export --quantize, one process; old: with --old-code's dflash_export)")
     ap.add_argument("--step", choices=("make", "export", "quantize"))
     ap.add_argument("--src", type=Path, help="--step quantize: the float export to quantize")
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--moe", default="op")
     ap.add_argument("--whole", action="store_true")
     ap.add_argument("--quantize", choices=("int4", "int8"))
+    ap.add_argument("--old-code", type=Path, help="a checkout of the code before, for runs ending in :old")
+    ap.add_argument("--accuracy-level", type=int, choices=(0, 4),
+                    help="--quant-accuracy-level of the int4 / int8 runs (default: measured, the probe included)")
     args = ap.parse_args()
     if args.step == "make":
         print(json.dumps(do_make(args.work, args.layers, args.layout == "fused")))
@@ -161,21 +221,29 @@ def main() -> None:
         print(json.dumps(do_quantize(args.src, args.quantize or "int4")))
         return
     if args.step == "export":
-        print(json.dumps(do_export(args.work, args.dtype, args.moe, args.whole, args.quantize)))
+        print(json.dumps(do_export(args.work, args.dtype, args.moe, args.whole, args.quantize, args.old_code,
+                                   args.accuracy_level)))
         return
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
     common = ["--work", str(args.work), "--layers", str(args.layers), "--layout", args.layout]
     report = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
-              "layers": args.layers, "layout": args.layout, "shape": SHAPE, "load_before": uptime()}
+              "layers": args.layers, "layout": args.layout, "shape": SHAPE, "accuracy_level": args.accuracy_level,
+              "old_code": str(args.old_code) if args.old_code else None, "load_before": uptime()}
     report["make"] = run_child(__file__, [*common, "--step", "make"])
     report["checkpoint_bytes"] = sum(f.stat().st_size for f in (args.work / "target").iterdir())
     report["exports"] = []
     for run in args.runs.split(","):
         dtype, moe, *extra = run.split(":")
+        if "old" in extra and args.old_code is None:
+            raise SystemExit(f"{run}: a run ending in :old needs --old-code DIR")
         report["exports"].append(run_child(__file__, [*common, "--step", "export", "--dtype", dtype, "--moe", moe]
-                                           + (["--whole"] if extra == ["whole"] else [])
-                                           + (["--quantize", extra[0]] if extra in (["int4"], ["int8"]) else [])))
+                                           + (["--whole"] if "whole" in extra else [])
+                                           + [a for x in extra if x in ("int4", "int8") for a in ("--quantize", x)]
+                                           + (["--old-code", str(args.old_code)] if "old" in extra else [])
+                                           + ([] if args.accuracy_level is None else
+                                              ["--accuracy-level", str(args.accuracy_level)])))
+        report["exports"][-1]["load_after"] = uptime()
     report["load_after"] = uptime()
     shutil.rmtree(args.work, ignore_errors=True)
     print(json.dumps(report))

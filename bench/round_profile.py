@@ -3,11 +3,12 @@
 For each export directory given, on the same prompts (interleaved, fastest of --passes kept):
 per round, the wall ms of draft_context, draft_block and the verify call as the loop sees
 them, and the loop's host time (acceptance, bookkeeping); the round part by part, wall and
-this thread's CPU time (each call's session run, the Python around it, the loop's own code;
-the CPU figures leave out the time other jobs held the core). Then (unless --parts-only):
+this thread's CPU time (each call's session run, the Python around it, the loop's own code:
+in wall time the round's, in CPU time also the generator's between rounds; the CPU figures leave
+out the time other jobs held the core). Then (unless --parts-only):
 the Python side of each call
 (binding; the graph run replaced by nothing), each call timed alone vs right after the other
-graph (cache interference), and from ORT's profiler in a separate pass the median call's
+graph (cache interference, CPU time), and from ORT's profiler in a separate pass the median call's
 model_run and kernel ms (their difference includes the profiler's own per-node cost).
 
     python bench/round_profile.py DIR [DIR ...] [--prompts 3] [--max-new-tokens 64] [--threads 1]
@@ -190,29 +191,37 @@ def binding_us(be: OrtBackend, reps: int = 500) -> dict:
 
 
 def interference(be: OrtBackend, reps: int = 200) -> dict:
-    """Median ms of target / draft_block calls timed alone (repeated: weights stay in cache)
-    vs right after the other graph (as in a round): what alternating graphs costs."""
+    """Median ms (this thread's CPU time) of each call timed alone (repeated: its weights stay in
+    cache) vs right after the call that precedes it in a round: what alternating graphs costs.
+    A round runs draft_block, the verify of K, then draft_context of the kept positions."""
     import numpy as np
 
     be.reset()
     be.target(np.arange(5, 133, dtype=np.int64))
     be.commit(128)
     be.draft_context(128)
-    one, six = np.array([5], np.int64), np.arange(5, 11, dtype=np.int64)
+    k = be.manifest.block_size
+    one, block_k = np.array([5], np.int64), np.arange(5, 5 + k, dtype=np.int64)
 
     def med(first, timed) -> float:
         ts = []
         for _ in range(reps):
             first()
-            t = time.perf_counter()
+            t = time.thread_time_ns()
             timed()
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts) * 1e3
+            ts.append(time.thread_time_ns() - t)
+        return statistics.median(ts) / 1e6
 
-    step, verify, block = (lambda: be.target(one)), (lambda: be.target(six)), (lambda: be.draft_block(5))
+    def context():  # 3 positions of the last call, then rolled back (the cache does not grow)
+        be.draft_context(3)
+        be.context_len -= 3
+
+    step, verify, block = (lambda: be.target(one)), (lambda: be.target(block_k)), (lambda: be.draft_block(5))
     return {"step alone": med(step, step), "step after draft_block": med(block, step),
-            "verify6 alone": med(verify, verify), "verify6 after draft_block": med(block, verify),
-            "draft_block alone": med(block, block), "draft_block after verify6": med(verify, block)}
+            f"verify{k} alone": med(verify, verify), f"verify{k} after draft_block": med(block, verify),
+            "draft_block alone": med(block, block),
+            f"draft_block after verify{k} + draft_context": med(lambda: (verify(), context()), block),
+            "draft_context alone": med(lambda: None, context), f"draft_context after verify{k}": med(verify, context)}
 
 
 def head_ms(bes: dict, lengths: list[int], reps: int = 300) -> dict:
@@ -280,7 +289,7 @@ def main() -> None:
         if not extras:
             continue
         print("  Python side per call, us: " + ", ".join(f"{k} {v:.0f}" for k, v in bind[d].items()))
-        print("  call ms alone vs after the other graph: " + ", ".join(f"{k} {v:.2f}" for k, v in inter[d].items()))
+        print("  call CPU ms alone vs after the call before it in a round: " + ", ".join(f"{k} {v:.2f}" for k, v in inter[d].items()))
         for g, p in prof[d].items():
             print(f"  {g}: {p['calls']} calls, median model_run {p['model_run_ms']:.3f} ms, kernels {p['kernel_ms']:.3f}, "
                   f"ORT overhead {p['overhead_ms']:.3f}; mean ms by op: "

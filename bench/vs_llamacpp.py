@@ -197,7 +197,8 @@ from dflash_export.runtime.calibrate import prefill_ms
 from dflash_export.runtime.load import open_backend
 from dflash_export.runtime.loop import generate
 out, threads, depth, n, prefill = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-verify, spin, spin_us = int(sys.argv[6]), sys.argv[7] != "no-spin", int(sys.argv[7][5:] or 0) or None
+verify, (how, _, bound) = int(sys.argv[6]), sys.argv[7].partition(" ")
+spin, spin_us = how == "spin", int(bound) if bound else None
 b = open_backend(out, "ort", "cpu", threads=threads, drafter=False, spin=spin, spin_us=spin_us)
 rng = np.random.default_rng(0)
 prompt = rng.integers(0, b.manifest.vocab_size, depth).tolist()
@@ -227,7 +228,7 @@ print(json.dumps(res))
 
 def ours_probe(out: Path, threads: int, depth: int, n: int, prefill: int = PREFILL_TOKENS, verify: int = 0,
                spin: bool = False, spin_us: int | None = None) -> dict:
-    how = f"spin {spin_us or ''}" if spin else "no-spin"  # "spin 50": spinning bounded to 50 us
+    how = (f"spin {spin_us}" if spin_us else "spin") if spin else "no-spin"  # "spin 50": spinning bounded to 50 us
     r = run([sys.executable, "-c", OURS_PROBE, out, threads, depth, n, prefill, verify, how])
     return json.loads(r.out.strip().splitlines()[-1]) | {"rss_mb": r.rss_mb}
 

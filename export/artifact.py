@@ -27,7 +27,7 @@ from ..lazy import lazy_import
 from . import draft_vocab as DV, stream, trace as T
 from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_checked
 from .progress import Phases, report
-from .quantize import check_options, quantize_artifact
+from .quantize import check_options, default_block_size, quantize_artifact
 from .save import copy_tokenizer, graph_spec, opset_of, save_graphs
 from .validate import validate_artifact
 
@@ -110,10 +110,11 @@ def checkpoint_elements(directory: Path) -> int:
     return total
 
 
-def check_room(weight_bytes: int, out: Path, dtype: str, streamed: int = 0) -> None:
+def check_room(weight_bytes: int, out: Path, dtype: str, streamed: int = 0, disk: int | None = None) -> None:
     """Refuse, with a one-line hint, an export this machine's memory or disk cannot hold:
     better than being killed by the OS half-way (or filling the disk). `streamed`: bytes of
-    `weight_bytes` that go from the checkpoint to disk without being held (a MoE's experts)."""
+    `weight_bytes` that go from the checkpoint to disk without being held (a MoE's experts);
+    `disk`: bytes written beside `out` when not `weight_bytes` (`disk_bytes`)."""
     gb = lambda b: f"{b / 1e9:.1f} GB"  # noqa: E731
     smaller = "export with --dtype fp16 or bf16 (half the bytes)" if dtype == "fp32" else "export on a larger machine"
     held = weight_bytes - streamed
@@ -122,10 +123,24 @@ def check_room(weight_bytes: int, out: Path, dtype: str, streamed: int = 0) -> N
         also = f" ({gb(streamed)} of them experts streamed from the checkpoint)" if streamed else ""
         raise DFlashError(f"export needs about {gb(need)} of memory for {gb(weight_bytes)} of {dtype} weights{also}, but only "
                           f"{gb(avail)} is available; {smaller}, free memory, or pass --no-room-check to try anyway")
-    free = shutil.disk_usage(out.parent).free
-    if weight_bytes > free:
-        raise DFlashError(f"export writes about {gb(weight_bytes)} to {out.parent}, which has {gb(free)} free; "
+    free, disk = shutil.disk_usage(out.parent).free, weight_bytes if disk is None else disk
+    if disk > free:
+        raise DFlashError(f"export writes about {gb(disk)} to {out.parent}, which has {gb(free)} free; "
                           f"free disk space, choose another --out, or {smaller}")
+
+
+def disk_bytes(weight_bytes: int, streamed: int, dtype: str, quantize, hidden: int) -> int:
+    """About what `export` writes beside `--out`: its float export (`weight_bytes`). With
+    --quantize and streamed experts, the float export holds all but the experts and the
+    quantized export follows it: the rest again (at most its float size) and the experts
+    quantized (bits / 8 bytes a weight, a scale and maybe a zero point a block), or float
+    under --draft-only."""
+    if quantize is None or not streamed:
+        return weight_bytes
+    held, elements = weight_bytes - streamed, streamed // BYTES[dtype]
+    block = quantize.block_size or default_block_size(quantize.scheme, hidden, True)
+    per_weight = quantize.bits / 8 + (BYTES[dtype] + (0 if quantize.symmetric else 1)) / block
+    return 2 * held + (int(elements * per_weight) if quantize.target else streamed)
 
 
 def plan_draft_vocab(n, data, target_dir, vocab_size: int, eos: list[int], family: str = "dflash", own: int | None = None):
@@ -251,10 +266,11 @@ def export_artifact(
     target_dir / draft_dir: directories, Hugging Face ids (`org/name[@revision]`, sources.py) or
     resolved Sources; the manifest records where each came from and its weight files' sha256.
     quantize: an export/quantize.py QuantOptions: the float export is written first (to a
-    hidden directory), then quantized into `out` (quantize_artifact). moe: a mixture-of-experts
-    target's graph form, "op" | "standard" (export/moe.py; None: the default for this dtype).
-    draft_index False: draft_block without contract.DRAFT_INDEX, as exports before it (tests of
-    older artifacts)."""
+    hidden directory), then quantized into `out` (quantize_artifact); streamed experts are
+    never written in float: the quantizer reads them from the checkpoint (export/stream.py).
+    moe: a mixture-of-experts target's graph form, "op" | "standard" (export/moe.py; None: the
+    default for this dtype). draft_index False: draft_block without contract.DRAFT_INDEX, as
+    exports before it (tests of older artifacts)."""
     out = Path(out_dir).absolute()
     tsrc, dsrc = S.resolve(target_dir, what="target"), S.resolve(draft_dir, what="drafter")
     target_dir, draft_dir = tsrc.path, dsrc.path
@@ -274,7 +290,9 @@ def export_artifact(
     weight_bytes = BYTES[dtype] * (elements + (0 if vocab_ids is None else len(vocab_ids) * tc.hidden_size))
     stale = clean_stale(out)
     if room_check:
-        check_room(weight_bytes, out, dtype, streamed=BYTES[dtype] * stream.expert_elements(target_dir) if streams else 0)
+        experts_bytes = BYTES[dtype] * stream.expert_elements(target_dir) if streams else 0
+        check_room(weight_bytes, out, dtype, experts_bytes,
+                   disk_bytes(weight_bytes, experts_bytes, dtype, quantize, tc.hidden_size))
     manifest = new_manifest(tc, dc, k, mask, dtype, max_context, eos, attention, vocab_record, moe_path)
     manifest.draft_index = draft_index and manifest.selector is None  # DFlash 2's selector walks every position
     manifest.row_counts = attention == "ort"
@@ -292,8 +310,11 @@ def export_artifact(
                 manifest.draft_vocab = own_vocab_record(drafter)
         with ui.phase("trace", f"3 graphs, block size {k} (torch.onnx dynamo)"):
             models = trace_graphs(target, drafter, manifest, tc, tdtype, opset, attention)
+            experts = {}
             if streamed:  # the experts' bytes go from the checkpoint to target.data as it is written
                 stream_experts(models[C.TARGET], target_dir, tc, moe_path)
+                if quantize is not None:  # ... to their quantized form alone: no float copy on disk
+                    experts = stream.stand_ins(models[C.TARGET])
         with ui.phase("save", "graphs + external data + tokenizer"):
             shared = save_graphs(tmp, models, dict([C.SHARED_INITIALIZERS[::-1]]) if tc.tie_word_embeddings else {})
             tokenizer = copy_tokenizer(target_dir, tmp)
@@ -301,7 +322,7 @@ def export_artifact(
         del models, target, drafter
         with ui.phase("validate", "onnx.checker, shape inference, op lint, ORT load"):
             validate_artifact(tmp, dtype, attention=attention, moe=moe_path)
-        manifest = publish(tmp, out, manifest, tokenizer, quantize, progress)
+        manifest = publish(tmp, out, manifest, tokenizer, quantize, progress, experts)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, KeyboardInterrupt):
@@ -386,9 +407,11 @@ def stream_experts(model, target_dir: Path, tc, moe_path: str) -> None:
                             f"expected {2 * len(tc.moe.sparse_layers)}")
 
 
-def publish(tmp: Path, out: Path, manifest: M.Manifest, tokenizer, quantize, progress: bool) -> M.Manifest:
+def publish(tmp: Path, out: Path, manifest: M.Manifest, tokenizer, quantize, progress: bool,
+            experts: dict | None = None) -> M.Manifest:
     """Describe the validated graphs in the manifest and move the staging folder onto `out`; with
-    `quantize` the float export is the quantizer's input and only the quantized one is published."""
+    `quantize` the float export is the quantizer's input and only the quantized one is published
+    (`experts`: the streamed experts its target holds stand-ins of, export/stream.py `stand_ins`)."""
     manifest.graphs = {name: graph_spec(tmp / f) for name, f in C.GRAPH_FILES.items()}
     manifest.opset = opset_of(tmp / C.GRAPH_FILES[C.TARGET])
     manifest.tokenizer = "tokenizer.json" in tokenizer or "tokenizer.model" in tokenizer
@@ -396,6 +419,6 @@ def publish(tmp: Path, out: Path, manifest: M.Manifest, tokenizer, quantize, pro
     if quantize is None:
         commit(tmp, out)
         return manifest
-    manifest = quantize_artifact(tmp, out, quantize, force=True, progress=progress)
+    manifest = quantize_artifact(tmp, out, quantize, force=True, progress=progress, experts=experts)
     shutil.rmtree(tmp)
     return manifest

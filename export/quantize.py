@@ -207,9 +207,9 @@ def _run_quantizer(proto, q: QuantOptions, exclude: list[str]):
 def set_aside(model, keep: set[str]) -> dict:
     """Every initializer of 1 KiB or more but those in `keep` -> a stand-in of its first row
     (a MoE target's routed experts: of one expert), the tensor itself kept aside with its bytes
-    still in the float export's data files; export/stream.py `put_back` gives them back after
-    quantizing (an expert tensor that became QMoE's is quantized expert by expert as it is
-    written). -> name: the tensor set aside."""
+    still in the float export's data files (experts under `export --quantize`: in the
+    checkpoint); export/stream.py `put_back` gives them back after quantizing (an expert tensor
+    that became QMoE's is quantized expert by expert as it is written). -> name: the tensor set aside."""
     aside = {}
     for value in model.graph.initializers.values():
         t = value.const_value
@@ -277,13 +277,19 @@ def quantize_embedding(model, q: QuantOptions) -> bool:
     return True
 
 
-def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progress: bool = True) -> M.Manifest:
+def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progress: bool = True,
+                      experts: dict | None = None) -> M.Manifest:
     """A float artifact directory (`export` output) -> a weight-only quantized one at `out`.
 
     Graphs are read with their external data mapped, quantized one at a time and written
     like the export writes them (shared tensors once in shared.data, the rest as external
     data of their graph), validated, their accuracy level set (measured unless given) and
     described in a new manifest. Atomic like `export`.
+
+    experts: `export --quantize` of a MoE target whose experts stream from the checkpoint: its
+    float export holds one-expert stand-ins (export/stream.py `stand_ins`), and these (name ->
+    StreamedExperts) take their place, so each expert is read from the checkpoint as its
+    quantized form is written.
     """
     src, out = Path(src), Path(out).absolute()
     m = M.load_manifest(src, verify=True)
@@ -311,6 +317,8 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
             for name, f in C.GRAPH_FILES.items():
                 model = ir.load(src / f)  # external data stays on disk until a tensor is read
                 inits = model.graph.initializers
+                if name == C.TARGET and experts:
+                    stream.restore(model, experts)
                 if name == C.TARGET:
                     tied = head in inits and embed in inits and _same_bytes(inits[head], inits[embed])
                     if tied and q.embedding and not q.lm_head:

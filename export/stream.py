@@ -10,6 +10,10 @@ file is written (`attach`, `StreamedExperts`): one expert's [2I, H] or [H, I] at
 either checkpoint layout (per-expert keys or transformers 5.x's fused tensors), converted to
 the export dtype (and, for ONNX Runtime's MoE op, to interleaved gate/up rows) on the way.
 
+`export --quantize` writes no float copy of the experts at all: the float export it quantizes
+holds one-expert stand-ins (`stand_ins`), and the quantizer reads each expert from the
+checkpoint again as it writes its int4 / int8 form (`restore`, `put_back`, `StreamedQuantized`).
+
 The safetensors headers are parsed here and the bytes read with plain file reads rather than
 safetensors' mmap: mapped pages would count against the process's memory while the whole
 file is copied. bf16 (the released checkpoints' dtype) widens to fp32 by a 16-bit shift.
@@ -102,25 +106,36 @@ class ExpertReader:
         return [e for layer in self.layers.values()
                 for e in [*layer.get("fused", {}).values(), *(x for p in layer.get("per", {}).values() for x in p.values())]]
 
-    def fc1(self, layer: int, expert: int, interleaved: bool) -> np.ndarray:
-        """Expert `expert`'s gate and up rows [2I, H]: gate rows then up rows, or alternating."""
+    def fc1(self, layer: int, expert: int, interleaved: bool, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """Expert `expert`'s gate and up rows [2I, H]: gate rows then up rows, or alternating.
+        shape: the graph's [E, 2I, H], which the tensors read must agree with (else one line)."""
         where = self.layers[layer]
         if "fused" in where:
-            w = read_rows(where["fused"]["gate_up_proj"], expert, 1)[0]
+            w = read_rows(_checked(where["fused"]["gate_up_proj"], shape), expert, 1)[0]
         else:
-            g, u = where["per"][expert]["gate_proj"], where["per"][expert]["up_proj"]
+            half = None if shape is None else (shape[1] // 2, shape[2])
+            g, u = (_checked(where["per"][expert][p], half) for p in ("gate_proj", "up_proj"))
             w = np.concatenate([read_rows(g, 0, g.shape[0]), read_rows(u, 0, u.shape[0])])
         if interleaved:
             w = np.ascontiguousarray(w.reshape(2, -1, w.shape[-1]).transpose(1, 0, 2)).reshape(w.shape)
         return w
 
-    def fc2(self, layer: int, expert: int) -> np.ndarray:
-        """Expert `expert`'s down projection [H, I]."""
+    def fc2(self, layer: int, expert: int, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """Expert `expert`'s down projection [H, I]. shape: the graph's [E, H, I] (as in fc1)."""
         where = self.layers[layer]
         if "fused" in where:
-            return read_rows(where["fused"]["down_proj"], expert, 1)[0]
-        p = where["per"][expert]["down_proj"]
+            return read_rows(_checked(where["fused"]["down_proj"], shape), expert, 1)[0]
+        p = _checked(where["per"][expert]["down_proj"], None if shape is None else shape[1:])
         return read_rows(p, 0, p.shape[0])
+
+
+def _checked(e: Entry, shape: tuple[int, ...] | None) -> Entry:
+    """`e` if its shape is `shape` (None: unchecked). The load checked every expert tensor against
+    the config; this catches a checkpoint changed since, as the experts are written."""
+    if shape is not None and e.shape != tuple(shape):
+        raise DFlashError(f"{e.path.name}: expert tensor {e.key} has shape {list(e.shape)}, but the graph holds "
+                          f"{list(shape)} for it (was the checkpoint changed while exporting?)")
+    return e
 
 
 class StreamedExperts(ir.LazyTensor):
@@ -203,9 +218,11 @@ class StreamedQuantized(ir.LazyTensor):
 def put_back(model, aside: dict, bits: int, block: int, symmetric: bool) -> None:
     """After quantizing a graph whose other tensors went through as one-row stand-ins
     (export/quantize.py `set_aside`): a tensor still there gets its float bytes back
-    (copied from the float export's file when written); an expert tensor the quantizer turned into
-    QMoE's `<name>_Q<bits>`, `<name>_scales`, `<name>_zp<bits>` gets those written expert by
-    expert from the float export's file, quantized as they are written."""
+    (copied from the float export's file, or streamed from the checkpoint, when written); an
+    expert tensor the quantizer turned into QMoE's `<name>_Q<bits>`, `<name>_scales`,
+    `<name>_zp<bits>` gets those written expert by expert, quantized as they are written, each
+    expert read from the checkpoint (`export --quantize`: a StreamedExperts, `restore`) or
+    else from the float export's file (`quantize` of an export)."""
     inits = model.graph.initializers
     for name, t in aside.items():
         if name in inits:
@@ -215,11 +232,37 @@ def put_back(model, aside: dict, bits: int, block: int, symmetric: bool) -> None
         found = [n for n in parts if n in inits]
         if not found:
             raise InternalError(f"quantizing dropped the experts {name} without a quantized form of them")
+        expert = t.expert if isinstance(t, StreamedExperts) else external_experts(t)
         for n in found:
             v = inits[n]
-            v.const_value = StreamedQuantized(external_experts(t), tuple(t.shape), t.dtype, bits, block, parts[n], n,
-                                              symmetric)
+            v.const_value = StreamedQuantized(expert, tuple(t.shape), t.dtype, bits, block, parts[n], n, symmetric)
             v.shape = v.const_value.shape
+
+
+def stand_ins(model) -> dict[str, StreamedExperts]:
+    """`export --quantize`: each streamed expert initializer of the target graph -> a stand-in of
+    one expert of zeros, so that the float export that is quantized afterwards never holds the
+    float experts (its graphs still pass validation: shapes but the expert count are the
+    real ones). -> name: the streamed tensor, which `restore` gives back to the loaded graph."""
+    out = {}
+    for value in model.graph.initializers.values():
+        t = value.const_value
+        if isinstance(t, StreamedExperts):
+            out[value.name] = t
+            value.const_value = ir.Tensor(np.zeros((1, *t.shape[1:]), t.np_dtype), dtype=t.dtype, name=value.name)
+            value.shape = value.const_value.shape
+    return out
+
+
+def restore(model, experts: dict[str, StreamedExperts]) -> None:
+    """The float export's target graph, loaded to be quantized, gets its experts back in place of
+    the stand-ins (`stand_ins`): streamed from the checkpoint when they are written."""
+    inits = model.graph.initializers
+    for name, t in experts.items():
+        v = inits.get(name)
+        if v is None or tuple(v.shape)[1:] != tuple(t.shape)[1:]:
+            raise InternalError(f"the float export's target has no stand-in for the experts {name}")
+        v.const_value, v.shape = t, t.shape
 
 
 def placeholders(target, interleaved: bool) -> bool:
@@ -248,12 +291,13 @@ def attach(model, reader: ExpertReader, interleaved: bool) -> list[str]:
         layer, proj = int(m.group(1)), m.group(2)
         if layer not in reader.layers:
             raise DFlashError(f"the checkpoint has no experts for layer {layer}, which the graph holds ({value.name})")
-        if proj == "gate_up_proj":
-            expert = lambda e, layer=layer: reader.fc1(layer, e, interleaved)  # noqa: E731
-        else:
-            expert = lambda e, layer=layer: reader.fc2(layer, e)  # noqa: E731
         t = value.const_value
-        value.const_value = StreamedExperts(expert, tuple(t.shape), t.dtype, value.name)
+        shape = tuple(t.shape)
+        if proj == "gate_up_proj":
+            expert = lambda e, layer=layer, shape=shape: reader.fc1(layer, e, interleaved, shape)  # noqa: E731
+        else:
+            expert = lambda e, layer=layer, shape=shape: reader.fc2(layer, e, shape)  # noqa: E731
+        value.const_value = StreamedExperts(expert, shape, t.dtype, value.name)
         names.append(value.name)
     return names
 

@@ -75,7 +75,8 @@ Draft heads over the drafts used (`Manifest.draft_index`, every export since it)
 draft_ids / draft_logits / draft_conf for those n positions only. The loop passes 0..n-1 with n + 1
 the longest verify it will run this round (decided before the draft: the controller's lengths,
 the room left), so a verify of s positions pays the head for s - 1 drafts, not K - 1: at a large
-vocabulary the head is most of a draft call. Manifests without it (older exports) score every
+vocabulary the head is a large share of a draft call (Qwen3-30B-A3B's shape: a call scoring one
+draft costs about 0.55x one scoring 15, docs/results.md). Manifests without it (older exports) score every
 draft position (`DRAFT_BLOCK_ALL`).
 
 All-sliding drafters (`Manifest.draft_ring`): the context cache is a ring, position t in slot t mod

@@ -222,7 +222,7 @@ def _round(backend: Backend, rows: list[_Row], st: BatchStats, *, k: int, spec: 
     anchors = np.array([r.anchor for r in rows], np.int64)
     spec = spec and (control is None or control.decide(rows, backend))
     longest, uses = _longest(rows, k, spec)
-    drafts, conf, drafted = _draft(backend, rows, anchors, int(longest.max()) - 1) if spec else (None, None, {})
+    drafts, conf, drafted = _draft(backend, rows, anchors, int(max(longest)) - 1) if spec else (None, None, {})
     t2 = clock()
     lens = _verify_lengths(rows, longest, conf, verify)
     ids, res = _verify(backend, rows, anchors, drafts, lens)

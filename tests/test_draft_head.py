@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from runtime_cases import CASES, artifact, prompts
+from runtime_cases import CASES, artifact, cached, prompts
 
 from dflash_export.export import graphs as G
 from dflash_export.models import Drafter, Target
@@ -218,17 +218,22 @@ def test_tensorrt_engines_take_the_head_length(monkeypatch, tmp_path):
 
 def test_an_export_without_draft_index_still_runs(tmp_path):
     """An artifact of the older contract (exported without the input: Manifest.draft_index absent)
-    loads, its draft calls score all K-1 drafts whatever the loop asks, and short verifies stay
-    lossless; its manifest reads as the older exports' did."""
+    loads, its draft calls score all K-1 drafts whatever the loop asks, short verifies stay
+    lossless, and `check` checks its graphs as they are; its manifest reads as the older exports' did."""
     from dflash_export.export.artifact import export_artifact
     from dflash_export.runtime.manifest import load_manifest
 
     tdir, ddir, _ = artifact(CASES["llama"])
+
+    def build(tmp):
+        export_artifact(tdir, ddir, tmp / "out", max_context=CASES["llama"].max_context, progress=False,
+                        draft_index=False)
+        raw = json.loads((tmp / "out" / "manifest.json").read_text())
+        assert raw.pop("draft_index") is False
+        (tmp / "out" / "manifest.json").write_text(json.dumps(raw))  # what an export before the field wrote
+
     old = tmp_path / "old"
-    export_artifact(tdir, ddir, old, max_context=CASES["llama"].max_context, progress=False, draft_index=False)
-    raw = json.loads((old / "manifest.json").read_text())
-    assert raw.pop("draft_index") is False
-    (old / "manifest.json").write_text(json.dumps(raw))  # what an export before the field wrote
+    shutil.copytree(cached("llama-without-draft-index", "draft_index=False", build) / "out", old)
     m = load_manifest(old)
     assert not C.draft_index(m) and C.DRAFT_INDEX not in C.names(C.DRAFT_BLOCK, m)[0]
     assert C.DRAFT_INDEX not in [t.name for t in m.graphs[C.DRAFT_BLOCK].inputs]
@@ -239,7 +244,10 @@ def test_an_export_without_draft_index_still_runs(tmp_path):
         be.scored.clear()
         assert generate(be, p, 20, stop_token_ids=(), control=Short(K, seed=i)).tokens == ref
         assert set(be.scored) == {K - 1}
-    shutil.rmtree(old)
+    from dflash_export.export.check import run_check
+
+    report = run_check(old, tdir, ddir, prompts=2, max_new_tokens=8, progress=False)  # its graphs as they are
+    assert report.passed and any(r.graph == C.DRAFT_BLOCK for r in report.rows), report.notes
 
 
 def test_calibrated_costs_price_the_head_by_length():

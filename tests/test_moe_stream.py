@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from dflash_export.cli import cli
 from dflash_export.errors import DFlashError
 from dflash_export.export import artifact, moe as moe_export, save, stream
+from dflash_export.export.quantize import QuantOptions
 from dflash_export.models import Target, moe
 from dflash_export.testing import make_drafter, make_target
 
@@ -55,12 +56,14 @@ def test_reader_gives_each_expert_as_the_reference_loads_it(tmp_path, fused):
     assert stream.expert_elements(d) == 2 * 4 * 3 * 16 * 32
 
 
-def test_export_and_quantize_stream_experts_one_at_a_time(tmp_path, monkeypatch):
-    """fp32 + int4 from a fused bf16 checkpoint: each expert is read from the checkpoint once and
-    written (gate/up rows interleaved for the MoE op); no expert initializer is ever asked for
-    whole, by the export or by the quantizer (which copies the experts from the float export's
-    data file, or writes their QMoE form expert by expert from it); the quantized artifact holds
-    the reference's experts, as they are or quantized, and loads in ONNX Runtime."""
+@pytest.mark.parametrize("fused,scheme", [(True, "int4"), (False, "int8")])
+def test_export_quantize_writes_no_float_expert(tmp_path, monkeypatch, fused, scheme):
+    """`export --quantize` from a bf16 checkpoint, either layout: no float expert tensor is ever
+    written, to the hidden float export or anywhere else (every data file's writes are watched:
+    an expert initializer in float is at most a one-expert stand-in), and none is asked for
+    whole; each expert is read from the checkpoint once per quantized part written (codes,
+    scales), with gate/up rows interleaved for the MoE op; the artifact holds the reference's
+    experts quantized (QMoE), and loads in ONNX Runtime."""
     def whole(self):  # (tensors under 1 KiB stay inline in the .onnx file: those are read whole)
         assert self.nbytes < save.INLINE_BELOW, f"{self.name} was materialized whole"
         return whole_of[type(self)](self)
@@ -72,29 +75,43 @@ def test_export_and_quantize_stream_experts_one_at_a_time(tmp_path, monkeypatch)
         return load(self)
 
     fc2, read = stream.ExpertReader.fc2, []
+    externalize, written = save.DataWriter.externalize, []
+
+    def watched(self, graph, model):  # what goes into a data file, as it is written
+        written.extend((self.root.name, v.name, v.const_value.dtype, tuple(v.const_value.shape))
+                       for v in model.graph.initializers.values() if v.const_value.nbytes >= save.INLINE_BELOW)
+        return externalize(self, graph, model)
+
     monkeypatch.setattr(stream.StreamedExperts, "_whole", whole)
     monkeypatch.setattr(stream.StreamedQuantized, "_whole", whole)
     monkeypatch.setattr(ir.ExternalTensor, "_load", load_no_experts)
-    monkeypatch.setattr(stream.ExpertReader, "fc2", lambda self, layer, e: read.append((layer, e)) or fc2(self, layer, e))
-    t = _bf16_target(tmp_path / "t", fused=True)
+    monkeypatch.setattr(stream.ExpertReader, "fc2", lambda self, layer, e, *a: read.append((layer, e)) or fc2(self, layer, e, *a))
+    monkeypatch.setattr(save.DataWriter, "externalize", watched)
+    t = _bf16_target(tmp_path / "t", fused=fused)
     make_drafter(tmp_path / "d", t)
     r = CliRunner().invoke(cli, ["export", "--target", str(t), "--draft", str(tmp_path / "d"), "--out",
-                                 str(tmp_path / "o"), "--moe", "op", "--quantize", "int4", "--quant-block-size", "16",
-                                 "--max-context", "64", "--quiet"])
+                                 str(tmp_path / "o"), "--moe", "op", "--quantize", scheme, "--quant-block-size", "16",
+                                 "--quant-accuracy-level", "0", "--max-context", "64", "--quiet"])
     assert r.exit_code == 0, r.output
-    assert sorted(read) == [(i, e) for i in (0, 1) for e in range(4)]  # each expert read once, from the checkpoint
+    bits = int(scheme[3:])
+    # an expert initializer under its own name is float (its quantized parts are <name>_Q4, <name>_scales)
+    floats = [(root, name, shape) for root, name, _, shape in written if stream.INITIALIZER.search(name)]
+    assert len(floats) == 4 and all(shape[0] == 1 for _, _, shape in floats), floats  # stand-ins of one expert alone
+    assert {root for root, _, _ in floats} == {f".o.partial-{os.getpid()}"}  # in the float export only
+    quantized = {name for _, name, dtype, _ in written if ".mlp.experts." in name and dtype == ir.DataType.UINT8}
+    assert len(quantized) == 4 and all(n.endswith(f"_Q{bits}") for n in quantized), quantized
+    assert sorted(read) == sorted([(i, e) for i in (0, 1) for e in range(4)] * 2)  # codes, then scales
     graph = onnx.load(str(tmp_path / "o" / "target.onnx"))
     assert any(n.op_type == "MatMulNBits" for n in graph.graph.node)
+    assert sum(n.op_type == "QMoE" for n in graph.graph.node) == 2
     got = {i.name: numpy_helper.to_array(i) for i in graph.graph.initializer if ".mlp.experts." in i.name}
     ref = Target.from_pretrained(t)
     want = {}
     for i, b in zip(ref.config.moe.sparse_layers, moe.blocks(ref)):
         want[f"model.layers.{i}.mlp.experts.gate_up_proj"] = moe_export.interleave(b.experts.gate_up_proj.data).numpy()
         want[f"model.layers.{i}.mlp.experts.down_proj"] = b.experts.down_proj.detach().numpy()
-    qmoe = any(n.op_type == "QMoE" for n in graph.graph.node)  # experts quantized (com.microsoft::QMoE) or float
-    if qmoe:
-        want = {f"{name}{suffix}": np.stack([stream.quantize_expert(x, 4, 16)[part] for x in w])
-                for name, w in want.items() for suffix, part in (("_Q4", 0), ("_scales", 1))}
+    want = {f"{name}{suffix}": np.stack([stream.quantize_expert(x, bits, 16)[part] for x in w])
+            for name, w in want.items() for suffix, part in ((f"_Q{bits}", 0), ("_scales", 1))}
     assert sorted(got) == sorted(want)
     for name, w in want.items():
         assert got[name].dtype == w.dtype and np.array_equal(got[name], w), name
@@ -191,6 +208,32 @@ def test_a_checkpoint_that_fails_mid_stream_leaves_nothing(tmp_path, monkeypatch
     assert len(calls) == 3
 
 
+def test_a_checkpoint_changed_mid_stream_is_named_and_leaves_nothing(tmp_path, monkeypatch):
+    """`export --quantize int8`: the checkpoint is replaced after the target loaded (its shapes
+    checked) by one whose layer-1 expert 2 has a wrong down projection. Layer 0's experts are
+    already quantized into the output's staging folder when layer 1's is read: one line naming
+    the tensor and both shapes, exit 2, neither the float export nor the quantized one left."""
+    t = make_target(tmp_path / "t", "qwen3_moe", layers=2, hidden=32, vocab=64)
+    make_drafter(tmp_path / "d", t)
+    bad = {k: v for k, v in load_file(t / "model.safetensors").items()}
+    key = "model.layers.1.mlp.experts.2.down_proj.weight"
+    bad[key] = bad[key][:, :12].contiguous()
+    attach, read = artifact.stream_experts, []
+
+    def replaced_then_attached(*a):  # after the load and the trace, before any expert is read
+        save_file(bad, str(t / "model.safetensors"), metadata={"format": "pt"})
+        return attach(*a)
+
+    fc2 = stream.ExpertReader.fc2
+    monkeypatch.setattr(artifact, "stream_experts", replaced_then_attached)
+    monkeypatch.setattr(stream.ExpertReader, "fc2", lambda self, layer, e, *a: read.append((layer, e)) or fc2(self, layer, e, *a))
+    r = CliRunner().invoke(cli, ["export", "--target", str(t), "--draft", str(tmp_path / "d"), "--out",
+                                 str(tmp_path / "o"), "--quantize", "int8", "--quant-block-size", "16",
+                                 "--quant-accuracy-level", "0", "--max-context", "64", "--quiet"])
+    _nothing_written(tmp_path, r, "model.safetensors", key, "[32, 12]", "[32, 16]")
+    assert read[:4] == [(0, e) for e in range(4)] and read[-1] == (1, 2), read  # mid-stream: after layer 0
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_experts_that_disagree_with_the_config_are_named(tmp_path, fused):
     """Through export, whose target loads with its experts left on disk: the tensor and both shapes."""
@@ -209,3 +252,17 @@ def test_room_check_counts_only_the_weights_export_holds(tmp_path, monkeypatch):
     artifact.check_room(2 * 10**9, tmp_path, "fp32", streamed=15 * 10**8)
     with pytest.raises(DFlashError, match="needs about 2.6 GB of memory"):
         artifact.check_room(2 * 10**9, tmp_path, "fp32")
+
+
+def test_disk_check_counts_streamed_experts_quantized(tmp_path, monkeypatch):
+    """A Qwen3-30B-A3B-sized fp32 export (122 GB, 116 GB of it experts) with --quantize int4 writes
+    no float experts: about 2 x 6 GB + 16 GB, which 40 GB of free disk holds; without it, not."""
+    monkeypatch.setattr(artifact.shutil, "disk_usage", lambda p: type("U", (), {"free": 40 * 10**9})())
+    monkeypatch.setattr(artifact, "available_memory", lambda: None)
+    weights, experts = 122 * 10**9, 116 * 10**9
+    disk = artifact.disk_bytes(weights, experts, "fp32", QuantOptions("int4"), 2048)
+    assert 29 * 10**9 < disk < 31 * 10**9, disk  # 2 x 6 GB + 29e9 weights x (0.5 + 4 / 32) bytes
+    artifact.check_room(weights, tmp_path, "fp32", experts, disk)
+    assert artifact.disk_bytes(weights, experts, "fp32", None, 2048) == weights
+    with pytest.raises(DFlashError, match="writes about 122.0 GB"):
+        artifact.check_room(weights, tmp_path, "fp32", experts, artifact.disk_bytes(weights, experts, "fp32", None, 2048))

@@ -100,6 +100,7 @@ class OrtBackend(Backend):
 
     def close(self) -> None:
         self.sessions, self._io, self.graphs = {}, {}, None  # forks keep theirs: a session is freed with its last user
+        self._io_target, self._bound = {}, {} if self._bound is not None else None  # the bindings they hold
 
     # -- binding: a contract tensor to a buffer, in place ------------------------------------
 
@@ -515,7 +516,7 @@ class OrtBackend(Backend):
             ring_scatter(self.ctx, self.ctx_new, rows, lengths, c, n, self.ring)
         elif B > 1 and self.width > 1:
             scatter(self.ctx_all, self.ctx_new, rows, lengths, c, n)
-        lengths[sl] += n
+        lengths[sl] += c if R == 1 else np.asarray(n)  # one row: its count, an int (no array built)
 
     def draft_block_rows(self, rows, anchors, scored=None):
         self._layout()

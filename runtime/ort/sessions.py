@@ -113,7 +113,7 @@ class Sessions:
         if self.spin:  # spin within a call only: each graph's session has its own pool, and pools left
             # spinning after their call took the vCPU the next graph's workers needed (docs/performance.md)
             opts.add_session_config_entry("session.force_spinning_stop", "1")
-            if self.spin_us:  # an idle worker blocks after this long (ORT 1.26+; docs/performance.md, "Spinning")
+            if self.spin_us:  # an idle worker blocks after this long (docs/performance.md, "Threads and spinning")
                 opts.add_session_config_entry("session.intra_op.spin_duration_us", str(self.spin_us))
         path = self.directory / self.manifest.graphs[graph].file
         for name, t in self.manifest.shared.items():

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The demo pair's speculative round on a quiet machine, part by part, and against llama.cpp:
+# bench/round_profile.py (1 thread: each call's graph run and Python, the loop; wall and CPU; the
+# calls alone vs in a round) and bench/spec_cores.py (--threads 1,2, llama.cpp plain and DFlash beside
+# ours), for the fp32 drafter and the int4 one (`quantize --draft-only`). About 4 minutes on a quiet
+# machine with 2 or more cores.
+#
+# Needs: this repository's venv with the export extras (PY, default .venv/bin/python), the llama.cpp
+# build and the demo GGUFs under ~/.cache/dflash-export/llamacpp (or DFLASH_LLAMACPP_CACHE; see
+# bench/spec_cores.py). Writes the exports under OUT (default /tmp/demo_round) and logs to stdout.
+#
+#     bash bench/demo_round.sh [OUT]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+DX=$(dirname "$PY")/dflash-export
+OUT=${1:-/tmp/demo_round}
+export OMP_WAIT_POLICY=PASSIVE
+mkdir -p "$OUT"
+[ -f "$OUT/b8/manifest.json" ] || "$DX" export --target demo/pair/target --draft demo/pair/draft \
+    --out "$OUT/b8" --attention ort --block-size 8 >/dev/null
+[ -f "$OUT/b8-d4/manifest.json" ] || "$DX" quantize "$OUT/b8" --out "$OUT/b8-d4" --quantize int4 \
+    --draft-only >/dev/null
+echo "== $(date -u +%FT%TZ) $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), load $(cut -d' ' -f1-3 /proc/loadavg)"
+taskset -c 0 "$PY" bench/round_profile.py "$OUT/b8" "$OUT/b8-d4" --threads 1 --prompts 6 --passes 3
+"$PY" bench/spec_cores.py --ours "f32=$OUT/b8" --ours "d4=$OUT/b8-d4" --threads 1,2 --rounds 2 --calibrate --json
+echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg)"
