@@ -334,7 +334,7 @@ def dequantize_nodes(gather, parts: list[str], bits: int, block: int, nk: tuple[
                                                        value=numpy_helper.from_array(np.array(v, dt), f"{p}_{n}"))
     take = lambda src, dst: helper.make_node(gather.op_type, [src, idx], [dst], **attrs_of(gather))  # noqa: E731
     nodes = [take(parts[0], f"{p}_codes"), take(parts[1], f"{p}_scales"),
-             const("blocks", [-1, n, blocks, block * bits // 8]), const("last", [-1]), const("width", [k]),
+             const("blocks", [-1, n, blocks, block * bits // 8]), const("width", [k]),
              helper.make_node("Shape", [f"{p}_codes"], [f"{p}_lead"], end=-1),  # the gathered dims and N
              helper.make_node("Reshape", [f"{p}_codes", f"{p}_blocks"], [f"{p}_packed"])]
     q = _unpacked(nodes, f"{p}_packed", bits, p, [-1, n, blocks, block])
@@ -343,7 +343,7 @@ def dequantize_nodes(gather, parts: list[str], bits: int, block: int, nk: tuple[
         nodes += [take(parts[2], f"{p}_zg"), const("zrows", [-1, n, zb]),
                   helper.make_node("Reshape", [f"{p}_zg", f"{p}_zrows"], [f"{p}_zpacked"])]
         z = _unpacked(nodes, f"{p}_zpacked", bits, f"{p}_z", [-1, n, zb * 8 // bits])
-        nodes += [const("zstart", [0]), const("zend", [blocks]), const("zaxis", [2]),
+        nodes += [const("zstart", [0]), const("zend", [blocks]), const("zaxis", [2]), const("last", [-1]),
                   helper.make_node("Slice", [z, f"{p}_zstart", f"{p}_zend", f"{p}_zaxis"], [f"{p}_zu"]),
                   helper.make_node("Cast", [f"{p}_zu"], [f"{p}_zf"], to=to),
                   helper.make_node("Unsqueeze", [f"{p}_zf", f"{p}_last"], [f"{p}_zero"])]
