@@ -55,8 +55,9 @@ def test_manifest_describes_the_files(art):
     assert spec["taps"].shape == ["batch", "seq", 1 * 64]
     b = m.graphs[C.DRAFT_BLOCK]
     assert b.inputs[0].shape == ["batch", 4]  # static block
-    assert [(x.name, x.shape) for x in b.outputs] == [("draft_ids", ["batch", 3]), ("draft_logits", ["batch", 3, 101]),
-                                                  ("draft_conf", ["batch", 3])]
+    assert [(x.name, x.shape) for x in b.outputs] == [("draft_ids", ["batch", "scored"]),
+                                                  ("draft_logits", ["batch", "scored", 101]),
+                                                  ("draft_conf", ["batch", "scored"])]  # the head over the drafts a verify uses
     ctx = m.graphs[C.DRAFT_CONTEXT]
     assert [x.name for x in ctx.outputs] == ["ctx_key.0", "ctx_value.0"]  # more layers: test_export_archs
     assert ctx.outputs[0].shape == ["batch", "ctx", 2, 16]

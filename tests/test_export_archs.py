@@ -35,9 +35,9 @@ def test_manifest(art):
     assert m.block_size == 16 and m.max_context == case.max_context
     assert m.architecture == {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
     assert m.graphs[C.DRAFT_BLOCK].inputs[0].shape == ["batch", 16]
-    assert m.graphs[C.DRAFT_BLOCK].outputs[1].shape == ["batch", 15, m.vocab_size]
+    assert m.graphs[C.DRAFT_BLOCK].outputs[1].shape == ["batch", "scored", m.vocab_size]  # the drafts a verify uses
     assert len(m.graphs[C.TARGET].inputs) == 4 + 2 * m.target_layers  # + past_lengths, logits_index
-    assert len(m.graphs[C.DRAFT_BLOCK].inputs) == 3 + 2 * m.draft_layers  # + ctx_lengths
+    assert len(m.graphs[C.DRAFT_BLOCK].inputs) == 4 + 2 * m.draft_layers  # + ctx_lengths, draft_index
     ctx = [f"ctx_{kv}.{j}" for j in range(m.draft_layers) for kv in ("key", "value")]
     assert [x.name for x in m.graphs[C.DRAFT_CONTEXT].outputs] == ctx
     windows = [DraftConfig.load(draft).layer_window(j) for j in range(m.draft_layers)]
