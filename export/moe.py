@@ -330,8 +330,7 @@ def dequantize_nodes(gather, parts: list[str], bits: int, block: int, nk: tuple[
     (n, k), blocks, p = nk, nk[1] // block, f"{out}_dq"
     zb = (blocks * bits + 7) // 8
     to = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    const = lambda n, v, dt=np.int64: helper.make_node("Constant", [], [f"{p}_{n}"],  # noqa: E731
-                                                       value=numpy_helper.from_array(np.array(v, dt), f"{p}_{n}"))
+    const = lambda n, v, dt=np.int64: _const(f"{p}_{n}", v, dt)  # noqa: E731
     take = lambda src, dst: helper.make_node(gather.op_type, [src, idx], [dst], **attrs_of(gather))  # noqa: E731
     nodes = [take(parts[0], f"{p}_codes"), take(parts[1], f"{p}_scales"),
              const("blocks", [-1, n, blocks, block * bits // 8]), const("width", [k]),
@@ -363,16 +362,20 @@ def _unpacked(nodes: list, src: str, bits: int, p: str, shape: list[int]) -> str
     reshaped to `shape`; int8: `src` itself), the nodes that make it appended to `nodes`."""
     if bits == 8:
         return src
-    c = lambda n, v, dt=np.int64: helper.make_node("Constant", [], [f"{p}_{n}"],  # noqa: E731
-                                                   value=numpy_helper.from_array(np.array(v, dt), f"{p}_{n}"))
-    nodes += [c("mask", 15, np.uint8), c("four", 4, np.uint8), c("pairs", [-1]), c("shape", shape),
-            helper.make_node("BitwiseAnd", [src, f"{p}_mask"], [f"{p}_lo"]),
-            helper.make_node("BitShift", [src, f"{p}_four"], [f"{p}_hi"], direction="RIGHT"),
-            helper.make_node("Unsqueeze", [f"{p}_lo", f"{p}_pairs"], [f"{p}_lo1"]),
-            helper.make_node("Unsqueeze", [f"{p}_hi", f"{p}_pairs"], [f"{p}_hi1"]),
-            helper.make_node("Concat", [f"{p}_lo1", f"{p}_hi1"], [f"{p}_both"], axis=-1),
+    nodes += [_const(f"{p}_mask", 15, np.uint8), _const(f"{p}_four", 4, np.uint8), _const(f"{p}_pairs", [-1]),
+              _const(f"{p}_shape", shape),
+              helper.make_node("BitwiseAnd", [src, f"{p}_mask"], [f"{p}_lo"]),
+              helper.make_node("BitShift", [src, f"{p}_four"], [f"{p}_hi"], direction="RIGHT"),
+              helper.make_node("Unsqueeze", [f"{p}_lo", f"{p}_pairs"], [f"{p}_lo1"]),
+              helper.make_node("Unsqueeze", [f"{p}_hi", f"{p}_pairs"], [f"{p}_hi1"]),
+              helper.make_node("Concat", [f"{p}_lo1", f"{p}_hi1"], [f"{p}_both"], axis=-1),
               helper.make_node("Reshape", [f"{p}_both", f"{p}_shape"], [f"{p}_unpacked"])]
     return f"{p}_unpacked"
+
+
+def _const(name: str, value, dtype=np.int64):
+    """A Constant node whose output `name` is `value` as a `dtype` array."""
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(value, dtype), name))
 
 
 def gathered_parts(proto) -> list[tuple[str, str, str, str | None, int]]:

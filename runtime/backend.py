@@ -196,7 +196,7 @@ class Backend(ABC):
         """`draft_block` per row at its own context length: (draft ids [R, K-1], conf [R, K-1] or None);
         `scored`: as draft_block's, [R, n] where the graph takes draft_index."""
         self._one_row(rows)
-        d = self.draft_block(int(anchors[0])) if scored is None else self.draft_block(int(anchors[0]), scored)
+        d = self.draft_block(int(anchors[0]), scored)
         return d.ids[None], None if d.conf is None else d.conf[None]
 
     def draft_logits_rows(self, n: int) -> np.ndarray:
@@ -360,6 +360,13 @@ def span(rows):
     and a round of a small model makes several such operations a call."""
     b0 = rows[0]
     return slice(b0, b0 + len(rows)) if list(rows) == list(range(b0, b0 + len(rows))) else rows
+
+
+def scored_drafts(m: Manifest, scored: int | None) -> int:
+    """The drafts a draft_block call scores: `scored` within 1..K-1 (None: all K-1) where the graph
+    takes draft_index (contract.DRAFT_INDEX), else all K-1."""
+    k = m.block_size - 1
+    return min(max(1, scored or k), k) if C.draft_index(m) else k
 
 
 def check_context_counts(rows, n, last: int, lengths: np.ndarray, max_len: int) -> None:

@@ -260,9 +260,8 @@ def choose_spin(rates: dict[tuple, float]) -> dict[int, tuple[bool, int | None]]
     out = {}
     for t in sorted({k[0] for k in rates}):
         mine = {k[1:]: r for k, r in rates.items() if k[0] == t}
-        best = max(mine.values())
-        order = sorted(mine, key=lambda m: (m[0], m[1] is None, m[1] or 0))  # less spinning first
-        out[t] = next(m for m in order if 1 / max(mine[m], 1e-12) <= (1 + THREAD_MARGIN) / max(best, 1e-12))
+        less = {(m[0], m[1] is None, m[1] or 0): m for m in mine}  # ordered by how much it spins
+        out[t] = less[fastest({o: 1 / max(mine[m], 1e-12) for o, m in less.items()}, THREAD_MARGIN)]
     return out
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .. import contract as C, manifest as M
-from ..backend import Backend, Draft, TargetOut, check_context_counts, span
+from ..backend import Backend, Draft, TargetOut, check_context_counts, scored_drafts, span
 from ...errors import InternalError
 from ..hybrid import LinearStates
 from ..window import WindowRings
@@ -521,7 +521,7 @@ class OrtBackend(Backend):
     def draft_block_rows(self, rows, anchors, scored=None):
         self._layout()
         m, g, R, B, K = self.manifest, C.DRAFT_BLOCK, len(rows), self.max_batch, self.manifest.block_size
-        n = self._scored = min(max(1, scored or K - 1), K - 1) if C.draft_index(m) else K - 1
+        n = self._scored = scored_drafts(m, scored)
         lengths = self.ctx_lengths
         sl = span(rows)
         P = min(int(lengths[rows[0]]) if R == 1 else int(lengths[sl].max()), self._ctx_len)  # a ring: every slot

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..backend import Backend, Draft, TargetOut, check_context_counts
+from ..backend import Backend, Draft, TargetOut, check_context_counts, scored_drafts
 from .. import contract as C
 from ..names import names_of
 from ..contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, draft_vocab_size
@@ -258,10 +258,9 @@ class TensorRTBackend(Backend):
     def _scoring(self, scored: int | None, addrs: dict) -> int:
         """The drafts this draft_block call scores (all K-1 where the graph has no draft_index);
         binds draft_index."""
-        if not C.draft_index(self.manifest):
-            return self.k - 1
-        addrs[C.DRAFT_INDEX] = self.d_dindex
-        return min(max(1, scored or self.k - 1), self.k - 1)
+        if C.draft_index(self.manifest):
+            addrs[C.DRAFT_INDEX] = self.d_dindex
+        return scored_drafts(self.manifest, scored)
 
     def draft_block(self, anchor: int, scored: int | None = None) -> Draft:
         N = self.names
