@@ -216,7 +216,7 @@ def set_aside(model, keep: set[str]) -> dict:
         if value.name in keep or t is None or not t.shape or t.nbytes < INLINE_BELOW:
             continue
         aside[value.name] = t
-        value.const_value = ir.Tensor(np.zeros((1, *t.shape[1:]), t.dtype.numpy()), dtype=t.dtype)
+        value.const_value = stream.first_row_zeros(t)
     return aside
 
 

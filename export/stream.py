@@ -249,9 +249,15 @@ def stand_ins(model) -> dict[str, StreamedExperts]:
         t = value.const_value
         if isinstance(t, StreamedExperts):
             out[value.name] = t
-            value.const_value = ir.Tensor(np.zeros((1, *t.shape[1:]), t.np_dtype), dtype=t.dtype, name=value.name)
+            value.const_value = first_row_zeros(t, value.name)
             value.shape = value.const_value.shape
     return out
+
+
+def first_row_zeros(t, name: str | None = None) -> ir.Tensor:
+    """A stand-in of `t`'s first row (a routed expert tensor's: one expert) in zeros: what goes
+    through validation and the quantizers in place of a tensor whose bytes stay where they are."""
+    return ir.Tensor(np.zeros((1, *t.shape[1:]), t.dtype.numpy()), dtype=t.dtype, name=name)
 
 
 def restore(model, experts: dict[str, StreamedExperts]) -> None:
