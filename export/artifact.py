@@ -129,7 +129,7 @@ def check_room(weight_bytes: int, out: Path, dtype: str, streamed: int = 0, disk
                           f"free disk space, choose another --out, or {smaller}")
 
 
-def disk_bytes(weight_bytes: int, streamed: int, dtype: str, quantize, hidden: int) -> int:
+def disk_bytes(weight_bytes: int, streamed: int, dtype: str, quantize, hidden: int, expert_size: int) -> int:
     """About what `export` writes beside `--out`: its float export (`weight_bytes`). With
     --quantize and streamed experts, the float export holds all but the experts and the
     quantized export follows it: the rest again (at most its float size) and the experts
@@ -138,7 +138,7 @@ def disk_bytes(weight_bytes: int, streamed: int, dtype: str, quantize, hidden: i
     if quantize is None or not streamed:
         return weight_bytes
     held, elements = weight_bytes - streamed, streamed // BYTES[dtype]
-    block = quantize.block_size or default_block_size(quantize.scheme, hidden, True)
+    block = quantize.block_size or default_block_size(quantize.scheme, hidden, expert_size)
     per_weight = quantize.bits / 8 + (BYTES[dtype] + (0 if quantize.symmetric else 1)) / block
     return 2 * held + (int(elements * per_weight) if quantize.target else streamed)
 
@@ -292,7 +292,8 @@ def export_artifact(
     if room_check:
         experts_bytes = BYTES[dtype] * stream.expert_elements(target_dir) if streams else 0
         check_room(weight_bytes, out, dtype, experts_bytes,
-                   disk_bytes(weight_bytes, experts_bytes, dtype, quantize, tc.hidden_size))
+                   disk_bytes(weight_bytes, experts_bytes, dtype, quantize, tc.hidden_size,
+                              tc.moe.expert_size if tc.moe else 0))
     manifest = new_manifest(tc, dc, k, mask, dtype, max_context, eos, attention, vocab_record, moe_path)
     manifest.draft_index = draft_index and manifest.selector is None  # DFlash 2's selector walks every position
     manifest.row_counts = attention == "ort"
