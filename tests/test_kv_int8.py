@@ -9,20 +9,15 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from runtime_cases import Case, artifact, prompts
+from runtime_cases import KV8_CASES, artifact, prompts
 
 from dflash_export.cli import cli
 from dflash_export.export.check import run_check
 from dflash_export.export.gqa import gqa
+from dflash_export.export.trt_lint import lint_dir
 from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.loop import Request, generate, generate_batch
 from dflash_export.runtime.ort.backend import OrtBackend
-
-KV8_CASES = {
-    "qwen3": Case("qwen3", layers=2, draft_layers=1, block=8, seed=4, attention="ort", kv_cache="int8"),
-    # head_dim 24: q/k rotate in the graph, GroupQueryAttention quantizes them as given
-    "llama": Case("llama", layers=2, draft_layers=1, block=4, tie=True, seed=3, hidden=96, attention="ort", kv_cache="int8"),
-}
 
 
 @pytest.fixture(scope="module", params=list(KV8_CASES))
@@ -141,3 +136,22 @@ def test_info_shows_the_cache_type(case):
     r = CliRunner().invoke(cli, ["info", str(out), "--no-verify"])
     assert r.exit_code == 0 and "kv cache int8, per-channel scales" in r.output, r.output
     assert any("past_key.{i}" in ln and ln.rstrip().split("]")[-1].split()[0] == "int8" for ln in r.output.splitlines())
+
+
+def test_int4_weights_keep_the_int8_cache(tmp_path):
+    """quantize keeps the scales and the record; check: parity vs the dequantized weights, speculative == plain."""
+    from dflash_export.export.quantize import QuantOptions, quantize_artifact
+
+    t_dir, d_dir, out = artifact(KV8_CASES["qwen3"])
+    q = quantize_artifact(out, tmp_path / "q", QuantOptions(scheme="int4", block_size=16), progress=False)
+    assert q.kv_cache == M.load_manifest(out).kv_cache and q.quantization["scheme"] == "int4"
+    report = run_check(tmp_path / "q", t_dir, d_dir, prompts=3, max_new_tokens=12, progress=False)
+    print(report.summary())
+    assert report.passed and report.end_to_end["speculative_equals_plain"] == 3, report.summary()
+
+
+def test_tensorrt_refuses_it_by_the_flavour():
+    """TensorRT cannot run GroupQueryAttention: `build` refuses the ort flavour, int8 cache or not."""
+    _, _, out = artifact(KV8_CASES["qwen3"])
+    errors = [f for f in lint_dir(out) if f.level == "error"]
+    assert errors and "--attention standard" in str(errors[0])
