@@ -293,7 +293,7 @@ def compare_moe(src: Path, bins: Path, name: str, layers: int, a) -> list[dict]:
                 gguf = quantize(bins, f32, LLAMA_QUANT[fmt])
         if fmt != "fp32" and f32.is_file() and not a.keep_f32:  # 4 bytes a weight: room on disk for the next one
             f32.unlink()
-        out = a.ours.get(fmt) or export(tdir, ddir, f"{name}-{key}", a.max_context, our_options(fmt, a.accuracy_level))
+        out = a.ours.get(fmt) or export(tdir, ddir, f"{name}-{key}", a.max_context, our_options(fmt, a.accuracy_level, a.quant_block_size))
         base = base_record(label, layers, fmt, out, gguf)
         for t in a.threads:
             tg, pv, ours = [], [], []

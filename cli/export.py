@@ -86,6 +86,13 @@ def quant_request(quantize, block_size, asymmetric, draft, draft_only, lm_head, 
               help="standard: plain ai.onnx ops (every provider, TensorRT); ort: the target's attention as ONNX "
                    "Runtime's com.microsoft GroupQueryAttention over a cache updated in place (step cost flat in "
                    "context; ONNX Runtime CPU/CUDA only).")
+@click.option("--kv-cache", type=click.Choice(["int8"]), default=None,
+              help="With --attention ort: the target's K/V cache in int8 with static per-channel scales "
+                   "calibrated at export on text the target generates (a quarter of fp32's cache bytes: long-context "
+                   "decode reads less) [default: the model dtype].")
+@click.option("--kv-calibration", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE", default=None,
+              help="Prompts (one a line, tokenized with the target's tokenizer) the --kv-cache scales are calibrated on "
+                   "[default: a few seed prompts].")
 @click.option("--moe", type=click.Choice(["op", "standard"]), default=None,
               help="Mixture-of-experts targets only: how target.onnx runs the experts. op: ONNX Runtime's "
                    "com.microsoft::MoE, one node per layer that runs only the selected experts (CPU, fp32, "
@@ -98,7 +105,8 @@ def quant_request(quantize, block_size, asymmetric, draft, draft_only, lm_head, 
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, block_size, max_context, mask_token_id, opset,
            attention, quantize, quant_block_size, quant_asymmetric, quantize_draft, draft_only, quantize_lm_head, quantize_embedding,
-           quant_head_bits, quant_accuracy_level, draft_vocab, draft_vocab_data, moe, force, no_room_check, quiet):
+           quant_head_bits, quant_accuracy_level, draft_vocab, draft_vocab_data, kv_cache, kv_calibration, moe, force,
+           no_room_check, quiet):
     """Trace a target and its DFlash drafter to ONNX: target.onnx, draft_context.onnx,
     draft_block.onnx, their external weights (weights several graphs hold stored once, in
     shared.data), the tokenizer files and manifest.json with the sha256 of every file and
@@ -119,6 +127,7 @@ def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, bloc
       dflash-export export --target t --draft d --out art4 --quantize int4 --quantize-draft
       dflash-export export --target t --draft d --out art --draft-vocab 32768 --draft-vocab-data corpus.jsonl
       dflash-export export --target Qwen3-30B-A3B --draft d --out art --moe standard   # TensorRT
+      dflash-export export --target t --draft d --out art --attention ort --kv-cache int8
     """
     q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, draft_only, quantize_lm_head, quantize_embedding,
                       quant_head_bits, quant_accuracy_level)
@@ -127,7 +136,8 @@ def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, bloc
     export_artifact.export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
                     mask_token_id=mask_token_id, opset=opset, attention=attention, force=force, progress=not quiet,
                     quantize=q,
-                    draft_vocab=draft_vocab, draft_vocab_data=draft_vocab_data, room_check=not no_room_check, moe=moe)
+                    draft_vocab=draft_vocab, draft_vocab_data=draft_vocab_data, room_check=not no_room_check, moe=moe,
+                    kv_cache=kv_cache, kv_calibration=kv_calibration)
 
 
 @click.command()

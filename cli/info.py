@@ -57,6 +57,7 @@ def describe(out: Path, verify: bool = True) -> dict:
         "sources": m.sources,
         "runtime": runtime_choices(out, m.block_size),
         "moe": m.moe,
+        "kv_cache": m.kv_cache,
         "quantization": m.quantization and {k: v for k, v in m.quantization.items() if k != "weights"},
     }
 
@@ -200,6 +201,11 @@ def print_info(d: dict, out: Path) -> None:
             click.echo(f"{what} {source_line(rec)}")
     click.echo(f"export   {d['dtype']}, attention {flavour.get(d['attention'], d['attention'])}, block size {d['block_size']}, max context {d['max_context']}, opset {d['opset']}, "
                f"eos {d['eos_token_ids']}, tokenizer {'yes' if d['tokenizer'] else 'no'}")
+    kv = d.get("kv_cache")
+    if kv:
+        cal = kv.get("calibration") or {}
+        click.echo(f"kv cache {kv['dtype']}, {kv['scales']} scales (static: absmax x {kv['margin']:g} over "
+                   f"{cal.get('prompts', '?')} prompts of {cal.get('source', '?')} + {cal.get('new_tokens', '?')} generated tokens)")
     if d["quantization"]:
         click.echo(f"quant    {quant_line(d['quantization'])}")
     if d["moe"]:

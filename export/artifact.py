@@ -37,6 +37,7 @@ checkpoint = lazy_import("dflash_export.models.checkpoint")
 dflash2 = lazy_import("dflash_export.models.dflash2")  # load_draft_config / load_drafter: either family
 gdn = lazy_import("dflash_export.models.gdn")
 graphs = lazy_import("dflash_export.export.graphs")
+kv_calibrate = lazy_import("dflash_export.export.kv_calibrate")
 moe_graphs = lazy_import("dflash_export.export.moe")
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -129,7 +130,7 @@ def check_room(weight_bytes: int, out: Path, dtype: str, streamed: int = 0, disk
                           f"free disk space, choose another --out, or {smaller}")
 
 
-def disk_bytes(weight_bytes: int, streamed: int, dtype: str, quantize, hidden: int) -> int:
+def disk_bytes(weight_bytes: int, streamed: int, dtype: str, quantize, hidden: int, expert_size: int) -> int:
     """About what `export` writes beside `--out`: its float export (`weight_bytes`). With
     --quantize and streamed experts, the float export holds all but the experts and the
     quantized export follows it: the rest again (at most its float size) and the experts
@@ -138,7 +139,7 @@ def disk_bytes(weight_bytes: int, streamed: int, dtype: str, quantize, hidden: i
     if quantize is None or not streamed:
         return weight_bytes
     held, elements = weight_bytes - streamed, streamed // BYTES[dtype]
-    block = quantize.block_size or default_block_size(quantize.scheme, hidden, True)
+    block = quantize.block_size or default_block_size(quantize.scheme, hidden, expert_size)
     per_weight = quantize.bits / 8 + (BYTES[dtype] + (0 if quantize.symmetric else 1)) / block
     return 2 * held + (int(elements * per_weight) if quantize.target else streamed)
 
@@ -260,6 +261,8 @@ def export_artifact(
     draft_vocab_data: list | tuple = (),
     moe: str | None = None,
     draft_index: bool = True,
+    kv_cache: str | None = None,
+    kv_calibration: str | Path | None = None,
 ) -> M.Manifest:
     """Trace, save, validate and describe one artifact directory; atomic on failure.
 
@@ -270,7 +273,9 @@ def export_artifact(
     never written in float: the quantizer reads them from the checkpoint (export/stream.py).
     moe: a mixture-of-experts target's graph form, "op" | "standard" (export/moe.py; None: the
     default for this dtype). draft_index False: draft_block without contract.DRAFT_INDEX, as
-    exports before it (tests of older artifacts)."""
+    exports before it (tests of older artifacts). kv_cache "int8": the ort flavour's cache quantized
+    with per-channel scales calibrated here (export/kv_calibrate.py) from the prompts of
+    `kv_calibration` (a file, one a line) or a few seed prompts."""
     out = Path(out_dir).absolute()
     tsrc, dsrc = S.resolve(target_dir, what="target"), S.resolve(draft_dir, what="drafter")
     target_dir, draft_dir = tsrc.path, dsrc.path
@@ -280,6 +285,7 @@ def export_artifact(
     check_out_dir(out, force)
     tc, dc, k, mask = plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset, dsrc.label)
     moe_path = graph_form(tc, dtype, attention, moe)
+    check_kv_cache(kv_cache, attention, kv_calibration)
     eos = eos_ids(target_dir, tc.eos_token_ids)
     vocab_ids, vocab_record = plan_draft_vocab(draft_vocab, draft_vocab_data, target_dir, tc.vocab_size, eos, dc.family,
                                                dc.draft_vocab_size)
@@ -292,7 +298,8 @@ def export_artifact(
     if room_check:
         experts_bytes = BYTES[dtype] * stream.expert_elements(target_dir) if streams else 0
         check_room(weight_bytes, out, dtype, experts_bytes,
-                   disk_bytes(weight_bytes, experts_bytes, dtype, quantize, tc.hidden_size))
+                   disk_bytes(weight_bytes, experts_bytes, dtype, quantize, tc.hidden_size,
+                              tc.moe.expert_size if tc.moe else 0))
     manifest = new_manifest(tc, dc, k, mask, dtype, max_context, eos, attention, vocab_record, moe_path)
     manifest.draft_index = draft_index and manifest.selector is None  # DFlash 2's selector walks every position
     manifest.row_counts = attention == "ort"
@@ -308,8 +315,17 @@ def export_artifact(
                                                   vocab_ids=vocab_ids, label=dsrc.label)
             if vocab_ids is None and drafter.vocab_ids is not None:
                 manifest.draft_vocab = own_vocab_record(drafter)
+        kv_scales = None
+        if kv_cache is not None:
+            prompts, source = kv_calibrate.seed_prompts(target_dir, tc.vocab_size, kv_calibration)
+            with ui.phase("calibrate", f"int8 cache scales over {len(prompts)} prompts ({source})"):
+                fp = graphs.wrapper(C.TARGET, target, drafter, attention, manifest.max_context)
+                kv_scales = kv_calibrate.calibrate(fp, prompts, manifest.max_context)
+                manifest.kv_cache = {"dtype": kv_cache, "scales": "per-channel", "margin": kv_calibrate.MARGIN,
+                                     "calibration": {"prompts": len(prompts), "source": source,
+                                                     "new_tokens": kv_calibrate.NEW_TOKENS}}
         with ui.phase("trace", f"3 graphs, block size {k} (torch.onnx dynamo)"):
-            models = trace_graphs(target, drafter, manifest, tc, tdtype, opset, attention)
+            models = trace_graphs(target, drafter, manifest, tc, tdtype, opset, attention, kv_scales)
             experts = {}
             if streamed:  # the experts' bytes go from the checkpoint to target.data as it is written
                 stream_experts(models[C.TARGET], target_dir, tc, moe_path)
@@ -353,6 +369,22 @@ def graph_form(tc, dtype: str, attention: str, moe: str | None) -> str | None:
     return moe_graphs.choose_path(moe, dtype, tc.moe.activation) if tc.moe is not None else None
 
 
+KV_CACHE_TYPES = ("int8",)  # export --kv-cache (beside the default: the model dtype)
+
+
+def check_kv_cache(kv_cache: str | None, attention: str, calibration) -> None:
+    """Refuse a quantized cache where ONNX Runtime's GroupQueryAttention does not keep the cache."""
+    if kv_cache is None:
+        if calibration is not None:
+            raise DFlashError("--kv-calibration needs --kv-cache int8")
+        return
+    if kv_cache not in KV_CACHE_TYPES:
+        raise DFlashError(f"--kv-cache must be one of {', '.join(KV_CACHE_TYPES)} (got {kv_cache!r})")
+    if attention != "ort":
+        raise DFlashError(f"--kv-cache {kv_cache} needs --attention ort (ONNX Runtime's GroupQueryAttention keeps the "
+                          "quantized cache; the standard flavour's cache is in the model dtype)")
+
+
 def new_manifest(tc, dc, k: int, mask: int, dtype: str, max_context: int, eos: list[int], attention: str,
                  vocab_record, moe_path: str | None) -> M.Manifest:
     """The manifest as far as the configs say (the graphs, their opset, sources and files come later)."""
@@ -385,11 +417,13 @@ def load_pair(target_dir: Path, draft_dir: Path, dc, tdtype, *, streams: bool, m
     return target, drafter, streamed
 
 
-def trace_graphs(target, drafter, manifest: M.Manifest, tc, tdtype, opset: int | None, attention: str) -> dict:
+def trace_graphs(target, drafter, manifest: M.Manifest, tc, tdtype, opset: int | None, attention: str,
+                 kv_scales: list | None = None) -> dict:
     """The three graphs traced (export/trace.py), shape constants folded, initializers named and stored
     as the runtime reads them."""
     models = {g: T.trace(g, graphs.wrapper(g, target, drafter, attention, manifest.max_context,
-                                           ring=manifest.draft_ring, index=C.draft_index(manifest)), manifest, tdtype,
+                                           ring=manifest.draft_ring, index=C.draft_index(manifest), kv_scales=kv_scales),
+                         manifest, tdtype,
                          opset) for g in C.GRAPHS}
     for model in models.values():
         T.fold_shape_constants(model)

@@ -53,6 +53,7 @@ reference = lazy_import("dflash_export.models")
 dflash2 = lazy_import("dflash_export.models.dflash2")
 generate2 = lazy_import("dflash_export.models.generate_dflash2")
 G = lazy_import("dflash_export.export.graphs")
+kv_calibrate = lazy_import("dflash_export.export.kv_calibrate")
 
 TOLERANCE = 1e-4  # fp32 absolute, on logits, taps and K/V alike
 
@@ -82,6 +83,7 @@ class Report:
     draft_vocab: int | None = None  # N of a reduced draft vocabulary (None: the whole vocabulary)
     accuracy: dict | None = None  # quantized: the target logits' error by cause (accuracy_effect)
     warnings: list[str] = field(default_factory=list)  # sources that no longer match the manifest's record
+    kv_cache: dict | None = None  # the ort flavour's int8 cache (Manifest.kv_cache): the PyTorch source keeps a float one
 
     @property
     def passed(self) -> bool:
@@ -89,8 +91,9 @@ class Report:
         if not e2e:
             ok_e2e = True
         else:
-            ok_e2e = not self.strict or e2e["identical"] == e2e["cases"]
-            if self.quantization is not None:
+            # an int8 cache: the source's own greedy (float cache) is reported; speculative == plain holds
+            ok_e2e = not self.strict or self.kv_cache is not None or e2e["identical"] == e2e["cases"]
+            if self.quantization is not None or self.kv_cache is not None:
                 ok_e2e = ok_e2e and e2e["speculative_equals_plain"] == e2e["cases"]
         return bool(self.rows) and all(r.passed for r in self.rows) and ok_e2e
 
@@ -108,8 +111,9 @@ class Report:
         e = self.end_to_end
         if e:
             line += f", {e['identical']}/{e['cases']} prompts token-identical to PyTorch"
-            if self.quantization is not None:
-                line += f" (dequantized weights), speculative == plain on {e['speculative_equals_plain']}/{e['cases']}"
+            if self.quantization is not None or self.kv_cache is not None:
+                what = "float cache" if self.quantization is None else "dequantized weights"
+                line += f" ({what}), speculative == plain on {e['speculative_equals_plain']}/{e['cases']}"
         if self.draft_vocab:
             line += f", draft vocabulary {self.draft_vocab}"
         return line + (": PASSED" if self.passed else ": FAILED")
@@ -120,7 +124,7 @@ class Report:
             graphs.setdefault(r.graph, []).append({k: v for k, v in asdict(r).items() if k != "graph"})
         return {"passed": self.passed, "dtype": self.dtype, "tolerance": TOLERANCE if self.strict else None,
                 "quantization": self.quantization, "graphs": graphs, "end_to_end": self.end_to_end, "notes": self.notes,
-                "draft_vocab": self.draft_vocab, "accuracy": self.accuracy, "warnings": self.warnings}
+                "draft_vocab": self.draft_vocab, "accuracy": self.accuracy, "warnings": self.warnings, "kv_cache": self.kv_cache}
 
 
 def accuracy_effect(rows: list[Row], q: dict) -> dict:
@@ -204,14 +208,15 @@ def draft_vocab_ids(root: Path, m: M.Manifest) -> np.ndarray:
     raise DFlashError(f"{path}: no vocab_ids of {m.draft_vocab['size']} tokens, which the manifest's draft_vocab says it has; re-export")
 
 
-def cases(target, drafter, m: M.Manifest, seed: int):
-    """(graph, case, torch module, inputs in graph order) for every regime that matters."""
+def cases(target, drafter, m: M.Manifest, seed: int, kv_scales=None):
+    """(graph, case, torch module, inputs in graph order) for every regime that matters
+    (`kv_scales`: the ort flavour's int8 cache, kv_calibrate.read_scales)."""
     g = torch.Generator().manual_seed(seed)
     K, P, S = m.block_size, 9, 7
     ids = lambda n: torch.randint(0, m.vocab_size, (1, n), generator=g)  # noqa: E731
     pos = lambda a, n: torch.arange(a, a + n)[None]  # noqa: E731
     ragged = C.ragged(m)
-    tg, cg, bg = (G.wrapper(g, target, drafter, C.flavour(m), m.max_context, ragged, C.ring(m), C.draft_index(m))
+    tg, cg, bg = (G.wrapper(g, target, drafter, C.flavour(m), m.max_context, ragged, C.ring(m), C.draft_index(m), kv_scales)
                   for g in (C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK))
     with torch.inference_mode():
         _, taps, past = target(ids(P), pos(0, P), target.empty_kv())
@@ -221,7 +226,7 @@ def cases(target, drafter, m: M.Manifest, seed: int):
             cache.append(past)
             past = cache.view()
     block = lambda: torch.cat([ids(1), torch.full((1, K - 1), m.mask_token_id)], 1)  # noqa: E731
-    cached = lambda kv, p, s: target_inputs(m, kv, p, s)  # noqa: E731
+    cached = lambda kv, p, s: target_inputs(m, kv, p, s, scales=kv_scales)  # noqa: E731
     yield C.TARGET, f"prefill P=0 S={S}", tg, [ids(S), pos(0, S), *cached(target.empty_kv(), 0, S)]
     yield C.TARGET, f"step P={P} S=1", tg, [ids(1), pos(P, 1), *cached(past, P, 1)]
     yield C.TARGET, f"verify P={P} S={K}", tg, [ids(K), pos(P, K), *cached(past, P, K)]
@@ -284,6 +289,12 @@ def compare(graph: str, case: str, names: list[str], got: list[np.ndarray], ref:
         if o.shape != r.shape:
             rows.append(Row(graph, case, name, float("inf"), float("inf"), float("inf"), TOLERANCE if strict else None, None, False))
             continue
+        if r.dtype == np.int8:  # an int8 cache: a value at a rounding boundary may land one step either side
+            err = np.abs(o.astype(np.int32) - r.astype(np.int32)).ravel()
+            mx = float(err.max()) if err.size else 0.0
+            mean, p99 = (float(err.mean()), float(np.percentile(err, 99))) if err.size else (0.0, 0.0)
+            rows.append(Row(graph, case, name, mx, mean, p99, 1.0 if strict else None, None, mx <= 1 or not strict))
+            continue
         if np.issubdtype(r.dtype, np.integer):
             agree = o == r
             logits = by_name.get(C.ID_LOGITS.get(name))
@@ -323,7 +334,7 @@ def run_check(
     ui = Phases(progress)
     q = m.quantization
     report = Report(m.dtype, quantization=q, strict=m.dtype == "fp32",
-                    draft_vocab=C.draft_vocab_size(m) if m.draft_vocab else None)
+                    draft_vocab=C.draft_vocab_size(m) if m.draft_vocab else None, kv_cache=C.kv_cache(m))
     with ui.phase("load", f"PyTorch source + ONNX Runtime sessions ({m.dtype})"):
         target, drafter = load_sources(root, m, target_dir, draft_dir, report.warnings)
         ref_models = (target, drafter)
@@ -352,8 +363,12 @@ def run_check(
                 return report
             raise
     saved = []
+    kv_scales = kv_calibrate.read_scales(root) if C.kv_cache(m) else None
+    if kv_scales is not None:
+        report.notes.append(f"int8 K/V cache ({C.kv_cache(m)['scales']} scales): the PyTorch reference stores it "
+                            "as GroupQueryAttention does; present_* errors are in quantization steps (tolerance 1)")
     with ui.phase("parity", "every graph in every regime vs PyTorch"):
-        for graph, case, module, inputs in cases(*ref_models, m, seed):
+        for graph, case, module, inputs in cases(*ref_models, m, seed, kv_scales):
             names_in, names_out = C.names(graph, m)
             with torch.inference_mode():
                 ref = [_np(t) for t in module(*inputs)]
@@ -367,14 +382,14 @@ def run_check(
                     report.rows += compare(graph, case, names_out, got, ref, report.strict, "dequantized")
                 with torch.inference_mode():
                     ref_float = [_np(t) for t in G.wrapper(graph, target, drafter, C.flavour(m), m.max_context,
-                                                         C.ragged(m), C.ring(m), C.draft_index(m))(*inputs)]
+                                                         C.ragged(m), C.ring(m), C.draft_index(m), kv_scales)(*inputs)]
                 report.rows += compare(graph, case, names_out, got, written_rows(feeds, names_out, ref_float), False,
                                        "float")
             saved.append((graph, case, feeds, dict(zip(names_out, ref)), dict(zip(names_out, got))))
         if m.linear_layers:
             report.rows += committed_state_rows(ref_models[0], m, backend.sessions[C.TARGET], seed, report.strict)
         against = "pytorch" if q is None else "dequantized" if ref_models[0] is not target else "float"
-        report.rows += ragged_rows(*ref_models, m, backend.sessions, seed, report.strict, compare, _np, against)
+        report.rows += ragged_rows(*ref_models, m, backend.sessions, seed, report.strict, compare, _np, against, kv_scales)
     if q is not None:
         report.accuracy = accuracy_effect(report.rows, q)
     if save_polygraphy is not None:
@@ -384,7 +399,7 @@ def run_check(
         with ui.phase("generate", f"{prompts} prompts x {max_new_tokens} tokens, runtime loop on ORT vs speculative_generate"):
             oracle = generate2.dflash2_generate if C.selector(m) else reference.speculative_generate  # DFlash 2: the walk
             report.end_to_end = end_to_end(backend, *ref_models, m, prompts, max_new_tokens, seed, oracle,
-                                           float_models=None if q is None else (target, drafter))
+                                           float_models=None if q is None and kv_scales is None else (target, drafter))
     return report
 
 

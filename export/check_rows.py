@@ -8,6 +8,7 @@ from ..lazy import lazy_import
 
 torch = lazy_import("torch")  # torch and the graphs: on first use (lazy.py)
 G = lazy_import("dflash_export.export.graphs")
+gqa = lazy_import("dflash_export.export.gqa")
 
 
 def _flat(kv) -> list:
@@ -37,10 +38,11 @@ def in_window_rings(m: M.Manifest, kv, p: int) -> list:
     return [(pair[0][:, pos], pair[1][:, pos]) if kinds[i] == C.SLIDING else pair for i, pair in enumerate(kv)]
 
 
-def target_inputs(m: M.Manifest, kv, p: int, s: int, lengths=None, counts=None) -> list:
+def target_inputs(m: M.Manifest, kv, p: int, s: int, lengths=None, counts=None, scales=None) -> list:
     """The target graph's inputs after ids and positions, for past `kv` of p positions and s
     new ones (`lengths`: each row's valid past, ragged graphs; default all p; `counts`: each
-    row's new tokens, the ort flavour's rows of different counts, default all s)."""
+    row's new tokens, the ort flavour's rows of different counts, default all s; `scales`: the
+    ort flavour's int8 cache, per layer (k_scale, v_scale): the past stored quantized)."""
     b = kv[0][0].shape[0] if kv else 1
     if C.window(m) and lengths is None:  # a prefix of every row: the sliding layers' rings from it
         kv = in_window_rings(m, kv, p)
@@ -48,9 +50,10 @@ def target_inputs(m: M.Manifest, kv, p: int, s: int, lengths=None, counts=None) 
     picks = [torch.arange(s).expand(b, s).contiguous()] if C.ragged(m) else []
     if C.flavour(m) == "ort":  # lengths + the whole head-major buffers holding the past (contract.TARGET_ORT)
         bufs = []
-        for t in _flat(kv):
-            buf = torch.zeros(b, t.shape[2], m.max_context, t.shape[3], dtype=t.dtype)
-            buf[:, :, :p] = t.transpose(1, 2)
+        flat_scales = [x for pair in scales for x in pair] if scales else [None] * len(_flat(kv))
+        for t, sc in zip(_flat(kv), flat_scales):
+            buf = torch.zeros(b, t.shape[2], m.max_context, t.shape[3], dtype=t.dtype if sc is None else torch.int8)
+            buf[:, :, :p] = gqa.quantize(t.transpose(1, 2), sc)
             bufs.append(buf)
         return [(lengths + (s if counts is None else counts) - 1).int(), torch.tensor(p + s, dtype=torch.int32), *picks, *bufs]
     if not C.ragged(m):
@@ -79,7 +82,7 @@ def block_inputs(m: M.Manifest, ctx, p: int, scored: int | None = None) -> list:
 
 
 def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, strict: bool, compare, to_numpy,
-                against: str = "pytorch") -> list:
+                against: str = "pytorch", kv_scales=None) -> list:
     """Parity per row of a ragged batch: two rows with different past lengths (and verify
     lengths, the shorter padded) through the target and the block graph in one call each,
     every row's valid outputs against that row alone through PyTorch (batch 1)."""
@@ -89,7 +92,7 @@ def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, stric
     K, lens, news = m.block_size, [9, 4], [m.block_size, max(1, m.block_size // 2)]
     P, S = max(lens), max(news)
     rows_ids = [torch.randint(0, m.vocab_size, (1, n + s), generator=g) for n, s in zip(lens, news)]
-    tg, bg = G.wrapper(C.TARGET, target, drafter, C.flavour(m), m.max_context), G.wrapper(C.DRAFT_BLOCK, target, drafter, ring=C.ring(m),
+    tg, bg = G.wrapper(C.TARGET, target, drafter, C.flavour(m), m.max_context, kv_scales=kv_scales), G.wrapper(C.DRAFT_BLOCK, target, drafter, ring=C.ring(m),
                                                              index=C.draft_index(m))
     refs, pasts, ctxs = [], [], []
     with torch.inference_mode():
@@ -100,7 +103,7 @@ def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, stric
                 cache.append(past)
                 past = cache.view()
             ctx = drafter.context_kv(taps, torch.arange(n)[None])
-            t_ref = tg(ids[:, n:n + s], torch.arange(n, n + s)[None], *target_inputs(m, past, n, s))
+            t_ref = tg(ids[:, n:n + s], torch.arange(n, n + s)[None], *target_inputs(m, past, n, s, scales=kv_scales))
             blk = torch.cat([ids[:, n:n + 1], torch.full((1, K - 1), m.mask_token_id)], 1)
             b_ref = bg(blk, torch.arange(n, n + K)[None], *block_inputs(m, ctx, n))
             refs.append((t_ref, b_ref, blk))
@@ -122,7 +125,7 @@ def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, stric
     _np = to_numpy
     rows = []
     for graph, inputs, which in (
-        (C.TARGET, [ids, pos, *target_inputs(m, batch_past, P, S, lengths, torch.tensor(news))], 0),
+        (C.TARGET, [ids, pos, *target_inputs(m, batch_past, P, S, lengths, torch.tensor(news), kv_scales)], 0),
         (C.DRAFT_BLOCK, [torch.cat([r[2] for r in refs]), torch.stack([torch.arange(n, n + K) for n in lens]),
                          lengths, *([torch.arange(K - 1)] if C.draft_index(m) else []),
                          *_position_major(None, batch_ctx)], 1),

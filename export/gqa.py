@@ -13,6 +13,11 @@ with the model's own functions (`attend`, `apply_rope`, RMSNorm's arithmetic):
   seqlens_k + 1): rows of different lengths verify in one call (ONNX Runtime >= 1.32; without
   it GroupQueryAttention refuses several new tokens with a past at batch > 1). Padding
   positions write nothing; their outputs are zeros here and unspecified in ONNX Runtime.
+- with `k_scale` / `v_scale` (float32 [Hkv, 1, D], one scale per cache channel) the cache is
+  int8, as ONNX Runtime's quantized cache (k_quant_type PER_CHANNEL, kv_cache_bit_width 8):
+  the new K (after rotary) and V are stored as clamp(round_half_even(x * (1 / scale)), -128, 127)
+  and attention reads the whole cache dequantized (q * scale), the new rows included. Measured
+  against ONNX Runtime 1.32 by tests/test_kv_int8.py (rounding, clamp, layout, output).
 - `skip_rms`: (rms_norm(x + y) * weight, x + y), the second output being the residual stream.
 Fewer, larger nodes matter on CPU: ONNX Runtime's cost per node dominates a small model's step.
 """
@@ -29,12 +34,14 @@ from .ops import register_ort_schemas
 @torch.library.custom_op("dflash::gqa", mutates_args=())
 def gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
         seqlens_k: torch.Tensor, total: torch.Tensor, cos_cache: torch.Tensor | None, sin_cache: torch.Tensor | None,
-        num_heads: int, kv_heads: int, query_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        num_heads: int, kv_heads: int, query_seqlens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [B,S,H*D], k/v [B,S,Hkv*D], past [B,Hkv,max,D], cos/sin [max,D/2] or None (q/k
-    already rotated), query_seqlens [B] or None (every row at [total - S, total)) -> out
-    [B,S,H*D], present [B,Hkv,max,D]."""
+    already rotated), query_seqlens [B] or None (every row at [total - S, total)), k/v_scale
+    [Hkv,1,D] or None (an int8 cache, or one in q's dtype) -> out [B,S,H*D], present [B,Hkv,max,D]."""
     if query_seqlens is not None:
-        return _gqa_rows(q, k, v, past_k, past_v, seqlens_k, cos_cache, sin_cache, num_heads, kv_heads, query_seqlens)
+        return _gqa_rows(q, k, v, past_k, past_v, seqlens_k, cos_cache, sin_cache, num_heads, kv_heads, query_seqlens,
+                         k_scale, v_scale)
     b, s, _ = q.shape
     d, end = past_k.shape[-1], int(total)
     start = end - s
@@ -43,14 +50,29 @@ def gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor,
         cos, sin = (torch.cat([c[start:end], c[start:end]], -1)[None] for c in (cos_cache, sin_cache))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     pk, pv = past_k.clone(), past_v.clone()
-    pk[:, :, start:end] = k.transpose(1, 2)
-    pv[:, :, start:end] = v.view(b, s, kv_heads, d).transpose(1, 2)
+    pk[:, :, start:end] = quantize(k.transpose(1, 2), k_scale)
+    pv[:, :, start:end] = quantize(v.view(b, s, kv_heads, d).transpose(1, 2), v_scale)
     visible = torch.arange(end)[None, :] <= (start + torch.arange(s))[:, None]
-    out = attend(q, pk[:, :, :end].transpose(1, 2), pv[:, :, :end].transpose(1, 2), visible)
+    keys, values = (dequantize(c[:, :, :end], sc, q.dtype).transpose(1, 2) for c, sc in ((pk, k_scale), (pv, v_scale)))
+    out = attend(q, keys, values, visible)
     return out, pk, pv
 
 
-def _gqa_rows(q, k, v, past_k, past_v, seqlens_k, cos_cache, sin_cache, num_heads: int, kv_heads: int, counts):
+def quantize(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x [B,Hkv,S,D] as the cache stores it: itself, or int8 clamp(round(x * (1 / scale))): ONNX
+    Runtime multiplies by the fp32 reciprocal (not a division: they differ at halves) and rounds
+    half to even, as torch.round does."""
+    if scale is None:
+        return x
+    return torch.clamp(torch.round(x.float() * (1 / scale)), -128, 127).to(torch.int8)
+
+
+def dequantize(c: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    return c if scale is None else (c.float() * scale).to(dtype)
+
+
+def _gqa_rows(q, k, v, past_k, past_v, seqlens_k, cos_cache, sin_cache, num_heads: int, kv_heads: int, counts,
+              k_scale=None, v_scale=None):
     """`gqa` row by row, each row's first counts[r] tokens at [seqlens_k[r] + 1 - counts[r], seqlens_k[r] + 1)."""
     pk, pv = past_k.clone(), past_v.clone()
     out = q.new_zeros(q.shape)
@@ -59,13 +81,15 @@ def _gqa_rows(q, k, v, past_k, past_v, seqlens_k, cos_cache, sin_cache, num_head
         if c == 0:  # an idle row: its cache unchanged
             continue
         o, k_r, v_r = gqa(q[r : r + 1, :c], k[r : r + 1, :c], v[r : r + 1, :c], pk[r : r + 1], pv[r : r + 1],
-                          seqlens_k[r : r + 1], torch.tensor(end), cos_cache, sin_cache, num_heads, kv_heads)
+                          seqlens_k[r : r + 1], torch.tensor(end), cos_cache, sin_cache, num_heads, kv_heads, None,
+                          k_scale, v_scale)
         out[r : r + 1, :c], pk[r : r + 1], pv[r : r + 1] = o, k_r, v_r
     return out, pk, pv
 
 
 @gqa.register_fake
-def _(q, k, v, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, num_heads, kv_heads, query_seqlens=None):
+def _(q, k, v, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, num_heads, kv_heads, query_seqlens=None,
+      k_scale=None, v_scale=None):
     return q.new_empty(q.shape), past_k.new_empty(past_k.shape), past_v.new_empty(past_v.shape)
 
 
@@ -88,13 +112,18 @@ _msft = values.Opset("com.microsoft", 1)
 
 
 def _gqa_onnx(q, k, v, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, num_heads: int, kv_heads: int,
-              query_seqlens=None):
-    rows = () if query_seqlens is None else (None,) * 7 + (query_seqlens,)  # position_ids .. k_norm_weight unset
-    if cos_cache is None:
-        return _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, *((None, None, *rows) if rows else ()),
-                                         num_heads=num_heads, kv_num_heads=kv_heads)
-    return _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, *rows,
-                                     num_heads=num_heads, kv_num_heads=kv_heads, do_rotary=1)
+              query_seqlens=None, k_scale=None, v_scale=None):
+    # inputs 7..16: cos_cache, sin_cache, position_ids, attention_bias, head_sink, k_scale, v_scale,
+    # q_norm_weight, k_norm_weight, query_seqlens; trailing unset ones are left out
+    rest = [cos_cache, sin_cache, None, None, None, k_scale, v_scale, None, None, query_seqlens]
+    while rest and rest[-1] is None:
+        rest.pop()
+    attrs = dict(num_heads=num_heads, kv_num_heads=kv_heads)
+    if cos_cache is not None:
+        attrs["do_rotary"] = 1
+    if k_scale is not None:
+        attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
+    return _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, *rest, **attrs)
 
 
 def _skip_rms_onnx(x, y, weight, eps: float):

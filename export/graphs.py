@@ -112,13 +112,22 @@ class TargetOrtGraph(nn.Module):
     decoder layers only (the hybrid targets keep the standard graph). position_ids is
     unused when GQA rotates: the runtime feeds positions equal to the cache rows, which is
     what GQA assumes.
+
+    kv_scales: per layer (k_scale, v_scale), float32 [Hkv, 1, D] (export/kv_calibrate.py): the
+    cache is then int8 (Manifest.kv_cache) and the scales are constants of the graph.
     """
 
     row_counts = True  # query_seqlens from seqlens_k and position_ids (contract.row_counts)
 
-    def __init__(self, target, max_context: int):
+    def __init__(self, target, max_context: int, kv_scales: list | None = None):
         super().__init__()
         self.target = target
+        self.kv_scales = None
+        if kv_scales is not None:
+            for i, (ks, vs) in enumerate(kv_scales):
+                self.register_buffer(f"k_scale_{i}", ks.float().contiguous(), persistent=False)
+                self.register_buffer(f"v_scale_{i}", vs.float().contiguous(), persistent=False)
+            self.kv_scales = len(kv_scales)
         d, dtype = target.model.layers[0].self_attn.d, target.model.embed_tokens.weight.dtype
         self.rotary = d % 16 == 0
         if self.rotary:  # the same products as rope_cos_sin, one row per position
@@ -126,6 +135,12 @@ class TargetOrtGraph(nn.Module):
             scale = target.config.rope.attention_factor  # YaRN's, as rope_cos_sin
             self.register_buffer("cos_cache", (freqs.cos() * scale).to(dtype), persistent=False)
             self.register_buffer("sin_cache", (freqs.sin() * scale).to(dtype), persistent=False)
+
+    def scales(self) -> list | None:
+        """Per layer (k_scale, v_scale) of an int8 cache; None: the cache is in the model dtype."""
+        if self.kv_scales is None:
+            return None
+        return [(getattr(self, f"k_scale_{i}"), getattr(self, f"v_scale_{i}")) for i in range(self.kv_scales)]
 
     def forward(self, input_ids, position_ids, seqlens_k, total, logits_index, *cache):
         return self.run(input_ids, position_ids, seqlens_k, total, logits_index, cache)
@@ -149,8 +164,10 @@ class TargetOrtGraph(nn.Module):
             if not self.rotary:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             rot = (self.cos_cache, self.sin_cache) if self.rotary else (None, None)
+            scales = () if self.kv_scales is None else (getattr(self, f"k_scale_{i}"), getattr(self, f"v_scale_{i}"))
+            rows = counts if counts or not scales else (None,)
             o, pk, pv = gqa(q.reshape(b, s, -1), k.reshape(b, s, -1), v, cache[2 * i], cache[2 * i + 1],
-                            seqlens_k, total, *rot, a.h, a.hkv, *counts)
+                            seqlens_k, total, *rot, a.h, a.hkv, *rows, *scales)
             norm = layer.post_attention_layernorm
             h, x = skip_rms(x, a.o_proj(o), norm.weight, norm.eps)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else t.model.norm
@@ -262,7 +279,9 @@ def trace_inputs(graph: str, m, dtype: torch.dtype):
     past_seq = n[C.PAST] + n[C.SEQ]  # the ort flavour's lengths, as the runtime feeds them
     for t in ins:
         size = [n[r] if r in C.DYNAMIC else static[r] for r in t.dims]
-        if t.dtype == C.MODEL:
+        if t.dtype in (C.MODEL, C.CACHE) and C.dtype(t, m) == "int8":  # a quantized cache (Manifest.kv_cache)
+            x = torch.randint(-127, 128, size, dtype=torch.int8)
+        elif t.dtype in (C.MODEL, C.CACHE):
             x = torch.randn(size).to(dtype)
         elif t.dtype == C.FLOAT32:  # a recurrent state
             x = torch.randn(size) * 0.1
@@ -289,11 +308,11 @@ def trace_inputs(graph: str, m, dtype: torch.dtype):
 
 
 def wrapper(graph: str, target, drafter, attention: str = "standard", max_context: int = 0,
-            ragged: bool = True, ring: int | None = None, index: bool = False) -> nn.Module:
+            ragged: bool = True, ring: int | None = None, index: bool = False, kv_scales: list | None = None) -> nn.Module:
     """The module export traces for `graph` (`ragged=False`: older exports' batch-1 graphs, for check;
-    `index`: draft_block takes draft_index, Manifest.draft_index)."""
+    `index`: draft_block takes draft_index, Manifest.draft_index; `kv_scales`: the ort target's int8 cache)."""
     if graph == C.TARGET and attention == "ort":
-        return (TargetOrtGraph if ragged else TargetOrtGraph1)(target, max_context)
+        return (TargetOrtGraph if ragged else TargetOrtGraph1)(target, max_context, kv_scales)
     if graph == C.TARGET and hasattr(target, "kv_shapes"):  # gpt-oss / Gemma 4: ragged graphs only
         return WindowedTargetGraph(target)
     if graph == C.TARGET:

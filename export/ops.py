@@ -26,16 +26,18 @@ def register_ort_schemas() -> None:
                                           for n in names]
     schemas = {
         "GroupQueryAttention": dict(
-            inputs=[P(n, "T") for n in ("query", "key", "value", "past_key", "past_value")]
+            inputs=[P(n, "T") for n in ("query", "key", "value")] + [P(n, "C") for n in ("past_key", "past_value")]
             + [P("seqlens_k", "M"), P("total_sequence_length", "M"), P("cos_cache", "T", param_option=opt),
                P("sin_cache", "T", param_option=opt), P("position_ids", "I", param_option=opt)]
             + [P(n, "T", param_option=opt) for n in ("attention_bias", "head_sink")]
             + [P(n, "S", param_option=opt) for n in ("k_scale", "v_scale")]
             + [P(n, "T", param_option=opt) for n in ("q_norm_weight", "k_norm_weight")]
             + [P("query_seqlens", "M", param_option=opt)],  # each row's count of new tokens (ORT >= 1.32)
-            outputs=[P(n, "T") for n in ("output", "present_key", "present_value")],
-            type_constraints=[T, ("M", ["tensor(int32)"], ""), ("I", ["tensor(int64)"], ""), ("S", ["tensor(float)"], "")],
-            attributes=ints("num_heads", "kv_num_heads") + ints("do_rotary", required=False)),
+            outputs=[P("output", "T")] + [P(n, "C") for n in ("present_key", "present_value")],
+            type_constraints=[T, ("C", [*T[1], "tensor(int8)"], ""),  # the cache: T, or int8 quantized (export --kv-cache)
+                              ("M", ["tensor(int32)"], ""), ("I", ["tensor(int64)"], ""), ("S", ["tensor(float)"], "")],
+            attributes=ints("num_heads", "kv_num_heads") + ints("do_rotary", "kv_cache_bit_width", required=False)
+            + [OpSchema.Attribute(n, OpSchema.AttrType.STRING, "", required=False) for n in ("k_quant_type", "v_quant_type")]),
         "SkipSimplifiedLayerNormalization": dict(
             inputs=[P(n, "T") for n in ("input", "skip", "gamma")],
             outputs=[P("output", "T"), P("mean", "U", param_option=opt), P("inv_std_var", "U", param_option=opt),

@@ -17,7 +17,8 @@ int8 dot products) is chosen per artifact by measurement (export/accuracy_level.
 The block size, unless given, is DEFAULT_BLOCK[scheme] (`default_block_size`): blocks of 128
 (the common int4 group size, ONNX Runtime's quantizer's own default), measured on CPU at the
 Qwen3-0.6B shape to cost about 60 % (int4) and 65 % (int8) of block 32's CPU time per token at
-a modestly larger error (docs/quantization.md, "Block size"); the experts of MoE targets keep 32.
+a modestly larger error (docs/quantization.md, "Block size"), halved until it divides the hidden
+size and an MoE target's expert width (QMoE's blocks run along both).
 
 The graphs then need ONNX Runtime (CPU, CUDA and DirectML providers have MatMulNBits);
 TensorRT's parser does not take it (export/trt_lint.py refuses such graphs).
@@ -60,7 +61,6 @@ moe_blocks = lazy_import("dflash_export.models.moe")
 
 SCHEMES = {"int4": 4, "int8": 8}
 DEFAULT_BLOCK = {"int4": 128, "int8": 128}  # weights per block when --quant-block-size is not given
-MOE_BLOCK = 32  # MoE targets: QMoE needs every expert width to divide into blocks (gpt-oss: 2880)
 DRAFT_ONLY_LEVEL = 4  # --draft-only's level: the output cannot change, and level 0 is int8's slow path on CPU
 ROUTERS = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")  # MoE routing weights: kept in the export dtype
 EXPERT_FORMS = {  # the manifest's quantization.experts, by the target's MoE graph form (export/moe.py)
@@ -143,11 +143,12 @@ def draft_only(q: QuantOptions) -> QuantOptions:
     return dataclasses.replace(q, draft=True, lm_head=True, target=False)
 
 
-def default_block_size(scheme: str, hidden: int, moe: bool) -> int:
-    """The block size when none was asked for: DEFAULT_BLOCK[scheme] (MOE_BLOCK for MoE targets),
-    halved (down to 16) until it divides the hidden size, as the embedding lookup's blocks must."""
-    block = MOE_BLOCK if moe else DEFAULT_BLOCK[scheme]
-    while block > 16 and hidden % block:
+def default_block_size(scheme: str, hidden: int, expert_size: int | None = None) -> int:
+    """The block size when none was asked for: DEFAULT_BLOCK[scheme], halved (down to 16) until it
+    divides the hidden size, as the embedding lookup's blocks must, and an MoE target's expert
+    width, as QMoE's and the gathered experts' blocks must (gpt-oss's 2880: 64)."""
+    block = DEFAULT_BLOCK[scheme]
+    while block > 16 and (hidden % block or (expert_size or 0) % block):
         block //= 2
     return block
 
@@ -298,7 +299,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
                           "(or re-export from the checkpoints with --quantize)")
     check_options(q, m.dtype)
     if q.block_size is None:
-        q = dataclasses.replace(q, block_size=default_block_size(q.scheme, m.hidden_size, m.moe is not None))
+        q = dataclasses.replace(q, block_size=default_block_size(q.scheme, m.hidden_size, (m.moe or {}).get("expert_size")))
     check_out_dir(out, force)
     ui = Phases(progress)
     for p in clean_stale(out):

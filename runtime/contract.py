@@ -140,8 +140,9 @@ CONV_WINDOW, CONV_DIM, K_HEADS, V_HEADS, K_DIM, V_DIM = "conv_window", "conv_dim
 # attention); a KV-sharing layer is SHARED whatever its type (no cache tensors)
 ATTENTION, LINEAR, SLIDING, SHARED = "full_attention", "linear_attention", "sliding_attention", "shared_kv"
 
-# dtypes: numpy names, plus MODEL = the export's float dtype (manifest.dtype)
-INT64, INT32, FLOAT32, MODEL = "int64", "int32", "float32", "model"
+# dtypes: numpy names, plus MODEL = the export's float dtype (manifest.dtype) and CACHE = the ort
+# flavour's cache dtype (Manifest.kv_cache's, else MODEL's)
+INT64, INT32, FLOAT32, MODEL, CACHE = "int64", "int32", "float32", "model", "cache"
 NUMPY_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 # -- tensor names --------------------------------------------------------------------------
@@ -209,8 +210,12 @@ WINDOW_KV = tuple(Tensor(t.name, t.dims, t.dtype, True, SLIDING)
                   for t in _kv("past", (BATCH, WINDOW_PAST, WINDOW_KV_HEADS, WINDOW_HEAD_DIM)))
 WINDOW_NEW = tuple(Tensor(t.name, t.dims, t.dtype, True, SLIDING)
                    for t in _kv("new", (BATCH, SEQ, WINDOW_KV_HEADS, WINDOW_HEAD_DIM)))
-CACHE_KV = _kv("past", (BATCH, KV_HEADS, MAX_CTX, HEAD_DIM))  # ort flavour: the whole head-major buffer
-PRESENT_KV = _kv("present", (BATCH, KV_HEADS, MAX_CTX, HEAD_DIM))  # ... bound to the same memory as past
+def _cache(prefix: str) -> tuple[Tensor, Tensor]:
+    return tuple(Tensor(t.name, t.dims, CACHE, True) for t in _kv(prefix, (BATCH, KV_HEADS, MAX_CTX, HEAD_DIM)))
+
+
+CACHE_KV = _cache("past")  # ort flavour: the whole head-major buffer
+PRESENT_KV = _cache("present")  # ... bound to the same memory as past
 ATTENTION_FLAVOURS = ("standard", "ort")  # Manifest.attention, export --attention
 
 GRAPHS: dict[str, Graph] = {
@@ -474,6 +479,14 @@ def shape(t: Tensor, m, **dynamic: int) -> tuple[int, ...]:
     return tuple(dynamic[r] if r in DYNAMIC else static[r] for r in t.dims)
 
 
+def kv_cache(m) -> dict | None:
+    """The ort flavour's quantized cache record (Manifest.kv_cache: {"dtype": "int8", "scales":
+    "per-channel", ...}); None: the cache is in the model dtype."""
+    return getattr(m, "kv_cache", None)
+
+
 def dtype(t: Tensor, m) -> str:
     """numpy dtype name of `t` in an export of dtype m.dtype ("fp32" | "fp16" | "bf16")."""
-    return NUMPY_DTYPE[m.dtype] if t.dtype == MODEL else t.dtype
+    if t.dtype == CACHE and kv_cache(m):
+        return kv_cache(m)["dtype"]
+    return NUMPY_DTYPE[m.dtype] if t.dtype in (MODEL, CACHE) else t.dtype

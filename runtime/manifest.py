@@ -103,6 +103,10 @@ class Manifest:
     # graph from seqlens_k and position_ids, contract.row_counts); False for older exports,
     # whose rows verifying several tokens run one call each
     row_counts: bool = False
+    # the ort flavour's cache quantized (export --kv-cache int8, contract.kv_cache): {"dtype": "int8",
+    # "scales": "per-channel", "margin", "calibration": {...}}; the scales themselves are constants of
+    # target.onnx (GroupQueryAttention's k_scale / v_scale); None: the cache is in the model dtype
+    kv_cache: dict | None = None
     # where the pair came from (sources.py): {"target": rec, "draft": rec}, rec = {"id" (a Hugging Face id or
     # None), "path" (a local directory, when no id), "revision" (asked), "commit" (resolved), "files": {weight
     # file: sha256}}; None for exports made before it was recorded

@@ -32,12 +32,13 @@ def available_memory() -> int | None:
 def cache_bytes_per_position(m, drafter: bool = True) -> int:
     """K and V of every attention layer of the target (and the drafter's context) for one position
     of one row (sliding layers keep a ring whatever the context: `ring_bytes`)."""
-    size = {"float32": 4, "float16": 2, "bfloat16": 2}[C.dtype(C.PAST_KV[0], m)]
+    size = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+    cache = C.dtype((C.CACHE_KV if C.flavour(m) == "ort" else C.PAST_KV)[0], m)  # the ort flavour's: int8 when quantized
     attention = C.layer_kinds(C.TARGET, m).count(C.ATTENTION)
-    per = 2 * attention * m.target_kv_heads * m.target_head_dim
+    per = 2 * attention * m.target_kv_heads * m.target_head_dim * size[cache]
     if drafter:
-        per += 2 * m.draft_layers * m.draft_kv_heads * m.draft_head_dim
-    return per * size
+        per += 2 * m.draft_layers * m.draft_kv_heads * m.draft_head_dim * size[C.dtype(C.CTX_KV[0], m)]
+    return per
 
 
 def ring_bytes(m) -> int:

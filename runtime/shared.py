@@ -13,9 +13,9 @@ from ..errors import DFlashError
 
 # TensorProto.DataType; uint8: weight-only quantized tensors (MatMulNBits, docs/quantization.md); int32: the
 # ort attention flavour's lengths (contract.TARGET_ORT)
-ONNX_TYPE = {"float32": 1, "float16": 10, "bfloat16": 16, "int64": 7, "uint8": 2, "int32": 6}
+ONNX_TYPE = {"float32": 1, "float16": 10, "bfloat16": 16, "int64": 7, "uint8": 2, "int8": 3, "int32": 6}
 STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int64": np.int64, "uint8": np.uint8,
-           "int32": np.int32}
+           "int8": np.int8, "int32": np.int32}
 
 
 def shared_weights(directory: Path, m: M.Manifest) -> dict[str, tuple[np.ndarray, int]]:

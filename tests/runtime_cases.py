@@ -47,6 +47,7 @@ class Case:
     moe_config: tuple[tuple[str, object], ...] = ()  # expert config overrides (make_target's `moe`)
     released: str | None = None  # a released drafter config (FIXTURES) at this case's sizes (`block`: --block-size,
     # `draft_layers`: its last ones)
+    kv_cache: str | None = None  # export --kv-cache (the ort flavour's int8 cache)
     target_extra: tuple = ()  # (key, value) pairs overriding the target's config (testing.make_target's `extra`)
 
     @property
@@ -56,7 +57,8 @@ class Case:
         d = "" if self.dtype == "fp32" else f"-{self.dtype}"
         r = f"-{self.released.split('-dflash')[0]}" if self.released else ""
         e = f"-moe-{self.moe}" if self.moe else ""
-        return f"{self.arch}-L{self.layers}-D{self.draft_layers}-K{self.block}{b}{a}{d}{r}{e}"
+        kv = f"-kv{self.kv_cache}" if self.kv_cache else ""
+        return f"{self.arch}-L{self.layers}-D{self.draft_layers}-K{self.block}{b}{a}{d}{r}{e}{kv}"
 
 
 ORT_CASES = {  # the "ort" attention flavour (contract.TARGET_ORT): tests/test_attention_ort.py
@@ -226,7 +228,7 @@ def _export(case: Case, tmp: Path) -> None:
                      target_layer_ids=list(case.taps) if case.taps else None, **extra)
     m = export_artifact(tmp / "t", tmp / "d", tmp / "out", max_context=case.max_context, attention=case.attention,
                         dtype=case.dtype, block_size=case.block if case.released else None, mask_token_id=mask,
-                        moe=case.moe, progress=False)
+                        moe=case.moe, kv_cache=case.kv_cache, progress=False)
     assert load_manifest(tmp / "out") == m, "export_artifact returned another manifest than it wrote"
 
 

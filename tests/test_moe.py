@@ -254,15 +254,16 @@ def test_quantized_experts_check_by_cause(scheme, tmp_path):
     kept float); `check` holds the graphs to PyTorch with their dequantized weights (int4 at
     accuracy level 0: fp32 activations, at the fp32 tolerance) and prints the error by cause:
     int8 experts' int8 activations (and the measured level's) are reported, not hidden;
-    speculative == plain greedy through the same graphs."""
+    speculative == plain greedy through the same graphs. int8 takes the default block size, which
+    must come down to the experts' width (16)."""
     if not moe_export.ort_has_op():
         pytest.skip(f"onnxruntime {ort.__version__} has no CPU MoE kernel")
     tdir, ddir, out = artifact(CASES["qwen3_moe-op"])
     q = tmp_path / scheme
     runner = CliRunner()
     level = ["--quant-accuracy-level", "0"] if scheme == "int4" else []  # int8: measured (auto), QMoE included
-    r = runner.invoke(cli, ["quantize", str(out), "--out", str(q), "--quantize", scheme, "--quant-block-size", "16",
-                            *level, "--quiet"])
+    block = ["--quant-block-size", "16"] if scheme == "int4" else []  # int8: the default, halved to the width 16
+    r = runner.invoke(cli, ["quantize", str(out), "--out", str(q), "--quantize", scheme, *block, *level, "--quiet"])
     assert r.exit_code == 0, r.output
     g = onnx.load(str(q / "target.onnx"), load_external_data=False)
     ops = [n.op_type for n in g.graph.node]
@@ -292,15 +293,17 @@ def test_quantized_experts_check_by_cause(scheme, tmp_path):
 
 
 def test_quantize_refusals_for_experts(tmp_path):
-    """A block size that does not divide the experts' width (16; default block 32): one line, no output, either form."""
+    """A block size that does not divide the experts' width (16; --quant-block-size 32): one line, no output,
+    either form. (The default block is halved until it divides it: test_quantize.py test_default_block_size.)"""
     _, _, std = artifact(CASES["qwen3_moe-standard"])
     runner = CliRunner()
-    r = runner.invoke(cli, ["quantize", str(std), "--out", str(tmp_path / "q"), "--quantize", "int8"])
+    r = runner.invoke(cli, ["quantize", str(std), "--out", str(tmp_path / "q"), "--quantize", "int8", "--quant-block-size", "32"])
     assert r.exit_code == 2 and "does not divide" in r.output and r.output.count("\n") == 1, r.output
     assert "Traceback" not in r.output and not (tmp_path / "q").exists()
     if moe_export.ort_has_op():  # width 16, hidden 32: block 32 does not divide the experts' width
         _, _, op = artifact(CASES["qwen3_moe-op"])
-        r = runner.invoke(cli, ["quantize", str(op), "--out", str(tmp_path / "q"), "--quantize", "int4"])
+        r = runner.invoke(cli, ["quantize", str(op), "--out", str(tmp_path / "q"), "--quantize", "int4",
+                                "--quant-block-size", "32"])
         assert r.exit_code == 2 and "does not divide" in r.output and "Traceback" not in r.output, r.output
         assert not (tmp_path / "q").exists()
 

@@ -256,13 +256,15 @@ def test_room_check_counts_only_the_weights_export_holds(tmp_path, monkeypatch):
 
 def test_disk_check_counts_streamed_experts_quantized(tmp_path, monkeypatch):
     """A Qwen3-30B-A3B-sized fp32 export (122 GB, 116 GB of it experts) with --quantize int4 writes
-    no float experts: about 2 x 6 GB + 16 GB, which 40 GB of free disk holds; without it, not."""
+    no float experts: about 2 x 6 GB + 15 GB (default blocks of 128; 18 GB at blocks of 32), which 40 GB of free disk holds; without it, not."""
     monkeypatch.setattr(artifact.shutil, "disk_usage", lambda p: type("U", (), {"free": 40 * 10**9})())
     monkeypatch.setattr(artifact, "available_memory", lambda: None)
     weights, experts = 122 * 10**9, 116 * 10**9
-    disk = artifact.disk_bytes(weights, experts, "fp32", QuantOptions("int4"), 2048)
-    assert 29 * 10**9 < disk < 31 * 10**9, disk  # 2 x 6 GB + 29e9 weights x (0.5 + 4 / 32) bytes
+    disk = artifact.disk_bytes(weights, experts, "fp32", QuantOptions("int4"), 2048, 768)
+    assert 27 * 10**9 < disk < 28 * 10**9, disk  # 2 x 6 GB + 29e9 weights x (0.5 + 4 / 128) bytes (block 128)
+    block32 = artifact.disk_bytes(weights, experts, "fp32", QuantOptions("int4", 32), 2048, 768)
+    assert 29 * 10**9 < block32 < 31 * 10**9, block32  # 29e9 x (0.5 + 4 / 32) bytes
     artifact.check_room(weights, tmp_path, "fp32", experts, disk)
-    assert artifact.disk_bytes(weights, experts, "fp32", None, 2048) == weights
+    assert artifact.disk_bytes(weights, experts, "fp32", None, 2048, 768) == weights
     with pytest.raises(DFlashError, match="writes about 122.0 GB"):
-        artifact.check_room(weights, tmp_path, "fp32", experts, artifact.disk_bytes(weights, experts, "fp32", None, 2048))
+        artifact.check_room(weights, tmp_path, "fp32", experts, artifact.disk_bytes(weights, experts, "fp32", None, 2048, 768))

@@ -268,13 +268,15 @@ def test_accuracy_level_is_measured_and_recorded(made, tmp_path):
     assert levels == {rec["accuracy_level"]}
 
 
-@pytest.mark.parametrize("scheme,hidden,moe,block", [("int4", 1024, False, 128), ("int4", 896, False, 128),
-                                                     ("int4", 64, False, 64), ("int4", 48, False, 16),
-                                                     ("int8", 1024, False, 128), ("int8", 96, False, 32),
-                                                     ("int4", 2880, True, 32), ("int8", 2880, True, 32)])
-def test_default_block_size(scheme, hidden, moe, block):
-    """int4 and int8: blocks of 128 unless the hidden size needs smaller ones; MoE experts: 32."""
-    assert default_block_size(scheme, hidden, moe) == block
+@pytest.mark.parametrize("scheme,hidden,expert,block", [("int4", 1024, None, 128), ("int4", 896, None, 128),
+                                                       ("int4", 64, None, 64), ("int4", 48, None, 16),
+                                                       ("int8", 1024, None, 128), ("int8", 96, None, 32),
+                                                       ("int4", 2048, 768, 128), ("int4", 2880, 2880, 64),
+                                                       ("int8", 2048, 704, 64), ("int4", 64, 24, 16)])
+def test_default_block_size(scheme, hidden, expert, block):
+    """int4 and int8: blocks of 128 unless the hidden size or an MoE target's expert width
+    (Qwen3-30B-A3B 768, gpt-oss 2880, 704) needs smaller ones."""
+    assert default_block_size(scheme, hidden, expert) == block
 
 
 def test_quantize_without_a_block_size_takes_the_default(made, tmp_path):
@@ -285,7 +287,7 @@ def test_quantize_without_a_block_size_takes_the_default(made, tmp_path):
     r = CliRunner().invoke(cli, ["quantize", str(src), "--out", str(out), "--quantize", "int4",
                                  "--quant-accuracy-level", "0", "--quiet"])
     assert r.exit_code == 0, r.output
-    expected = default_block_size("int4", M.load_manifest(src).hidden_size, False)
+    expected = default_block_size("int4", M.load_manifest(src).hidden_size)
     assert expected == 64 and M.load_manifest(out).quantization["block_size"] == expected
     blocks = {a.i for n in graph(out, C.TARGET).graph.node if n.op_type == "MatMulNBits"
               for a in n.attribute if a.name == "block_size"}

@@ -182,7 +182,7 @@ class OrtBackend(Backend):
                 for t in tensors:
                     dims = [d if d in C.DYNAMIC else static[d] for d in t.dims]
                     self._specs[graph, t.name] = (output, C.dtype(t, m), dims)
-        kv_type = C.dtype(C.PAST_KV[0], m)
+        kv_type = C.dtype((C.CACHE_KV if C.flavour(m) == "ort" else C.PAST_KV)[0], m)  # ort: int8 when quantized
         L, Hkv, D, n = m.target_layers, m.target_kv_heads, m.target_head_dim, self.max_len
         self.in_place = C.flavour(m) == "ort"  # head-major cache, past and present one buffer (contract.TARGET_ORT)
         # GroupQueryAttention takes several new tokens with a past at batch > 1 only given each row's
