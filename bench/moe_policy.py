@@ -164,7 +164,7 @@ def main() -> None:
     t0 = time.perf_counter()
     by_rows = {1: round_costs(be, prompts[0], 1, repeats=args.repeats)}
     costs = Costs.from_json(cost_model(by_rows))
-    report["costs_ms"] = {"step": by_rows[1]["verify"][0], "verify_by_length": by_rows[1]["verify"],
+    report["costs_ms"] = {"step": by_rows[1]["step"], "verify_by_length": by_rows[1]["verify"],
                           "draft": by_rows[1]["draft"], "context": by_rows[1]["context"],
                           "seconds": time.perf_counter() - t0}
     report["auto_policy"] = auto_policy(costs, m.block_size)

@@ -76,7 +76,7 @@ def call_costs(be: OrtBackend, prompt: list[int], calls: int = 200) -> dict:
     Runtime's workers that block between parallel ops block and are woken for each (not when they spin)."""
     c = round_costs(be, prompt, 1)
     k = len(c["verify"])
-    out = {"step": c["verify"][0], "verify8": c["verify"][min(8, k) - 1], f"verify{k}": c["verify"][-1],
+    out = {"step": c["step"], "verify8": c["verify"][min(8, k) - 1], f"verify{k}": c["verify"][-1],
            "draft_block": c["draft"], "draft_context": c["context"]}
     be.reset()
     be.target(np.asarray(prompt, np.int64))

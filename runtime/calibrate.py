@@ -1,7 +1,6 @@
 """Measurements that choose runtime settings (`bench --calibrate`) and report costs (`bench --context`).
 
 - `thread_candidates`: the intra-op thread counts worth trying on this machine.
-- `verify_costs`: ms of one target call of s = 1..K positions, interleaved, medians.
 - `choose_policy`: the adaptive verify policy that maximises tokens per second, replaying
   full-block rounds (drafter confidences + acceptance) against the measured cost curve. A
   policy is kept only if it beats the full block by more than `MARGIN`, so where verify
@@ -16,7 +15,8 @@
 - `prefill_ms` / `choose_chunk`: the time to first token of a 512-token prompt per prefill
   chunk, and the fastest chunk.
 - `round_costs`: ms of a plain step, a verify of each length, a draft and a context update
-  at each batch size: the speculation controller's cost model (runtime/controller.py).
+  at each batch size, each call where a round runs it (right after the other model's call):
+  the speculation controller's cost model (runtime/controller.py) and the verify policy's.
 - `calibrate`: the driver: all of the above on one directory, written to its runtime.json.
 All of it runs through the Backend interface: any backend, no torch.
 """
@@ -61,21 +61,6 @@ def _prefill(backend: Backend, ids: list[int]) -> None:
 
 def _median_ms(samples: list[float]) -> float:
     return float(np.median(samples)) * 1e3
-
-
-def verify_costs(backend: Backend, prompt: list[int], repeats: int = 15) -> list[float]:
-    """[ms of a target call of s positions for s = 1..K] after `prompt` (rolled back each time)."""
-    k = backend.manifest.block_size
-    _prefill(backend, prompt)
-    times: dict[int, list[float]] = {s: [] for s in range(1, k + 1)}
-    ids = np.asarray((prompt * k)[:k], np.int64)
-    for _ in range(repeats):  # interleaved, so drifts in machine load hit every length alike
-        for s in range(1, k + 1):
-            t0 = time.perf_counter()
-            backend.target(ids[:s])
-            times[s].append(time.perf_counter() - t0)
-            backend.commit(0)
-    return [_median_ms(times[s]) for s in range(1, k + 1)]
 
 
 def replay(rounds: list[tuple[np.ndarray, int]], policy: VerifyPolicy, costs_ms: list[float], draft_ms: float):
@@ -183,49 +168,64 @@ def _fill_rows(backend: Backend, prompt: list[int], rows: int) -> None:
 
 
 def round_costs(backend: Backend, prompt: list[int], rows: int, repeats: int = 21) -> dict:
-    """ms at `rows` rows after `prompt`: {"verify": [s = 1..K], "draft", "context"}, the calls
-    interleaved, each its 10th percentile (on a shared machine the delays other jobs add are
-    what varies; the controller needs the calls' ratios); "verify"[0] is the plain step.
-    "context" is one draft_context call (one position per row, kept: the caches grow by one
-    position per repeat). Where draft_block takes draft_index, "draft_one" is a draft call whose
-    head scores one draft ("draft" all K-1): the head's cost is linear in the drafts it scores."""
+    """ms at `rows` rows after `prompt`: {"step", "verify": [s = 1..K], "draft", "context"}, each
+    call timed where a round runs it: a verify right after a draft_block call, the draft right
+    after a verify and its context call, the context call right after a verify, a plain step
+    right after two plain steps (plain rounds run back to back). On a small model each call
+    runs slower right after the other model's (its weights were evicted from the CPU caches:
+    ~2x on the demo pair, docs/results.md), so calls repeated back to back under-price a round.
+    A pass is K rounds in loop order, round s verifying s positions and keeping one (a round
+    that accepts nothing), then three plain steps; passes repeat, each value its 10th
+    percentile (on a shared machine the delays other jobs add are what varies; the controller
+    needs the calls' ratios). "context" is one draft_context call of one position per row. Where
+    draft_block takes draft_index, each round's draft scores s - 1 drafts (at least one), as the
+    loop's: "draft" is the call scoring all K - 1, "draft_one" one (the head is linear in the
+    drafts it scores)."""
     k = backend.manifest.block_size
-    repeats = max(1, min(repeats, (backend.max_len - len(prompt) - k) // 2))
+    repeats = max(1, min(repeats, (backend.max_len - len(prompt) - k) // (k + 1) - 1))  # a pass keeps k + 1
     _fill_rows(backend, prompt, rows)
     rs = list(range(rows))
     ids = np.tile(np.asarray((prompt * k)[:k], np.int64), (rows, 1))
     one = C.draft_index(backend.manifest) and k > 2
-    times: dict = {s: [] for s in range(1, k + 1)} | {"draft": [], "context": []} | ({"draft_one": []} if one else {})
-    clock = time.perf_counter
-    for _ in range(1 + repeats):  # the first pass warms every shape up
+    none, ones = np.zeros(rows, np.int64), np.ones(rows, np.int64)
+    times: dict = {s: [] for s in range(1, k + 1)} | {"step": [], "draft": [], "context": []} | (
+        {"draft_one": []} if one else {})
+    clock, warm = time.perf_counter, {}
+    for n in range(1 + repeats):
+        warm = {key: len(ts) for key, ts in times.items()} if n == 1 else warm  # the first pass warms the shapes up
         for s in range(1, k + 1):
             t0 = clock()
+            backend.draft_block_rows(rs, ids[:, 0], max(1, s - 1))
+            t1 = clock()
             backend.target_rows(rs, ids[:, :s], np.full(rows, s), None)
-            times[s].append(clock() - t0)
-            backend.commit_rows(rs, np.zeros(rows, np.int64))
-        t0 = clock()
-        backend.draft_block_rows(rs, ids[:, 0])
-        times["draft"].append(clock() - t0)
-        if one:
+            t2 = clock()
+            backend.commit_rows(rs, ones)
+            t3 = clock()
+            backend.draft_context_rows(rs, ones)
+            t4 = clock()
+            draft = "draft" if not one or s == k else "draft_one" if s <= 2 else None
+            if draft:
+                times[draft].append(t1 - t0)
+            times[s].append(t2 - t1)
+            times["context"].append(t4 - t3)
+        for last in (False, False, True):  # plain steps: the first two warm the target up again
             t0 = clock()
-            backend.draft_block_rows(rs, ids[:, 0], 1)
-            times["draft_one"].append(clock() - t0)
-        backend.target_rows(rs, ids[:, :1], np.ones(rows, np.int64), None)
-        backend.commit_rows(rs, np.ones(rows, np.int64))
-        t0 = clock()
-        backend.draft_context_rows(rs, np.ones(rows, np.int64))
-        times["context"].append(clock() - t0)
+            backend.target_rows(rs, ids[:, :1], ones, None)
+            t1 = clock()
+            backend.commit_rows(rs, ones if last else none)
+        times["step"].append(t1 - t0)
+        backend.draft_context_rows(rs, ones)  # the drafter's catch-up, as at a drafted round after plain ones
     backend.reset()
     backend.set_width(0)
-    med = {key: float(np.percentile(ts[1:], 10)) * 1e3 for key, ts in times.items()}
-    return {"verify": [med[s] for s in range(1, k + 1)], "draft": med["draft"], "context": med["context"],
-            **({"draft_one": med["draft_one"]} if one else {})}
+    med = {key: float(np.percentile(ts[warm[key]:], 10)) * 1e3 for key, ts in times.items()}
+    return {"step": med["step"], "verify": [med[s] for s in range(1, k + 1)], "draft": med["draft"],
+            "context": med["context"], **({"draft_one": med["draft_one"]} if one else {})}
 
 
 def cost_model(by_rows: dict[int, dict]) -> dict:
     """runtime.json's `costs` (runtime/controller.py Costs.from_json) from round_costs per batch size."""
     rows = sorted(by_rows)
-    return {"rows": rows, "step_ms": [by_rows[r]["verify"][0] for r in rows],
+    return {"rows": rows, "step_ms": [by_rows[r]["step"] for r in rows],
             "verify_ms": [by_rows[r]["verify"] for r in rows], "draft_ms": [by_rows[r]["draft"] for r in rows],
             "context_ms": [by_rows[r]["context"] for r in rows],
             **({"draft_one_ms": [by_rows[r]["draft_one"] for r in rows]} if all("draft_one" in by_rows[r] for r in rows)
@@ -363,11 +363,11 @@ def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bo
         chunk = fastest(chunks)
         log(f"prefill of {len(long)} tokens by chunk: "
             f"{', '.join(f'{c}: {ms:.1f}' for c, ms in chunks.items())} ms -> {chunk}")
-        costs = verify_costs(be, prompts[0])
+        by_rows = {1: round_costs(be, prompts[0], 1)}
+        costs = by_rows[1]["verify"]
         rounds = [(c, a - 1) for g in spec for c, a in zip(g.confidences, g.acceptance_lengths)]
         draft_ms = sum(g.draft_s for g in spec) / len(rounds) * 1e3
         policy, table = choose_policy(rounds, costs, draft_ms)
-        by_rows = {1: round_costs(be, prompts[0], 1)}
         wide = [r for r in COST_ROWS if r > 1]
         if backend == "ort" and provider == "cpu" and be.manifest.ragged and wide:  # rows > 1: ragged exports on CPU
             many = open_backend(out, "ort", provider, threads=best, graph_threads=graph_threads, spin=spin,
@@ -383,7 +383,7 @@ def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bo
     log(f"verify ms by length 1..{len(costs)}: {', '.join(f'{c:.2f}' for c in costs)}; draft {draft_ms:.2f} ms")
     log(f"policy: {policy_json(policy)}")
     log("round costs (ms) by rows: " + "; ".join(
-        f"{r}: step {c['verify'][0]:.2f}, verify {c['verify'][-1]:.2f}, draft {c['draft']:.2f}"
+        f"{r}: step {c['step']:.2f}, verify {c['verify'][-1]:.2f}, draft {c['draft']:.2f}"
         + (f" (head over one draft {c['draft_one']:.2f})" if "draft_one" in c else "") + f", context {c['context']:.2f}"
         for r, c in by_rows.items()))
     measured = {"speculative_tokens_per_second_by_threads": {spin_label(*k): r for k, r in by_label.items()},
