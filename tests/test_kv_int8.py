@@ -118,12 +118,18 @@ def test_check_passes_with_printed_errors(case):
     presents = [r for r in report.rows if r.graph == C.TARGET and r.output.startswith("present_")]
     assert presents and all(r.tol == 1.0 and r.max <= 1 for r in presents)
     assert report.end_to_end["speculative_equals_plain"] == report.end_to_end["cases"]
+    assert any("values it stored were one step from ONNX Runtime" in n for n in report.notes), report.notes
 
 
 def test_refusals_are_one_line_and_write_nothing(tmp_path):
     t_dir, d_dir, _ = artifact(KV8_CASES["qwen3"])
+    prompts_file = tmp_path / "p.txt"
+    prompts_file.write_text("a prompt\n")
+    ort8 = ["--attention", "ort", "--kv-cache", "int8"]
     for extra, words in ((["--kv-cache", "int8"], "needs --attention ort"),
-                         (["--kv-calibration", str(tmp_path / "p.txt")], "needs --kv-cache int8")):
+                         (["--kv-calibration", str(prompts_file)], "needs --kv-cache int8"),
+                         ([*ort8, "--kv-calibration", str(tmp_path / "none.txt")], "unreadable"),
+                         ([*ort8, "--kv-calibration", str(prompts_file)], "needs the target's tokenizer.json")):
         out = tmp_path / "out"
         r = CliRunner().invoke(cli, ["export", "--target", str(t_dir), "--draft", str(d_dir), "--out", str(out),
                                      "--quiet", *extra])
@@ -155,3 +161,20 @@ def test_tensorrt_refuses_it_by_the_flavour():
     _, _, out = artifact(KV8_CASES["qwen3"])
     errors = [f for f in lint_dir(out) if f.level == "error"]
     assert errors and "--attention standard" in str(errors[0])
+
+
+def test_calibration_prompts_come_from_the_tokenizer(tmp_path):
+    """With a tokenizer: the seed prompts, or --kv-calibration's lines, tokenized; without: fixed ids."""
+    from pathlib import Path
+
+    from dflash_export.export.kv_calibrate import SEEDS, seed_prompts
+
+    demo = Path(__file__).resolve().parents[1] / "demo" / "pair" / "target"
+    ids, source = seed_prompts(demo, 4096, None)
+    assert source == "seed prompts" and len(ids) == len(SEEDS) and all(ids)
+    f = tmp_path / "p.txt"
+    f.write_text("first prompt\n\nsecond one\n")
+    ids, source = seed_prompts(demo, 4096, f)
+    assert source == str(f) and len(ids) == 2
+    ids, source = seed_prompts(tmp_path, 100, None)
+    assert source == "random token ids" and all(0 <= i < 100 for p in ids for i in p)
