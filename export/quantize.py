@@ -342,7 +342,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
                 if (src / name).is_file():
                     shutil.copyfile(src / name, tmp / name)
         with ui.phase("validate", "onnx.checker, shape inference, op lint, ORT load"):
-            validate_artifact(tmp, m.dtype, quantized=True, attention=m.attention, moe=(m.moe or {}).get("path"))
+            validate_artifact(tmp, m.dtype, quantized=tuple(quantized), attention=m.attention, moe=(m.moe or {}).get("path"))
         specs = {name: graph_spec(tmp / f) for name, f in C.GRAPH_FILES.items()}
         manifest = dataclasses.replace(m, graphs=specs, files={}, engines=None, shared=shared,
                                        quantization=q.record(quantized, {}, (m.moe or {}).get("path")))

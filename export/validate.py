@@ -9,6 +9,7 @@ SkipSimplifiedLayerNormalization in the target graph (export --attention ort).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 from ..runtime import contract as C
@@ -69,19 +70,20 @@ def ort_session(path: Path, providers=("CPUExecutionProvider",), load_only: bool
     return ort.InferenceSession(str(path), opts, providers=list(providers))
 
 
-def validate_artifact(root: Path, dtype: str = "fp32", quantized: bool = False, attention: str = "standard",
+def validate_artifact(root: Path, dtype: str = "fp32", quantized: Collection[str] = (), attention: str = "standard",
                       moe: str | None = None) -> None:
     """Every graph passes the checker and the lint and loads in ONNX Runtime (CPU).
 
-    quantized: the lint accepts ONNX Runtime's MatMulNBits (export/quantize.py); attention
-    "ort": the target may hold GroupQueryAttention (export --attention ort); moe "op": the
-    target may hold com.microsoft::MoE (export --moe op), QMoE once quantized; nothing else."""
+    quantized: the graphs whose lint accepts ONNX Runtime's MatMulNBits (export/quantize.py), by
+    name: --draft-only leaves the target float; attention "ort": the target may hold
+    GroupQueryAttention (export --attention ort); moe "op": the target may hold
+    com.microsoft::MoE (export --moe op), QMoE once it is quantized; nothing else."""
     if attention == "ort" or moe == "op":
         register_ort_schemas()
     for g, f in C.GRAPH_FILES.items():
         ort_ops = ORT_FLAVOUR_OPS if g == C.TARGET and attention == "ort" else ()
-        ort_ops += (QMOE_OPS if quantized else MOE_OPS) if g == C.TARGET and moe == "op" else ()
-        check_graph(root / f, (QUANT_OPS if quantized else ()) + ort_ops)
+        ort_ops += (QMOE_OPS if g in quantized else MOE_OPS) if g == C.TARGET and moe == "op" else ()
+        check_graph(root / f, (QUANT_OPS if g in quantized else ()) + ort_ops)
     for f in C.GRAPH_FILES.values():
         try:
             sess = ort_session(root / f, load_only=True)

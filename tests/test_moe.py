@@ -382,21 +382,37 @@ def test_quantized_standard_experts_are_lossless_against_themselves(name, args, 
     rejected_everywhere(be, prompt, 12, generate(be, prompt, 12, draft=False).tokens)
 
 
-def test_draft_only_on_a_standard_export_keeps_its_target(tmp_path):
-    """--draft-only on an --moe standard export: the drafter is quantized, target.onnx is the float
-    export's byte for byte, and greedy output is the float target's own."""
-    _, _, src = artifact(CASES["qwen3_moe-standard"])
-    out = tmp_path / "d8"
-    r = CliRunner().invoke(cli, ["quantize", str(src), "--out", str(out), "--quantize", "int8", "--draft-only",
+@pytest.mark.parametrize("path,scheme,command", [("standard", "int8", "quantize"), ("op", "int4", "quantize"),
+                                                ("op", "int4", "export")])
+def test_draft_only_on_an_moe_export_keeps_its_target(path, scheme, command, tmp_path):
+    """--draft-only on an --moe standard or --moe op export (the float MoE node stays, no QMoE), by
+    `quantize` of the float export or by `export --quantize` (experts streamed from the checkpoint):
+    the drafter is quantized, the target is the float export's byte for byte, `check` holds the
+    graphs to PyTorch with the drafter's dequantized weights, and greedy output is the float target's own."""
+    if path == "op" and not moe_export.ort_has_op():
+        pytest.skip(f"onnxruntime {ort.__version__} has no CPU MoE kernel")
+    case = CASES[f"qwen3_moe-{path}"]
+    tdir, ddir, src = artifact(case)
+    out = tmp_path / "d"
+    args = [str(src)] if command == "quantize" else ["--target", str(tdir), "--draft", str(ddir), "--moe", path,
+                                                     "--max-context", str(case.max_context)]
+    r = CliRunner().invoke(cli, [command, *args, "--out", str(out), "--quantize", scheme, "--draft-only",
                                  "--quant-accuracy-level", "0", "--quiet"])
     assert r.exit_code == 0, r.output
-    assert (out / "target.onnx").read_bytes() == (src / "target.onnx").read_bytes()
-    assert "experts" not in M.load_manifest(out).quantization
+    for f in ("target.onnx", "target.data"):
+        assert (out / f).read_bytes() == (src / f).read_bytes(), f
+    q = M.load_manifest(out).quantization
+    assert "experts" not in q and "target" not in q["weights"] and q["weights"]["draft_block"], q
+    report = run_check(out, tdir, ddir, prompts=2, max_new_tokens=12, progress=False)
+    parity = max(r.max for r in report.rows if r.max is not None and r.ref == "dequantized")
+    print(f"--draft-only {scheme} on --moe {path}: worst error vs the dequantized weights {parity:.1e} "
+          f"(tolerance {TOLERANCE})")
+    assert report.passed and parity <= TOLERANCE
     fl, dq = OrtBackend(src, threads=1), OrtBackend(out, threads=1)
     for i, prompt in enumerate(prompts(3, fl.manifest.vocab_size, seed=4)):
         assert generate(dq, prompt, 12 + 2 * i).tokens == generate(fl, prompt, 12 + 2 * i, draft=False).tokens, i
     shown = CliRunner().invoke(cli, ["info", str(out), "--no-verify"]).output
-    assert "path standard (gathered experts in ai.onnx ops)\n" in shown, shown
+    assert f"path {path} (" in shown, shown
 
 
 def test_tensorrt_refuses_quantized_standard_experts(monkeypatch, tmp_path):

@@ -520,7 +520,7 @@ class OrtBackend(Backend):
 
     def draft_block_rows(self, rows, anchors, scored=None):
         self._layout()
-        m, g, R, B, K = self.manifest, C.DRAFT_BLOCK, len(rows), self.max_batch, self.manifest.block_size
+        m, g, R, K = self.manifest, C.DRAFT_BLOCK, len(rows), self.manifest.block_size
         n = self._scored = scored_drafts(m, scored)
         lengths = self.ctx_lengths
         sl = span(rows)

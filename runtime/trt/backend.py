@@ -367,7 +367,7 @@ class TensorRTBackend(Backend):
             return Backend.target_rows(self, rows, ids, counts, picks, want_logits)
         self._layout()
         self._one_call(rows)
-        N_, m, k = self.names, self.manifest, self.k
+        N_, k = self.names, self.k
         ids = np.asarray(ids, np.int64)
         R, S = ids.shape
         lengths = self.lengths
