@@ -323,8 +323,8 @@ def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bo
     one runs with idle workers blocking, spinning for each of SPIN_US microseconds and
     spinning without bound, in the same interleaved pass (`choose_spin`). Prefill chunk: the
     time to first token of a 512-token prompt per chunk. Policy: the full-block rounds at the best count (drafter confidences and
-    acceptance lengths) replayed against this machine's measured verify cost per length
-    (the measurements above).
+    acceptance lengths) replayed against this machine's verify cost per length, as
+    `round_costs` times it inside a round. Costs: `round_costs` at each batch size.
     """
     both = spin is None and backend == "ort" and provider == "cpu"
     labels = [(t, *m) for t in candidates for m in (SPIN_MODES if both and t > 1 else ((bool(spin), None),))]
