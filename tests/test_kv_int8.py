@@ -181,3 +181,10 @@ def test_calibration_prompts_come_from_the_tokenizer(tmp_path):
     assert source == str(f) and len(ids) == 2
     ids, source = seed_prompts(tmp_path, 100, None)
     assert source == "random token ids" and all(0 <= i < 100 for p in ids for i in p)
+
+
+def test_check_command_says_speculative_equals_plain():
+    t_dir, d_dir, out = artifact(KV8_CASES["llama"])
+    r = CliRunner().invoke(cli, ["check", str(out), "--target", str(t_dir), "--draft", str(d_dir), "--prompts", "2"])
+    assert r.exit_code == 0 and "PASSED" in r.output, r.output
+    assert "(float cache)" in r.output and "speculative == plain greedy through the same graphs on 2/2" in " ".join(r.output.split())
