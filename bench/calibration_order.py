@@ -124,8 +124,8 @@ def main() -> None:
     for d, rs in rows.items():
         print(f"{d} (block {bes[d].manifest.block_size}):")
         for m in ("back to back", "round order"):
-            c = rs[-1]["costs"][m]
-            print(f"  costs {m} (last trial), ms: step {c['step']:.3f}, verify " + "/".join(f"{v:.2f}" for v in c["verify"])
+            c = {key: (np.median([r["costs"][m][key] for r in rs], axis=0)) for key in rs[0]["costs"][m]}
+            print(f"  costs {m} (medians over trials), ms: step {c['step']:.3f}, verify " + "/".join(f"{v:.2f}" for v in c["verify"])
                   + f", draft {c['draft']:.3f}" + (f" (one {c['draft_one']:.3f})" if "draft_one" in c else "")
                   + f", context {c['context']:.3f}")
             by = {kind: [x for r in rs for x in r[f"predicted/measured, {m}"][kind]] for kind in rs[0][f"predicted/measured, {m}"]}
@@ -135,6 +135,9 @@ def main() -> None:
             print(f"  {kind}: {med(r[kind]['tok_s'] for r in rs):.0f} tok/s, drafted rounds "
                   f"{med(r[kind]['drafted'] for r in rs):.2f}, mean verify length {med(r[kind]['verify_len'] for r in rs):.2f}"
                   " (tok/s by trial " + ", ".join(f"{r[kind]['tok_s']:.0f}" for r in rs) + ")")
+        pair = [r["auto, round order"]["tok_s"] / r["auto, back to back"]["tok_s"] for r in rs]
+        print(f"  auto, round order / back to back tok/s: median {med(pair):.2f}, ahead in {sum(x > 1 for x in pair)} of "
+              f"{len(pair)} trials")
 
 
 if __name__ == "__main__":
