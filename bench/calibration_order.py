@@ -11,7 +11,7 @@ and both orderings read the same. 3 trials of b8 and h1024 take ~3 minutes at 1 
 
 Per directory (ONNX Runtime, CPU, batch 1), interleaved in one loop `--trials` times: both cost
 models, the loop drafting every round (full block), plain decoding, and `--speculation auto`
-with each cost model. Reports, per round that ran, what each model predicts (at its verify
+with each cost model (the two orderings' turns alternate from trial to trial). Reports, per round that ran, what each model predicts (at its verify
 length) over what its graph calls took (median over rounds, and the 90th percentile: the rounds
 other jobs disturbed least, comparable with the costs' 10th percentiles), and auto's tokens/s, drafted rounds and mean verify
 length beside plain and always-drafting (medians over trials).
@@ -103,7 +103,8 @@ def main() -> None:
         print(f"trial {trial + 1} of {a.trials}, load {os.getloadavg()[0]:.2f}", file=sys.stderr)
         for d, be in bes.items():
             k, p0 = be.manifest.block_size, ps[d][0]
-            models = {"round order": round_costs(be, p0, 1), "back to back": back_to_back(be, p0)}
+            order = ("round order", "back to back")[:: 1 if trial % 2 else -1]  # each goes first in every other trial
+            models = {m: round_costs(be, p0, 1) if m == "round order" else back_to_back(be, p0) for m in order}
             costs = {m: Costs.from_json(cost_model({1: c})) for m, c in models.items()}
             run = lambda **kw: [generate(be, p, a.max_new_tokens, stop_token_ids=(), **kw) for p in ps[d]]  # noqa: E731
             gens = {"always": run(), "plain": run(draft=False)}
