@@ -286,6 +286,8 @@ def export_artifact(
     tc, dc, k, mask = plan(target_dir, draft_dir, block_size, mask_token_id, max_context, opset, dsrc.label)
     moe_path = graph_form(tc, dtype, attention, moe)
     check_kv_cache(kv_cache, attention, kv_calibration)
+    if kv_cache is not None:  # the calibration prompts read (and refused) before anything loads
+        kv_prompts, kv_source = kv_calibrate.seed_prompts(target_dir, tc.vocab_size, kv_calibration)
     eos = eos_ids(target_dir, tc.eos_token_ids)
     vocab_ids, vocab_record = plan_draft_vocab(draft_vocab, draft_vocab_data, target_dir, tc.vocab_size, eos, dc.family,
                                                dc.draft_vocab_size)
@@ -317,12 +319,11 @@ def export_artifact(
                 manifest.draft_vocab = own_vocab_record(drafter)
         kv_scales = None
         if kv_cache is not None:
-            prompts, source = kv_calibrate.seed_prompts(target_dir, tc.vocab_size, kv_calibration)
-            with ui.phase("calibrate", f"int8 cache scales over {len(prompts)} prompts ({source})"):
+            with ui.phase("calibrate", f"int8 cache scales over {len(kv_prompts)} prompts ({kv_source})"):
                 fp = graphs.wrapper(C.TARGET, target, drafter, attention, manifest.max_context)
-                kv_scales = kv_calibrate.calibrate(fp, prompts, manifest.max_context)
+                kv_scales = kv_calibrate.calibrate(fp, kv_prompts, manifest.max_context)
                 manifest.kv_cache = {"dtype": kv_cache, "scales": "per-channel", "margin": kv_calibrate.MARGIN,
-                                     "calibration": {"prompts": len(prompts), "source": source,
+                                     "calibration": {"prompts": len(kv_prompts), "source": kv_source,
                                                      "new_tokens": kv_calibrate.NEW_TOKENS}}
         with ui.phase("trace", f"3 graphs, block size {k} (torch.onnx dynamo)"):
             models = trace_graphs(target, drafter, manifest, tc, tdtype, opset, attention, kv_scales)

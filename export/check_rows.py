@@ -3,6 +3,8 @@ contracts alike), and parity per row of a ragged batch against each row alone in
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..runtime import contract as C, manifest as M
 from ..lazy import lazy_import
 
@@ -59,6 +61,16 @@ def target_inputs(m: M.Manifest, kv, p: int, s: int, lengths=None, counts=None, 
     if not C.ragged(m):
         return _flat(kv)
     return [lengths, *picks, *_position_major(m, kv)]
+
+
+def stored_rows(names: list[str], outs: list, rows: list[tuple[int, int, int]]) -> list:
+    """The int8 cache values an ort-flavour target call stored (its present_* outputs), in the
+    order the reference quantizes them (gqa.stored_as): per layer, per row (r, start, count) of
+    `rows`, K then V."""
+    present = {n: o for n, o in zip(names, outs) if n.startswith("present_")}
+    layers = len(present) // 2
+    return [torch.from_numpy(np.ascontiguousarray(present[f"present_{kv}.{i}"][r : r + 1, :, a : a + c]))
+            for i in range(layers) for r, a, c in rows if c for kv in ("key", "value")]
 
 
 def in_ring(m: M.Manifest, kv, p: int):
@@ -132,6 +144,12 @@ def ragged_rows(target, drafter, m: M.Manifest, sessions: dict, seed: int, stric
     ):
         names_in, names_out = C.names(graph, m)
         got = sessions[graph].run(names_out, dict(zip(names_in, (_np(t) for t in inputs))))
+        if graph == C.TARGET and kv_scales is not None:  # each row's reference given ORT's int8 stores
+            for r, (n, s) in enumerate(zip(lens, news)):
+                past = target_inputs(m, pasts[r], n, s, scales=kv_scales)  # (quantized outside stored_as)
+                with gqa.stored_as(stored_rows(names_out, got, [(r, n, s)])), torch.inference_mode():
+                    t_ref = tg(rows_ids[r][:, n:n + s], torch.arange(n, n + s)[None], *past)
+                refs[r] = (t_ref, *refs[r][1:])
         for r, s in enumerate(news if graph == C.TARGET else [K - 1] * 2):
             ref = [_np(t)[:, :s] for t in refs[r][which]]  # every output is [B, positions, ...]
             mine = [o[r : r + 1, :s] for o in got]

@@ -16,13 +16,16 @@ with the model's own functions (`attend`, `apply_rope`, RMSNorm's arithmetic):
 - with `k_scale` / `v_scale` (float32 [Hkv, 1, D], one scale per cache channel) the cache is
   int8, as ONNX Runtime's quantized cache (k_quant_type PER_CHANNEL, kv_cache_bit_width 8):
   the new K (after rotary) and V are stored as clamp(round_half_even(x * (1 / scale)), -128, 127)
-  and attention reads the whole cache dequantized (q * scale), the new rows included. Measured
-  against ONNX Runtime 1.32 by tests/test_kv_int8.py (rounding, clamp, layout, output).
+  and attention reads the whole cache dequantized (stored value * scale), the new rows
+  included. Checked against ONNX Runtime 1.32 by tests/test_kv_int8.py (rounding, clamp,
+  layout, output).
 - `skip_rms`: (rms_norm(x + y) * weight, x + y), the second output being the residual stream.
 Fewer, larger nodes matter on CPU: ONNX Runtime's cost per node dominates a small model's step.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from onnxscript import values
@@ -58,13 +61,39 @@ def gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor,
     return out, pk, pv
 
 
+_stored: list | None = None  # `stored_as`: what ONNX Runtime stored, one tensor per quantize call
+STORED_STATS = {"values": 0, "one_step_apart": 0}  # over every `stored_as` (check reports them)
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """x [B,Hkv,S,D] as the cache stores it: itself, or int8 clamp(round(x * (1 / scale))): ONNX
     Runtime multiplies by the fp32 reciprocal (not a division: they differ at halves) and rounds
     half to even, as torch.round does."""
     if scale is None:
         return x
-    return torch.clamp(torch.round(x.float() * (1 / scale)), -128, 127).to(torch.int8)
+    q = torch.clamp(torch.round(x.float() * (1 / scale)), -128, 127).to(torch.int8)
+    if _stored is not None:  # a value within float error of a rounding boundary: take ORT's side of it
+        theirs = _stored.pop(0)
+        step = (q.int() - theirs.int()).abs()
+        STORED_STATS["values"] += q.numel()
+        STORED_STATS["one_step_apart"] += int((step == 1).sum())
+        q = torch.where(step <= 1, theirs, q)
+    return q
+
+
+@contextlib.contextmanager
+def stored_as(values: list[torch.Tensor]):
+    """Within: each int8 store takes ONNX Runtime's value (`values`, one per `quantize` call, in
+    call order: layer, row, K then V) where it is within one step of its own. Inputs that differ
+    by float rounding land on either side of a .5 about once in a few hundred values, and one
+    step of one cache value moves the outputs by ~1e-2; `check` compares the graph's outputs
+    given the same cache contents, and the contents themselves within one step."""
+    global _stored
+    _stored = list(values)
+    try:
+        yield
+    finally:
+        _stored = None
 
 
 def dequantize(c: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

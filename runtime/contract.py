@@ -45,6 +45,10 @@ cost then barely grows with the context. The drafter graphs are the same in both
 inputs carry each row's count of new tokens implicitly (`Manifest.row_counts`, `row_counts`):
 seqlens_k = the row's length + count - 1 and position_ids from the row's length, so a batch's
 rows verify different lengths in one call; older exports run such rows one call each.
+Its cache may be int8 (`Manifest.kv_cache`, `export --kv-cache int8`; the tensors' dtype
+`CACHE`): GroupQueryAttention stores K (after rotary) and V as round(x / scale) with static
+per-channel scales [Hkv, 1, D] held in target.onnx (its inputs k_scale / v_scale) and
+dequantizes as it reads; the runtime only allocates, binds and copies the int8 buffers.
 
 Ragged batches (`Manifest.ragged`, every export since batching; docs/batching.md): each
 row of a batch has its own positions, valid cache length and number of new tokens. The

@@ -66,6 +66,11 @@ ORT_CASES = {  # the "ort" attention flavour (contract.TARGET_ORT): tests/test_a
     # head_dim 24: not a multiple of 16, so q/k rotate in the graph, not inside GroupQueryAttention
     "llama-ort": Case("llama", layers=2, draft_layers=1, block=4, tie=True, seed=3, hidden=96, attention="ort"),
 }
+KV8_CASES = {  # the ort flavour with its int8 cache (export --kv-cache int8): tests/test_kv_int8.py
+    "qwen3": Case("qwen3", layers=2, draft_layers=1, block=8, seed=4, attention="ort", kv_cache="int8"),
+    # head_dim 24: q/k rotate in the graph, GroupQueryAttention quantizes them as given
+    "llama": Case("llama", layers=2, draft_layers=1, block=4, tie=True, seed=3, hidden=96, attention="ort", kv_cache="int8"),
+}
 CASES = {  # taps on the target's last layer: qwen3, llama, qwen3-b16 (llama/b16 by the default rule)
     "qwen3": Case("qwen3", layers=3, draft_layers=2, block=8, bias=2.0, taps=(0, 2)),  # real acceptance
     "llama": Case("llama", layers=2, draft_layers=1, block=4, tie=True),  # tied, llama3 rope

@@ -9,20 +9,15 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from runtime_cases import Case, artifact, prompts
+from runtime_cases import KV8_CASES, artifact, prompts
 
 from dflash_export.cli import cli
 from dflash_export.export.check import run_check
 from dflash_export.export.gqa import gqa
+from dflash_export.export.trt_lint import lint_dir
 from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.loop import Request, generate, generate_batch
 from dflash_export.runtime.ort.backend import OrtBackend
-
-KV8_CASES = {
-    "qwen3": Case("qwen3", layers=2, draft_layers=1, block=8, seed=4, attention="ort", kv_cache="int8"),
-    # head_dim 24: q/k rotate in the graph, GroupQueryAttention quantizes them as given
-    "llama": Case("llama", layers=2, draft_layers=1, block=4, tie=True, seed=3, hidden=96, attention="ort", kv_cache="int8"),
-}
 
 
 @pytest.fixture(scope="module", params=list(KV8_CASES))
@@ -123,12 +118,18 @@ def test_check_passes_with_printed_errors(case):
     presents = [r for r in report.rows if r.graph == C.TARGET and r.output.startswith("present_")]
     assert presents and all(r.tol == 1.0 and r.max <= 1 for r in presents)
     assert report.end_to_end["speculative_equals_plain"] == report.end_to_end["cases"]
+    assert any("values it stored were one step from ONNX Runtime" in n for n in report.notes), report.notes
 
 
 def test_refusals_are_one_line_and_write_nothing(tmp_path):
     t_dir, d_dir, _ = artifact(KV8_CASES["qwen3"])
+    prompts_file = tmp_path / "p.txt"
+    prompts_file.write_text("a prompt\n")
+    ort8 = ["--attention", "ort", "--kv-cache", "int8"]
     for extra, words in ((["--kv-cache", "int8"], "needs --attention ort"),
-                         (["--kv-calibration", str(tmp_path / "p.txt")], "needs --kv-cache int8")):
+                         (["--kv-calibration", str(prompts_file)], "needs --kv-cache int8"),
+                         ([*ort8, "--kv-calibration", str(tmp_path / "none.txt")], "unreadable"),
+                         ([*ort8, "--kv-calibration", str(prompts_file)], "needs the target's tokenizer.json")):
         out = tmp_path / "out"
         r = CliRunner().invoke(cli, ["export", "--target", str(t_dir), "--draft", str(d_dir), "--out", str(out),
                                      "--quiet", *extra])
@@ -141,3 +142,39 @@ def test_info_shows_the_cache_type(case):
     r = CliRunner().invoke(cli, ["info", str(out), "--no-verify"])
     assert r.exit_code == 0 and "kv cache int8, per-channel scales" in r.output, r.output
     assert any("past_key.{i}" in ln and ln.rstrip().split("]")[-1].split()[0] == "int8" for ln in r.output.splitlines())
+
+
+def test_int4_weights_keep_the_int8_cache(tmp_path):
+    """quantize keeps the scales and the record; check: parity vs the dequantized weights, speculative == plain."""
+    from dflash_export.export.quantize import QuantOptions, quantize_artifact
+
+    t_dir, d_dir, out = artifact(KV8_CASES["qwen3"])
+    q = quantize_artifact(out, tmp_path / "q", QuantOptions(scheme="int4", block_size=16), progress=False)
+    assert q.kv_cache == M.load_manifest(out).kv_cache and q.quantization["scheme"] == "int4"
+    report = run_check(tmp_path / "q", t_dir, d_dir, prompts=3, max_new_tokens=12, progress=False)
+    print(report.summary())
+    assert report.passed and report.end_to_end["speculative_equals_plain"] == 3, report.summary()
+
+
+def test_tensorrt_refuses_it_by_the_flavour():
+    """TensorRT cannot run GroupQueryAttention: `build` refuses the ort flavour, int8 cache or not."""
+    _, _, out = artifact(KV8_CASES["qwen3"])
+    errors = [f for f in lint_dir(out) if f.level == "error"]
+    assert errors and "--attention standard" in str(errors[0])
+
+
+def test_calibration_prompts_come_from_the_tokenizer(tmp_path):
+    """With a tokenizer: the seed prompts, or --kv-calibration's lines, tokenized; without: fixed ids."""
+    from pathlib import Path
+
+    from dflash_export.export.kv_calibrate import SEEDS, seed_prompts
+
+    demo = Path(__file__).resolve().parents[1] / "demo" / "pair" / "target"
+    ids, source = seed_prompts(demo, 4096, None)
+    assert source == "seed prompts" and len(ids) == len(SEEDS) and all(ids)
+    f = tmp_path / "p.txt"
+    f.write_text("first prompt\n\nsecond one\n")
+    ids, source = seed_prompts(demo, 4096, f)
+    assert source == str(f) and len(ids) == 2
+    ids, source = seed_prompts(tmp_path, 100, None)
+    assert source == "random token ids" and all(0 <= i < 100 for p in ids for i in p)

@@ -7,7 +7,7 @@ and moving slots around it; sampled rows keep their own seed's output."""
 from __future__ import annotations
 
 import pytest
-from runtime_cases import CASES, ORT_CASES, artifact, prompts
+from runtime_cases import CASES, KV8_CASES, ORT_CASES, artifact, prompts
 
 from dflash_export.runtime.loop import Generation, Request, generate, stream_batch
 from dflash_export.runtime.ort.backend import OrtBackend
@@ -38,8 +38,8 @@ def _turn(be, cache, specs):
     return [(got[i], gen[i]) for i in range(len(specs))]
 
 
-@pytest.mark.parametrize("case", [CASES["qwen3"], CASES["llama"], ORT_CASES["qwen3-ort"], ORT_CASES["llama-ort"]],
-                         ids=["standard", "standard-unbiased", "ort", "ort-unbiased"])
+@pytest.mark.parametrize("case", [CASES["qwen3"], CASES["llama"], ORT_CASES["qwen3-ort"], ORT_CASES["llama-ort"],
+                                  KV8_CASES["llama"]], ids=["standard", "standard-unbiased", "ort", "ort-unbiased", "ort-kv8"])
 def test_parked_prefixes_are_reused_across_slots_and_every_output_equals_its_run_alone(case):
     _, _, out = artifact(case)
     be1, be3 = OrtBackend(out, threads=1), OrtBackend(out, threads=1, max_batch=3)
