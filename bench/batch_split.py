@@ -9,7 +9,8 @@ It reuses bench/batch.py's Qwen3-0.6B-shape int4-ort export in --work (made ther
 caches int8 (GroupQueryAttention's k_quant_type / v_quant_type PER_TENSOR, 8 bits; ONNX
 Runtime 1.32's CPU kernel dequantizes them itself). Its scale is a constant, not calibrated:
 the outputs are meaningless, the cost is not (dense kernels), so this measures what an int8
-cache would buy before anyone builds one. For each (cache, rows), interleaved, plain steps with
+cache would buy before anyone builds one. `export --kv-cache int8` builds it now (calibrated
+per-channel scales): bench/kv_cache.py measures that export. For each (cache, rows), interleaved, plain steps with
 every row at the context (bench/batch.py's `fill`): the step, the session run inside it (the
 rest is host work: bindings, bookkeeping), fastest of --repeats. --clock cpu (process time)
 is the sound measure with 1 thread on a shared machine: other processes' time is not counted.

@@ -17,6 +17,7 @@ from dflash_export.export.gqa import gqa
 from dflash_export.export.trt_lint import lint_dir
 from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.loop import Request, generate, generate_batch
+from dflash_export.runtime.memory import cache_bytes_per_position
 from dflash_export.runtime.ort.backend import OrtBackend
 
 
@@ -91,6 +92,8 @@ def test_manifest_graph_and_runtime_say_int8(case):
     assert len(gqa_nodes) == m.target_layers and all(n.input[12] and n.input[13] for n in gqa_nodes)
     be = OrtBackend(out, threads=1)
     assert all(b is None or b.dtype == np.int8 for b in be.kv)
+    # the memory check counts a byte per cached value
+    assert cache_bytes_per_position(m, drafter=False) == 2 * m.target_layers * m.target_kv_heads * m.target_head_dim
 
 
 def test_speculative_equals_the_int8_targets_greedy(case):
