@@ -11,7 +11,7 @@ and both orderings read the same. 3 trials of b8 and h1024 take ~3 minutes at 1 
 
 Per directory (ONNX Runtime, CPU, batch 1), interleaved in one loop `--trials` times: both cost
 models, the loop drafting every round (full block), plain decoding, and `--speculation auto`
-with each cost model. Reports, per round that ran, what each model predicts (at its verify
+with each cost model (the two orderings' turns alternate from trial to trial). Reports, per round that ran, what each model predicts (at its verify
 length) over what its graph calls took (median over rounds, and the 90th percentile: the rounds
 other jobs disturbed least, comparable with the costs' 10th percentiles), and auto's tokens/s, drafted rounds and mean verify
 length beside plain and always-drafting (medians over trials).
@@ -103,7 +103,8 @@ def main() -> None:
         print(f"trial {trial + 1} of {a.trials}, load {os.getloadavg()[0]:.2f}", file=sys.stderr)
         for d, be in bes.items():
             k, p0 = be.manifest.block_size, ps[d][0]
-            models = {"round order": round_costs(be, p0, 1), "back to back": back_to_back(be, p0)}
+            order = ("round order", "back to back")[:: 1 if trial % 2 else -1]  # each goes first in every other trial
+            models = {m: round_costs(be, p0, 1) if m == "round order" else back_to_back(be, p0) for m in order}
             costs = {m: Costs.from_json(cost_model({1: c})) for m, c in models.items()}
             run = lambda **kw: [generate(be, p, a.max_new_tokens, stop_token_ids=(), **kw) for p in ps[d]]  # noqa: E731
             gens = {"always": run(), "plain": run(draft=False)}
@@ -124,8 +125,8 @@ def main() -> None:
     for d, rs in rows.items():
         print(f"{d} (block {bes[d].manifest.block_size}):")
         for m in ("back to back", "round order"):
-            c = rs[-1]["costs"][m]
-            print(f"  costs {m} (last trial), ms: step {c['step']:.3f}, verify " + "/".join(f"{v:.2f}" for v in c["verify"])
+            c = {key: (np.median([r["costs"][m][key] for r in rs], axis=0)) for key in rs[0]["costs"][m]}
+            print(f"  costs {m} (medians over trials), ms: step {c['step']:.3f}, verify " + "/".join(f"{v:.2f}" for v in c["verify"])
                   + f", draft {c['draft']:.3f}" + (f" (one {c['draft_one']:.3f})" if "draft_one" in c else "")
                   + f", context {c['context']:.3f}")
             by = {kind: [x for r in rs for x in r[f"predicted/measured, {m}"][kind]] for kind in rs[0][f"predicted/measured, {m}"]}
@@ -135,6 +136,9 @@ def main() -> None:
             print(f"  {kind}: {med(r[kind]['tok_s'] for r in rs):.0f} tok/s, drafted rounds "
                   f"{med(r[kind]['drafted'] for r in rs):.2f}, mean verify length {med(r[kind]['verify_len'] for r in rs):.2f}"
                   " (tok/s by trial " + ", ".join(f"{r[kind]['tok_s']:.0f}" for r in rs) + ")")
+        pair = [r["auto, round order"]["tok_s"] / r["auto, back to back"]["tok_s"] for r in rs]
+        print(f"  auto, round order / back to back tok/s: median {med(pair):.2f}, ahead in {sum(x > 1 for x in pair)} of "
+              f"{len(pair)} trials")
 
 
 if __name__ == "__main__":
