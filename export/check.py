@@ -44,12 +44,11 @@ from .check_rows import block_inputs, ragged_rows, stored_rows, target_inputs
 from .polygraphy_json import write_polygraphy
 from .progress import Phases
 from .quantize import dequantized_sources
+from .save import read_initializers
 
 torch = lazy_import("torch")  # torch, onnx, the reference models: on first use (lazy.py)
 ml_dtypes = lazy_import("ml_dtypes")
 onnx = lazy_import("onnx")
-numpy_helper = lazy_import("onnx.numpy_helper")
-onnx_data = lazy_import("onnx.external_data_helper")
 reference = lazy_import("dflash_export.models")
 dflash2 = lazy_import("dflash_export.models.dflash2")
 generate2 = lazy_import("dflash_export.models.generate_dflash2")
@@ -199,14 +198,9 @@ def load_sources(root: Path, manifest: M.Manifest, target_dir, draft_dir, warnin
 def draft_vocab_ids(root: Path, m: M.Manifest) -> np.ndarray:
     """The N target ids of a reduced draft vocabulary, as draft_block.onnx holds them."""
     path = root / m.graphs[C.DRAFT_BLOCK].file
-    for t in onnx.load(str(path), load_external_data=False).graph.initializer:
-        if t.name == "vocab_ids":
-            if onnx_data.uses_external_data(t):
-                onnx_data.load_external_data_for_tensor(t, str(root))
-            ids = numpy_helper.to_array(t)
-            if ids.shape != (m.draft_vocab["size"],):
-                break
-            return ids
+    ids = read_initializers(root, onnx.load(str(path), load_external_data=False), {"vocab_ids"}).get("vocab_ids")
+    if ids is not None and ids.shape == (m.draft_vocab["size"],):
+        return ids
     raise DFlashError(f"{path}: no vocab_ids of {m.draft_vocab['size']} tokens, which the manifest's draft_vocab says it has; re-export")
 
 

@@ -122,12 +122,10 @@ class TargetOrtGraph(nn.Module):
     def __init__(self, target, max_context: int, kv_scales: list | None = None):
         super().__init__()
         self.target = target
-        self.kv_scales = None
-        if kv_scales is not None:
-            for i, (ks, vs) in enumerate(kv_scales):
-                self.register_buffer(f"k_scale_{i}", ks.float().contiguous(), persistent=False)
-                self.register_buffer(f"v_scale_{i}", vs.float().contiguous(), persistent=False)
-            self.kv_scales = len(kv_scales)
+        self.int8_cache = kv_scales is not None
+        for i, (ks, vs) in enumerate(kv_scales or ()):
+            self.register_buffer(f"k_scale_{i}", ks.float().contiguous(), persistent=False)
+            self.register_buffer(f"v_scale_{i}", vs.float().contiguous(), persistent=False)
         d, dtype = target.model.layers[0].self_attn.d, target.model.embed_tokens.weight.dtype
         self.rotary = d % 16 == 0
         if self.rotary:  # the same products as rope_cos_sin, one row per position
@@ -135,12 +133,6 @@ class TargetOrtGraph(nn.Module):
             scale = target.config.rope.attention_factor  # YaRN's, as rope_cos_sin
             self.register_buffer("cos_cache", (freqs.cos() * scale).to(dtype), persistent=False)
             self.register_buffer("sin_cache", (freqs.sin() * scale).to(dtype), persistent=False)
-
-    def scales(self) -> list | None:
-        """Per layer (k_scale, v_scale) of an int8 cache; None: the cache is in the model dtype."""
-        if self.kv_scales is None:
-            return None
-        return [(getattr(self, f"k_scale_{i}"), getattr(self, f"v_scale_{i}")) for i in range(self.kv_scales)]
 
     def forward(self, input_ids, position_ids, seqlens_k, total, logits_index, *cache):
         return self.run(input_ids, position_ids, seqlens_k, total, logits_index, cache)
@@ -164,7 +156,7 @@ class TargetOrtGraph(nn.Module):
             if not self.rotary:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             rot = (self.cos_cache, self.sin_cache) if self.rotary else (None, None)
-            scales = () if self.kv_scales is None else (getattr(self, f"k_scale_{i}"), getattr(self, f"v_scale_{i}"))
+            scales = (getattr(self, f"k_scale_{i}"), getattr(self, f"v_scale_{i}")) if self.int8_cache else ()
             rows = counts if counts or not scales else (None,)
             o, pk, pv = gqa(q.reshape(b, s, -1), k.reshape(b, s, -1), v, cache[2 * i], cache[2 * i + 1],
                             seqlens_k, total, *rot, a.h, a.hkv, *rows, *scales)

@@ -1,6 +1,6 @@
 """Static per-channel scales for the ort flavour's int8 cache (`export --kv-cache int8`).
 
-ONNX Runtime's GroupQueryAttention stores K (after rotary) and V as clamp(round(x / scale))
+ONNX Runtime's GroupQueryAttention stores K (after rotary) and V as clamp(round(x * (1 / scale)))
 with one fixed scale per cache channel (kv head x head dim, inputs k_scale / v_scale), so the
 scales are chosen once, at export: the absolute maximum of each channel over text the target
 itself generates greedily (from a few seed prompts, or the prompts of --kv-calibration),
@@ -17,10 +17,9 @@ import torch
 from ..errors import DFlashError
 from ..lazy import lazy_import
 from ..runtime import contract as C
+from .save import read_initializers
 
 onnx = lazy_import("onnx")
-numpy_helper = lazy_import("onnx.numpy_helper")
-onnx_data = lazy_import("onnx.external_data_helper")
 tokenizers = lazy_import("tokenizers")
 
 # The calibration sees a few hundred positions; other text reaches larger values in some
@@ -94,15 +93,8 @@ def read_scales(root: Path) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     12 and 13, in layer order); None when its cache is not quantized. What `check` builds its
     PyTorch reference with."""
     model = onnx.load(str(Path(root) / C.GRAPH_FILES[C.TARGET]), load_external_data=False)
-    inits = {t.name: t for t in model.graph.initializer}
     nodes = [n for n in model.graph.node if n.op_type == "GroupQueryAttention" and len(n.input) > 13 and n.input[12]]
     if not nodes:
         return None
-
-    def value(name: str) -> torch.Tensor:
-        t = inits[name]
-        if onnx_data.uses_external_data(t):
-            onnx_data.load_external_data_for_tensor(t, str(root))
-        return torch.from_numpy(numpy_helper.to_array(t).copy())
-
-    return [(value(n.input[12]), value(n.input[13])) for n in nodes]
+    arrays = read_initializers(Path(root), model, {i for n in nodes for i in n.input[12:14]})
+    return [tuple(torch.from_numpy(arrays[i].copy()) for i in n.input[12:14]) for n in nodes]

@@ -46,7 +46,7 @@ from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_
 from . import accuracy_level as AL
 from .progress import Phases, report
 from . import stream
-from .save import INLINE_BELOW, graph_spec, save_graphs
+from .save import INLINE_BELOW, graph_spec, read_initializers, save_graphs
 from .trace import store_transposed
 from .validate import validate_artifact
 
@@ -54,7 +54,6 @@ ir = lazy_import("onnx_ir")  # onnx, onnxruntime's quantizer, torch: on first us
 nbits = lazy_import("onnxruntime.quantization.matmul_nbits_quantizer")
 ort_pybind = lazy_import("onnxruntime.capi._pybind_state")  # its C++ blockwise quantizer (pack_blocks)
 onnx = lazy_import("onnx")
-numpy_helper = lazy_import("onnx.numpy_helper")
 torch = lazy_import("torch")
 moe = lazy_import("dflash_export.export.moe")
 moe_blocks = lazy_import("dflash_export.models.moe")
@@ -445,12 +444,7 @@ def dequantized_weights(root) -> dict[str, dict[str, np.ndarray]]:
         if not nodes and not experts and not gathered:
             continue
         wanted = {i for n in nodes + experts for i in n.input if i} | {p for g in gathered for p in g[1:4] if p}
-        arrays = {}
-        for t in model.graph.initializer:
-            if t.name in wanted:
-                if t.data_location == onnx.TensorProto.EXTERNAL:
-                    onnx.external_data_helper.load_external_data_for_tensor(t, str(Path(root)))
-                arrays[t.name] = numpy_helper.to_array(t)
+        arrays = read_initializers(Path(root), model, wanted)
         weight = lambda n: (n.input[0] if n.op_type == "GatherBlockQuantized" else n.input[1]).rsplit("_Q", 1)[0]  # noqa: E731
         out[graph] = {weight(n): dequantize(n, arrays) for n in nodes}
         for n in experts:

@@ -21,6 +21,8 @@ from ..lazy import lazy_import
 onnx = lazy_import("onnx")  # on first use (lazy.py)
 ir = lazy_import("onnx_ir")
 helper = lazy_import("onnx.helper")
+numpy_helper = lazy_import("onnx.numpy_helper")
+onnx_data = lazy_import("onnx.external_data_helper")
 
 ALIGN = 4096  # external-data offsets of large tensors, so ORT can mmap them
 INLINE_BELOW = 1024  # bytes: smaller initializers stay in the .onnx file
@@ -115,6 +117,18 @@ class DataWriter:
     def close(self) -> None:
         for f in self.files.values():
             f.close()
+
+
+def read_initializers(root: Path, model, names) -> dict[str, np.ndarray]:
+    """The initializers of `model` (an onnx ModelProto loaded without its external data) named
+    in `names`, as arrays: only their own bytes are read from the files beside it in `root`."""
+    out = {}
+    for t in model.graph.initializer:
+        if t.name in names:
+            if onnx_data.uses_external_data(t):
+                onnx_data.load_external_data_for_tensor(t, str(root))
+            out[t.name] = numpy_helper.to_array(t)
+    return out
 
 
 def save_graph(model, path: Path) -> None:
