@@ -41,7 +41,6 @@ import numpy as np
 from ..runtime import contract as C, manifest as M
 from ..errors import DFlashError
 from ..lazy import lazy_import
-from .ops import QUANT_OPS
 from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_checked
 from . import accuracy_level as AL
 from .progress import Phases, report
