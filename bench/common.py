@@ -1,6 +1,6 @@
 """What the bench scripts share: the benchmark models, exported once, and child processes.
 
-Benchmark models: small but not microscopic, random weights, built with dflash_export.testing's
+Benchmark models: small but not microscopic, random weights, built with dflash_export.models.tiny's
 writers (a real Hugging Face Qwen3 checkpoint and a z-lab drafter), then exported with
 export_artifact. Cached under DFLASH_BENCH_CACHE (default ~/.cache/dflash-export/bench) by
 their parameters and the exporter/model/contract sources, so the benches can be rerun quickly.
@@ -41,7 +41,7 @@ def bench_model(name: str = "small", attention: str = "standard") -> tuple[Path,
     p = BENCH_MODELS[name]
 
     def build(t: Path, d: Path) -> None:
-        from dflash_export.testing import make_drafter, make_target
+        from dflash_export.models.tiny import make_drafter, make_target
 
         make_target(t, p["arch"], vocab=p["vocab"], hidden=p["hidden"], layers=p["layers"], heads=p["heads"],
                     kv_heads=p["kv_heads"], head_dim=p["head_dim"], intermediate=p["intermediate"], std=0.04)

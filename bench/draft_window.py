@@ -28,7 +28,7 @@ def main() -> None:
     a = ap.parse_args()
     from dflash_export.export.artifact import export_artifact
     from dflash_export.runtime.load import open_backend
-    from dflash_export.testing import make_drafter, make_target
+    from dflash_export.models.tiny import make_drafter, make_target
 
     work, contexts = Path(a.work), [int(c) for c in a.contexts.split(",")]
     max_ctx = max(contexts) + 64

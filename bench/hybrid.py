@@ -45,7 +45,7 @@ BLOCK, MAX_CONTEXT = 16, 1024
 
 def pair() -> Path:
     def build(t: Path, d: Path) -> None:
-        from dflash_export.testing import make_drafter, make_target
+        from dflash_export.models.tiny import make_drafter, make_target
 
         s = SHAPE
         make_target(t, "qwen35", vocab=s["vocab"], hidden=s["hidden"], layers=len(s["layer_types"]), heads=s["heads"],

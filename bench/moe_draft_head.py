@@ -46,7 +46,7 @@ def make_pair(work: Path) -> Path:
         return out
     from dflash_export.export.artifact import export_artifact
     from dflash_export.models import TargetConfig, new_drafter
-    from dflash_export.testing import make_target
+    from dflash_export.models.tiny import make_target
 
     make_target(work / "target", "qwen3", vocab=SHAPE["vocab"], hidden=SHAPE["hidden"], layers=2, heads=SHAPE["heads"],
                 kv_heads=SHAPE["kv_heads"], head_dim=SHAPE["head_dim"], intermediate=256, tie=False, std=0.02)

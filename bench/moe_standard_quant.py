@@ -34,7 +34,7 @@ from common import uptime
 from dflash_export.export.artifact import export_artifact
 from dflash_export.export.quantize import QuantOptions, quantize_artifact
 from dflash_export.runtime.ort.backend import OrtBackend
-from dflash_export.testing import make_drafter
+from dflash_export.models.tiny import make_drafter
 
 SHAPE = dict(layers=2, hidden=512, experts=32, width=256, top_k=4, vocab=4096)
 

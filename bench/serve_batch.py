@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "serve_batch.json")
     a = ap.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from dflash_export.cli.serve import demo_artifact
+    from dflash_export.demo.artifact import demo_artifact
     from dflash_export.runtime.manifest import load_manifest
 
     art = a.artifact or demo_artifact()

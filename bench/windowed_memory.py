@@ -32,7 +32,7 @@ NEW = 32
 
 def pair(context: int) -> Path:
     def build(t: Path, d: Path) -> None:
-        from dflash_export.testing import make_drafter, make_target
+        from dflash_export.models.tiny import make_drafter, make_target
 
         s = SHAPE
         make_target(t, "gpt_oss", vocab=s["vocab"], hidden=s["hidden"], layers=len(s["layer_types"]), heads=s["heads"],

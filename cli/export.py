@@ -15,9 +15,9 @@ from rich.console import Console
 from rich.table import Table
 
 from .options import model_options, num_prompts_option
-from ..lazy import lazy_import
-from ..errors import DFlashError
-from .. import sources
+from ..runtime.lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..export import sources
 
 export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: only when a command runs
 export_check = lazy_import("dflash_export.export.check")

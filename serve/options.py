@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 
 
 def option(value=None, help: str | None = None, **click_kw):  # noqa: A002: click's own word
