@@ -31,7 +31,7 @@ def quant_options(f):
                      help="Weight-only quantization of the target's linear layers: int4 or int8 (ONNX Runtime MatMulNBits)."),
         click.option("--quant-block-size", type=int, default=None,
                      help="Weights per quantization block (along the input dimension); a power of two >= 16 "
-                          "[default: 128; MoE targets 32; smaller where the hidden size needs it]."),
+                          "[default: 128, halved until it divides the hidden size and a MoE target's expert width: 64 for gpt-oss]."),
         click.option("--quant-asymmetric", is_flag=True, help="Asymmetric quantization (zero points); symmetric by default."),
         click.option("--quantize-draft", is_flag=True, help="Also quantize the drafter's linear layers."),
         click.option("--draft-only", is_flag=True,
