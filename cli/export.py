@@ -16,7 +16,7 @@ from rich.table import Table
 
 from .options import model_options, num_prompts_option
 from ..export import quant_options as Q, sources
-from ..export.outdir import check_out_dir
+from ..runtime.outdir import check_out_dir
 from ..runtime.errors import DFlashError
 from ..runtime.lazy import lazy_import
 from ..runtime.manifest import load_manifest
