@@ -44,7 +44,11 @@ class Grammars:
         with self._lock:
             if self._tok is None:
                 n = max(self.vocab_size, self.hf.get_vocab_size(with_added_tokens=True))
-                self._tok = llg.LLTokenizer(self.hf.to_str(), n_vocab=n, eos_token=self.eos[0] if self.eos else None)
+                eos = self.eos[0] if self.eos else None
+                try:
+                    self._tok = llg.LLTokenizer(self.hf.to_str(), n_vocab=n, eos_token=eos)
+                except ValueError:  # a decoder llguidance does not read: the tokens' own text instead
+                    self._tok = llg.LLTokenizer(llg.TokenizerWrapper(_Vocab(self.hf, n, eos)), n_vocab=n)
             return self._tok
 
     def compile(self, lark: str) -> str:
@@ -63,6 +67,22 @@ class Grammars:
         if matcher.is_error():
             raise GrammarError(_message(matcher.get_error()))
         return Constraint(matcher, self.vocab_size, (self.tokenizer().vocab_size + 31) // 32, stop_ids)
+
+
+class _Vocab:
+    """What llguidance's TokenizerWrapper reads of a tokenizer: each token's bytes (its decoded text),
+    the special tokens, eos, and an encoder."""
+
+    def __init__(self, hf, n: int, eos: int | None):
+        special = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+        self.eos_token_id, self.bos_token_id, self.special_token_ids = eos, None, sorted(special)
+        self.tokens = [(hf.id_to_token(i) or f"<|{i}|>") if i in special or i >= hf.get_vocab_size() else
+                       hf.decode([i], skip_special_tokens=False) for i in range(n)]
+        self.tokens = [t.encode() for t in self.tokens]
+        self.hf = hf
+
+    def __call__(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
 
 
 class Constraint:
@@ -106,21 +126,22 @@ def _message(err: str) -> str:
 
 
 def _prefix(fmt: Format, thinking: bool) -> str:
-    """The reasoning the model may write before what the grammar constrains (Lark rules)."""
-    if fmt.think is None:
+    """Where the constrained part starts (Lark rules): at once, or, where the prompt opened a think
+    block (Qwen3.5's templates, a thinking model's), after the reasoning and its closing marker. A
+    model that opens the block itself (Qwen3 with enable_thinking) answers without it under a constraint:
+    an optional block would let an unsure model reason until max_tokens."""
+    if fmt.think is None or not thinking:
         return 'start: body\n'
-    open_, close = fmt.think
-    lines = f'think_text[stop={json.dumps(close)}]: /(.|\\n)*/\nWS: /[ \\t\\r\\n]*/\n'
-    if thinking:  # the prompt opened the block: the output starts inside it
-        return 'start: think_text WS body\n' + lines
-    return f'start: ({json.dumps(open_)} think_text WS)? body\n' + lines
+    close = fmt.think[1]
+    return (f'start: think_text WS body\nthink_text[stop={json.dumps(close)}]: /(.|\\n)*/\n'
+            'WS: /[ \\t\\r\\n]*/\n')
 
 
 def grammar(fmt: Format, thinking: bool, tools: list[dict] | None, parallel: bool, answer: dict | None) -> str:
     """What the model may write: one call (`parallel`: one or more) of one of `tools` ({"name",
     "parameters"}) in the model's own format, or an answer that is a JSON value of the schema `answer`
-    (json_object: {"type": "object"}), or either where both are given; after the reasoning the model
-    may write first."""
+    (json_object: {"type": "object"}), or either where both are given (after the reasoning where the
+    prompt opened a think block)."""
     if fmt.name == "harmony":
         alts = [f'"{t["name"]}" " " <|constrain|> "json" <|message|> ' + _json(_params(t)) for t in tools or []]
         body = ([f'"commentary to=functions." ({" | ".join(alts)})'] if alts else []) + \
@@ -157,7 +178,7 @@ def _call(fmt: Format, tools: list[dict], rules: list[str]) -> str:
 
 
 def _params(t: dict) -> dict:
-    return t.get("parameters") or {"type": "object", "properties": {}}
+    return t.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}  # no arguments
 
 
 # JSON as json.dumps and the chat templates' tojson write it (", " and ": ", no other whitespace): the
