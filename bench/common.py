@@ -229,7 +229,7 @@ def machine() -> dict:
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu,
             "simd": [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags],
-            "cores": len(os.sched_getaffinity(0)), "load": os.getloadavg(), "os": platform.platform(),
+            "cores": len(os.sched_getaffinity(0)), "load": [round(x, 2) for x in os.getloadavg()], "os": platform.platform(),
             "software": versions, "commit": commit.stdout.strip() or None}
 
 
