@@ -17,12 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..lazy import lazy_import
+from ..runtime.lazy import lazy_import
 from ..runtime.loop import Generation, Request
 from .grammar import Grammars
 from .text import TextStream
 
-prometheus = lazy_import("prometheus_client")  # the serve extra, when a server starts (lazy.py)
+prometheus = lazy_import("prometheus_client")  # the serve extra, when a server starts (runtime/lazy.py)
 
 
 class QueueFull(Exception):
