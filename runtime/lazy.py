@@ -18,7 +18,7 @@ EXTRAS = {"torch": "export", "onnx": "export", "onnxscript": "export", "huggingf
 HEAVY = ("dflash_export.export", "dflash_export.models", "dflash_export.train.train", "dflash_export.train.data",
          "dflash_export.train.cache", "dflash_export.train.eval", "dflash_export.train.forward", "dflash_export.train.loss",
          "dflash_export.train.speed", "dflash_export.train.state", "dflash_export.serve.app",
-         "dflash_export.serve.requests", "dflash_export.serve.respond", "dflash_export.serve.validate",
+         "dflash_export.serve.requests", "dflash_export.serve.tools", "dflash_export.serve.respond", "dflash_export.serve.validate",
          "dflash_export.serve.ray", "dflash_export.runtime.ort.backend", "dflash_export.runtime.ort.sessions",
          "dflash_export.runtime.trt.backend")
 # ... but for these, which the CLI reads before anything loads: they name their optional dependencies with lazy_import
