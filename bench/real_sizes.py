@@ -60,10 +60,10 @@ def open_backend(work: Path, name: str, threads: str, variant: str, drafter: boo
     from dflash_export.runtime import manifest as M
     from dflash_export.runtime.ort.backend import OrtBackend
     from dflash_export.runtime.ort.sessions import Sessions
-    from dflash_export.runtime.settings import resolve
+    from dflash_export.runtime.settings import RunOptions, resolve
 
     m = M.load_manifest(work / name)
-    kw = resolve(work / name, m, "ort:cpu", threads=None if threads == "cal" else int(threads)).ort_kwargs()
+    kw = resolve(work / name, m, RunOptions(threads=None if threads == "cal" else int(threads))).ort_kwargs()
     kw |= {"low_memory": {"low_memory": True}, "keep_mapped": {"release_mapped": False}}.get(variant, {})
     if variant == "fold":
         orig = Sessions._session

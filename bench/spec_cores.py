@@ -41,7 +41,7 @@ from dflash_export.runtime import manifest as M
 from dflash_export.runtime.calibrate import calibrate, round_costs
 from dflash_export.runtime.measure import measure_many, rate
 from dflash_export.runtime.ort.backend import OrtBackend
-from dflash_export.runtime.settings import device_key, resolve
+from dflash_export.runtime.settings import RunOptions, resolve
 
 
 def ggufs() -> tuple[Path, Path, Path]:
@@ -130,7 +130,7 @@ def main() -> None:
         os.sched_setaffinity(0, cores[:t])  # this process and every child: llama.cpp's, ORT's threads
         backends, verify = {}, {}
         for label, d in ours.items():
-            s = resolve(d, M.load_manifest(d), device_key("ort"), threads=t)
+            s = resolve(d, M.load_manifest(d), RunOptions(threads=t))
             for spin in (False, True) if t > 1 else (False,):
                 key = f"{label}{' spin' if spin else ''}"
                 backends[key] = OrtBackend(d, threads=t, spin=spin, max_chunk=s.prefill_chunk or 256)

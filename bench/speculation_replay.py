@@ -28,6 +28,7 @@ from tokenizers import Tokenizer
 
 from dflash_export.runtime.controller import Controller, Costs
 from dflash_export.runtime.load import open_artifact
+from dflash_export.runtime.settings import RunOptions
 from dflash_export.runtime.loop import Generation, generate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,7 @@ SETS = ("prompts.jsonl", "prompts-offdomain.jsonl")
 
 
 def record(art: Path, new: int, verify: str) -> dict:
-    be, cfg = open_artifact(art, verify=verify)
+    be, cfg = open_artifact(art, RunOptions(verify=verify))
     tok = Tokenizer.from_file(str(art / "tokenizer.json"))
     out = {}
     for name in SETS:

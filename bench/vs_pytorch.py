@@ -53,9 +53,9 @@ def main() -> None:
         tdir, ddir, out = bench_model(a.model)
     be = OrtBackend(out, threads=a.threads)
     m = be.manifest
-    from dflash_export.runtime.settings import resolve
+    from dflash_export.runtime.settings import RunOptions, resolve
 
-    policy = resolve(out, m, "ort:cpu", threads=a.threads, verify=a.verify).verify
+    policy = resolve(out, m, RunOptions(threads=a.threads, verify=a.verify)).verify
     dc = DraftConfig.load(ddir)
     target, drafter = Target.from_pretrained(tdir, dc.target_layer_ids), Drafter.from_pretrained(ddir)
     hf = hf_model(tdir)

@@ -14,13 +14,9 @@ from pathlib import Path
 import click
 
 from ..runtime.errors import DFlashError
+from ..runtime.options import option
 
 PRECISIONS = click.Choice(["auto", "fp32", "bf16"])
-
-
-def option(default=None, help: str | None = None, **click_kw):  # noqa: A002: click's own word
-    """A field that is also an option of `train-draft` (click_kw: as click.option takes them)."""
-    return field(default=default, metadata={"option": dict(help=help, **click_kw)})
 
 
 def parse_layer_ids(text: str | None) -> list[int] | None:
