@@ -76,6 +76,13 @@ def _ray_replicas() -> set[int]:
     return {RayOptions(use_ray=True).deploy()["replicas"]}
 
 
+def _ray_headroom() -> set[int]:
+    """serve --ray without --max-ongoing: rows + queue + HEADROOM (the stated number is the headroom)."""
+    from dflash_export.serve.ray import HEADROOM
+
+    return {HEADROOM}
+
+
 def _moe_path() -> set[str]:
     """export without --moe: the contrib op where ONNX Runtime runs it, else standard ops."""
     from dflash_export.export.moe import choose_path
@@ -89,6 +96,7 @@ RESOLVED = {
     "--max-batch": _serve_max_batch,
     "--replicas": _ray_replicas,
     "--moe": _moe_path,
+    "--max-ongoing": _ray_headroom,
 }
 
 
