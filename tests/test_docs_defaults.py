@@ -22,7 +22,7 @@ import pytest
 from dflash_export.cli import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "demo" / "RESULTS.md"])
 OPT = r"--[a-z][a-z0-9-]+"
 NUMBER = re.compile(r"(?<![\w.-])\d+(?:\.\d+)?(?![\w.])")
 
