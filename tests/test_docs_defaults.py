@@ -152,8 +152,13 @@ PROSE = re.compile(rf"`({OPT})((?: [^`]*)?)`((?:[^`.|\n]|\n(?!\n)|`[^`]*`)*?)\(?
                    re.I)
 
 
+# "... defaults to `--threads 1`": the value shown is the stated default
+DEFAULTS_TO = re.compile(rf"\bdefaults? (?:to|is) `({OPT}) ([^`\s]+)`", re.I)
+
+
 def _prose(text: str, name: str) -> list[Stated]:
-    found = []
+    found = [Stated(f"{name}:{text.count(chr(10), 0, m.start()) + 1}", m.group(1), f"`{m.group(2)}`")
+             for m in DEFAULTS_TO.finditer(text)]
     for m in PROSE.finditer(text):
         opt, args, between, after = m.groups()
         if re.search(OPT, between) or len(between) > 100:
@@ -217,6 +222,9 @@ def test_a_wrong_default_is_caught():
     wrong = [Stated("x", "--max-context", "4096"), Stated("x", "--quant-block-size", "128, MoE targets 32"),
              Stated("x", "--host", "`0.0.0.0`"), Stated("x", "--threads", "4")]
     assert all(mismatch(s) for s in wrong), [mismatch(s) for s in wrong]
+    said = _prose("so `demo` now defaults to `--threads 1`.", "x") + _prose("`--max-context N` (default 4096)", "x")
+    assert [(s.option, _literal(s.text)) for s in said] == [("--threads", "1"), ("--max-context", "4096")]
+    assert all(mismatch(s) for s in said)
     assert mismatch(Stated("x", "--quant-block-size", "128, halved until it divides ...: 64 for gpt-oss")) is None
 
 
