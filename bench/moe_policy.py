@@ -32,15 +32,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-from common import random_prompts, uptime
+from common import machine, random_prompts, uptime
 
 from dflash_export.runtime.calibrate import cost_model, round_costs
 from dflash_export.runtime.controller import Controller, Costs, auto_policy
@@ -154,8 +151,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5, help="passes over every call for the costs")
     args = ap.parse_args()
-    report = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": platform.machine(),
-              "cpus": os.cpu_count(), "threads": args.threads, "load_before": uptime()}
+    report = {"machine": machine(), "threads": args.threads, "load_before": uptime()}
     be = OrtBackend(args.art, threads=args.threads)
     m = be.manifest
     report["target"] = {"layers": m.target_layers, "hidden": m.hidden_size, "vocab": m.vocab_size, "block": m.block_size,
