@@ -100,6 +100,10 @@ RESOLVED = {
 }
 
 
+def _choices(opt: str) -> set[str]:
+    return {c for _, p in OPTIONS.get(opt, []) if isinstance(p.type, click.Choice) for c in p.type.choices}
+
+
 def _literal(text: str) -> str | None:
     """The first value a statement gives: a code span or a number; None for words only."""
     m = re.match(r"\s*(?:`([^`]+)`|(\d+(?:\.\d+)?)(?![%\w]))", text)
@@ -143,6 +147,8 @@ def _tables(lines: list[str], name: str) -> list[Stated]:
             parts = [v.strip() for v in cells[column].split(",")]
             values = parts if len(parts) == len(opts) else values * len(opts)
         for opt, value in zip(opts, values * len(opts)):
+            if value.lower() == "none" or value in _choices(opt):  # a bare value in a default column: HeadOnly, none
+                value = f"`{value}`"
             found.append(Stated(f"{name}:{i + 1}", opt, value))
     return found
 
@@ -203,6 +209,8 @@ def mismatch(s: Stated) -> str | None:
     if literal is None:
         return None  # words ("the drafter's", "calibrated"): nothing to compare
     defaults = [p.default for _, p in owners if not _unset(p.default)]
+    if literal.lower() == "none":
+        return None if len(defaults) < len(owners) else f"states none; the code's default is {defaults}"
     if any(_equal(literal, d) for d in defaults):
         return None
     if not defaults:
@@ -220,7 +228,8 @@ def test_the_reader_finds_defaults():
 
 def test_a_wrong_default_is_caught():
     wrong = [Stated("x", "--max-context", "4096"), Stated("x", "--quant-block-size", "128, MoE targets 32"),
-             Stated("x", "--host", "`0.0.0.0`"), Stated("x", "--threads", "4")]
+             Stated("x", "--host", "`0.0.0.0`"), Stated("x", "--threads", "4"), Stated("x", "--port", "`none`"),
+             *_tables(["| flag | default |", "|---|---|", "| `--proxy` | EveryNode |"], "x")]
     assert all(mismatch(s) for s in wrong), [mismatch(s) for s in wrong]
     said = _prose("so `demo` now defaults to `--threads 1`.", "x") + _prose("`--max-context N` (default 4096)", "x")
     assert [(s.option, _literal(s.text)) for s in said] == [("--threads", "1"), ("--max-context", "4096")]
