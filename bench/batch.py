@@ -48,7 +48,7 @@ def per_round_ms(gens) -> dict:
 
 def compare(backends: dict, prompts: list, new_tokens: int, draft: bool, verify, repeats: int) -> dict:
     """Interleaved runs of the same requests at each batch size; the best aggregate rate of each."""
-    from dflash_export.cli.batch import batch_report, run_batch
+    from dflash_export.runtime.measure import batch_report, run_batch
 
     best = {}
     for b, be in backends.items():  # warm-up
@@ -288,7 +288,7 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
 
 
 def part_demo(work: Path, threads: int, repeats: int, batch: int, attention: str = "standard") -> None:
-    from dflash_export.cli.batch import batch_report, run_batch
+    from dflash_export.runtime.measure import batch_report, run_batch
     from dflash_export.export.artifact import export_artifact
     from dflash_export.runtime.ort.backend import OrtBackend
     from dflash_export.serve.text import load_tokenizer

@@ -8,7 +8,7 @@
 - `interleaved(calls, passes)`: each call once per pass, in turn, so the machine's drift
   falls on every side alike (the figures to compare are ratios within one run).
 - Benchmark models: small but not microscopic, random weights, built with
-  dflash_export.testing's writers (a Hugging Face Qwen3 checkpoint and a z-lab drafter), then
+  dflash_export.models.tiny's writers (a Hugging Face Qwen3 checkpoint and a z-lab drafter), then
   exported with export_artifact; cached under DFLASH_BENCH_CACHE (default
   ~/.cache/dflash-export/bench) by their parameters and the exporter/model/contract sources.
   Real-shape checkpoints (random weights at a released model's shape, written shard by shard
@@ -56,7 +56,7 @@ def bench_model(name: str = "small", attention: str = "standard") -> tuple[Path,
     p = BENCH_MODELS[name]
 
     def build(t: Path, d: Path) -> None:
-        from dflash_export.testing import make_drafter, make_target
+        from dflash_export.models.tiny import make_drafter, make_target
 
         make_target(t, p["arch"], vocab=p["vocab"], hidden=p["hidden"], layers=p["layers"], heads=p["heads"],
                     kv_heads=p["kv_heads"], head_dim=p["head_dim"], intermediate=p["intermediate"], std=0.04)

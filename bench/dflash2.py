@@ -108,7 +108,7 @@ def acceptance(a) -> dict:
     from dflash_export.runtime.load import open_backend
     from dflash_export.runtime.loop import Request, generate_batch
     from dflash_export.runtime.sampling import Sampling
-    from dflash_export.testing import hf_model
+    from dflash_export.models.tiny import hf_model
 
     torch.set_num_threads(1)
     dm._cuda_time = time.perf_counter  # its stats time with CUDA syncs; no GPU here

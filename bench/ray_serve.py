@@ -161,7 +161,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.inside:
         return inside(a)
-    from dflash_export.cli.serve import demo_artifact
+    from dflash_export.demo.artifact import demo_artifact
 
     art = (a.artifact or demo_artifact()).resolve()
     lines = (ROOT / "demo" / "prompts.jsonl").read_text().splitlines()

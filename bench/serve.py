@@ -112,7 +112,7 @@ def main() -> None:
     a = ap.parse_args()
     a.out = a.out or ROOT / "bench" / "results" / ("serve_overhead.json" if a.only_overhead else "serve.json")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from dflash_export.cli.serve import demo_artifact
+    from dflash_export.demo.artifact import demo_artifact
     from dflash_export.runtime.loop import generate
     from dflash_export.runtime.ort.backend import OrtBackend
     from tokenizers import Tokenizer

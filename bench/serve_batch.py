@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="also compare every output with in-process generate")
     a = ap.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from dflash_export.cli.serve import demo_artifact
+    from dflash_export.demo.artifact import demo_artifact
     from dflash_export.runtime.manifest import load_manifest
 
     art = a.artifact or demo_artifact()

@@ -38,7 +38,7 @@ def main() -> None:
     a = ap.parse_args()
 
     import torch
-    from dflash_export.testing import hf_model
+    from dflash_export.models.tiny import hf_model
 
     from dflash_export.models import Drafter, Target, speculative_generate
     from dflash_export.models.config import DraftConfig

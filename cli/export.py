@@ -15,9 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from .options import model_options, num_prompts_option
-from ..lazy import lazy_import
-from ..errors import DFlashError
-from .. import sources
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 from ..runtime.manifest import load_manifest
 
 export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: only when a command runs
@@ -25,6 +24,7 @@ export_check = lazy_import("dflash_export.export.check")
 export_quantize = lazy_import("dflash_export.export.quantize")
 Q = lazy_import("dflash_export.export.quant_options")  # light (no torch, onnx): the checks made before anything loads
 outdir = lazy_import("dflash_export.export.outdir")
+sources = lazy_import("dflash_export.export.sources")  # huggingface_hub ids resolved when a command runs
 
 
 def quant_options(f):
