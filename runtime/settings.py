@@ -24,7 +24,8 @@ import numpy as np
 from .contract import RUNTIME
 from .controller import Costs
 
-from .manifest import Manifest, read_json
+from .files import read_json
+from .manifest import Manifest
 from ..errors import DFlashError
 
 RUNTIME_FORMAT = "dflash-export-runtime"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import contract as C
+from ..files import read_bytes
 from ..manifest import Manifest
 from ...errors import DFlashError, InternalError
 from .profiles import ENGINE_FILES, check_trt_version
@@ -92,7 +93,7 @@ class Engines:
 
     def _load(self, graph: str, nprof: int, sync) -> _Engine:
         path = self.out / ENGINE_FILES[graph]
-        engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
+        engine = self._runtime.deserialize_cuda_engine(read_bytes(path, "rebuild with `dflash-export build`"))
         if engine is None:
             raise DFlashError(f"{path}: TensorRT could not deserialize this engine; rebuild with `dflash-export build`")
         if engine.num_optimization_profiles != nprof:
