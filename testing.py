@@ -55,7 +55,7 @@ def make_target(
     fused_experts: bool = False,
 ) -> Path:
     """Write a random HF checkpoint of `arch`; returns the directory. Hybrid archs: `linear`
-    overrides the Gated DeltaNet config fields (e.g. the real widths, bench/hybrid.py). MoE
+    overrides the Gated DeltaNet config fields (e.g. Qwen3.5's real widths). MoE
     archs: `moe` overrides the expert config fields (num_experts, num_experts_per_tok,
     moe_intermediate_size, norm_topk_prob, mlp_only_layers, ...); save_pretrained writes one
     key per expert, as released checkpoints have them; `fused_experts` writes transformers

@@ -43,7 +43,7 @@ serve_ray = lazy_import("dflash_export.serve.ray")
 
 def _need_serve_extra() -> None:
     missing = []
-    for mod in ("fastapi", "uvicorn", "pydantic", "prometheus_client", "jinja2"):
+    for mod in ("fastapi", "uvicorn", "pydantic", "prometheus_client", "jinja2", "llguidance"):
         try:
             __import__(mod)
         except ImportError:

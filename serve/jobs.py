@@ -8,6 +8,8 @@ an engine's thread with ("round", tokens, text), then ("end", finish, Generation
 
 from __future__ import annotations
 
+import functools
+
 import os
 import socket
 import threading
@@ -163,6 +165,12 @@ class EngineBase:
     @property
     def has_drafter(self) -> bool:
         return self.slots[0].backend.has_drafter
+
+    @functools.cached_property
+    def grammars(self):
+        """The grammar compiler of constrained requests (serve/grammar.py), made on the first one."""
+        from .grammar import Grammars
+        return Grammars(self.text.tokenizer, self.manifest.vocab_size, tuple(self.manifest.eos_token_ids))
 
     def idle_slots(self) -> int:
         with self.lock:

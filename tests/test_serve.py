@@ -381,9 +381,10 @@ BAD = [  # (method, path, body, headers, status, words in the message)
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 500}, {}, 400,
      "lower max_completion_tokens to at most"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                      "tools": [{"type": "function", "function": {"name": "f"}}]}, {}, 400, "tool calling"),
+                                      "tools": [{"type": "function", "function": {"name": "f"}}]}, {}, 400,
+     "writes no tool calls this server can read"),  # this template renders no tools (tests/test_serve_tools.py's does)
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                      "response_format": {"type": "json_object"}}, {}, 400, "'json_object' is not supported"),
+                                      "response_format": {"type": "yaml"}}, {}, 400, "type must be"),
     ("POST", "/v1/completions", {"prompt": "a", "stream": "yes"}, {}, 400, "stream"),
     ("POST", "/v1/completions", {"prompt": "a", "stream_options": {"include_usage": 1}}, {}, 400, "include_usage"),
     ("POST", "/detokenize", {"tokens": [1, 999]}, {}, 400, "outside the vocabulary"),
