@@ -15,16 +15,16 @@ from rich.console import Console
 from rich.table import Table
 
 from .options import model_options, num_prompts_option
-from ..lazy import lazy_import
-from ..errors import DFlashError
-from .. import sources
-from ..export import quant_options as Q
-from ..export.outdir import check_out_dir
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 from ..runtime.manifest import load_manifest
 
 export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: only when a command runs
 export_check = lazy_import("dflash_export.export.check")
 export_quantize = lazy_import("dflash_export.export.quantize")
+Q = lazy_import("dflash_export.export.quant_options")  # light (no torch, onnx): the checks made before anything loads
+outdir = lazy_import("dflash_export.export.outdir")
+sources = lazy_import("dflash_export.export.sources")  # huggingface_hub ids resolved when a command runs
 
 
 def quant_options(f):
@@ -137,7 +137,7 @@ def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, bloc
     if q is not None:  # these checks before anything loads (export_artifact repeats them)
         Q.check_options(q, dtype)
     Q.check_kv_cache(kv_cache, attention, kv_calibration)
-    check_out_dir(out_dir.absolute(), force)
+    outdir.check_out_dir(out_dir.absolute(), force)
     target_dir = sources.resolve(target_dir, revision, "target")
     draft_dir = sources.resolve(draft_dir, draft_revision, "drafter")
     export_artifact.export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
@@ -170,7 +170,7 @@ def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantiz
     if q is None:
         raise DFlashError("quantize needs --quantize int4|int8")
     Q.check_options(q, load_manifest(src, verify=False).dtype)  # before anything loads (quantize_artifact repeats them)
-    check_out_dir(out_dir.absolute(), force)
+    outdir.check_out_dir(out_dir.absolute(), force)
     export_quantize.quantize_artifact(src, out_dir, q, force=force, progress=not quiet)
 
 

@@ -17,7 +17,7 @@ import click
 from ..runtime import contract as C, manifest as M, settings as S
 from ..runtime.controller import Costs, auto_policy, default_costs, describe_auto
 from ..runtime.memory import human
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 
 
 def describe(out: Path, verify: bool = True) -> dict:

@@ -14,17 +14,17 @@ from pathlib import Path
 import click
 import numpy as np
 
-from .batch import bench_batch, check_batch_value, echo_bench_batch, generate_many
+from .batch import check_batch_value, echo_bench_batch, generate_many
 from .options import device_options, sampling_options, resolve_speculation, speculation_option
 from ..runtime.controller import auto_policy, controller_for, describe_auto, rounds_of
 from ..runtime.calibrate import calibrate, choose_count, describe_spin, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from ..runtime.load import open_artifact, open_backend, settings_for
 from ..runtime.loop import Generation
 from ..runtime.loop import stream as run
 from ..runtime.manifest import load_manifest
 from ..runtime.sampling import Sampling
-from ..runtime.measure import measure_many, off_domain_report, random_text_prompts, rate, summarize
+from ..runtime.measure import bench_batch, measure_many, off_domain_report, random_text_prompts, rate, summarize
 from ..runtime.settings import policy_json
 from ..serve.text import load_tokenizer
 

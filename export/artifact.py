@@ -21,9 +21,9 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ..runtime.memory import available_memory
 from ..runtime import contract as C, manifest as M
-from ..errors import DFlashError, InternalError
-from .. import sources as S
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError, InternalError
+from . import sources as S
+from ..runtime.lazy import lazy_import
 from . import draft_vocab as DV, stream, trace as T
 from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_checked
 from .progress import Phases, report
@@ -32,7 +32,7 @@ from .quantize import check_options, default_block_size, quantize_artifact
 from .save import copy_tokenizer, graph_spec, opset_of, save_graphs
 from .validate import validate_artifact
 
-torch = lazy_import("torch")  # torch and the reference models: on first use (lazy.py)
+torch = lazy_import("torch")  # torch and the reference models: on first use (runtime/lazy.py)
 reference = lazy_import("dflash_export.models")
 checkpoint = lazy_import("dflash_export.models.checkpoint")
 dflash2 = lazy_import("dflash_export.models.dflash2")  # load_draft_config / load_drafter: either family
@@ -267,7 +267,7 @@ def export_artifact(
 ) -> M.Manifest:
     """Trace, save, validate and describe one artifact directory; atomic on failure.
 
-    target_dir / draft_dir: directories, Hugging Face ids (`org/name[@revision]`, sources.py) or
+    target_dir / draft_dir: directories, Hugging Face ids (`org/name[@revision]`, export/sources.py) or
     resolved Sources; the manifest records where each came from and its weight files' sha256.
     quantize: an export/quantize.py QuantOptions: the float export is written first (to a
     hidden directory), then quantized into `out` (quantize_artifact); streamed experts are

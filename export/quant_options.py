@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from ..runtime import contract as C
 
 SCHEMES = {"int4": 4, "int8": 8}

@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime import contract as C, manifest as M
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_checked
 from . import accuracy_level as AL
 from .progress import Phases, report
@@ -49,7 +49,7 @@ from .save import INLINE_BELOW, graph_spec, read_initializers, save_graphs
 from .trace import store_transposed
 from .validate import validate_artifact
 
-ir = lazy_import("onnx_ir")  # onnx, onnxruntime's quantizer, torch: on first use (lazy.py)
+ir = lazy_import("onnx_ir")  # onnx, onnxruntime's quantizer, torch: on first use (runtime/lazy.py)
 nbits = lazy_import("onnxruntime.quantization.matmul_nbits_quantizer")
 ort_pybind = lazy_import("onnxruntime.capi._pybind_state")  # its C++ blockwise quantizer (pack_blocks)
 onnx = lazy_import("onnx")

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import Backend
-from ..errors import DFlashError, InternalError
+from .errors import DFlashError, InternalError
 from .logprobs import Logprobs, check_logprobs, prefill_call
 from .sampling import (GREEDY, Sampling, accept, check_request, choose, cut_at_stop, draft_uniforms, position_uniforms,
                        probabilities, rejection)

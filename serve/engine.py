@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import replace
 
 from ..runtime.controller import controller_for
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from ..runtime.load import open_artifact
 from ..runtime.loop import Generation, stream_batch
 from . import formats, text as text_module

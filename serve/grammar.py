@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-from ..lazy import lazy_import
+from ..runtime.lazy import lazy_import
 from .formats import CALL, Format
 
 llg = lazy_import("llguidance")  # the serve extra; imported on the first constrained request

@@ -17,11 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..lazy import lazy_import
+from ..runtime.lazy import lazy_import
 from ..runtime.loop import Generation, Request
+from .grammar import Grammars
 from .text import TextStream
 
-prometheus = lazy_import("prometheus_client")  # the serve extra, when a server starts (lazy.py)
+prometheus = lazy_import("prometheus_client")  # the serve extra, when a server starts (runtime/lazy.py)
 
 
 class QueueFull(Exception):
@@ -169,7 +170,6 @@ class EngineBase:
     @functools.cached_property
     def grammars(self):
         """The grammar compiler of constrained requests (serve/grammar.py), made on the first one."""
-        from .grammar import Grammars
         return Grammars(self.text.tokenizer, self.manifest.vocab_size, tuple(self.manifest.eos_token_ids))
 
     def idle_slots(self) -> int:

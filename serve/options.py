@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from .formats import FORMATS
 
 

@@ -23,12 +23,12 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from ..runtime.manifest import read_json
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 from . import formats
 from .logprobs import Pieces
 
-jinja2 = lazy_import("jinja2")  # the serve extra, on the first chat template (lazy.py)
+jinja2 = lazy_import("jinja2")  # the serve extra, on the first chat template (runtime/lazy.py)
 jinja2_sandbox = lazy_import("jinja2.sandbox")
 
 

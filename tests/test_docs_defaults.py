@@ -54,7 +54,7 @@ OPTIONS = _options()
 
 def _released_block_sizes() -> set[int]:
     """default_block_size over released shapes: (hidden, expert width or None)."""
-    from dflash_export.export.quantize import default_block_size
+    from dflash_export.export.quant_options import default_block_size
 
     shapes = [(1024, None), (2048, None), (4096, None), (5120, None),  # Qwen3 0.6B/1.7B, 8B, 14B/32B
               (2048, 768), (4096, 1536), (2880, 2880)]  # Qwen3-30B-A3B, Qwen3-235B-A22B, gpt-oss

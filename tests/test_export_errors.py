@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
-from dflash_export.testing import make_drafter, make_target
+from dflash_export.models.tiny import make_drafter, make_target
 
 from dflash_export.cli import cli
 from dflash_export.export import trace as export_trace

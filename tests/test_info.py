@@ -12,7 +12,7 @@ from runtime_cases import CASES, artifact
 
 from dflash_export.cli import cli
 from dflash_export.runtime import contract as C, manifest as M
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.ort.backend import OrtBackend
 
 

@@ -209,7 +209,7 @@ def test_bad_artifacts_are_one_line(out, tmp_path):
 
 def test_onnxruntime_load_failure_says_what_failed(out, tmp_path):
     """The graph, the provider and ORT's own first line; the re-export hint only where it helps."""
-    from dflash_export.errors import DFlashError
+    from dflash_export.runtime.errors import DFlashError
     from dflash_export.runtime.ort.backend import OrtBackend
 
     bad = tmp_path / "bad"
@@ -243,7 +243,7 @@ def test_internal_errors_ask_for_a_report_with_the_traceback():
     import click
 
     from dflash_export.cli import Group
-    from dflash_export.errors import DFlashError, InternalError
+    from dflash_export.runtime.errors import DFlashError, InternalError
 
     @click.group(cls=Group)
     def g():
