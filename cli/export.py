@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .options import model_options, num_prompts_option
+from ..runtime import outdir
 from ..runtime.errors import DFlashError
 from ..runtime.lazy import lazy_import
 from ..runtime.manifest import load_manifest
@@ -25,7 +26,6 @@ export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: o
 export_check = lazy_import("dflash_export.export.check")
 export_quantize = lazy_import("dflash_export.export.quantize")
 Q = lazy_import("dflash_export.export.quant_options")  # light (no torch, onnx): the checks made before anything loads
-outdir = lazy_import("dflash_export.export.outdir")
 sources = lazy_import("dflash_export.export.sources")  # huggingface_hub ids resolved when a command runs
 
 
