@@ -21,7 +21,7 @@ from runtime_cases import CASES, artifact
 from test_runtime_cli import char_tokenizer
 
 from dflash_export.cli import cli
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime import files, manifest as M
 
 DAC = (1 << 1) | (1 << 2)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH (linux/capability.h)
