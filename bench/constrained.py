@@ -57,6 +57,9 @@ class Timed:
     def consume(self, t):
         return self._t(self.c.consume, t)
 
+    def rollback(self, n):
+        return self._t(self.c.rollback, n)
+
 
 def demo(work: Path):
     from dflash_export.export.artifact import export_artifact
