@@ -3,7 +3,8 @@ grammar vs free, on the shipped demo pair, speculative and plain, interleaved in
 
     OMP_WAIT_POLICY=PASSIVE nice -n 10 .venv/bin/python bench/constrained.py --work /tmp/cbench [--repeats 3]
 
-Variants, each on its own backend (1 thread), every prompt through each in rotating order:
+Variants, each on its own backend (1 thread) and, speculative, with serve's default `--speculation
+auto` controller (drafting only while it pays), every prompt through each in rotating order:
   free    no constraint
   any     a grammar that allows any text: the same tokens as free, so its rate is the engine's
           and the loop's overhead alone (a mask check per emitted token, the logits fetched)
@@ -56,6 +57,9 @@ class Timed:
     def consume(self, t):
         return self._t(self.c.consume, t)
 
+    def rollback(self, n):
+        return self._t(self.c.rollback, n)
+
 
 def demo(work: Path):
     from dflash_export.export.artifact import export_artifact
@@ -79,7 +83,9 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     from common import uptime
 
+    from dflash_export.runtime.controller import controller_for
     from dflash_export.runtime.loop import Request, generate_batch
+    from dflash_export.runtime.settings import load_settings
     from dflash_export.runtime.ort.backend import OrtBackend
     from dflash_export.serve.formats import Format
     from dflash_export.serve.grammar import Grammars, grammar
@@ -94,17 +100,19 @@ def main() -> None:
     grammars = {"any": g.compile("start: /(.|\\n)*/\n"), "json": g.compile(grammar(Format("none"), False, None, False,
                                                                                    SCHEMA))}
     names = list(backends)
+    costs = load_settings(out, "ort:cpu").costs
     for draft in (True, False):
         per = {k: [] for k in names}
         engine = {k: [0.0, 0] for k in ("any", "json")}  # grammar seconds, tokens
         taus = {k: [] for k in names}  # tokens per drafted round of each generation
+        control = {k: controller_for("auto", costs, m.block_size) if draft else None for k in names}
         for rep in range(a.repeats):
             acc = {k: [0, 0.0] for k in names}
             for i, p in enumerate(prompts):
                 for k in names[(i + rep) % 3:] + names[: (i + rep) % 3]:
                     c = Timed(g.constraint(grammars[k], eos)) if k != "free" else None
                     (gen,), _ = generate_batch(backends[k], [Request(p, a.new, stop_token_ids=eos, constraint=c)],
-                                               draft=draft)
+                                               draft=draft, control=control[k])
                     acc[k][0] += len(gen.tokens) - 1
                     acc[k][1] += gen.decode_s
                     taus[k].append(gen.tau)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import contract as C
 from .backend import Backend
 from .errors import DFlashError, InternalError
 from .logprobs import Logprobs, check_logprobs, prefill_call
@@ -271,7 +272,38 @@ def _draft(backend: Backend, rows: list[_Row], anchors: np.ndarray, scored: int)
         drafts = drafts.copy()
         for b, d in drafted.items():
             drafts[b] = d.tokens
+    if any(r.req.constraint is not None for r in rows) and backend.samples_drafts and not C.selector(backend.manifest):
+        drafts = _masked_drafts(backend, rows, drafts, max(1, scored))
     return drafts, conf, drafted
+
+
+def _masked_drafts(backend: Backend, rows: list[_Row], drafts: np.ndarray, scored: int) -> np.ndarray:
+    """Constrained rows draft under the grammar: each draft position's argmax over the draft logits of
+    the tokens the grammar allows after the drafts before it (the drafter's own argmax wherever that
+    is allowed). Proposals only: the verify still keeps a draft only where it equals the target's
+    masked choice, so this changes how many are accepted, never which tokens come out."""
+    logits, ids = backend.draft_logits_rows(len(rows)), backend.draft_vocab_ids
+    drafts = drafts.copy()
+    for b, r in enumerate(rows):
+        c = r.req.constraint
+        if c is None:
+            continue
+        taken = 0
+        for i in range(min(scored, logits.shape[1], drafts.shape[1])):
+            t = int(drafts[b, i])
+            if not c.accepts(t):
+                ok = c.allowed()
+                ok = ok if ids is None else ok[ids]
+                if not ok.any():
+                    break
+                j = int(np.where(ok, logits[b, i], -np.inf).argmax())
+                t = drafts[b, i] = j if ids is None else int(ids[j])
+            if t in r.stop:
+                break
+            c.consume(t)
+            taken += 1
+        c.rollback(taken)
+    return drafts
 
 
 def _verify_lengths(rows: list[_Row], longest: np.ndarray, conf: np.ndarray | None,
