@@ -76,9 +76,10 @@ class _Vocab:
     def __init__(self, hf, n: int, eos: int | None):
         special = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
         self.eos_token_id, self.bos_token_id, self.special_token_ids = eos, None, sorted(special)
-        self.tokens = [(hf.id_to_token(i) or f"<|{i}|>") if i in special or i >= hf.get_vocab_size() else
-                       hf.decode([i], skip_special_tokens=False) for i in range(n)]
-        self.tokens = [t.encode() for t in self.tokens]
+        vocab = hf.get_vocab_size()
+        # a special token is its name after a 0xFF byte (llguidance's mark: Lark's <|name|> matches it)
+        self.tokens = [b"" if i >= vocab else b"\xff" + hf.id_to_token(i).encode() if i in special else
+                       hf.decode([i], skip_special_tokens=False).encode() for i in range(n)]
         self.hf = hf
 
     def __call__(self, text: str) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from typing import Annotated
 
@@ -187,6 +188,40 @@ def test_reasoning_from_an_open_think_block_and_detection():
     assert detect("", "GptOssForCausalLM").name == "harmony"
     p = detect("<tool_call></think>").parser(thinking=True)
     assert assemble(p.push("I think</think>\n\nIt is 4.") + p.finish())[:2] == ("I think", "It is 4.")
+
+
+HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>"]
+WRITTEN = [  # (format, thinking, what the model writes for add(a=2, b=3), the call parsed back)
+    ("qwen3", False, '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'),
+    ("qwen3", True, 'so, 2 and 3</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'),
+    ("qwen3_coder", False, "<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n"
+                           "</parameter>\n</function>\n</tool_call>"),
+    ("llama3_json", False, '{"name": "add", "parameters": {"a": 2, "b": 3}}'),
+    ("harmony", False, '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 2, "b": 3}'),
+]
+
+
+@pytest.mark.parametrize("name,thinking,text", WRITTEN)
+def test_forced_call_grammars_take_the_model_s_own_call_and_parse_back(art, name, thinking, text):
+    """Each family's forced-call grammar accepts the call as that family writes it (special tokens as
+    tokens for harmony), refuses another function's, and the family's parser reads the call back."""
+    tok = Tokenizer.from_file(str(art / "tokenizer.json"))
+    tok.add_special_tokens(HARMONY)
+    eos = (tok.token_to_id("<eos>"),)
+    fmt = detect("", given=name)
+    grammars = Grammars(tok, tok.get_vocab_size(), eos)
+    c = grammars.constraint(grammars.compile(grammar(fmt, thinking, [ADD["function"], {"name": "noop"}], False, None)),
+                            eos)
+    ids = [tok.token_to_id(x) for x in re.findall(r"<\|[a-z]+\|>|.", text, re.S)]  # a char a token ("\n" too)
+    for t in ids:
+        assert c.accepts(t) and c.allowed()[t], (text, tok.id_to_token(t))
+        c.consume(t)
+    assert c.accepts(eos[0])  # complete: the model may stop here
+    p = fmt.parser(thinking)
+    _, _, calls = assemble(p.push(text + ("<|call|>" if name == "harmony" else "")) + p.finish())
+    assert [(x.name, json.loads(x.arguments)) for x in calls] == [("add", {"a": 2, "b": 3})]
+    wrong = grammars.constraint(grammars.compile(grammar(fmt, thinking, [{"name": "noop"}], False, None)), eos)
+    assert wrong.m.try_consume_tokens(ids) < len(ids)
 
 
 # -- a real server: the openai client, an agent framework --------------------------------------------------
