@@ -15,12 +15,11 @@ Rates: tokens over the rounds' wall time (decode, prefill excluded). Ratios per 
 free, then their median; the mean acceptance length (tokens per drafted round) beside them, since
 json's speculative rate follows its acceptance. The grammar engine's own time (llguidance's calls: the mask check of
 each token, a full mask where the target's choice is not allowed, consuming the token) is timed
-per emitted token. Writes bench/constrained.json (with the load average before and after).
+per emitted token. Writes bench/results/constrained.json (`--out`), with the machine and the load before and after.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -75,13 +74,15 @@ def demo(work: Path):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from common import parser
+
+    ap = parser(__doc__, out="constrained.json", json_flag=False)
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new", type=int, default=128)
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    from common import uptime
+    from common import machine, uptime, write_report
 
     from dflash_export.runtime.controller import controller_for
     from dflash_export.runtime.loop import Request, generate_batch
@@ -91,7 +92,7 @@ def main() -> None:
     from dflash_export.serve.grammar import Grammars, grammar
 
     out, tok, prompts = demo(a.work)
-    report = {"machine": "shared 2-core CPU", "load_before": uptime(), "prompts": len(prompts), "new": a.new,
+    report = {"machine": machine(), "load_before": uptime(), "prompts": len(prompts), "new": a.new,
               "repeats": a.repeats, "modes": {}}
     backends = {k: OrtBackend(out, threads=1) for k in ("free", "any", "json")}
     m = backends["free"].manifest
@@ -129,9 +130,7 @@ def main() -> None:
             "mean_acceptance_length": {k: statistics.mean(v) for k, v in taus.items()},
         }
         print(mode, json.dumps(report["modes"][mode]), flush=True)
-    report["load_after"] = uptime()
-    (ROOT / "bench" / "constrained.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(report["load_after"], "\nwrote bench/constrained.json")
+    write_report(report, a.out)
 
 
 if __name__ == "__main__":
