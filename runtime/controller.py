@@ -12,24 +12,28 @@ long as that raises the round's expected tokens per ms. At one row the break-eve
 
 Each row keeps a discounted mean of the tokens its drafted rounds emitted (GAMMA: the last
 ~10 rounds, effective sample (1 + GAMMA) / (1 - GAMMA) = 19 rounds; a new row starts with one
-round's worth of PRIOR tokens above the batch-1 break-even) and an average verify length. The
-mean itself is the estimate: acceptance is bursty (on the demo pair's off-domain traces a
-drafted round's tokens have a standard deviation about equal to their mean, 1.9, with runs of
-3-5-token rounds where the target repeats itself), and an optimistic estimate (the mean plus 2
-standard errors, as before) stayed above a break-even of ~2.8 while the mean sat 20-30 %
-below it, drafting 29-37 % of the rounds at a loss.
+round's worth of PRIOR tokens above the batch-1 break-even) and an average verify length.
+Acceptance is bursty: on the demo pair's off-domain traces a drafted round's tokens have a
+standard deviation about equal to their mean (1.9), with runs of 3-5-token rounds where the
+target repeats itself, and code alternates poor rounds with whole accepted blocks. The
+estimate is the mean plus HOPE (1.5) standard errors while the row's account (below) is in
+credit, so code drafts through a poor round or two; the mean alone once it is not: an
+optimism that is not paid for (2 standard errors, always, as before) stayed above a
+break-even of ~2.8 while the mean sat 20-30 % below it, drafting 29-37 % of off-domain rounds.
 
 The promise, `auto` never slower than plain: each row keeps an account, in tokens, of what its
 drafted rounds gained over plain steps in their time (a round emitting a tokens at a break-even
 b adds a - b; b is the round's time in the row's plain steps, host work and the measured load
-correction included) plus an allowance of EPS (1 %) of every token it emitted, from ALLOW tokens
-at its start. While the account is negative (the measured gain of drafting below 1, beyond the
-allowance) a plain stretch does not restart its probes at the short first gap: it goes on
-doubling the gap of the last stretch up to `max_gap`, so the drafted-round rate falls to the
-probe rate (PROBE_BOUND of plain throughput); a probe or stretch that pays puts the account
-back. Worst case per row: the allowance, EPS of its tokens, the probes' PROBE_BOUND and the
-rounds of one stretch that drafts until its mean falls (the replayed traces in
-tests/test_controller.py hold auto at >= 0.97x plain on them).
+correction included, its extra time shared among the rows that drafted in it: `charge`) plus
+an allowance of EPS (1 %) of every token it emitted, from ALLOW (8) tokens at its start. While
+the account is negative (the measured gain of drafting below 1, beyond the allowance) the
+estimate has no optimism and a plain stretch does not restart its probes at the short first
+gap: it goes on doubling the gap of the last stretch up to `max_gap`, so the drafted-round rate
+falls to the probe rate (PROBE_BOUND of plain throughput), and the decisions are skipped until
+the next probe is due; a probe or stretch that pays puts the account back. What `auto` can
+lose to plain steps per row: the allowance, EPS of its tokens, the probes' PROBE_BOUND and the
+rounds a stretch drafts before its mean falls. Replaying the demo pair's recorded traces
+(tests/test_controller.py, runtime/replay.py) holds it at >= 0.97x plain on them.
 
 Verify length (calibrated costs; the uncalibrated model verifies the whole block, as the
 official loop does): a drafting row's estimate at its average verify length is read as a per-draft
@@ -102,7 +106,8 @@ GAMMA = 0.9  # a row's drafted rounds count with weight GAMMA ** (drafted rounds
 PRIOR = 1.0  # a new row's estimate: as if one drafted round had emitted the batch-1 break-even + PRIOR tokens
 ALPHA = 0.3  # weight of the newest drafted round in a row's average verify length
 FADE = 0.97  # at a probe, the rounds before its plain stretch count FADE ** (plain rounds) less: the text moved on
-EPS, ALLOW = 0.01, 4.0  # a row's allowance for drafted rounds that lose: EPS of its tokens, ALLOW tokens to start
+HOPE = 1.5  # standard errors of optimism in a row's estimate while its account is in credit
+EPS, ALLOW = 0.01, 8.0  # a row's allowance for drafted rounds that lose: EPS of its tokens, ALLOW tokens to start
 MEASURED_WEIGHT, MEASURED_MIN = 0.1, 8  # the measured round times: newest round's weight, rounds of each kind before use
 PROBE_BOUND = 0.02  # probes cost at most this fraction of plain throughput once the gap is at its maximum
 LOOK = 8  # plain rounds between looks at a due probe that cannot pay at the batch size
@@ -256,6 +261,7 @@ class RowControl:
     """One row's record: averages over its drafted rounds, and its probe schedule."""
 
     emitted: float = 0.0  # discounted sum of tokens its drafted rounds emitted
+    squares: float = 0.0  # ... of their squares
     weight: float = 0.0  # discounted count of its drafted rounds
     length: float = 0.0  # exponential average of the verify length (0: none yet)
     plain: int = 0  # plain rounds since it last drafted
@@ -266,12 +272,24 @@ class RowControl:
     prior: float = 4.0  # its estimate before any round (so one round of a single token stops a CPU row)
     clocked: int = -2  # its rounds at the last decision (the next round's time is then measured)
     account: float = 0.0  # tokens its drafted rounds gained over plain steps in their time, + EPS of its tokens
+    share: int = 1  # the rows that drafted with it in its last decided round (they share the round's extra time)
     last_gap: int = 0  # the gap of its last plain stretch when a probe turned it back to drafting
 
     @property
     def tokens(self) -> float:
         """Expected tokens of its next drafted round: the discounted mean, PRIOR as one round's worth."""
         return (self.prior + self.emitted) / (1 + self.weight)
+
+    @property
+    def hopeful(self) -> float:
+        """`tokens` plus HOPE standard errors of the rounds' mean while its account is in credit
+        (optimism paid from the allowance: bursty code keeps drafting through a poor round or
+        two), the mean alone once drafting has lost more than the allowance."""
+        if self.weight < 1.5 or self.losing:
+            return self.tokens
+        mean = self.emitted / self.weight
+        var = max(0.0, self.squares / self.weight - mean * mean)
+        return self.tokens + HOPE * math.sqrt(var / self.weight)
 
     @property
     def losing(self) -> bool:
@@ -301,7 +319,7 @@ class Controller:
         round's worth of PRIOR."""
         last = self.recent
         if last is not None and last.gap and not own:
-            return RowControl(last.emitted, last.weight, last.length, last.plain, last.gap, seen=seen,
+            return RowControl(last.emitted, last.squares, last.weight, last.length, last.plain, last.gap, seen=seen,
                               prior=last.prior, last_gap=last.last_gap, account=last.account)
         return RowControl(own=own, seen=seen, prior=self.costs.ratio(1, self.block_size) + PRIOR, account=ALLOW)
 
@@ -339,7 +357,7 @@ class Controller:
         verifying s positions emits (1 - alpha^s) / (1 - alpha) on average), each s >= 2 priced by
         the cost model. Where a verify costs about a step this is the block; where it grows with
         its length (MoE targets: s positions route to up to k*s experts) a short verify."""
-        L, t = self._len(c), min(c.tokens, self._len(c))
+        L, t = self._len(c), min(c.hopeful, self._len(c))
         if c.own:
             rows, per_row = 1, False  # its own history and the batch-1 costs: its tokens stay its seed's
         key = ("best", rows, per_row, L, round(t, 2))
@@ -354,6 +372,14 @@ class Controller:
             return self.costs.ratio(1, s)
         step = self.costs.plain_ms(rows)
         return 1 + (self.costs.round_ms(rows, (s,), per_row) * self.correction(rows) - step) / step * rows
+
+    def charge(self, c: RowControl, rows: int, per_row: bool, s: int) -> float:
+        """A drafted round's cost to the row's account, in its plain steps: its break-even, the extra
+        time of the round shared among the `c.share` rows that drafted in it (one draft call for all)."""
+        if c.own or c.share <= 1:
+            return self.break_even(c, rows, per_row, s)
+        step = self.costs.plain_ms(rows)
+        return 1 + (self.costs.round_ms(rows, (s,) * c.share, per_row) * self.correction(rows) - step) / step * rows / c.share
 
     def could_pay(self, c: RowControl, rows: int, per_row: bool) -> bool:
         """Whether a probe can pay at all: some verify length s with its break-even below s (the
@@ -384,8 +410,8 @@ class Controller:
                     c.gap = min(2 * c.last_gap, top) if c.losing and c.last_gap else max(2, top // FIRST)
                 continue
             f = GAMMA * FADE ** c.plain  # the rounds before a plain stretch count less after it (the text moved on)
-            c.emitted, c.weight = f * c.emitted + a, f * c.weight + 1
-            c.account += a - self.break_even(c, rows, per_row, v)
+            c.emitted, c.squares, c.weight = f * c.emitted + a, f * c.squares + a * a, f * c.weight + 1
+            c.account += a - self.charge(c, rows, per_row, v)
             c.length = float(v) if c.length == 0 else c.length + ALPHA * (v - c.length)
             c.prior = self.costs.ratio(1, self._len(c)) + PRIOR  # at the length it verifies (a block's prior overrates short ones)
             if c.gap:  # a probe: back to drafting if the estimate now pays; a probe that did not pay itself doubles the gap
@@ -413,6 +439,10 @@ class Controller:
         ctls, left, spec = self._sure
         if left and len(ctls) == len(rows) and all(r.ctl is c for r, c in zip(rows, ctls)):
             self._sure, self._skipped = (ctls, left - 1, spec), self._skipped + 1  # the same rows, clearly on one side
+            if not spec:  # the last round was a plain step of every row: counted now (a new request may take the stretch on)
+                for r, c in zip(rows, ctls):
+                    if c.gap and c.seen == len(r.gen.drafted) - 1 and not r.gen.drafted[-1]:
+                        c.plain, c.seen, c.account = c.plain + 1, c.seen + 1, c.account + EPS
             return spec
         for r in rows:
             if r.ctl is None:
@@ -426,6 +456,7 @@ class Controller:
         self._last = (len(rows), spec, self.costs.round_ms(len(rows), D, per_row))
         for b, r in enumerate(rows):
             r.ctl.drafts = spec and bool(r.req.speculative) and want.get(id(r), False)
+            r.ctl.share = len(D)
             if spec and r.ctl.taps:
                 backend.context_from_taps(b, np.stack(r.ctl.taps))
                 r.ctl.taps = []
@@ -466,7 +497,7 @@ class Controller:
         read = [r.ctl for r in rows if r.req.speculative and not r.ctl.own]
         if read:  # what a new row starts from: a plain stretch only while every row is in one
             self.recent = read[-1] if all(c.gap for c in read) else None
-        hope = {id(r): r.ctl.tokens for r in rows if r.req.speculative}
+        hope = {id(r): r.ctl.hopeful for r in rows if r.req.speculative}
         free.sort(key=lambda r: -hope[id(r)])
         sure = [r for r in rows if want.get(id(r))]
         fix = self.correction(R)
