@@ -14,7 +14,6 @@ object; the tokens must equal plain decoding's (lossless) for both.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -22,14 +21,14 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from common import ROOT, parser, report, write_report
 from dflash_export.runtime.load import open_backend
 from dflash_export.runtime.measure import measure_many, summarize
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, "demo_drafters.json", json_flag=False)
     ap.add_argument("old", type=Path)
     ap.add_argument("new", type=Path)
     ap.add_argument("--threads", type=int, default=1)
@@ -46,14 +45,15 @@ def main() -> None:
         for label, (spec, base) in measure_many(backends, prompts, args.max_new_tokens, warmup=1 if i == 0 else 0).items():
             runs[label].append(summarize(spec, base, 16))
         load.append(os.getloadavg()[0])
-    out = {"threads": args.threads, "prompts": len(prompts), "load_1min": [round(x, 1) for x in load]}
+    out = report(threads=args.threads, prompts=len(prompts), load_1min=[round(x, 1) for x in load])
     for label, rs in runs.items():
         out[label] = {"tau": round(rs[0]["tau"], 3), "mean_verify_len": round(rs[0]["mean_verify_len"], 2),
                       "speedup": [round(r["speedup"], 3) for r in rs],
                       "speedup_median": round(statistics.median(r["speedup"] for r in rs), 3),
                       "lossless": all(r["lossless"] for r in rs)}
     out["new_over_old_speedup"] = [round(n["speedup"] / o["speedup"], 3) for n, o in zip(runs["new"], runs["old"])]
-    print(json.dumps(out, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if k not in ("machine", "load_before")}, indent=1))
+    write_report(out, args.out)
 
 
 if __name__ == "__main__":

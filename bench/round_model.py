@@ -19,7 +19,6 @@ on the code prompts, prompt by prompt in turn. One JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from common import ROOT
+from common import ROOT, parser, report, write_report
 from dflash_export.runtime.calibrate import cost_model, host_ms, round_costs
 from dflash_export.runtime.controller import Controller, Costs, rounds_of
 from dflash_export.runtime.load import open_backend, settings_for
@@ -82,7 +81,7 @@ def one_pass(be, prompts: list[list[int]], verify, new: int, offdomain: list[lis
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, "round_model.json", json_flag=False)
     ap.add_argument("--art", type=Path, required=True, help="an export of the demo pair (dflash-export demo --out DIR: DIR/artifact)")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--configs", default="1,2,1+spin,2+spin")
@@ -102,19 +101,20 @@ def main() -> None:
         verify = None
     labels = args.configs.split(",")
     backends = {c: open_backend(args.art, "ort", "cpu", threads=parse(c)[0], spin=parse(c)[1]) for c in labels}
-    load = [os.getloadavg()[0]]
+    load = [round(os.getloadavg()[0], 1)]
     runs: dict = {c: [] for c in labels}
     for _ in range(args.passes):
         for c, be in backends.items():
             runs[c].append(one_pass(be, prompts, verify, args.max_new_tokens, off))
-            load.append(os.getloadavg()[0])
-    report = {"verify": None if verify is None else vars(verify), "load_1min": load, "settings": {}}
+            load.append(round(os.getloadavg()[0], 1))
+    out = report(verify=None if verify is None else vars(verify), load_1min=load, settings={})
     for c, passes in runs.items():
         keys = [k for k in passes[0] if k != "costs_ms" and not k.endswith("_rounds")]
-        report["settings"][c] = {k: round(statistics.median(p[k] for p in passes), 3) for k in keys} | {
+        out["settings"][c] = {k: round(statistics.median(p[k] for p in passes), 3) for k in keys} | {
             "passes": [{k: v if isinstance(v, dict) else round(v, 3) for k, v in p.items() if k != "costs_ms"} for p in passes],
             "costs_ms": {k: round(v, 3) for k, v in passes[-1]["costs_ms"].items()}}
-    print(json.dumps(report, indent=1))
+    print(json.dumps(out["settings"], indent=1))
+    write_report(out, args.out)
 
 
 if __name__ == "__main__":

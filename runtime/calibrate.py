@@ -35,7 +35,7 @@ from . import contract as C
 from .backend import Backend
 from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET
 from .controller import Controller, Costs
-from ..errors import DFlashError
+from .errors import DFlashError
 from .loop import Request, generate, generate_batch
 from .load import open_backend
 from .measure import measure_many, rate
