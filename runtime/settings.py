@@ -25,7 +25,8 @@ from .contract import RUNTIME
 from .controller import Costs
 
 from .errors import DFlashError
-from .manifest import Manifest, read_json
+from .files import read_json
+from .manifest import Manifest
 from .options import option
 
 RUNTIME_FORMAT = "dflash-export-runtime"
