@@ -194,6 +194,30 @@ def test_generate_bad_input_is_one_line(out, args, message):
     assert r.stderr.startswith("error: ") and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
+def test_the_run_options_are_one_record():
+    """generate, bench, serve and demo take the run's options from one record, RunOptions: the same
+    names, defaults and help in every command; bad values are refused when the record is made."""
+    import dataclasses
+
+    from dflash_export.runtime.errors import DFlashError
+    from dflash_export.runtime.settings import RunOptions
+
+    fields = dataclasses.fields(RunOptions)
+    for cmd in ("generate", "bench", "serve", "demo"):
+        params = {p.name: p for p in cli.commands[cmd].params}
+        for f in fields:
+            if cmd == "demo" and f.name in ("backend", "provider"):  # the demo runs ONNX Runtime on CPU
+                assert f.name not in params
+                continue
+            assert params[f.name].default == f.default and params[f.name].help == f.metadata["option"]["help"], (cmd, f.name)
+    for bad, message in (({"threads": 0}, "--threads must be >= 1"), ({"verify": "some"}, "--verify must be one of"),
+                         ({"backend": "tpu"}, "--backend must be one of"), ({"speculation": "x"}, "--speculation")):
+        with pytest.raises(DFlashError, match=message):
+            RunOptions(**bad)
+    r = run("generate", "nowhere", "--prompt-ids", "1", "--threads", "0")
+    assert r.exit_code == 2 and r.stderr == "error: --threads must be >= 1 (got 0)\n", r.stderr
+
+
 def test_bad_artifacts_are_one_line(out, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
