@@ -100,11 +100,27 @@ def num_prompts_option(default: int, help: str):
     return decorate
 
 
+class RenamedOption(click.Option):
+    """An option that still takes its old names (`old`: renamed, kept working) without showing them in --help."""
+
+    def __init__(self, decls, old: tuple[str, ...] = (), **kw):
+        super().__init__([*decls[:-1], *old, decls[-1]], **kw)
+        self.old = set(old)
+
+    def get_help_record(self, ctx):
+        shown = self.opts
+        self.opts = [o for o in shown if o not in self.old]
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = shown
+
+
 def field_options(cls, into: str | None = None, only: tuple[str, ...] | None = None):
     """One click option per field of dataclass `cls` made with runtime/options.py `option` (`only`: these
     fields alone), in field order: named `--field-name` (or the metadata's `opt`), the field's default
-    unless the metadata gives the command's own, help, type and choices from the metadata. The command
-    receives them as keywords named after the fields, or with `into` as one `cls` record of that name."""
+    unless the metadata gives the command's own, help, type and choices from the metadata (`old`: former
+    names that still work, hidden from --help). The command receives them as keywords named after the fields, or with `into` as one `cls` record of that name."""
     fields = [fld for fld in dataclasses.fields(cls) if fld.metadata.get("option") and (only is None or fld.name in only)]
 
     def decorate(command):
@@ -120,6 +136,8 @@ def field_options(cls, into: str | None = None, only: tuple[str, ...] | None = N
                 kw["type"] = click.Choice(kw.pop("choices"))
             if not kw.get("required") and not kw.get("multiple"):
                 kw.setdefault("default", fld.default)
+            if "old" in kw:
+                kw["cls"] = RenamedOption
             f = click.option(name, fld.name, **kw)(f)
         return f
 

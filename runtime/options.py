@@ -13,5 +13,5 @@ from dataclasses import field
 def option(value=None, help: str | None = None, **click_kw):  # noqa: A002: click's own word
     """A field (default `value`) that is also a command-line option. click_kw as click.option takes them,
     and: `opt` the option's name, `choices` a tuple of the values it takes, `default` the command's own
-    where it is not the record's."""
+    where it is not the record's, `old` a tuple of former names that still work (hidden from --help)."""
     return field(default=value, metadata={"option": dict(help=help, **click_kw)})
