@@ -34,7 +34,7 @@ SHAPE = dict(vocab=151936, hidden=1024, layers=28, heads=16, kv_heads=8, head_di
 
 def make_checkpoint(work: Path) -> None:
     """Qwen3-0.6B's config (tied, its eos/bos ids) with random weights, and a 1-layer drafter tapping 5 layers."""
-    from dflash_export.models.config import default_target_layer_ids
+    from dflash_export.models.draft_config import default_target_layer_ids
 
     s = SHAPE
     write_checkpoint(work, s["vocab"], s["hidden"], s["layers"], s["inter"], heads=s["heads"], kv_heads=s["kv_heads"], tie=True,
