@@ -81,13 +81,14 @@ def do_calibrate(work: Path, name: str, prompts: int, new_tokens: int) -> dict:
 
     from dflash_export.runtime.calibrate import calibrate
     from dflash_export.runtime.calibrate import thread_candidates
+    from dflash_export.runtime.settings import RunOptions
 
     from dflash_export.runtime import manifest as M
 
     rng, vocab = np.random.default_rng(1), M.load_manifest(work / name).vocab_size
     ps = [rng.integers(0, vocab - 2, 32).tolist() for _ in range(prompts)]
     t0 = time.perf_counter()
-    out = calibrate(work / name, "cpu", "ort", thread_candidates(), False, ps, new_tokens, 1,
+    out = calibrate(work / name, RunOptions(spin=False), thread_candidates(), ps, new_tokens, 1,
                     log=lambda msg: print(msg, file=sys.stderr, flush=True))
     return {"calibrate_s": round(time.perf_counter() - t0), **{k: out[k] for k in ("threads", "graph_threads", "prefill_chunk")}}
 

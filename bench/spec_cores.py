@@ -123,7 +123,7 @@ def main() -> None:
     for d in ours.values() if a.calibrate else ():
         os.sched_setaffinity(0, cores[: max(threads)])
         held_out = [tok.encode(t).ids for t in all_texts[a.prompts : a.prompts + 4]]  # not the measured prompts
-        calibrate(d, "cpu", "ort", threads, None, held_out, a.max_new_tokens, 1,
+        calibrate(d, RunOptions(), threads, held_out, a.max_new_tokens, 1,
                   log=lambda msg: print(f"calibrate {d.name}: {msg}", flush=True))
     for t in threads:
         os.sched_setaffinity(0, cores[:t])  # this process and every child: llama.cpp's, ORT's threads

@@ -98,7 +98,7 @@ def demo(out, prompt, num_prompts, prompts_file, max_new_tokens, pair, verbose, 
     candidates = thread_candidates() if run.threads is None else [run.threads]
     t0 = clock()
     if run.verify == "auto":  # calibrated on the built-in prompts, measured below on the held-out ones
-        calibrate(art, "cpu", "ort", candidates, run.spin, [tok.encode(p).ids for p in BUILTIN_PROMPTS],
+        calibrate(art, run, candidates, [tok.encode(p).ids for p in BUILTIN_PROMPTS],
                   max_new_tokens, 1, log=lambda msg: console.print(f"calibrate: {msg}", markup=False))
     t_cal = clock() - t0
     cfg = settings_for(art, run)

@@ -259,9 +259,9 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     calibration = None
     if do_calibrate:
         log = (lambda msg: click.echo(f"calibrate: {msg}", err=True)) if not as_json else (lambda msg: None)
-        calibration = calibrate(out, run.provider, run.backend, candidates, run.spin, prompts, n, warmup, log)
+        calibration = calibrate(out, run, candidates, prompts, n, warmup, log)
         cfg = settings_for(out, run)  # with what the calibration wrote
-    backends, key = _backends_by_threads(out, run.backend, run.provider, cfg, candidates, sweep)
+    backends, key = _backends_by_threads(out, run, cfg, candidates, sweep)
     speculation = run.speculation
     control, draft = controller_for(speculation, cfg.costs, m.block_size), speculation != "never"
     runs = measure_many(backends, prompts, n, warmup, cfg.verify, temperature, control, draft)
@@ -299,9 +299,10 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         click.echo(f"plot: {plot}")
 
 
-def _backends_by_threads(out, backend: str, provider: str, cfg, candidates: list[int], sweep: bool) -> tuple[dict, object]:
+def _backends_by_threads(out, run: RunOptions, cfg, candidates: list[int], sweep: bool) -> tuple[dict, object]:
     """({thread count: backend} to measure side by side, the key of the run's own): a sweep opens
     every candidate count; the run's backend uses the calibrated per-graph counts when they differ."""
+    backend, provider = run.backend, run.provider
     labels = sorted(set(candidates) | {cfg.threads}) if sweep else [cfg.threads]
 
     def open_(t):

@@ -345,7 +345,7 @@ def test_serve_engine_uses_the_calibrated_settings(art, monkeypatch):
     from dflash_export.serve.engine import load_engine
     from dflash_export.serve.options import ServeOptions
 
-    monkeypatch.setattr("dflash_export.serve.text.Text", lambda *args: None)  # this artifact has no tokenizer
+    monkeypatch.setattr("dflash_export.serve.text.Text", lambda *args: SimpleNamespace(template_source=None))  # no tokenizer
 
     save_settings(art, "ort:cpu", Settings(threads=1, verify=VerifyPolicy(0.2, 2)))
     engine = load_engine(ServeOptions(art, model_name="m"))
