@@ -122,6 +122,8 @@ def field_options(cls, into: str | None = None, only: tuple[str, ...] | None = N
     unless the metadata gives the command's own, help, type and choices from the metadata (`old`: former
     names that still work, hidden from --help). The command receives them as keywords named after the fields, or with `into` as one `cls` record of that name."""
     fields = [fld for fld in dataclasses.fields(cls) if fld.metadata.get("option") and (only is None or fld.name in only)]
+    own = cls.__dict__.get("__annotations__", {})
+    fields.sort(key=lambda fld: fld.name not in own)  # the record's own first, then those it inherits (--help's order)
 
     def decorate(command):
         f = command
