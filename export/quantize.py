@@ -42,7 +42,7 @@ from ..runtime import contract as C, manifest as M
 from ..errors import DFlashError
 from ..lazy import lazy_import
 from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_checked
-from . import accuracy_level as AL
+from . import accuracy_level as AL, even_rows
 from .progress import Phases, report
 from . import stream
 from .save import INLINE_BELOW, graph_spec, read_initializers, save_graphs
@@ -336,6 +336,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
             # head, the drafter's K/V projections); quantization is deterministic, so they match
             shared = save_graphs(tmp, models, aliases(models[C.TARGET], q, tied))
             del models
+            even_rows.pad_file(tmp / C.GRAPH_FILES[C.TARGET])  # a row's logits alike alone and in a block
             for name in C.TOKENIZER_FILES:
                 if (src / name).is_file():
                     shutil.copyfile(src / name, tmp / name)

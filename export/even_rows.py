@@ -1,0 +1,143 @@
+"""Every MatMulNBits of the target graph multiplies an even number of rows: a row's logits do
+not depend on how many rows share the call, so speculative == plain greedy stays exact.
+
+Why (ONNX Runtime 1.32, MLAS's n-bit GEMM, onnxruntime/core/mlas/lib/qnbitgemm.cpp and the
+sqnbitgemm_kernel_* headers; measured on an AVX512-VNNI x86 CPU, tests/test_lossless.py):
+
+- accuracy level 0 (CompFp32), 4-bit weights: a 1-row call takes SQ4BitGemmM1Kernel_CompFp32
+  (dequantize and dot in one pass, 128 columns at a time); 2 or more rows dequantize B into
+  32-column strips and run the SGEMM kernel on them. The two sum a row's products in different
+  orders: a row alone differs from the same row in a verify block by ~1e-6 relative.
+- level 0, 8-bit weights: no n-bit kernel; B is dequantized whole and MlasGemm (SGEMM, B
+  transposed) runs, whose 1-row path differs from its tiled one likewise.
+- level 4 (CompInt8: the activations quantized to int8 per row and block, with their block
+  sums; VNNI dot products): rows go through a 2-row kernel (R2xC4 / R2xC1) and an odd last row
+  through a 1-row one (R1xC4 / R1xC1) whose horizontal sums fold the accumulator lanes in
+  another order (_mm512_reduce_add_ps vs FoldAccumulators / hsum_float_16). A plain step is a
+  lone row; in a verify block of 8 every row is in a pair.
+- With an even row count every row takes the multi-row path (M >= 2 at level 0; pairs at level
+  4), whose per-row arithmetic does not depend on the other rows: each row's accumulators are
+  its own, the activations are quantized per row, and the threads split M into 128-row ranges
+  (even) and N into 16-aligned ranges, never K.
+- fp32 MatMul (a float head, the drafter) and GatherBlockQuantized (a per-element lookup) gave
+  each row the same bits at any row count in the same measurements; only the target's rows
+  decide the output, so only the target graph is padded.
+
+Other CPUs (AVX2, NEON, KleidiAI) have other tilings; `check` measures a row alone against the
+same row in a verify block and in a batch on the machine it runs on (export/check_rows.py).
+
+How: before each MatMulNBits one zero row is appended along the second-to-last axis when the
+call's row count is odd (`Concat`), and dropped after it (`Slice`). The parity, the zero block
+and the slice end are computed once per group of nodes whose inputs share their leading
+(symbolic) dims, from the first such input, so a node pays two cheap ops.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import InternalError
+from ..lazy import lazy_import
+
+onnx = lazy_import("onnx")
+
+PREFIX = "even_rows"  # names of the nodes and tensors this pass adds
+INT64_MAX = 2**63 - 1
+
+
+def _const(name: str, values: list[int]):
+    return onnx.helper.make_tensor(name, onnx.TensorProto.INT64, [len(values)], values)
+
+
+def pad_graph(model) -> int:
+    """Pad every MatMulNBits' rows to an even count in `model` (an onnx ModelProto, changed in
+    place); -> how many nodes were padded. Idempotent: padded nodes are recognised by name."""
+    g = model.graph
+    if any(n.name.startswith(PREFIX) for n in g.node):
+        return 0
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=False)
+    types = {v.name: v.type.tensor_type for v in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
+
+    def lead(name: str):
+        t = types.get(name)
+        if t is None or len(t.shape.dim) < 2:
+            return None
+        return (t.elem_type, *(d.dim_param or d.dim_value or None for d in t.shape.dim[:-1]))
+
+    g.initializer.extend([_const(f"{PREFIX}/zero", [0]), _const(f"{PREFIX}/two", [2]),
+                          _const(f"{PREFIX}/end_open", [INT64_MAX]), _const(f"{PREFIX}/end_drop", [-1])])
+    groups: dict = {}  # (dtype, *leading dims) -> (name prefix of its parity and slice end, rank, {K: zero block})
+    nodes, padded = [], 0
+    for node in g.node:
+        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
+            nodes.append(node)
+            continue
+        a = node.input[0]
+        dims = lead(a)
+        if dims is None or None in dims:
+            raise InternalError(f"{node.name}: the rank or dims of {a} are unknown; cannot pad its rows")
+        key, dtype, rank = dims, dims[0], len(dims)  # (dtype, *leading dims): rank = leading + 1
+        k = next(x.i for x in node.attribute if x.name == "K")
+        tag = f"{PREFIX}/g{len(groups)}"
+        if key not in groups:
+            # shape of the leading dims, their product's parity, the slice end (-1 drops the pad row)
+            nodes += [
+                onnx.helper.make_node("Shape", [a], [f"{tag}/lead"], name=f"{tag}/shape", end=-1),
+                onnx.helper.make_node("ReduceProd", [f"{tag}/lead"], [f"{tag}/rows"], name=f"{tag}/rows", keepdims=1),
+                onnx.helper.make_node("Mod", [f"{tag}/rows", f"{PREFIX}/two"], [f"{tag}/odd"], name=f"{tag}/odd"),
+                onnx.helper.make_node("Cast", [f"{tag}/odd"], [f"{tag}/odd_b"], name=f"{tag}/odd_b", to=onnx.TensorProto.BOOL),
+                onnx.helper.make_node("Where", [f"{tag}/odd_b", f"{PREFIX}/end_drop", f"{PREFIX}/end_open"],
+                                      [f"{tag}/end"], name=f"{tag}/end"),
+            ]
+            if rank > 2:
+                nodes.append(onnx.helper.make_node("Slice", [f"{tag}/lead", f"{PREFIX}/zero", _outer_end(g, rank)],
+                                                   [f"{tag}/outer"], name=f"{tag}/outer"))
+            groups[key] = (tag, rank, {})
+        tag, rank, zeros = groups[key]
+        if k not in zeros:
+            kname = f"{PREFIX}/K{k}"
+            if kname not in {t.name for t in g.initializer}:
+                g.initializer.append(_const(kname, [k]))
+            parts = ([f"{tag}/outer"] if rank > 2 else []) + [f"{tag}/odd", kname]
+            zeros[k] = f"{tag}/zeros{k}"
+            nodes += [
+                onnx.helper.make_node("Concat", parts, [f"{tag}/zshape{k}"], name=f"{tag}/zshape{k}", axis=0),
+                onnx.helper.make_node("ConstantOfShape", [f"{tag}/zshape{k}"], [zeros[k]], name=f"{tag}/zeros{k}",
+                                      value=onnx.helper.make_tensor("v", dtype, [1], [0])),
+            ]
+        axis = rank - 2
+        a_even, y_even = f"{PREFIX}/{node.name}/a", f"{PREFIX}/{node.name}/y"
+        y = node.output[0]
+        nodes.append(onnx.helper.make_node("Concat", [a, zeros[k]], [a_even], name=f"{PREFIX}/{node.name}/pad", axis=axis))
+        node.input[0] = a_even
+        node.output[0] = y_even
+        nodes.append(node)
+        nodes.append(onnx.helper.make_node("Slice", [y_even, f"{PREFIX}/zero", f"{tag}/end", _axis(g, axis)], [y],
+                                           name=f"{PREFIX}/{node.name}/unpad"))
+        padded += 1
+    del g.node[:]
+    g.node.extend(nodes)
+    return padded
+
+
+def _outer_end(g, rank: int) -> str:
+    name = f"{PREFIX}/outer_end{rank}"
+    if name not in {t.name for t in g.initializer}:
+        g.initializer.append(_const(name, [rank - 2]))
+    return name
+
+
+def _axis(g, axis: int) -> str:
+    name = f"{PREFIX}/axis{axis}"
+    if name not in {t.name for t in g.initializer}:
+        g.initializer.append(_const(name, [axis]))
+    return name
+
+
+def pad_file(path: Path) -> int:
+    """pad_graph on a saved graph file (its external data untouched); -> nodes padded."""
+    model = onnx.load(str(path), load_external_data=False)
+    n = pad_graph(model)
+    if n:
+        onnx.save_model(model, str(path))
+    return n
