@@ -6,7 +6,9 @@ level 4 was 3x faster for 4-bit weights and 50x for 8-bit ones (whose level-0 ke
 path), at the price of the activations' rounding error on top of the weights'. Neither price
 is the same for every model, so both levels are measured on the artifact itself:
 
-- speed: a 1-token target step after a short prompt, median of STEPS per level; one session
+- speed: a 1-token target step after a short prompt (through the target graph as written: its
+  MatMulNBits rows already padded to an even count, export/even_rows.py, so a step multiplies
+  two rows at either level), median of STEPS per level; one session
   is open at a time (two would hold the artifact twice), in the order 0, 4, 4, 0 so that a
   shared machine's drift in load hits both levels alike;
 - accuracy: the target's logits over a PROBE_TOKENS prompt against a float reference (mean

@@ -33,10 +33,8 @@ WIDE = dict(vocab=8192, hidden=1024, layers=1, heads=8, kv_heads=4, head_dim=128
 MODELS = {  # name -> (arch, export options, target overrides)
     "standard": ("qwen3", {}, {}),
     "ort-kv8": ("qwen3", {"attention": "ort", "kv_cache": "int8"}, {}),
-    "moe-op": ("qwen3_moe", {"moe": "op"}, {"moe": {"num_experts": 4, "num_experts_per_tok": 2,
-                                                     "moe_intermediate_size": 256}}),
-    "moe-standard": ("qwen3_moe", {"moe": "standard"}, {"moe": {"num_experts": 4, "num_experts_per_tok": 2,
-                                                                 "moe_intermediate_size": 256}}),
+    "moe-op": ("qwen3_moe", {"moe": "op"}, {}),  # testing.make_target's experts: 4 of width 16, 2 a token
+    "moe-standard": ("qwen3_moe", {"moe": "standard"}, {}),
 }
 Q = QuantOptions
 PLANS = {  # every weight scheme, accuracy level, block size family, head/lookup, MoE path, cache, attention
@@ -49,9 +47,9 @@ PLANS = {  # every weight scheme, accuracy level, block size family, head/lookup
     "int4-L4-b16": ("standard", Q("int4", 16, True, accuracy_level=4)),
     "ort-kv8-int4-L4": ("ort-kv8", Q("int4", 128, True, lm_head=True, embedding=True, accuracy_level=4)),
     "ort-kv8-int8-L4": ("ort-kv8", Q("int8", 128, True, lm_head=True, accuracy_level=4)),
-    "moe-op-int4-L4": ("moe-op", Q("int4", 128, True, lm_head=True, accuracy_level=4)),
-    "moe-op-int8-L0": ("moe-op", Q("int8", 128, True, accuracy_level=0)),
-    "moe-standard-int4-L4": ("moe-standard", Q("int4", 128, True, lm_head=True, accuracy_level=4)),
+    "moe-op-int4-L4": ("moe-op", Q("int4", 16, True, lm_head=True, accuracy_level=4)),  # blocks divide the width 16
+    "moe-op-int8-L0": ("moe-op", Q("int8", 16, True, accuracy_level=0)),
+    "moe-standard-int4-L4": ("moe-standard", Q("int4", 16, True, lm_head=True, accuracy_level=4)),
 }
 PROMPTS, TOKENS = 3, 24
 
@@ -92,7 +90,11 @@ def quantized(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("plan", list(PLANS))
+QMOE = pytest.mark.xfail(strict=True, reason="ONNX Runtime's MoE / QMoE run each expert's GEMM over the tokens "
+                         "routed to it, so a row's expert rows change with the call; --moe standard is invariant")
+
+
+@pytest.mark.parametrize("plan", [pytest.param(p, marks=QMOE) if p.startswith("moe-op") else p for p in PLANS])
 def test_a_row_is_computed_alike_alone_in_a_verify_and_speculative_equals_plain(plan, quantized):
     out = quantized(plan)
     m = load_manifest(out)
