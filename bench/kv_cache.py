@@ -154,7 +154,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--context", type=int, default=1000)
     ap.add_argument("--eval-tokens", type=int, default=200)
-    ap.add_argument("--margins", default="1.25,2", help="calibration margins compared (export's: 1.25)")
+    ap.add_argument("--margins", default="1.25,2", help="calibration margins compared (the export's: export/kv_calibrate.py MARGIN, 2)")
     ap.add_argument("--skip", choices=("speed", "accuracy"), default=None)
     a = ap.parse_args()
     from common import uptime

@@ -11,7 +11,6 @@ import json
 import os
 import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 
 import click
@@ -22,10 +21,11 @@ from tokenizers import Tokenizer
 from .export import print_report
 from .run import BUILTIN_PROMPTS
 from .options import num_prompts_option, speculation_option, spin_option, threads_option, verify_option
+from ..demo.artifact import demo_dir
 from ..runtime.controller import controller_for
 from ..runtime.calibrate import calibrate, thread_candidates
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 from ..runtime.load import open_backend, settings_for
 from ..runtime.loop import Generation, generate, stream
 from ..runtime.measure import measure_many, off_domain_report, rate, summarize
@@ -35,11 +35,6 @@ export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: o
 export_check = lazy_import("dflash_export.export.check")
 STREAMED = 3  # prompts printed as they decode; the rest are measured quietly
 OFF_DOMAIN = 8  # off-domain prompts measured (demo/prompts-offdomain.jsonl: random vocabulary text)
-
-
-def demo_dir() -> Path:
-    """The shipped demo data (pair/, prompts.jsonl): package data of dflash_export.demo."""
-    return Path(str(resources.files("dflash_export.demo")))
 
 
 def demo_prompts(prompt: str | None, n: int, path: Path | None = None) -> list[str]:

@@ -15,23 +15,26 @@ from rich.console import Console
 from rich.table import Table
 
 from .options import model_options, num_prompts_option
-from ..lazy import lazy_import
-from ..errors import DFlashError
-from .. import sources
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
+from ..runtime.manifest import load_manifest
 
 export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: only when a command runs
 export_check = lazy_import("dflash_export.export.check")
 export_quantize = lazy_import("dflash_export.export.quantize")
+Q = lazy_import("dflash_export.export.quant_options")  # light (no torch, onnx): the checks made before anything loads
+outdir = lazy_import("dflash_export.export.outdir")
+sources = lazy_import("dflash_export.export.sources")  # huggingface_hub ids resolved when a command runs
 
 
 def quant_options(f):
     """The weight-only quantization options shared by `export` and `quantize`."""
     for opt in reversed([
-        click.option("--quantize", type=str, default=None,
-                     help="Weight-only quantization of the target's linear layers: int4 or int8 (ONNX Runtime MatMulNBits)."),
+        click.option("--quantize", type=click.Choice(list(Q.SCHEMES)), default=None,
+                     help="Weight-only quantization of the target's linear layers (ONNX Runtime MatMulNBits)."),
         click.option("--quant-block-size", type=int, default=None,
                      help="Weights per quantization block (along the input dimension); a power of two >= 16 "
-                          "[default: 128; MoE targets 32; smaller where the hidden size needs it]."),
+                          "[default: 128, halved until it divides the hidden size and a MoE target's expert width: 64 for gpt-oss]."),
         click.option("--quant-asymmetric", is_flag=True, help="Asymmetric quantization (zero points); symmetric by default."),
         click.option("--quantize-draft", is_flag=True, help="Also quantize the drafter's linear layers."),
         click.option("--draft-only", is_flag=True,
@@ -57,9 +60,9 @@ def quant_request(quantize, block_size, asymmetric, draft, draft_only, lm_head, 
     """The QuantOptions asked for, or None; the sub-options alone are a mistake."""
     if quantize is not None:
         level = None if accuracy_level in (None, "auto") else int(accuracy_level)
-        q = export_quantize.QuantOptions(quantize, block_size, not asymmetric, draft, lm_head, level, embedding,
-                                         head_bits=int(head_bits) if head_bits else None)
-        return export_quantize.draft_only(q) if draft_only else q
+        q = Q.QuantOptions(quantize, block_size, not asymmetric, draft, lm_head, level, embedding,
+                           head_bits=int(head_bits) if head_bits else None)
+        return Q.draft_only(q) if draft_only else q
     if draft or lm_head or embedding or asymmetric or accuracy_level is not None or draft_only or head_bits:
         raise DFlashError("--quantize-draft, --draft-only, --quantize-lm-head, --quantize-embedding, --quant-asymmetric, "
                           "--quant-head-bits and --quant-accuracy-level need --quantize int4|int8")
@@ -131,6 +134,10 @@ def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, bloc
     """
     q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, draft_only, quantize_lm_head, quantize_embedding,
                       quant_head_bits, quant_accuracy_level)
+    if q is not None:  # these checks before anything loads (export_artifact repeats them)
+        Q.check_options(q, dtype)
+    Q.check_kv_cache(kv_cache, attention, kv_calibration)
+    outdir.check_out_dir(out_dir.absolute(), force)
     target_dir = sources.resolve(target_dir, revision, "target")
     draft_dir = sources.resolve(draft_dir, draft_revision, "drafter")
     export_artifact.export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
@@ -162,6 +169,8 @@ def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantiz
                       quant_head_bits, quant_accuracy_level)
     if q is None:
         raise DFlashError("quantize needs --quantize int4|int8")
+    Q.check_options(q, load_manifest(src, verify=False).dtype)  # before anything loads (quantize_artifact repeats them)
+    outdir.check_out_dir(out_dir.absolute(), force)
     export_quantize.quantize_artifact(src, out_dir, q, force=force, progress=not quiet)
 
 

@@ -33,12 +33,12 @@ import numpy as np
 
 from ..runtime import contract as C, manifest as M
 from ..runtime.hybrid import commit_state
-from ..lazy import lazy_import
+from ..runtime.lazy import lazy_import
 from ..runtime.load import open_backend
 from ..runtime.loop import generate
 from ..runtime.names import names_of
-from ..errors import DFlashError
-from .. import sources as S
+from ..runtime.errors import DFlashError
+from . import sources as S
 from .artifact import torch_dtype
 from . import check_invariance
 from .check_rows import block_inputs, ragged_rows, stored_rows, target_inputs
@@ -47,7 +47,7 @@ from .progress import Phases
 from .quantize import dequantized_sources
 from .save import read_initializers
 
-torch = lazy_import("torch")  # torch, onnx, the reference models: on first use (lazy.py)
+torch = lazy_import("torch")  # torch, onnx, the reference models: on first use (runtime/lazy.py)
 ml_dtypes = lazy_import("ml_dtypes")
 onnx = lazy_import("onnx")
 reference = lazy_import("dflash_export.models")

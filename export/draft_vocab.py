@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 
-torch = lazy_import("torch")  # on first use (lazy.py)
+torch = lazy_import("torch")  # on first use (runtime/lazy.py)
 
 FALLBACK = "fallback: the lowest ids (BPE merge order) plus the stop tokens"
 

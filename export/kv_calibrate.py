@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 from ..runtime import contract as C
 from .save import read_initializers
 

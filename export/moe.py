@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from onnxscript import values
 
-from ..errors import DFlashError, InternalError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError, InternalError
+from ..runtime.lazy import lazy_import
 from ..models import moe as M
 from ..models.config import MoeConfig
 from .ops import register_ort_schemas

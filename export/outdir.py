@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from ..runtime import manifest as M
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 
 
 def check_out_dir(out: Path, force: bool) -> None:

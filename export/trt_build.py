@@ -9,7 +9,7 @@ dtype (strongly typed networks only; TensorRT 11 has no other kind).
 external weights resolved next to the file), CreateConfig (profiles, workspace limit, the
 timing cache, a progress monitor), EngineBytesFromNetwork (build, and merge the timing cache
 back into its file under a lock) and SaveBytes. Written by hand, because Polygraphy does
-not do them: the profiles (runtime/trt/profiles.py), the all-or-nothing swap of
+not do them: the profiles (runtime/profiles.py), the all-or-nothing swap of
 OUT/engines, the manifest record, the rich progress bars and one-line errors.
 
 NOT EXECUTED ON TENSORRT HARDWARE IN DEVELOPMENT: a build needs TensorRT's libraries and an
@@ -33,14 +33,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..runtime.contract import BATCH, GRAPH_FILES, GRAPHS, ring
 from ..runtime.manifest import Manifest, load_manifest, write_manifest
-from ..errors import DFlashError
-from ..lazy import lazy_import
-from ..runtime.trt.engines import gpu_info, import_tensorrt
-from ..runtime.trt.profiles import (
-    ENGINE_DIR, ENGINE_FILES, Limits, check_precision, profile_record, refuse_quantized, resolve_limits, trt_version_tuple,
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
+from ..runtime.profiles import Limits, check_precision, profile_record, resolve_limits
+from ..runtime.trt.engines import (
+    ENGINE_DIR, ENGINE_FILES, gpu_info, import_tensorrt, refuse_quantized, trt_version_tuple,
 )
 
-# polygraphy (the trt extra) and the lint (onnx): on first use (lazy.py)
+# polygraphy (the trt extra) and the lint (onnx): on first use (runtime/lazy.py)
 pcommon = lazy_import("polygraphy.backend.common")
 ptrt = lazy_import("polygraphy.backend.trt")
 pexception = lazy_import("polygraphy.exception")

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 from . import speculators
 
 torch = lazy_import("torch")  # only for inv_freq: the configs themselves are read without torch

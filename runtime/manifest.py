@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .contract import ATTENTION_FLAVOURS, FORMAT, FORMAT_VERSION, LINEAR, MANIFEST, RUNTIME
-from ..errors import DFlashError
+from .errors import DFlashError
 
 
 @dataclass
@@ -107,7 +107,7 @@ class Manifest:
     # "scales": "per-channel", "margin", "calibration": {...}}; the scales themselves are constants of
     # target.onnx (GroupQueryAttention's k_scale / v_scale); None: the cache is in the model dtype
     kv_cache: dict | None = None
-    # where the pair came from (sources.py): {"target": rec, "draft": rec}, rec = {"id" (a Hugging Face id or
+    # where the pair came from (export/sources.py): {"target": rec, "draft": rec}, rec = {"id" (a Hugging Face id or
     # None), "path" (a local directory, when no id), "revision" (asked), "commit" (resolved), "files": {weight
     # file: sha256}}; None for exports made before it was recorded
     sources: dict | None = None

@@ -25,7 +25,7 @@ from .contract import RUNTIME
 from .controller import Costs
 
 from .manifest import Manifest, read_json
-from ..errors import DFlashError
+from .errors import DFlashError
 
 RUNTIME_FORMAT = "dflash-export-runtime"
 WIDE = 1024  # hidden size from which graphs are memory-bound enough to gain from more threads

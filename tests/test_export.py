@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
-from dflash_export.testing import exported_taps_error
+from tiny_exports import exported_taps_error
 from runtime_cases import CASES, artifact
 
 from dflash_export.cli import cli
@@ -28,7 +28,7 @@ from dflash_export.export import trt_lint
 from dflash_export.runtime.contract import SHARED_DATA
 from dflash_export.export.validate import lint
 from dflash_export.runtime import contract as C, manifest as M
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 
 
 @pytest.fixture(scope="module")

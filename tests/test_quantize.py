@@ -334,7 +334,7 @@ def test_runtime_speculative_equals_plain_on_quantized_graphs(quantized):
 def test_export_quantize_end_to_end(tmp_path):
     """`export --quantize` traces, exports float to a hidden directory, quantizes into --out
     and leaves nothing else behind; the result checks and refuses a TensorRT build."""
-    from dflash_export.testing import make_drafter, make_target
+    from dflash_export.models.tiny import make_drafter, make_target
 
     make_target(tmp_path / "t", layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64)
     make_drafter(tmp_path / "d", tmp_path / "t", layers=1, block_size=4)

@@ -318,7 +318,7 @@ def test_cli_one_line_errors(tiny, extra, message):
 
 
 def test_cli_refuses_target_without_tokenizer(tmp_path):
-    from dflash_export.testing import make_target
+    from dflash_export.models.tiny import make_target
 
     t = make_target(tmp_path / "t")
     (tmp_path / "d.txt").write_text(SAMPLE)

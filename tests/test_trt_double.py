@@ -21,7 +21,7 @@ from runtime_cases import TRT_CASES, Case, artifact
 import trt_bindings
 import trt_fake
 from dflash_export.cli import cli
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.manifest import load_manifest
 from dflash_export.runtime.sampling import Sampling

@@ -39,7 +39,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 from torch.nn import functional as F  # noqa: E402
 
 from dflash_export.models import Target, TargetConfig  # noqa: E402
-from dflash_export.lazy import lazy_import  # noqa: E402
+from dflash_export.runtime.lazy import lazy_import  # noqa: E402
 
 transformers = lazy_import("transformers")  # optional: without it the config is written by hand (target_config_dict)
 

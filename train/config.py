@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 
 PRECISIONS = click.Choice(["auto", "fp32", "bf16"])
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 
 PRECISIONS = ("fp32", "bf16", "auto")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 
 
 @dataclass

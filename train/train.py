@@ -31,7 +31,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from . import cache as C, data as D, speed as P
 from .config import TrainConfig
 from ..models.config import DraftConfig, TargetConfig

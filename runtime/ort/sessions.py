@@ -22,9 +22,9 @@ from pathlib import Path
 import onnxruntime as ort
 
 from .. import contract as C, manifest as M
-from ...errors import DFlashError
+from ..errors import DFlashError
 from ..shared import shared_weights, tied_head_graphs
-from ..trt.profiles import ort_trt_provider_options
+from .trt_provider import ort_trt_provider_options
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
@@ -132,7 +132,7 @@ class Sessions:
                               "GroupQueryAttention), which TensorRT cannot run; re-export with --attention standard")
         try:
             providers = [self.provider]
-            if self.provider == PROVIDERS["tensorrt"]:  # explicit profiles + engine cache outside OUT (runtime/trt/profiles.py)
+            if self.provider == PROVIDERS["tensorrt"]:  # explicit profiles + engine cache outside OUT (runtime/ort/trt_provider.py)
                 m = self.manifest
                 self.max_chunk = min(self.max_chunk, m.max_context - m.block_size)  # the profile's longest prefill
                 opts_trt = ort_trt_provider_options(m, graph, max_prompt=self.max_chunk)

@@ -16,9 +16,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import DFlashError
-from .lazy import lazy_import
-from .runtime.manifest import sha256_file
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
+from ..runtime.manifest import sha256_file
 
 hub = lazy_import("huggingface_hub")  # only when an id is resolved
 hub_constants = lazy_import("huggingface_hub.constants")

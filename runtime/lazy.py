@@ -6,6 +6,7 @@ the first attribute is read, so a command imports only what it runs.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import types
 
 from .errors import DFlashError
@@ -17,9 +18,11 @@ EXTRAS = {"torch": "export", "onnx": "export", "onnxscript": "export", "huggingf
 HEAVY = ("dflash_export.export", "dflash_export.models", "dflash_export.train.train", "dflash_export.train.data",
          "dflash_export.train.cache", "dflash_export.train.eval", "dflash_export.train.forward", "dflash_export.train.loss",
          "dflash_export.train.speed", "dflash_export.train.state", "dflash_export.serve.app",
-         "dflash_export.serve.requests", "dflash_export.serve.respond", "dflash_export.serve.validate",
+         "dflash_export.serve.requests", "dflash_export.serve.tools", "dflash_export.serve.respond", "dflash_export.serve.validate",
          "dflash_export.serve.ray", "dflash_export.runtime.ort.backend", "dflash_export.runtime.ort.sessions",
-         "dflash_export.runtime.trt.backend", "dflash_export.serve_ray")  # the last: the deprecated alias of serve.ray
+         "dflash_export.runtime.trt.backend")
+# ... but for these, which the CLI reads before anything loads: they name their optional dependencies with lazy_import
+LIGHT = ("dflash_export.export.sources", "dflash_export.export.quant_options", "dflash_export.export.outdir")
 
 
 class LazyModule(types.ModuleType):
@@ -40,3 +43,11 @@ class LazyModule(types.ModuleType):
 def lazy_import(name: str) -> types.ModuleType:
     """A stand-in for `import name` that imports on first use (an absolute module name)."""
     return LazyModule(name)
+
+
+def installed(name: str) -> bool:
+    """Whether module `name` can be imported, found without importing it (its parent packages aside)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ValueError, ImportError):  # e.g. sys.modules[name] is None, or a parent package is missing
+        return False

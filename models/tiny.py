@@ -1,6 +1,6 @@
 """Tiny checkpoints in the real formats, built on the fly (no downloads, ever).
 
-Used by the tests and the benchmarks (`from dflash_export.testing import make_target`);
+Used by the tests, the benchmarks and tools/ (`from dflash_export.models.tiny import make_target`);
 needs the export and dev extras (torch, transformers).
 
 Targets are saved by transformers' own `save_pretrained` (the Hugging Face format as
@@ -12,16 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
+from ..runtime.lazy import lazy_import
+from .config import TargetConfig
+from .drafter import new_drafter
 
-from .lazy import lazy_import
-
-# torch, transformers, the reference models, the exporter, ONNX Runtime: on first use (lazy.py)
+# torch, transformers: on first use (runtime/lazy.py)
 torch = lazy_import("torch")
 transformers = lazy_import("transformers")
-reference = lazy_import("dflash_export.models")
-artifact = lazy_import("dflash_export.export.artifact")
-ort = lazy_import("dflash_export.runtime.ort.backend")
 safetensors_torch = lazy_import("safetensors.torch")
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -55,7 +52,7 @@ def make_target(
     fused_experts: bool = False,
 ) -> Path:
     """Write a random HF checkpoint of `arch`; returns the directory. Hybrid archs: `linear`
-    overrides the Gated DeltaNet config fields (e.g. the real widths, bench/hybrid.py). MoE
+    overrides the Gated DeltaNet config fields (e.g. Qwen3.5's real widths). MoE
     archs: `moe` overrides the expert config fields (num_experts, num_experts_per_tok,
     moe_intermediate_size, norm_topk_prob, mlp_only_layers, ...); save_pretrained writes one
     key per expert, as released checkpoints have them; `fused_experts` writes transformers
@@ -201,9 +198,9 @@ def make_drafter(
 ) -> Path:
     """Write a random z-lab-format drafter sized for the target at `target_dir`."""
     torch.manual_seed(seed)
-    tc = reference.TargetConfig.load(target_dir)
+    tc = TargetConfig.load(target_dir)
     mask = tc.vocab_size - 2 if mask_token_id is None else mask_token_id
-    drafter = reference.new_drafter(tc, num_layers=layers, block_size=block_size, mask_token_id=mask, **kwargs)
+    drafter = new_drafter(tc, num_layers=layers, block_size=block_size, mask_token_id=mask, **kwargs)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if p.dim() > 1:
@@ -215,24 +212,3 @@ def make_drafter(
 def hf_model(directory: str | Path):
     """transformers' own model for a tiny target directory (the reference implementation)."""
     return transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
-
-
-def exported_taps_error(out: str | Path, target_dir: str | Path, n: int = 9, seed: int = 0) -> float:
-    """Max abs error of the exported target's taps (run by the ORT backend) against
-    transformers' own `output_hidden_states[i + 1]` for every tap id of the artifact."""
-    be = ort.OrtBackend(out, verify=False)
-    ids = torch.randint(0, be.manifest.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        hs = hf_model(target_dir)(ids, output_hidden_states=True, use_cache=False).hidden_states
-    ref = torch.cat([hs[i + 1] for i in be.manifest.target_layer_ids], -1)[0].numpy()
-    be.target(ids[0].numpy())
-    return float(np.abs(be.taps[0, :n] - ref).max())
-
-
-def export_tiny_pair(root: str | Path, block_size: int, max_context: int, dtype: str = "fp32") -> Path:
-    """A 2-layer, 32-wide target + 1-layer drafter under root/{t,d}, exported to root/out."""
-    root = Path(root)
-    make_target(root / "t", layers=2, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64)
-    make_drafter(root / "d", root / "t", layers=1, block_size=block_size)
-    artifact.export_artifact(root / "t", root / "d", root / "out", dtype=dtype, max_context=max_context, progress=False)
-    return root / "out"
