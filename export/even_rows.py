@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import InternalError
-from ..lazy import lazy_import
+from ..runtime.errors import InternalError
+from ..runtime.lazy import lazy_import
 
 onnx = lazy_import("onnx")
 

@@ -60,7 +60,7 @@ def wide(name: str):
 
     def build(tmp):
         from dflash_export.export.artifact import export_artifact
-        from dflash_export.testing import make_drafter, make_target
+        from dflash_export.models.tiny import make_drafter, make_target
 
         make_target(tmp / "t", arch, seed=3, **(WIDE | over))
         make_drafter(tmp / "d", tmp / "t", layers=1, block_size=8)
