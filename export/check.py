@@ -98,7 +98,7 @@ class Report:
             ok_e2e = not self.strict or self.kv_cache is not None or e2e["identical"] == e2e["cases"]
             if self.quantization is not None or self.kv_cache is not None:
                 ok_e2e = ok_e2e and e2e["speculative_equals_plain"] == e2e["cases"]
-        alike = self.rows_alike is None or self.rows_alike["invariant"]
+        alike = self.rows_alike is None or self.rows_alike["invariant"] or not self.rows_alike["enforced"]
         return bool(self.rows) and all(r.passed for r in self.rows) and ok_e2e and alike
 
     def summary(self) -> str:
@@ -404,8 +404,18 @@ def run_check(
                             "ONNX Runtime's there (export/gqa.py stored_as), more than one step fails present_*")
     if q is not None:
         report.accuracy = accuracy_effect(report.rows, q)
+    if q is not None and q.get("target", True):  # the quantized target's kernels: does a row's output depend on the call?
         with ui.phase("rows", "a row's logits alone vs in a verify block and a batch"):
-            report.rows_alike = check_invariance.row_invariance(root, m, seed)
+            report.rows_alike = ra = check_invariance.row_invariance(root, m, seed)
+        # linear-attention layers (a step vs a chunk of the delta rule) and the MoE op's experts (GEMMs over the
+        # tokens routed to each) differ alone vs in a block at fp32 too: reported, not failed, where the graph has them
+        other = [w for w, has in (("linear-attention layers", bool(m.linear_layers)),
+                                  ("ONNX Runtime's MoE/QMoE experts", (m.moe or {}).get("path") == "op")) if has]
+        ra["enforced"] = not other
+        if other and not ra["invariant"]:
+            report.notes.append(f"a row's logits alone differ from the same row's in a verify block (max "
+                                f"{ra['block']['max_abs']:.1e}) through this target's {' and '.join(other)}, at any "
+                                "dtype: speculative == plain is not promised bit for bit here (docs/quantization.md)")
     if save_polygraphy is not None:
         with ui.phase("save", f"Polygraphy inputs/outputs to {save_polygraphy}"):
             write_polygraphy(Path(save_polygraphy), saved)
