@@ -15,15 +15,17 @@ from rich.console import Console
 from rich.table import Table
 
 from .options import model_options, num_prompts_option
+from ..runtime import outdir
 from ..runtime.errors import DFlashError
 from ..runtime.lazy import lazy_import
 from ..runtime.manifest import load_manifest
+from ..serve.text import load_tokenizer
+from .run import read_prompts
 
 export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: only when a command runs
 export_check = lazy_import("dflash_export.export.check")
 export_quantize = lazy_import("dflash_export.export.quantize")
 Q = lazy_import("dflash_export.export.quant_options")  # light (no torch, onnx): the checks made before anything loads
-outdir = lazy_import("dflash_export.export.outdir")
 sources = lazy_import("dflash_export.export.sources")  # huggingface_hub ids resolved when a command runs
 
 
@@ -178,7 +180,8 @@ def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantiz
 @click.argument("out", type=click.Path(path_type=Path))
 @model_options(required=False, target_help=" OUT was exported from [default: the one its manifest records]",
                draft_help=" OUT was exported from [default: the one its manifest records]")
-@num_prompts_option(20, "Random prompts decoded end to end (ONNX Runtime vs the PyTorch oracle); 0 skips.")
+@num_prompts_option(20, "Random prompts decoded end to end (ONNX Runtime vs the PyTorch oracle); 0 skips. "
+                        "--prompts FILE decodes the file's prompts instead.")
 @click.option("--max-new-tokens", type=int, default=24, show_default=True, help="Tokens per end-to-end prompt.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the random inputs and prompts.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
@@ -194,8 +197,8 @@ def check(out, target_dir, revision, draft_dir, draft_revision, num_prompts, pro
     prefill (past 0), a 1-token step and a K-token verify on a past; the drafter's context
     graph; the block graph with and without context. Prints max / mean / p99 absolute
     error per output against the tolerance (fp32: 1e-4 on logits, taps and K/V; ids
-    exact). Then decodes --num-prompts random prompts greedily through the graphs and through
-    the PyTorch oracle: tokens and acceptance lengths must be identical.
+    exact). Then decodes --num-prompts random prompts (or the prompts of --prompts FILE) greedily
+    through the graphs and through the PyTorch oracle: tokens and acceptance lengths must be identical.
 
     fp16/bf16 exports report the statistics and top-1 agreement without failing on fp32
     tolerances. Exit status 0 when everything passes, 1 otherwise (failing rows shown),
@@ -210,22 +213,25 @@ def check(out, target_dir, revision, draft_dir, draft_revision, num_prompts, pro
       dflash-export check art
       dflash-export check art --target Qwen3-8B --draft Qwen3-8B-DFlash
       dflash-export check art --target t --draft d --num-prompts 50 --json
+      dflash-export check art --target t --draft d --prompts demo/prompts.jsonl --max-new-tokens 64
       dflash-export check art --target t --draft d --save-polygraphy pg
       polygraphy run art/target.onnx --onnxrt \\
           --load-inputs pg/target.prefill_P0_S7.inputs.json \\
           --load-outputs pg/target.prefill_P0_S7.outputs.json --atol 1e-4 --rtol 0
     """
-    if prompts_file is not None:
-        raise DFlashError(f"--prompts {prompts_file}: check decodes random token prompts; give their number with --num-prompts N")
     if num_prompts < 0 or max_new_tokens < 1:
         raise DFlashError("--num-prompts must be >= 0 and --max-new-tokens >= 1")
     for given, rev, flag in ((target_dir, revision, "--revision needs --target"), (draft_dir, draft_revision,
                                                                                   "--draft-revision needs --draft")):
         if rev is not None and given is None:
             raise DFlashError(flag)
+    prompts = num_prompts
+    if prompts_file is not None:  # read (and refused) before anything loads, tokenized as OUT's runtime would
+        load_manifest(out, verify=False)
+        prompts = read_prompts(prompts_file, load_tokenizer(out))
     target = None if target_dir is None else sources.resolve(target_dir, revision, "target")
     draft = None if draft_dir is None else sources.resolve(draft_dir, draft_revision, "drafter")
-    report = export_check.run_check(out, target, draft, prompts=num_prompts, max_new_tokens=max_new_tokens, seed=seed,
+    report = export_check.run_check(out, target, draft, prompts=prompts, max_new_tokens=max_new_tokens, seed=seed,
                        save_polygraphy=save_polygraphy, provider=provider, progress=not as_json)
     if as_json:
         click.echo(json.dumps(report.to_json()))

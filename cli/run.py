@@ -19,6 +19,7 @@ from .options import device_options, sampling_options, resolve_speculation, spec
 from ..runtime.controller import auto_policy, controller_for, describe_auto, rounds_of
 from ..runtime.calibrate import calibrate, choose_count, describe_spin, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
 from ..runtime.errors import DFlashError
+from ..runtime.files import prompt_lines
 from ..runtime.load import open_artifact, open_backend, settings_for
 from ..runtime.loop import Generation
 from ..runtime.loop import stream as run
@@ -143,27 +144,23 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, sampl
 # -- bench ---------------------------------------------------------------------------------
 
 
+def read_prompts(path: Path, tok) -> list[list[int]]:
+    """--prompts FILE as token ids: each line text (through the exported tokenizer) or comma-separated ids."""
+    prompts = []
+    for ln in prompt_lines(path):
+        if all(p.strip().isdigit() for p in ln.split(",")):
+            prompts.append(_parse_ids(ln, f"--prompts {path}"))
+        elif tok is None:
+            raise DFlashError(f"--prompts {path}: text prompts need tokenizer.json in the exported directory; "
+                              "write comma-separated token ids instead")
+        else:
+            prompts.append(tok.encode(ln).ids)
+    return prompts
+
+
 def _bench_prompts(path: Path | None, tok, vocab: int, n_random: int = 5, length: int = 32) -> tuple[list[list[int]], str]:
     if path is not None:
-        if not path.is_file():
-            raise DFlashError(f"--prompts {path}: no such file")
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        if not lines:
-            raise DFlashError(f"--prompts {path}: no prompts in it (one per line)")
-        if path.suffix == ".jsonl":  # {"prompt": "..."} per line, as demo/prompts.jsonl
-            try:
-                lines = [json.loads(ln)["prompt"] for ln in lines]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DFlashError(f"--prompts {path}: each JSONL line needs a \"prompt\" string") from None
-        prompts = []
-        for ln in lines:
-            if all(p.strip().isdigit() for p in ln.split(",")):
-                prompts.append(_parse_ids(ln, f"--prompts {path}"))
-            elif tok is None:
-                raise DFlashError(f"--prompts {path}: text prompts need tokenizer.json in the exported directory; "
-                                  "write comma-separated token ids instead")
-            else:
-                prompts.append(tok.encode(ln).ids)
+        prompts = read_prompts(path, tok)
         return prompts, f"{len(prompts)} prompts from {path}"
     if tok is not None:
         return [tok.encode(p).ids for p in BUILTIN_PROMPTS], f"{len(BUILTIN_PROMPTS)} built-in text prompts"

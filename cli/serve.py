@@ -22,6 +22,7 @@ from .options import device_options, field_options, resolve_speculation, specula
 from ..runtime import contract as C, manifest as M
 from ..demo.artifact import demo_artifact
 from ..runtime.errors import DFlashError
+from ..runtime.files import read_text
 from ..runtime.lazy import installed, lazy_import
 from ..runtime.load import settings_for
 from ..runtime.memory import check_cache_memory
@@ -128,10 +129,7 @@ def _api_key(api_key: str | None, api_key_file: Path | None) -> str | None:
         raise DFlashError("give --api-key or --api-key-file, not both")
     if api_key_file is None:
         return api_key
-    try:
-        api_key = api_key_file.read_text().strip()
-    except OSError as e:
-        raise DFlashError(f"--api-key-file {api_key_file}: {e.strerror}") from None
+    api_key = read_text(api_key_file, what="--api-key-file ").strip()
     if not api_key:
         raise DFlashError(f"--api-key-file {api_key_file} is empty")
     return api_key
@@ -141,9 +139,7 @@ def _template(path: Path | None) -> str | None:
     """--chat-template's text (the record holds the template, not its file)."""
     if path is None:
         return None
-    if not path.is_file():
-        raise DFlashError(f"--chat-template {path}: no such file")
-    return path.read_text()
+    return read_text(path, "give a Jinja template file", what="--chat-template ")
 
 
 @click.command()
@@ -183,6 +179,7 @@ def serve(out, demo, host, port, api_key_file, shutdown_timeout, ray: RayOptions
         directory = Path(directory).resolve()  # every replica opens this path on its own node
     # a wrong folder, --threads or runtime.json is one line now, not after binding
     manifest = M.load_manifest(directory, verify=False)
+    M.check_readable(directory, manifest)
     settings_for(directory, options.backend, options.provider, threads=options.threads, spin=options.spin,
                  verify=options.verify)
     options.directory = Path(directory)

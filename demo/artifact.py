@@ -14,6 +14,7 @@ import click
 
 from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
+from ..runtime.files import read_bytes
 from ..runtime.lazy import installed
 
 DEMO_CONTEXT = 2048
@@ -31,7 +32,7 @@ def demo_cache_dir(pair: Path) -> Path:
         raise DFlashError(f"the shipped demo pair is missing ({pair}); restore demo/pair/ or pass an exported directory")
     h = hashlib.sha256(f"{DEMO_CONTEXT}/{C.FORMAT_VERSION}".encode())  # a new artifact format: a new export
     for p in files:
-        h.update(p.relative_to(pair).as_posix().encode() + hashlib.sha256(p.read_bytes()).digest())
+        h.update(p.relative_to(pair).as_posix().encode() + hashlib.sha256(read_bytes(p)).digest())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-export"
     return cache / f"demo-{h.hexdigest()[:16]}"
 

@@ -25,7 +25,7 @@ from ..runtime.errors import DFlashError, InternalError
 from . import sources as S
 from ..runtime.lazy import lazy_import
 from . import draft_vocab as DV, stream, trace as T
-from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_checked
+from ..runtime.outdir import check_out_dir, clean_stale, commit, staged, write_manifest_checked
 from .progress import Phases, report
 from .quant_options import check_kv_cache
 from .quantize import check_options, default_block_size, quantize_artifact
@@ -310,8 +310,7 @@ def export_artifact(
     for p in stale:
         ui.console.print(f"removed {p.name}, left by an export that did not finish")
     t0 = time.perf_counter()
-    tmp = staging(out)
-    try:
+    with staged(out, say=ui.console.print) as tmp:  # removed unless published, Ctrl-C too
         with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
             manifest.sources = {"target": tsrc.record(), "draft": dsrc.record()}  # hashes the weight files
             target, drafter, streamed = load_pair(target_dir, draft_dir, dc, tdtype, streams=streams, moe_path=moe_path,
@@ -341,11 +340,6 @@ def export_artifact(
         with ui.phase("validate", "onnx.checker, shape inference, op lint, ORT load"):
             validate_artifact(tmp, dtype, attention=attention, moe=moe_path)
         manifest = publish(tmp, out, manifest, tokenizer, quantize, progress, experts, t0)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, KeyboardInterrupt):
-            ui.console.print(f"[red]interrupted[/]: partial export removed, {out} unchanged")
-        raise
     if quantize is None:
         report(ui, out, time.perf_counter() - t0)
     return manifest
@@ -439,6 +433,4 @@ def publish(tmp: Path, out: Path, manifest: M.Manifest, tokenizer, quantize, pro
     if quantize is None:
         commit(tmp, out)
         return manifest
-    manifest = quantize_artifact(tmp, out, quantize, force=True, progress=progress, experts=experts, started=started)
-    shutil.rmtree(tmp)
-    return manifest
+    return quantize_artifact(tmp, out, quantize, force=True, progress=progress, experts=experts, started=started)

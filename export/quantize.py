@@ -40,7 +40,7 @@ import numpy as np
 from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
 from ..runtime.lazy import lazy_import
-from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_checked
+from ..runtime.outdir import check_out_dir, commit, staged, write_manifest_checked
 from . import accuracy_level as AL, even_rows
 from .progress import Phases, report
 from .quant_options import DRAFT_ONLY_LEVEL, QuantOptions, check_options, default_block_size
@@ -208,13 +208,11 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
         q = dataclasses.replace(q, block_size=default_block_size(q.scheme, m.hidden_size, (m.moe or {}).get("expert_size")))
     check_out_dir(out, force)
     ui = Phases(progress)
-    for p in clean_stale(out):
-        ui.console.print(f"removed {p.name}, left by an export or quantization that did not finish")
     t0 = time.perf_counter() if started is None else started
-    tmp = staging(out, "partial-q")  # export --quantize: its own export's staging is `partial`
     embed, head = C.SHARED_INITIALIZERS
     quantized: dict[str, list[str]] = {}
-    try:
+    # export --quantize: its own export's staging is `partial`; this one is removed unless published, Ctrl-C too
+    with staged(out, "partial-q", say=ui.console.print) as tmp:
         extra = " + LM head" if q.lm_head else ""
         extra += " + embedding" if q.embedding else ""
         extra += f" (at {q.head().bits} bits)" if extra and q.head() is not q else ""
@@ -264,9 +262,6 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
         manifest = dataclasses.replace(manifest, quantization=q.record(quantized, level, (m.moe or {}).get("path")))
         write_manifest_checked(tmp, manifest)
         commit(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     report(ui, out, time.perf_counter() - t0)
     return manifest
 

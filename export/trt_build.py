@@ -22,7 +22,6 @@ machine, tests/test_trt_gpu.py builds for real.
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from ..runtime.contract import BATCH, GRAPH_FILES, GRAPHS, ring
 from ..runtime.manifest import Manifest, load_manifest, write_manifest
 from ..runtime.errors import DFlashError
 from ..runtime.lazy import lazy_import
+from ..runtime.outdir import commit, staged
 from ..runtime.profiles import Limits, check_precision, profile_record, resolve_limits
 from ..runtime.trt.engines import (
     ENGINE_DIR, ENGINE_FILES, gpu_info, import_tensorrt, refuse_quantized, trt_version_tuple,
@@ -205,10 +205,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_context
     console = None
     if progress:
         console = Console(stderr=True)
-    staging = out.parent / f".{out.name}.engines.partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
+    with staged(out, "engines", say=echo) as staging:  # beside OUT; removed unless published, Ctrl-C too
         for i, g in enumerate(plan.graphs, 1):
             t0 = time.perf_counter()
             monitor = _progress_monitor(trt, console) if progress else None
@@ -226,13 +223,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_context
                     monitor.bars.stop()
             echo(f"[{i}/{len(plan.graphs)}] {g.engine}: {dest.stat().st_size / 2**20:.1f} MiB "
                  f"in {time.perf_counter() - t0:.1f} s")
-        # all engines built: swap them in, then re-hash so the manifest covers them
-        final = out / ENGINE_DIR
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        commit(staging, out, ENGINE_DIR)  # all engines built: swap them in, then re-hash so the manifest covers them
     manifest.engines = {
         "tensorrt": trt.__version__,
         "compute_capability": cc,

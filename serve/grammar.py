@@ -76,9 +76,10 @@ class _Vocab:
     def __init__(self, hf, n: int, eos: int | None):
         special = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
         self.eos_token_id, self.bos_token_id, self.special_token_ids = eos, None, sorted(special)
-        self.tokens = [(hf.id_to_token(i) or f"<|{i}|>") if i in special or i >= hf.get_vocab_size() else
-                       hf.decode([i], skip_special_tokens=False) for i in range(n)]
-        self.tokens = [t.encode() for t in self.tokens]
+        vocab = hf.get_vocab_size()
+        # a special token is its name after a 0xFF byte (llguidance's mark: Lark's <|name|> matches it)
+        self.tokens = [b"" if i >= vocab else b"\xff" + hf.id_to_token(i).encode() if i in special else
+                       hf.decode([i], skip_special_tokens=False).encode() for i in range(n)]
         self.hf = hf
 
     def __call__(self, text: str) -> list[int]:
@@ -87,8 +88,8 @@ class _Vocab:
 
 class Constraint:
     """One request's grammar state, for the loop (runtime/loop.py `Request.constraint`): which tokens
-    may come next (`allowed`, `accepts`) and the token that came (`consume`). A stop token may come
-    where the grammar is complete. Only emitted tokens are consumed: nothing to roll back."""
+    may come next (`allowed`, `accepts`), the token that came (`consume`), and `rollback` (the drafts
+    consumed while drafting under the mask). A stop token may come where the grammar is complete."""
 
     def __init__(self, matcher, vocab_size: int, words: int, stop_ids: tuple[int, ...]):
         self.m, self.V, self.stop = matcher, vocab_size, np.asarray(sorted(set(stop_ids)), np.int64)
@@ -114,6 +115,11 @@ class Constraint:
             return
         if not self.m.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}: {self.m.get_error()[:200]}")
+
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` consumed tokens (the loop's drafting under the mask; stop tokens are never consumed)."""
+        if n and not self.m.rollback(n):
+            raise RuntimeError(f"the grammar could not roll back {n} tokens: {self.m.get_error()[:200]}")
 
 
 def _message(err: str) -> str:

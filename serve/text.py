@@ -22,8 +22,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from ..runtime.manifest import read_json
 from ..runtime.errors import DFlashError
+from ..runtime.files import read_json, read_text, readable
 from ..runtime.lazy import lazy_import
 from . import formats
 from .logprobs import Pieces
@@ -45,8 +45,8 @@ class Text:
         if chat_template is None:
             chat_template = config.get("chat_template")
             jinja = Path(directory) / "chat_template.jinja"  # transformers 5 saves it beside the config
-            if chat_template is None and jinja.is_file():
-                chat_template = jinja.read_text()
+            if chat_template is None and jinja.exists():
+                chat_template = read_text(jinja, "re-export the directory")
             if isinstance(chat_template, list):  # [{"name": "default", "template": ...}, ...]
                 named = {t.get("name"): t.get("template") for t in chat_template if isinstance(t, dict)}
                 chat_template = named.get("default")
@@ -86,8 +86,9 @@ class Text:
 def load_tokenizer(directory: Path):
     """The exported directory's tokenizer.json as a `tokenizers.Tokenizer`, None without one."""
     path = Path(directory) / "tokenizer.json"
-    if not path.is_file():
+    if not path.exists():
         return None
+    readable(path, "make it readable or re-export the directory")  # tokenizers' own error would not say why
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:

@@ -184,20 +184,25 @@ def _max_tokens(engine, ids: list[int], given: int | None, default: int, param: 
     return given
 
 
+def _stop_ids(engine, body: Common) -> tuple[int, ...]:
+    """The model's eos ids and the request's stop_token_ids (checked)."""
+    extra = list(body.stop_token_ids or ())
+    check_ids(engine, extra, "stop_token_ids")
+    return tuple(dict.fromkeys(list(engine.manifest.eos_token_ids) + extra))
+
+
 def _plan(server: Server, body: Common, prompts: list[list[int]], n: int, given: int | None, param: str,
-          want: Want, chat: bool, form: Shape | None = None) -> Plan:
+          want: Want, chat: bool, form: Shape | None = None, constraints: list | None = None) -> Plan:
     engine = server.engine
     sampling, speculative = _sampling(body), _speculative(server, body.speculative)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    extra = list(body.stop_token_ids or ())
-    check_ids(engine, extra, "stop_token_ids")
-    stop_ids = tuple(dict.fromkeys(list(engine.manifest.eos_token_ids) + extra))
+    stop_ids = _stop_ids(engine, body)
     requests = []
     for ids in prompts:
         max_tokens = _max_tokens(engine, ids, 1 if want.discard else given, server.options.default_max_tokens, param)
         for j in range(n):
             lp = Logprobs(want.k, want.echo) if want.k is not None else None
-            c = engine.grammars.constraint(form.grammar, stop_ids) if form is not None and form.grammar else None
+            c = constraints[j] if constraints else None
             requests.append(Request(ids, max_tokens, replace(sampling, seed=(sampling.seed + j) % 2**64), stop_ids,
                                     speculative=speculative, logprobs=lp, constraint=c))
     return Plan(requests, n, chat, bool(body.stream), bool(body.stream_options and body.stream_options.include_usage),
@@ -281,4 +286,9 @@ async def chat(server: Server, body: ChatRequest) -> Plan:
     ids = await encode(engine, text, False, "messages")
     given, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None
                     else (body.max_tokens, "max_tokens"))
-    return _plan(server, body, [ids], n, given, param, want, True, form)
+    constraints = None
+    if form.grammar is not None:  # a matcher per choice, made off the event loop (a large grammar takes a while)
+        stop_ids = _stop_ids(engine, body)
+        constraints = await asyncio.to_thread(lambda: [engine.grammars.constraint(form.grammar, stop_ids)
+                                                       for _ in range(n)])
+    return _plan(server, body, [ids], n, given, param, want, True, form, constraints)

@@ -22,7 +22,7 @@ import pytest
 from dflash_export.cli import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "demo" / "RESULTS.md"])
 OPT = r"--[a-z][a-z0-9-]+"
 NUMBER = re.compile(r"(?<![\w.-])\d+(?:\.\d+)?(?![\w.])")
 
@@ -76,6 +76,13 @@ def _ray_replicas() -> set[int]:
     return {RayOptions(use_ray=True).deploy()["replicas"]}
 
 
+def _ray_headroom() -> set[int]:
+    """serve --ray without --max-ongoing: rows + queue + HEADROOM (the stated number is the headroom)."""
+    from dflash_export.serve.ray import HEADROOM
+
+    return {HEADROOM}
+
+
 def _moe_path() -> set[str]:
     """export without --moe: the contrib op where ONNX Runtime runs it, else standard ops."""
     from dflash_export.export.moe import choose_path
@@ -89,7 +96,12 @@ RESOLVED = {
     "--max-batch": _serve_max_batch,
     "--replicas": _ray_replicas,
     "--moe": _moe_path,
+    "--max-ongoing": _ray_headroom,
 }
+
+
+def _choices(opt: str) -> set[str]:
+    return {c for _, p in OPTIONS.get(opt, []) if isinstance(p.type, click.Choice) for c in p.type.choices}
 
 
 def _literal(text: str) -> str | None:
@@ -135,6 +147,8 @@ def _tables(lines: list[str], name: str) -> list[Stated]:
             parts = [v.strip() for v in cells[column].split(",")]
             values = parts if len(parts) == len(opts) else values * len(opts)
         for opt, value in zip(opts, values * len(opts)):
+            if value.lower() == "none" or value in _choices(opt):  # a bare value in a default column: HeadOnly, none
+                value = f"`{value}`"
             found.append(Stated(f"{name}:{i + 1}", opt, value))
     return found
 
@@ -144,8 +158,13 @@ PROSE = re.compile(rf"`({OPT})((?: [^`]*)?)`((?:[^`.|\n]|\n(?!\n)|`[^`]*`)*?)\(?
                    re.I)
 
 
+# "... defaults to `--threads 1`": the value shown is the stated default
+DEFAULTS_TO = re.compile(rf"\bdefaults? (?:to|is) `({OPT}) ([^`\s]+)`", re.I)
+
+
 def _prose(text: str, name: str) -> list[Stated]:
-    found = []
+    found = [Stated(f"{name}:{text.count(chr(10), 0, m.start()) + 1}", m.group(1), f"`{m.group(2)}`")
+             for m in DEFAULTS_TO.finditer(text)]
     for m in PROSE.finditer(text):
         opt, args, between, after = m.groups()
         if re.search(OPT, between) or len(between) > 100:
@@ -190,6 +209,8 @@ def mismatch(s: Stated) -> str | None:
     if literal is None:
         return None  # words ("the drafter's", "calibrated"): nothing to compare
     defaults = [p.default for _, p in owners if not _unset(p.default)]
+    if literal.lower() == "none":
+        return None if len(defaults) < len(owners) else f"states none; the code's default is {defaults}"
     if any(_equal(literal, d) for d in defaults):
         return None
     if not defaults:
@@ -207,8 +228,12 @@ def test_the_reader_finds_defaults():
 
 def test_a_wrong_default_is_caught():
     wrong = [Stated("x", "--max-context", "4096"), Stated("x", "--quant-block-size", "128, MoE targets 32"),
-             Stated("x", "--host", "`0.0.0.0`"), Stated("x", "--threads", "4")]
+             Stated("x", "--host", "`0.0.0.0`"), Stated("x", "--threads", "4"), Stated("x", "--port", "`none`"),
+             *_tables(["| flag | default |", "|---|---|", "| `--proxy` | EveryNode |"], "x")]
     assert all(mismatch(s) for s in wrong), [mismatch(s) for s in wrong]
+    said = _prose("so `demo` now defaults to `--threads 1`.", "x") + _prose("`--max-context N` (default 4096)", "x")
+    assert [(s.option, _literal(s.text)) for s in said] == [("--threads", "1"), ("--max-context", "4096")]
+    assert all(mismatch(s) for s in said)
     assert mismatch(Stated("x", "--quant-block-size", "128, halved until it divides ...: 64 for gpt-oss")) is None
 
 

@@ -15,6 +15,7 @@ from dflash_export.models.tiny import make_drafter, make_target
 
 from dflash_export.cli import cli
 from dflash_export.export import trace as export_trace
+from killed import kill_after
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +134,22 @@ def test_interrupt_and_failure_leave_the_old_out_alone(ckpts, monkeypatch):
     assert_error(run_export(ckpts, "t2", "d2", "old", "--force"), "boom")
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".old.")]
+
+
+def test_a_killed_export_is_cleaned_by_the_next_run(ckpts, monkeypatch):
+    """export killed with -9 inside its staging (no cleanup runs) leaves the folder beside --out; the
+    next export to the same --out removes it first, whatever that run does next (here it fails)."""
+    args = ["export", "--target", str(ckpts / "t2"), "--draft", str(ckpts / "d2"), "--out", str(ckpts / "killed"),
+            "--quiet"]
+    pid = kill_after("dflash_export.export.artifact", "load_pair", args)
+    assert [p.name for p in ckpts.glob(".killed.*")] == [f".killed.partial-{pid}"] and not (ckpts / "killed").exists()
+
+    def broken(*a, **k):
+        raise export_trace.DFlashError("torch.onnx.export failed for TargetGraph: boom")
+
+    monkeypatch.setattr(export_trace, "trace", broken)
+    assert_error(run_export(ckpts, "t2", "d2", "killed"), "boom")
+    assert_nothing_written(ckpts, "killed")
 
 
 def test_help_teaches():

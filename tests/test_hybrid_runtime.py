@@ -208,7 +208,8 @@ def test_train_draft_on_a_hybrid_target(tmp_path):
     (tmp_path / "data.txt").write_text(SAMPLE * 12)
     args = ["train-draft", "--target", str(target), "--out", str(tmp_path / "d"), "--data", str(tmp_path / "data.txt"),
             "--block-size", "4", "--layers", "1", "--target-layer-ids", "0,2", "--sequences", "16", "--gen-tokens", "12",
-            "--gen-batch", "8", "--batch", "4", "--anchors", "8", "--eval-tokens", "10", "--threads", "1", "--steps", "3"]
+            "--gen-batch", "8", "--train-batch", "4", "--anchors", "8", "--eval-tokens", "10", "--torch-threads", "1",
+            "--steps", "3"]
     r = CliRunner().invoke(cli, args)
     assert r.exit_code == 0, r.output
     d = Drafter.from_pretrained(tmp_path / "d")

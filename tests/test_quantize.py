@@ -411,7 +411,7 @@ def test_quantized_logits_are_close_to_float(made):
 
 def test_a_killed_quantize_leaves_nothing_after_the_next_run(tmp_path):
     """quantize killed with -9 mid-way (no cleanup runs) leaves its staging folder; the next
-    quantize to the same --out removes it (export/outdir.py owns the names) and publishes."""
+    quantize to the same --out removes it (runtime/outdir.py owns the names) and publishes."""
     import subprocess
     import sys
 

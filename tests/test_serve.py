@@ -563,7 +563,7 @@ def test_shutdown_cancels_what_outlasts_the_bound(art, tmp_path, offline, tok, r
     (["serve", "OUT", "--threads", "0"], "--threads must be >= 1"),
     (["serve", "OUT", "--slots", "2", "--backend", "trt"], "needs --backend ort"),
     (["serve", "OUT", "--api-key", "a", "--api-key-file", "f"], "not both"),
-    (["serve", "OUT", "--api-key-file", "/nonexistent/key"], "--api-key-file /nonexistent/key: No such file"),
+    (["serve", "OUT", "--api-key-file", "/nonexistent/key"], "--api-key-file /nonexistent/key: unreadable (no such file)"),
     (["serve", "OUT", "--chat-template", "/nonexistent.jinja"], "no such file"),
 ])
 def test_serve_bad_arguments_are_one_line(art, args, message):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from typing import Annotated
 
@@ -116,6 +117,44 @@ def test_the_drafter_was_accepted_under_the_constraint():
     assert sum(a > 0 for a in accepted) >= 3, accepted
 
 
+def test_drafting_under_the_mask_accepts_more_and_changes_no_token(loop, monkeypatch):
+    """The drafter's proposals masked by the grammar (runtime/loop.py `_masked_drafts`): more tokens per
+    round than its unmasked argmax, the same output."""
+    from dflash_export.runtime import loop as loop_module
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "tags": {
+        "type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "maxItems": 3}},
+        "required": ["name", "tags"], "additionalProperties": False}
+
+    def run():
+        gens = [constrained(loop, [5 + p, 6, 7], schema, True)[0] for p in range(6)]
+        return [g.tokens for g in gens], sum(map(len, (g.tokens for g in gens))) / sum(len(g.acceptance_lengths)
+                                                                                      for g in gens)
+
+    masked, per_round = run()
+    monkeypatch.setattr(loop_module, "_masked_drafts", lambda backend, rows, drafts, scored: drafts)
+    unmasked, per_round_unmasked = run()
+    assert masked == unmasked and per_round > 2 * per_round_unmasked, (per_round, per_round_unmasked)
+
+
+def test_constrained_rows_in_a_batch_equal_their_own_runs(loop, art):
+    """Constrained and free rows in one batched loop: each row's tokens are its batch-1 output."""
+    backend, tok, grammars, eos = loop
+    schemas_ = [{"type": "array", "items": {"enum": ["ab", "xyz"]}, "maxItems": 4},
+                {"type": "object", "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 999}},
+                 "required": ["k"], "additionalProperties": False}, None]
+
+    def requests():
+        return [Request([9 + i, 4, 2], 60, stop_token_ids=eos, constraint=None if sc is None else grammars.constraint(
+            grammars.compile(grammar(Format("none"), False, None, False, sc)), eos)) for i, sc in enumerate(schemas_)]
+
+    alone = [generate_batch(backend, [q], draft=True)[0][0].tokens for q in requests()]
+    batched, _ = generate_batch(OrtBackend(art, threads=1, max_batch=3), requests(), draft=True)
+    assert [g.tokens for g in batched] == alone
+    for g, sc in zip(batched[:2], schemas_):  # the constrained rows were constrained in the batch
+        jsonschema.validate(json.loads(tok.decode(g.tokens[:-1] if g.stopped else g.tokens)), sc)
+
+
 def test_constrained_sampling_is_the_same_with_and_without_the_drafter(loop):
     """Sampled under the mask with the row's own uniforms (sample-and-compare): the drafter changes no token,
     and the seed does change them."""
@@ -187,6 +226,40 @@ def test_reasoning_from_an_open_think_block_and_detection():
     assert detect("", "GptOssForCausalLM").name == "harmony"
     p = detect("<tool_call></think>").parser(thinking=True)
     assert assemble(p.push("I think</think>\n\nIt is 4.") + p.finish())[:2] == ("I think", "It is 4.")
+
+
+HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>"]
+WRITTEN = [  # (format, thinking, what the model writes for add(a=2, b=3), the call parsed back)
+    ("qwen3", False, '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'),
+    ("qwen3", True, 'so, 2 and 3</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'),
+    ("qwen3_coder", False, "<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n"
+                           "</parameter>\n</function>\n</tool_call>"),
+    ("llama3_json", False, '{"name": "add", "parameters": {"a": 2, "b": 3}}'),
+    ("harmony", False, '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 2, "b": 3}'),
+]
+
+
+@pytest.mark.parametrize("name,thinking,text", WRITTEN)
+def test_forced_call_grammars_take_the_model_s_own_call_and_parse_back(art, name, thinking, text):
+    """Each family's forced-call grammar accepts the call as that family writes it (special tokens as
+    tokens for harmony), refuses another function's, and the family's parser reads the call back."""
+    tok = Tokenizer.from_file(str(art / "tokenizer.json"))
+    tok.add_special_tokens(HARMONY)
+    eos = (tok.token_to_id("<eos>"),)
+    fmt = detect("", given=name)
+    grammars = Grammars(tok, tok.get_vocab_size(), eos)
+    c = grammars.constraint(grammars.compile(grammar(fmt, thinking, [ADD["function"], {"name": "noop"}], False, None)),
+                            eos)
+    ids = [tok.token_to_id(x) for x in re.findall(r"<\|[a-z]+\|>|.", text, re.S)]  # a char a token ("\n" too)
+    for t in ids:
+        assert c.accepts(t) and c.allowed()[t], (text, tok.id_to_token(t))
+        c.consume(t)
+    assert c.accepts(eos[0])  # complete: the model may stop here
+    p = fmt.parser(thinking)
+    _, _, calls = assemble(p.push(text + ("<|call|>" if name == "harmony" else "")) + p.finish())
+    assert [(x.name, json.loads(x.arguments)) for x in calls] == [("add", {"a": 2, "b": 3})]
+    wrong = grammars.constraint(grammars.compile(grammar(fmt, thinking, [{"name": "noop"}], False, None)), eos)
+    assert wrong.m.try_consume_tokens(ids) < len(ids)
 
 
 # -- a real server: the openai client, an agent framework --------------------------------------------------

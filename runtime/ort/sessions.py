@@ -70,6 +70,7 @@ class Sessions:
         self.threads, self.spin, self.low_memory = threads, spin, low_memory  # threads None: ORT's default (one per core)
         self.spin_us = spin_us  # spinning's bound in microseconds (None: ORT's own)
         self.graph_threads = dict(graph_threads)  # per graph counts over `threads` (runtime.json)
+        M.check_readable(directory, manifest)  # ONNX Runtime opens them itself: one line here, not its traceback
         # one copy of the shared weights, used in place by every session whose graph holds them
         self.shared = shared_weights(directory, manifest)
         self._shared_ov = {n: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a, t) for n, (a, t) in self.shared.items()}

@@ -18,6 +18,7 @@ from pathlib import Path
 from .. import contract as C
 from ..contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET
 from ..errors import DFlashError, InternalError
+from ..files import read_bytes
 from ..manifest import Manifest
 
 # Supported TensorRT: >= 10.12 (the release that deprecated weak typing; from it on the same
@@ -158,7 +159,7 @@ class Engines:
 
     def _load(self, graph: str, nprof: int, sync) -> _Engine:
         path = self.out / ENGINE_FILES[graph]
-        engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
+        engine = self._runtime.deserialize_cuda_engine(read_bytes(path, "rebuild with `dflash-export build`"))
         if engine is None:
             raise DFlashError(f"{path}: TensorRT could not deserialize this engine; rebuild with `dflash-export build`")
         if engine.num_optimization_profiles != nprof:
