@@ -89,7 +89,7 @@ class Report:
     accuracy: dict | None = None  # quantized: the target logits' error by cause (accuracy_effect)
     warnings: list[str] = field(default_factory=list)  # sources that no longer match the manifest's record
     kv_cache: dict | None = None  # the ort flavour's int8 cache (Manifest.kv_cache): the PyTorch source keeps a float one
-    rows_alike: dict | None = None  # quantized: a row's logits alone vs in a verify block / a batch (check_invariance)
+    rows_alike: dict | None = None  # quantized, MoE op, hybrid: a row's logits alone vs in a verify block / a batch (check_invariance)
 
     @property
     def passed(self) -> bool:
@@ -435,18 +435,19 @@ def run_check(
                             "ONNX Runtime's there (export/gqa.py stored_as), more than one step fails present_*")
     if q is not None:
         report.accuracy = accuracy_effect(report.rows, q)
-    if q is not None and q.get("target", True):  # the quantized target's kernels: does a row's output depend on the call?
+    # the quantized target's kernels (and the MoE op / linear attention at any dtype): does a row's output depend on
+    # how many rows share the call? (export/even_rows.py)
+    if (q is not None and q.get("target", True)) or m.rows_vary:
         with ui.phase("rows", "a row's logits alone vs in a verify block and a batch"):
             report.rows_alike = ra = check_invariance.row_invariance(root, m, seed)
-        # linear-attention layers (a step vs a chunk of the delta rule) and the MoE op's experts (GEMMs over the
-        # tokens routed to each) differ alone vs in a block at fp32 too: reported, not failed, where the graph has them
-        other = [w for w, has in (("linear-attention layers", bool(m.linear_layers)),
-                                  ("ONNX Runtime's MoE/QMoE experts", (m.moe or {}).get("path") == "op")) if has]
+        # linear-attention layers and the MoE op's experts differ alone vs in a block at fp32 too (Manifest.rows_vary):
+        # reported, not failed, where the graph has them
+        other = m.rows_vary
         ra["enforced"] = not other
         if other and not ra["invariant"]:
             report.notes.append(f"a row's logits alone differ from the same row's in a verify block (max "
                                 f"{ra['block']['max_abs']:.1e}) through this target's {' and '.join(other)}, at any "
-                                "dtype: speculative == plain is not promised bit for bit here (docs/quantization.md)")
+                                "dtype: speculative == plain except where the top two logits are that close (docs/quantization.md)")
     if save_polygraphy is not None:
         with ui.phase("save", f"Polygraphy inputs/outputs to {save_polygraphy}"):
             write_polygraphy(Path(save_polygraphy), saved)

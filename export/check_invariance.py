@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..runtime import contract as C, manifest as M
+from ..runtime.load import ort_backend_class
 
 BATCH_ROWS = 2
 OTHER_EXTRA = 3
@@ -48,15 +49,13 @@ def row_invariance(root, m: M.Manifest, seed: int = 0, prompt_len: int = 9) -> d
     The batch's is reported: a row there attends over the batch's longest past, padding masked,
     and the attention's reductions over a longer row may round differently at any dtype
     (docs/batching.md), which padding the GEMM rows cannot change."""
-    from ..runtime.ort.backend import OrtBackend
-
     rng = np.random.default_rng(seed + 7)
     k = min(max(m.block_size, 2), m.max_context - prompt_len - 1)
     prompt = rng.integers(0, m.vocab_size, prompt_len)
     other = rng.integers(0, m.vocab_size, prompt_len + OTHER_EXTRA)
     ids = rng.integers(0, m.vocab_size, k)
     ragged = C.ragged(m)
-    be = OrtBackend(root, verify=False, drafter=False, max_batch=BATCH_ROWS if ragged else 1)
+    be = ort_backend_class()(root, verify=False, drafter=False, max_batch=BATCH_ROWS if ragged else 1)
     try:
         if ragged:
             be.set_width(1)

@@ -1,30 +1,38 @@
 """Every MatMulNBits of the target graph multiplies an even number of rows: a row's logits do
 not depend on how many rows share the call, so speculative == plain greedy stays exact.
 
-Why (ONNX Runtime 1.32, MLAS's n-bit GEMM, onnxruntime/core/mlas/lib/qnbitgemm.cpp and the
-sqnbitgemm_kernel_* headers; measured on an AVX512-VNNI x86 CPU, tests/test_lossless.py):
+Why, from ONNX Runtime's source (MLAS, onnxruntime/core/mlas/lib; 1.32 installed, measured on
+an AVX-512 VNNI x86 CPU by tests/test_lossless.py). MatMulNBits flattens its input to M rows
+and calls MlasQNBitGemmBatch (qnbitgemm.cpp), which gives each thread a range of at most
+StrideM = 128 rows (and N split in 16-aligned columns, never K). Inside a range:
 
-- accuracy level 0 (CompFp32), 4-bit weights: a 1-row call takes SQ4BitGemmM1Kernel_CompFp32
-  (dequantize and dot in one pass, 128 columns at a time); 2 or more rows dequantize B into
-  32-column strips and run the SGEMM kernel on them. The two sum a row's products in different
-  orders: a row alone differs from the same row in a verify block by ~1e-6 relative.
-- level 0, 8-bit weights: no n-bit kernel; B is dequantized whole and MlasGemm (SGEMM, B
-  transposed) runs, whose 1-row path differs from its tiled one likewise.
-- level 4 (CompInt8: the activations quantized to int8 per row and block, with their block
-  sums; VNNI dot products): rows go through a 2-row kernel (R2xC4 / R2xC1) and an odd last row
-  through a 1-row one (R1xC4 / R1xC1) whose horizontal sums fold the accumulator lanes in
-  another order (_mm512_reduce_add_ps vs FoldAccumulators / hsum_float_16). A plain step is a
-  lone row; in a verify block of 8 every row is in a pair.
-- With an even row count every row takes the multi-row path (M >= 2 at level 0; pairs at level
-  4), whose per-row arithmetic does not depend on the other rows: each row's accumulators are
-  its own, the activations are quantized per row, and the threads split M into 128-row ranges
-  (even) and N into 16-aligned ranges, never K.
-- fp32 MatMul (a float head, the drafter) and GatherBlockQuantized (a per-element lookup) gave
-  each row the same bits at any row count in the same measurements; only the target's rows
-  decide the output, so only the target graph is padded.
+- level 0 (CompFp32), 4-bit weights: SQ4BitGemm_CompFp32 sends a range of `RangeCountM == 1`
+  to SQ4BitGemmM1Kernel_CompFp32 (dequantize and dot in one pass); 2 or more rows dequantize B
+  into 32-column strips for the SGEMM kernel (GemmFloatKernel). The two sum a row's products
+  in different orders: ~1e-6 relative.
+- level 0, 8-bit weights: no n-bit fp32 kernel; contrib_ops/cpu/quantization/matmul_nbits.cc
+  ComputeBUnpacked dequantizes B and calls MlasGemm, whose MlasSgemmOperation (sgemm.cpp)
+  sends `M == 1` to KernelM1TransposeBRoutine and more rows to the tiled kernel.
+- level 4 (CompInt8: each row's activations quantized to int8 per block, with block sums):
+  SQ4BitGemm_CompInt8 / SQ8BitGemm_CompInt8 call the per-ISA kernel on the whole range. On
+  AVX-512 (sqnbitgemm_kernel_avx512_int8_blklen{16,32,64,128}.h, e.g.
+  MlasQ4Int8GemmKernelBlkLen128Avx512) rows go in pairs through Q4Int8GemmR2xC4 (each
+  accumulator summed with _mm512_reduce_add_ps) and an odd last row through Q4Int8GemmR1xC4
+  (FoldAccumulators: the lanes in another order); on AVX2 (sqnbitgemm_kernel_avx2_int8*.h)
+  likewise R2 / R1 tiles, and a range of one row takes an M1 kernel of its own. The last-bit
+  difference then moves the next layer's int8 rounding, so logits differ by far more.
+- A plain step is one row; a verify block of 8 is four pairs. With an even M every range is
+  even (128 is), every row takes the multi-row path, and there a row's arithmetic is its own:
+  its accumulators, its activation quantization, the same K order for any M or thread split.
+- fp32 MatMul (a float head, the drafter) and GatherBlockQuantized (a lookup) gave a row the
+  same bits at any row count in the same measurements; only the target's rows decide the
+  output, so only the target graph is padded.
 
-Other CPUs (AVX2, NEON, KleidiAI) have other tilings; `check` measures a row alone against the
-same row in a verify block and in a batch on the machine it runs on (export/check_rows.py).
+Not covered: ARM. KleidiAI takes a GEMV micro-kernel for M == 1 and a GEMM one for more rows
+(kleidiai/kai_ukernel_interface.cpp GetKleidiAIGemvUKernel), which even rows avoid, but the
+NEON path without KleidiAI (sqnbitgemm_kernel_neon_int8.cpp) tiles 4 rows and sums a leftover
+row another way, which they do not. `check` and the accuracy-level probe measure a row alone
+against the same row in a block on the machine they run on (export/check_invariance.py).
 
 How: before each MatMulNBits one zero row is appended along the second-to-last axis when the
 call's row count is odd (`Concat`), and dropped after it (`Slice`). The parity, the zero block
