@@ -32,6 +32,15 @@ def generate_many(backend, tok, prompts: list[list[int]], max_new_tokens: int, b
                f"tok/s per request, tau {r['tau']:.2f}, occupancy {r['mean_occupancy']:.2f}, rounds "
                f"{r['rounds'] - r['plain_rounds']} drafted / {r['plain_rounds']} plain [{backend.provider}]",
                err=True)
+    echo_rows_note(backend.manifest, draft)
+
+
+def echo_rows_note(m, draft: bool) -> None:
+    """Say it where speculative output may differ from plain (Manifest.rows_vary), on stderr."""
+    if draft and m.rows_vary:
+        click.echo(f"note: this target's {' and '.join(m.rows_vary)} compute a position's last bits differently alone "
+                   "and in a verify block, so speculative output equals plain except at near-ties of the top two "
+                   "logits (docs/quantization.md)", err=True)
 
 
 def echo_bench_batch(r: dict) -> None:

@@ -209,6 +209,17 @@ def print_report(report) -> None:
             console.print("measured at quantize time: " + "; ".join(
                 f"level {lv}: step {p['step_ms']:.2f} ms, logits mean error vs float {p['logits_mean_abs_err']:.2e}, "
                 f"top-1 {p['top1_agreement']:.3f}" for lv, p in probe.items() if lv.isdigit()))
+    ra = report.rows_alike
+    if ra:
+        b, bt = ra["block"], ra["batch"]
+        line = (f"rows: a row's logits alone == in a verify block on {b['rows'] - b['rows_differing']}/{b['rows']} "
+                f"positions (max diff {b['max_abs']:.1e})")
+        if bt is not None:
+            line += (f"; in a batch beside a longer row {bt['rows'] - bt['rows_differing']}/{bt['rows']} (max diff "
+                     f"{bt['max_abs']:.1e}, {bt['argmax_differing']} argmax changed; reported: the attention over the "
+                     "batch's longest past)")
+        console.print(line if ra["invariant"] or not ra["enforced"] else
+                      f"[red]{line}: speculative decoding would not equal plain[/]")
     if report.draft_vocab:
         console.print(f"draft vocabulary: {report.draft_vocab} tokens (drafts outside it end a round early; the output is the target's)")
     for note in report.notes:

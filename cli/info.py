@@ -210,6 +210,9 @@ def print_info(d: dict, out: Path) -> None:
     if d["moe"]:
         click.echo(f"experts  {moe_line(d['moe'], d['quantization'])}")
     m = M.load_manifest(out, verify=False)
+    if m.rows_vary:  # Manifest.rows_vary: the last bits of a position alone vs in a verify block
+        click.echo(f"lossless speculative == plain except at near-ties of the top two logits: the {' and '.join(m.rows_vary)} "
+                   "compute a position alone and in a verify block in different orders (docs/quantization.md)")
     for g in C.GRAPHS:
         graph = C.spec(g, m)  # the ort attention flavour declares its own target graph
         kinds = C.layer_kinds(g, m)  # hybrid targets: linear-attention layers carry states, not K/V

@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from .batch import check_batch_value, echo_bench_batch, generate_many
+from .batch import check_batch_value, echo_bench_batch, echo_rows_note, generate_many
 from .options import resolve_speculation, run_options, sampling_options
 from ..runtime.controller import auto_policy, controller_for, describe_auto, rounds_of
 from ..runtime.calibrate import calibrate, choose_count, describe_spin, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
@@ -138,6 +138,7 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, sampl
         f"host {g.host_s * 1e3:.1f} ms [{backend.provider}]",
         err=True,
     )
+    echo_rows_note(backend.manifest, not no_draft)
 
 
 # -- bench ---------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ level 4 was 3x faster for 4-bit weights and 50x for 8-bit ones (whose level-0 ke
 path), at the price of the activations' rounding error on top of the weights'. Neither price
 is the same for every model, so both levels are measured on the artifact itself:
 
-- speed: a 1-token target step after a short prompt, median of STEPS per level; one session
+- speed: a 1-token target step after a short prompt (through the target graph as written: its
+  MatMulNBits rows already padded to an even count, export/even_rows.py, so a step multiplies
+  two rows at either level), median of STEPS per level; one session
   is open at a time (two would hold the artifact twice), in the order 0, 4, 4, 0 so that a
   shared machine's drift in load hits both levels alike;
 - accuracy: the target's logits over a PROBE_TOKENS prompt against a float reference (mean
@@ -17,9 +19,14 @@ is the same for every model, so both levels are measured on the artifact itself:
   them is the memory that quantizing a MoE target streams to avoid (export/stream.py). Level 0's error there is the dense layers' rounding
   alone, so the budget on level 4 is stricter for MoE targets than for dense ones.
 
+- rows: the prompt's last ROWS positions computed again one plain step at a time, against their
+  rows of the one-call logits, bit for bit (`rows_alike`).
+
 Level 4 is chosen when its step is at least SPEED_MARGIN faster and its logits' mean error is
 at most ERROR_BUDGET times level 0's (activation rounding may at most double the error that
-weight rounding already costs); otherwise level 0. `--quant-accuracy-level` overrides the
+weight rounding already costs); otherwise level 0. Before either: a level whose rows differ
+alone vs in one call is never chosen over one whose rows are alike (speculative == plain must
+not hang on the timing; with even rows both levels are alike on x86). `--quant-accuracy-level` overrides the
 choice; the manifest's `quantization` records the level, where it came from and the probe.
 """
 
@@ -44,6 +51,7 @@ SPEED_MARGIN = 1.10  # level 4's step must be this much faster: below it, timing
 ERROR_BUDGET = 2.0  # level 4's logits error vs float, at most this times level 0's
 PROBE_TOKENS = 32
 STEPS = 16  # per level, over two sessions
+ROWS = 4  # the prompt's last positions also computed one step at a time (_rows_alike)
 REFERENCE = ".probe-reference"  # the float reference's directory, inside the quantized staging directory
 
 
@@ -96,7 +104,8 @@ def choose(root: Path, float_root: Path, m: M.Manifest, seed: int = 0) -> dict:
                 logits = _logits(b, prompt)
                 err = np.abs(logits - ref)
                 probe[str(level)] = {"logits_mean_abs_err": float(err.mean()), "logits_max_abs_err": float(err.max()),
-                                     "top1_agreement": float(np.mean(logits.argmax(-1) == ref.argmax(-1)))}
+                                     "top1_agreement": float(np.mean(logits.argmax(-1) == ref.argmax(-1))),
+                                     "rows_alike": _rows_alike(b, prompt, logits)}
             else:
                 _logits(b, prompt)
             for i in range(2 + STEPS // 2):  # the first two warm up
@@ -115,6 +124,21 @@ def choose(root: Path, float_root: Path, m: M.Manifest, seed: int = 0) -> dict:
     probe["rule"] = (f"4 if step_ms[0] >= {SPEED_MARGIN} x step_ms[4] and logits_mean_abs_err[4] <= {ERROR_BUDGET} x "
                      f"logits_mean_abs_err[0] (vs the float reference, {n} random tokens), else 0")
     return {"accuracy_level": level, "accuracy_level_from": "measured", "accuracy_probe": probe}
+
+
+def _rows_alike(backend, prompt: np.ndarray, block: np.ndarray) -> bool:
+    """Do the last ROWS positions' logits, computed one plain step at a time, equal (bit for bit)
+    their rows in `block`, the prompt's logits from one call? (export/even_rows.py: where a row's
+    result depends on how many rows share the call, speculative output would not equal plain.)"""
+    k = min(ROWS, len(prompt) - 1)
+    backend.reset()
+    backend.target(prompt[:-k])
+    backend.commit(len(prompt) - k)
+    alone = []
+    for t in prompt[-k:]:
+        alone.append(backend.target(np.array([t]), want_logits=True).logits[0].astype(np.float64))
+        backend.commit(1)
+    return bool(np.array_equal(np.stack(alone), block[-k:]))
 
 
 def reference(root: Path, float_root: Path) -> Path:
@@ -206,8 +230,13 @@ def _copied(t, src_root: Path, f):
 
 
 def pick(probe: dict) -> int:
-    """The rule: level 4 when it is SPEED_MARGIN faster and within ERROR_BUDGET of level 0's error."""
+    """The rule: level 4 when it is SPEED_MARGIN faster and within ERROR_BUDGET of level 0's error.
+    A level whose rows were not alike (alone vs in one call, `rows_alike`) is never taken over
+    one whose rows were: the timing depends on the machine's load, losslessness must not."""
     p0, p4 = probe["0"], probe["4"]
+    alike0, alike4 = p0.get("rows_alike", True), p4.get("rows_alike", True)
+    if alike0 != alike4:
+        return 0 if alike0 else 4
     faster = p0["step_ms"] >= SPEED_MARGIN * p4["step_ms"]
     within = p4["logits_mean_abs_err"] <= ERROR_BUDGET * max(p0["logits_mean_abs_err"], 1e-12)
     return 4 if faster and within else 0

@@ -43,6 +43,7 @@ from ..runtime.errors import DFlashError
 from ..runtime.settings import WIDE
 from . import sources as S
 from .artifact import torch_dtype
+from . import check_invariance
 from .check_rows import block_inputs, ragged_rows, stored_rows, target_inputs
 from .polygraphy_json import write_polygraphy
 from .progress import Phases
@@ -88,6 +89,7 @@ class Report:
     accuracy: dict | None = None  # quantized: the target logits' error by cause (accuracy_effect)
     warnings: list[str] = field(default_factory=list)  # sources that no longer match the manifest's record
     kv_cache: dict | None = None  # the ort flavour's int8 cache (Manifest.kv_cache): the PyTorch source keeps a float one
+    rows_alike: dict | None = None  # quantized, MoE op, hybrid: a row's logits alone vs in a verify block / a batch (check_invariance)
 
     @property
     def passed(self) -> bool:
@@ -99,7 +101,8 @@ class Report:
             ok_e2e = not self.strict or self.kv_cache is not None or e2e["identical"] == e2e["cases"]
             if self.quantization is not None or self.kv_cache is not None:
                 ok_e2e = ok_e2e and e2e["speculative_equals_plain"] == e2e["cases"]
-        return bool(self.rows) and all(r.passed for r in self.rows) and ok_e2e
+        alike = self.rows_alike is None or self.rows_alike["invariant"] or not self.rows_alike["enforced"]
+        return bool(self.rows) and all(r.passed for r in self.rows) and ok_e2e and alike
 
     def summary(self) -> str:
         """One line: outputs checked, the worst error against its tolerance, prompts identical."""
@@ -118,6 +121,9 @@ class Report:
             if self.quantization is not None or self.kv_cache is not None:
                 what = "float cache" if self.quantization is None else "dequantized weights"
                 line += f" ({what}), speculative == plain on {e['speculative_equals_plain']}/{e['cases']}"
+        if self.rows_alike is not None:
+            b = self.rows_alike["block"]
+            line += f", a row alone == in a verify block on {b['rows'] - b['rows_differing']}/{b['rows']}"
         if self.draft_vocab:
             line += f", draft vocabulary {self.draft_vocab}"
         return line + (": PASSED" if self.passed else ": FAILED")
@@ -128,7 +134,8 @@ class Report:
             graphs.setdefault(r.graph, []).append({k: v for k, v in asdict(r).items() if k != "graph"})
         return {"passed": self.passed, "dtype": self.dtype, "tolerance": TOLERANCE if self.strict else None,
                 "quantization": self.quantization, "graphs": graphs, "end_to_end": self.end_to_end, "notes": self.notes,
-                "draft_vocab": self.draft_vocab, "accuracy": self.accuracy, "warnings": self.warnings, "kv_cache": self.kv_cache}
+                "draft_vocab": self.draft_vocab, "accuracy": self.accuracy, "warnings": self.warnings, "kv_cache": self.kv_cache,
+                "rows_alike": self.rows_alike}
 
 
 def accuracy_effect(rows: list[Row], q: dict) -> dict:
@@ -428,6 +435,19 @@ def run_check(
                             "ONNX Runtime's there (export/gqa.py stored_as), more than one step fails present_*")
     if q is not None:
         report.accuracy = accuracy_effect(report.rows, q)
+    # the quantized target's kernels (and the MoE op / linear attention at any dtype): does a row's output depend on
+    # how many rows share the call? (export/even_rows.py)
+    if (q is not None and q.get("target", True)) or m.rows_vary:
+        with ui.phase("rows", "a row's logits alone vs in a verify block and a batch"):
+            report.rows_alike = ra = check_invariance.row_invariance(root, m, seed)
+        # linear-attention layers and the MoE op's experts differ alone vs in a block at fp32 too (Manifest.rows_vary):
+        # reported, not failed, where the graph has them
+        other = m.rows_vary
+        ra["enforced"] = not other
+        if other and not ra["invariant"]:
+            report.notes.append(f"a row's logits alone differ from the same row's in a verify block (max "
+                                f"{ra['block']['max_abs']:.1e}) through this target's {' and '.join(other)}, at any "
+                                "dtype: speculative == plain except where the top two logits are that close (docs/quantization.md)")
     if save_polygraphy is not None:
         with ui.phase("save", f"Polygraphy inputs/outputs to {save_polygraphy}"):
             write_polygraphy(Path(save_polygraphy), saved)

@@ -41,7 +41,7 @@ from ..runtime import contract as C, manifest as M
 from ..runtime.errors import DFlashError
 from ..runtime.lazy import lazy_import
 from ..runtime.outdir import check_out_dir, commit, staged, write_manifest_checked
-from . import accuracy_level as AL
+from . import accuracy_level as AL, even_rows
 from .progress import Phases, report
 from .quant_options import DRAFT_ONLY_LEVEL, QuantOptions, check_options, default_block_size
 from . import stream
@@ -242,6 +242,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
             # head, the drafter's K/V projections); quantization is deterministic, so they match
             shared = save_graphs(tmp, models, aliases(models[C.TARGET], q, tied))
             del models
+            even_rows.pad_file(tmp / C.GRAPH_FILES[C.TARGET])  # a row's logits alike alone and in a block
             for name in C.TOKENIZER_FILES:
                 if (src / name).is_file():
                     shutil.copyfile(src / name, tmp / name)

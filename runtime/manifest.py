@@ -122,6 +122,21 @@ class Manifest:
     def linear_layers(self) -> list[int]:
         return [i for i in range(self.target_layers) if self.is_linear(i)]
 
+    @property
+    def rows_vary(self) -> list[str]:
+        """What in the target gives a position other last bits alone (a plain step) than inside a
+        verify block (measured: export/check_invariance.py, tests/test_lossless.py). ONNX Runtime's
+        MoE op, and QMoE with fp32 activations (int4 experts below accuracy level 4), multiply each
+        expert's weights by the tokens routed to it, so how many rows each GEMM gets changes with the
+        call (QMoE with int8 activations gave a row the same bits either way); the delta rule computes a
+        step and a chunk in different orders. Where a target has one, speculative == plain holds
+        except at near-ties of the top two logits (docs/quantization.md)."""
+        q = self.quantization or {}
+        int8_experts = bool(q.get("experts")) and (q.get("accuracy_level") == 4 or q.get("scheme") == "int8")
+        moe_op = (self.moe or {}).get("path") == "op" and not int8_experts
+        return [w for w, has in (("ONNX Runtime's MoE op experts (--moe op, fp32 activations)", moe_op),
+                                 ("linear-attention layers", bool(self.linear_layers))) if has]
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
 

@@ -263,6 +263,7 @@ def test_accuracy_level_is_measured_and_recorded(made, tmp_path):
     for level in ("0", "4"):
         p = probe[level]
         assert p["step_ms"] > 0 and 0 < p["logits_mean_abs_err"] <= p["logits_max_abs_err"] and 0 <= p["top1_agreement"] <= 1
+        assert p["rows_alike"] is True  # even rows (export/even_rows.py): a lone step == its row in one call
     levels = {a.i for g in C.GRAPH_FILES for n in graph(out, g).graph.node if n.op_type == "MatMulNBits"
               for a in n.attribute if a.name == "accuracy_level"}
     assert levels == {rec["accuracy_level"]}
@@ -294,11 +295,17 @@ def test_quantize_without_a_block_size_takes_the_default(made, tmp_path):
     assert blocks == {expected}
 
 
-@pytest.mark.parametrize("ms,err,level", [((10.0, 5.0), (1.0, 1.5), 4), ((10.0, 9.5), (1.0, 1.0), 0),
-                                          ((10.0, 5.0), (1.0, 2.5), 0)])
-def test_accuracy_level_rule(ms, err, level):
-    """Level 4 only when clearly faster and adding at most the weights' own error again."""
-    probe = {str(lv): {"step_ms": t, "logits_mean_abs_err": e} for lv, t, e in zip((0, 4), ms, err)}
+@pytest.mark.parametrize("ms,err,alike,level", [((10.0, 5.0), (1.0, 1.5), (True, True), 4),
+                                                ((10.0, 9.5), (1.0, 1.0), (True, True), 0),
+                                                ((10.0, 5.0), (1.0, 2.5), (True, True), 0),
+                                                ((10.0, 5.0), (1.0, 1.5), (True, False), 0),
+                                                ((10.0, 9.5), (1.0, 1.0), (False, True), 4),
+                                                ((10.0, 5.0), (1.0, 1.5), (False, False), 4)])
+def test_accuracy_level_rule(ms, err, alike, level):
+    """Level 4 only when clearly faster and adding at most the weights' own error again; before
+    both, a level whose rows differ alone vs in one call loses to one whose rows do not."""
+    probe = {str(lv): {"step_ms": t, "logits_mean_abs_err": e, "rows_alike": a}
+             for lv, t, e, a in zip((0, 4), ms, err, alike)}
     assert AL.pick(probe) == level
 
 
