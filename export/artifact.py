@@ -383,8 +383,9 @@ def export_artifact(
                 if quantize is not None:  # ... to their quantized form alone: no float copy on disk
                     experts = stream.stand_ins(models[C.TARGET])
             every = stream.stand_ins_all(models) if weights is not None and quantize is not None else None
-        with ui.phase("save", "graphs + external data + tokenizer"):
-            shared = save_graphs(tmp, models, dict([C.SHARED_INITIALIZERS[::-1]]) if tc.tie_word_embeddings else {})
+        what = "graphs + tokenizer" if every is not None else "graphs + external data + tokenizer"
+        with ui.phase("save", what) as bar:
+            shared = save_graphs(tmp, models, dict([C.SHARED_INITIALIZERS[::-1]]) if tc.tie_word_embeddings else {}, bar)
             tokenizer = copy_tokenizer(target_dir, tmp)
         manifest.shared = shared
         del models, target, drafter

@@ -203,7 +203,7 @@ def quantize_streamed(model, q: QuantOptions, linear: list, chosen: set[str]):
         for node in [n for n in linear if n.inputs[1].name in names]:
             w = node.inputs[1]
             k, n = (int(d) for d in w.shape)
-            parts = stream.QuantizedWeight.parts(w.const_value, opts.bits, opts.block_size, opts.symmetric)
+            parts = stream.QuantizedWeight.parts(w.const_value, opts.bits, opts.block_size, opts.symmetric, w.name)
             new_inputs = []
             for part, t in parts.items():
                 v = ir.Value(name=t.name, shape=t.shape, type=ir.TensorType(t.dtype), const_value=t)
@@ -215,6 +215,8 @@ def quantize_streamed(model, q: QuantOptions, linear: list, chosen: set[str]):
             new = ir.Node("com.microsoft", "MatMulNBits", [node.inputs[0], *new_inputs],
                           attributes=[ir.AttrInt64(a, attrs[a]) for a in sorted(attrs)],
                           name=f"{node.name}_Q{opts.bits}" if node.name else "")
+            for old, out in zip(node.outputs, new.outputs):  # a graph output keeps its metadata, as in the proto
+                out.metadata_props.update(old.metadata_props)
             ir.convenience.replace_nodes_and_values(model.graph, node, [node], [new], node.outputs, new.outputs)
             if not w.uses():
                 inits.pop(w.name)
@@ -347,7 +349,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
         extra += " + embedding" if q.embedding else ""
         extra += f" (at {q.head().bits} bits)" if extra and q.head() is not q else ""
         with ui.phase("quantize", f"{q.scheme}, block {q.block_size}, {'symmetric' if q.symmetric else 'asymmetric'}: "
-                                  f"{', '.join(q.graphs())}{extra} (onnxruntime)"):
+                                  f"{', '.join(q.graphs())}{extra} (onnxruntime)") as bar:
             models, tied = {}, False
             for name, f in C.GRAPH_FILES.items():
                 model = ir.load(src / f)  # external data stays on disk until a tensor is read
@@ -372,7 +374,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
                 models[name] = model
             # shared: the embedding, and what several graphs hold with the same bytes (a quantized
             # head, the drafter's K/V projections); quantization is deterministic, so they match
-            shared = save_graphs(tmp, models, aliases(models[C.TARGET], q, tied))
+            shared = save_graphs(tmp, models, aliases(models[C.TARGET], q, tied), bar)
             del models
             for name in C.TOKENIZER_FILES:
                 if (src / name).is_file():

@@ -475,21 +475,20 @@ class QuantizedWeight(ir.LazyTensor):
 
     _last: tuple = (None, None)  # (the weight, its (codes, scales, zero points)): one at a time
 
-    def __init__(self, weight: StreamedWeight, bits: int, block: int, symmetric: bool, part: str):
+    def __init__(self, weight: StreamedWeight, bits: int, block: int, symmetric: bool, part: str, name: str):
         k, n = (int(d) for d in weight.shape)
-        if k % block:
-            raise DFlashError(f"{weight.name}: its input width {k} is not a multiple of the quantization block {block}")
-        blocks = k // block
+        blocks = -(-k // block)  # a last partial block is padded with zeros, as ONNX Runtime's quantizer pads it
         self.weight, self.bits, self.block, self.symmetric, self.index = weight, bits, block, symmetric, PARTS.index(part)
         suffix = {"codes": f"_Q{bits}", "scales": "_scales", "zero_points": "_zero_points"}[part]
         dtype, shape = {"codes": (ir.DataType.UINT8, (n, blocks, block * bits // 8)), "scales": (weight.dtype, (n, blocks)),
                         "zero_points": (ir.DataType.UINT8, (n, (blocks * bits + 7) // 8))}[part]
-        super().__init__(self._whole, dtype=dtype, shape=ir.Shape(shape), name=weight.name + suffix)
+        super().__init__(self._whole, dtype=dtype, shape=ir.Shape(shape), name=name + suffix)
 
     @classmethod
-    def parts(cls, weight: StreamedWeight, bits: int, block: int, symmetric: bool) -> dict:
+    def parts(cls, weight: StreamedWeight, bits: int, block: int, symmetric: bool, name: str) -> dict:
+        """name: the graph's name of the weight (a tied head shares its tensor with the table)."""
         names = ("codes", "scales") if symmetric else PARTS
-        return {p: cls(weight, bits, block, symmetric, p) for p in names}
+        return {p: cls(weight, bits, block, symmetric, p, name) for p in names}
 
     def _quantized(self):
         w, result = QuantizedWeight._last
@@ -497,8 +496,11 @@ class QuantizedWeight(ir.LazyTensor):
         if w != key:
             a = self.weight.array()  # [K, N] in the export dtype: what the quantizer would read from the graph
             k, n = a.shape
+            if k % self.block:  # padded with zero rows, the kernel still told K (as ONNX Runtime's quantizer does)
+                a = np.pad(a, ((0, -k % self.block), (0, 0)))
+            blocks = a.shape[0] // self.block
             codes, scales, zp = (np.zeros(s, t) for s, t in zip(
-                [(n, k // self.block, self.block * self.bits // 8), (n, k // self.block), (n, (k // self.block * self.bits + 7) // 8)],
+                [(n, blocks, self.block * self.bits // 8), (n, blocks), (n, (blocks * self.bits + 7) // 8)],
                 [np.uint8, a.dtype, np.uint8]))
             fn = {4: ort_c.quantize_matmul_4bits, 8: ort_c.quantize_matmul_8bits}[self.bits]
             fn(codes, a, scales, zp, self.block, n, k, self.symmetric)
