@@ -1,6 +1,6 @@
 """The speculation controller replayed against a cost model, without the machine's noise.
 
-    .venv/bin/python bench/speculation_replay.py --art ART [--traces bench/speculation_traces.json]
+    .venv/bin/python bench/speculation_replay.py --art ART [--traces bench/results/speculation_traces.json]
 
 1. Records each prompt's round-by-round acceptance and verify length from a speculative run
    that drafts every round with ART's calibrated verify policy (`--verify full`: the whole

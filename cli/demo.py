@@ -7,11 +7,9 @@ decoding, measured as `bench` measures them (runtime/measure.py).
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 
 import click
@@ -22,10 +20,12 @@ from tokenizers import Tokenizer
 from .export import print_report
 from .run import BUILTIN_PROMPTS
 from .options import num_prompts_option, speculation_option, spin_option, threads_option, verify_option
+from ..demo.artifact import demo_dir
 from ..runtime.controller import controller_for
 from ..runtime.calibrate import calibrate, thread_candidates
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.files import prompt_lines, readable
+from ..runtime.lazy import lazy_import
 from ..runtime.load import open_backend, settings_for
 from ..runtime.loop import Generation, generate, stream
 from ..runtime.measure import measure_many, off_domain_report, rate, summarize
@@ -37,32 +37,16 @@ STREAMED = 3  # prompts printed as they decode; the rest are measured quietly
 OFF_DOMAIN = 8  # off-domain prompts measured (demo/prompts-offdomain.jsonl: random vocabulary text)
 
 
-def demo_dir() -> Path:
-    """The shipped demo data (pair/, prompts.jsonl): package data of dflash_export.demo."""
-    return Path(str(resources.files("dflash_export.demo")))
-
-
 def demo_prompts(prompt: str | None, n: int, path: Path | None = None) -> list[str]:
     """--prompt, else the first n of --prompts FILE (lines, or *.jsonl "prompt" fields), else of the shipped ones."""
     if prompt is not None:
         return [prompt]
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise DFlashError(f"--prompts {path}: no such file")
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        if path.suffix == ".jsonl":
-            try:
-                lines = [json.loads(ln)["prompt"] for ln in lines]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DFlashError(f"--prompts {path}: each JSONL line needs a \"prompt\" string") from None
-        if not lines:
-            raise DFlashError(f"--prompts {path}: no prompts in it (one per line)")
-        return lines[:n]
+        return prompt_lines(path)[:n]
     path = demo_dir() / "prompts.jsonl"
     if not path.is_file():
         raise DFlashError(f"{path} is missing; pass --prompt TEXT or reinstall dflash-export")
-    return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()][:n]
+    return prompt_lines(path, "")[:n]
 
 
 @click.command()
@@ -113,7 +97,7 @@ def demo(out, prompt, num_prompts, prompts_file, max_new_tokens, pair, verbose, 
         raise DFlashError(f"the parity check failed for {art}; rerun with --verbose for the table")
 
     console.rule("[bold]3. calibration (threads, adaptive verify -> runtime.json)")
-    tok = Tokenizer.from_file(str(art / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(readable(art / "tokenizer.json")))
     base = settings_for(art, "ort", "cpu", threads=threads, spin=spin, verify="full")
     candidates = thread_candidates() if threads is None else [base.threads]
     t0 = clock()
@@ -139,7 +123,7 @@ def decode(console, art: Path, texts: list[str], max_new_tokens: int, cfg, candi
     """Stream the first prompts (prompt first, then the continuation), measure all of them
     speculative (with `cfg`'s threads and verify policy) and plain (at every candidate thread
     count: the best is the fair baseline), and return the bench report (runtime/measure.py)."""
-    tok = Tokenizer.from_file(str(art / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(readable(art / "tokenizer.json")))
     backends = {t: open_backend(art, "ort", "cpu", threads=t, spin=cfg.spin, spin_us=cfg.spin_us)
                 for t in sorted(set(candidates) | {cfg.threads})}
     backend = backends[cfg.threads]

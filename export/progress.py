@@ -25,7 +25,7 @@ class Phases:
         """Yields a `Bar` for phases that go tensor by tensor (the status line shows it)."""
         t0 = time.perf_counter()
         with self.console.status(f"[bold]{name}[/] {what}") as status:
-            yield Bar(status, f"[bold]{name}[/] {what}")
+            yield Bar(status, f"[bold]{name}[/] {what}")  # .update(text), or .start/.advance: a bar
         rss = human(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
         self.console.print(f"[green]done[/] {name:<9} {what} ({time.perf_counter() - t0:.1f} s, peak RSS {rss})")
 
@@ -51,6 +51,9 @@ class Bar:
 
     def __init__(self, status, label: str):
         self.status, self.label, self.total, self.done, self.t0 = status, label, 0, 0, time.perf_counter()
+
+    def update(self, *args, **kwargs) -> None:
+        self.status.update(*args, **kwargs)
 
     def start(self, total: int) -> None:
         self.total, self.done, self.t0 = total, 0, time.perf_counter()

@@ -32,7 +32,7 @@ import numpy as np
 from . import contract as C
 from .backend import Backend
 from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET
-from ..errors import DFlashError
+from .errors import DFlashError
 from .loop import generate
 from .load import open_backend
 from .measure import measure_many, rate

@@ -79,7 +79,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import DFlashError
+from .errors import DFlashError
 
 GAMMA = 0.9  # a row's drafted rounds count with weight GAMMA ** (drafted rounds since): about the last 10
 PRIOR = 1.0  # a new row's estimate: as if one drafted round had emitted the batch-1 break-even + PRIOR tokens

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import Backend
-from ..errors import DFlashError, InternalError
+from .errors import DFlashError, InternalError
 from .logprobs import Logprobs, check_logprobs, prefill_call
 from .sampling import (GREEDY, Sampling, accept, check_request, choose, cut_at_stop, draft_uniforms, position_uniforms,
                        probabilities, rejection)
@@ -94,6 +94,9 @@ class Request:
     speculative: bool | str = True  # False: plain (its anchor alone); True: as `control` decides; "always"
     logprobs: Logprobs | None = None  # asks for the target's log-probabilities, and receives them (runtime/logprobs.py)
     prefix: object = None  # batched prompt reuse (runtime/prefix.py Hook): restore at join, park at leave
+    # what the tokens may be (serve/grammar.py Constraint: allowed(), accepts(t), consume(t)); None: anything.
+    # Each position's token is the target's choice under the mask (`_constrained`)
+    constraint: object = None
 
 
 @dataclass
@@ -295,7 +298,7 @@ def _verify(backend: Backend, rows: list[_Row], anchors: np.ndarray, drafts: np.
     ids[:, 0] = anchors
     if drafts is not None and S > 1:
         ids[:, 1:] = drafts[:, : S - 1]
-    sample = any(r.u is not None or r.req.logprobs is not None for r in rows)
+    sample = any(r.u is not None or r.req.logprobs is not None or r.req.constraint is not None for r in rows)
     return ids, backend.target_rows(list(range(len(rows))), ids, lens, None, want_logits=sample)
 
 
@@ -304,6 +307,11 @@ def _accept(r: _Row, s: int, ids: np.ndarray, res, b: int, drafted) -> list[int]
     the row's own uniforms, or rejection sampling against q), the target's choice after it, cut at a stop."""
     q = r.req
     guess = ids[1:s].tolist()
+    if q.constraint is not None:
+        emitted = _constrained(r, s, guess, res.logits[b])
+        if q.logprobs is not None:
+            q.logprobs.add(res.logits[b], emitted)
+        return emitted
     if drafted is not None:  # rejection sampling against the target's p
         p = probabilities(res.logits[b, :s], q.sampling)
         a, last = rejection(drafted, s - 1, p, r.ud[r.start + 1 :, 1], r.u[r.start + 1 :])
@@ -319,6 +327,38 @@ def _accept(r: _Row, s: int, ids: np.ndarray, res, b: int, drafted) -> list[int]
     if q.logprobs is not None:  # emitted[i] was chosen from the verify's row i
         q.logprobs.add(res.logits[b], emitted)
     return emitted
+
+
+def _constrained(r: _Row, s: int, guess: list[int], logits: np.ndarray) -> list[int]:
+    """A constrained row's tokens this round, position by position: the target's choice under the
+    grammar's mask at this position (`masked_choice`), kept while it equals the draft there, so a draft
+    is accepted only where the grammar allows it and the target would have chosen it under the mask;
+    the grammar advances by each emitted token. The same tokens as plain decoding under the mask: at
+    temperature 0 exactly, sampled with the row's own uniforms (sample-and-compare: the drafts do not
+    change the output)."""
+    c, out, room = r.req.constraint, [], r.max_length - r.start - 1
+    for i in range(s):
+        t = masked_choice(c, logits[i], None if r.u is None else r.u[r.start + 1 + i], r.req.sampling)
+        c.consume(t)
+        out.append(t)
+        if t in r.stop:
+            r.gen.stopped = True
+            break
+        if len(out) >= room or i == s - 1 or guess[i] != t:
+            break
+    return out
+
+
+def masked_choice(c, logits: np.ndarray, u: float | None, s: Sampling) -> int:
+    """The target's choice at one position under constraint `c`: the argmax of the allowed tokens (the
+    unmasked argmax when the grammar allows it: then it is the masked one, and no mask is computed),
+    or the inverse CDF at `u` of the sampling distribution over the allowed tokens."""
+    if s.greedy:
+        t = int(logits.argmax())
+        if c.accepts(t):
+            return t
+    z = np.where(c.allowed(), logits, -np.inf)
+    return int(z.argmax()) if s.greedy else int(choose(z[None], np.array([u]), s)[0])
 
 
 def _keep_features(backend: Backend, rows: list[_Row], produced: np.ndarray, spec: bool, control) -> None:
@@ -366,7 +406,7 @@ def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, c
     s = q.sampling
     u = None if s.greedy else position_uniforms(s.seed, max_length + 1)  # u[t]: the token at position t
     row = _Row(index, q, g, set(m.eos_token_ids if q.stop_token_ids is None else q.stop_token_ids), max_length, u)
-    if u is not None and draft and s.method == "rejection" and backend.samples_drafts:
+    if u is not None and draft and s.method == "rejection" and backend.samples_drafts and q.constraint is None:
         row.ud = draft_uniforms(s.seed, max_length + 1)
     t0 = time.perf_counter()
     if slot == 0 and backend.max_batch == 1:
@@ -379,12 +419,17 @@ def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, c
     for i in range(q.reuse, len(q.prompt), chunk):
         ids = np.asarray(q.prompt[i : i + chunk], np.int64)[None]
         last, n = i + chunk >= len(q.prompt), ids.shape[1]
-        res = prefill_call(backend, slot, ids, u is not None and last, q.logprobs, q.prompt, i)  # last position's logits (echo: all)
+        res = prefill_call(backend, slot, ids, (u is not None or q.constraint is not None) and last, q.logprobs,
+                           q.prompt, i)  # last position's logits (echo: all)
         backend.commit_rows([slot], [n])
         if draft:
             backend.draft_context_rows([slot], [n])
-    row.anchor = int(res.next_ids[0, -1] if u is None else
-                     choose(res.logits[0, -1:], u[len(q.prompt):], s)[0])
+    if q.constraint is not None:
+        row.anchor = masked_choice(q.constraint, res.logits[0, -1], None if u is None else u[len(q.prompt)], s)
+        q.constraint.consume(row.anchor)
+    else:
+        row.anchor = int(res.next_ids[0, -1] if u is None else
+                         choose(res.logits[0, -1:], u[len(q.prompt):], s)[0])
     row.start, g.stopped = len(q.prompt), row.anchor in row.stop
     g.tokens.append(row.anchor)
     if q.logprobs is not None:

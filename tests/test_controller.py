@@ -22,7 +22,7 @@ from test_batch import HYBRID
 
 from dflash_export.runtime.controller import (PROBE_BOUND, SKIP, Controller, Costs, RowControl, controller_for,
                                               default_costs, max_gap, rounds_of)
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import Generation, Request, generate, generate_batch
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import Settings, load_settings, save_settings

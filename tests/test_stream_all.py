@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from dflash_export.export import artifact, stream
 from dflash_export.export.quantize import QuantOptions
 from dflash_export.runtime import memory
@@ -155,3 +155,35 @@ def test_room_check_of_a_streamed_export(tmp_path, monkeypatch):
     with pytest.raises(DFlashError, match="writes about 32.* --quantize int4"):
         artifact.check_stream_room(need, disk, largest, tmp_path, "fp32", None)
     artifact.check_stream_room(need, disk4, largest, tmp_path, "fp32", QuantOptions("int4", 128))
+
+
+def test_kill_9_mid_quantize_leaves_only_what_the_next_run_removes(tmp_path):
+    """An `export --quantize int4` killed (-9) while it writes the quantized artifact leaves its two
+    staging folders beside --out (the float export's stand-ins, the quantized one's partial files)
+    and nothing else; the next export to the same --out removes both (runtime/outdir.py)."""
+    import os
+    import signal
+    import time
+
+    from dflash_export.runtime.outdir import clean_stale
+
+    t = make_target(tmp_path / "t", "qwen3", seed=1, layers=2)
+    d = make_drafter(tmp_path / "d", t, seed=2)
+    work = tmp_path / "w"
+    work.mkdir()
+    exe = Path(sys.executable).with_name("dflash-export")
+    p = subprocess.Popen([str(exe), "export", "--target", str(t), "--draft", str(d), "--out", str(work / "art"),
+                          "--quantize", "int4", "--quant-accuracy-level", "4", "--quiet"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while time.time() < deadline and p.poll() is None:
+        if any(work.glob(".art.partial-q*/*.data")):
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, "the export ended before its quantized files were being written"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    left = sorted(x.name for x in work.iterdir())
+    assert left and all(x.startswith(".art.partial") for x in left), left
+    assert sorted(x.name for x in clean_stale(work / "art")) == left
+    assert not any(work.iterdir())

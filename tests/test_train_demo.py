@@ -29,7 +29,7 @@ def test_demo_refuses_missing_pair(tmp_path):
 
 @pytest.mark.slow
 def test_demo_runs_on_tiny_pair(tmp_path):
-    from dflash_export.testing import make_drafter
+    from dflash_export.models.tiny import make_drafter
     from train_fixtures import make_tokenized_target
 
     make_tokenized_target(tmp_path / "pair" / "target")
