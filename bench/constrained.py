@@ -3,7 +3,8 @@ grammar vs free, on the shipped demo pair, speculative and plain, interleaved in
 
     OMP_WAIT_POLICY=PASSIVE nice -n 10 .venv/bin/python bench/constrained.py --work /tmp/cbench [--repeats 3]
 
-Variants, each on its own backend (1 thread), every prompt through each in rotating order:
+Variants, each on its own backend (1 thread) and, speculative, with serve's default `--speculation
+auto` controller (drafting only while it pays), every prompt through each in rotating order:
   free    no constraint
   any     a grammar that allows any text: the same tokens as free, so its rate is the engine's
           and the loop's overhead alone (a mask check per emitted token, the logits fetched)
@@ -14,12 +15,11 @@ Rates: tokens over the rounds' wall time (decode, prefill excluded). Ratios per 
 free, then their median; the mean acceptance length (tokens per drafted round) beside them, since
 json's speculative rate follows its acceptance. The grammar engine's own time (llguidance's calls: the mask check of
 each token, a full mask where the target's choice is not allowed, consuming the token) is timed
-per emitted token. Writes bench/constrained.json (with the load average before and after).
+per emitted token. Writes bench/results/constrained.json (`--out`), with the machine and the load before and after.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -56,6 +56,9 @@ class Timed:
     def consume(self, t):
         return self._t(self.c.consume, t)
 
+    def rollback(self, n):
+        return self._t(self.c.rollback, n)
+
 
 def demo(work: Path):
     from dflash_export.export.artifact import export_artifact
@@ -71,21 +74,25 @@ def demo(work: Path):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from common import parser
+
+    ap = parser(__doc__, out="constrained.json", json_flag=False)
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new", type=int, default=128)
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    from common import uptime
+    from common import machine, uptime, write_report
 
+    from dflash_export.runtime.controller import controller_for
     from dflash_export.runtime.loop import Request, generate_batch
+    from dflash_export.runtime.settings import load_settings
     from dflash_export.runtime.ort.backend import OrtBackend
     from dflash_export.serve.formats import Format
     from dflash_export.serve.grammar import Grammars, grammar
 
     out, tok, prompts = demo(a.work)
-    report = {"machine": "shared 2-core CPU", "load_before": uptime(), "prompts": len(prompts), "new": a.new,
+    report = {"machine": machine(), "load_before": uptime(), "prompts": len(prompts), "new": a.new,
               "repeats": a.repeats, "modes": {}}
     backends = {k: OrtBackend(out, threads=1) for k in ("free", "any", "json")}
     m = backends["free"].manifest
@@ -94,17 +101,19 @@ def main() -> None:
     grammars = {"any": g.compile("start: /(.|\\n)*/\n"), "json": g.compile(grammar(Format("none"), False, None, False,
                                                                                    SCHEMA))}
     names = list(backends)
+    costs = load_settings(out, "ort:cpu").costs
     for draft in (True, False):
         per = {k: [] for k in names}
         engine = {k: [0.0, 0] for k in ("any", "json")}  # grammar seconds, tokens
         taus = {k: [] for k in names}  # tokens per drafted round of each generation
+        control = {k: controller_for("auto", costs, m.block_size) if draft else None for k in names}
         for rep in range(a.repeats):
             acc = {k: [0, 0.0] for k in names}
             for i, p in enumerate(prompts):
                 for k in names[(i + rep) % 3:] + names[: (i + rep) % 3]:
                     c = Timed(g.constraint(grammars[k], eos)) if k != "free" else None
                     (gen,), _ = generate_batch(backends[k], [Request(p, a.new, stop_token_ids=eos, constraint=c)],
-                                               draft=draft)
+                                               draft=draft, control=control[k])
                     acc[k][0] += len(gen.tokens) - 1
                     acc[k][1] += gen.decode_s
                     taus[k].append(gen.tau)
@@ -121,9 +130,7 @@ def main() -> None:
             "mean_acceptance_length": {k: statistics.mean(v) for k, v in taus.items()},
         }
         print(mode, json.dumps(report["modes"][mode]), flush=True)
-    report["load_after"] = uptime()
-    (ROOT / "bench" / "constrained.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(report["load_after"], "\nwrote bench/constrained.json")
+    write_report(report, a.out)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ In one process, on 2 ORT threads:
    (it is the slow one; 0: not run).
 3. An acceptance profile like the demo pair's, replayed against the measured costs: the demo
    drafter's full-block acceptance histogram (demo/RESULTS.md) as independent rounds, and the
-   demo pair's recorded rounds (bench/results/speculation_traces.json, in-domain prompts); a round
+   demo pair's recorded rounds (tests/fixtures/speculation_traces.json, in-domain prompts); a round
    verifying s positions emits min(recorded, s). Tokens per ms of `auto` (the controller's
    verify lengths; one controller over the requests), of the full block every round, and of
    plain steps.
@@ -127,7 +127,7 @@ def profiles(n: int, requests: int) -> dict:
     p = np.array(DEMO_HISTOGRAM, float) / sum(DEMO_HISTOGRAM)
     draws = [np.random.default_rng(i).choice(16, size=n, p=p) + 1 for i in range(requests)]
     hist = [lambda t, d=d: int(d[t]) for d in draws]
-    traces = json.loads((ROOT / "bench" / "results" / "speculation_traces.json").read_text())["prompts.jsonl"]
+    traces = json.loads((ROOT / "tests" / "fixtures" / "speculation_traces.json").read_text())["sets"]["held-out"]
 
     def recorded(rounds):
         def at(t):  # the recorded round covering t, from t on

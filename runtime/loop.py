@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import contract as C
 from .backend import Backend
 from .errors import DFlashError, InternalError
 from .logprobs import Logprobs, check_logprobs, prefill_call
@@ -221,29 +222,31 @@ def _round(backend: Backend, rows: list[_Row], st: BatchStats, *, k: int, spec: 
     """One round of every row: draft (unless plain), verify, accept, commit, keep the drafter's
     features; yields each row's tokens. `spec`: some row may draft (the controller decides)."""
     clock = time.perf_counter
-    t1 = clock()
-    anchors = np.array([r.anchor for r in rows], np.int64)
+    t = [clock()]  # t[0] start, then after: the decision, the draft call, the verify lengths, the verify call,
+    anchors = np.array([r.anchor for r in rows], np.int64)  # acceptance and commit, the drafter's context
     spec = spec and (control is None or control.decide(rows, backend))
     longest, uses = _longest(rows, k, spec)
+    t.append(clock())
     drafts, conf, drafted = _draft(backend, rows, anchors, int(max(longest)) - 1) if spec else (None, None, {})
-    t2 = clock()
+    t.append(clock())
     lens = _verify_lengths(rows, longest, conf, verify)
+    t.append(clock())
     ids, res = _verify(backend, rows, anchors, drafts, lens)
-    t3 = clock()
+    t.append(clock())
     emitted_of = [_accept(r, int(lens[b]), ids[b], res, b, drafted.get(b)) for b, r in enumerate(rows)]
     produced = np.array([len(e) for e in emitted_of], np.int64)
     backend.commit_rows(list(range(len(rows))), produced)  # anchor + accepted drafts; the rest of each verify rolls back
     for r, emitted in zip(rows, emitted_of):
         r.start += len(emitted)
         r.anchor = emitted[-1]
-    t4 = clock()
+    t.append(clock())
     _keep_features(backend, rows, produced, spec, control)
-    t5 = clock()
+    t.append(clock())
     st.rounds, st.plain_rounds = st.rounds + 1, st.plain_rounds + (not spec)
     st.busy_rows += len(rows)
-    st.decode_s += t5 - t1
+    st.decode_s += t[-1] - t[0]
     for b, r in enumerate(rows):
-        _record(r, emitted_of[b], int(lens[b]), uses[b], (t1, t2, t3, t4, t5))
+        _record(r, emitted_of[b], int(lens[b]), uses[b], t)
         yield r.index, emitted_of[b]
 
 
@@ -271,7 +274,38 @@ def _draft(backend: Backend, rows: list[_Row], anchors: np.ndarray, scored: int)
         drafts = drafts.copy()
         for b, d in drafted.items():
             drafts[b] = d.tokens
+    if any(r.req.constraint is not None for r in rows) and backend.samples_drafts and not C.selector(backend.manifest):
+        drafts = _masked_drafts(backend, rows, drafts, max(1, scored))
     return drafts, conf, drafted
+
+
+def _masked_drafts(backend: Backend, rows: list[_Row], drafts: np.ndarray, scored: int) -> np.ndarray:
+    """Constrained rows draft under the grammar: each draft position's argmax over the draft logits of
+    the tokens the grammar allows after the drafts before it (the drafter's own argmax wherever that
+    is allowed). Proposals only: the verify still keeps a draft only where it equals the target's
+    masked choice, so this changes how many are accepted, never which tokens come out."""
+    logits, ids = backend.draft_logits_rows(len(rows)), backend.draft_vocab_ids
+    drafts = drafts.copy()
+    for b, r in enumerate(rows):
+        c = r.req.constraint
+        if c is None:
+            continue
+        taken = 0
+        for i in range(min(scored, logits.shape[1], drafts.shape[1])):
+            t = int(drafts[b, i])
+            if not c.accepts(t):
+                ok = c.allowed()
+                ok = ok if ids is None else ok[ids]
+                if not ok.any():
+                    break
+                j = int(np.where(ok, logits[b, i], -np.inf).argmax())
+                t = drafts[b, i] = j if ids is None else int(ids[j])
+            if t in r.stop:
+                break
+            c.consume(t)
+            taken += 1
+        c.rollback(taken)
+    return drafts
 
 
 def _verify_lengths(rows: list[_Row], longest: np.ndarray, conf: np.ndarray | None,
@@ -372,18 +406,21 @@ def _keep_features(backend: Backend, rows: list[_Row], produced: np.ndarray, spe
         control.plain_step(backend, rows, produced)
 
 
-def _record(r: _Row, emitted: list[int], s: int, drafted: bool, t: tuple[float, ...]) -> None:
-    """The round in the row's Generation: its tokens, acceptance, verify length and times."""
-    t1, t2, t3, t4, t5 = t
+def _record(r: _Row, emitted: list[int], s: int, drafted: bool, t: list[float]) -> None:
+    """The round in the row's Generation: its tokens, acceptance, verify length and times (draft:
+    the draft call and the drafter's context; verify: the target call; host: the rest, the
+    controller's decision and the acceptance included)."""
+    start, decided, drafted_at, lengths, verified, accepted, end = t
     g = r.gen
-    g.round_s.append(((t2 - t1) + (t5 - t4), t3 - t2, t4 - t3))
-    g.draft_s += g.round_s[-1][0]
-    g.verify_s += t3 - t2
+    draft, verify = (drafted_at - decided) + (end - accepted), verified - lengths
+    g.round_s.append((draft, verify, (end - start) - draft - verify))
+    g.draft_s += draft
+    g.verify_s += verify
     g.tokens += emitted
     g.acceptance_lengths.append(len(emitted))
     g.verify_lengths.append(s)
     g.drafted.append(drafted)
-    g.total_s += t5 - t1  # the consumer's time between rounds is not ours
+    g.total_s += end - start  # the consumer's time between rounds is not ours
     g.finished = r.done
 
 

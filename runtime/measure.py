@@ -2,8 +2,10 @@
 
 Both modes run on the same backend, prompt after prompt interleaved, so drifts in machine
 load hit both alike. Decode rate = new tokens after the first / decode seconds (prefill
-excluded); speedup = speculative rate / plain rate; ideal speedup = tau * plain step time
-/ (draft + verify time per round), the bound a zero-overhead loop would reach.
+excluded); speedup = speculative rate / plain rate; ideal speedup = the speculative run's
+tokens at the time its rounds' graph calls took (drafted rounds: draft + verify calls; the
+controller's plain steps: the plain side's step) against the plain rate: the bound a loop
+without host work would reach (with every round drafted: tau * step / (draft + verify)).
 
 Batched runs (`bench --batch N`) take the same requests at N rows and at batch 1 in one
 process, interleaved (N, 1, N, 1, ...), so the ratio of their aggregate rates is measured
@@ -42,7 +44,11 @@ def summarize(spec: list[Generation], base: list[Generation], block_size: int, t
     t_draft = sum(t[0] for t in drafted) / len(drafted)  # a drafted round's calls
     t_verify = sum(t[1] for t in drafted) / len(drafted)
     speedup = rate(spec) / max(rate(base), 1e-12)
-    ideal = tau * t_step / max(t_draft + t_verify, 1e-12)
+    # the whole run as a loop without host work would run it: each drafted round its calls, each of
+    # the controller's plain steps a plain step; `loop_efficiency` 1 means the loop adds nothing
+    n = rounds_of(spec)
+    ideal_s = n["drafted"] * (t_draft + t_verify) + n["plain"] * t_step
+    ideal = sum(len(g.tokens) - 1 for g in spec) * t_step / ideal_s if ideal_s > 0 else 0.0
     split = lambda gs: {k: sum(getattr(g, f"{k}_s") for g in gs) for k in PHASES}  # noqa: E731
     return {
         "prompts": len(spec),

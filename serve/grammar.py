@@ -88,8 +88,8 @@ class _Vocab:
 
 class Constraint:
     """One request's grammar state, for the loop (runtime/loop.py `Request.constraint`): which tokens
-    may come next (`allowed`, `accepts`) and the token that came (`consume`). A stop token may come
-    where the grammar is complete. Only emitted tokens are consumed: nothing to roll back."""
+    may come next (`allowed`, `accepts`), the token that came (`consume`), and `rollback` (the drafts
+    consumed while drafting under the mask). A stop token may come where the grammar is complete."""
 
     def __init__(self, matcher, vocab_size: int, words: int, stop_ids: tuple[int, ...]):
         self.m, self.V, self.stop = matcher, vocab_size, np.asarray(sorted(set(stop_ids)), np.int64)
@@ -115,6 +115,11 @@ class Constraint:
             return
         if not self.m.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}: {self.m.get_error()[:200]}")
+
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` consumed tokens (the loop's drafting under the mask; stop tokens are never consumed)."""
+        if n and not self.m.rollback(n):
+            raise RuntimeError(f"the grammar could not roll back {n} tokens: {self.m.get_error()[:200]}")
 
 
 def _message(err: str) -> str:

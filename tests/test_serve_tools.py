@@ -117,6 +117,26 @@ def test_the_drafter_was_accepted_under_the_constraint():
     assert sum(a > 0 for a in accepted) >= 3, accepted
 
 
+def test_drafting_under_the_mask_accepts_more_and_changes_no_token(loop, monkeypatch):
+    """The drafter's proposals masked by the grammar (runtime/loop.py `_masked_drafts`): more tokens per
+    round than its unmasked argmax, the same output."""
+    from dflash_export.runtime import loop as loop_module
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "tags": {
+        "type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "maxItems": 3}},
+        "required": ["name", "tags"], "additionalProperties": False}
+
+    def run():
+        gens = [constrained(loop, [5 + p, 6, 7], schema, True)[0] for p in range(6)]
+        return [g.tokens for g in gens], sum(map(len, (g.tokens for g in gens))) / sum(len(g.acceptance_lengths)
+                                                                                      for g in gens)
+
+    masked, per_round = run()
+    monkeypatch.setattr(loop_module, "_masked_drafts", lambda backend, rows, drafts, scored: drafts)
+    unmasked, per_round_unmasked = run()
+    assert masked == unmasked and per_round > 2 * per_round_unmasked, (per_round, per_round_unmasked)
+
+
 def test_constrained_sampling_is_the_same_with_and_without_the_drafter(loop):
     """Sampled under the mask with the row's own uniforms (sample-and-compare): the drafter changes no token,
     and the seed does change them."""

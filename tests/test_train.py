@@ -305,6 +305,25 @@ def test_a_killed_train_draft_is_cleaned_by_the_next_run(tiny):
     assert not list(root.glob(".killed.*")) and (out / "model.safetensors").is_file() and (out / "training.json").is_file()
 
 
+def test_cli_init_starts_from_a_drafters_weights(tiny):
+    """--init DRAFT: a warm restart from a finished drafter (its weights, a fresh optimizer); at lr 0
+    the written drafter is the one it started from. A drafter of another shape is refused in one line."""
+    from safetensors.torch import load_file
+
+    root, target = tiny
+    r = _train(root, target, root / "first", "--steps", "3")
+    assert r.exit_code == 0, r.output
+    r = _train(root, target, root / "warm", "--steps", "2", "--lr", "0", "--init", str(root / "first"))
+    assert r.exit_code == 0, r.output
+    assert f"initialised from {root / 'first'}" in r.output
+    a, b = load_file(root / "first" / "model.safetensors"), load_file(root / "warm" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    r = _train(root, target, root / "wrong", "--steps", "1", "--target-layer-ids", "1", "--init", str(root / "first"))
+    assert r.exit_code == 2 and r.output.startswith("error: --init") and r.output.count("\n") == 1, r.output
+    r = _train(root, target, root / "both", "--steps", "1", "--resume", "--init", str(root / "first"))
+    assert r.exit_code == 2 and "not both" in r.output, r.output
+
+
 def test_bf16_save_loads_as_fp32(tiny):
     root, target = tiny
     out = root / "draft16"

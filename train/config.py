@@ -83,6 +83,8 @@ class TrainConfig:
     save_dtype: str = option("fp32", type=click.Choice(["fp32", "bf16"]), show_default=True)
     work: Path | None = option(None, "cache + checkpoint folder (default OUT.work)", type=click.Path(path_type=Path))
     resume: bool = option(False, "continue from the last checkpoint in --work", is_flag=True)
+    init: Path | None = option(None, "start from this drafter's weights (same shape; a fresh optimizer and "
+                                     "schedule): a warm restart of a finished run", type=click.Path(path_type=Path))
     seed: int = option(0, show_default=True)
     torch_threads: int = option(0, "torch threads (default: all cores)")
     family: str = option("dflash", "drafter family to train (only dflash: DFlash 2 training is not supported)",
@@ -100,6 +102,8 @@ class TrainConfig:
             raise DFlashError(f"give --steps N or --minutes M, not both (got --steps {self.steps} --minutes {self.minutes:g})")
         if self.steps == 0 and self.minutes == 0:
             raise DFlashError("--steps 0 and --minutes 0 train for nothing: give --steps N (N >= 1) or --minutes M (M > 0)")
+        if self.init and self.resume:
+            raise DFlashError("give --init DRAFT_DIR or --resume, not both (--resume continues --work's checkpoint)")
         if self.block_size < 2:
             raise DFlashError(f"--block-size must be >= 2 (got {self.block_size})")
         if self.max_total_minutes and self.minutes and self.max_total_minutes <= self.minutes:

@@ -148,6 +148,13 @@ def load_pair(cfg: TrainConfig, log) -> Pair:
                  intermediate_size=cfg.intermediate_size)
     DraftConfig.from_dict(draft_config_dict(tc, **shape)).check_fits(tc)
     drafter = new_drafter(tc, **shape).train()
+    if cfg.init:  # a warm restart: the weights of a finished drafter of the same shape
+        start = Drafter.from_pretrained(Path(cfg.init))
+        if start.config.raw != drafter.config.raw:
+            raise DFlashError(f"--init {cfg.init}: its config differs from the drafter these options make "
+                              "(block size, depth, taps, mask token); give the options it was trained with")
+        drafter.load_state_dict(start.state_dict())
+        log(f"initialised from {cfg.init}")
     log(f"target {target_dir}: {tc.num_layers} layers, hidden {tc.hidden_size}, taps {taps}, mask id {mask_id}")
     ids, eval_ids, _ = C.split_prompts(cfg, tok)
     return Pair(target, drafter, tc, taps, mask_id, tuple(tc.eos_token_ids), ids, eval_ids)
