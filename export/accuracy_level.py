@@ -43,6 +43,7 @@ from ..runtime import contract as C, manifest as M
 from ..runtime.errors import InternalError
 from ..runtime.lazy import lazy_import
 from ..runtime.load import ort_backend_class
+from ..runtime.memory import available_memory
 
 onnx = lazy_import("onnx")  # on first use (runtime/lazy.py)
 
@@ -52,6 +53,7 @@ ERROR_BUDGET = 2.0  # level 4's logits error vs float, at most this times level 
 PROBE_TOKENS = 32
 STEPS = 16  # per level, over two sessions
 ROWS = 4  # the prompt's last positions also computed one step at a time (_rows_alike)
+UNPROBED_LEVEL = 4  # when the float reference does not fit: level 4, the faster kernel on CPU
 REFERENCE = ".probe-reference"  # the float reference's directory, inside the quantized staging directory
 
 
@@ -78,13 +80,31 @@ def _logits(backend, prompt: np.ndarray) -> np.ndarray:
     return out
 
 
-def choose(root: Path, float_root: Path, m: M.Manifest, seed: int = 0) -> dict:
+def fits(floats: dict, root: Path) -> bool:
+    """Whether the float reference of a streamed export (its target's weights, written beside
+    `root` and opened by ONNX Runtime) fits in half the memory and the disk left."""
+    need = sum(t.nbytes for t in floats.values())
+    avail = available_memory()
+    return (avail is None or need <= avail // 2) and need <= shutil.disk_usage(root).free // 2
+
+
+def unprobed(floats: dict) -> dict:
+    """The level when the float reference is too large to measure against: 4, CPU's fast kernel."""
+    gb = sum(t.nbytes for t in floats.values()) / 1e9
+    return {"accuracy_level": UNPROBED_LEVEL,
+            "accuracy_level_from": f"default: the float reference ({gb:.1f} GB) does not fit this machine to measure "
+                                   "against; pass --quant-accuracy-level to choose"}
+
+
+def choose(root: Path, float_root: Path, m: M.Manifest, seed: int = 0, floats: dict | None = None) -> dict:
     """{"accuracy_level", "accuracy_level_from": "measured", "accuracy_probe": {...}} for `root`
-    (a quantized artifact whose manifest is written), measured against `float_root`, its float export."""
+    (a quantized artifact whose manifest is written), measured against `float_root`, its float export
+    (floats: name -> the target's weights streamed from the checkpoint, when the float export holds
+    stand-ins of them: export/stream.py)."""
     Backend = ort_backend_class()
     n = max(1, min(PROBE_TOKENS, m.max_context - 2))
     prompt = np.random.default_rng(seed).integers(0, m.vocab_size, n).astype(np.int64)
-    ref_root = reference(root, float_root)
+    ref_root = reference(root, float_root, floats)
     try:
         ref_backend = Backend(ref_root, drafter=False, verify=False, low_memory=True)  # no prepacked copies
         try:
@@ -141,7 +161,7 @@ def _rows_alike(backend, prompt: np.ndarray, block: np.ndarray) -> bool:
     return bool(np.array_equal(np.stack(alone), block[-k:]))
 
 
-def reference(root: Path, float_root: Path) -> Path:
+def reference(root: Path, float_root: Path, streamed: dict | None = None) -> Path:
     """A directory beside the quantized artifact's files whose target graph is the quantized one
     with each MatMulNBits -> MatMul and GatherBlockQuantized -> Gather over the float export's
     weight (copied file to file into its reference.data, never held), and its QMoE nodes at
@@ -168,7 +188,8 @@ def reference(root: Path, float_root: Path) -> Path:
             w = wanted[name] = floats.get(name)
             if w is None:
                 raise InternalError(f"the float export has no {name} for {node.name}")
-            if list(w.dims) == [attr["K"], attr["N"]]:
+            dims = list(streamed[name].shape) if streamed and name in streamed else list(w.dims)
+            if dims == [attr["K"], attr["N"]]:
                 nodes.append(onnx.helper.make_node("MatMul", [node.input[0], name], list(node.output), name=node.name))
             else:  # a tied head kept as the table [N, K]
                 t = f"{name}_T"
@@ -189,7 +210,7 @@ def reference(root: Path, float_root: Path) -> Path:
     kept = [t for t in model.graph.initializer if t.name in used and t.name not in wanted]
     with open(out / "reference.data", "wb", buffering=0) as f:  # unbuffered: tell() is the fd's offset
         for name, t in wanted.items():
-            kept.append(_copied(t, float_root, f))
+            kept.append(_written(name, streamed[name], f) if streamed and name in streamed else _copied(t, float_root, f))
     del model.graph.node[:], model.graph.initializer[:]
     model.graph.node.extend(nodes)
     model.graph.initializer.extend(kept)
@@ -225,6 +246,18 @@ def _copied(t, src_root: Path, f):
     new.CopyFrom(t)
     del new.external_data[:]
     for k, v in (("location", "reference.data"), ("offset", str(offset)), ("length", str(length))):
+        new.external_data.add(key=k, value=v)
+    return new
+
+
+def _written(name: str, t, f):
+    """A TensorProto of `t` (a tensor streamed from the checkpoint) with its bytes appended to `f`."""
+    f.write(b"\0" * ((-f.tell()) % 4096))
+    offset = f.tell()
+    t.tofile(f)
+    new = onnx.TensorProto(name=name, data_type=int(t.dtype), dims=[int(d) for d in t.shape],
+                           data_location=onnx.TensorProto.EXTERNAL)
+    for k, v in (("location", "reference.data"), ("offset", str(offset)), ("length", str(f.tell() - offset))):
         new.external_data.add(key=k, value=v)
     return new
 

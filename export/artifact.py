@@ -11,12 +11,15 @@ export leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import struct
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 from importlib.metadata import PackageNotFoundError, version
 
 from ..runtime.memory import available_memory
@@ -28,7 +31,7 @@ from . import draft_vocab as DV, stream, trace as T
 from ..runtime.outdir import check_out_dir, clean_stale, commit, staged, write_manifest_checked
 from .options import MAX_CONTEXT
 from .progress import Phases, report
-from .quant_options import check_kv_cache
+from .quant_options import DEFAULT_BLOCK, check_kv_cache
 from .quantize import check_options, default_block_size, quantize_artifact
 from .save import copy_tokenizer, graph_spec, opset_of, save_graphs
 from .validate import validate_artifact
@@ -130,6 +133,46 @@ def check_room(weight_bytes: int, out: Path, dtype: str, streamed: int = 0, disk
     if disk > free:
         raise DFlashError(f"export writes about {gb(disk)} to {out.parent}, which has {gb(free)} free; "
                           f"free disk space, choose another --out, or {smaller}")
+
+
+GRAPHS_BYTES = 1_500_000_000  # a streamed export's memory besides the tensor it converts: torch, the traced graphs, ORT's load check
+
+
+def stream_room(entries: list, dtype: str, quantize, draft_keys: set[str] = frozenset()) -> tuple[int, int, str]:
+    """What an export whose every weight streams (export/stream.py) needs: (memory, disk, the
+    largest tensor's name). Memory: GRAPHS_BYTES plus the largest tensor read whole in the
+    checkpoint's dtype and converted to the export dtype (a transposed or quantized weight is);
+    disk: the artifact (linear weights at bits / 8 bytes plus a scale a block when quantized)."""
+    size = {"F32": 4, "F16": 2, "BF16": 2}
+    big, name, disk = 0, "", 0
+    block = (quantize.block_size or DEFAULT_BLOCK[quantize.scheme]) if quantize is not None else 0
+    for e in entries:
+        n = int(np.prod(e.shape, dtype=np.int64)) if e.shape else 1
+        held = n * (size.get(e.dtype, 4) + BYTES[dtype])
+        if held > big:
+            big, name = held, e.key
+        linear = len(e.shape) == 2 and not e.key.endswith(("embed_tokens.weight", "lm_head.weight"))
+        quantized = quantize is not None and linear and (e.key not in draft_keys or quantize.draft) and \
+            (quantize.target or e.key in draft_keys)
+        disk += int(n * (quantize.bits / 8 + BYTES[dtype] / block)) if quantized else n * BYTES[dtype]
+    return GRAPHS_BYTES + big, disk, name
+
+
+def check_stream_room(need: int, disk: int, largest: str, out: Path, dtype: str, quantize) -> None:
+    """Refuse a streamed export this machine's memory (the tightest of MemAvailable and the cgroup
+    limits: runtime/memory.py) or disk cannot hold, saying what would change it."""
+    gb = lambda b: f"{b / 1e9:.1f} GB"  # noqa: E731
+    avail = available_memory()
+    if avail is not None and need > avail:
+        half = " (--dtype fp16 makes the converted copy half as large)" if dtype == "fp32" else ""
+        raise DFlashError(f"export needs about {gb(need)} of memory (its largest tensor, {largest}, read and converted "
+                          f"whole{half}, + about {gb(GRAPHS_BYTES)} for the graphs), but only {gb(avail)} is available; "
+                          "free memory, or pass --no-room-check to try anyway")
+    free = shutil.disk_usage(out.parent).free
+    if disk > free:
+        hint = "; --quantize int4 writes about a quarter of fp32's linear weights" if quantize is None else ""
+        raise DFlashError(f"export writes about {gb(disk)} to {out.parent}, which has {gb(free)} free; free disk space "
+                          f"or choose another --out{hint}")
 
 
 def disk_bytes(weight_bytes: int, streamed: int, dtype: str, quantize, hidden: int, expert_size: int) -> int:
@@ -297,9 +340,16 @@ def export_artifact(
     # the Qwen line's experts stream from the checkpoint (export/stream.py); gpt-oss's (transposed,
     # biased, MXFP4 as released) and Gemma 4's load into memory with the rest
     streams = moe_path is not None and tc.windowed is None
+    weights = {} if streams_all(tc, dc, vocab_ids, kv_cache) else None  # every weight streams (export/stream.py)
     weight_bytes = BYTES[dtype] * (elements + (0 if vocab_ids is None else len(vocab_ids) * tc.hidden_size))
     stale = clean_stale(out)
-    if room_check:
+    if room_check and weights is not None:
+        entries = [*stream.checkpoint_entries(target_dir, "target").values()]
+        draft = stream.checkpoint_entries(draft_dir, "drafter")
+        q = quantize if quantize is None or quantize.block_size else \
+            dataclasses.replace(quantize, block_size=default_block_size(quantize.scheme, tc.hidden_size))
+        check_stream_room(*stream_room(entries + [*draft.values()], dtype, q, set(draft)), out, dtype, quantize)
+    elif room_check:
         experts_bytes = BYTES[dtype] * stream.expert_elements(target_dir) if streams else 0
         check_room(weight_bytes, out, dtype, experts_bytes,
                    disk_bytes(weight_bytes, experts_bytes, dtype, quantize, tc.hidden_size,
@@ -315,7 +365,7 @@ def export_artifact(
         with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
             manifest.sources = {"target": tsrc.record(), "draft": dsrc.record()}  # hashes the weight files
             target, drafter, streamed = load_pair(target_dir, draft_dir, dc, tdtype, streams=streams, moe_path=moe_path,
-                                                  vocab_ids=vocab_ids, label=dsrc.label)
+                                                  vocab_ids=vocab_ids, label=dsrc.label, weights=weights)
             if vocab_ids is None and drafter.vocab_ids is not None:
                 manifest.draft_vocab = own_vocab_record(drafter)
         kv_scales = None
@@ -327,20 +377,23 @@ def export_artifact(
                                      "calibration": {"prompts": len(kv_prompts), "source": kv_source,
                                                      "new_tokens": kv_calibrate.NEW_TOKENS}}
         with ui.phase("trace", f"3 graphs, block size {k} (torch.onnx dynamo)"):
-            models = trace_graphs(target, drafter, manifest, tc, tdtype, opset, attention, kv_scales)
+            models = trace_graphs(target, drafter, manifest, tc, tdtype, opset, attention, kv_scales, weights)
             experts = {}
             if streamed:  # the experts' bytes go from the checkpoint to target.data as it is written
                 stream_experts(models[C.TARGET], target_dir, tc, moe_path)
                 if quantize is not None:  # ... to their quantized form alone: no float copy on disk
                     experts = stream.stand_ins(models[C.TARGET])
-        with ui.phase("save", "graphs + external data + tokenizer"):
-            shared = save_graphs(tmp, models, dict([C.SHARED_INITIALIZERS[::-1]]) if tc.tie_word_embeddings else {})
+            every = stream.stand_ins_all(models) if weights is not None and quantize is not None else None
+        what = "graphs + tokenizer" if every is not None else "graphs + external data + tokenizer"
+        with ui.phase("save", what) as bar:
+            shared = save_graphs(tmp, models, dict([C.SHARED_INITIALIZERS[::-1]]) if tc.tie_word_embeddings else {}, bar)
             tokenizer = copy_tokenizer(target_dir, tmp)
         manifest.shared = shared
         del models, target, drafter
-        with ui.phase("validate", "onnx.checker, shape inference, op lint, ORT load"):
-            validate_artifact(tmp, dtype, attention=attention, moe=moe_path)
-        manifest = publish(tmp, out, manifest, tokenizer, quantize, progress, experts, t0)
+        if every is None:  # else the float export holds stand-ins: the quantized one is validated
+            with ui.phase("validate", "onnx.checker, shape inference, op lint, ORT load"):
+                validate_artifact(tmp, dtype, attention=attention, moe=moe_path)
+        manifest = publish(tmp, out, manifest, tokenizer, quantize, progress, experts, t0, every)
     if quantize is None:
         report(ui, out, time.perf_counter() - t0)
     return manifest
@@ -382,10 +435,28 @@ def new_manifest(tc, dc, k: int, mask: int, dtype: str, max_context: int, eos: l
     )
 
 
+def streams_all(tc, dc, vocab_ids, kv_cache) -> bool:
+    """Whether every weight streams from the checkpoint (export/stream.py): a dense target and a
+    z-lab-format drafter, with nothing computed from the weights at export (a reduced draft
+    vocabulary gathers LM head rows, an int8 cache is calibrated by running the model)."""
+    return tc.family == "dense" and tc.moe is None and dc.format == "z-lab" and vocab_ids is None and kv_cache is None
+
+
 def load_pair(target_dir: Path, draft_dir: Path, dc, tdtype, *, streams: bool, moe_path: str | None, vocab_ids,
-              label: str):
+              label: str, weights: dict | None = None):
     """The reference target (streamed experts: placeholders, filled at save) and the drafter attached
-    to it, with the reduced draft head when one was planned: (target, drafter, streamed)."""
+    to it, with the reduced draft head when one was planned: (target, drafter, streamed).
+    weights: a dict to fill when every weight streams (`streams_all`): both models hold
+    placeholders only, and it gets {placeholder storage: checkpoint tensor} (export/stream.py)."""
+    if weights is not None:
+        with checkpoint.experts_on_meta(stream.ALL):
+            target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
+            drafter = dflash2.load_drafter(draft_dir, tdtype, config=dc)
+        weights.update(stream.placeholders_all(target, stream.checkpoint_entries(target_dir, "target"), "target"))
+        stream.retie(target)
+        weights.update(stream.placeholders_all(drafter, stream.checkpoint_entries(draft_dir, "drafter"), "drafter"))
+        drafter.attach(target, f"drafter {label}")
+        return target, drafter, False
     with checkpoint.experts_on_meta() if streams else contextlib.nullcontext():
         target = reference.Target.from_pretrained(target_dir, dc.target_layer_ids, tdtype)
     streamed = streams and stream.placeholders(target, interleaved=moe_path == "op")
@@ -399,14 +470,17 @@ def load_pair(target_dir: Path, draft_dir: Path, dc, tdtype, *, streams: bool, m
 
 
 def trace_graphs(target, drafter, manifest: M.Manifest, tc, tdtype, opset: int | None, attention: str,
-                 kv_scales: list | None = None) -> dict:
+                 kv_scales: list | None = None, weights: dict | None = None) -> dict:
     """The three graphs traced (export/trace.py), shape constants folded, initializers named and stored
-    as the runtime reads them."""
+    as the runtime reads them. weights: placeholders -> checkpoint tensors (`load_pair`): each
+    graph's weights then stream from the checkpoint when written."""
     models = {g: T.trace(g, graphs.wrapper(g, target, drafter, attention, manifest.max_context,
                                            ring=manifest.draft_ring, index=C.draft_index(manifest), kv_scales=kv_scales),
                          manifest, tdtype,
                          opset) for g in C.GRAPHS}
     for model in models.values():
+        if weights:
+            stream.attach_all(model, weights)
         T.fold_shape_constants(model)
         T.rename_initializers(model, tc.tie_word_embeddings)
         # tied embeddings: the head keeps reading the lookup table's bytes
@@ -423,7 +497,7 @@ def stream_experts(model, target_dir: Path, tc, moe_path: str) -> None:
 
 
 def publish(tmp: Path, out: Path, manifest: M.Manifest, tokenizer, quantize, progress: bool,
-            experts: dict | None = None, started: float | None = None) -> M.Manifest:
+            experts: dict | None = None, started: float | None = None, streamed: dict | None = None) -> M.Manifest:
     """Describe the validated graphs in the manifest and move the staging folder onto `out`; with
     `quantize` the float export is the quantizer's input and only the quantized one is published
     (`experts`: the streamed experts its target holds stand-ins of, export/stream.py `stand_ins`)."""
@@ -434,4 +508,5 @@ def publish(tmp: Path, out: Path, manifest: M.Manifest, tokenizer, quantize, pro
     if quantize is None:
         commit(tmp, out)
         return manifest
-    return quantize_artifact(tmp, out, quantize, force=True, progress=progress, experts=experts, started=started)
+    return quantize_artifact(tmp, out, quantize, force=True, progress=progress, experts=experts, started=started,
+                             streamed=streamed)

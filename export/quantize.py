@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime import contract as C, manifest as M
-from ..runtime.errors import DFlashError
+from ..runtime.errors import DFlashError, InternalError
 from ..runtime.lazy import lazy_import
 from ..runtime.outdir import check_out_dir, commit, staged, write_manifest_checked
 from . import accuracy_level as AL, even_rows
@@ -71,6 +71,8 @@ def quantize_graph(model, q: QuantOptions, graph: str):
     linear = [n for n in model.graph if n.op_type == "MatMul" and len(n.inputs) == 2 and n.inputs[1] is not None
               and n.inputs[1].name in inits and inits[n.inputs[1].name].const_value is not None]
     chosen = {n.inputs[1].name for n in linear if q.quantizes(graph, n.inputs[1].name)}
+    if chosen and all(isinstance(inits[n].const_value, stream.StreamedWeight) for n in chosen):
+        return quantize_streamed(model, q, linear, chosen), sorted(chosen)
     aside = set_aside(model, keep=chosen)
     ir.external_data.load_to_model(model)  # the quantizer reads weights as arrays from the proto
     out = ir.serde.serialize_model(model)
@@ -92,6 +94,41 @@ def quantize_graph(model, q: QuantOptions, graph: str):
     del out
     stream.put_back(model, aside, q.bits, q.block_size, q.symmetric)
     return model, quantized
+
+
+def quantize_streamed(model, q: QuantOptions, linear: list, chosen: set[str]):
+    """quantize_graph for weights that stream from the checkpoint (export/stream.py): each chosen
+    MatMul becomes the MatMulNBits node ONNX Runtime's quantizer would make (same name, inputs,
+    attributes, initializer order), over codes and scales its own C++ kernel computes from one
+    weight at a time as the data file is written. Nothing else of the graph is touched."""
+    if any(n.op_type in ("MoE", "QMoE") for n in model.graph):
+        raise InternalError("quantize_streamed: a graph with experts streams them by export/stream.py's own path")
+    head = C.SHARED_INITIALIZERS[1]
+    passes = [(q, chosen)] if q.head() is q else [(q, chosen - {head}), (q.head(), chosen & {head})]
+    inits = model.graph.initializers
+    for opts, names in passes:  # in the order ONNX Runtime's quantizer runs: graph order, the head's pass last
+        for node in [n for n in linear if n.inputs[1].name in names]:
+            w = node.inputs[1]
+            k, n = (int(d) for d in w.shape)
+            parts = stream.QuantizedWeight.parts(w.const_value, opts.bits, opts.block_size, opts.symmetric, w.name)
+            new_inputs = []
+            for part, t in parts.items():
+                v = ir.Value(name=t.name, shape=t.shape, type=ir.TensorType(t.dtype), const_value=t)
+                model.graph.register_initializer(v)
+                new_inputs.append(v)
+            attrs = {"K": k, "N": n, "bits": opts.bits, "block_size": opts.block_size}
+            if opts.accuracy_level:
+                attrs["accuracy_level"] = opts.accuracy_level
+            new = ir.Node("com.microsoft", "MatMulNBits", [node.inputs[0], *new_inputs],
+                          attributes=[ir.AttrInt64(a, attrs[a]) for a in sorted(attrs)],
+                          name=f"{node.name}_Q{opts.bits}" if node.name else "")
+            for old, out in zip(node.outputs, new.outputs):  # a graph output keeps its metadata, as in the proto
+                out.metadata_props.update(old.metadata_props)
+            ir.convenience.replace_nodes_and_values(model.graph, node, [node], [new], node.outputs, new.outputs)
+            if not w.uses():
+                inits.pop(w.name)
+    model.opset_imports.setdefault("com.microsoft", 1)
+    return model
 
 
 def _run_quantizer(proto, q: QuantOptions, exclude: list[str]):
@@ -184,7 +221,8 @@ def quantize_embedding(model, q: QuantOptions) -> bool:
 
 
 def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progress: bool = True,
-                      experts: dict | None = None, started: float | None = None) -> M.Manifest:
+                      experts: dict | None = None, started: float | None = None,
+                      streamed: dict | None = None) -> M.Manifest:
     """A float artifact directory (`export` output) -> a weight-only quantized one at `out`.
 
     Graphs are read with their external data mapped, quantized one at a time and written
@@ -197,6 +235,8 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
     StreamedExperts) take their place, so each expert is read from the checkpoint as its
     quantized form is written. started: when the run began (perf_counter), for the time the
     final table reports (`export --quantize`: its export's start, not the quantization's).
+    streamed: `export --quantize` of a pair whose every weight streams (export/stream.py
+    `stand_ins_all`): graph -> {name: StreamedWeight} given back the same way.
     """
     src, out = Path(src), Path(out).absolute()
     m = M.load_manifest(src, verify=True)
@@ -217,13 +257,15 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
         extra += " + embedding" if q.embedding else ""
         extra += f" (at {q.head().bits} bits)" if extra and q.head() is not q else ""
         with ui.phase("quantize", f"{q.scheme}, block {q.block_size}, {'symmetric' if q.symmetric else 'asymmetric'}: "
-                                  f"{', '.join(q.graphs())}{extra} (onnxruntime)"):
+                                  f"{', '.join(q.graphs())}{extra} (onnxruntime)") as bar:
             models, tied = {}, False
             for name, f in C.GRAPH_FILES.items():
                 model = ir.load(src / f)  # external data stays on disk until a tensor is read
                 inits = model.graph.initializers
                 if name == C.TARGET and experts:
                     stream.restore(model, experts)
+                if streamed:
+                    stream.restore(model, streamed[name])
                 if name == C.TARGET:
                     tied = head in inits and embed in inits and _same_bytes(inits[head], inits[embed])
                     if tied and q.embedding and not q.lm_head:
@@ -240,7 +282,7 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
                 models[name] = model
             # shared: the embedding, and what several graphs hold with the same bytes (a quantized
             # head, the drafter's K/V projections); quantization is deterministic, so they match
-            shared = save_graphs(tmp, models, aliases(models[C.TARGET], q, tied))
+            shared = save_graphs(tmp, models, aliases(models[C.TARGET], q, tied), bar)
             del models
             even_rows.pad_file(tmp / C.GRAPH_FILES[C.TARGET])  # a row's logits alike alone and in a block
             for name in C.TOKENIZER_FILES:
@@ -254,10 +296,12 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
         level = {"accuracy_level": q.accuracy_level, "accuracy_level_from": "flag"}
         if q.accuracy_level is None and not q.target:  # nothing the output depends on to measure: the fast kernel
             level = {"accuracy_level": DRAFT_ONLY_LEVEL, "accuracy_level_from": "draft-only default"}
+        elif q.accuracy_level is None and streamed and not AL.fits(streamed[C.TARGET], tmp):
+            level = AL.unprobed(streamed[C.TARGET])
         elif q.accuracy_level is None:
             with ui.phase("accuracy level", "MatMulNBits at levels 0 and 4: step time and logits vs a float reference"):
                 write_manifest_checked(tmp, manifest)  # the probe opens the directory like any reader
-                level = AL.choose(tmp, src, manifest)
+                level = AL.choose(tmp, src, manifest, floats=streamed[C.TARGET] if streamed else None)
         AL.set_level(tmp, level["accuracy_level"])
         manifest = dataclasses.replace(manifest, quantization=q.record(quantized, level, (m.moe or {}).get("path")))
         write_manifest_checked(tmp, manifest)
@@ -286,6 +330,8 @@ def aliases(target, q: QuantOptions, tied: bool) -> dict[str, str]:
 def _same_bytes(a, b) -> bool:
     """Two initializers stored at the same place of the same external file (tied weights)."""
     ta, tb = a.const_value, b.const_value
+    if isinstance(ta, stream.StreamedWeight) and isinstance(tb, stream.StreamedWeight):  # from the checkpoint
+        return ta.entry == tb.entry and ta.transposed_ == tb.transposed_
     where = lambda t: (getattr(t, "location", None), getattr(t, "offset", None))  # noqa: E731
     return where(ta) == where(tb) and where(ta)[0] is not None
 

@@ -58,8 +58,8 @@ class DataWriter:
     which keeps peak memory near the weights' size even above protobuf's 2 GB limit.
     """
 
-    def __init__(self, root: Path, shared: dict[str, list[str]], aliases: dict[str, str]):
-        self.root = root
+    def __init__(self, root: Path, shared: dict[str, list[str]], aliases: dict[str, str], bar=None):
+        self.root, self.bar = root, bar  # bar: export/progress.py Bar, advanced per tensor written
         self.files: dict[str, object] = {}
         self.share = shared  # name -> graphs holding it
         self.aliases = aliases
@@ -77,6 +77,8 @@ class DataWriter:
         offset = f.tell()
         tensor.tofile(f)
         length = f.tell() - offset
+        if self.bar is not None:
+            self.bar.advance(length, tensor.name or "")
         if length != nbytes:
             raise DFlashError(f"writing {tensor.name}: wrote {length} bytes, expected {nbytes}")
         return offset, length
@@ -139,10 +141,15 @@ def save_graph(model, path: Path) -> None:
     onnx.save_model(proto, str(path))
 
 
-def save_graphs(out: Path, models: dict, aliases: dict[str, str]) -> dict:
+def save_graphs(out: Path, models: dict, aliases: dict[str, str], bar=None) -> dict:
     """Every graph with its weights in external data (shared ones once, `aliases` as the bytes of
-    another: DataWriter); returns the manifest's shared table."""
-    writer = DataWriter(out, shared_names(models), aliases)
+    another: DataWriter); returns the manifest's shared table. bar: advanced per tensor written."""
+    share = shared_names(models)
+    writer = DataWriter(out, share, aliases, bar)
+    if bar is not None:
+        sizes = {(g if v.name not in share else "", v.name): v.const_value.nbytes for g, m in models.items()
+                 for v in m.graph.initializers.values() if v.const_value is not None and v.const_value.nbytes >= INLINE_BELOW}
+        bar.start(sum(sizes.values()))
     try:
         for name, model in models.items():
             writer.externalize(name, model)

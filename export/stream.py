@@ -311,3 +311,228 @@ def attach(model, reader: ExpertReader, interleaved: bool) -> list[str]:
 def expert_elements(directory: str | Path) -> int:
     """Elements of the routed experts in a checkpoint (headers only): what export streams."""
     return sum(int(np.prod(e.shape, dtype=np.int64)) for e in ExpertReader(directory).entries())
+
+
+# -- every weight: the float model is never held ------------------------------------------
+#
+# `export` of a dense target and a z-lab drafter loads both with every checkpoint tensor on the
+# meta device (models/checkpoint.py `experts_on_meta` with ALL), gives each parameter a
+# zero-stride placeholder (`placeholders_all`: a shape and a dtype, one element of memory),
+# traces the graphs on those, and then points each initializer that came from a placeholder at
+# its tensor in the checkpoint (`attach_all`): its bytes are read, converted to the export dtype
+# (by torch, exactly as loading would) and written one tensor at a time, in chunks, when the
+# data file is written; `export --quantize` quantizes each linear weight as it is read
+# (export/quantize.py `quantize_streamed`). Memory: the largest tensor in the checkpoint's dtype
+# plus one chunk; disk: the artifact.
+
+ALL = re.compile("")  # every key: experts_on_meta(ALL) loads no tensor at all
+CHUNK_BYTES = 16 << 20  # converted and written per read
+
+
+def checkpoint_entries(directory: str | Path, what: str) -> dict[str, Entry]:
+    """key -> where a checkpoint's tensor lies (headers only), for the files it is loaded from."""
+    out = {}
+    for path in checkpoint.weight_files(directory, what):
+        n, header = _header(path)
+        for key, t in header.items():
+            if key != "__metadata__":
+                out[key] = Entry(path, key, t["dtype"], tuple(t["shape"]), 8 + n + t["data_offsets"][0])
+    return out
+
+
+def placeholders_all(module, entries: dict[str, Entry], where: str) -> dict[int, Entry]:
+    """Every parameter of `module` still on the meta device -> a zero-stride placeholder of its
+    shape and dtype; -> {the placeholder's storage address: its checkpoint tensor}, what
+    `attach_all` recognises the traced initializers by (a name may change on the way; the
+    address of the storage the tracer keeps does not)."""
+    sources = {}
+    for name, p in list(module.named_parameters()):
+        if p.device.type != "meta":
+            continue
+        e = entries.get(name)
+        if e is None or e.dtype not in _NP or tuple(e.shape) != tuple(p.shape):
+            raise InternalError(f"{where}: parameter {name} has no streamable checkpoint tensor of its shape")
+        mod_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(mod_name) if mod_name else module
+        ph = torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), requires_grad=False)
+        setattr(owner, attr, ph)
+        sources[ph.untyped_storage().data_ptr()] = e
+    for name, b in module.named_buffers():
+        if b is not None and b.device.type == "meta":
+            raise InternalError(f"{where}: buffer {name} was not loaded")
+    return sources
+
+
+def retie(target) -> None:
+    """A tied target's LM head is its embedding's parameter again (placeholders_all replaced it)."""
+    if target.config.tie_word_embeddings:
+        target.lm_head.weight = target.model.embed_tokens.weight
+
+
+def _torch_dtype(np_dtype):
+    return {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}.get(np.dtype(np_dtype), torch.bfloat16)
+
+
+def convert(a: np.ndarray, src_dtype: str, dtype) -> np.ndarray:
+    """Checkpoint values (numpy, bf16 as uint16 bits) -> the export dtype (an ir.DataType), by
+    torch's own cast: the bytes loading the model and casting it would give."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if src_dtype == "BF16":
+        t = t.view(torch.bfloat16)
+    want = {ir.DataType.FLOAT: torch.float32, ir.DataType.FLOAT16: torch.float16, ir.DataType.BFLOAT16: torch.bfloat16}[dtype]
+    t = t.to(want)
+    if want is torch.bfloat16:
+        return t.view(torch.uint16).numpy() if hasattr(torch, "uint16") else t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def _contiguous(a: np.ndarray) -> memoryview:
+    """a's bytes for file.write without the copy `tobytes` makes (one chunk less held)."""
+    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
+
+def read_native(e: Entry, first: int = 0, count: int | None = None) -> np.ndarray:
+    """Rows [first, first + count) of a checkpoint tensor in its own dtype (bf16 as uint16 bits)."""
+    shape = e.shape if e.shape else (1,)
+    count = shape[0] - first if count is None else count
+    row = int(np.prod(shape[1:], dtype=np.int64))
+    itemsize = np.dtype(_NP[e.dtype]).itemsize
+    try:
+        with open(e.path, "rb") as f:
+            f.seek(e.start + first * row * itemsize)
+            a = np.fromfile(f, _NP[e.dtype], count * row)
+    except OSError as err:
+        raise DFlashError(f"{e.path}: cannot read tensor {e.key} ({err})") from None
+    if a.size != count * row:
+        raise DFlashError(f"{e.path}: tensor {e.key} ends past the end of the file (truncated or changed while exporting)")
+    return a.reshape(count, *shape[1:]) if e.shape else a.reshape(())
+
+
+class StreamedWeight(ir.LazyTensor):
+    """A weight whose bytes are read from the checkpoint only when asked for: written in chunks
+    of rows (`tofile`), or whole (`numpy`, for one tensor at a time: the quantizer's input).
+    `transposed`: the [in, out] layout MatMul consumes (export/trace.py `store_transposed`)."""
+
+    def __init__(self, entry: Entry, dtype, name: str | None = None, transposed: bool = False):
+        self.entry, self.transposed_ = entry, transposed
+        shape = entry.shape[::-1] if transposed else entry.shape
+        super().__init__(self._whole, dtype=dtype, shape=ir.Shape(shape), name=name)
+
+    def transposed(self) -> "StreamedWeight":
+        if len(self.entry.shape) != 2:
+            raise InternalError(f"{self.entry.key}: only a matrix is transposed")
+        return StreamedWeight(self.entry, self.dtype, self.name, not self.transposed_)
+
+    def array(self) -> np.ndarray:
+        """The whole tensor in the export dtype (bf16 as ml_dtypes' bfloat16), as stored."""
+        a = convert(read_native(self.entry), self.entry.dtype, self.dtype)
+        a = np.ascontiguousarray(a.T) if self.transposed_ else a
+        return a.view(self.dtype.numpy()) if self.dtype == ir.DataType.BFLOAT16 else a
+
+    def _whole(self):
+        return ir.Tensor(self.array(), dtype=self.dtype)
+
+    def tofile(self, file) -> None:
+        e = self.entry
+        if not e.shape:
+            file.write(_contiguous(convert(read_native(e), e.dtype, self.dtype)))
+            return
+        width = int(np.prod(self.shape[1:], dtype=np.int64)) * int(self.dtype.itemsize)
+        rows = max(1, CHUNK_BYTES // max(1, width))
+        if not self.transposed_:
+            for r in range(0, e.shape[0], rows):
+                file.write(_contiguous(convert(read_native(e, r, min(rows, e.shape[0] - r)), e.dtype, self.dtype)))
+            return
+        src = read_native(e)  # [out, in] in the checkpoint's dtype: the output's rows are its columns
+        for c in range(0, e.shape[1], rows):
+            file.write(_contiguous(convert(src[:, c:c + rows].T, e.dtype, self.dtype)))
+
+
+def attach_all(model, sources: dict[int, Entry]) -> int:
+    """Each initializer of a traced graph that holds a placeholder (`placeholders_all`) -> a
+    StreamedWeight of its checkpoint tensor; -> how many. A placeholder left would be written
+    as its zeros: refused."""
+    n = 0
+    for value in model.graph.initializers.values():
+        t = value.const_value
+        raw = getattr(t, "raw", None)
+        if not isinstance(raw, torch.Tensor):
+            continue
+        e = sources.get(raw.untyped_storage().data_ptr())
+        if e is None:
+            if raw.numel() > 1 and 0 in raw.stride():
+                raise InternalError(f"{value.name}: a placeholder the export cannot trace back to the checkpoint")
+            continue
+        if tuple(raw.shape) != tuple(e.shape):
+            raise InternalError(f"{value.name}: traced as {list(raw.shape)}, the checkpoint's {e.key} is {list(e.shape)}")
+        value.const_value = StreamedWeight(e, t.dtype, value.name)
+        n += 1
+    return n
+
+
+class QuantizedWeight(ir.LazyTensor):
+    """One part of ONNX Runtime's MatMulNBits form of a streamed [K, N] weight: "codes" uint8
+    [N, K / block, block * bits / 8], "scales" [N, K / block] (the weight's dtype) or
+    "zero_points" uint8 (asymmetric only), computed by ONNX Runtime's C++ quantizer (the one its
+    MatMulNBitsQuantizer calls, so the bytes are the same) as the data file is written. The parts
+    of one weight share one quantization: the last weight's result is kept until its parts are
+    written (they are written one after the other)."""
+
+    _last: tuple = (None, None)  # (the weight, its (codes, scales, zero points)): one at a time
+
+    def __init__(self, weight: StreamedWeight, bits: int, block: int, symmetric: bool, part: str, name: str):
+        k, n = (int(d) for d in weight.shape)
+        blocks = -(-k // block)  # a last partial block is padded with zeros, as ONNX Runtime's quantizer pads it
+        self.weight, self.bits, self.block, self.symmetric, self.index = weight, bits, block, symmetric, PARTS.index(part)
+        suffix = {"codes": f"_Q{bits}", "scales": "_scales", "zero_points": "_zero_points"}[part]
+        dtype, shape = {"codes": (ir.DataType.UINT8, (n, blocks, block * bits // 8)), "scales": (weight.dtype, (n, blocks)),
+                        "zero_points": (ir.DataType.UINT8, (n, (blocks * bits + 7) // 8))}[part]
+        super().__init__(self._whole, dtype=dtype, shape=ir.Shape(shape), name=name + suffix)
+
+    @classmethod
+    def parts(cls, weight: StreamedWeight, bits: int, block: int, symmetric: bool, name: str) -> dict:
+        """name: the graph's name of the weight (a tied head shares its tensor with the table)."""
+        names = ("codes", "scales") if symmetric else PARTS
+        return {p: cls(weight, bits, block, symmetric, p, name) for p in names}
+
+    def _quantized(self):
+        w, result = QuantizedWeight._last
+        key = (self.weight.entry, self.weight.transposed_, self.weight.dtype, self.bits, self.block, self.symmetric)
+        if w != key:
+            a = self.weight.array()  # [K, N] in the export dtype: what the quantizer would read from the graph
+            k, n = a.shape
+            if k % self.block:  # padded with zero rows, the kernel still told K (as ONNX Runtime's quantizer does)
+                a = np.pad(a, ((0, -k % self.block), (0, 0)))
+            blocks = a.shape[0] // self.block
+            codes, scales, zp = (np.zeros(s, t) for s, t in zip(
+                [(n, blocks, self.block * self.bits // 8), (n, blocks), (n, (blocks * self.bits + 7) // 8)],
+                [np.uint8, a.dtype, np.uint8]))
+            fn = {4: ort_c.quantize_matmul_4bits, 8: ort_c.quantize_matmul_8bits}[self.bits]
+            fn(codes, a, scales, zp, self.block, n, k, self.symmetric)
+            del a
+            result = (codes, scales, zp)
+            QuantizedWeight._last = (key, result)
+        return result[self.index]
+
+    def _whole(self):
+        return ir.Tensor(self._quantized(), dtype=self.dtype)
+
+    def tofile(self, file) -> None:
+        file.write(_contiguous(self._quantized()))
+
+
+def stand_ins_all(models: dict) -> dict[str, dict[str, StreamedWeight]]:
+    """`export --quantize` of a pair whose every weight streams: each graph's streamed
+    initializers -> stand-ins of their first row (export/stream.py `first_row_zeros`), so the
+    float export the quantizer starts from holds no weight; -> graph: {name: the streamed tensor},
+    which the quantizer gives back (`restore`) and writes, quantized or not, from the checkpoint."""
+    out = {}
+    for graph, model in models.items():
+        out[graph] = {}
+        for value in model.graph.initializers.values():
+            t = value.const_value
+            if isinstance(t, StreamedWeight):
+                out[graph][value.name] = t
+                value.const_value = first_row_zeros(t, value.name)
+                value.shape = value.const_value.shape
+    return out

@@ -151,9 +151,12 @@ def store_transposed(model, keep: tuple[str, ...] = ()) -> list[str]:
             continue
         t = w.const_value
         shape = ir.Shape([t.shape[1], t.shape[0]])
-        w.const_value = ir.LazyTensor(
-            lambda t=t: ir.Tensor(np.ascontiguousarray(t.numpy().T), dtype=t.dtype), dtype=t.dtype, shape=shape
-        )
+        if hasattr(t, "transposed"):  # streamed from the checkpoint (export/stream.py): transposed as written
+            w.const_value = t.transposed()
+        else:
+            w.const_value = ir.LazyTensor(
+                lambda t=t: ir.Tensor(np.ascontiguousarray(t.numpy().T), dtype=t.dtype), dtype=t.dtype, shape=shape
+            )
         w.shape = shape
         node.outputs[0].replace_all_uses_with(w)
         model.graph.remove(node, safe=True)

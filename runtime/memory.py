@@ -10,23 +10,49 @@ from . import contract as C
 from .errors import DFlashError
 
 
-def available_memory() -> int | None:
-    """Bytes this process can still take: MemAvailable, capped by a cgroup v2 limit (None: unknown)."""
+def available_memory(root: Path = Path("/")) -> int | None:
+    """Bytes this process can still take: MemAvailable, capped by the memory limit of every cgroup
+    above it (v2 memory.max, v1 memory.limit_in_bytes, less what each uses); None: unknown.
+    `root`: where /proc and /sys are (tests give a fake tree)."""
     avail = None
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in (root / "proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 avail = int(line.split()[1]) * 1024
     except OSError:
         return None
+    room = cgroup_room(root)
+    return avail if room is None or avail is None else min(avail, room)
+
+
+def cgroup_room(root: Path = Path("/")) -> int | None:
+    """The tightest cgroup memory limit less its usage, over this process's cgroup and its parents
+    (a container's limit is often set one level up); None when no limit is set or readable."""
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max" and avail is not None:
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            avail = min(avail, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return avail
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = ["0::/"]
+    room = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy
+            base, files = root / "sys/fs/cgroup", ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):  # v1: the memory controller's own hierarchy
+            base, files = root / "sys/fs/cgroup/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        parts = [p for p in path.strip("/").split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            d = base.joinpath(*parts[:depth])
+            try:
+                limit = (d / files[0]).read_text().strip()
+                if limit == "max" or int(limit) >= 1 << 60:  # v1's "no limit" is about 2^63
+                    continue
+                left = int(limit) - int((d / files[1]).read_text())
+            except (OSError, ValueError):
+                continue
+            room = left if room is None else min(room, left)
+    return None if room is None else max(room, 0)
 
 
 def cache_bytes_per_position(m, drafter: bool = True) -> int:
