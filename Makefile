@@ -34,9 +34,13 @@ setup:
 	$(PY) -c "import importlib.util as u; exit(u.find_spec('dflash') is None)" || $(VENV)/bin/uv pip install --python $(PY) -q --no-deps dflash==0.1.0
 
 # Two workers on two cores, one test file each at a time (module fixtures stay in one process),
-# the slowest files first and the Ray module last (tests/conftest.py). A third worker paid off
-# only while the Ray module ran first; with it last, cold, 2 workers took 5 min 6 s and 5 min 38 s
-# (511 s, 566 s of CPU), 3 took 5 min 43 s - 6 min 39 s (cold, on a 2-vCPU machine). TEST_WORKERS=0: one process.
+# the slowest files first and the Ray module last (tests/conftest.py). TEST_WORKERS=0: one process.
+# What it costs on a 2-vCPU machine: 4-8 min while nothing else runs (213-451 s measured), and
+# more in proportion to what shares the cores: a fresh clone's run at load 3-9 took 31 min
+# (pytest 1,893 s). Once the machine is busy, wall time ~ CPU time x load / cores: a sample
+# (tests/test_info.py + tests/test_export_errors.py, one process, artifacts cached) took 53 s of
+# CPU and 268 s of wall time at load 19. Tests build tiny models; the suite must stay under 15 min
+# on an idle 2-core machine.
 # DFLASH_REQUIRE_TRT_BINDINGS=1: a missing TensorRT bindings wheel fails its tests instead of skipping them.
 TEST_WORKERS ?= 2
 test: setup

@@ -29,7 +29,6 @@ tokens/s, tau, mean occupancy, and the mean draft / verify ms per round at each 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -49,7 +48,7 @@ def per_round_ms(gens) -> dict:
 
 def compare(backends: dict, prompts: list, new_tokens: int, draft: bool, verify, repeats: int) -> dict:
     """Interleaved runs of the same requests at each batch size; the best aggregate rate of each."""
-    from dflash_export.cli.batch import batch_report, run_batch
+    from dflash_export.runtime.measure import batch_report, run_batch
 
     best = {}
     for b, be in backends.items():  # warm-up
@@ -162,7 +161,7 @@ def op_split(out: Path, threads: int, batch: int, ctx: int, steps: int) -> dict:
 
     import numpy as np
     import onnxruntime as ort
-    from op_profile import head_nodes
+    from common import head_nodes
 
     from dflash_export.runtime.ort import backend as ob
 
@@ -289,7 +288,7 @@ def part_06b(work: Path, threads: int, repeats: int, batch: int, exports: list[s
 
 
 def part_demo(work: Path, threads: int, repeats: int, batch: int, attention: str = "standard") -> None:
-    from dflash_export.cli.batch import batch_report, run_batch
+    from dflash_export.runtime.measure import batch_report, run_batch
     from dflash_export.export.artifact import export_artifact
     from dflash_export.runtime.ort.backend import OrtBackend
     from dflash_export.serve.text import load_tokenizer
@@ -446,14 +445,14 @@ def part_batch1(work: Path, old: str, seconds: float, prompts_per_run: int, new_
     and of the best runs."""
     import statistics
 
-    from common import uptime, write_report
+    from common import machine, uptime, write_report
 
     old_root = checkout(old, work)
     workers = {"new": Worker("new", ROOT, old_package(ROOT, work), work), "old": Worker("old", old_root, old_package(old_root, work), work)}
     loaded = {k: w.ready() for k, w in workers.items()}
     report_ = {"bench": "batch 1 through the batched loop vs the batch-1 loop", "model": "demo pair",
                "mode": "speculative, greedy, full-block verify", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "load_before": uptime(), "old": str(old_root), "loaded": loaded, "threads": 1,
+               "machine": machine(), "load_before": uptime(), "old": str(old_root), "loaded": loaded, "threads": 1,
                "prompts_per_run": prompts_per_run, "new_tokens": new_tokens, "runs": []}
     end, i = time.monotonic() + seconds, 0
     while time.monotonic() < end or i < 4:
@@ -488,7 +487,9 @@ def part_batch1(work: Path, old: str, seconds: float, prompts_per_run: int, new_
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from common import machine, parser
+
+    ap = parser(__doc__, json_flag=False)
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--part", choices=["06b", "demo", "batch1"], required=True)
     ap.add_argument("--batch", type=int, default=4)
@@ -508,9 +509,7 @@ def main() -> None:
     ap.add_argument("--report", type=Path, help="part batch1: the JSON report [default: WORK/batch1.json]")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    print(json.dumps({"uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
-                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                      "threads": 1 if a.part == "batch1" else a.threads}), flush=True)
+    print(json.dumps({"machine": machine(), "threads": 1 if a.part == "batch1" else a.threads}), flush=True)
     if a.part == "06b":
         part_06b(a.work, a.threads, a.repeats, a.batch, a.exports.split(","), a.spin,
                  tuple(int(c) for c in a.contexts.split(",")), tuple(a.modes.split(",")),

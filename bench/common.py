@@ -1,25 +1,40 @@
-"""What the bench scripts share: the benchmark models, exported once, and child processes.
+"""The bench suite's harness: what every script shares.
 
-Benchmark models: small but not microscopic, random weights, built with dflash_export.testing's
-writers (a real Hugging Face Qwen3 checkpoint and a z-lab drafter), then exported with
-export_artifact. Cached under DFLASH_BENCH_CACHE (default ~/.cache/dflash-export/bench) by
-their parameters and the exporter/model/contract sources, so the benches can be rerun quickly.
-Steps whose peak RSS is measured run in a child process of their own (`run_child`), and read it
-with `peak_rss_bytes` / `mem`. Real-shape checkpoints (random weights at a released model's
-shape, written shard by shard without building a model) come from `make_checkpoint`.
+- `parser(__doc__, out=...)`: the command line, the docstring as its help, the shared options
+  (`--json`, and `--out` for scripts that write a report, into bench/results/ by default).
+- `machine()`: the record every figure needs beside it (CPU model, cores, load average,
+  software versions, date, commit); `report(...)` starts a report with it, `write_report`
+  adds the load after and writes the JSON.
+- `interleaved(calls, passes)`: each call once per pass, in turn, so the machine's drift
+  falls on every side alike (the figures to compare are ratios within one run).
+- Benchmark models: small but not microscopic, random weights, built with
+  dflash_export.models.tiny's writers (a Hugging Face Qwen3 checkpoint and a z-lab drafter), then
+  exported with export_artifact; cached under DFLASH_BENCH_CACHE (default
+  ~/.cache/dflash-export/bench) by their parameters and the exporter/model/contract sources.
+  Real-shape checkpoints (random weights at a released model's shape, written shard by shard
+  without building a model) come from `make_checkpoint`.
+- Steps whose peak RSS is measured run in a child process of their own (`run_child`), read
+  with `peak_rss_bytes` / `mem`.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
+import time
+from importlib import metadata
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"  # reports the scripts write by default (bench/results/README.md)
+SOFTWARE = ("onnxruntime", "numpy", "torch", "transformers", "tensorrt")  # versions a report records, where installed
 BENCH_MODELS = {
     # the shipped demo pair's shape (demo/), random weights
     "small": dict(arch="qwen3", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768,
@@ -27,8 +42,8 @@ BENCH_MODELS = {
     # wider and with a 32k vocabulary: the LM head dominates every call on CPU
     "wide": dict(arch="qwen3", layers=6, hidden=384, heads=6, kv_heads=2, head_dim=64, intermediate=1024,
                  vocab=32000, draft_layers=2, block=16, max_context=2304),
-    # hidden 1024 (Qwen3-0.6B's width and head layout, 4 layers, small vocab): the issue's
-    # "target of hidden size >= 1024" for the attention flavours' context cost
+    # hidden 1024 (Qwen3-0.6B's width and head layout, 4 layers, small vocab): wide enough that the
+    # attention flavours' context cost shows as it does at real sizes
     "h1024": dict(arch="qwen3", layers=4, hidden=1024, heads=16, kv_heads=8, head_dim=64, intermediate=3072,
                   vocab=4096, draft_layers=1, block=16, max_context=2304),
 }
@@ -41,7 +56,7 @@ def bench_model(name: str = "small", attention: str = "standard") -> tuple[Path,
     p = BENCH_MODELS[name]
 
     def build(t: Path, d: Path) -> None:
-        from dflash_export.testing import make_drafter, make_target
+        from dflash_export.models.tiny import make_drafter, make_target
 
         make_target(t, p["arch"], vocab=p["vocab"], hidden=p["hidden"], layers=p["layers"], heads=p["heads"],
                     kv_heads=p["kv_heads"], head_dim=p["head_dim"], intermediate=p["intermediate"], std=0.04)
@@ -93,6 +108,14 @@ def export_pair(target_dir: str | Path, draft_dir: str | Path, max_context: int 
 
         export_artifact(target_dir, draft_dir, out, max_context=max_context, progress=True, force=True)
     return out
+
+
+def head_nodes(exported: Path) -> set[str]:
+    """Names of the target graph's nodes that read the LM head (to set its kernels apart in a profile)."""
+    import onnx
+
+    g = onnx.load(str(exported / "target.onnx"), load_external_data=False).graph
+    return {n.name for n in g.node if any(i.startswith("lm_head.weight") for i in n.input)}
 
 
 def peak_rss_bytes() -> int:
@@ -180,10 +203,67 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def write_report(report: dict, out: Path, ratios) -> None:
-    """The load after, the ratios over the runs, printed and written as JSON."""
+def parser(doc: str, out: str | None = None, json_flag: bool = True) -> argparse.ArgumentParser:
+    """A script's command line: its docstring as the help, `--json` (one JSON report on stdout) and,
+    given `out`, `--out PATH` (the report's file, default bench/results/OUT)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if json_flag:
+        ap.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    if out:
+        ap.add_argument("--out", type=Path, default=RESULTS / out, help=f"the JSON report [default: bench/results/{out}]")
+    return ap
+
+
+def machine() -> dict:
+    """What a figure needs beside it: the CPU, its cores, the load, the software, the date, the commit.
+    Versions are read from the installed packages' metadata, so nothing heavy is imported."""
+    cpu = next((ln.split(":", 1)[1].strip() for ln in _read("/proc/cpuinfo").splitlines()
+                if ln.startswith("model name")), platform.processor() or platform.machine())
+    flags = next((ln.split(":", 1)[1].split() for ln in _read("/proc/cpuinfo").splitlines() if ln.startswith("flags")), [])
+    versions = {"python": platform.python_version()}
+    for name in SOFTWARE:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu,
+            "simd": [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags],
+            "cores": len(os.sched_getaffinity(0)), "load": [round(x, 2) for x in os.getloadavg()], "os": platform.platform(),
+            "software": versions, "commit": commit.stdout.strip() or None}
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def report(**fields) -> dict:
+    """A report's start: the machine record, the load before, then the script's own fields."""
+    return {"machine": machine(), "load_before": uptime(), **fields}
+
+
+def interleaved(calls: dict[str, Callable[[], object]], passes: int) -> dict[str, list[float]]:
+    """Each call once per pass, in turn: {name: [seconds of each pass]} (take the min or the median)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(passes):
+        for name, call in calls.items():
+            t = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
+def write_report(report: dict, out: Path, ratios=None) -> None:
+    """The load after (and the ratios over the runs, given a function of them), printed and written as JSON."""
+    report.setdefault("machine", machine())
     report["load_after"] = uptime()
-    report["ratios"] = ratios(report["runs"])
-    print(json.dumps(report["ratios"], indent=1), report["load_after"], sep="\n")
+    if ratios is not None:
+        report["ratios"] = ratios(report["runs"])
+        print(json.dumps(report["ratios"], indent=1))
+    print(report["load_after"])
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {out}")

@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
-# The demo pair's speculative round on a quiet machine, part by part, and against llama.cpp:
-# bench/round_profile.py (1 thread: each call's graph run and Python, the loop; wall and CPU; the
-# calls alone vs in a round) and bench/spec_cores.py (--threads 1,2, llama.cpp plain and DFlash beside
-# ours), for the fp32 drafter and the int4 one (`quantize --draft-only`). About 4 minutes on a quiet
-# machine with 2 or more cores.
+# The demo pair against llama.cpp on a quiet machine: bench/spec_cores.py (--threads 1,2, llama.cpp
+# plain and DFlash beside ours, both calibrated first), for the fp32 drafter and the int4 one
+# (`quantize --draft-only`), block 8. About 3 minutes on a quiet machine with 2 or more cores.
 #
 # Needs: this repository's venv with the export extras (PY, default .venv/bin/python), the llama.cpp
 # build and the demo GGUFs under ~/.cache/dflash-export/llamacpp (or DFLASH_LLAMACPP_CACHE; see
@@ -22,6 +20,5 @@ mkdir -p "$OUT"
 [ -f "$OUT/b8-d4/manifest.json" ] || "$DX" quantize "$OUT/b8" --out "$OUT/b8-d4" --quantize int4 \
     --draft-only >/dev/null
 echo "== $(date -u +%FT%TZ) $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), load $(cut -d' ' -f1-3 /proc/loadavg)"
-taskset -c 0 "$PY" bench/round_profile.py "$OUT/b8" "$OUT/b8-d4" --threads 1 --prompts 6 --passes 3
 "$PY" bench/spec_cores.py --ours "f32=$OUT/b8" --ours "d4=$OUT/b8-d4" --threads 1,2 --rounds 2 --calibrate --json
 echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT
+from common import ROOT, machine
 from llamacpp import build_llamacpp, convert, llama_bench, llama_dflash, prompt_file
 
 
@@ -107,7 +107,7 @@ def main() -> None:
         table[label] = entry
     best = lambda who: max((k for k in table if k.startswith(who)), key=lambda k: table[k]["median_tok_s"])  # noqa: E731
     o, ll = best("ours"), best("llama.cpp")
-    print(json.dumps({"machine": f"{os.cpu_count()} vCPUs", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    print(json.dumps({"machine": machine(),
                       "load": [round(x, 1) for x in (min(load), max(load))], "prompts": a.prompts, "depth": depth,
                       "new_tokens": a.new_tokens, "rounds": a.rounds, "configs": table, "ours_best": o, "llama_best": ll,
                       "ratio": round(table[o]["median_tok_s"] / table[ll]["median_tok_s"], 3)}))

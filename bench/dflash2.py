@@ -21,14 +21,13 @@ version of tests/test_dflash2_sampling.py's check.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from common import make_checkpoint, uptime
+from common import make_checkpoint, parser, report as start_report, uptime
 from real_sizes import SHAPE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +108,7 @@ def acceptance(a) -> dict:
     from dflash_export.runtime.load import open_backend
     from dflash_export.runtime.loop import Request, generate_batch
     from dflash_export.runtime.sampling import Sampling
-    from dflash_export.testing import hf_model
+    from dflash_export.models.tiny import hf_model
 
     torch.set_num_threads(1)
     dm._cuda_time = time.perf_counter  # its stats time with CUDA syncs; no GPU here
@@ -134,7 +133,7 @@ def acceptance(a) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, json_flag=False)
     sub = ap.add_subparsers(dest="what", required=True)
     c = sub.add_parser("cost")
     c.add_argument("--work", required=True)
@@ -146,7 +145,7 @@ def main() -> None:
     r.add_argument("--seeds", type=int, default=512)
     r.add_argument("--new", type=int, default=48)
     a = ap.parse_args()
-    report = {"load_before": uptime(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    report = start_report()
     report.update(cost(a) if a.what == "cost" else acceptance(a))
     report["load_after"] = uptime()
     print(json.dumps(report))

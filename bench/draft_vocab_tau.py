@@ -12,9 +12,10 @@ Prints one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
+
+from common import machine, parser
 
 from dflash_export.demo import __file__ as demo_init
 
@@ -22,7 +23,7 @@ DEMO = Path(demo_init).parent
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, json_flag=False)
     ap.add_argument("--work", type=Path, default=Path("/tmp/dflash-dv-tau"))
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 512])
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -46,7 +47,7 @@ def main() -> None:
     for n in a.n:
         variants[f"N{n}-fallback"] = {"draft_vocab": n}
         variants[f"N{n}-data"] = {"draft_vocab": n, "draft_vocab_data": [data]}
-    out = {"pair": "demo/pair", "counts_from": f"{half} held-out prompts", "measured_on": f"{len(prompts)} others",
+    out = {"machine": machine(), "pair": "demo/pair", "counts_from": f"{half} held-out prompts", "measured_on": f"{len(prompts)} others",
            "max_new_tokens": a.max_new_tokens, "variants": {}}
     for name, kw in variants.items():
         art = a.work / name

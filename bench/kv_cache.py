@@ -154,12 +154,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--context", type=int, default=1000)
     ap.add_argument("--eval-tokens", type=int, default=200)
-    ap.add_argument("--margins", default="1.25,2", help="calibration margins compared (export's: 1.25)")
+    ap.add_argument("--margins", default="1.25,2", help="calibration margins compared (the export's: export/kv_calibrate.py MARGIN, 2)")
     ap.add_argument("--skip", choices=("speed", "accuracy"), default=None)
     a = ap.parse_args()
-    from common import uptime
+    from common import machine, uptime
 
-    print(json.dumps({"uptime": uptime(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    print(json.dumps({"machine": machine(),
                       "threads": a.threads, "clock": a.clock, "layers": a.layers}), flush=True)
     if a.skip != "accuracy":
         print(json.dumps({"accuracy": accuracy(a.eval_tokens, [float(x) for x in a.margins.split(",")]), "uptime": uptime()}), flush=True)

@@ -21,7 +21,6 @@ DIR instead, e.g. `--layers 1 --runs fp32:op:int4:old,fp32:op:int4`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -32,7 +31,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from common import peak_rss_bytes, run_child, uptime
+from common import machine, parser, peak_rss_bytes, run_child, uptime
 
 SHAPE = dict(vocab=151936, hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8, width=768,
              dense=6144)  # Qwen3-30B-A3B's config.json
@@ -197,7 +196,7 @@ def machine() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, json_flag=False)
     ap.add_argument("--work", type=Path, default=Path("/tmp/dflash-moe-export"))
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--layout", choices=("per-expert", "fused"), default="per-expert")
@@ -229,7 +228,8 @@ def main() -> None:
     common = ["--work", str(args.work), "--layers", str(args.layers), "--layout", args.layout]
     report = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
               "layers": args.layers, "layout": args.layout, "shape": SHAPE, "accuracy_level": args.accuracy_level,
-              "old_code": str(args.old_code) if args.old_code else None, "load_before": uptime()}
+              "old_code": str(args.old_code) if args.old_code else None,
+              "machine": machine(), "load_before": uptime()}
     report["make"] = run_child(__file__, [*common, "--step", "make"])
     report["checkpoint_bytes"] = sum(f.stat().st_size for f in (args.work / "target").iterdir())
     report["exports"] = []

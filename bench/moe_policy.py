@@ -21,7 +21,7 @@ In one process, on 2 ORT threads:
    (it is the slow one; 0: not run).
 3. An acceptance profile like the demo pair's, replayed against the measured costs: the demo
    drafter's full-block acceptance histogram (demo/RESULTS.md) as independent rounds, and the
-   demo pair's recorded rounds (bench/speculation_traces.json, in-domain prompts); a round
+   demo pair's recorded rounds (tests/fixtures/speculation_traces.json, in-domain prompts); a round
    verifying s positions emits min(recorded, s). Tokens per ms of `auto` (the controller's
    verify lengths; one controller over the requests), of the full block every round, and of
    plain steps.
@@ -32,15 +32,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-from common import random_prompts, uptime
+from common import machine, random_prompts, uptime
 
 from dflash_export.runtime.calibrate import cost_model, round_costs
 from dflash_export.runtime.controller import Controller, Costs, auto_policy
@@ -130,7 +127,7 @@ def profiles(n: int, requests: int) -> dict:
     p = np.array(DEMO_HISTOGRAM, float) / sum(DEMO_HISTOGRAM)
     draws = [np.random.default_rng(i).choice(16, size=n, p=p) + 1 for i in range(requests)]
     hist = [lambda t, d=d: int(d[t]) for d in draws]
-    traces = json.loads((ROOT / "bench" / "speculation_traces.json").read_text())["prompts.jsonl"]
+    traces = json.loads((ROOT / "tests" / "fixtures" / "speculation_traces.json").read_text())["sets"]["held-out"]
 
     def recorded(rounds):
         def at(t):  # the recorded round covering t, from t on
@@ -154,8 +151,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5, help="passes over every call for the costs")
     args = ap.parse_args()
-    report = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": platform.machine(),
-              "cpus": os.cpu_count(), "threads": args.threads, "load_before": uptime()}
+    report = {"machine": machine(), "threads": args.threads, "load_before": uptime()}
     be = OrtBackend(args.art, threads=args.threads)
     m = be.manifest
     report["target"] = {"layers": m.target_layers, "hidden": m.hidden_size, "vocab": m.vocab_size, "block": m.block_size,

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import numpy as np
 import onnxruntime as ort
+from common import machine
 from onnx import TensorProto, helper, numpy_helper
 
 CASES = ((4, 32, 4), (4, 32, 0), (4, 64, 4), (4, 128, 4), (8, 32, 4), (8, 128, 4))  # bits, block, level
@@ -103,7 +103,7 @@ def main() -> None:
                   f"{row['qmoe_ms_8']:.2f} ms; {a.top_k} experts as MatMulNBits, 1 token {row['matmulnbits_ms_1']:.2f} ms",
                   flush=True)
     meta = dict(threads=a.threads, experts=a.experts, hidden=a.hidden, width=a.width, top_k=a.top_k,
-                onnxruntime=ort.__version__, loadavg=list(os.getloadavg()))
+                machine=machine())
     if a.json:
         print(json.dumps({"meta": meta, "rows": rows}))
 

@@ -19,13 +19,12 @@ Speed is the other half of the trade: bench/step_ms.py on exports of a real shap
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 
-from common import ROOT
+from common import ROOT, machine, parser
 
 
 def logsoftmax(x: np.ndarray) -> np.ndarray:
@@ -41,7 +40,7 @@ def logits(backend, seq: np.ndarray) -> np.ndarray:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--work", type=Path, default=Path("/tmp/dflash-quant-blocks"))
     ap.add_argument("--scheme", default="int4", help="comma-separated: int4, int8")
     ap.add_argument("--blocks", default="16,32,64,128")
@@ -49,7 +48,6 @@ def main() -> None:
     ap.add_argument("--symmetric-only", action="store_true", help="no zero-point variants")
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--new", type=int, default=64, help="float greedy tokens appended to each prompt")
-    ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     from tokenizers import Tokenizer
 
@@ -105,7 +103,7 @@ def main() -> None:
                          "logits_mean_abs_err": float(np.mean(err)), "top1_agreement": float(np.mean(agree)),
                          "kl": float(np.mean(kl)), "nll": float(np.mean(np.concatenate(nl)))})
     if a.json:
-        print(json.dumps({"positions": int(sum(len(s) for s in seqs)), "rows": rows}))
+        print(json.dumps({"machine": machine(), "positions": int(sum(len(s) for s in seqs)), "rows": rows}))
         return
     print(f"demo target, {len(seqs)} texts, {sum(len(s) for s in seqs)} positions; fp32 NLL {rows[0]['nll']:.4f}")
     print(f"{'variant':18s} level  logits err  top-1 agree  KL        NLL")

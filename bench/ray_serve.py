@@ -1,6 +1,6 @@
 """Benchmark of `dflash-export serve --ray` (Ray Serve) against the plain server, on one machine.
 
-    .venv/bin/python bench/ray_serve.py                    # demo pair, 8 prompts, 64 tokens; writes bench/ray_serve.json
+    .venv/bin/python bench/ray_serve.py                    # demo pair, 8 prompts, 64 tokens; writes bench/results/ray_serve.json
 
 Runs itself inside a loopback-only network and pid namespace (unshare, as the tests), with a
 local Ray head on 127.0.0.1 started through serve/ray.py local_head (as `serve --ray` does):
@@ -26,7 +26,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import ROOT, machine, parser
+
 _spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "bench" / "serve.py")
 bench_serve = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_serve)
@@ -83,7 +84,8 @@ def inside(a) -> None:
     from dflash_export.serve.app import ServeOptions
 
     prompts = json.loads(Path(a.prompts_json).read_text())
-    report: dict = {"artifact": str(a.artifact), "prompts": len(prompts), "max_tokens": a.max_tokens, "cpus": os.cpu_count()}
+    report: dict = {"artifact": str(a.artifact), "prompts": len(prompts), "max_tokens": a.max_tokens,
+                    "machine": machine()}
     plain = bench_serve.Server(Path(a.artifact), "--slots", 1)
     t = time.perf_counter()
     serve_ray.local_head()
@@ -149,18 +151,17 @@ def inside(a) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, out="ray_serve.json", json_flag=False)
     ap.add_argument("--artifact", type=Path, help="exported directory [default: the demo pair, exported once]")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "ray_serve.json")
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-json", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.inside:
         return inside(a)
-    from dflash_export.cli.serve import demo_artifact
+    from dflash_export.demo.artifact import demo_artifact
 
     art = (a.artifact or demo_artifact()).resolve()
     lines = (ROOT / "demo" / "prompts.jsonl").read_text().splitlines()

@@ -18,15 +18,13 @@ the ratios, the settings and the load.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
+from common import ROOT, machine, parser
 
 
 def reference(target_dir: Path, draft_dir: Path):
@@ -48,7 +46,7 @@ def reference(target_dir: Path, draft_dir: Path):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, json_flag=False)
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--new", type=int, default=64, help="new tokens per request")
@@ -65,7 +63,7 @@ def main() -> None:
     from dflash_export.serve.text import load_tokenizer
 
     torch.set_num_threads(1)
-    load = os.getloadavg()
+    start = machine()
     pair = ROOT / "demo/pair"
     out = a.work / "demo-out"
     a.work.mkdir(parents=True, exist_ok=True)
@@ -105,7 +103,7 @@ def main() -> None:
         **res,
         "runtime_rejection_vs_reference": round(res["runtime_rejection"]["mean_acceptance"] / ref_tau, 3),
         "runtime_compare_vs_reference": round(res["runtime_compare"]["mean_acceptance"] / ref_tau, 3),
-        "wall_s": round(time.time() - t0, 1), "load_before": [round(x, 2) for x in load],
+        "wall_s": round(time.time() - t0, 1), "machine": start,
         "load_after": [round(x, 2) for x in os.getloadavg()],
     }, indent=1))
 

@@ -1,6 +1,6 @@
 """Benchmark of `dflash-export serve` on the demo pair (or any exported directory).
 
-    .venv/bin/python bench/serve.py                       # demo pair, writes bench/serve.json
+    .venv/bin/python bench/serve.py                       # demo pair, writes bench/results/serve.json
     .venv/bin/python bench/serve.py --artifact OUT --prompts 8 --max-tokens 64
     .venv/bin/python bench/serve.py --only-overhead --repeats 6   # just the HTTP-overhead figure, more passes
 
@@ -106,13 +106,13 @@ def main() -> None:
     ap.add_argument("--artifact", type=Path, help="exported directory [default: the demo pair, exported once]")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--out", type=Path, help="[default: bench/serve.json, or bench/serve_overhead.json]")
+    ap.add_argument("--out", type=Path, help="[default: bench/results/serve.json, or bench/results/serve_overhead.json]")
     ap.add_argument("--repeats", type=int, default=2, help="passes over the prompts for the HTTP overhead")
     ap.add_argument("--only-overhead", action="store_true", help="measure only the HTTP overhead (1 slot)")
     a = ap.parse_args()
-    a.out = a.out or ROOT / "bench" / ("serve_overhead.json" if a.only_overhead else "serve.json")
+    a.out = a.out or ROOT / "bench" / "results" / ("serve_overhead.json" if a.only_overhead else "serve.json")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from dflash_export.cli.serve import demo_artifact
+    from dflash_export.demo.artifact import demo_artifact
     from dflash_export.runtime.loop import generate
     from dflash_export.runtime.ort.backend import OrtBackend
     from tokenizers import Tokenizer

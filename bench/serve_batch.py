@@ -30,17 +30,15 @@ verify 6 positions, as bench/batch.py measures random weights) is served with it
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 from serve import Server  # bench/serve.py's server process and streamed POST
-from common import uptime, write_report
+from common import machine, parser, uptime, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +68,7 @@ def run(server: Server, prompts: list, max_tokens: int, speculative: bool) -> di
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, out="serve_batch.json", json_flag=False)
     ap.add_argument("--artifact", type=Path, help="exported directory [default: the demo pair, exported once]")
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--max-batch", type=int, default=8)
@@ -84,10 +82,9 @@ def main() -> None:
                     help="every client sends the first prompt: the same work per request at every concurrency, so "
                          "the ratios between concurrencies compare like with like (different prompts accept differently)")
     ap.add_argument("--check", action="store_true", help="also compare every output with in-process generate")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "serve_batch.json")
     a = ap.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from dflash_export.cli.serve import demo_artifact
+    from dflash_export.demo.artifact import demo_artifact
     from dflash_export.runtime.manifest import load_manifest
 
     art = a.artifact or demo_artifact()
@@ -108,7 +105,7 @@ def main() -> None:
               "max_tokens": a.max_tokens, "prompt_tokens": [len(p) for p in prompts], "cpus": os.cpu_count(),
               "servers": {k: v for k, v in {"batched": f"--max-batch {a.max_batch}", "slots": f"--slots {a.slots}"}.items()
                           if k in a.servers.split(",")},
-              "load_before": uptime(), "runs": []}
+              "machine": machine(), "load_before": uptime(), "runs": []}
     print(report["load_before"], flush=True)
     want = {}
     if a.check:

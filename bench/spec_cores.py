@@ -29,12 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from common import ROOT
+from common import ROOT, machine
 from llamacpp import CACHE, convert, llama_dflash, llama_plain, prompt_file
 
 from dflash_export.runtime import manifest as M
@@ -163,9 +162,7 @@ def main() -> None:
     theirs = max((r for r in rows if r["what"].startswith("llama")), key=lambda r: r["tok_s"])
     mine = max((r for r in rows if r["what"].endswith("speculative")), key=lambda r: r["tok_s"])
     goal = {"ours_best": mine, "llama_best": theirs, "ratio": mine["tok_s"] / theirs["tok_s"],
-            "cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                         if ln.startswith("model name")), platform.processor()),
-            "cores": len(cores), "load": [load0[0], os.getloadavg()[0]]}
+            "machine": machine(), "cores": len(cores), "load": [load0[0], os.getloadavg()[0]]}
     print(f"ours best {mine['what']} at {mine['threads']} thread(s) {mine['tok_s']:.0f} tok/s vs llama.cpp best "
           f"{theirs['what']} at {theirs['threads']} {theirs['tok_s']:.0f}: {goal['ratio']:.2f}x; load {goal['load']}")
     if a.json:

@@ -167,7 +167,7 @@ def main() -> None:
     ap.add_argument("--parts", default="off,in,aa,mixed", help="aa: always against itself, the method's spread")
     ap.add_argument("--verify", choices=("auto", "full"), default="auto",
                     help="auto: the calibrated verify policy; full: the whole block (as static TensorRT engines)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "speculation.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "speculation.json")
     args = ap.parse_args()
     prepare(args.art)
     code, off = prompts("prompts.jsonl", args.prompts), prompts("prompts-offdomain.jsonl", args.prompts)

@@ -23,7 +23,6 @@ bench/llamacpp.py (never rebuilt here; run bench/vs_llamacpp.py once to build it
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -31,6 +30,8 @@ import statistics
 from pathlib import Path
 
 import numpy as np
+
+from common import machine, parser
 
 from dflash_export.runtime.load import open_backend
 from dflash_export.runtime.loop import generate
@@ -43,7 +44,7 @@ def user_s(who: int = resource.RUSAGE_SELF) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, json_flag=False)
     ap.add_argument("entries", nargs="+", metavar="LABEL=DIR|GGUF")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--depth", type=int, default=64, help="prompt tokens before decoding")
@@ -89,7 +90,7 @@ def main() -> None:
                 cpu[k].append(((user_s() - c1) - (c1 - c0)) / a.tokens * 1e3)
                 ms[k].append(g.decode_s / (len(g.tokens) - 1) * 1e3)
     load.append(os.getloadavg()[0])
-    print(json.dumps({"threads": a.threads, "depth": a.depth, "tokens": a.tokens, "cpus": a.cpus,
+    print(json.dumps({"machine": machine(), "threads": a.threads, "depth": a.depth, "tokens": a.tokens, "cpus": a.cpus,
                       "load": [round(x, 1) for x in load],
                       "step_ms_best": {k: round(min(v), 1) for k, v in ms.items()},
                       "step_ms_median": {k: round(statistics.median(v), 1) for k, v in ms.items()},

@@ -248,7 +248,7 @@ def shape_checkpoint(name: str, layers: int) -> tuple[Path, Path, str]:
     d = CACHE / "models" / f"{name}-L{layers}-{key}"
     if not (d / "done").is_file():
         print(f"building the random {name}-shape checkpoint ({layers} layers)", file=sys.stderr)
-        from dflash_export.testing import make_drafter, make_target
+        from dflash_export.models.tiny import make_drafter, make_target
 
         shutil.rmtree(d, ignore_errors=True)
         make_target(d / "target", "qwen3", tie=True, std=0.02, **p)

@@ -1,7 +1,7 @@
 """Server against server: `dflash-export serve --max-batch N` vs `llama-server -np N`, same weights, same client.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/vs_llamaserver.py --concurrency 1,2,4 --max-tokens 64 \\
-        --repeats 2 --formats f32,q4_0 --out bench/vs_llamaserver.json
+        --repeats 2 --formats f32,q4_0 --out bench/results/vs_llamaserver.json
 
 llama.cpp is the build of bench/vs_llamacpp.py (the llama-cpp-python 0.3.36 sdist's vendored
 source, with llama-server among its BINARIES; cached), the demo pair converted with its own
@@ -26,7 +26,6 @@ the same text). `uptime` is recorded before and after.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
@@ -40,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vs_llamacpp as vl  # noqa: E402 (the build, the converter, our exports)
-from common import uptime, write_report  # noqa: E402
+from common import machine, parser, uptime, write_report  # noqa: E402
 
 ROOT = vl.ROOT
 
@@ -167,7 +166,7 @@ MODES = {"ours_spec": ("ours", {"speculative": True}), "ours_plain": ("ours", {"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, out="vs_llamaserver.json", json_flag=False)
     ap.add_argument("--concurrency", default="1,2,4")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
@@ -180,14 +179,13 @@ def main() -> None:
     ap.add_argument("--calibrate", action="store_true", help="`bench --calibrate` our export once (runtime.json)")
     ap.add_argument("--n-max", type=int, default=15, help="llama-server --spec-draft-n-max")
     ap.add_argument("--no-flash-attn", action="store_true", help="llama-server -fa off")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "vs_llamaserver.json")
     a = ap.parse_args()
     a.concurrency = [int(x) for x in a.concurrency.split(",")]
     src, bins = vl.build_llamacpp()
     prompts = vl.demo_prompts(max(a.concurrency))
     report = {"llamacpp": f"{vl.llama_commit()} (llama-cpp-python {vl.VERSION} sdist)", "threads": a.threads,
               "max_tokens": a.max_tokens, "concurrency": a.concurrency, "attention": a.attention,
-              "cpus": os.cpu_count(), "load_before": uptime(), "runs": []}
+              "machine": machine(), "load_before": uptime(), "runs": []}
     print(report["load_before"], flush=True)
     for fmt in a.formats.split(","):
         procs: dict = {}

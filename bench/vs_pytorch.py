@@ -13,18 +13,17 @@ interleaved per prompt, and every output is checked to be identical.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-from common import bench_model, export_pair, random_prompts
+from common import bench_model, export_pair, machine, parser, random_prompts
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -36,11 +35,10 @@ def main() -> None:
     ap.add_argument("--prompts-file", help="JSONL with a 'prompt' text field per line (needs the pair's tokenizer)")
     ap.add_argument("--verify", choices=("auto", "full"), default="auto",
                     help="ORT loop: auto = the policy in the export's runtime.json (bench --calibrate), else full")
-    ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
     import torch
-    from dflash_export.testing import hf_model
+    from dflash_export.models.tiny import hf_model
 
     from dflash_export.models import Drafter, Target, speculative_generate
     from dflash_export.models.config import DraftConfig
@@ -105,6 +103,7 @@ def main() -> None:
     same = all(tokens[k] == tokens["ort"] for k in runs)
     tps = {k: a.prompts * n / wall[k] for k in runs}
     report = {
+        "machine": machine(),
         "model": f"{m.architecture} {m.target_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size}, "
                  f"{m.draft_layers}-layer drafter, block {m.block_size} " + (f"(pair {tdir.name}, {ddir.name})" if a.pair else "(random weights)"),
         "prompts": source, "max_new_tokens": n,

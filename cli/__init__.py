@@ -12,7 +12,7 @@ import traceback
 import click
 
 from .. import __version__
-from ..errors import DFlashError, InternalError
+from ..runtime.errors import DFlashError, InternalError
 from . import demo, export, info, run, serve, train, trt
 
 

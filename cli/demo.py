@@ -7,11 +7,9 @@ decoding, measured as `bench` measures them (runtime/measure.py).
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 
 import click
@@ -22,10 +20,12 @@ from tokenizers import Tokenizer
 from .export import print_report
 from .run import BUILTIN_PROMPTS
 from .options import num_prompts_option, speculation_option, spin_option, threads_option, verify_option
+from ..demo.artifact import demo_dir
 from ..runtime.controller import controller_for
 from ..runtime.calibrate import calibrate, thread_candidates
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.files import prompt_lines, readable
+from ..runtime.lazy import lazy_import
 from ..runtime.load import open_backend, settings_for
 from ..runtime.loop import Generation, generate, stream
 from ..runtime.measure import measure_many, off_domain_report, rate, summarize
@@ -37,32 +37,16 @@ STREAMED = 3  # prompts printed as they decode; the rest are measured quietly
 OFF_DOMAIN = 8  # off-domain prompts measured (demo/prompts-offdomain.jsonl: random vocabulary text)
 
 
-def demo_dir() -> Path:
-    """The shipped demo data (pair/, prompts.jsonl): package data of dflash_export.demo."""
-    return Path(str(resources.files("dflash_export.demo")))
-
-
 def demo_prompts(prompt: str | None, n: int, path: Path | None = None) -> list[str]:
     """--prompt, else the first n of --prompts FILE (lines, or *.jsonl "prompt" fields), else of the shipped ones."""
     if prompt is not None:
         return [prompt]
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise DFlashError(f"--prompts {path}: no such file")
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        if path.suffix == ".jsonl":
-            try:
-                lines = [json.loads(ln)["prompt"] for ln in lines]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DFlashError(f"--prompts {path}: each JSONL line needs a \"prompt\" string") from None
-        if not lines:
-            raise DFlashError(f"--prompts {path}: no prompts in it (one per line)")
-        return lines[:n]
+        return prompt_lines(path)[:n]
     path = demo_dir() / "prompts.jsonl"
     if not path.is_file():
         raise DFlashError(f"{path} is missing; pass --prompt TEXT or reinstall dflash-export")
-    return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()][:n]
+    return prompt_lines(path, "")[:n]
 
 
 @click.command()
@@ -113,7 +97,7 @@ def demo(out, prompt, num_prompts, prompts_file, max_new_tokens, pair, verbose, 
         raise DFlashError(f"the parity check failed for {art}; rerun with --verbose for the table")
 
     console.rule("[bold]3. calibration (threads, adaptive verify -> runtime.json)")
-    tok = Tokenizer.from_file(str(art / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(readable(art / "tokenizer.json")))
     base = settings_for(art, "ort", "cpu", threads=threads, spin=spin, verify="full")
     candidates = thread_candidates() if threads is None else [base.threads]
     t0 = clock()
@@ -139,7 +123,7 @@ def decode(console, art: Path, texts: list[str], max_new_tokens: int, cfg, candi
     """Stream the first prompts (prompt first, then the continuation), measure all of them
     speculative (with `cfg`'s threads and verify policy) and plain (at every candidate thread
     count: the best is the fair baseline), and return the bench report (runtime/measure.py)."""
-    tok = Tokenizer.from_file(str(art / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(readable(art / "tokenizer.json")))
     backends = {t: open_backend(art, "ort", "cpu", threads=t, spin=cfg.spin, spin_us=cfg.spin_us)
                 for t in sorted(set(candidates) | {cfg.threads})}
     backend = backends[cfg.threads]
@@ -188,33 +172,43 @@ def decode(console, art: Path, texts: list[str], max_new_tokens: int, cfg, candi
 
 
 def print_result(console, r: dict, prompts: int, max_new_tokens: int) -> None:
-    table = Table(title=f"demo: {prompts} held-out prompt(s) x {max_new_tokens} new tokens, block {r['block_size']}, "
-                  "ONNX Runtime CPU, greedy", title_justify="left")
+    """The result table (short labels: it fits 80 columns) and what its rows mean, below it."""
+    table = Table(title=f"demo: {prompts} held-out prompt(s) x {max_new_tokens} new tokens, ONNX Runtime CPU, greedy",
+                  title_justify="left")
     table.add_column("")
-    table.add_column("speculative (DFlash)", justify="right")
-    table.add_column("plain decoding", justify="right")
-    t = r["tokens_per_second"]
+    table.add_column("DFlash", justify="right")
+    table.add_column("plain", justify="right")
+    t, split = r["tokens_per_second"], r["time_split_s"]
     table.add_row("tau (tokens per drafted round)", f"{r['tau']:.2f}", "1.00")
     table.add_row("positions verified per round", f"{r['mean_verify_len']:.1f}", "1.0")
-    table.add_row("tokens/s (decode)", f"{t['speculative']:.0f}", f"{t['autoregressive']:.0f}")
-    verify = describe_policy(None if r["verify"] == "full" else VerifyPolicy(**r["verify"]))
-    table.add_row(f"speedup ({r['threads']} thread(s), verify: {verify})", f"{r['speedup']:.2f}x", "1.00x")
-    table.add_row(f"speedup vs plain at its best thread count ({r['best_plain_threads']})",
-                  f"{r['speedup_vs_best_plain']:.2f}x", "")
-    table.add_row("loop efficiency (speedup / ideal from call costs)", f"{r['loop_efficiency']:.3f}", "")
-    split = r["time_split_s"]
-    for k in ("prefill", "draft", "verify", "host"):
-        table.add_row(f"time: {k} (s)", f"{split['speculative'][k]:.3f}", f"{split['autoregressive'][k]:.3f}")
-    table.add_row(f"rounds drafted / plain steps (speculation {r['speculation']})",
-                  f"{r['rounds']['drafted']} / {r['rounds']['plain']}", "")
+    table.add_row("rounds drafted / plain steps", f"{r['rounds']['drafted']} / {r['rounds']['plain']}", "")
+    table.add_row("tokens/s (decode) [1]", f"{t['speculative']:.0f}", f"{t['autoregressive']:.0f}")
+    table.add_row("speedup, same threads [1]", f"[bold]{r['speedup']:.2f}x", "1.00x")
+    table.add_row("speedup, each at its best [2]", f"[bold]{r['speedup_vs_best_plain']:.2f}x", "1.00x")
+    table.add_row("loop efficiency [3]", f"{r['loop_efficiency']:.3f}", "")
+    pd = {side: f"{x['prefill']:.2f} / {x['total'] - x['prefill']:.2f}" for side, x in split.items()}
+    table.add_row("time: prefill / decode (s)", pd["speculative"], pd["autoregressive"])
+    table.add_row("time: draft/verify/host (s)", "/".join(f"{split['speculative'][k]:.2f}" for k in ("draft", "verify", "host")),
+                  f"-/{split['autoregressive']['verify']:.2f}/{split['autoregressive']['host']:.2f}")
     if "off_domain" in r:
         o = r["off_domain"]
-        table.add_row(f"off-domain: {o['prompts']} random-vocabulary prompts, tokens/s",
-                      f"{o['tokens_per_second']['speculative']:.0f}", f"{o['tokens_per_second']['autoregressive']:.0f}")
-        table.add_row("off-domain: speedup, tau, rounds drafted / plain",
-                      f"{o['speedup']:.2f}x, {o['tau']:.2f}, {o['rounds']['drafted']} / {o['rounds']['plain']}", "")
+        table.add_row("off-domain [4]: tokens/s", f"{o['tokens_per_second']['speculative']:.0f}",
+                      f"{o['tokens_per_second']['autoregressive']:.0f}")
+        table.add_row("off-domain [4]: speedup", f"[bold]{o['speedup']:.2f}x", "1.00x")
     table.add_row("output identical to plain greedy", "yes" if r["lossless"] else "[red]NO", "")
     console.print(table)
+    verify = describe_policy(None if r["verify"] == "full" else VerifyPolicy(**r["verify"]))
+    notes = [f"[1] both sides at {r['threads']} thread(s); block {r['block_size']}, verify: {verify}, "
+             f"speculation {r['speculation']}",
+             f"[2] DFlash at {r['threads']} thread(s) (calibrated), plain at its fastest count "
+             f"({r['best_plain_threads']})",
+             "[3] speedup / the speedup this run's graph calls allow (drafted rounds' calls, plain steps)"]
+    if "off_domain" in r:
+        o = r["off_domain"]
+        notes.append(f"[4] {o['prompts']} random-vocabulary prompts (the drafter's worst case), same threads: "
+                     f"tau {o['tau']:.2f}, rounds drafted / plain {o['rounds']['drafted']} / {o['rounds']['plain']}")
+    for line in notes:
+        console.print(line, markup=False, highlight=False)
 
 
 COMMANDS = [demo]

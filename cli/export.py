@@ -15,23 +15,28 @@ from rich.console import Console
 from rich.table import Table
 
 from .options import model_options, num_prompts_option
-from ..lazy import lazy_import
-from ..errors import DFlashError
-from .. import sources
+from ..runtime import outdir
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
+from ..runtime.manifest import load_manifest
+from ..serve.text import load_tokenizer
+from .run import read_prompts
 
 export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: only when a command runs
 export_check = lazy_import("dflash_export.export.check")
 export_quantize = lazy_import("dflash_export.export.quantize")
+Q = lazy_import("dflash_export.export.quant_options")  # light (no torch, onnx): the checks made before anything loads
+sources = lazy_import("dflash_export.export.sources")  # huggingface_hub ids resolved when a command runs
 
 
 def quant_options(f):
     """The weight-only quantization options shared by `export` and `quantize`."""
     for opt in reversed([
-        click.option("--quantize", type=str, default=None,
-                     help="Weight-only quantization of the target's linear layers: int4 or int8 (ONNX Runtime MatMulNBits)."),
+        click.option("--quantize", type=click.Choice(list(Q.SCHEMES)), default=None,
+                     help="Weight-only quantization of the target's linear layers (ONNX Runtime MatMulNBits)."),
         click.option("--quant-block-size", type=int, default=None,
                      help="Weights per quantization block (along the input dimension); a power of two >= 16 "
-                          "[default: 128; MoE targets 32; smaller where the hidden size needs it]."),
+                          "[default: 128, halved until it divides the hidden size and a MoE target's expert width: 64 for gpt-oss]."),
         click.option("--quant-asymmetric", is_flag=True, help="Asymmetric quantization (zero points); symmetric by default."),
         click.option("--quantize-draft", is_flag=True, help="Also quantize the drafter's linear layers."),
         click.option("--draft-only", is_flag=True,
@@ -57,9 +62,9 @@ def quant_request(quantize, block_size, asymmetric, draft, draft_only, lm_head, 
     """The QuantOptions asked for, or None; the sub-options alone are a mistake."""
     if quantize is not None:
         level = None if accuracy_level in (None, "auto") else int(accuracy_level)
-        q = export_quantize.QuantOptions(quantize, block_size, not asymmetric, draft, lm_head, level, embedding,
-                                         head_bits=int(head_bits) if head_bits else None)
-        return export_quantize.draft_only(q) if draft_only else q
+        q = Q.QuantOptions(quantize, block_size, not asymmetric, draft, lm_head, level, embedding,
+                           head_bits=int(head_bits) if head_bits else None)
+        return Q.draft_only(q) if draft_only else q
     if draft or lm_head or embedding or asymmetric or accuracy_level is not None or draft_only or head_bits:
         raise DFlashError("--quantize-draft, --draft-only, --quantize-lm-head, --quantize-embedding, --quant-asymmetric, "
                           "--quant-head-bits and --quant-accuracy-level need --quantize int4|int8")
@@ -131,6 +136,10 @@ def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, bloc
     """
     q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, draft_only, quantize_lm_head, quantize_embedding,
                       quant_head_bits, quant_accuracy_level)
+    if q is not None:  # these checks before anything loads (export_artifact repeats them)
+        Q.check_options(q, dtype)
+    Q.check_kv_cache(kv_cache, attention, kv_calibration)
+    outdir.check_out_dir(out_dir.absolute(), force)
     target_dir = sources.resolve(target_dir, revision, "target")
     draft_dir = sources.resolve(draft_dir, draft_revision, "drafter")
     export_artifact.export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
@@ -162,6 +171,8 @@ def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantiz
                       quant_head_bits, quant_accuracy_level)
     if q is None:
         raise DFlashError("quantize needs --quantize int4|int8")
+    Q.check_options(q, load_manifest(src, verify=False).dtype)  # before anything loads (quantize_artifact repeats them)
+    outdir.check_out_dir(out_dir.absolute(), force)
     export_quantize.quantize_artifact(src, out_dir, q, force=force, progress=not quiet)
 
 
@@ -169,7 +180,8 @@ def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantiz
 @click.argument("out", type=click.Path(path_type=Path))
 @model_options(required=False, target_help=" OUT was exported from [default: the one its manifest records]",
                draft_help=" OUT was exported from [default: the one its manifest records]")
-@num_prompts_option(20, "Random prompts decoded end to end (ONNX Runtime vs the PyTorch oracle); 0 skips.")
+@num_prompts_option(20, "Random prompts decoded end to end (ONNX Runtime vs the PyTorch oracle); 0 skips. "
+                        "--prompts FILE decodes the file's prompts instead.")
 @click.option("--max-new-tokens", type=int, default=24, show_default=True, help="Tokens per end-to-end prompt.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the random inputs and prompts.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
@@ -189,8 +201,8 @@ def check(out, target_dir, revision, draft_dir, draft_revision, num_prompts, pro
     prefill (past 0), a 1-token step and a K-token verify on a past; the drafter's context
     graph; the block graph with and without context. Prints max / mean / p99 absolute
     error per output against the tolerance (fp32: 1e-4 on logits, taps and K/V; ids
-    exact). Then decodes --num-prompts random prompts greedily through the graphs and through
-    the PyTorch oracle: tokens and acceptance lengths must be identical.
+    exact). Then decodes --num-prompts random prompts (or the prompts of --prompts FILE) greedily
+    through the graphs and through the PyTorch oracle: tokens and acceptance lengths must be identical.
 
     fp16/bf16 exports report the statistics and top-1 agreement without failing on fp32
     tolerances. Exit status 0 when everything passes, 1 otherwise (failing rows shown),
@@ -209,23 +221,26 @@ def check(out, target_dir, revision, draft_dir, draft_revision, num_prompts, pro
       dflash-export check art
       dflash-export check art --target Qwen3-8B --draft Qwen3-8B-DFlash
       dflash-export check art --target t --draft d --num-prompts 50 --json
+      dflash-export check art --target t --draft d --prompts demo/prompts.jsonl --max-new-tokens 64
       dflash-export check art --target t --draft d --save-polygraphy pg
       dflash-export check art8b --num-prompts 3 --max-new-tokens 8 --reference by-layer
       polygraphy run art/target.onnx --onnxrt \\
           --load-inputs pg/target.prefill_P0_S7.inputs.json \\
           --load-outputs pg/target.prefill_P0_S7.outputs.json --atol 1e-4 --rtol 0
     """
-    if prompts_file is not None:
-        raise DFlashError(f"--prompts {prompts_file}: check decodes random token prompts; give their number with --num-prompts N")
     if num_prompts < 0 or max_new_tokens < 1:
         raise DFlashError("--num-prompts must be >= 0 and --max-new-tokens >= 1")
     for given, rev, flag in ((target_dir, revision, "--revision needs --target"), (draft_dir, draft_revision,
                                                                                   "--draft-revision needs --draft")):
         if rev is not None and given is None:
             raise DFlashError(flag)
+    prompts = num_prompts
+    if prompts_file is not None:  # read (and refused) before anything loads, tokenized as OUT's runtime would
+        load_manifest(out, verify=False)
+        prompts = read_prompts(prompts_file, load_tokenizer(out))
     target = None if target_dir is None else sources.resolve(target_dir, revision, "target")
     draft = None if draft_dir is None else sources.resolve(draft_dir, draft_revision, "drafter")
-    report = export_check.run_check(out, target, draft, prompts=num_prompts, max_new_tokens=max_new_tokens, seed=seed,
+    report = export_check.run_check(out, target, draft, prompts=prompts, max_new_tokens=max_new_tokens, seed=seed,
                        save_polygraphy=save_polygraphy, provider=provider, progress=not as_json,
                        by_layer={"auto": None, "whole": False, "by-layer": True}[reference])
     if as_json:

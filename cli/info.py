@@ -17,7 +17,7 @@ import click
 from ..runtime import contract as C, manifest as M, settings as S
 from ..runtime.controller import Costs, auto_policy, default_costs, describe_auto
 from ..runtime.memory import human
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 
 
 def describe(out: Path, verify: bool = True) -> dict:
@@ -66,9 +66,8 @@ def attention_kinds(m) -> dict:
     """The target's family and, per kind of layer, which layers and what their cache is."""
     types = m.target_layer_types or [C.ATTENTION] * m.target_layers
     w = C.window(m) or {}
-    family = w.get("family") or ("hybrid" if m.linear_layers else "dense")
-    if m.moe and not w.get("family"):
-        family += " mixture-of-experts"
+    traits = [name for name, present in (("hybrid", m.linear_layers), ("mixture-of-experts", m.moe)) if present]
+    family = w.get("family") or " ".join(traits) or "dense"  # a mixture of experts is not dense
     kinds: dict = {}
     for i, (t, kind) in enumerate(zip(types, C.layer_kinds(C.TARGET, m))):
         k = kinds.setdefault(t, {"layers": []})

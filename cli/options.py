@@ -9,12 +9,12 @@ import functools
 
 import click
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from ..runtime.sampling import Sampling
 
 
 def model_options(required: bool, target_help: str = "", draft_help: str = ""):
-    """--target / --draft (a directory or a Hugging Face id, `org/name[@revision]`; sources.py)
+    """--target / --draft (a directory or a Hugging Face id, `org/name[@revision]`; export/sources.py)
     and --revision / --draft-revision; the command receives target_dir, draft_dir, revision, draft_revision."""
     where = ("A local directory (which always wins) or a Hugging Face id, org/name[@revision], fetched into the "
              "Hugging Face cache (HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply).")

@@ -14,17 +14,18 @@ from pathlib import Path
 import click
 import numpy as np
 
-from .batch import bench_batch, check_batch_value, echo_bench_batch, generate_many
+from .batch import check_batch_value, echo_bench_batch, generate_many
 from .options import device_options, sampling_options, resolve_speculation, speculation_option
 from ..runtime.controller import auto_policy, controller_for, describe_auto, rounds_of
-from ..runtime.calibrate import calibrate, describe_spin, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
-from ..errors import DFlashError
+from ..runtime.calibrate import calibrate, choose_count, describe_spin, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
+from ..runtime.errors import DFlashError
+from ..runtime.files import prompt_lines
 from ..runtime.load import open_artifact, open_backend, settings_for
 from ..runtime.loop import Generation
 from ..runtime.loop import stream as run
 from ..runtime.manifest import load_manifest
 from ..runtime.sampling import Sampling
-from ..runtime.measure import measure_many, off_domain_report, random_text_prompts, rate, summarize
+from ..runtime.measure import bench_batch, measure_many, off_domain_report, random_text_prompts, rate, summarize
 from ..runtime.settings import policy_json
 from ..serve.text import load_tokenizer
 
@@ -143,27 +144,23 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, sampl
 # -- bench ---------------------------------------------------------------------------------
 
 
+def read_prompts(path: Path, tok) -> list[list[int]]:
+    """--prompts FILE as token ids: each line text (through the exported tokenizer) or comma-separated ids."""
+    prompts = []
+    for ln in prompt_lines(path):
+        if all(p.strip().isdigit() for p in ln.split(",")):
+            prompts.append(_parse_ids(ln, f"--prompts {path}"))
+        elif tok is None:
+            raise DFlashError(f"--prompts {path}: text prompts need tokenizer.json in the exported directory; "
+                              "write comma-separated token ids instead")
+        else:
+            prompts.append(tok.encode(ln).ids)
+    return prompts
+
+
 def _bench_prompts(path: Path | None, tok, vocab: int, n_random: int = 5, length: int = 32) -> tuple[list[list[int]], str]:
     if path is not None:
-        if not path.is_file():
-            raise DFlashError(f"--prompts {path}: no such file")
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        if not lines:
-            raise DFlashError(f"--prompts {path}: no prompts in it (one per line)")
-        if path.suffix == ".jsonl":  # {"prompt": "..."} per line, as demo/prompts.jsonl
-            try:
-                lines = [json.loads(ln)["prompt"] for ln in lines]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DFlashError(f"--prompts {path}: each JSONL line needs a \"prompt\" string") from None
-        prompts = []
-        for ln in lines:
-            if all(p.strip().isdigit() for p in ln.split(",")):
-                prompts.append(_parse_ids(ln, f"--prompts {path}"))
-            elif tok is None:
-                raise DFlashError(f"--prompts {path}: text prompts need tokenizer.json in the exported directory; "
-                                  "write comma-separated token ids instead")
-            else:
-                prompts.append(tok.encode(ln).ids)
+        prompts = read_prompts(path, tok)
         return prompts, f"{len(prompts)} prompts from {path}"
     if tok is not None:
         return [tok.encode(p).ids for p in BUILTIN_PROMPTS], f"{len(BUILTIN_PROMPTS)} built-in text prompts"
@@ -279,7 +276,7 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
     if sweep:
         by = {t: {"speculative": rate(sp), "autoregressive": rate(ba)} for t, (sp, ba) in runs.items() if t != "graphs"}
         report["by_threads"] = {str(t): v for t, v in by.items()}
-        report["best_threads"] = max(by, key=lambda t: by[t]["speculative"])
+        report["best_threads"] = choose_count({t: v["speculative"] for t, v in by.items()})  # calibrate's rule
         report["speedup_vs_best_plain"] = rate(runs[key][0]) / max(v["autoregressive"] for v in by.values())
     if calibration is not None:
         report["calibration"] = calibration
@@ -345,7 +342,9 @@ def echo_bench(r: dict, source: str, vocab_size: int, temperature: float) -> Non
                    f"{o['tokens_per_second']['autoregressive']:.1f} tok/s, speedup {o['speedup']:.2f}x, tau {o['tau']:.2f}, "
                    f"rounds {o['rounds']['drafted']} drafted / {o['rounds']['plain']} plain")
     if "by_threads" in r:
-        click.echo(f"best threads {r['best_threads']}; speedup vs plain at its best thread count "
+        other = "" if r["best_threads"] == r["threads"] else \
+            f" (the run above used {r['threads']}: a difference within noise, or rerun bench --calibrate)"
+        click.echo(f"thread sweep: fastest at {r['best_threads']}{other}; speedup vs plain at its best thread count "
                    f"{r['speedup_vs_best_plain']:.2f}x; by threads {r['by_threads']}")
     click.echo(f"time to first token: {r['ttft_ms']:.1f} ms for a {r['ttft_prompt_tokens']}-token prompt "
                f"(prefill chunk {r['prefill_chunk']})")

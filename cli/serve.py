@@ -10,29 +10,25 @@ torch is never imported here: `--demo` exports the shipped pair in a child proce
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import ipaddress
-import os
 import socket
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import click
 
-from .demo import demo_dir
 from .options import device_options, field_options, resolve_speculation, speculation_option
 from ..runtime import contract as C, manifest as M
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..demo.artifact import demo_artifact
+from ..runtime.errors import DFlashError
+from ..runtime.files import read_text
+from ..runtime.lazy import installed, lazy_import
 from ..runtime.load import settings_for
 from ..runtime.memory import check_cache_memory
 from ..runtime.settings import check_options
 from ..serve.options import RayOptions, ServeOptions
 
-DEMO_CONTEXT = 2048
 DEFAULT_BATCH = 4  # rows per round when --max-batch is not given (docs/serve.md: measured)
 
 uvicorn = lazy_import("uvicorn")  # the serve extra, only when a server starts
@@ -42,57 +38,13 @@ serve_ray = lazy_import("dflash_export.serve.ray")
 
 def _need_serve_extra() -> None:
     missing = []
-    for mod in ("fastapi", "uvicorn", "pydantic", "prometheus_client", "jinja2"):
+    for mod in ("fastapi", "uvicorn", "pydantic", "prometheus_client", "jinja2", "llguidance"):
         try:
             __import__(mod)
         except ImportError:
             missing.append(mod)
     if missing:
         raise DFlashError(f"serve needs {', '.join(missing)}: pip install \"dflash-export[serve]\"")
-
-
-def demo_cache_dir(pair: Path) -> Path:
-    """Where the demo pair's export lives: keyed by the pair's content, the context and the artifact format."""
-    files = sorted(p for p in pair.rglob("*") if p.is_file()) if pair.is_dir() else []
-    if not files:
-        raise DFlashError(f"the shipped demo pair is missing ({pair}); restore demo/pair/ or pass an exported directory")
-    h = hashlib.sha256(f"{DEMO_CONTEXT}/{C.FORMAT_VERSION}".encode())  # a new artifact format: a new export
-    for p in files:
-        h.update(p.relative_to(pair).as_posix().encode() + hashlib.sha256(p.read_bytes()).digest())
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-export"
-    return cache / f"demo-{h.hexdigest()[:16]}"
-
-
-def demo_artifact(pair: Path | None = None) -> Path:
-    """The shipped demo pair exported once into ~/.cache/dflash-export/ (again when this version cannot read it)."""
-    if pair is None:
-        pair = demo_dir() / "pair"
-    out = demo_cache_dir(pair)
-    if (out / C.MANIFEST).is_file():
-        try:
-            M.load_manifest(out, verify=False)
-            return out
-        except DFlashError:  # unreadable by this version: export it again (--force)
-            pass
-    if not (_importable("torch") and _importable("onnx")):
-        raise DFlashError('--demo exports the shipped pair once, which needs the export extra: '
-                          'pip install "dflash-export[export]" (or serve an exported directory: dflash-export serve OUT)')
-    click.echo(f"exporting the demo pair once into {out} (needs torch; the server itself does not) ...", err=True)
-    out.parent.mkdir(parents=True, exist_ok=True)  # export wants an existing parent; a fresh machine has no cache yet
-    cmd = [sys.executable, "-c", "from dflash_export.cli import main; main()", "export", "--target", str(pair / "target"),
-           "--draft", str(pair / "draft"), "--out", str(out), "--max-context", str(DEMO_CONTEXT), "--quiet", "--force"]
-    p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if p.returncode != 0:
-        last = (p.stderr.strip().splitlines() or ["no message"])[-1]
-        raise DFlashError(f"exporting the demo pair failed: {last}")
-    return out
-
-
-def _importable(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ValueError, ImportError):  # e.g. sys.modules[name] is None
-        return False
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -177,10 +129,7 @@ def _api_key(api_key: str | None, api_key_file: Path | None) -> str | None:
         raise DFlashError("give --api-key or --api-key-file, not both")
     if api_key_file is None:
         return api_key
-    try:
-        api_key = api_key_file.read_text().strip()
-    except OSError as e:
-        raise DFlashError(f"--api-key-file {api_key_file}: {e.strerror}") from None
+    api_key = read_text(api_key_file, what="--api-key-file ").strip()
     if not api_key:
         raise DFlashError(f"--api-key-file {api_key_file} is empty")
     return api_key
@@ -190,9 +139,7 @@ def _template(path: Path | None) -> str | None:
     """--chat-template's text (the record holds the template, not its file)."""
     if path is None:
         return None
-    if not path.is_file():
-        raise DFlashError(f"--chat-template {path}: no such file")
-    return path.read_text()
+    return read_text(path, "give a Jinja template file", what="--chat-template ")
 
 
 @click.command()
@@ -223,7 +170,7 @@ def serve(out, demo, host, port, api_key_file, shutdown_timeout, ray: RayOptions
     options.speculation = resolve_speculation(options.no_draft, options.speculation)
     if (options.slots or 1) > 1 and options.backend != "ort":
         raise DFlashError(f"--slots {options.slots} needs --backend ort (its slots share one copy of the weights)")
-    if ray.use_ray and not _importable("ray.serve"):
+    if ray.use_ray and not installed("ray.serve"):
         raise DFlashError('--ray needs Ray Serve: pip install "dflash-export[ray]"')
     deploy = ray.deploy()
     options.chat_template = _template(options.chat_template)
@@ -232,6 +179,7 @@ def serve(out, demo, host, port, api_key_file, shutdown_timeout, ray: RayOptions
         directory = Path(directory).resolve()  # every replica opens this path on its own node
     # a wrong folder, --threads or runtime.json is one line now, not after binding
     manifest = M.load_manifest(directory, verify=False)
+    M.check_readable(directory, manifest)
     settings_for(directory, options.backend, options.provider, threads=options.threads, spin=options.spin,
                  verify=options.verify)
     options.directory = Path(directory)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
-from .. import sources
-from ..lazy import lazy_import
+from ..export import sources
+from ..runtime.lazy import lazy_import
 from .options import field_options
 from ..train.config import TrainConfig
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import click
 
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 from ..runtime.manifest import load_manifest
 
-# TensorRT, polygraphy and onnx: only when the command runs (lazy.py)
+# TensorRT, polygraphy and onnx: only when the command runs (runtime/lazy.py)
 trt_engines = lazy_import("dflash_export.runtime.trt.engines")
 trt_build = lazy_import("dflash_export.export.trt_build")
 trt_lint = lazy_import("dflash_export.export.trt_lint")

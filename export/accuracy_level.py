@@ -33,11 +33,11 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime import contract as C, manifest as M
-from ..errors import InternalError
-from ..lazy import lazy_import
+from ..runtime.errors import InternalError
+from ..runtime.lazy import lazy_import
 from ..runtime.load import ort_backend_class
 
-onnx = lazy_import("onnx")  # on first use (lazy.py)
+onnx = lazy_import("onnx")  # on first use (runtime/lazy.py)
 
 LEVELS = (0, 4)
 SPEED_MARGIN = 1.10  # level 4's step must be this much faster: below it, timing noise decides

@@ -21,17 +21,18 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ..runtime.memory import available_memory
 from ..runtime import contract as C, manifest as M
-from ..errors import DFlashError, InternalError
-from .. import sources as S
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError, InternalError
+from . import sources as S
+from ..runtime.lazy import lazy_import
 from . import draft_vocab as DV, stream, trace as T
-from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_checked
+from ..runtime.outdir import check_out_dir, clean_stale, commit, staged, write_manifest_checked
 from .progress import Phases, report
+from .quant_options import check_kv_cache
 from .quantize import check_options, default_block_size, quantize_artifact
 from .save import copy_tokenizer, graph_spec, opset_of, save_graphs
 from .validate import validate_artifact
 
-torch = lazy_import("torch")  # torch and the reference models: on first use (lazy.py)
+torch = lazy_import("torch")  # torch and the reference models: on first use (runtime/lazy.py)
 reference = lazy_import("dflash_export.models")
 checkpoint = lazy_import("dflash_export.models.checkpoint")
 dflash2 = lazy_import("dflash_export.models.dflash2")  # load_draft_config / load_drafter: either family
@@ -266,7 +267,7 @@ def export_artifact(
 ) -> M.Manifest:
     """Trace, save, validate and describe one artifact directory; atomic on failure.
 
-    target_dir / draft_dir: directories, Hugging Face ids (`org/name[@revision]`, sources.py) or
+    target_dir / draft_dir: directories, Hugging Face ids (`org/name[@revision]`, export/sources.py) or
     resolved Sources; the manifest records where each came from and its weight files' sha256.
     quantize: an export/quantize.py QuantOptions: the float export is written first (to a
     hidden directory), then quantized into `out` (quantize_artifact); streamed experts are
@@ -309,8 +310,7 @@ def export_artifact(
     for p in stale:
         ui.console.print(f"removed {p.name}, left by an export that did not finish")
     t0 = time.perf_counter()
-    tmp = staging(out)
-    try:
+    with staged(out, say=ui.console.print) as tmp:  # removed unless published, Ctrl-C too
         with ui.phase("load", f"{tc.architecture} target + {dc.num_layers}-layer drafter ({dtype})"):
             manifest.sources = {"target": tsrc.record(), "draft": dsrc.record()}  # hashes the weight files
             target, drafter, streamed = load_pair(target_dir, draft_dir, dc, tdtype, streams=streams, moe_path=moe_path,
@@ -339,12 +339,7 @@ def export_artifact(
         del models, target, drafter
         with ui.phase("validate", "onnx.checker, shape inference, op lint, ORT load"):
             validate_artifact(tmp, dtype, attention=attention, moe=moe_path)
-        manifest = publish(tmp, out, manifest, tokenizer, quantize, progress, experts)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, KeyboardInterrupt):
-            ui.console.print(f"[red]interrupted[/]: partial export removed, {out} unchanged")
-        raise
+        manifest = publish(tmp, out, manifest, tokenizer, quantize, progress, experts, t0)
     if quantize is None:
         report(ui, out, time.perf_counter() - t0)
     return manifest
@@ -368,22 +363,6 @@ def graph_form(tc, dtype: str, attention: str, moe: str | None) -> str | None:
     if moe is not None and tc.moe is None:
         raise DFlashError(f"--moe {moe}: this {tc.architecture} target has no experts; leave --moe out")
     return moe_graphs.choose_path(moe, dtype, tc.moe.activation) if tc.moe is not None else None
-
-
-KV_CACHE_TYPES = ("int8",)  # export --kv-cache (beside the default: the model dtype)
-
-
-def check_kv_cache(kv_cache: str | None, attention: str, calibration) -> None:
-    """Refuse a quantized cache where ONNX Runtime's GroupQueryAttention does not keep the cache."""
-    if kv_cache is None:
-        if calibration is not None:
-            raise DFlashError("--kv-calibration needs --kv-cache int8")
-        return
-    if kv_cache not in KV_CACHE_TYPES:
-        raise DFlashError(f"--kv-cache must be one of {', '.join(KV_CACHE_TYPES)} (got {kv_cache!r})")
-    if attention != "ort":
-        raise DFlashError(f"--kv-cache {kv_cache} needs --attention ort (ONNX Runtime's GroupQueryAttention keeps the "
-                          "quantized cache; the standard flavour's cache is in the model dtype)")
 
 
 def new_manifest(tc, dc, k: int, mask: int, dtype: str, max_context: int, eos: list[int], attention: str,
@@ -443,7 +422,7 @@ def stream_experts(model, target_dir: Path, tc, moe_path: str) -> None:
 
 
 def publish(tmp: Path, out: Path, manifest: M.Manifest, tokenizer, quantize, progress: bool,
-            experts: dict | None = None) -> M.Manifest:
+            experts: dict | None = None, started: float | None = None) -> M.Manifest:
     """Describe the validated graphs in the manifest and move the staging folder onto `out`; with
     `quantize` the float export is the quantizer's input and only the quantized one is published
     (`experts`: the streamed experts its target holds stand-ins of, export/stream.py `stand_ins`)."""
@@ -454,6 +433,4 @@ def publish(tmp: Path, out: Path, manifest: M.Manifest, tokenizer, quantize, pro
     if quantize is None:
         commit(tmp, out)
         return manifest
-    manifest = quantize_artifact(tmp, out, quantize, force=True, progress=progress, experts=experts)
-    shutil.rmtree(tmp)
-    return manifest
+    return quantize_artifact(tmp, out, quantize, force=True, progress=progress, experts=experts, started=started)

@@ -26,6 +26,8 @@ quantized graphs == plain greedy decoding through the same graphs, token for tok
 from __future__ import annotations
 
 import contextlib
+import functools
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,12 +35,13 @@ import numpy as np
 
 from ..runtime import contract as C, manifest as M
 from ..runtime.hybrid import commit_state
-from ..lazy import lazy_import
+from ..runtime.lazy import lazy_import
 from ..runtime.load import open_backend
 from ..runtime.loop import generate
 from ..runtime.names import names_of
-from ..errors import DFlashError
-from .. import sources as S
+from ..runtime.errors import DFlashError
+from ..runtime.settings import WIDE
+from . import sources as S
 from .artifact import torch_dtype
 from .check_rows import block_inputs, ragged_rows, stored_rows, target_inputs
 from .polygraphy_json import write_polygraphy
@@ -46,7 +49,7 @@ from .progress import Phases
 from .quantize import dequantized_sources, dequantizers
 from .save import read_initializers
 
-torch = lazy_import("torch")  # torch, onnx, the reference models: on first use (lazy.py)
+torch = lazy_import("torch")  # torch, onnx, the reference models: on first use (runtime/lazy.py)
 ml_dtypes = lazy_import("ml_dtypes")
 onnx = lazy_import("onnx")
 reference = lazy_import("dflash_export.models")
@@ -342,12 +345,33 @@ def compare(graph: str, case: str, names: list[str], got: list[np.ndarray], ref:
     return rows
 
 
+def small_ops_one_thread(run):
+    """Run `run(root, ...)` with torch on one intra-op thread when root's model is narrow (hidden <
+    runtime.settings.WIDE, the runtime's own rule for ONNX Runtime): the PyTorch reference of a
+    small model is thousands of tiny ops (a mixture of experts: several per expert and layer),
+    and a second thread only adds a handoff to each. A 4-layer, 64-wide MoE target decoded a
+    24-token prompt in 0.4 s on one thread and 20 s on two, on a shared 2-vCPU machine at load 19."""
+
+    @functools.wraps(run)
+    def wrapper(root, *args, **kwargs):
+        before = torch.get_num_threads()
+        if M.load_manifest(root, verify=False).hidden_size < WIDE:
+            torch.set_num_threads(1)
+        try:
+            return run(root, *args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
+
+    return wrapper
+
+
+@small_ops_one_thread
 def run_check(
     root: str | Path,
     target_dir,
     draft_dir,
     *,
-    prompts: int = 20,
+    prompts: int | list[list[int]] = 20,
     max_new_tokens: int = 24,
     seed: int = 0,
     save_polygraphy: str | Path | None = None,
@@ -359,6 +383,13 @@ def run_check(
     one at a time) instead of held; None: when the whole source would not fit beside the graphs."""
     root = Path(root)
     m = M.load_manifest(root, verify=True)
+    if not isinstance(prompts, int):  # given prompts (check --prompts FILE): refused before anything loads
+        for i, p in enumerate(prompts, 1):
+            if not p or len(p) + max_new_tokens > m.max_context:
+                raise DFlashError(f"prompt {i} has {len(p)} tokens: with --max-new-tokens {max_new_tokens} it needs 1 to "
+                                  f"{m.max_context - max_new_tokens} for the max context {m.max_context}")
+            if not all(0 <= t < m.vocab_size for t in p):
+                raise DFlashError(f"prompt {i} holds token ids outside the vocabulary [0, {m.vocab_size})")
     ui = Phases(progress)
     q = m.quantization
     report = Report(m.dtype, quantization=q, strict=m.dtype == "fp32",
@@ -446,11 +477,17 @@ def run_check(
     if save_polygraphy is not None:
         with ui.phase("save", f"Polygraphy inputs/outputs to {save_polygraphy}"):
             write_polygraphy(Path(save_polygraphy), saved)
-    if prompts > 0:
-        with ui.phase("generate", f"{prompts} prompts x {max_new_tokens} tokens, runtime loop on ORT vs speculative_generate"):
+    n = prompts if isinstance(prompts, int) else len(prompts)
+    if n > 0:
+        what = f"{n} prompts x {max_new_tokens} tokens, runtime loop on ORT vs speculative_generate"
+        with ui.phase("generate", what) as status:
             oracle = generate2.dflash2_generate if C.selector(m) else reference.speculative_generate  # DFlash 2: the walk
+            t0 = time.perf_counter()
+            tick = lambda i: status.update(f"[bold]generate[/] {what}: prompt {i + 1}/{n}, "  # noqa: E731
+                                           f"{time.perf_counter() - t0:.0f} s")
             report.end_to_end = end_to_end(backend, *ref_models, m, prompts, max_new_tokens, seed, oracle,
-                                           float_models=None if q is None and kv_scales is None else (target, drafter))
+                                           float_models=None if q is None and kv_scales is None else (target, drafter),
+                                           tick=tick)
     return report
 
 
@@ -463,19 +500,24 @@ def written_rows(feeds: dict, names: list[str], outs: list) -> list:
     return [x[:, :, :n] if name.startswith("present_") else x for name, x in zip(names, outs)]
 
 
-def end_to_end(backend, target, drafter, m: M.Manifest, prompts: int, max_new_tokens: int, seed: int, oracle,
-               float_models=None) -> dict:
+def end_to_end(backend, target, drafter, m: M.Manifest, prompts: int | list[list[int]], max_new_tokens: int, seed: int,
+               oracle, float_models=None, tick=lambda i: None) -> dict:
     """Greedy speculative decoding (no stop tokens) by the deployed loop (runtime/loop.py over
     the ORT backend) vs the oracle on (target, drafter). Quantized (float_models: the float
     source): also decode each prompt plainly through target.onnx with the same loop
-    (speculative == plain) and measure the greedy agreement length with the float source."""
+    (speculative == plain) and measure the greedy agreement length with the float source.
+    `prompts`: how many random ones (seeded), or the prompts themselves; tick(i) before prompt i."""
     rng = np.random.default_rng(seed + 1)
     identical, same_lengths, lengths, failures = 0, 0, [], []
     self_same, agree, self_failures = 0, [], []
-    for i in range(prompts):
-        n = int(rng.integers(2, 12))
-        n = min(n, m.max_context - max_new_tokens)
-        prompt = rng.integers(0, m.vocab_size, n).tolist()
+    given = None if isinstance(prompts, int) else prompts
+    for i in range(prompts if given is None else len(given)):
+        tick(i)
+        if given is None:
+            n = min(int(rng.integers(2, 12)), m.max_context - max_new_tokens)
+            prompt = rng.integers(0, m.vocab_size, n).tolist()
+        else:
+            prompt = list(given[i])
         g = generate(backend, prompt, max_new_tokens, stop_token_ids=())
         tokens, acc = g.tokens, g.acceptance_lengths
         ref = oracle(target, drafter, prompt, max_new_tokens, mask_token_id=m.mask_token_id, block_size=m.block_size)
@@ -494,7 +536,7 @@ def end_to_end(backend, target, drafter, m: M.Manifest, prompts: int, max_new_to
             failures.append({"prompt": prompt, "first_difference": _first_difference(tokens, ref.tokens),
                              "onnx": tokens, "pytorch": ref.tokens})
     hist = np.bincount(lengths, minlength=m.block_size + 1)[1:].tolist() if lengths else []
-    out = {"cases": prompts, "identical": identical, "acceptance_identical": same_lengths,
+    out = {"cases": prompts if given is None else len(given), "identical": identical, "acceptance_identical": same_lengths,
            "max_new_tokens": max_new_tokens, "tau": float(np.mean(lengths)) if lengths else 0.0,
            "acceptance_histogram": hist, "failures": failures}
     if float_models is not None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..runtime import contract as C, manifest as M
-from ..lazy import lazy_import
+from ..runtime.lazy import lazy_import
 
-torch = lazy_import("torch")  # torch and the graphs: on first use (lazy.py)
+torch = lazy_import("torch")  # torch and the graphs: on first use (runtime/lazy.py)
 G = lazy_import("dflash_export.export.graphs")
 gqa = lazy_import("dflash_export.export.gqa")
 

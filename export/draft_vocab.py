@@ -25,10 +25,11 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.files import read_bytes, readable
+from ..runtime.lazy import lazy_import
 
-torch = lazy_import("torch")  # on first use (lazy.py)
+torch = lazy_import("torch")  # on first use (runtime/lazy.py)
 
 FALLBACK = "fallback: the lowest ids (BPE merge order) plus the stop tokens"
 
@@ -58,7 +59,7 @@ def _tokenizer(target_dir: Path, source: Path):
     if not f.is_file():
         raise DFlashError(f"--draft-vocab-data {source} is text, but the target has no tokenizer.json to "
                           "tokenize it; pass token ids (.jsonl with a 'tokens' list, or train-draft shards)")
-    return Tokenizer.from_file(str(f))
+    return Tokenizer.from_file(str(readable(f)))
 
 
 def count_tokens(files: list[str | Path], target_dir: str | Path, vocab_size: int) -> tuple[np.ndarray, str]:
@@ -77,7 +78,7 @@ def count_tokens(files: list[str | Path], target_dir: str | Path, vocab_size: in
         elif p.suffix == ".pt":
             _ids_from_shards([p], counts)
         elif p.suffix == ".jsonl":
-            for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            for n, line in enumerate(read_bytes(p, what="--draft-vocab-data ").decode("utf-8", errors="replace").splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
@@ -98,7 +99,7 @@ def count_tokens(files: list[str | Path], target_dir: str | Path, vocab_size: in
                     raise DFlashError(f"--draft-vocab-data {p}:{n}: 'tokens' must be a list of integer ids") from None
         else:
             tok = tok or _tokenizer(target_dir, p)
-            _add(counts, tok.encode(p.read_text(encoding="utf-8", errors="replace")).ids, p)
+            _add(counts, tok.encode(read_bytes(p, what="--draft-vocab-data ").decode("utf-8", errors="replace")).ids, p)
         names.append(p.name)
     total = int(counts.sum())
     if total == 0:

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 from ..runtime import contract as C
+from ..runtime.files import prompt_lines, readable
 from .save import read_initializers
 
 onnx = lazy_import("onnx")
@@ -39,16 +40,11 @@ def seed_prompts(target_dir: Path, vocab_size: int, prompts_file: Path | None) -
     test models) fixed pseudo-random ids."""
     tok_path = Path(target_dir) / "tokenizer.json"
     if prompts_file is not None:
-        try:
-            lines = [ln for ln in Path(prompts_file).read_text().splitlines() if ln.strip()]
-        except (OSError, UnicodeDecodeError) as e:
-            raise DFlashError(f"--kv-calibration {prompts_file}: unreadable ({e})") from None
-        if not lines:
-            raise DFlashError(f"--kv-calibration {prompts_file}: no prompts (one a line)")
+        lines = prompt_lines(prompts_file, "--kv-calibration ")
         if not tok_path.is_file():
             raise DFlashError(f"--kv-calibration needs the target's tokenizer.json, which {target_dir} lacks")
     if tok_path.is_file():
-        tok = tokenizers.Tokenizer.from_file(str(tok_path))
+        tok = tokenizers.Tokenizer.from_file(str(readable(tok_path)))
         texts = lines if prompts_file is not None else SEEDS
         ids = [[i for i in tok.encode(t).ids if i < vocab_size] for t in texts]
         if all(ids):

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 from ..models.checkpoint import experts_on_meta, weight_files
 
 safetensors = lazy_import("safetensors")

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from onnxscript import values
 
-from ..errors import DFlashError, InternalError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError, InternalError
+from ..runtime.lazy import lazy_import
 from ..models import moe as M
 from ..models.config import MoeConfig
 from .ops import register_ort_schemas
@@ -270,7 +270,7 @@ def to_gathered(proto, bits: int, block: int, symmetric: bool) -> list[str]:
 
     Cast + Sub + Mul rather than DequantizeLinear's blocked form: that needs opset 21 (the export
     writes 20), which older ONNX Runtime releases and other providers, this form's users, may
-    not run, and on ONNX Runtime's CPU it was only 5-13 % faster (bench/moe_standard_quant.py)."""
+    not run, and on ONNX Runtime's CPU it was only 5-13 % faster (docs/moe.md, "Quantization")."""
     graph = proto.graph
     inits = {t.name: t for t in graph.initializer}
     users: dict[str, list] = {}

@@ -4,9 +4,9 @@ path (export/moe.py) asks for; the onnx schemas of the latter two."""
 
 from __future__ import annotations
 
-from ..lazy import lazy_import
+from ..runtime.lazy import lazy_import
 
-onnx = lazy_import("onnx")  # on first use (lazy.py)
+onnx = lazy_import("onnx")  # on first use (runtime/lazy.py)
 
 STANDARD_DOMAINS = ("", "ai.onnx")
 # what a quantized graph may hold beyond ai.onnx: the linear layers, the embedding lookup

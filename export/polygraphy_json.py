@@ -6,9 +6,9 @@ import contextlib
 import sys
 from pathlib import Path
 
-from ..lazy import lazy_import
+from ..runtime.lazy import lazy_import
 
-# polygraphy, on first use (lazy.py): inside write_polygraphy's redirect, since it logs to stdout
+# polygraphy, on first use (runtime/lazy.py): inside write_polygraphy's redirect, since it logs to stdout
 comparator = lazy_import("polygraphy.comparator")
 pstruct = lazy_import("polygraphy.comparator.struct")
 pjson = lazy_import("polygraphy.json")

@@ -23,8 +23,8 @@ class Phases:
     @contextlib.contextmanager
     def phase(self, name: str, what: str):
         t0 = time.perf_counter()
-        with self.console.status(f"[bold]{name}[/] {what}"):
-            yield
+        with self.console.status(f"[bold]{name}[/] {what}") as status:
+            yield status  # status.update(text): progress within the phase
         rss = human(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
         self.console.print(f"[green]done[/] {name:<9} {what} ({time.perf_counter() - t0:.1f} s, peak RSS {rss})")
 

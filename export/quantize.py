@@ -14,7 +14,7 @@ two read the same bytes of shared.data.
 MatMulNBits' accuracy_level (0: fp32 activations; 4: activations quantized to int8 per block,
 int8 dot products) is chosen per artifact by measurement (export/accuracy_level.py) unless given.
 
-The block size, unless given, is DEFAULT_BLOCK[scheme] (`default_block_size`): blocks of 128
+The block size, unless given, is DEFAULT_BLOCK[scheme] (quant_options.py `default_block_size`): blocks of 128
 (the common int4 group size, ONNX Runtime's quantizer's own default), measured on CPU at the
 Qwen3-0.6B shape to cost about 60 % (int4) and 65 % (int8) of block 32's CPU time per token at
 a modestly larger error (docs/quantization.md, "Block size"), halved until it divides the hidden
@@ -33,122 +33,29 @@ import logging
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..runtime import contract as C, manifest as M
-from ..errors import DFlashError
-from ..lazy import lazy_import
-from .outdir import check_out_dir, clean_stale, commit, staging, write_manifest_checked
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
+from ..runtime.outdir import check_out_dir, commit, staged, write_manifest_checked
 from . import accuracy_level as AL
 from .progress import Phases, report
+from .quant_options import DRAFT_ONLY_LEVEL, QuantOptions, check_options, default_block_size
 from . import stream
 from .save import INLINE_BELOW, graph_spec, read_initializers, save_graphs
 from .trace import store_transposed
 from .validate import validate_artifact
 
-ir = lazy_import("onnx_ir")  # onnx, onnxruntime's quantizer, torch: on first use (lazy.py)
+ir = lazy_import("onnx_ir")  # onnx, onnxruntime's quantizer, torch: on first use (runtime/lazy.py)
 nbits = lazy_import("onnxruntime.quantization.matmul_nbits_quantizer")
 ort_pybind = lazy_import("onnxruntime.capi._pybind_state")  # its C++ blockwise quantizer (pack_blocks)
 onnx = lazy_import("onnx")
 torch = lazy_import("torch")
 moe = lazy_import("dflash_export.export.moe")
 moe_blocks = lazy_import("dflash_export.models.moe")
-
-SCHEMES = {"int4": 4, "int8": 8}
-DEFAULT_BLOCK = {"int4": 128, "int8": 128}  # weights per block when --quant-block-size is not given
-DRAFT_ONLY_LEVEL = 4  # --draft-only's level: the output cannot change, and level 0 is int8's slow path on CPU
-ROUTERS = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")  # MoE routing weights: kept in the export dtype
-EXPERT_FORMS = {  # the manifest's quantization.experts, by the target's MoE graph form (export/moe.py)
-    "op": "com.microsoft::QMoE",
-    "standard": "gathered codes dequantized in standard ops (Gather, Cast, Sub, Mul)",
-}
-
-
-@dataclass
-class QuantOptions:
-    """What `export --quantize` asked for; `record()` is the manifest's `quantization`."""
-
-    scheme: str  # "int4" | "int8"
-    block_size: int | None = None  # None: default_block_size for the artifact (quantize_artifact)
-    symmetric: bool = True
-    draft: bool = False  # also the drafter's linear layers (draft_context, draft_block)
-    lm_head: bool = False  # also the LM head (shared by target and draft_block)
-    accuracy_level: int | None = None  # MatMulNBits' compute type on CPU (None: measured, export/accuracy_level.py)
-    embedding: bool = False  # also the embedding lookup (GatherBlockQuantized)
-    target: bool = True  # False (--draft-only): the drafter's graphs alone, their LM head included; target.onnx untouched
-    head_bits: int | None = None  # bits of the LM head and the lookup (None: the scheme's): 8 beside int4 layers
-
-    @property
-    def bits(self) -> int:
-        return SCHEMES[self.scheme]
-
-    def head(self) -> "QuantOptions":
-        """The options the LM head and the embedding lookup are quantized with (--quant-head-bits)."""
-        if self.head_bits is None or self.head_bits == self.bits:
-            return self
-        return dataclasses.replace(self, scheme=next(k for k, b in SCHEMES.items() if b == self.head_bits))
-
-    def graphs(self) -> tuple[str, ...]:
-        """Graphs whose linear layers are quantized (the shared LM head goes with `lm_head`)."""
-        drafter = (C.DRAFT_CONTEXT, C.DRAFT_BLOCK) if self.draft else ()
-        return ((C.TARGET,) if self.target else ()) + drafter
-
-    def quantizes(self, graph: str, weight: str) -> bool:
-        if weight.endswith(ROUTERS):  # an MoE router: a rounded logit would choose other experts
-            return False
-        if weight in C.SHARED_INITIALIZERS:  # the head: in both graphs or in neither, so it stays one copy,
-            return self.lm_head and (self.target or graph != C.TARGET)  # but --draft-only gives the drafter its own
-        return graph in self.graphs()
-
-    def record(self, weights: dict[str, list[str]], level: dict, moe_path: str | None = None) -> dict:
-        """level: {"accuracy_level", "accuracy_level_from" ("flag" | "measured"), "accuracy_probe"};
-        moe_path: the target's MoE graph form, which says the quantized experts' (`experts`)."""
-        d = asdict(self)
-        d.update(method="onnxruntime MatMulNBitsQuantizer (RTN, blockwise)", bits=self.bits, weights=weights, **level)
-        if moe_path is not None and self.target:
-            d["experts"] = EXPERT_FORMS[moe_path]
-        return d
-
-
-def check_options(q: QuantOptions, dtype: str) -> None:
-    """Refuse what cannot work, before anything is loaded."""
-    if q.scheme not in SCHEMES:
-        raise DFlashError(f"--quantize {q.scheme} is not supported; choose int4 or int8 (weight-only, ONNX Runtime MatMulNBits)")
-    if dtype == "bf16":
-        raise DFlashError("--quantize with --dtype bf16 is not supported (ONNX Runtime's CPU MatMulNBits has no bf16 "
-                          "kernel); export with --dtype fp32 or fp16")
-    if q.block_size is not None and (q.block_size < 16 or q.block_size & (q.block_size - 1)):
-        raise DFlashError(f"--quant-block-size {q.block_size}: MatMulNBits takes a power of two >= 16 (e.g. 32, 64, 128)")
-    if q.accuracy_level not in (None, 0, 1, 2, 3, 4):
-        raise DFlashError(f"--quant-accuracy-level {q.accuracy_level}: MatMulNBits takes 0-4")
-    if q.head_bits is not None and q.head_bits not in SCHEMES.values():
-        raise DFlashError(f"--quant-head-bits {q.head_bits}: choose 4 or 8")
-    if q.head_bits is not None and not (q.lm_head or q.embedding):
-        raise DFlashError("--quant-head-bits needs --quantize-lm-head or --quantize-embedding (the head and lookup are "
-                          "otherwise left in the export dtype)")
-    if not q.target and q.embedding:
-        raise DFlashError("--draft-only with --quantize-embedding: the lookup table is the target's; "
-                          "--draft-only quantizes the drafter's linear layers and LM head alone")
-
-
-def draft_only(q: QuantOptions) -> QuantOptions:
-    """--draft-only: the drafter's graphs, their LM head included, and nothing of the target.
-    The drafter only proposes tokens the float target verifies, so greedy output stays the
-    float target's own; rounding can only lower acceptance."""
-    return dataclasses.replace(q, draft=True, lm_head=True, target=False)
-
-
-def default_block_size(scheme: str, hidden: int, expert_size: int | None = None) -> int:
-    """The block size when none was asked for: DEFAULT_BLOCK[scheme], halved (down to 16) until it
-    divides the hidden size, as the embedding lookup's blocks must, and an MoE target's expert
-    width, as QMoE's and the gathered experts' blocks must (gpt-oss's 2880: 64)."""
-    block = DEFAULT_BLOCK[scheme]
-    while block > 16 and (hidden % block or (expert_size or 0) % block):
-        block //= 2
-    return block
 
 
 def quantize_graph(model, q: QuantOptions, graph: str):
@@ -277,7 +184,7 @@ def quantize_embedding(model, q: QuantOptions) -> bool:
 
 
 def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progress: bool = True,
-                      experts: dict | None = None) -> M.Manifest:
+                      experts: dict | None = None, started: float | None = None) -> M.Manifest:
     """A float artifact directory (`export` output) -> a weight-only quantized one at `out`.
 
     Graphs are read with their external data mapped, quantized one at a time and written
@@ -288,7 +195,8 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
     experts: `export --quantize` of a MoE target whose experts stream from the checkpoint: its
     float export holds one-expert stand-ins (export/stream.py `stand_ins`), and these (name ->
     StreamedExperts) take their place, so each expert is read from the checkpoint as its
-    quantized form is written.
+    quantized form is written. started: when the run began (perf_counter), for the time the
+    final table reports (`export --quantize`: its export's start, not the quantization's).
     """
     src, out = Path(src), Path(out).absolute()
     m = M.load_manifest(src, verify=True)
@@ -300,13 +208,11 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
         q = dataclasses.replace(q, block_size=default_block_size(q.scheme, m.hidden_size, (m.moe or {}).get("expert_size")))
     check_out_dir(out, force)
     ui = Phases(progress)
-    for p in clean_stale(out):
-        ui.console.print(f"removed {p.name}, left by an export or quantization that did not finish")
-    t0 = time.perf_counter()
-    tmp = staging(out, "partial-q")  # export --quantize: its own export's staging is `partial`
+    t0 = time.perf_counter() if started is None else started
     embed, head = C.SHARED_INITIALIZERS
     quantized: dict[str, list[str]] = {}
-    try:
+    # export --quantize: its own export's staging is `partial`; this one is removed unless published, Ctrl-C too
+    with staged(out, "partial-q", say=ui.console.print) as tmp:
         extra = " + LM head" if q.lm_head else ""
         extra += " + embedding" if q.embedding else ""
         extra += f" (at {q.head().bits} bits)" if extra and q.head() is not q else ""
@@ -355,9 +261,6 @@ def quantize_artifact(src, out, q: QuantOptions, *, force: bool = False, progres
         manifest = dataclasses.replace(manifest, quantization=q.record(quantized, level, (m.moe or {}).get("path")))
         write_manifest_checked(tmp, manifest)
         commit(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     report(ui, out, time.perf_counter() - t0)
     return manifest
 

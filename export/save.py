@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime import contract as C, manifest as M
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 
-onnx = lazy_import("onnx")  # on first use (lazy.py)
+onnx = lazy_import("onnx")  # on first use (runtime/lazy.py)
 ir = lazy_import("onnx_ir")
 helper = lazy_import("onnx.helper")
 numpy_helper = lazy_import("onnx.numpy_helper")

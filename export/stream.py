@@ -29,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import DFlashError, InternalError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError, InternalError
+from ..runtime.lazy import lazy_import
 
-ir = lazy_import("onnx_ir")  # torch, onnx_ir and the models: on first use (lazy.py)
+ir = lazy_import("onnx_ir")  # torch, onnx_ir and the models: on first use (runtime/lazy.py)
 torch = lazy_import("torch")
 moe = lazy_import("dflash_export.models.moe")
 checkpoint = lazy_import("dflash_export.models.checkpoint")

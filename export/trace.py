@@ -15,10 +15,10 @@ import warnings
 import numpy as np
 
 from ..runtime import contract as C, manifest as M
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 
-torch = lazy_import("torch")  # torch, onnx and the graphs: on first use (lazy.py)
+torch = lazy_import("torch")  # torch, onnx and the graphs: on first use (runtime/lazy.py)
 optimizer = lazy_import("onnxscript.optimizer")
 ir = lazy_import("onnx_ir")
 graphs = lazy_import("dflash_export.export.graphs")

@@ -9,7 +9,7 @@ dtype (strongly typed networks only; TensorRT 11 has no other kind).
 external weights resolved next to the file), CreateConfig (profiles, workspace limit, the
 timing cache, a progress monitor), EngineBytesFromNetwork (build, and merge the timing cache
 back into its file under a lock) and SaveBytes. Written by hand, because Polygraphy does
-not do them: the profiles (runtime/trt/profiles.py), the all-or-nothing swap of
+not do them: the profiles (runtime/profiles.py), the all-or-nothing swap of
 OUT/engines, the manifest record, the rich progress bars and one-line errors.
 
 NOT EXECUTED ON TENSORRT HARDWARE IN DEVELOPMENT: a build needs TensorRT's libraries and an
@@ -22,7 +22,6 @@ machine, tests/test_trt_gpu.py builds for real.
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,14 +32,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..runtime.contract import BATCH, GRAPH_FILES, GRAPHS, ring
 from ..runtime.manifest import Manifest, load_manifest, write_manifest
-from ..errors import DFlashError
-from ..lazy import lazy_import
-from ..runtime.trt.engines import gpu_info, import_tensorrt
-from ..runtime.trt.profiles import (
-    ENGINE_DIR, ENGINE_FILES, Limits, check_precision, profile_record, refuse_quantized, resolve_limits, trt_version_tuple,
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
+from ..runtime.outdir import commit, staged
+from ..runtime.profiles import Limits, check_precision, profile_record, resolve_limits
+from ..runtime.trt.engines import (
+    ENGINE_DIR, ENGINE_FILES, gpu_info, import_tensorrt, refuse_quantized, trt_version_tuple,
 )
 
-# polygraphy (the trt extra) and the lint (onnx): on first use (lazy.py)
+# polygraphy (the trt extra) and the lint (onnx): on first use (runtime/lazy.py)
 pcommon = lazy_import("polygraphy.backend.common")
 ptrt = lazy_import("polygraphy.backend.trt")
 pexception = lazy_import("polygraphy.exception")
@@ -205,10 +205,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_context
     console = None
     if progress:
         console = Console(stderr=True)
-    staging = out.parent / f".{out.name}.engines.partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
+    with staged(out, "engines", say=echo) as staging:  # beside OUT; removed unless published, Ctrl-C too
         for i, g in enumerate(plan.graphs, 1):
             t0 = time.perf_counter()
             monitor = _progress_monitor(trt, console) if progress else None
@@ -226,13 +223,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_context
                     monitor.bars.stop()
             echo(f"[{i}/{len(plan.graphs)}] {g.engine}: {dest.stat().st_size / 2**20:.1f} MiB "
                  f"in {time.perf_counter() - t0:.1f} s")
-        # all engines built: swap them in, then re-hash so the manifest covers them
-        final = out / ENGINE_DIR
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        commit(staging, out, ENGINE_DIR)  # all engines built: swap them in, then re-hash so the manifest covers them
     manifest.engines = {
         "tensorrt": trt.__version__,
         "compute_capability": cc,

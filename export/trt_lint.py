@@ -12,7 +12,7 @@ checked from the ONNX files alone is checked here, before any build:
 - inputs the parser needs as build-time constants are constants (Reduce axes, ...);
 - every graph input is the graph contract's (runtime/contract.py), each dim with its role
   there: dynamic roles named and covered by a TensorRT optimization profile
-  (runtime/trt/profiles.py), static ones (the block size K, heads, ...) fixed at the
+  (runtime/profiles.py), static ones (the block size K, heads, ...) fixed at the
   manifest's size.
 """
 
@@ -28,8 +28,9 @@ import onnx
 from ..runtime import contract as C
 from ..runtime.contract import GRAPH_FILES
 from ..runtime.manifest import Manifest, load_manifest
-from ..errors import DFlashError
-from ..runtime.trt.profiles import TRT_BELOW, TRT_MIN, axis_role, profiles, refuse_quantized, resolve_limits
+from ..runtime.errors import DFlashError
+from ..runtime.profiles import axis_role, profiles, resolve_limits
+from ..runtime.trt.engines import TRT_BELOW, TRT_MIN, refuse_quantized
 
 OPS_FILE = Path(__file__).with_name("trt_ops.json")
 ORT_FLAVOUR = ("exported with --attention ort (com.microsoft GroupQueryAttention, ONNX Runtime only): TensorRT "

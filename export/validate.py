@@ -13,11 +13,11 @@ from collections.abc import Collection
 from pathlib import Path
 
 from ..runtime import contract as C
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 from .ops import MOE_OPS, ORT_FLAVOUR_OPS, QMOE_OPS, QUANT_OPS, STANDARD_DOMAINS, register_ort_schemas
 
-onnx = lazy_import("onnx")  # on first use (lazy.py)
+onnx = lazy_import("onnx")  # on first use (runtime/lazy.py)
 ort = lazy_import("onnxruntime")
 
 

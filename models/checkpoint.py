@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 
-safetensors_torch = lazy_import("safetensors.torch")  # on first use (lazy.py)
+safetensors_torch = lazy_import("safetensors.torch")  # on first use (runtime/lazy.py)
 safetensors = lazy_import("safetensors")
 
 # tensors that load_state_dict returns on the meta device (shape and dtype only, nothing read):

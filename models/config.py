@@ -11,8 +11,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.files import read_json
+from ..runtime.lazy import lazy_import
 from . import speculators
 
 torch = lazy_import("torch")  # only for inv_freq: the configs themselves are read without torch
@@ -154,12 +155,9 @@ def read_config(directory: str | Path, what: str) -> dict:
     if not d.is_dir():
         raise DFlashError(f"{what} directory {d} does not exist")
     p = d / "config.json"
-    if not p.is_file():
+    if not p.exists():
         raise DFlashError(f"{what} directory {d} has no config.json; pass a Hugging Face checkpoint directory")
-    try:
-        cfg = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"{p}: invalid JSON ({e})") from None
+    cfg = read_json(p, "give a Hugging Face checkpoint directory")
     if not isinstance(cfg, dict):
         raise DFlashError(f"{p}: expected a JSON object")
     return cfg

@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from .config import DRAFT2_ARCH, DRAFT_ARCH, DraftConfig, read_config
 from .drafter import Drafter, KV
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from . import speculators
 from .checkpoint import load_state_dict, save_state_dict, strict_load
 from .config import DRAFT_ARCH, DraftConfig, TargetConfig, default_target_layer_ids

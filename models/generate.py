@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from ..runtime.sampling import (GREEDY, Sampling, accept, check_request, choose, cut_at_stop, draft_uniforms,
                                 position_uniforms, probabilities, rejection, sample_drafts)
 from .kvcache import KVCache

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from ..runtime.sampling import GREEDY, Drafted, Sampling
 from .dflash2 import DFlash2Drafter
 from .generate import Generation, speculative_loop

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from .config import MoeConfig, TargetConfig
 from .layers import MLP
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 
 FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 

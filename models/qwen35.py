@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from . import gdn
 from .checkpoint import load_state_dict, strict_load
 from .config import TargetConfig

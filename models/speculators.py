@@ -18,8 +18,8 @@ takes the body for the z-lab module and returns the rest for `Drafter.adopt`.
 
 from __future__ import annotations
 
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.lazy import lazy_import
 
 torch = lazy_import("torch")  # split_state only: configs are read without torch
 

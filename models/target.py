@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from .checkpoint import load_state_dict, strict_load
 from .config import TargetConfig
 from .kvcache import KV, KVCache

@@ -35,7 +35,7 @@ import numpy as np
 from . import contract as C
 from .names import Names
 from .manifest import Manifest
-from ..errors import DFlashError, InternalError
+from .errors import DFlashError, InternalError
 from .hybrid import LinearStates
 from .window import WindowRings
 

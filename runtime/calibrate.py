@@ -14,6 +14,8 @@
   at real sizes).
 - `prefill_ms` / `choose_chunk`: the time to first token of a 512-token prompt per prefill
   chunk, and the fastest chunk.
+- `host_ms`: ms of the loop's own work per drafted and per plain round (outside the graph
+  calls), measured in the loop's rounds: the rest of the cost model.
 - `round_costs`: ms of a plain step, a verify of each length, a draft and a context update
   at each batch size, each call where a round runs it (right after the other model's call):
   the speculation controller's cost model (runtime/controller.py) and the verify policy's.
@@ -32,8 +34,9 @@ import numpy as np
 from . import contract as C
 from .backend import Backend
 from .contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET
-from ..errors import DFlashError
-from .loop import generate
+from .controller import Controller, Costs
+from .errors import DFlashError
+from .loop import Request, generate, generate_batch
 from .load import open_backend
 from .measure import measure_many, rate
 from .settings import FULL, Settings, VerifyPolicy, device_key, policy_json, save_settings
@@ -222,6 +225,28 @@ def round_costs(backend: Backend, prompt: list[int], rows: int, repeats: int = 2
             "context": med["context"], **({"draft_one": med["draft_one"]} if one else {})}
 
 
+def host_ms(backend: Backend, prompt: list[int], rows: int, verify: VerifyPolicy | None, new: int = 48) -> dict:
+    """ms of the loop's own work per round at `rows` rows, outside its graph calls (Generation.round_s):
+    {"host_draft": in a drafted round (every row drafting, `verify`'s lengths: the acceptance, the
+    verify lengths, the bookkeeping), "host_plain": in a plain round under `auto` (a controller whose
+    drafts cannot pay: its decisions and their skips, the drafter's kept taps), "host_step": in a
+    round of plain decoding (no drafter, no controller)}, each the median over the rounds of the
+    second of two runs of `prompt` in every row (the first warms up)."""
+    k = backend.manifest.block_size
+    never = Costs([1], [1.0], [[1.0] * k], [1e9], [0.0])  # no draft pays, no probe can: plain rounds, decided or skipped
+    out = {}
+    for key, control, draft in (("host_draft", None, True), ("host_plain", Controller(never, k), True),
+                                ("host_step", None, False)):
+        for _ in range(2):
+            gens, _ = generate_batch(backend, [Request(list(prompt), new, stop_token_ids=()) for _ in range(rows)],
+                                     batch=rows, verify=verify, control=control, draft=draft)
+        g, plain = gens[0], key != "host_draft"
+        out[key] = _median_ms([d + h if plain else h for (d, _, h), x in zip(g.round_s, g.drafted) if x != plain] or [0.0])
+    backend.reset()
+    backend.set_width(0)
+    return out
+
+
 def cost_model(by_rows: dict[int, dict]) -> dict:
     """runtime.json's `costs` (runtime/controller.py Costs.from_json) from round_costs per batch size."""
     rows = sorted(by_rows)
@@ -229,7 +254,9 @@ def cost_model(by_rows: dict[int, dict]) -> dict:
             "verify_ms": [by_rows[r]["verify"] for r in rows], "draft_ms": [by_rows[r]["draft"] for r in rows],
             "context_ms": [by_rows[r]["context"] for r in rows],
             **({"draft_one_ms": [by_rows[r]["draft_one"] for r in rows]} if all("draft_one" in by_rows[r] for r in rows)
-               else {})}
+               else {}),
+            **{f"{key}_ms": [by_rows[r][key] for r in rows] for key in ("host_draft", "host_plain", "host_step")
+               if all(key in by_rows[r] for r in rows)}}
 
 
 def fastest(ms_by: dict, margin: float = MARGIN):
@@ -368,12 +395,13 @@ def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bo
         rounds = [(c, a - 1) for g in spec for c, a in zip(g.confidences, g.acceptance_lengths)]
         draft_ms = sum(g.draft_s for g in spec) / len(rounds) * 1e3
         policy, table = choose_policy(rounds, costs, draft_ms)
+        by_rows[1] |= host_ms(be, prompts[0], 1, policy)
         wide = [r for r in COST_ROWS if r > 1]
         if backend == "ort" and provider == "cpu" and be.manifest.ragged and wide:  # rows > 1: ragged exports on CPU
             many = open_backend(out, "ort", provider, threads=best, graph_threads=graph_threads, spin=spin,
                                 spin_us=spin_us, max_chunk=max(CHUNKS), max_batch=max(wide))
             try:
-                by_rows |= {r: round_costs(many, prompts[0], r) for r in wide}
+                by_rows |= {r: round_costs(many, prompts[0], r) | host_ms(many, prompts[0], r, policy) for r in wide}
             finally:
                 many.close()
         round_model = cost_model(by_rows)
@@ -385,6 +413,7 @@ def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bo
     log("round costs (ms) by rows: " + "; ".join(
         f"{r}: step {c['step']:.2f}, verify {c['verify'][-1]:.2f}, draft {c['draft']:.2f}"
         + (f" (head over one draft {c['draft_one']:.2f})" if "draft_one" in c else "") + f", context {c['context']:.2f}"
+        + f", host drafted {c['host_draft']:.2f} / plain {c['host_plain']:.2f}"
         for r, c in by_rows.items()))
     measured = {"speculative_tokens_per_second_by_threads": {spin_label(*k): r for k, r in by_label.items()},
                 "graph_ms_by_threads": {str(t): ms for t, ms in by_graph.items()},

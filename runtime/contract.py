@@ -95,7 +95,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import DFlashError
+from .errors import DFlashError
 
 FORMAT = "dflash-export"
 # 2: the `shared` weight table; 1: shared weights found by parsing target.onnx. The version

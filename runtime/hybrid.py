@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import contract as C, manifest as M
-from ..errors import DFlashError
+from .errors import DFlashError
 from .names import layer_names
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .backend import Backend
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from .errors import DFlashError
+from .lazy import lazy_import
 from .manifest import load_manifest
 from .settings import Settings, device_key, resolve
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import contract as C
-from ..errors import DFlashError
+from .errors import DFlashError
 
 
 @dataclass

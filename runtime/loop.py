@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import contract as C
 from .backend import Backend
-from ..errors import DFlashError, InternalError
+from .errors import DFlashError, InternalError
 from .logprobs import Logprobs, check_logprobs, prefill_call
 from .sampling import (GREEDY, Sampling, accept, check_request, choose, cut_at_stop, draft_uniforms, position_uniforms,
                        probabilities, rejection)
@@ -94,6 +95,9 @@ class Request:
     speculative: bool | str = True  # False: plain (its anchor alone); True: as `control` decides; "always"
     logprobs: Logprobs | None = None  # asks for the target's log-probabilities, and receives them (runtime/logprobs.py)
     prefix: object = None  # batched prompt reuse (runtime/prefix.py Hook): restore at join, park at leave
+    # what the tokens may be (serve/grammar.py Constraint: allowed(), accepts(t), consume(t)); None: anything.
+    # Each position's token is the target's choice under the mask (`_constrained`)
+    constraint: object = None
 
 
 @dataclass
@@ -218,29 +222,31 @@ def _round(backend: Backend, rows: list[_Row], st: BatchStats, *, k: int, spec: 
     """One round of every row: draft (unless plain), verify, accept, commit, keep the drafter's
     features; yields each row's tokens. `spec`: some row may draft (the controller decides)."""
     clock = time.perf_counter
-    t1 = clock()
-    anchors = np.array([r.anchor for r in rows], np.int64)
+    t = [clock()]  # t[0] start, then after: the decision, the draft call, the verify lengths, the verify call,
+    anchors = np.array([r.anchor for r in rows], np.int64)  # acceptance and commit, the drafter's context
     spec = spec and (control is None or control.decide(rows, backend))
     longest, uses = _longest(rows, k, spec)
+    t.append(clock())
     drafts, conf, drafted = _draft(backend, rows, anchors, int(max(longest)) - 1) if spec else (None, None, {})
-    t2 = clock()
+    t.append(clock())
     lens = _verify_lengths(rows, longest, conf, verify)
+    t.append(clock())
     ids, res = _verify(backend, rows, anchors, drafts, lens)
-    t3 = clock()
+    t.append(clock())
     emitted_of = [_accept(r, int(lens[b]), ids[b], res, b, drafted.get(b)) for b, r in enumerate(rows)]
     produced = np.array([len(e) for e in emitted_of], np.int64)
     backend.commit_rows(list(range(len(rows))), produced)  # anchor + accepted drafts; the rest of each verify rolls back
     for r, emitted in zip(rows, emitted_of):
         r.start += len(emitted)
         r.anchor = emitted[-1]
-    t4 = clock()
+    t.append(clock())
     _keep_features(backend, rows, produced, spec, control)
-    t5 = clock()
+    t.append(clock())
     st.rounds, st.plain_rounds = st.rounds + 1, st.plain_rounds + (not spec)
     st.busy_rows += len(rows)
-    st.decode_s += t5 - t1
+    st.decode_s += t[-1] - t[0]
     for b, r in enumerate(rows):
-        _record(r, emitted_of[b], int(lens[b]), uses[b], (t1, t2, t3, t4, t5))
+        _record(r, emitted_of[b], int(lens[b]), uses[b], t)
         yield r.index, emitted_of[b]
 
 
@@ -268,7 +274,38 @@ def _draft(backend: Backend, rows: list[_Row], anchors: np.ndarray, scored: int)
         drafts = drafts.copy()
         for b, d in drafted.items():
             drafts[b] = d.tokens
+    if any(r.req.constraint is not None for r in rows) and backend.samples_drafts and not C.selector(backend.manifest):
+        drafts = _masked_drafts(backend, rows, drafts, max(1, scored))
     return drafts, conf, drafted
+
+
+def _masked_drafts(backend: Backend, rows: list[_Row], drafts: np.ndarray, scored: int) -> np.ndarray:
+    """Constrained rows draft under the grammar: each draft position's argmax over the draft logits of
+    the tokens the grammar allows after the drafts before it (the drafter's own argmax wherever that
+    is allowed). Proposals only: the verify still keeps a draft only where it equals the target's
+    masked choice, so this changes how many are accepted, never which tokens come out."""
+    logits, ids = backend.draft_logits_rows(len(rows)), backend.draft_vocab_ids
+    drafts = drafts.copy()
+    for b, r in enumerate(rows):
+        c = r.req.constraint
+        if c is None:
+            continue
+        taken = 0
+        for i in range(min(scored, logits.shape[1], drafts.shape[1])):
+            t = int(drafts[b, i])
+            if not c.accepts(t):
+                ok = c.allowed()
+                ok = ok if ids is None else ok[ids]
+                if not ok.any():
+                    break
+                j = int(np.where(ok, logits[b, i], -np.inf).argmax())
+                t = drafts[b, i] = j if ids is None else int(ids[j])
+            if t in r.stop:
+                break
+            c.consume(t)
+            taken += 1
+        c.rollback(taken)
+    return drafts
 
 
 def _verify_lengths(rows: list[_Row], longest: np.ndarray, conf: np.ndarray | None,
@@ -295,7 +332,7 @@ def _verify(backend: Backend, rows: list[_Row], anchors: np.ndarray, drafts: np.
     ids[:, 0] = anchors
     if drafts is not None and S > 1:
         ids[:, 1:] = drafts[:, : S - 1]
-    sample = any(r.u is not None or r.req.logprobs is not None for r in rows)
+    sample = any(r.u is not None or r.req.logprobs is not None or r.req.constraint is not None for r in rows)
     return ids, backend.target_rows(list(range(len(rows))), ids, lens, None, want_logits=sample)
 
 
@@ -304,6 +341,11 @@ def _accept(r: _Row, s: int, ids: np.ndarray, res, b: int, drafted) -> list[int]
     the row's own uniforms, or rejection sampling against q), the target's choice after it, cut at a stop."""
     q = r.req
     guess = ids[1:s].tolist()
+    if q.constraint is not None:
+        emitted = _constrained(r, s, guess, res.logits[b])
+        if q.logprobs is not None:
+            q.logprobs.add(res.logits[b], emitted)
+        return emitted
     if drafted is not None:  # rejection sampling against the target's p
         p = probabilities(res.logits[b, :s], q.sampling)
         a, last = rejection(drafted, s - 1, p, r.ud[r.start + 1 :, 1], r.u[r.start + 1 :])
@@ -321,6 +363,38 @@ def _accept(r: _Row, s: int, ids: np.ndarray, res, b: int, drafted) -> list[int]
     return emitted
 
 
+def _constrained(r: _Row, s: int, guess: list[int], logits: np.ndarray) -> list[int]:
+    """A constrained row's tokens this round, position by position: the target's choice under the
+    grammar's mask at this position (`masked_choice`), kept while it equals the draft there, so a draft
+    is accepted only where the grammar allows it and the target would have chosen it under the mask;
+    the grammar advances by each emitted token. The same tokens as plain decoding under the mask: at
+    temperature 0 exactly, sampled with the row's own uniforms (sample-and-compare: the drafts do not
+    change the output)."""
+    c, out, room = r.req.constraint, [], r.max_length - r.start - 1
+    for i in range(s):
+        t = masked_choice(c, logits[i], None if r.u is None else r.u[r.start + 1 + i], r.req.sampling)
+        c.consume(t)
+        out.append(t)
+        if t in r.stop:
+            r.gen.stopped = True
+            break
+        if len(out) >= room or i == s - 1 or guess[i] != t:
+            break
+    return out
+
+
+def masked_choice(c, logits: np.ndarray, u: float | None, s: Sampling) -> int:
+    """The target's choice at one position under constraint `c`: the argmax of the allowed tokens (the
+    unmasked argmax when the grammar allows it: then it is the masked one, and no mask is computed),
+    or the inverse CDF at `u` of the sampling distribution over the allowed tokens."""
+    if s.greedy:
+        t = int(logits.argmax())
+        if c.accepts(t):
+            return t
+    z = np.where(c.allowed(), logits, -np.inf)
+    return int(z.argmax()) if s.greedy else int(choose(z[None], np.array([u]), s)[0])
+
+
 def _keep_features(backend: Backend, rows: list[_Row], produced: np.ndarray, spec: bool, control) -> None:
     """The drafter's context for the next round: the features of what each continuing speculative row kept
     (a plain round: the controller keeps them for its next drafted round)."""
@@ -332,18 +406,21 @@ def _keep_features(backend: Backend, rows: list[_Row], produced: np.ndarray, spe
         control.plain_step(backend, rows, produced)
 
 
-def _record(r: _Row, emitted: list[int], s: int, drafted: bool, t: tuple[float, ...]) -> None:
-    """The round in the row's Generation: its tokens, acceptance, verify length and times."""
-    t1, t2, t3, t4, t5 = t
+def _record(r: _Row, emitted: list[int], s: int, drafted: bool, t: list[float]) -> None:
+    """The round in the row's Generation: its tokens, acceptance, verify length and times (draft:
+    the draft call and the drafter's context; verify: the target call; host: the rest, the
+    controller's decision and the acceptance included)."""
+    start, decided, drafted_at, lengths, verified, accepted, end = t
     g = r.gen
-    g.round_s.append(((t2 - t1) + (t5 - t4), t3 - t2, t4 - t3))
-    g.draft_s += g.round_s[-1][0]
-    g.verify_s += t3 - t2
+    draft, verify = (drafted_at - decided) + (end - accepted), verified - lengths
+    g.round_s.append((draft, verify, (end - start) - draft - verify))
+    g.draft_s += draft
+    g.verify_s += verify
     g.tokens += emitted
     g.acceptance_lengths.append(len(emitted))
     g.verify_lengths.append(s)
     g.drafted.append(drafted)
-    g.total_s += t5 - t1  # the consumer's time between rounds is not ours
+    g.total_s += end - start  # the consumer's time between rounds is not ours
     g.finished = r.done
 
 
@@ -366,7 +443,7 @@ def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, c
     s = q.sampling
     u = None if s.greedy else position_uniforms(s.seed, max_length + 1)  # u[t]: the token at position t
     row = _Row(index, q, g, set(m.eos_token_ids if q.stop_token_ids is None else q.stop_token_ids), max_length, u)
-    if u is not None and draft and s.method == "rejection" and backend.samples_drafts:
+    if u is not None and draft and s.method == "rejection" and backend.samples_drafts and q.constraint is None:
         row.ud = draft_uniforms(s.seed, max_length + 1)
     t0 = time.perf_counter()
     if slot == 0 and backend.max_batch == 1:
@@ -379,12 +456,17 @@ def _prefill(backend: Backend, slot: int, index: int, q: Request, draft: bool, c
     for i in range(q.reuse, len(q.prompt), chunk):
         ids = np.asarray(q.prompt[i : i + chunk], np.int64)[None]
         last, n = i + chunk >= len(q.prompt), ids.shape[1]
-        res = prefill_call(backend, slot, ids, u is not None and last, q.logprobs, q.prompt, i)  # last position's logits (echo: all)
+        res = prefill_call(backend, slot, ids, (u is not None or q.constraint is not None) and last, q.logprobs,
+                           q.prompt, i)  # last position's logits (echo: all)
         backend.commit_rows([slot], [n])
         if draft:
             backend.draft_context_rows([slot], [n])
-    row.anchor = int(res.next_ids[0, -1] if u is None else
-                     choose(res.logits[0, -1:], u[len(q.prompt):], s)[0])
+    if q.constraint is not None:
+        row.anchor = masked_choice(q.constraint, res.logits[0, -1], None if u is None else u[len(q.prompt)], s)
+        q.constraint.consume(row.anchor)
+    else:
+        row.anchor = int(res.next_ids[0, -1] if u is None else
+                         choose(res.logits[0, -1:], u[len(q.prompt):], s)[0])
     row.start, g.stopped = len(q.prompt), row.anchor in row.stop
     g.tokens.append(row.anchor)
     if q.logprobs is not None:

@@ -12,8 +12,9 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from .files import read_json, readable, unreadable
 from .contract import ATTENTION_FLAVOURS, FORMAT, FORMAT_VERSION, LINEAR, MANIFEST, RUNTIME
-from ..errors import DFlashError
+from .errors import DFlashError
 
 
 @dataclass
@@ -107,7 +108,7 @@ class Manifest:
     # "scales": "per-channel", "margin", "calibration": {...}}; the scales themselves are constants of
     # target.onnx (GroupQueryAttention's k_scale / v_scale); None: the cache is in the model dtype
     kv_cache: dict | None = None
-    # where the pair came from (sources.py): {"target": rec, "draft": rec}, rec = {"id" (a Hugging Face id or
+    # where the pair came from (export/sources.py): {"target": rec, "draft": rec}, rec = {"id" (a Hugging Face id or
     # None), "path" (a local directory, when no id), "revision" (asked), "commit" (resolved), "files": {weight
     # file: sha256}}; None for exports made before it was recorded
     sources: dict | None = None
@@ -141,9 +142,12 @@ class Manifest:
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(chunk):
+                h.update(block)
+    except OSError as e:
+        raise unreadable(path, e, "make it readable or re-export the directory") from None
     return h.hexdigest()
 
 
@@ -170,7 +174,7 @@ def load_manifest(root: str | Path, verify: bool = True) -> Manifest:
     path = root / MANIFEST
     if not root.is_dir():
         raise DFlashError(f"{root}: not a directory; pass the --out directory of `dflash-export export`")
-    if not path.is_file():
+    if not path.exists():
         raise DFlashError(f"{root}: no {MANIFEST}; this is not an exported directory (run `dflash-export export`)")
     raw = read_json(path, "re-export the directory")
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
@@ -198,20 +202,17 @@ def load_manifest(root: str | Path, verify: bool = True) -> Manifest:
     return manifest
 
 
-def read_json(path: Path, fix: str):
-    """A JSON file's content ({} when there is none); one line naming it and `fix` when unreadable."""
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:  # ValueError: bad JSON or not UTF-8
-        raise DFlashError(f"{path}: unreadable ({e}); {fix}") from None
+def check_readable(root: Path, manifest: Manifest) -> None:
+    """Open every file of the manifest once (no hashing): for readers that skip `verify_files`
+    and hand the paths to ONNX Runtime, which would fail without saying why."""
+    for rel in manifest.files:
+        readable(Path(root) / rel, "make it readable or re-export the directory")
 
 
 def verify_files(root: Path, manifest: Manifest) -> None:
     for rel, digest in manifest.files.items():
         p = root / rel
-        if not p.is_file():
+        if not p.exists():
             raise DFlashError(f"{root}: {rel} is listed in the manifest but missing; re-export the directory")
         if sha256_file(p) != digest:
             raise DFlashError(

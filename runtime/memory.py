@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import contract as C
-from ..errors import DFlashError
+from .errors import DFlashError
 
 
 def available_memory() -> int | None:

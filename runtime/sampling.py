@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import DFlashError
+from .errors import DFlashError
 
 
 SAMPLING = ("rejection", "compare")  # how a round verifies sampled drafts (module docstring)

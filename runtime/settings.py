@@ -24,8 +24,9 @@ import numpy as np
 from .contract import RUNTIME
 from .controller import Costs
 
-from .manifest import Manifest, read_json
-from ..errors import DFlashError
+from .errors import DFlashError
+from .files import read_json
+from .manifest import Manifest
 
 RUNTIME_FORMAT = "dflash-export-runtime"
 WIDE = 1024  # hidden size from which graphs are memory-bound enough to gain from more threads

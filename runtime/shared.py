@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from . import contract as C, manifest as M
-from ..errors import DFlashError
+from .errors import DFlashError
 
 # TensorProto.DataType; uint8: weight-only quantized tensors (MatMulNBits, docs/quantization.md); int32: the
 # ort attention flavour's lengths (contract.TARGET_ORT)

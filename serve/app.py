@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from . import validate
 from .engine import Engine, load_engine
 from .options import ServeOptions

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import replace
 
 from ..runtime import prefix
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from ..runtime.loop import BatchStats, Generation, Request, stream_batch
 from ..runtime.memory import available_memory
 from ..runtime.logprobs import check_logprobs

@@ -21,10 +21,10 @@ from collections import deque
 from dataclasses import replace
 
 from ..runtime.controller import controller_for
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from ..runtime.load import open_artifact
 from ..runtime.loop import Generation, stream_batch
-from . import text as text_module
+from . import formats, text as text_module
 from .batch import BatchEngine
 from .jobs import EngineBase, Job, Metrics, QueueFull, Slot, Unavailable, _emit
 from .options import ServeOptions
@@ -176,6 +176,7 @@ def load_engine(options: ServeOptions) -> Engine:
     first, cfg = open_artifact(o.directory, backend=o.backend, provider=o.provider, drafter=o.speculative,
                                threads=o.threads, spin=o.spin, verify=o.verify, max_batch=o.max_batch)
     control = controller_for(o.speculation, cfg.costs, first.manifest.block_size) if o.speculative else None
+    text.format = formats.detect(text.template_source, first.manifest.architecture, o.tool_format)
     if o.max_batch > 1:
         return BatchEngine(first, text, o.model, o.max_queue, cfg.verify, control)
     if o.slots > 1 and not first.forks:

@@ -8,6 +8,8 @@ an engine's thread with ("round", tokens, text), then ("end", finish, Generation
 
 from __future__ import annotations
 
+import functools
+
 import os
 import socket
 import threading
@@ -15,11 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..lazy import lazy_import
+from ..runtime.lazy import lazy_import
 from ..runtime.loop import Generation, Request
+from .grammar import Grammars
 from .text import TextStream
 
-prometheus = lazy_import("prometheus_client")  # the serve extra, when a server starts (lazy.py)
+prometheus = lazy_import("prometheus_client")  # the serve extra, when a server starts (runtime/lazy.py)
 
 
 class QueueFull(Exception):
@@ -163,6 +166,11 @@ class EngineBase:
     @property
     def has_drafter(self) -> bool:
         return self.slots[0].backend.has_drafter
+
+    @functools.cached_property
+    def grammars(self):
+        """The grammar compiler of constrained requests (serve/grammar.py), made on the first one."""
+        return Grammars(self.text.tokenizer, self.manifest.vocab_size, tuple(self.manifest.eos_token_ids))
 
     def idle_slots(self) -> int:
         with self.lock:

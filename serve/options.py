@@ -16,7 +16,8 @@ from pathlib import Path
 
 import click
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
+from .formats import FORMATS
 
 
 def option(value=None, help: str | None = None, **click_kw):  # noqa: A002: click's own word
@@ -42,6 +43,8 @@ class ServeOptions:
                                      opt="--max-tokens", type=int, show_default=True)
     chat_template: str | None = option(None, "Jinja chat template file (overrides the artifact's).",
                                        type=click.Path(path_type=Path))  # the record holds the file's text
+    tool_format: str = option("auto", "How the model writes reasoning and tool calls [default: from its chat template "
+                                      "and architecture].", type=click.Choice(FORMATS), show_default=False)
     no_draft: bool = option(False, "Load without the drafter: plain decoding only (= --speculation never).",
                             is_flag=True)  # the flag messages name
     access_log: bool = option(False, "No line per request on stderr.", opt="--no-access-log", is_flag=True,

@@ -33,7 +33,7 @@ from starlette.middleware import Middleware
 
 from . import jobs as serve_jobs
 from ..runtime import manifest as M
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from .app import REPLICA, create_app
 from .engine import load_engine
 from .options import ServeOptions

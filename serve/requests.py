@@ -52,6 +52,7 @@ MAX_STOP, MAX_STOP_CHARS = 16, 256  # stop strings
 MAX_STOP_IDS = 64  # stop_token_ids
 MAX_MESSAGES = 1024  # chat messages
 MAX_PARTS = 64  # content parts of one message
+MAX_TOOLS = 128  # tools of one request (OpenAI's bound)
 MAX_LIST = 1 << 16  # any other list or object (token ids: the context bounds them further)
 
 
@@ -135,9 +136,13 @@ class ChatRequest(Common):
     logprobs: bool | None = None
     top_logprobs: ranged(int, minimum=0, maximum=20) | None = None
     add_generation_prompt: bool | None = None
-    tools: Annotated[list, Field(max_length=MAX_LIST)] | None = None  # refused when not empty: no tool calling here
-    functions: Annotated[list, Field(max_length=MAX_LIST)] | None = None
-    response_format: dict | None = None  # refused unless {"type": "text"}
+    tools: Annotated[list, Field(max_length=MAX_TOOLS)] | None = None  # checked by serve/tools.py
+    tool_choice: Literal["auto", "none", "required"] | dict | None = None
+    parallel_tool_calls: bool | None = None
+    functions: Annotated[list, Field(max_length=MAX_LIST)] | None = None  # refused: the deprecated form of tools
+    response_format: dict | None = None  # text, json_object, json_schema (serve/tools.py)
+    chat_template_kwargs: Annotated[dict, Field(max_length=64)] | None = None  # to the template, e.g. enable_thinking
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # to the template (gpt-oss's)
 
 
 class TokenizeRequest(BaseModel):

@@ -22,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .jobs import Job, QueueFull, Unavailable, replica
+from .formats import assemble
 from .logprobs import merge
 from .requests import ERROR_TYPES, REPLICA, ApiError
 from .text import TextStream
@@ -74,7 +75,8 @@ async def fan_out(engine, request: Request, plan: Plan) -> Response:
     wait for the first event; a disconnected client cancels them all."""
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     jobs = [Job(q, emit=lambda ev, c=c: loop.call_soon_threadsafe(events.put_nowait, (c, ev)),
-                text=TextStream(engine.text, plan.stop), cache_prompt=plan.cache_prompt)
+                text=TextStream(engine.text, plan.stop, plan.shape is not None and plan.shape.fmt.specials),
+                cache_prompt=plan.cache_prompt)
             for c, q in enumerate(plan.requests)]
     for i, job in enumerate(jobs):
         try:
@@ -133,7 +135,9 @@ async def body(r: Response) -> dict:
                   "token_ids": toks}
         lp = job.logprobs
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"], calls = message(plan, text)
+            if calls and finish != "length":
+                choice["finish_reason"] = "tool_calls"
             if lp is not None:
                 choice["logprobs"] = {"content": pieces.chat(lp.tokens[: len(toks)], toks, []), "refusal": None}
         else:
@@ -147,6 +151,21 @@ async def body(r: Response) -> dict:
             "usage": r.usage(ends), "timings": _timings(r.engine, ends[0][2], jobs[0].request)}
 
 
+def message(plan: Plan, text: str) -> tuple[dict, bool]:
+    """The assistant's message of a whole completion: its reasoning, content and tool calls (serve/formats.py)."""
+    parser = plan.shape.parser() if plan.shape is not None else None
+    if parser is None:
+        return {"role": "assistant", "content": text}, False
+    reasoning, content, calls = assemble(parser.push(text) + parser.finish())
+    calls = calls if plan.shape.parallel else calls[:1]
+    msg = {"role": "assistant", "content": content or (None if calls else "")}
+    if reasoning is not None:
+        msg["reasoning_content"] = reasoning
+    if calls:
+        msg["tool_calls"] = [{k: v for k, v in c.openai(i).items() if k != "index"} for i, c in enumerate(calls)]
+    return msg, bool(calls)
+
+
 async def sse(r: Response):
     """Server-Sent Events: a chunk per round of each choice, its end, the usage, [DONE]."""
     plan, jobs, engine, pieces = r.plan, r.jobs, r.engine, r.engine.text.pieces
@@ -157,10 +176,25 @@ async def sse(r: Response):
     sent = [0] * len(jobs)  # tokens of each choice sent so far
     echoed: set[int] = set()  # choices whose prompt was sent
     offset = [len(t) for t in r.prompt_text]  # the legacy text_offset of each choice's next token
+    parsers = [plan.shape.parser() if chat and plan.shape is not None else None for _ in jobs]
+    ncalls = [0] * len(jobs)  # tool calls sent per choice
 
-    def chunk(c: int, delta: str | None, token_ids: list[int], finish: str | None, logprobs=None, **extra) -> str:
+    def deltas(c: int, events: list[tuple]) -> list[dict]:
+        """A choice's parsed events as chat deltas (a call whole, in one delta; parallel false: the first only)."""
+        out = []
+        for kind, v in events:
+            if kind == "call":
+                if ncalls[c] and not plan.shape.parallel:
+                    continue
+                out.append({"tool_calls": [v.openai(ncalls[c])]})
+                ncalls[c] += 1
+            else:
+                out.append({"reasoning_content" if kind == "reasoning" else "content": v})
+        return out
+
+    def chunk(c: int, delta, token_ids: list[int], finish: str | None, logprobs=None, **extra) -> str:
         if chat:
-            d = {} if delta is None else {"content": delta}
+            d = {} if delta is None else delta if isinstance(delta, dict) else {"content": delta}
             ch = {"index": c, "delta": d, "finish_reason": finish, "logprobs": logprobs, "token_ids": token_ids}
         else:
             ch = {"index": c, "text": delta or "", "finish_reason": finish, "logprobs": logprobs,
@@ -187,7 +221,10 @@ async def sse(r: Response):
                 body_, offset[c] = pieces.legacy(entries, new, before, offset[c])
                 logprobs = merge(echo_head, body_)
         sent[c] += len(new)
-        return chunk(c, delta, new, None, logprobs)
+        if parsers[c] is None:
+            return chunk(c, delta, new, None, logprobs)
+        ds = deltas(c, parsers[c].push(delta)) or [{}]  # the round's token ids ride on its first delta
+        return "".join(chunk(c, d, new if i == 0 else [], None, logprobs if i == 0 else None) for i, d in enumerate(ds))
 
     ev, ends = r.first, {}
     try:
@@ -212,8 +249,15 @@ async def sse(r: Response):
                 _, finish, g, tail = e
                 if want.echo and c not in echoed:
                     yield round_chunk(c, [], "")
-                yield chunk(c, None if want.discard else tail or None, [],
-                            "length" if want.discard else _finish(finish), timings=_timings(engine, g, jobs[c].request))
+                reason = "length" if want.discard else _finish(finish)
+                if parsers[c] is not None:
+                    for d in deltas(c, parsers[c].push(tail) + parsers[c].finish()):
+                        yield chunk(c, d, [], None)
+                    tail = None
+                    if ncalls[c] and reason != "length":
+                        reason = "tool_calls"
+                yield chunk(c, None if want.discard else tail or None, [], reason,
+                            timings=_timings(engine, g, jobs[c].request))
                 if len(ends) == len(jobs):
                     u = r.usage(ends)
                     if plan.include_usage:

@@ -22,12 +22,13 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from ..runtime.manifest import read_json
-from ..errors import DFlashError
-from ..lazy import lazy_import
+from ..runtime.errors import DFlashError
+from ..runtime.files import read_json, read_text, readable
+from ..runtime.lazy import lazy_import
+from . import formats
 from .logprobs import Pieces
 
-jinja2 = lazy_import("jinja2")  # the serve extra, on the first chat template (lazy.py)
+jinja2 = lazy_import("jinja2")  # the serve extra, on the first chat template (runtime/lazy.py)
 jinja2_sandbox = lazy_import("jinja2.sandbox")
 
 
@@ -44,13 +45,14 @@ class Text:
         if chat_template is None:
             chat_template = config.get("chat_template")
             jinja = Path(directory) / "chat_template.jinja"  # transformers 5 saves it beside the config
-            if chat_template is None and jinja.is_file():
-                chat_template = jinja.read_text()
+            if chat_template is None and jinja.exists():
+                chat_template = read_text(jinja, "re-export the directory")
             if isinstance(chat_template, list):  # [{"name": "default", "template": ...}, ...]
                 named = {t.get("name"): t.get("template") for t in chat_template if isinstance(t, dict)}
                 chat_template = named.get("default")
         self.template = _compile(chat_template) if isinstance(chat_template, str) else None
         self.template_source = chat_template if isinstance(chat_template, str) else None
+        self.format = formats.detect(self.template_source)  # reasoning and tool calls (load_engine: + architecture)
         self.pieces = Pieces(self)  # token texts for logprobs, cached across requests (they never change)
         # no token is longer than this in characters, so text longer than the context times it cannot fit
         # (serve/validate.py refuses it before tokenizing); vocabulary strings are never shorter than their text
@@ -64,15 +66,19 @@ class Text:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat as the model was trained to see it; ValueError with the template's message."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               **kwargs) -> str:
+        """The chat as the model was trained to see it (`tools`: the template's own `tools` variable;
+        `kwargs`: a request's chat_template_kwargs, e.g. enable_thinking); ValueError with the
+        template's message."""
         if self.template is None:
             raise ValueError("this model has no chat template (neither tokenizer_config.json nor chat_template.jinja "
                              "holds one); "
                              "use /v1/completions, or start the server with --chat-template FILE")
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **{k: v for k, v in self.special.items() if v is not None})
+            return self.template.render({**{k: v for k, v in self.special.items() if v is not None}, **kwargs,
+                                         "messages": messages, "add_generation_prompt": add_generation_prompt,
+                                         "tools": tools})
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template refused these messages: {e}") from None
 
@@ -80,8 +86,9 @@ class Text:
 def load_tokenizer(directory: Path):
     """The exported directory's tokenizer.json as a `tokenizers.Tokenizer`, None without one."""
     path = Path(directory) / "tokenizer.json"
-    if not path.is_file():
+    if not path.exists():
         return None
+    readable(path, "make it readable or re-export the directory")  # tokenizers' own error would not say why
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:
@@ -110,9 +117,10 @@ class TextStream:
     """Text deltas of a completion as its tokens arrive, cut at the first stop string.
     `text`: a serve Text or a tokenizers.Tokenizer."""
 
-    def __init__(self, text, stop: list[str] | tuple[str, ...] = ()):
+    def __init__(self, text, stop: list[str] | tuple[str, ...] = (), specials: bool = False):
         self.tokenizer = getattr(text, "tokenizer", text)
-        self.decoder = DecodeStream(skip_special_tokens=True)
+        self.skip = not specials  # specials: the text keeps special tokens (harmony's markers; serve/formats.py)
+        self.decoder = DecodeStream(skip_special_tokens=self.skip)
         self.stop = [s for s in stop if s]
         self.longest = max(map(len, self.stop), default=0)
         self.tokens: list[int] = []  # the completion's tokens (up to a stop string's last one)
@@ -144,7 +152,7 @@ class TextStream:
         """Whatever was held back, at the end of the completion (with a trailing incomplete
         character as the whole decode shows it)."""
         if not self.stopped:
-            whole = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+            whole = self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip)
             if whole.startswith(self.text):
                 self.text = whole
         return self._take(len(self.text))

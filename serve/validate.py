@@ -16,6 +16,7 @@ stops of what was tokenized.
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 from dataclasses import dataclass, replace
 
@@ -24,6 +25,7 @@ from ..runtime.logprobs import Logprobs
 from ..runtime.loop import Request
 from ..runtime.sampling import Sampling
 from .requests import MAX_CHOICES, ApiError, ChatRequest, Common, CompletionRequest, Message
+from .tools import Shape, check_choice, check_format, check_tools, check_turns, shape
 
 
 @dataclass
@@ -58,6 +60,7 @@ class Plan:
     want: Want
     stop: tuple[str, ...] = ()  # stop strings (serve/text.py TextStream finds them in the text)
     cache_prompt: bool = True  # false: no reuse of a cached prefix (llama.cpp's extension)
+    shape: Shape | None = None  # chat: reasoning and tool calls out of the text, and the grammar (serve/tools.py)
 
 
 def check_model(engine, name: str | None) -> None:
@@ -181,23 +184,29 @@ def _max_tokens(engine, ids: list[int], given: int | None, default: int, param: 
     return given
 
 
+def _stop_ids(engine, body: Common) -> tuple[int, ...]:
+    """The model's eos ids and the request's stop_token_ids (checked)."""
+    extra = list(body.stop_token_ids or ())
+    check_ids(engine, extra, "stop_token_ids")
+    return tuple(dict.fromkeys(list(engine.manifest.eos_token_ids) + extra))
+
+
 def _plan(server: Server, body: Common, prompts: list[list[int]], n: int, given: int | None, param: str,
-          want: Want, chat: bool) -> Plan:
+          want: Want, chat: bool, form: Shape | None = None, constraints: list | None = None) -> Plan:
     engine = server.engine
     sampling, speculative = _sampling(body), _speculative(server, body.speculative)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    extra = list(body.stop_token_ids or ())
-    check_ids(engine, extra, "stop_token_ids")
-    stop_ids = tuple(dict.fromkeys(list(engine.manifest.eos_token_ids) + extra))
+    stop_ids = _stop_ids(engine, body)
     requests = []
     for ids in prompts:
         max_tokens = _max_tokens(engine, ids, 1 if want.discard else given, server.options.default_max_tokens, param)
         for j in range(n):
             lp = Logprobs(want.k, want.echo) if want.k is not None else None
+            c = constraints[j] if constraints else None
             requests.append(Request(ids, max_tokens, replace(sampling, seed=(sampling.seed + j) % 2**64), stop_ids,
-                                    speculative=speculative, logprobs=lp))
+                                    speculative=speculative, logprobs=lp, constraint=c))
     return Plan(requests, n, chat, bool(body.stream), bool(body.stream_options and body.stream_options.include_usage),
-                want, stop, body.cache_prompt is not False)
+                want, stop, body.cache_prompt is not False, form)
 
 
 async def encode(engine, text: str, special: bool, what: str) -> list[int]:
@@ -211,8 +220,10 @@ async def encode(engine, text: str, special: bool, what: str) -> list[int]:
     return await asyncio.to_thread(engine.text.encode, text, special)
 
 
-async def render_chat(engine, messages: list[Message], add_generation_prompt: bool) -> str:
-    """The chat as text (its characters bounded before the template runs, the template run off the event loop)."""
+async def render_chat(engine, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None,
+                      kwargs: dict | None = None) -> str:
+    """The chat as text (its characters bounded before the template runs, the template run off the event loop);
+    `tools` and `kwargs` (chat_template_kwargs) go to the template."""
     plain = []
     for i, m in enumerate(messages):
         d = m.model_dump(exclude_none=True)
@@ -223,9 +234,13 @@ async def render_chat(engine, messages: list[Message], add_generation_prompt: bo
             d["content"] = "\n".join(p.text for p in m.content)
         d.setdefault("content", "")
         plain.append(d)
-    check_chars(engine, sum(len(d["content"]) if isinstance(d["content"], str) else 0 for d in plain), "messages")
+    plain = check_turns(plain)
+    extra = len(json.dumps(tools)) if tools else 0
+    check_chars(engine, sum(len(d["content"]) if isinstance(d["content"], str) else 0 for d in plain) + extra,
+                "messages")
     try:
-        return await asyncio.to_thread(engine.text.render, plain, add_generation_prompt)
+        return await asyncio.to_thread(engine.text.render, plain, add_generation_prompt, tools or None,
+                                       **(kwargs or {}))
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
 
@@ -256,13 +271,24 @@ async def chat(server: Server, body: ChatRequest) -> Plan:
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     want = Want(check_logprobs(engine, (body.top_logprobs or 0) if body.logprobs else None, 20, "top_logprobs"))
-    if body.tools or body.functions:
-        raise ApiError(400, "tool calling is not supported by this server", param="tools", code="unsupported")
-    if body.response_format and body.response_format.get("type") != "text":
-        raise ApiError(400, f"response_format {body.response_format.get('type')!r} is not supported by this server "
-                            "(only {\"type\": \"text\"})", param="response_format", code="unsupported")
-    text = await render_chat(engine, body.messages, body.add_generation_prompt is not False)
+    if body.functions:
+        raise ApiError(400, "functions is the deprecated form of tools; send tools: [{\"type\": \"function\", "
+                            "\"function\": {...}}]", param="functions", code="unsupported")
+    tools = check_tools(body.tools)
+    choice = check_choice(body.tool_choice, tools)
+    answer = check_format(body.response_format)
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+    shown = tools if choice[0] != "none" else None
+    text = await render_chat(engine, body.messages, body.add_generation_prompt is not False, shown, kwargs)
+    form = await shape(engine, engine.text.format, text, tools, choice, body.parallel_tool_calls is not False, answer)
     ids = await encode(engine, text, False, "messages")
     given, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None
                     else (body.max_tokens, "max_tokens"))
-    return _plan(server, body, [ids], n, given, param, want, True)
+    constraints = None
+    if form.grammar is not None:  # a matcher per choice, made off the event loop (a large grammar takes a while)
+        stop_ids = _stop_ids(engine, body)
+        constraints = await asyncio.to_thread(lambda: [engine.grammars.constraint(form.grammar, stop_ids)
+                                                       for _ in range(n)])
+    return _plan(server, body, [ids], n, given, param, want, True, form, constraints)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dflash_export.models import TargetConfig, draft_config_dict
-from dflash_export.testing import hf_model, make_target
+from dflash_export.models.tiny import hf_model, make_target
 
 V, BLOCK, MASK, TEMP = 12, 4, 10, 0.8
 

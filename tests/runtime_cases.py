@@ -3,7 +3,7 @@
 Tracing is the slow part (~30 s a pair on these machines), so each (target, drafter,
 export settings) case is exported once and kept under DFLASH_TEST_CACHE (default
 ~/.cache/dflash-export/test-artifacts). The cache key hashes the exporter's and the
-reference models' source, testing.py, this file and the case's parameters: any change
+reference models' source (models/tiny.py among them), this file and the case's parameters: any change
 to what would be exported makes a new entry. load_manifest re-verifies every file hash.
 
 `bias` makes a target with real acceptance: every embedding gets +bias on one feature
@@ -99,7 +99,7 @@ TRT_CASES = {  # the TensorRT lint (both) and the stand-in build (fp32-k4, engin
 def _source_digest() -> str:
     h = hashlib.sha256()
     files = sorted((ROOT / "export").glob("*.py")) + sorted((ROOT / "models").glob("*.py"))
-    files += [ROOT / "runtime" / "contract.py", ROOT / "testing.py", Path(__file__)]
+    files += [ROOT / "runtime" / "contract.py", Path(__file__)]
     files += sorted(FIXTURES.glob("*.json"))
     for f in files:
         h.update(f.name.encode() + f.read_bytes())
@@ -151,7 +151,7 @@ def _released_drafter(case: Case, target_dir: Path, directory: Path) -> int | No
 
 
 def _bias_target(directory: Path, bias: float, token: int = 7) -> None:
-    from dflash_export.testing import hf_model
+    from dflash_export.models.tiny import hf_model
     import torch
 
     model = hf_model(directory)
@@ -213,7 +213,7 @@ def artifact(case: Case) -> tuple[Path, Path, Path]:
 def _export(case: Case, tmp: Path) -> None:
     from dflash_export.export.artifact import export_artifact
     from dflash_export.runtime.manifest import load_manifest
-    from dflash_export.testing import make_drafter, make_target
+    from dflash_export.models.tiny import make_drafter, make_target
 
     make_target(tmp / "t", case.arch, seed=case.seed, layers=case.layers, tie=case.tie, hidden=case.hidden,
                 layer_types=list(case.layer_types) if case.layer_types else None,

@@ -15,7 +15,7 @@ from dflash_export.export.check import run_check
 from dflash_export.export.trt_lint import lint_dir
 from dflash_export.models import Target, autoregressive_generate
 from dflash_export.runtime import contract as C, manifest as M
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import VerifyPolicy
@@ -116,7 +116,7 @@ def test_tensorrt_lint_names_the_flavour(case):
 
 def test_export_refuses_a_hybrid_target_and_a_bad_flavour(tmp_path):
     from dflash_export.export.artifact import export_artifact
-    from dflash_export.testing import make_drafter, make_target
+    from dflash_export.models.tiny import make_drafter, make_target
 
     make_target(tmp_path / "t", "qwen35", layers=4, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=48)
     make_drafter(tmp_path / "d", tmp_path / "t", layers=1, block_size=4)

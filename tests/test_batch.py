@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from runtime_cases import CASES, ORT_CASES, Case, artifact, prompts
 
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import Request, generate, generate_batch
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import VerifyPolicy

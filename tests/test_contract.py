@@ -9,7 +9,7 @@ from runtime_cases import CASES, artifact
 
 from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.names import layer_names, names_of
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 
 GEOM = SimpleNamespace(target_layers=3, draft_layers=2, block_size=8, vocab_size=50, target_layer_ids=[0, 2],
                        hidden_size=16, target_kv_heads=2, target_head_dim=4, draft_kv_heads=1, draft_head_dim=4,

@@ -18,8 +18,8 @@ from dflash_export.models import Target, TargetConfig, autoregressive_generate, 
 from dflash_export.models import dflash2 as D2
 from dflash_export.models.dflash2 import DFlash2Config, DFlash2Drafter, dynamic_conv
 from dflash_export.models.generate_dflash2 import dflash2_generate
-from dflash_export.errors import DFlashError
-from dflash_export.testing import hf_model, make_target
+from dflash_export.runtime.errors import DFlashError
+from dflash_export.models.tiny import hf_model, make_target
 from dflash_export.runtime.sampling import Sampling
 
 torch.set_num_threads(1)

@@ -19,7 +19,7 @@ from runtime_cases import _bias_target, cached, prompts
 from test_dflash2 import CASES, _official, official_drafter
 
 from dflash_export.models import Target, TargetConfig, autoregressive_generate
-from dflash_export.testing import hf_model, make_target
+from dflash_export.models.tiny import hf_model, make_target
 from dflash_export.runtime.sampling import Sampling
 
 torch.set_num_threads(1)

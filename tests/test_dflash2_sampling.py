@@ -74,7 +74,7 @@ def test_output_is_the_target_distribution(trained, monkeypatch):
     and the pairs (1,2), (2,3) against the exact law (p >= 1e-3 each); the block covers tokens 2-4,
     so tokens 2 and 3 come from the drafted round. Control: the same requests with q halved in
     the accept test (drafts accepted too often) are rejected (p < 1e-6)."""
-    from dflash_export.testing import hf_model
+    from dflash_export.models.tiny import hf_model
 
     prompt, n = [1, 2, 3], 2000
     be = open_backend(trained / "out", "ort", "cpu", max_batch=64)
@@ -108,7 +108,7 @@ def test_acceptance_matches_the_official_sampling_loop(trained, monkeypatch):
     """Mean acceptance length (tokens per round) of the deployed loop >= 0.95x the official
     `dflash_generate`'s at T = 0.8, same pair, prompts and seeds (its own randomness, seeded
     with torch.manual_seed)."""
-    from dflash_export.testing import hf_model
+    from dflash_export.models.tiny import hf_model
 
     monkeypatch.setattr(dm, "_cuda_time", time.perf_counter)  # its stats time with CUDA syncs; no GPU here
     official = dm.DFlash2DraftModel.from_pretrained(str(trained / "d"), dtype=torch.float32).eval()

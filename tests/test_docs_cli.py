@@ -4,12 +4,14 @@ The commands are read from fenced code blocks and from inline code spans of READ
 docs/*.md and demo/RESULTS.md; each one's subcommand must exist and every option it names
 must be an option of that subcommand, checked on click's own command objects (no command
 runs, nothing heavy is imported). So a renamed option or command fails here, not in a
-user's terminal.
+user's terminal. The Python examples run (on a small export standing in for `art` / `OUT`),
+so an example that drifts from the code fails here too.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
 import shlex
 from pathlib import Path
 
@@ -243,3 +245,51 @@ def test_default_checker_refuses_drift():
     assert _same("1", serve, "--replicas") and not _same("2", serve, "--replicas")  # its help: [default: 1]
     table = "| flag | default | meaning |\n|---|---|---|\n| `--a`, `--b` | `1`, x | y |\n"
     assert _tables(table) == [[(["--a", "--b"], ["1", "x"])]]
+
+
+# -- the examples run: every Python block of the README and the guides, on a small export --
+
+LANG = re.compile(r"^```([^\n]*)\n(.*?)^```", re.S | re.M)
+
+
+def _python_blocks(doc: Path) -> list[str]:
+    return [body for lang, body in LANG.findall(doc.read_text()) if lang.strip() == "python"]
+
+
+PYTHON_DOCS = [d for d in DOCS if d.exists() and _python_blocks(d)]
+
+
+@pytest.fixture(scope="module")
+def small_export(tmp_path_factory):
+    """A small cached export with a tokenizer (character-level), standing in for the guides' `art` / `OUT`."""
+    from runtime_cases import CASES, artifact
+    from test_runtime_cli import char_tokenizer
+
+    from dflash_export.runtime import manifest as M
+
+    out = tmp_path_factory.mktemp("docs") / "art"
+    shutil.copytree(artifact(CASES["qwen2"])[2], out)
+    char_tokenizer(out / "tokenizer.json")
+    m = M.load_manifest(out, verify=False)
+    m.tokenizer = True
+    M.write_manifest(out, m)
+    return out
+
+
+def test_python_examples_are_found():
+    """The README's example is among them (a reader that finds nothing runs nothing)."""
+    assert ROOT / "README.md" in PYTHON_DOCS and sum(len(_python_blocks(d)) for d in PYTHON_DOCS) >= 5
+
+
+@pytest.mark.parametrize("doc", PYTHON_DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_python_examples_run(doc, small_export, tmp_path, monkeypatch, capsys):
+    """A guide's Python blocks run in order in one namespace, as a reader pastes them, from a folder
+    where the directory they name (`art`, `OUT`) is the small export; a name or keyword the code
+    does not have fails here."""
+    for name in ("art", "OUT"):
+        shutil.copytree(small_export, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for i, body in enumerate(_python_blocks(doc)):
+        exec(compile(body, f"{doc.name} python block {i + 1}", "exec"), namespace)  # noqa: S102 - the docs' own code
+    capsys.readouterr()

@@ -26,7 +26,7 @@ RECIPE = dict(bias=1.2, vo_std=0.35, window=WINDOW, max_context=MAX_CONTEXT, blo
 @pytest.fixture(scope="module")
 def ring_export() -> Path:
     from dflash_export.export.artifact import export_artifact
-    from dflash_export.testing import make_drafter, make_target
+    from dflash_export.models.tiny import make_drafter, make_target
 
     def build(tmp: Path) -> None:
         make_target(tmp / "t", "qwen3", seed=4, layers=3, hidden=48, heads=4, kv_heads=2, head_dim=16, intermediate=96)

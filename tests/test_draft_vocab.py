@@ -22,10 +22,11 @@ from dflash_export.cli import cli as main
 from dflash_export.export import draft_vocab as DV
 from dflash_export.models import Drafter, Target, autoregressive_generate, new_drafter, speculative_generate
 from dflash_export.runtime import contract as C, manifest as M
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
-from dflash_export.testing import exported_taps_error, make_drafter, make_target
+from dflash_export.models.tiny import make_drafter, make_target
+from tiny_exports import exported_taps_error
 from dflash_export.runtime.sampling import Sampling
 from test_runtime_cli import char_tokenizer
 

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
-from dflash_export.testing import exported_taps_error
+from tiny_exports import exported_taps_error
 from runtime_cases import CASES, artifact
 
 from dflash_export.cli import cli
@@ -28,7 +28,7 @@ from dflash_export.export import trt_lint
 from dflash_export.runtime.contract import SHARED_DATA
 from dflash_export.export.validate import lint
 from dflash_export.runtime import contract as C, manifest as M
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +163,50 @@ def test_check_fails_on_wrong_weights(art, tmp_path):
     r = CliRunner().invoke(cli, ["check", str(bad), "--target", str(target), "--draft", str(draft), "--num-prompts", "2"])
     assert r.exit_code == 1
     assert "FAILED" in r.stdout and "target prefill P=0 S=7 logits: max abs" in r.stdout
+
+
+def test_check_decodes_the_prompts_of_a_file(art, tmp_path):
+    """check --prompts FILE (as --help and docs/export.md show it): those prompts end to end, not random ones;
+    a prompt the artifact cannot take is refused in one line before anything loads."""
+    target, draft, out, _ = art
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("1,2,3\n4,5,6,7,8\n9\n")
+    args = ["check", str(out), "--target", str(target), "--draft", str(draft), "--max-new-tokens", "8"]
+    r = CliRunner().invoke(cli, [*args, "--prompts", str(prompts), "--json"])
+    assert r.exit_code == 0, r.output
+    e2e = json.loads(r.stdout)["end_to_end"]
+    assert e2e["cases"] == 3 and e2e["identical"] == 3 and e2e["max_new_tokens"] == 8
+    prompts.write_text(",".join(["1"] * M.load_manifest(out).max_context) + "\n")
+    r = CliRunner().invoke(cli, [*args, "--prompts", str(prompts)])
+    assert r.exit_code == 2 and "prompt 1 has" in r.stderr and len(r.stderr.splitlines()) == 1, r.output
+    prompts.write_text("text needs a tokenizer\n")
+    r = CliRunner().invoke(cli, [*args, "--prompts", str(prompts)])
+    assert r.exit_code == 2 and "text prompts need tokenizer.json" in r.stderr, r.output
+
+
+def test_check_runs_a_narrow_reference_on_one_thread_and_ticks_per_prompt(art, monkeypatch):
+    """A narrow model's PyTorch reference runs on one torch thread (a second only adds a handoff to
+    each of its tiny ops: 20-50x slower on a busy shared machine), restored afterwards; the
+    end-to-end phase reports each prompt as it starts (check's status line)."""
+    import torch
+    from dflash_export.export import check as export_check
+
+    target, draft, out, m = art
+    seen, ticks = [], []
+    real = export_check.end_to_end
+
+    def spy(*args, tick, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, tick=lambda i: (ticks.append(i), tick(i)), **kwargs)
+
+    monkeypatch.setattr(export_check, "end_to_end", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        report = export_check.run_check(out, target, draft, prompts=3, max_new_tokens=4, progress=False)
+        assert report.passed and seen == [1] and ticks == [0, 1, 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_tampering_is_detected(art, tmp_path):

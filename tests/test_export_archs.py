@@ -13,7 +13,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from dflash_export.testing import exported_taps_error
+from tiny_exports import exported_taps_error
 from runtime_cases import CASES, artifact
 
 from dflash_export.cli import cli

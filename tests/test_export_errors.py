@@ -11,10 +11,11 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
-from dflash_export.testing import make_drafter, make_target
+from dflash_export.models.tiny import make_drafter, make_target
 
 from dflash_export.cli import cli
 from dflash_export.export import trace as export_trace
+from killed import kill_after
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +136,22 @@ def test_interrupt_and_failure_leave_the_old_out_alone(ckpts, monkeypatch):
     assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".old.")]
 
 
+def test_a_killed_export_is_cleaned_by_the_next_run(ckpts, monkeypatch):
+    """export killed with -9 inside its staging (no cleanup runs) leaves the folder beside --out; the
+    next export to the same --out removes it first, whatever that run does next (here it fails)."""
+    args = ["export", "--target", str(ckpts / "t2"), "--draft", str(ckpts / "d2"), "--out", str(ckpts / "killed"),
+            "--quiet"]
+    pid = kill_after("dflash_export.export.artifact", "load_pair", args)
+    assert [p.name for p in ckpts.glob(".killed.*")] == [f".killed.partial-{pid}"] and not (ckpts / "killed").exists()
+
+    def broken(*a, **k):
+        raise export_trace.DFlashError("torch.onnx.export failed for TargetGraph: boom")
+
+    monkeypatch.setattr(export_trace, "trace", broken)
+    assert_error(run_export(ckpts, "t2", "d2", "killed"), "boom")
+    assert_nothing_written(ckpts, "killed")
+
+
 def test_help_teaches():
     for cmd in ("export", "check"):
         r = CliRunner().invoke(cli, [cmd, "--help"])
@@ -150,3 +167,45 @@ def test_max_context_past_the_trained_positions_warns(ckpts, capsys):
     plan(ckpts / "t2", ckpts / "d2", None, None, cfg["max_position_embeddings"] + 1)
     err = capsys.readouterr().err
     assert err.startswith("warning: --max-context") and "max_position_embeddings" in err and err.count("\n") == 1
+
+
+REFUSE_ALONE = """
+import json, sys
+from click.testing import CliRunner
+from dflash_export.cli import cli
+lines = []
+for args in json.loads(sys.argv[1]):
+    r = CliRunner().invoke(cli, args)
+    lines.append([r.exit_code, (r.output.strip().splitlines() or [""])[-1]])
+print(json.dumps({"lines": lines, "heavy": sorted(m for m in ("torch", "onnx", "onnx_ir", "onnxruntime") if m in sys.modules)}))
+"""
+
+
+def test_cheap_refusals_come_before_anything_loads(ckpts):
+    """An existing --out, a --quantize that is not a choice, a bad block size, --kv-cache without the
+    ort flavour: refused by one line before torch, onnx or ONNX Runtime is even imported (a fresh
+    process, so nothing another test imported counts)."""
+    import subprocess
+    import sys
+
+    taken = ckpts / "taken-early"
+    taken.mkdir(exist_ok=True)
+    (taken / "keep.txt").write_text("mine")
+    base = ["export", "--target", str(ckpts / "t2"), "--draft", str(ckpts / "d2"), "--quiet", "--out"]
+    cases = [
+        (base + [str(taken)], "exists and is not empty"),
+        (base + [str(ckpts / "new"), "--quantize", "int3"], "'int3' is not one of 'int4', 'int8'"),
+        (base + [str(ckpts / "new"), "--quantize", "INT4"], "'INT4' is not one of 'int4', 'int8'"),
+        (base + [str(ckpts / "new"), "--quantize", "int4", "--quant-block-size", "12"], "power of two >= 16"),
+        (base + [str(ckpts / "new"), "--quantize", "int4", "--dtype", "bf16"], "--dtype bf16 is not supported"),
+        (base + [str(ckpts / "new"), "--kv-cache", "int8"], "needs --attention ort"),
+        (base + [str(ckpts / "new"), "--kv-calibration", str(ckpts / "t2" / "config.json")], "needs --kv-cache int8"),
+    ]
+    p = subprocess.run([sys.executable, "-c", REFUSE_ALONE, json.dumps([a for a, _ in cases])],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout)
+    for (args, message), (code, line) in zip(cases, got["lines"]):
+        assert code == 2 and message in line, (args, line)
+    assert got["heavy"] == [], f"imported before refusing: {got['heavy']}"
+    assert [p.name for p in taken.iterdir()] == ["keep.txt"] and not (ckpts / "new").exists()

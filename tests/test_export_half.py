@@ -20,7 +20,7 @@ from dflash_export.export.artifact import export_artifact
 from dflash_export.export.validate import lint
 from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.names import names_of
-from dflash_export.testing import make_drafter, make_target
+from dflash_export.models.tiny import make_drafter, make_target
 
 
 def exported(dtype, directory):

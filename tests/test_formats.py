@@ -14,8 +14,8 @@ from dflash_export.models import (
     DraftConfig, Drafter, KVCache, Target, TargetConfig, default_target_layer_ids, speculative_generate,
 )
 from dflash_export.models.config import parse_rope
-from dflash_export.errors import DFlashError
-from dflash_export.testing import make_target
+from dflash_export.runtime.errors import DFlashError
+from dflash_export.models.tiny import make_target
 from runtime_cases import FIXTURES, shrink_released
 
 SUPPORTED = ["qwen3-8b-dflash-b16.config.json", "qwen3.5-27b-dflash.config.json",

@@ -20,7 +20,7 @@ from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.hybrid import commit_state
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
-from dflash_export.testing import hf_model
+from dflash_export.models.tiny import hf_model
 from dflash_export.runtime.sampling import Sampling
 
 LIN, FULL = "linear_attention", "full_attention"
@@ -208,7 +208,8 @@ def test_train_draft_on_a_hybrid_target(tmp_path):
     (tmp_path / "data.txt").write_text(SAMPLE * 12)
     args = ["train-draft", "--target", str(target), "--out", str(tmp_path / "d"), "--data", str(tmp_path / "data.txt"),
             "--block-size", "4", "--layers", "1", "--target-layer-ids", "0,2", "--sequences", "16", "--gen-tokens", "12",
-            "--gen-batch", "8", "--batch", "4", "--anchors", "8", "--eval-tokens", "10", "--threads", "1", "--steps", "3"]
+            "--gen-batch", "8", "--train-batch", "4", "--anchors", "8", "--eval-tokens", "10", "--torch-threads", "1",
+            "--steps", "3"]
     r = CliRunner().invoke(cli, args)
     assert r.exit_code == 0, r.output
     d = Drafter.from_pretrained(tmp_path / "d")
@@ -223,7 +224,7 @@ def test_train_draft_on_a_hybrid_target(tmp_path):
 def test_tensorrt_plan_profiles_the_state_tensors(pair):
     """The build plan gives the states static shapes (batch 1) and caps prefill at one delta-rule chunk."""
     from dflash_export.export.trt_build import build_plan
-    from dflash_export.errors import DFlashError
+    from dflash_export.runtime.errors import DFlashError
 
     m = M.load_manifest(pair[2])
     plan = build_plan(m)
@@ -274,7 +275,7 @@ def test_tensorrt_backend_is_lossless_on_a_hybrid_target(tmp_path, monkeypatch):
 def test_prompt_reuse_keeps_all_or_nothing(pair):
     """Serving reuses a cached prompt prefix (`keep`): a recurrent state cannot go back to a
     shorter prefix, so a hybrid backend reuses the whole cached sequence or nothing."""
-    from dflash_export.errors import InternalError
+    from dflash_export.runtime.errors import InternalError
 
     be = OrtBackend(pair[2])
     prompt = prompts(1, be.manifest.vocab_size, seed=11)[0] + [3, 4]

@@ -12,7 +12,7 @@ from runtime_cases import CASES, artifact
 
 from dflash_export.cli import cli
 from dflash_export.runtime import contract as C, manifest as M
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.ort.backend import OrtBackend
 
 
@@ -127,3 +127,15 @@ def test_info_reports_the_calibrated_policy(out, tmp_path):
     assert json.loads(CliRunner().invoke(cli, ["info", str(art), "--json", "--no-verify"]).output)["runtime"]["ort:cpu"]["spin_us"] == 50
     policy = d["runtime"]["ort:cpu"]["auto_policy"][0]
     assert policy["longest_paying"] is None and policy["break_even"]["2"] > 2
+
+
+def test_info_names_a_mixture_of_experts_target_as_such(out):
+    """A target with experts is a mixture of experts, not "dense mixture-of-experts"; hybrids say both."""
+    from dflash_export.cli.info import attention_kinds
+
+    m = M.load_manifest(out)
+    assert attention_kinds(m)["family"] == "dense"
+    m.moe = {"experts": 4, "top_k": 2, "activation": "swiglu", "path": "op"}
+    assert attention_kinds(m)["family"] == "mixture-of-experts"
+    m.target_layer_types = [C.LINEAR] + [C.ATTENTION] * (m.target_layers - 1)
+    assert attention_kinds(m)["family"] == "hybrid mixture-of-experts"

@@ -14,7 +14,7 @@ from dflash_export.export.quantize import QuantOptions
 from dflash_export.models import Target, speculative_generate
 from dflash_export.models.dflash2 import load_draft_config, load_drafter
 from dflash_export.runtime import contract as C
-from dflash_export.testing import make_drafter, make_target
+from dflash_export.models.tiny import make_drafter, make_target
 
 pytest.importorskip("onnxruntime")
 

@@ -60,7 +60,7 @@ def _tasks(d, greedy):
 def test_lm_eval_local_completions_scores_equal_transformers(art, offline, tmp_path):
     import torch
 
-    from dflash_export.testing import hf_model
+    from dflash_export.models.tiny import hf_model
 
     vocab = json.loads((art / "tokenizer.json").read_text())["model"]["vocab"]
     chars = {v: k for k, v in vocab.items()}

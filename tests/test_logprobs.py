@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from runtime_cases import CASES, ORT_CASES, artifact, prompts
 
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.logprobs import Logprobs, entries
 from dflash_export.runtime.loop import Request, generate_batch
 from dflash_export.runtime.ort.backend import OrtBackend
@@ -79,7 +79,7 @@ def test_echo_and_first_token_equal_transformers():
     one call or in chunks equals log_softmax of transformers' logits for the same checkpoint and sequence."""
     import torch
 
-    from dflash_export.testing import hf_model
+    from dflash_export.models.tiny import hf_model
 
     tdir, _, out = artifact(CASES["llama"])
     be = OrtBackend(out, threads=1)

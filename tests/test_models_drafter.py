@@ -15,7 +15,7 @@ import torch
 from torch.nn import functional as F
 
 from dflash_export.models import KVCache, Target, new_drafter
-from dflash_export.testing import make_target
+from dflash_export.models.tiny import make_target
 
 TOL = 1e-4
 

@@ -19,10 +19,10 @@ import torch
 
 from dflash_export.models import Target, TargetConfig, autoregressive_generate, new_drafter, speculative_generate
 from dflash_export.models.qwen35 import HybridTarget
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from test_formats import SUPPORTED, fixture, shrink, write_drafter
 from test_oracle import OracleDrafter
-from dflash_export.testing import make_target
+from dflash_export.models.tiny import make_target
 from dflash_export.runtime.sampling import Sampling
 
 TOL = 1e-4

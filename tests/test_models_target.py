@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dflash_export.models import Target, TargetConfig
-from dflash_export.testing import hf_model, make_target
+from dflash_export.models.tiny import hf_model, make_target
 
 TOL = 1e-4
 N_PROMPT, K = 11, 5

@@ -27,14 +27,14 @@ from test_runtime_cli import char_tokenizer
 from test_serve import running
 
 from dflash_export.cli import cli
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from dflash_export.export.check import TOLERANCE, run_check
 from dflash_export.export import moe as moe_export
 from dflash_export.models import Target, TargetConfig, draft_config_dict
 from dflash_export.runtime import manifest as M
 from dflash_export.runtime.loop import Request, generate, generate_batch
 from dflash_export.runtime.ort.backend import OrtBackend
-from dflash_export.testing import hf_model, make_drafter, make_target
+from dflash_export.models.tiny import hf_model, make_drafter, make_target
 
 LIN, FULL = "linear_attention", "full_attention"
 ort = pytest.importorskip("onnxruntime")

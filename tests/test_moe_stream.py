@@ -25,11 +25,11 @@ from onnx import TensorProto, helper, numpy_helper
 from safetensors.torch import load_file, save_file
 
 from dflash_export.cli import cli
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from dflash_export.export import artifact, moe as moe_export, save, stream
 from dflash_export.export.quantize import QuantOptions
 from dflash_export.models import Target, moe
-from dflash_export.testing import make_drafter, make_target
+from dflash_export.models.tiny import make_drafter, make_target
 
 
 def _bf16_target(d, fused: bool, **kw):

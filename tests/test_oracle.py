@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dflash_export.models import Target, autoregressive_generate, new_drafter, speculative_generate
-from dflash_export.errors import DFlashError
-from dflash_export.testing import hf_model, make_target
+from dflash_export.runtime.errors import DFlashError
+from dflash_export.models.tiny import hf_model, make_target
 from dflash_export.runtime.sampling import Sampling
 
 ARCHS = ("llama", "qwen3", "qwen2")

@@ -334,7 +334,7 @@ def test_runtime_speculative_equals_plain_on_quantized_graphs(quantized):
 def test_export_quantize_end_to_end(tmp_path):
     """`export --quantize` traces, exports float to a hidden directory, quantizes into --out
     and leaves nothing else behind; the result checks and refuses a TensorRT build."""
-    from dflash_export.testing import make_drafter, make_target
+    from dflash_export.models.tiny import make_drafter, make_target
 
     make_target(tmp_path / "t", layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64)
     make_drafter(tmp_path / "d", tmp_path / "t", layers=1, block_size=4)
@@ -411,7 +411,7 @@ def test_quantized_logits_are_close_to_float(made):
 
 def test_a_killed_quantize_leaves_nothing_after_the_next_run(tmp_path):
     """quantize killed with -9 mid-way (no cleanup runs) leaves its staging folder; the next
-    quantize to the same --out removes it (export/outdir.py owns the names) and publishes."""
+    quantize to the same --out removes it (runtime/outdir.py owns the names) and publishes."""
     import subprocess
     import sys
 

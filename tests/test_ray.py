@@ -12,7 +12,6 @@ where they fail: CI's machines can make namespaces, and these tests are the proo
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import os
 import shutil
@@ -189,10 +188,6 @@ def test_config_file(sr, art):
     assert schema.http_options.host == "127.0.0.1"
     app = schema.applications[0]
     assert app.import_path == "dflash_export.serve.ray:app_builder"
-    with pytest.warns(DeprecationWarning, match="dflash_export.serve.ray"):  # the old path, kept for one release
-        sys.modules.pop("dflash_export.serve_ray", None)
-        old = importlib.import_module("dflash_export.serve_ray")
-    assert old.app_builder is sr.app_builder and old.proxy_middlewares is sr.proxy_middlewares
     dep = app.deployments[0]
     rows = max(app.args.get("max_batch", 1), app.args.get("slots", 1))
     assert dep.name == sr.APP and dep.autoscaling_config["target_ongoing_requests"] == rows

@@ -17,7 +17,7 @@ from dflash_export.models import Target, new_drafter
 from dflash_export.models.config import DraftConfig
 from dflash_export.models.drafter import Drafter
 from dflash_export.runtime.sampling import Drafted, Sampling, inverse_cdf, probabilities, rejection, sample_drafts
-from dflash_export.testing import make_target
+from dflash_export.models.tiny import make_target
 
 import dflash.model as ref  # noqa: E402  (make setup installs it: dflash 0.1.0, --no-deps)
 
@@ -146,7 +146,7 @@ def test_exported_drafter_applies_the_transforms_and_samples_like_the_oracle(tmp
     from dflash_export.models import speculative_generate
     from dflash_export.runtime.loop import generate
     from dflash_export.runtime.ort.backend import OrtBackend
-    from dflash_export.testing import make_drafter
+    from dflash_export.models.tiny import make_drafter
 
     t = make_target(tmp_path / "t", arch="qwen3", seed=5, layers=2, vocab=64)
     d = make_drafter(tmp_path / "d", t, layers=1, block_size=5)

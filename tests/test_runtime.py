@@ -19,7 +19,7 @@ from dflash_export.models import Drafter, Target, autoregressive_generate, specu
 from dflash_export.models.config import DraftConfig
 from dflash_export.runtime import contract as C
 from dflash_export.runtime.names import names_of
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import Generation, generate, stream
 from dflash_export.runtime.ort.backend import OrtBackend, resolve_provider
 from dflash_export.runtime.sampling import Sampling

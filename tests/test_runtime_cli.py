@@ -140,6 +140,20 @@ def test_bench_json_and_plot(out, tmp_path):
     r = run("bench", out, "--prompts", prompts, "--max-new-tokens", "8", "--warmup", "0")
     assert r.exit_code == 0 and "2 prompts from" in r.stdout and "loop efficiency" in r.stdout
     assert "auto (default costs): 1 row(s): verify 2/4/8/16 pays above" in r.stdout, r.stdout
+    assert f"threads {j['threads']}," in r.stdout and "thread sweep: fastest at" in r.stdout
+
+
+def test_bench_says_which_thread_count_ran_when_the_sweep_prefers_another(out, capsys):
+    """The settings line's count and the sweep's fastest may differ (noise, or a stale calibration):
+    the sweep's line then says which count the run used, never a bare second "best"."""
+    from dflash_export.cli.run import echo_bench
+
+    r = run("bench", out, "--max-new-tokens", "8", "--json", "--warmup", "0", "--off-domain", "0")
+    j = json.loads(r.stdout)
+    j.update(threads=2, best_threads=1)
+    echo_bench(j, "prompts", 101, 0.0)
+    text = capsys.readouterr().out
+    assert "threads 2," in text and "thread sweep: fastest at 1 (the run above used 2" in text, text
 
 
 def test_bench_reports_tau_when_sampling(out):
@@ -195,7 +209,7 @@ def test_bad_artifacts_are_one_line(out, tmp_path):
 
 def test_onnxruntime_load_failure_says_what_failed(out, tmp_path):
     """The graph, the provider and ORT's own first line; the re-export hint only where it helps."""
-    from dflash_export.errors import DFlashError
+    from dflash_export.runtime.errors import DFlashError
     from dflash_export.runtime.ort.backend import OrtBackend
 
     bad = tmp_path / "bad"
@@ -229,7 +243,7 @@ def test_internal_errors_ask_for_a_report_with_the_traceback():
     import click
 
     from dflash_export.cli import Group
-    from dflash_export.errors import DFlashError, InternalError
+    from dflash_export.runtime.errors import DFlashError, InternalError
 
     @click.group(cls=Group)
     def g():

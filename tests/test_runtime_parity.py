@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from runtime_cases import CASES, artifact, prompts
-from dflash_export.testing import hf_model
+from dflash_export.models.tiny import hf_model
 
 from dflash_export.models import Drafter, Target, speculative_generate
 from dflash_export.models.config import DraftConfig

@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 from dflash_export.cli import cli
 from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.controller import controller_for
-from dflash_export.errors import DFlashError, InternalError
+from dflash_export.runtime.errors import DFlashError, InternalError
 from dflash_export.runtime.loop import Generation, generate, stream
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.sampling import Sampling
@@ -381,9 +381,10 @@ BAD = [  # (method, path, body, headers, status, words in the message)
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 500}, {}, 400,
      "lower max_completion_tokens to at most"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                      "tools": [{"type": "function", "function": {"name": "f"}}]}, {}, 400, "tool calling"),
+                                      "tools": [{"type": "function", "function": {"name": "f"}}]}, {}, 400,
+     "writes no tool calls this server can read"),  # this template renders no tools (tests/test_serve_tools.py's does)
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                      "response_format": {"type": "json_object"}}, {}, 400, "'json_object' is not supported"),
+                                      "response_format": {"type": "yaml"}}, {}, 400, "type must be"),
     ("POST", "/v1/completions", {"prompt": "a", "stream": "yes"}, {}, 400, "stream"),
     ("POST", "/v1/completions", {"prompt": "a", "stream_options": {"include_usage": 1}}, {}, 400, "include_usage"),
     ("POST", "/detokenize", {"tokens": [1, 999]}, {}, 400, "outside the vocabulary"),
@@ -562,7 +563,7 @@ def test_shutdown_cancels_what_outlasts_the_bound(art, tmp_path, offline, tok, r
     (["serve", "OUT", "--threads", "0"], "--threads must be >= 1"),
     (["serve", "OUT", "--slots", "2", "--backend", "trt"], "needs --backend ort"),
     (["serve", "OUT", "--api-key", "a", "--api-key-file", "f"], "not both"),
-    (["serve", "OUT", "--api-key-file", "/nonexistent/key"], "--api-key-file /nonexistent/key: No such file"),
+    (["serve", "OUT", "--api-key-file", "/nonexistent/key"], "--api-key-file /nonexistent/key: unreadable (no such file)"),
     (["serve", "OUT", "--chat-template", "/nonexistent.jinja"], "no such file"),
 ])
 def test_serve_bad_arguments_are_one_line(art, args, message):
@@ -622,18 +623,18 @@ def test_demo_without_the_export_extra_is_one_line(tmp_path):
 
 def test_demo_cache_from_an_older_format_is_not_served(art, tmp_path, monkeypatch):
     """A cached demo export this version cannot read is exported again, never served as is."""
-    from dflash_export.cli import serve as cmd_serve
+    from dflash_export.demo import artifact as demo
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     pair = ROOT / "demo" / "pair"
-    out = cmd_serve.demo_cache_dir(pair)
+    out = demo.demo_cache_dir(pair)
     shutil.copytree(art, out)
-    assert cmd_serve.demo_artifact(pair) == out  # readable: served from the cache
+    assert demo.demo_artifact(pair) == out  # readable: served from the cache
     m = json.loads((out / "manifest.json").read_text())
     (out / "manifest.json").write_text(json.dumps(m | {"format_version": C.FORMAT_VERSION - 1}))
-    monkeypatch.setattr(cmd_serve, "_importable", lambda name: False)  # no export extra: the one-line error
+    monkeypatch.setattr(demo, "installed", lambda name: False)  # no export extra: the one-line error
     with pytest.raises(DFlashError, match="needs the export extra"):
-        cmd_serve.demo_artifact(pair)
+        demo.demo_artifact(pair)
 
 
 # -- the pieces: slots over one set of sessions, prompt reuse, cancellation, streamed text -----------

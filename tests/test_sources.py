@@ -19,10 +19,10 @@ from runtime_cases import _bias_target
 from safetensors.torch import load_file, save_file
 from speculators_format import to_speculators
 
-from dflash_export import sources as S
+from dflash_export.export import sources as S
 from dflash_export.cli import cli
 from dflash_export.runtime import manifest as M
-from dflash_export.testing import make_drafter, make_target
+from dflash_export.models.tiny import make_drafter, make_target
 
 IDS = np.array(sorted({7, 96, *range(0, 40, 2)}))  # the speculators drafter's draft vocabulary (22 of 97)
 

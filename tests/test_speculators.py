@@ -16,11 +16,11 @@ from runtime_cases import FIXTURES, _bias_target, prompts
 from safetensors.torch import load_file, save_file
 from speculators_format import to_speculators
 
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from dflash_export.models import Target, speculative_generate
 from dflash_export.models.config import DraftConfig
 from dflash_export.models.dflash2 import load_draft_config, load_drafter
-from dflash_export.testing import make_drafter, make_target
+from dflash_export.models.tiny import make_drafter, make_target
 
 
 def test_released_config_reads_as_its_zlab_original(tmp_path):

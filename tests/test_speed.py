@@ -19,14 +19,14 @@ import torch
 from click.testing import CliRunner
 from runtime_cases import CASES, artifact, prompts
 from test_oracle import N_SAMPLES, TEMP, V_SMALL, OracleDrafter, _chi2_p, _exact_joint, _random_drafter_small
-from dflash_export.testing import make_target
+from dflash_export.models.tiny import make_target
 
 from dflash_export.cli import cli
 from dflash_export.models import Target, autoregressive_generate
 from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.backend import Backend, Draft, TargetOut
 from dflash_export.runtime.calibrate import SPIN_MODES, SPIN_US, choose_count, choose_policy, choose_spin, replay, spin_label
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.settings import FULL, Settings, VerifyPolicy, load_settings, resolve, save_settings

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 from click.testing import CliRunner
+from killed import kill_after
 from train_fixtures import SAMPLE, make_tokenized_target
 
 from dflash_export.cli import cli
@@ -189,8 +190,8 @@ def test_cli_training_reduces_weighted_loss(tiny):
     (root / "b.txt").write_text(SAMPLE * 6)
     args = ["train-draft", "--target", str(target), "--out", str(root / "cli-loss"), "--data", str(root / "a.txt"),
             str(root / "b.txt"), "--block-size", "4", "--target-layer-ids", "1,2", "--sequences", "64", "--gen-tokens",
-            "24", "--gen-batch", "8", "--batch", "8", "--anchors", "16", "--lr", "3e-3", "--steps", "40",
-            "--eval-tokens", "8", "--threads", "1"]
+            "24", "--gen-batch", "8", "--train-batch", "8", "--anchors", "16", "--lr", "3e-3", "--steps", "40",
+            "--eval-tokens", "8", "--torch-threads", "1"]
     r = CliRunner().invoke(cli, args)
     assert r.exit_code == 0, r.output
     assert "precision (training): " in r.output and "total wall" in r.output
@@ -248,8 +249,8 @@ def test_precision_is_measured_once_and_cached(tmp_path, monkeypatch):
 def _train(root, target, out, *extra):
     args = ["train-draft", "--target", str(target), "--out", str(out), "--data", str(root / "data.txt"),
             "--block-size", "4", "--layers", "1", "--target-layer-ids", "1,2", "--sequences", "32",
-            "--gen-tokens", "16", "--gen-batch", "8", "--batch", "4", "--anchors", "8", "--eval-tokens", "12",
-            "--threads", "1", *extra]
+            "--gen-tokens", "16", "--gen-batch", "8", "--train-batch", "4", "--anchors", "8", "--eval-tokens", "12",
+            "--torch-threads", "1", *extra]
     return CliRunner().invoke(cli, args)
 
 
@@ -287,6 +288,42 @@ def test_cli_saves_zlab_drafter_and_resumes(tiny):
     assert ck2["step"] == 9 and not torch.equal(ck["drafter"]["fc.weight"], ck2["drafter"]["fc.weight"])
 
 
+def test_a_killed_train_draft_is_cleaned_by_the_next_run(tiny):
+    """train-draft killed with -9 while writing OUT (its drafter in the staging folder beside OUT, no
+    cleanup runs) leaves OUT as it was; the next run on the same OUT removes the folder and publishes."""
+    root, target = tiny
+    out = root / "killed"
+    args = ["train-draft", "--target", str(target), "--out", str(out), "--data", str(root / "data.txt"),
+            "--block-size", "4", "--layers", "1", "--target-layer-ids", "1,2", "--sequences", "16", "--gen-tokens", "8",
+            "--gen-batch", "8", "--train-batch", "4", "--anchors", "8", "--eval-tokens", "4", "--torch-threads", "1", "--steps", "1"]
+    pid = kill_after("dflash_export.models.drafter", "Drafter.save_pretrained", args)
+    left = list(root.glob(".killed.*"))
+    assert [p.name for p in left] == [f".killed.partial-{pid}"] and (left[0] / "model.safetensors").is_file()
+    assert not out.exists()
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    assert not list(root.glob(".killed.*")) and (out / "model.safetensors").is_file() and (out / "training.json").is_file()
+
+
+def test_cli_init_starts_from_a_drafters_weights(tiny):
+    """--init DRAFT: a warm restart from a finished drafter (its weights, a fresh optimizer); at lr 0
+    the written drafter is the one it started from. A drafter of another shape is refused in one line."""
+    from safetensors.torch import load_file
+
+    root, target = tiny
+    r = _train(root, target, root / "first", "--steps", "3")
+    assert r.exit_code == 0, r.output
+    r = _train(root, target, root / "warm", "--steps", "2", "--lr", "0", "--init", str(root / "first"))
+    assert r.exit_code == 0, r.output
+    assert f"initialised from {root / 'first'}" in r.output
+    a, b = load_file(root / "first" / "model.safetensors"), load_file(root / "warm" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    r = _train(root, target, root / "wrong", "--steps", "1", "--target-layer-ids", "1", "--init", str(root / "first"))
+    assert r.exit_code == 2 and r.output.startswith("error: --init") and r.output.count("\n") == 1, r.output
+    r = _train(root, target, root / "both", "--steps", "1", "--resume", "--init", str(root / "first"))
+    assert r.exit_code == 2 and "not both" in r.output, r.output
+
+
 def test_bf16_save_loads_as_fp32(tiny):
     root, target = tiny
     out = root / "draft16"
@@ -318,7 +355,7 @@ def test_cli_one_line_errors(tiny, extra, message):
 
 
 def test_cli_refuses_target_without_tokenizer(tmp_path):
-    from dflash_export.testing import make_target
+    from dflash_export.models.tiny import make_target
 
     t = make_target(tmp_path / "t")
     (tmp_path / "d.txt").write_text(SAMPLE)

@@ -27,9 +27,39 @@ def test_demo_refuses_missing_pair(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_demo_table_fits_80_columns():
+    """The result table at 80 columns: every line fits, no label or figure wraps inside its cell
+    (each row's label is on one line with its figures), the notes below it say what [1]-[4] are."""
+    from rich.console import Console
+
+    from dflash_export.cli.demo import print_result
+
+    split = {"prefill": 0.31, "draft": 1.2, "verify": 3.3, "host": 0.2, "total": 5.0}
+    r = {"tokens_per_second": {"speculative": 1943.2, "autoregressive": 1601.0}, "tau": 14.66, "mean_verify_len": 15.1,
+         "rounds": {"drafted": 16530, "plain": 11200}, "speedup": 11.57, "speedup_vs_best_plain": 10.5,
+         "loop_efficiency": 1.004, "time_split_s": {"speculative": split, "autoregressive": split},
+         "off_domain": {"prompts": 8, "tokens_per_second": {"speculative": 1580, "autoregressive": 1600}, "speedup": 0.97,
+                        "tau": 2.1, "rounds": {"drafted": 30, "plain": 900}, "lossless": True},
+         "lossless": True, "threads": 16, "best_plain_threads": 16, "block_size": 16, "speculation": "auto",
+         "verify": {"theta": 0.05, "min_len": 3}}
+    console = Console(width=80, record=True)
+    print_result(console, r, 24, 128)
+    lines = console.export_text().splitlines()
+    assert lines and max(len(x) for x in lines) <= 80, max(lines, key=len)
+    rows = [x for x in lines if x.startswith("│")]
+    labels = ("tau (", "tokens/s (decode)", "speedup, same threads", "speedup, each at its best", "loop efficiency",
+              "off-domain [4]: speedup", "output identical")
+    for label in labels:  # one line each: label, DFlash figure, plain figure
+        hits = [x for x in rows if label in x]
+        assert len(hits) == 1 and hits[0].count("│") == 4, (label, hits)
+    assert all(not x.strip("│ ").startswith(("(", "thread")) for x in rows)  # no wrapped continuation lines
+    notes = "\n".join(x for x in lines if x.startswith("["))
+    assert all(f"[{i}]" in notes for i in range(1, 5)) and "16 thread(s)" in notes and "random-vocabulary" in notes
+
+
 @pytest.mark.slow
 def test_demo_runs_on_tiny_pair(tmp_path):
-    from dflash_export.testing import make_drafter
+    from dflash_export.models.tiny import make_drafter
     from train_fixtures import make_tokenized_target
 
     make_tokenized_target(tmp_path / "pair" / "target")

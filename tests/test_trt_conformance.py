@@ -23,7 +23,7 @@ from runtime_cases import ROOT, TRT_CASES, artifact
 import trt_bindings
 import trt_double as D
 import trt_fake
-from dflash_export.runtime.trt.profiles import trt_version_tuple
+from dflash_export.runtime.trt.engines import trt_version_tuple
 
 VERSIONS = trt_bindings.VERSIONS
 

@@ -20,8 +20,9 @@ from runtime_cases import TRT_CASES, Case, artifact
 
 import trt_bindings
 import trt_fake
+from killed import kill_after
 from dflash_export.cli import cli
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.manifest import load_manifest
 from dflash_export.runtime.sampling import Sampling
@@ -118,6 +119,25 @@ def test_failed_build_writes_nothing(exported, monkeypatch):
     after = {p: p.read_bytes() for p in exported.rglob("*") if p.is_file()}
     changed = {p for p in set(before) | set(after) if before.get(p) != after.get(p)}
     assert changed <= {exported / "timing.cache", exported / "timing.cache.lock"}  # OUT untouched
+
+
+def test_a_killed_build_is_cleaned_by_the_next_run(exported, monkeypatch, tmp_path):
+    """build killed with -9 after its first engine (in the staging folder beside OUT, no cleanup runs)
+    leaves OUT as it was; the next build of OUT removes the folder and publishes its engines."""
+    trt_fake.install(monkeypatch)  # here first: skips (or fails) where the bindings are missing
+    out, cache = tmp_path / "out", tmp_path / "timing.cache"
+    shutil.copytree(exported / "out", out)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    args = ["build", str(out), "--max-context", str(MC), "--max-prompt", str(MP), "--timing-cache", str(cache),
+            "--no-progress"]
+    setup = "import pytest, trt_fake\ntrt_fake.install(pytest.MonkeyPatch())"
+    pid = kill_after("trt_fake", "SimBuilder.build_serialized_network", args, setup, calls=2)
+    left = list(tmp_path.glob(".out.*"))
+    assert [p.name for p in left] == [f".out.engines-{pid}"] and [p.name for p in left[0].iterdir()] == ["target.engine"]
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before and not (out / "engines").exists()
+    r = build(out, cache, "--no-progress")
+    assert r.exit_code == 0, r.output
+    assert not list(tmp_path.glob(".out.*")) and len(load_manifest(out, verify=True).engines["profiles"]) == 3
 
 
 def test_dry_run_needs_no_tensorrt(exported, monkeypatch):

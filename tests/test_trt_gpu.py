@@ -36,7 +36,7 @@ PROMPTS = [[5, 17, 3, 42, 8], [1] * 13, list(range(2, 26))]
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from dflash_export.testing import export_tiny_pair
+    from tiny_exports import export_tiny_pair
 
     from dflash_export.cli import cli
 
@@ -103,7 +103,7 @@ def test_trt_short_verifies_score_fewer_drafts(built):
 
 def test_refuses_other_tensorrt_or_gpu(built):
     from dflash_export.runtime.manifest import load_manifest
-    from dflash_export.errors import DFlashError
+    from dflash_export.runtime.errors import DFlashError
     from dflash_export.runtime.trt.backend import TensorRTBackend
 
     out, _ = built
@@ -172,7 +172,7 @@ def test_trt_hybrid_tokens_match_ort(tmp_path):
 def test_trt_batched_rows_match_ort(tmp_path):
     """Engines built with --max-batch 3: every row of the batched loop (rows joining and leaving)
     equals ONNX Runtime's batch-1 greedy output, speculative and plain."""
-    from dflash_export.testing import export_tiny_pair
+    from tiny_exports import export_tiny_pair
 
     from dflash_export.cli import cli
     from dflash_export.runtime.loop import Request, generate_batch

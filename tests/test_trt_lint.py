@@ -11,7 +11,7 @@ from runtime_cases import TRT_CASES, artifact
 
 from dflash_export.cli import cli
 from dflash_export.export.trt_lint import MIN_VERSION, OPS_FILE, check, lint_model, lint_range, max_opset
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 
 
 def model(nodes, inputs, outputs, inits=(), opset=17, domains=()):

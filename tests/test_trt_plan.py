@@ -7,11 +7,10 @@ import pytest
 
 from dflash_export.export.trt_build import build_plan, describe
 from dflash_export.runtime.manifest import GraphSpec, Manifest, TensorSpec
-from dflash_export.errors import DFlashError, InternalError
-from dflash_export.runtime.trt.profiles import (
-    ENGINE_FILES, Profile, check_engine_record, check_trt_version, default_cache_dir,
-    ort_trt_provider_options,
-)
+from dflash_export.runtime.errors import DFlashError, InternalError
+from dflash_export.runtime.ort.trt_provider import default_cache_dir, ort_trt_provider_options
+from dflash_export.runtime.profiles import Profile
+from dflash_export.runtime.trt.engines import ENGINE_FILES, check_engine_record, check_trt_version
 
 L, H, D, DL, DH, DD, TH, V = 2, 2, 16, 1, 2, 16, 96, 101
 
@@ -111,7 +110,8 @@ def test_profile_must_cover_every_dynamic_dim():
 
 def test_plan_imports_no_tensorrt():
     code = ("import sys; import dflash_export.export.trt_build, dflash_export.export.trt_lint, "
-            "dflash_export.runtime.trt.profiles, dflash_export.runtime.trt.backend, dflash_export.cli.trt; "
+            "dflash_export.runtime.profiles, dflash_export.runtime.ort.trt_provider, dflash_export.runtime.trt.backend, "
+            "dflash_export.cli.trt; "
             "assert not {'tensorrt', 'cuda', 'polygraphy'} & set(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -24,7 +24,7 @@ import transformers
 from runtime_cases import GEMMA4_MOE, WINDOWED_CASES, artifact, prompts
 
 from dflash_export.cli.info import describe
-from dflash_export.errors import DFlashError
+from dflash_export.runtime.errors import DFlashError
 from dflash_export.export.check import run_check
 from dflash_export.export.trt_build import build_plan
 from dflash_export.models import Target, TargetConfig
@@ -34,7 +34,7 @@ from dflash_export.runtime.manifest import load_manifest
 from dflash_export.runtime.memory import cache_bytes_per_position, ring_bytes
 from dflash_export.runtime.ort.backend import OrtBackend
 from dflash_export.runtime.window import WindowRings
-from dflash_export.testing import hf_model, make_target
+from dflash_export.models.tiny import hf_model, make_target
 
 SW, FA = "sliding_attention", "full_attention"
 TARGETS = {  # family features a test pair does not cover: a longer window, Gemma's double-wide shared MLPs

@@ -20,7 +20,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from runtime_cases import CASES, _bias_target, artifact, prompts
-from dflash_export.testing import ARCHS, hf_model, make_drafter, make_target
+from dflash_export.models.tiny import ARCHS, hf_model, make_drafter, make_target
 from zlab_reference import RefDrafter, assert_rounds_match, zlab_generate
 
 from dflash_export.cli import cli

@@ -6,11 +6,11 @@ import json
 import string
 from pathlib import Path
 
-from dflash_export.testing import make_target
+from dflash_export.models.tiny import make_target
 
 
 def make_tokenized_target(directory: str | Path, vocab: int = 101, **kwargs) -> Path:
-    """dflash_export.testing's random Qwen3 target plus tokenizer.json: <|endoftext|> 0, <|mask|> 1, then characters."""
+    """dflash_export.models.tiny's random Qwen3 target plus tokenizer.json: <|endoftext|> 0, <|mask|> 1, then characters."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     d = make_target(directory, vocab=vocab, **kwargs)

@@ -29,7 +29,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-VERSIONS = ("10.12.0.36", "11.4.0.106")  # the two ends of the supported range (runtime/trt/profiles.py)
+VERSIONS = ("10.12.0.36", "11.4.0.106")  # the two ends of the supported range (runtime/trt/engines.py)
 PACKAGE = "tensorrt-cu12-bindings"
 REQUIRED_ENV = "DFLASH_REQUIRE_TRT_BINDINGS"
 # what tensorrt.so imports from each library (`nm -D --undefined-only tensorrt.so`, both versions;

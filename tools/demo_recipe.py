@@ -39,7 +39,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 from torch.nn import functional as F  # noqa: E402
 
 from dflash_export.models import Target, TargetConfig  # noqa: E402
-from dflash_export.lazy import lazy_import  # noqa: E402
+from dflash_export.runtime.lazy import lazy_import  # noqa: E402
 
 transformers = lazy_import("transformers")  # optional: without it the config is written by hand (target_config_dict)
 
@@ -274,9 +274,9 @@ def prompts(args) -> None:
 
 # The options the shipped drafter was trained with (see demo/RESULTS.md).
 DRAFT_OPTIONS = ["--block-size", "16", "--layers", "1", "--target-layer-ids", "1,2,3,4", "--gamma", "7",
-                 "--lr", "2e-3", "--batch", "8", "--anchors", "48", "--sequences", "8000", "--gen-minutes", "12",
+                 "--lr", "2e-3", "--train-batch", "8", "--anchors", "48", "--sequences", "8000", "--gen-minutes", "12",
                  "--gen-tokens", "160", "--gen-batch", "64", "--eval-every", "150", "--eval-n", "8",
-                 "--eval-tokens", "128", "--threads", "2", "--seed", "0"]
+                 "--eval-tokens", "128", "--torch-threads", "2", "--seed", "0"]
 
 
 def pair_target(args) -> None:

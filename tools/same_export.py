@@ -33,7 +33,7 @@ PAIRS = {  # name -> make_target keywords: a dense target, a tied one, and one w
 
 
 def make_pairs(root: Path) -> None:
-    from dflash_export.testing import make_drafter, make_target  # torch: only for `pairs` (compare needs onnx alone)
+    from dflash_export.models.tiny import make_drafter, make_target  # torch: only for `pairs` (compare needs onnx alone)
 
     for name, kw in PAIRS.items():
         t = make_target(root / name / "t", seed=1, **kw)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from . import data as D
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 
 PRECISIONS = click.Choice(["auto", "fp32", "bf16"])
 
@@ -58,17 +58,17 @@ class TrainConfig:
     intermediate_size: int | None = option(None, "drafter MLP width (default: the target's)", type=int)
     gamma: float = option(7.0, "loss weight decay: w_k = exp(-(k-1)/gamma)", show_default=True)
     lr: float = option(1e-3, show_default=True)
-    batch: int = option(8, "sequences per step", show_default=True)
+    train_batch: int = option(8, "sequences per optimizer step", show_default=True)
     anchors: int = option(48, "random anchors (blocks) per sequence", show_default=True)
     steps: int = option(0, "train for N steps ...")
     minutes: float = option(0.0, "... or for M minutes of training (in all, across --resume; generation and "
                                  "evaluation not counted)")
     max_total_minutes: float = option(0.0, "bound the whole command (generation + training + evaluation); 0: none")
-    precision: str = option("auto", "training matmuls: fp32 or bf16 autocast; auto: the faster, measured once per "
-                                    "machine", type=PRECISIONS, show_default=True)
+    train_precision: str = option("auto", "training matmuls: fp32 or bf16 autocast; auto: the faster, measured once "
+                                          "per machine", type=PRECISIONS, show_default=True)
     gen_precision: str = option("auto", "the target's continuation generation, chosen the same way (bf16 flips a "
                                         "few near-tie labels)", type=PRECISIONS, show_default=True)
-    warmup: float = option(0.05, "LR warmup as a fraction of the budget (steps or minutes)", show_default=True)
+    lr_warmup: float = option(0.05, "LR warmup as a fraction of the budget (steps or minutes)", show_default=True)
     sequences: int = option(2048, "continuations to generate (cached)", show_default=True)
     gen_minutes: float = option(0.0, "stop generating new continuations after M minutes (0: all --sequences)")
     gen_tokens: int = option(256, "new tokens per continuation", show_default=True)
@@ -83,8 +83,10 @@ class TrainConfig:
     save_dtype: str = option("fp32", type=click.Choice(["fp32", "bf16"]), show_default=True)
     work: Path | None = option(None, "cache + checkpoint folder (default OUT.work)", type=click.Path(path_type=Path))
     resume: bool = option(False, "continue from the last checkpoint in --work", is_flag=True)
+    init: Path | None = option(None, "start from this drafter's weights (same shape; a fresh optimizer and "
+                                     "schedule): a warm restart of a finished run", type=click.Path(path_type=Path))
     seed: int = option(0, show_default=True)
-    threads: int = option(0, "torch threads (default: all cores)")
+    torch_threads: int = option(0, "torch threads (default: all cores)")
     family: str = option("dflash", "drafter family to train (only dflash: DFlash 2 training is not supported)",
                          type=click.Choice(["dflash", "dflash2"]), show_default=True)
     feature_cache_gb: float = 8.0  # the target's taps cached on disk per run (train/cache.py)
@@ -100,6 +102,8 @@ class TrainConfig:
             raise DFlashError(f"give --steps N or --minutes M, not both (got --steps {self.steps} --minutes {self.minutes:g})")
         if self.steps == 0 and self.minutes == 0:
             raise DFlashError("--steps 0 and --minutes 0 train for nothing: give --steps N (N >= 1) or --minutes M (M > 0)")
+        if self.init and self.resume:
+            raise DFlashError("give --init DRAFT_DIR or --resume, not both (--resume continues --work's checkpoint)")
         if self.block_size < 2:
             raise DFlashError(f"--block-size must be >= 2 (got {self.block_size})")
         if self.max_total_minutes and self.minutes and self.max_total_minutes <= self.minutes:

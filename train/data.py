@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from torch.nn import functional as F
 
 from ..models.layers import rope_cos_sin
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 
 
 def read_prompts(paths: list[str | Path], chunk_chars: tuple[int, int] = (200, 600), seed: int = 0) -> list[str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 
 PRECISIONS = ("fp32", "bf16", "auto")
 
@@ -70,7 +70,7 @@ def choose(kind: str, requested: str, shape: str, probe, log=print) -> str:
     version, thread count and `shape`, so the measurement runs once.
     """
     if requested not in PRECISIONS:
-        raise DFlashError(f"--precision must be one of {', '.join(PRECISIONS)} (got {requested!r})")
+        raise DFlashError(f"--train-precision must be one of {', '.join(PRECISIONS)} (got {requested!r})")
     if requested != "auto":
         log(f"precision ({kind}): {requested} (as requested)")
         return requested
@@ -95,7 +95,7 @@ def choose(kind: str, requested: str, shape: str, probe, log=print) -> str:
     pick = "bf16" if ms["bf16"] < ms["fp32"] else "fp32"
     log(f"precision ({kind}): {pick}, the faster here: fp32 {ms['fp32']:.1f} ms vs bf16 autocast "
         f"{ms['bf16']:.1f} ms per {shape} ({'cached' if hit else 'measured now'}; "
-        f"--precision / --gen-precision to force)")
+        f"--train-precision / --gen-precision to force)")
     return pick
 
 

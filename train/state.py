@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
+from ..runtime.outdir import commit, staged
 
 
 @dataclass
@@ -64,21 +65,14 @@ def load_checkpoint(path: Path, drafter, opt, gen: torch.Generator) -> TrainStat
 
 
 def save_drafter(drafter, out: Path, dtype: str) -> None:
-    """Write the z-lab directory next to OUT, then swap it in: OUT is never half-written."""
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    """Write the z-lab directory beside OUT, then swap it in: OUT is never half-written."""
     model = copy.deepcopy(drafter)
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
         model.config.raw["dtype"] = model.config.raw["torch_dtype"] = "bfloat16"
-    model.save_pretrained(tmp)
-    if (out / "training.json").is_file():
-        shutil.copy(out / "training.json", tmp / "training.json")
-    if out.exists():
-        old = out.with_name(out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with staged(out) as tmp:
+        model.save_pretrained(tmp)
+        if (out / "training.json").is_file():
+            shutil.copy(out / "training.json", tmp / "training.json")
+        commit(tmp, out)

@@ -31,7 +31,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..errors import DFlashError
+from ..runtime.errors import DFlashError
 from . import cache as C, data as D, speed as P
 from .config import TrainConfig
 from ..models.config import DraftConfig, TargetConfig
@@ -118,7 +118,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     t_start = time.time()
     cfg.check()
     console = Console(stderr=True)
-    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    torch.set_num_threads(cfg.torch_threads or os.cpu_count() or 1)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     work = Path(cfg.work) if cfg.work else out.with_name(out.name + ".work")
@@ -148,6 +148,13 @@ def load_pair(cfg: TrainConfig, log) -> Pair:
                  intermediate_size=cfg.intermediate_size)
     DraftConfig.from_dict(draft_config_dict(tc, **shape)).check_fits(tc)
     drafter = new_drafter(tc, **shape).train()
+    if cfg.init:  # a warm restart: the weights of a finished drafter of the same shape
+        start = Drafter.from_pretrained(Path(cfg.init))
+        if start.config.raw != drafter.config.raw:
+            raise DFlashError(f"--init {cfg.init}: its config differs from the drafter these options make "
+                              "(block size, depth, taps, mask token); give the options it was trained with")
+        drafter.load_state_dict(start.state_dict())
+        log(f"initialised from {cfg.init}")
     log(f"target {target_dir}: {tc.num_layers} layers, hidden {tc.hidden_size}, taps {taps}, mask id {mask_id}")
     ids, eval_ids, _ = C.split_prompts(cfg, tok)
     return Pair(target, drafter, tc, taps, mask_id, tuple(tc.eos_token_ids), ids, eval_ids)
@@ -157,8 +164,8 @@ def plan_run(cfg: TrainConfig, pair: Pair, work: Path, t_start: float, log) -> P
     """Precision by measurement, then what each phase will cost: a decode step and a drafted
     round timed here, generation capped by what training and evaluation leave of the bound."""
     target, tc, k, ids, eval_ids = pair.target, pair.tc, cfg.block_size, pair.ids, pair.eval_ids
-    rows = cfg.batch * cfg.anchors * (k - 1)
-    bf16 = P.choose("training", cfg.precision, f"LM-head matmul fwd+bwd {rows}x{tc.hidden_size}x{tc.vocab_size}",
+    rows = cfg.train_batch * cfg.anchors * (k - 1)
+    bf16 = P.choose("training", cfg.train_precision, f"LM-head matmul fwd+bwd {rows}x{tc.hidden_size}x{tc.vocab_size}",
                     lambda b: P.lm_head_probe(rows, tc.hidden_size, tc.vocab_size, b), log) == "bf16"
     probe_ids = torch.randint(2, tc.vocab_size, (min(cfg.gen_batch, len(ids)), 64), generator=torch.Generator().manual_seed(0))
     gen_bf16 = P.choose("generation", cfg.gen_precision, f"8 batched decode steps, batch {len(probe_ids)}",
@@ -259,7 +266,7 @@ def train(cfg: TrainConfig, pair: Pair, plan: Plan, data: Data, work: Path, t_st
         train_s = min(train_s, total_s - (time.time() - t_start) - plan.plan_eval)
         if train_s < (cfg.minutes * 60 - state.elapsed if cfg.minutes else float("inf")):
             log(f"--max-total-minutes: training gets {_mins(max(train_s, 0))} of this run")
-    sched = Schedule(cfg.lr, warmup=cfg.warmup, steps=cfg.steps, seconds=state.elapsed + train_s if cfg.minutes else 0.0)
+    sched = Schedule(cfg.lr, warmup=cfg.lr_warmup, steps=cfg.steps, seconds=state.elapsed + train_s if cfg.minutes else 0.0)
     initial = None
     if not cfg.resume:  # the held-out loss before training, for training.json's before/after
         initial = teacher_forced(target, drafter, data.eval_shards, k, mask_id, weights, seed=cfg.seed, autocast=bf16,
@@ -286,7 +293,7 @@ def train(cfg: TrainConfig, pair: Pair, plan: Plan, data: Data, work: Path, t_st
                 order = torch.randperm(len(shards), generator=gen).tolist()
             i = order.pop()
             s = shards[i]
-            rows = torch.randperm(s.tokens.shape[0], generator=gen)[: cfg.batch]
+            rows = torch.randperm(s.tokens.shape[0], generator=gen)[: cfg.train_batch]
             seq_index, anc = sample_anchors(s, rows, cfg.anchors, gen)
             if len(anc) == 0:
                 continue
@@ -337,7 +344,7 @@ def write_summary(cfg: TrainConfig, pair: Pair, plan: Plan, data: Data, run: Tra
     out, k, feats, eval_ids = Path(cfg.out), cfg.block_size, data.feats, pair.eval_ids
     state, initial, train_wall, tps = run.state, run.initial, run.wall, run.tokens_per_s
     wall = time.time() - t_start
-    keep = ("block_size", "layers", "gamma", "lr", "warmup", "batch", "anchors", "gen_tokens", "gen_minutes",
+    keep = ("block_size", "layers", "gamma", "lr", "lr_warmup", "train_batch", "anchors", "gen_tokens", "gen_minutes",
             "sample_prefix", "max_total_minutes")
     summary = {
         "target": str(cfg.target_dir), "target_layer_ids": pair.taps, "mask_token_id": pair.mask_id,

@@ -29,7 +29,7 @@ import onnxruntime as ort
 
 from .. import contract as C, manifest as M
 from ..backend import Backend, Draft, TargetOut, check_context_counts, scored_drafts, span
-from ...errors import InternalError
+from ..errors import InternalError
 from ..hybrid import LinearStates
 from ..window import WindowRings
 from ..memory import check_cache_memory

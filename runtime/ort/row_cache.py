@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import contract as C, manifest as M
-from ...errors import DFlashError
+from ..errors import DFlashError
 
 
 def check_batch(m: M.Manifest, max_batch: int, device: str, directory) -> int:

@@ -22,9 +22,9 @@ from pathlib import Path
 import onnxruntime as ort
 
 from .. import contract as C, manifest as M
-from ...errors import DFlashError
+from ..errors import DFlashError
 from ..shared import shared_weights, tied_head_graphs
-from ..trt.profiles import ort_trt_provider_options
+from .trt_provider import ort_trt_provider_options
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
@@ -70,6 +70,7 @@ class Sessions:
         self.threads, self.spin, self.low_memory = threads, spin, low_memory  # threads None: ORT's default (one per core)
         self.spin_us = spin_us  # spinning's bound in microseconds (None: ORT's own)
         self.graph_threads = dict(graph_threads)  # per graph counts over `threads` (runtime.json)
+        M.check_readable(directory, manifest)  # ONNX Runtime opens them itself: one line here, not its traceback
         # one copy of the shared weights, used in place by every session whose graph holds them
         self.shared = shared_weights(directory, manifest)
         self._shared_ov = {n: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a, t) for n, (a, t) in self.shared.items()}
@@ -132,7 +133,7 @@ class Sessions:
                               "GroupQueryAttention), which TensorRT cannot run; re-export with --attention standard")
         try:
             providers = [self.provider]
-            if self.provider == PROVIDERS["tensorrt"]:  # explicit profiles + engine cache outside OUT (runtime/trt/profiles.py)
+            if self.provider == PROVIDERS["tensorrt"]:  # explicit profiles + engine cache outside OUT (runtime/ort/trt_provider.py)
                 m = self.manifest
                 self.max_chunk = min(self.max_chunk, m.max_context - m.block_size)  # the profile's longest prefill
                 opts_trt = ort_trt_provider_options(m, graph, max_prompt=self.max_chunk)

@@ -4,7 +4,7 @@ buffers it owns, one row or several per call.
 `TensorRTBackend` implements the Backend interface (runtime/backend.py) with the name-based
 execution API that TensorRT 10 introduced and 11 keeps (set_input_shape, set_tensor_address,
 execute_async_v3) and cuda-python's runtime bindings for memory and the stream. Shapes and
-limits come from runtime/trt/profiles.py; this file only moves bytes and runs engines.
+limits come from runtime/profiles.py; this file only moves bytes and runs engines.
 
 NOT YET EXECUTED ON TENSORRT HARDWARE: it needs `tensorrt`, `cuda-python` and an NVIDIA GPU.
 The test suite runs it against a double of the real TensorRT 10.12 and 11.4 Python bindings
@@ -47,10 +47,9 @@ from .. import contract as C
 from ..names import names_of
 from ..contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET, draft_vocab_size
 from ..manifest import Manifest, load_manifest
-from ...errors import DFlashError, InternalError
+from ..errors import DFlashError, InternalError
 from ..hybrid import LinearStates
-from .engines import ITEMSIZE, Engines, check_engine_rows, cuda_check, gpu_info, import_tensorrt
-from .profiles import check_engine_record
+from .engines import ITEMSIZE, Engines, check_engine_record, check_engine_rows, cuda_check, gpu_info, import_tensorrt
 
 ALIGN = 256  # bytes: device addresses handed to TensorRT are kept 256-byte aligned
 

@@ -1,6 +1,7 @@
 """TensorRT's side of a built directory: the engines (one execution context per optimization
 profile), checked against the manifest's build record and the graph contract, each call enqueued
-on the backend's CUDA stream; and the imports and CUDA checks every TensorRT user here needs.
+on the backend's CUDA stream; and what every TensorRT user here checks first: the supported
+TensorRT versions, the imports and CUDA calls, and the exports TensorRT cannot build.
 
 NOT YET EXECUTED ON TENSORRT HARDWARE: it needs `tensorrt`, `cuda-python` and an NVIDIA GPU.
 The test suite runs it against a double of the real TensorRT 10.12 and 11.4 Python bindings
@@ -15,12 +16,78 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import contract as C
+from ..contract import DRAFT_BLOCK, DRAFT_CONTEXT, TARGET
+from ..errors import DFlashError, InternalError
+from ..files import read_bytes
 from ..manifest import Manifest
-from ...errors import DFlashError, InternalError
-from .profiles import ENGINE_FILES, check_trt_version
+
+# Supported TensorRT: >= 10.12 (the release that deprecated weak typing; from it on the same
+# strongly typed build and runtime code serves 10.x and 11.x) and < 12. Same range as the
+# `trt` extra in pyproject.toml.
+TRT_MIN, TRT_BELOW = (10, 12), (12, 0)
+ENGINE_DIR = "engines"
+ENGINE_FILES = {g: f"{ENGINE_DIR}/{g}.engine" for g in (TARGET, DRAFT_CONTEXT, DRAFT_BLOCK)}
 
 INSTALL_HINT = 'pip install "dflash-export[trt]" (or: pip install tensorrt cuda-python --extra-index-url https://pypi.nvidia.com)'
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
+
+
+def trt_version_tuple(version: str) -> tuple[int, int]:
+    """(major, minor) of a TensorRT version string such as "11.5.0.12"."""
+    parts = [p for p in str(version).split(".")[:2]]
+    try:
+        return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+    except ValueError:
+        raise DFlashError(f"cannot read the TensorRT version {version!r}") from None
+
+
+def check_trt_version(version: str) -> None:
+    """Refuse a TensorRT outside the supported range, naming the range."""
+    v = trt_version_tuple(version)
+    if not TRT_MIN <= v < TRT_BELOW:
+        lo, hi = ".".join(map(str, TRT_MIN)), TRT_BELOW[0]
+        raise DFlashError(f"TensorRT {version} is not supported: this version of dflash-export needs "
+                          f'TensorRT >= {lo}, < {hi} (pip install "dflash-export[trt]")')
+
+
+def refuse_quantized(manifest: Manifest) -> None:
+    """Weight-only quantized graphs hold ONNX Runtime's MatMulNBits, which TensorRT's parser does not take; a
+    quantized --moe standard target also gathers uint8 expert codes, which TensorRT's gathers do not take
+    (export/moe.py `to_gathered`; the onnx-tensorrt operator list, export/trt_ops.json). Not tried on a GPU."""
+    q = manifest.quantization
+    if q is not None and q.get("target", True) and (manifest.moe or {}).get("path") == "standard":
+        raise DFlashError(f"this export is quantized ({q['scheme']}: the linear layers as ONNX Runtime MatMulNBits, the "
+                          "routed experts as uint8 codes gathered per token), which TensorRT cannot build: its parser takes "
+                          "no MatMulNBits, and its Gather / GatherND and Reshape no 8-bit integers (UINT8 is a network "
+                          "input/output type only, INT8 a Q/DQ type); build from the float --moe standard export")
+    if q is not None:
+        raise DFlashError(f"this export is quantized ({q['scheme']} weights as ONNX Runtime MatMulNBits), which TensorRT "
+                          "cannot parse (TensorRT quantizes through Q/DQ nodes, which dflash-export does not write); build from an export "
+                          "without --quantize")
+
+
+def check_engine_record(record: dict | None, trt_version: str, compute_capability: str) -> None:
+    """Refuse engines this process cannot run: missing, other TensorRT, other GPU arch.
+
+    A serialized engine is only valid for the exact TensorRT version that built it and the
+    GPU compute capability it was built on (TensorRT's portability rule; this project does
+    not use version- or hardware-compatible engines).
+    """
+    if not record:
+        raise DFlashError("this directory has no TensorRT engines; build them first with `dflash-export build OUT`")
+    built = str(record.get("tensorrt", "?"))
+    if built != trt_version:
+        raise DFlashError(
+            f"the engines were built with TensorRT {built} but this process has TensorRT {trt_version}; "
+            f"rebuild them with this TensorRT: `dflash-export build OUT` (or install tensorrt=={built})"
+        )
+    cc = str(record.get("compute_capability", "?"))
+    if cc != compute_capability:
+        gpu = record.get("gpu", "another GPU")
+        raise DFlashError(
+            f"the engines were built for compute capability {cc} ({gpu}) but this GPU is {compute_capability}; "
+            "engines do not move between GPU architectures: rebuild them on this GPU with `dflash-export build OUT`"
+        )
 
 
 def import_tensorrt():
@@ -92,7 +159,7 @@ class Engines:
 
     def _load(self, graph: str, nprof: int, sync) -> _Engine:
         path = self.out / ENGINE_FILES[graph]
-        engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
+        engine = self._runtime.deserialize_cuda_engine(read_bytes(path, "rebuild with `dflash-export build`"))
         if engine is None:
             raise DFlashError(f"{path}: TensorRT could not deserialize this engine; rebuild with `dflash-export build`")
         if engine.num_optimization_profiles != nprof:
