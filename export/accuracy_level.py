@@ -126,13 +126,13 @@ def reference(root: Path, float_root: Path) -> Path:
     out = root / REFERENCE
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
-    for f in os.listdir(root):
-        if f.endswith(".data") or f == M.MANIFEST:
+    graph_file = _target_file(root)
+    for f in os.listdir(root):  # every file the manifest lists but the target graph (written below): the
+        if f != graph_file and (root / f).is_file():  # runtime opens only the target, but checks all are readable
             try:
                 os.link(root / f, out / f)
             except OSError:  # a filesystem without hard links
                 shutil.copyfile(root / f, out / f)
-    graph_file = _target_file(root)
     model = onnx.load(str(root / graph_file), load_external_data=False)
     float_model = onnx.load(str(float_root / _target_file(float_root)), load_external_data=False)
     floats = {t.name: t for t in float_model.graph.initializer}
