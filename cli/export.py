@@ -107,7 +107,11 @@ def quantize(src, out_dir, quant: QuantRequest, force, quiet):
               help="Write inputs and both sides' outputs as Polygraphy JSON into this directory.")
 @click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="ONNX Runtime execution provider for the exported side.")
-def check(out, target_dir, revision, draft_dir, draft_revision, num_prompts, prompts_file, max_new_tokens, seed, as_json, save_polygraphy, provider):
+@click.option("--reference", type=click.Choice(["auto", "whole", "by-layer"]), default="auto", show_default=True,
+              help="How the PyTorch side holds its weights: whole in memory, or each matrix read from the checkpoint "
+                   "when its layer runs (a model larger than memory, slower); auto: by-layer when whole would not fit.")
+def check(out, target_dir, revision, draft_dir, draft_revision, num_prompts, prompts_file, max_new_tokens, seed, as_json, save_polygraphy, provider,
+          reference):
     """Check an exported directory OUT against the PyTorch modules it came from.
 
     Runs every graph in ONNX Runtime (--provider, CPU by default) and in PyTorch on
@@ -122,6 +126,10 @@ def check(out, target_dir, revision, draft_dir, draft_revision, num_prompts, pro
     tolerances. Exit status 0 when everything passes, 1 otherwise (failing rows shown),
     2 when OUT is not a valid export (its files must match the manifest's sha256).
 
+    A source larger than the memory left beside the graphs (an 8B target is 32 GB in
+    fp32) is read layer at a time (--reference by-layer, chosen by auto): each matrix
+    from the checkpoint when its layer runs, then freed; the same numbers, slower.
+
     Without --target / --draft it finds the pair the manifest records (the same Hugging Face
     id at the same commit, or the same directory); it warns when their weight files no
     longer match the manifest's record of them.
@@ -133,6 +141,7 @@ def check(out, target_dir, revision, draft_dir, draft_revision, num_prompts, pro
       dflash-export check art --target t --draft d --num-prompts 50 --json
       dflash-export check art --target t --draft d --prompts demo/prompts.jsonl --max-new-tokens 64
       dflash-export check art --target t --draft d --save-polygraphy pg
+      dflash-export check art8b --num-prompts 3 --max-new-tokens 8 --reference by-layer
       polygraphy run art/target.onnx --onnxrt \\
           --load-inputs pg/target.prefill_P0_S7.inputs.json \\
           --load-outputs pg/target.prefill_P0_S7.outputs.json --atol 1e-4 --rtol 0
@@ -150,7 +159,8 @@ def check(out, target_dir, revision, draft_dir, draft_revision, num_prompts, pro
     target = None if target_dir is None else sources.resolve(target_dir, revision, "target")
     draft = None if draft_dir is None else sources.resolve(draft_dir, draft_revision, "drafter")
     report = export_check.run_check(out, target, draft, prompts=prompts, max_new_tokens=max_new_tokens, seed=seed,
-                       save_polygraphy=save_polygraphy, provider=provider, progress=not as_json)
+                       save_polygraphy=save_polygraphy, provider=provider, progress=not as_json,
+                       by_layer={"auto": None, "whole": False, "by-layer": True}[reference])
     if as_json:
         click.echo(json.dumps(report.to_json()))
     else:

@@ -47,7 +47,7 @@ from . import check_invariance
 from .check_rows import block_inputs, ragged_rows, stored_rows, target_inputs
 from .polygraphy_json import write_polygraphy
 from .progress import Phases
-from .quantize import dequantized_sources
+from .quantize import dequantized_sources, dequantizers
 from .save import read_initializers
 
 torch = lazy_import("torch")  # torch, onnx, the reference models: on first use (runtime/lazy.py)
@@ -59,6 +59,7 @@ generate2 = lazy_import("dflash_export.models.generate_dflash2")
 G = lazy_import("dflash_export.export.graphs")
 kv_calibrate = lazy_import("dflash_export.export.kv_calibrate")
 gqa = lazy_import("dflash_export.export.gqa")
+layerwise = lazy_import("dflash_export.export.layerwise")
 
 TOLERANCE = 1e-4  # fp32 absolute, on logits, taps and K/V alike
 
@@ -179,8 +180,11 @@ def find_sources(manifest: M.Manifest, target, draft, warnings: list[str] | None
     return found
 
 
-def load_sources(root: Path, manifest: M.Manifest, target_dir, draft_dir, warnings: list[str] | None = None):
-    """The PyTorch modules an artifact came from; refuse sources that do not match it."""
+def load_sources(root: Path, manifest: M.Manifest, target_dir, draft_dir, warnings: list[str] | None = None,
+                 by_layer: bool = False, dequantized: dict | None = None):
+    """The PyTorch modules an artifact came from; refuse sources that do not match it.
+    `by_layer`: their large weights read per call (export/layerwise.py), replaced by
+    `dequantized`'s (quantize.dequantizers) where given."""
     tsrc, dsrc = find_sources(manifest, target_dir, draft_dir, warnings)
     tc, dc = reference.TargetConfig.load(tsrc.path), dflash2.load_draft_config(dsrc.path)
     mine = (tc.architecture, tc.vocab_size, tc.hidden_size, tc.num_layers, dc.num_layers, list(dc.target_layer_ids))
@@ -190,19 +194,44 @@ def load_sources(root: Path, manifest: M.Manifest, target_dir, draft_dir, warnin
         raise DFlashError(f"--target {tsrc.label} / --draft {dsrc.label} do not match {root} (architecture, vocab, hidden, "
                           f"layers, taps: {mine} vs {theirs}); pass the ones it was exported from")
     dtype = torch_dtype(manifest.dtype)
-    drafter = dflash2.load_drafter(dsrc.path, dtype, config=dc)
-    target = reference.Target.from_pretrained(tsrc.path, drafter.config.target_layer_ids, dtype)
-    drafter.attach(target, f"drafter {dsrc.label}")
-    if manifest.draft_vocab:  # the reference scores the same N tokens, read back from the graph
-        ids = draft_vocab_ids(root, manifest)
-        if drafter.vocab_ids is None:
-            drafter.set_draft_vocab(torch.tensor(ids), target.lm_head.weight)
-        elif drafter.vocab_ids.tolist() != ids.tolist():
-            raise DFlashError(f"drafter {dsrc.label}: its own draft vocabulary (d2t) is not the one {root} holds")
-    elif drafter.vocab_ids is not None:
+    ids = torch.tensor(draft_vocab_ids(root, manifest)) if manifest.draft_vocab else None
+    if by_layer:
+        pair = layerwise.load_pair(tsrc.path, dsrc.path, dtype, dc, ids, dequantized, f"drafter {dsrc.label}")
+        target, drafter = pair.target, pair.drafter
+    else:
+        drafter = dflash2.load_drafter(dsrc.path, dtype, config=dc)
+        target = reference.Target.from_pretrained(tsrc.path, drafter.config.target_layer_ids, dtype)
+        drafter.attach(target, f"drafter {dsrc.label}")
+        if ids is not None and drafter.vocab_ids is None:  # the reference scores the same N tokens, read back from the graph
+            drafter.set_draft_vocab(ids, target.lm_head.weight)
+    if ids is not None and drafter.vocab_ids is not None and drafter.vocab_ids.tolist() != ids.tolist():
+        raise DFlashError(f"drafter {dsrc.label}: its own draft vocabulary (d2t) is not the one {root} holds")
+    if ids is None and drafter.vocab_ids is not None:
         raise DFlashError(f"drafter {dsrc.label} scores its own draft vocabulary, but {root} scores every token")
     torch.manual_seed(0)
     return target, drafter
+
+
+def needs_by_layer(root: Path, m: M.Manifest, target_dir, draft_dir) -> bool:
+    """Whether the whole PyTorch source (twice for a quantized artifact: the float one and the
+    dequantized one) and the graphs would not fit in the memory available now."""
+    from ..runtime.memory import available_memory
+
+    avail = available_memory()
+    try:
+        tsrc, dsrc = find_sources(m, target_dir, draft_dir)
+        if avail is None or layerwise.supported(tsrc.path):
+            return False
+        weights = sum(layerwise.weight_bytes(src.path, torch_dtype(m.dtype)) for src in (tsrc, dsrc))
+    except DFlashError:
+        return False  # load_sources says what is wrong
+    graphs = sum(f.stat().st_size for f in root.iterdir() if f.is_file())
+    return weights * (2 if m.quantization else 1) + graphs > 0.8 * avail
+
+
+def _weights(models) -> list:
+    """The Layerwise records of modules read layer at a time (export/layerwise.py)."""
+    return list({id(w): w for w in (getattr(x, "layerwise", None) for x in models) if w is not None}.values())
 
 
 def draft_vocab_ids(root: Path, m: M.Manifest) -> np.ndarray:
@@ -355,7 +384,10 @@ def run_check(
     save_polygraphy: str | Path | None = None,
     provider: str = "cpu",
     progress: bool = True,
+    by_layer: bool | None = None,
 ) -> Report:
+    """`by_layer`: the PyTorch source's matrices are read per call (export/layerwise.py: about
+    one at a time) instead of held; None: when the whole source would not fit beside the graphs."""
     root = Path(root)
     m = M.load_manifest(root, verify=True)
     if not isinstance(prompts, int):  # given prompts (check --prompts FILE): refused before anything loads
@@ -369,11 +401,20 @@ def run_check(
     q = m.quantization
     report = Report(m.dtype, quantization=q, strict=m.dtype == "fp32",
                     draft_vocab=C.draft_vocab_size(m) if m.draft_vocab else None, kv_cache=C.kv_cache(m))
-    with ui.phase("load", f"PyTorch source + ONNX Runtime sessions ({m.dtype})"):
-        target, drafter = load_sources(root, m, target_dir, draft_dir, report.warnings)
+    if by_layer is None:
+        by_layer = needs_by_layer(root, m, target_dir, draft_dir)
+    with ui.phase("load", f"PyTorch source{' (read layer at a time)' if by_layer else ''} + ONNX Runtime sessions "
+                          f"({m.dtype})"):
+        target, drafter = load_sources(root, m, target_dir, draft_dir, report.warnings, by_layer)
         ref_models = (target, drafter)
         if q is not None:  # the reference for parity: the source with the graphs' own (dequantized) weights
-            dequantized, why = dequantized_sources(root, target, drafter)
+            if by_layer:  # read per call too
+                try:
+                    dequantized, why = load_sources(root, m, target_dir, draft_dir, None, True, dequantizers(root)), None
+                except DFlashError as e:
+                    dequantized, why = None, str(e)
+            else:
+                dequantized, why = dequantized_sources(root, target, drafter)
             if dequantized is None:
                 report.notes.append(f"no dequantized reference ({why}); reported against the float source only")
                 report.strict = False
@@ -448,6 +489,11 @@ def run_check(
             report.notes.append(f"a row's logits alone differ from the same row's in a verify block (max "
                                 f"{ra['block']['max_abs']:.1e}) through this target's {' and '.join(other)}, at any "
                                 "dtype: speculative == plain except where the top two logits are that close (docs/quantization.md)")
+    if by_layer:
+        loads = sum(len(w.lazy) for w in _weights(ref_models))
+        held = max((w.stats.peak for w in _weights((target, drafter, *ref_models))), default=0)
+        report.notes.append(f"PyTorch reference read layer at a time: {loads} modules' weights read per forward, "
+                            f"at most {held / 2**20:.0f} MiB of them held at once")
     if save_polygraphy is not None:
         with ui.phase("save", f"Polygraphy inputs/outputs to {save_polygraphy}"):
             write_polygraphy(Path(save_polygraphy), saved)

@@ -385,6 +385,18 @@ def dequantized_weights(root) -> dict[str, dict[str, np.ndarray]]:
     of a GatherBlockQuantized) of a quantized artifact, and [E, N, K] for the experts of each QMoE
     or gathered as codes (--moe standard)."""
     out = {}
+    for graph, parts in dequantizers(root).items():
+        out[graph] = {}
+        for part in dict.fromkeys(parts.values()):  # a QMoE node gives two names at once
+            out[graph].update(part())
+    return out
+
+
+def dequantizers(root) -> dict[str, dict]:
+    """graph -> {float weight name: a function returning {name: float32 array}} (one function per
+    node: a QMoE's gives both of its experts' tensors): what dequantized_weights computes, read and
+    dequantized only when called (check's layer-at-a-time reference, export/layerwise.py)."""
+    out = {}
     for graph, f in C.GRAPH_FILES.items():
         model = onnx.load(str(Path(root) / f), load_external_data=False)
         nodes = [n for n in model.graph.node if n.op_type in QUANTIZED_NODES]
@@ -392,14 +404,20 @@ def dequantized_weights(root) -> dict[str, dict[str, np.ndarray]]:
         gathered = moe.gathered_parts(model)  # --moe standard: experts gathered as codes
         if not nodes and not experts and not gathered:
             continue
-        wanted = {i for n in nodes + experts for i in n.input if i} | {p for g in gathered for p in g[1:4] if p}
-        arrays = read_initializers(Path(root), model, wanted)
+        read = lambda names, model=model: read_initializers(Path(root), model, set(names))  # noqa: E731
         weight = lambda n: (n.input[0] if n.op_type == "GatherBlockQuantized" else n.input[1]).rsplit("_Q", 1)[0]  # noqa: E731
-        out[graph] = {weight(n): dequantize(n, arrays) for n in nodes}
-        for n in experts:
-            out[graph].update(moe.dequantize_qmoe(n, arrays))
+        parts = out[graph] = {}
+        for n in nodes:
+            parts[weight(n)] = lambda n=n, read=read: {weight(n): dequantize(n, read([i for i in n.input if i]))}
+        for n in experts:  # {fc1: gate_up_proj, fc2: down_proj}, named after their codes (moe.dequantize_qmoe)
+            part = lambda n=n, read=read: moe.dequantize_qmoe(n, read([i for i in n.input if i]))  # noqa: E731
+            for codes in (n.input[2], n.input[5]):
+                parts[codes.rsplit("_Q", 1)[0]] = part
         for name, codes, scales, zp, bits in gathered:
-            out[graph][name] = moe.dequantize_experts(arrays[codes], arrays[scales], arrays[zp] if zp else None, bits)
+            def part(name=name, codes=codes, scales=scales, zp=zp, bits=bits, read=read):
+                a = read([codes, scales, zp] if zp else [codes, scales])
+                return {name: moe.dequantize_experts(a[codes], a[scales], a[zp] if zp else None, bits)}
+            parts[name] = part
     return out
 
 

@@ -127,7 +127,8 @@ def read_initializers(root: Path, model, names) -> dict[str, np.ndarray]:
     out = {}
     for t in model.graph.initializer:
         if t.name in names:
-            if onnx_data.uses_external_data(t):
+            if onnx_data.uses_external_data(t):  # into a copy: the caller's model keeps no bytes
+                t = onnx.TensorProto.FromString(t.SerializeToString())
                 onnx_data.load_external_data_for_tensor(t, str(root))
             out[t.name] = numpy_helper.to_array(t)
     return out
