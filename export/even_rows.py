@@ -1,8 +1,9 @@
 """Every MatMulNBits of the target graph multiplies an even number of rows: a row's logits do
 not depend on how many rows share the call, so speculative == plain greedy stays exact.
 
-Why, from ONNX Runtime's source (MLAS, onnxruntime/core/mlas/lib; 1.32 installed, measured on
-an AVX-512 VNNI x86 CPU by tests/test_lossless.py). MatMulNBits flattens its input to M rows
+Why, from ONNX Runtime's source (read in the repository's main branch, MLAS under
+onnxruntime/core/mlas/lib; 1.32 installed and measured on an AVX-512 VNNI x86 CPU by
+tests/test_lossless.py). MatMulNBits flattens its input to M rows
 and calls MlasQNBitGemmBatch (qnbitgemm.cpp), which gives each thread a range of at most
 StrideM = 128 rows (and N split in 16-aligned columns, never K). Inside a range:
 
