@@ -151,7 +151,7 @@ def reference(root: Path, float_root: Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     graph_file = _target_file(root)
-    for f in os.listdir(root):  # every file the manifest names is opened once before a session (check_readable)
+    for f in os.listdir(root):  # every file the manifest names (the runtime opens them all); the target graph is rewritten
         if (root / f).is_file() and f != graph_file:
             try:
                 os.link(root / f, out / f)
