@@ -1,8 +1,9 @@
 """Every MatMulNBits of the target graph multiplies an even number of rows: a row's logits do
 not depend on how many rows share the call, so speculative == plain greedy stays exact.
 
-Why, from ONNX Runtime's source (MLAS, onnxruntime/core/mlas/lib; 1.32 installed, measured on
-an AVX-512 VNNI x86 CPU by tests/test_lossless.py). MatMulNBits flattens its input to M rows
+Why, from ONNX Runtime's source (read in the repository's main branch, MLAS under
+onnxruntime/core/mlas/lib; 1.32 installed and measured on an AVX-512 VNNI x86 CPU by
+tests/test_lossless.py). MatMulNBits flattens its input to M rows
 and calls MlasQNBitGemmBatch (qnbitgemm.cpp), which gives each thread a range of at most
 StrideM = 128 rows (and N split in 16-aligned columns, never K). Inside a range:
 
@@ -23,7 +24,11 @@ StrideM = 128 rows (and N split in 16-aligned columns, never K). Inside a range:
   difference then moves the next layer's int8 rounding, so logits differ by far more.
 - A plain step is one row; a verify block of 8 is four pairs. With an even M every range is
   even (128 is), every row takes the multi-row path, and there a row's arithmetic is its own:
-  its accumulators, its activation quantization, the same K order for any M or thread split.
+  its accumulators, its activation quantization, the same K order for any M. The column split
+  between threads depends on M, but columns are cut at multiples of 16, so a column keeps its
+  4-column tile. (One exception read, not met: level 0 int8's SGEMM picks its K stride from a
+  thread's column range, which depends on M only while M*N*K is under MLAS's threading
+  threshold, i.e. matrices far smaller than a real model's.)
 - fp32 MatMul (a float head, the drafter) and GatherBlockQuantized (a lookup) gave a row the
   same bits at any row count in the same measurements; only the target's rows decide the
   output, so only the target graph is padded.

@@ -5,7 +5,7 @@ inside a verify block and beside other sequences (export/even_rows.py says why t
 Wide random models (hidden 1024, vocabulary 8192: near-ties of the argmax are common there),
 one layer, three checkpoint seeds, exported once each and cached (tests/runtime_cases.py). Each
 plan quantizes one (a weight scheme, an accuracy level, a block size, zero points or not, the
-head and lookup, the int8 cache) and checks:
+head and lookup, the int8 cache; one plan keeps the fp32 export) and checks:
   1. `check`'s measurement: 8 positions' logits one plain step at a time == the same positions
      as one verify block, bit for bit (export/check_invariance.py), at the default threads;
   2. generate == generate --no-draft on prompts of 1-40 tokens, verifying the whole block and an
@@ -46,7 +46,8 @@ MODELS = {  # name -> (arch, checkpoint seed, export options); testing.make_targ
     "moe-op": ("qwen3_moe", 5, {"moe": "op"}),
 }
 Q = QuantOptions
-PLANS = {  # name -> (model, quantization, threads of the decode comparison)
+PLANS = {  # name -> (model, quantization or None: the float export, threads of the decode comparison)
+    "fp32": ("qwen3", None, 2),
     "int4-L4": ("qwen3", Q("int4", 128, True, lm_head=True, embedding=True, accuracy_level=4), 1),
     "int8-L4": ("qwen3", Q("int8", 128, True, lm_head=True, embedding=True, accuracy_level=4), 2),
     "int4-L0": ("qwen3", Q("int4", 128, True, lm_head=True, accuracy_level=0), 2),
@@ -102,7 +103,7 @@ def quantized(tmp_path_factory):
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_a_row_is_computed_alike_alone_and_in_a_verify_and_speculative_equals_plain(plan, quantized):
     model, q, threads = PLANS[plan]
-    out = quantized(model, q)
+    out = wide(model) if q is None else quantized(model, q)
     m = load_manifest(out)
     assert not m.rows_vary
     inv = row_invariance(out, m)
