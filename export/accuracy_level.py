@@ -141,18 +141,18 @@ def reference(root: Path, float_root: Path, streamed: dict | None = None) -> Pat
     """A directory beside the quantized artifact's files whose target graph is the quantized one
     with each MatMulNBits -> MatMul and GatherBlockQuantized -> Gather over the float export's
     weight (copied file to file into its reference.data, never held), and its QMoE nodes at
-    level 0. Data files of the artifact are hard links (same directory tree: no copy)."""
+    level 0. The artifact's other files are hard links (same directory tree: no copy)."""
     root, float_root = Path(root), Path(float_root)
     out = root / REFERENCE
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
-    for f in os.listdir(root):
-        if f.endswith(".data") or f == M.MANIFEST:
+    graph_file = _target_file(root)
+    for f in os.listdir(root):  # every file the manifest names (the runtime opens them all); the target graph is rewritten
+        if (root / f).is_file() and f != graph_file:
             try:
                 os.link(root / f, out / f)
             except OSError:  # a filesystem without hard links
                 shutil.copyfile(root / f, out / f)
-    graph_file = _target_file(root)
     model = onnx.load(str(root / graph_file), load_external_data=False)
     float_model = onnx.load(str(float_root / _target_file(float_root)), load_external_data=False)
     floats = {t.name: t for t in float_model.graph.initializer}
