@@ -166,8 +166,7 @@ def check_stream_room(need: int, disk: int, largest: str, out: Path, dtype: str,
     gb = lambda b: f"{b / 1e9:.1f} GB"  # noqa: E731
     avail = available_memory()
     if avail is not None and need > avail:
-        half = " (--dtype fp16 halves a quantized weight's copies)" if dtype == "fp32" and quantize is not None else ""
-        raise DFlashError(f"export needs about {gb(need)} of memory ({largest} read whole{half}, + about "
+        raise DFlashError(f"export needs about {gb(need)} of memory ({largest} read whole, + about "
                           f"{gb(GRAPHS_BYTES)} for the graphs), but only {gb(avail)} is available; "
                           "free memory, or pass --no-room-check to try anyway")
     free = shutil.disk_usage(out.parent).free
