@@ -140,20 +140,22 @@ GRAPHS_BYTES = 1_500_000_000  # a streamed export's memory besides the tensor it
 
 def stream_room(entries: list, dtype: str, quantize, draft_keys: set[str] = frozenset()) -> tuple[int, int, str]:
     """What an export whose every weight streams (export/stream.py) needs: (memory, disk, the
-    largest tensor's name). Memory: GRAPHS_BYTES plus the largest tensor read whole in the
-    checkpoint's dtype and converted to the export dtype (a transposed or quantized weight is);
-    disk: the artifact (linear weights at bits / 8 bytes plus a scale a block when quantized)."""
+    name of the tensor that holds the most). Memory: GRAPHS_BYTES plus what the costliest tensor
+    holds while written: a linear weight is read whole in the checkpoint's dtype to be
+    transposed (its converted rows go out in chunks), a quantized one converted whole and
+    transposed (two copies in the export dtype); an embedding or a norm streams in chunks.
+    Disk: the artifact (linear weights at bits / 8 bytes plus a scale a block when quantized)."""
     size = {"F32": 4, "F16": 2, "BF16": 2}
     big, name, disk = 0, "", 0
     block = (quantize.block_size or DEFAULT_BLOCK[quantize.scheme]) if quantize is not None else 0
     for e in entries:
         n = int(np.prod(e.shape, dtype=np.int64)) if e.shape else 1
-        held = n * (size.get(e.dtype, 4) + BYTES[dtype])
+        linear = len(e.shape) == 2 and not e.key.endswith("embed_tokens.weight")
+        quantized = quantize is not None and linear and not e.key.endswith("lm_head.weight") and \
+            (e.key not in draft_keys or quantize.draft) and (quantize.target or e.key in draft_keys)
+        held = 2 * n * BYTES[dtype] if quantized else n * size.get(e.dtype, 4) if linear else 0
         if held > big:
             big, name = held, e.key
-        linear = len(e.shape) == 2 and not e.key.endswith(("embed_tokens.weight", "lm_head.weight"))
-        quantized = quantize is not None and linear and (e.key not in draft_keys or quantize.draft) and \
-            (quantize.target or e.key in draft_keys)
         disk += int(n * (quantize.bits / 8 + BYTES[dtype] / block)) if quantized else n * BYTES[dtype]
     return GRAPHS_BYTES + big, disk, name
 
@@ -164,9 +166,8 @@ def check_stream_room(need: int, disk: int, largest: str, out: Path, dtype: str,
     gb = lambda b: f"{b / 1e9:.1f} GB"  # noqa: E731
     avail = available_memory()
     if avail is not None and need > avail:
-        half = " (--dtype fp16 makes the converted copy half as large)" if dtype == "fp32" else ""
-        raise DFlashError(f"export needs about {gb(need)} of memory (its largest tensor, {largest}, read and converted "
-                          f"whole{half}, + about {gb(GRAPHS_BYTES)} for the graphs), but only {gb(avail)} is available; "
+        raise DFlashError(f"export needs about {gb(need)} of memory ({largest} read whole, + about "
+                          f"{gb(GRAPHS_BYTES)} for the graphs), but only {gb(avail)} is available; "
                           "free memory, or pass --no-room-check to try anyway")
     free = shutil.disk_usage(out.parent).free
     if disk > free:

@@ -373,12 +373,17 @@ def _torch_dtype(np_dtype):
     return {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}.get(np.dtype(np_dtype), torch.bfloat16)
 
 
-def convert(a: np.ndarray, src_dtype: str, dtype) -> np.ndarray:
+def convert(a: np.ndarray, src_dtype: str, dtype, transpose: bool = False) -> np.ndarray:
     """Checkpoint values (numpy, bf16 as uint16 bits) -> the export dtype (an ir.DataType), by
-    torch's own cast: the bytes loading the model and casting it would give."""
+    torch's own cast: the bytes loading the model and casting it would give. transpose: a
+    matrix comes out transposed (contiguous), transposed before it is widened: in the
+    checkpoint's 2 bytes and by torch's blocked copy, 3-4x faster than numpy's copy of the
+    widened .T at Qwen3-8B's MLP shape."""
     t = torch.from_numpy(np.ascontiguousarray(a))
     if src_dtype == "BF16":
         t = t.view(torch.bfloat16)
+    if transpose:
+        t = t.t().contiguous()
     want = {ir.DataType.FLOAT: torch.float32, ir.DataType.FLOAT16: torch.float16, ir.DataType.BFLOAT16: torch.bfloat16}[dtype]
     t = t.to(want)
     if want is torch.bfloat16:
@@ -425,8 +430,7 @@ class StreamedWeight(ir.LazyTensor):
 
     def array(self) -> np.ndarray:
         """The whole tensor in the export dtype (bf16 as ml_dtypes' bfloat16), as stored."""
-        a = convert(read_native(self.entry), self.entry.dtype, self.dtype)
-        a = np.ascontiguousarray(a.T) if self.transposed_ else a
+        a = convert(read_native(self.entry), self.entry.dtype, self.dtype, transpose=self.transposed_)
         return a.view(self.dtype.numpy()) if self.dtype == ir.DataType.BFLOAT16 else a
 
     def _whole(self):
@@ -445,7 +449,7 @@ class StreamedWeight(ir.LazyTensor):
             return
         src = read_native(e)  # [out, in] in the checkpoint's dtype: the output's rows are its columns
         for c in range(0, e.shape[1], rows):
-            file.write(_contiguous(convert(src[:, c:c + rows].T, e.dtype, self.dtype)))
+            file.write(_contiguous(convert(src[:, c:c + rows], e.dtype, self.dtype, transpose=True)))
 
 
 def attach_all(model, sources: dict[int, Entry]) -> int:
