@@ -79,7 +79,9 @@ def test_check_by_layer_reports_as_whole(tmp_path):
     t, d = _pair(tmp_path)
     out = tmp_path / "out"
     q = QuantOptions("int4", 16, draft=True, lm_head=True, embedding=True, accuracy_level=0)
-    artifact.export_artifact(t, d, out, max_context=64, progress=False, attention="ort", quantize=q)
+    # standard attention: at this toy width (head_dim 16) ONNX Runtime's GroupQueryAttention gives a position
+    # other last bits alone than in a block at fp32 too, which check's rows measurement fails on a quantized target
+    artifact.export_artifact(t, d, out, max_context=64, progress=False, attention="standard", quantize=q)
     whole = run_check(out, str(t), str(d), prompts=1, max_new_tokens=10, progress=False, by_layer=False)
     lazy = run_check(out, str(t), str(d), prompts=1, max_new_tokens=10, progress=False, by_layer=True)
     assert whole.passed and lazy.passed and lazy.strict == whole.strict
