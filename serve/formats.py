@@ -303,6 +303,8 @@ class HarmonyParser(OutputParser):
 
     def finish(self) -> list[tuple]:
         out = self._body(self.buf, final=True) if self.in_body else []
+        if not self.in_body and self.buf and H_CHANNEL not in self.buf and H_START not in self.buf:
+            out = [("content", self.buf)]  # text the model wrote outside any harmony message: the answer as it is
         self.buf = ""
         return [e for e in out if e[0] == "call" or e[1]]
 

@@ -5,6 +5,8 @@ cache bound as past and present, TensorRT refused by name.
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -161,7 +163,8 @@ def test_serve_engine_runs_the_flavour_with_prompt_reuse(case, monkeypatch):
     from dflash_export.serve.jobs import Job
     from dflash_export.serve.options import ServeOptions
 
-    monkeypatch.setattr("dflash_export.serve.text.Text", lambda *args: None)  # this artifact has no tokenizer
+    no_text = types.SimpleNamespace(template_source=None)  # this artifact has no tokenizer
+    monkeypatch.setattr("dflash_export.serve.text.Text", lambda *args: no_text)
     _, _, out = case
     be = OrtBackend(out, threads=1)
     engine = load_engine(ServeOptions(out, slots=2, model_name="m", threads=1, verify="full"))
