@@ -31,7 +31,12 @@ from torch import nn
 
 from ..runtime.errors import DFlashError
 from ..runtime.lazy import lazy_import
+from .. import models as reference
+from ..models import dflash2
 from ..models.checkpoint import experts_on_meta, weight_files
+from ..models.config import TargetConfig
+from ..models.moe import fuse_experts
+from ..runtime import contract as C
 
 safetensors = lazy_import("safetensors")
 
@@ -188,8 +193,6 @@ class Pair:
 
 def supported(target_dir) -> str | None:
     """Why the layer-at-a-time reference cannot read this target (None: it can)."""
-    from ..models.config import TargetConfig
-
     c = TargetConfig.load(target_dir)
     if c.hybrid or c.windowed:
         return f"{c.architecture} targets (hybrid or windowed layers) are read whole"
@@ -203,11 +206,6 @@ def load_pair(target_dir, draft_dir, dtype: torch.dtype, draft_config, vocab_ids
     `dequantized` (graph -> {name: part}, quantize.dequantizers): the weights the quantized
     graphs multiply by replace the checkpoint's, by quantize.dequantized_sources' rules (the
     table and head are the target's; a reduced head starts from the float rows)."""
-    from .. import models as reference
-    from ..models import dflash2
-    from ..models.moe import fuse_experts
-    from ..runtime import contract as C
-
     why = supported(target_dir)
     if why:
         raise DFlashError(f"the layer-at-a-time reference: {why}; check with --reference whole")
