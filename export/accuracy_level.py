@@ -121,14 +121,14 @@ def reference(root: Path, float_root: Path) -> Path:
     """A directory beside the quantized artifact's files whose target graph is the quantized one
     with each MatMulNBits -> MatMul and GatherBlockQuantized -> Gather over the float export's
     weight (copied file to file into its reference.data, never held), and its QMoE nodes at
-    level 0. Data files of the artifact are hard links (same directory tree: no copy)."""
+    level 0. The artifact's other files are hard links (same directory tree: no copy)."""
     root, float_root = Path(root), Path(float_root)
     out = root / REFERENCE
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     graph_file = _target_file(root)
-    for f in os.listdir(root):  # every file the manifest lists but the target graph (written below): the
-        if f != graph_file and (root / f).is_file():  # runtime opens only the target, but checks all are readable
+    for f in os.listdir(root):  # every file the manifest names (the runtime opens them all); the target graph is rewritten
+        if (root / f).is_file() and f != graph_file:
             try:
                 os.link(root / f, out / f)
             except OSError:  # a filesystem without hard links

@@ -293,3 +293,93 @@ def test_python_examples_run(doc, small_export, tmp_path, monkeypatch, capsys):
     for i, body in enumerate(_python_blocks(doc)):
         exec(compile(body, f"{doc.name} python block {i + 1}", "exec"), namespace)  # noqa: S102 - the docs' own code
     capsys.readouterr()
+
+
+# -- the examples run: every `dflash-export` command of a fenced block, on small inputs --
+
+# What cannot run here, and why (the first rule a command matches; the rest run).
+CANNOT = [
+    (lambda w: w[0] == "build" or "trt" in w or "cuda" in w or "tensorrt" in w,
+     "needs an NVIDIA GPU and TensorRT (tests/test_trt_*.py check the calls against the bindings)"),
+    (lambda w: any(re.fullmatch(r"[\w.-]+/[\w.-]+(@\S*)?", x) and not x.startswith(("demo/", "W/")) for x in w),
+     "downloads from the Hugging Face Hub (tests/test_sources.py resolves ids against a fake Hub)"),
+    (lambda w: "--ray" in w, "starts a Ray cluster (tests/test_ray.py runs one)"),
+    (lambda w: "DFLASH2_DRAFT_DIR" in w, "a DFlash 2 drafter (tests/test_dflash2_export.py exports tiny ones)"),
+    (lambda w: any("*" in x or "$" in x for x in w), "names files through the shell (a glob or $VAR)"),
+    (lambda w: w[0] in ("demo", "train-draft"), "minutes of training or the demo pair end to end "
+                                                "(tests/test_train_demo.py, tests/test_demo.py run them small)"),
+    (lambda w: "..." in w or "<commit>" in " ".join(w), "a placeholder, not a command"),
+    (lambda w: "--moe" in w or "Qwen3-30B-A3B" in w or "s8" in w,
+     "a mixture-of-experts target (tests/test_moe.py and tests/test_moe_stream.py export tiny ones)"),
+]
+MODELS = {"T": "t", "TARGET_DIR": "t", "demo/pair/target": "t", "W/target": "t", "Qwen3-30B-A3B": "t",
+          "D": "d", "DRAFT_DIR": "d", "demo/pair/draft": "d", "W/draft": "d", "my-draft": "d"}
+INPUTS = {"demo/prompts.jsonl": "prompts.jsonl", "corpus.jsonl": "prompts.jsonl",  # small stand-ins of the guides' values
+          "32768": "64", "128,2048": "8,16"}
+CAPS = {"generate": ["--max-new-tokens", "4"], "bench": ["--max-new-tokens", "4", "--warmup", "0", "--off-domain", "0"],
+        "check": ["--num-prompts", "1", "--max-new-tokens", "4"], "export": ["--force", "--quiet", "--max-context", "256"],
+        "quantize": ["--force", "--quiet"]}
+
+
+def _block_commands(doc: Path) -> list[list[str]]:
+    """The `dflash-export` commands of a guide's fenced blocks, in order, each once."""
+    out: list[list[str]] = []
+    for _, body in LANG.findall(doc.read_text()):
+        for words in _commands("```\n" + body + "```\n"):
+            if words and words not in out:
+                out.append(words)
+    return out
+
+
+def _cannot(words: list[str]) -> str | None:
+    return next((why for rule, why in CANNOT if rule(words)), None)
+
+
+COMMAND_DOCS = [d for d in DOCS if d.exists() and _block_commands(d)]
+
+
+def test_every_block_command_runs_or_says_why_not():
+    """Which commands run and which cannot here (with the reason): most of them run."""
+    runs = [w for d in COMMAND_DOCS for w in _block_commands(d) if _cannot(w) is None]
+    cannot = [w for d in COMMAND_DOCS for w in _block_commands(d) if _cannot(w) is not None]
+    assert len(runs) > len(cannot) and {w[0] for w in runs} >= {"export", "check", "info", "generate", "bench",
+                                                                     "quantize", "serve"}
+
+
+@pytest.fixture(scope="module")
+def small_pair(small_export, tmp_path_factory):
+    """The small export's target (with its tokenizer) and drafter, for the guides' T / D."""
+    from runtime_cases import CASES, artifact
+
+    t, d, _ = artifact(CASES["qwen2"])
+    root = tmp_path_factory.mktemp("pair")
+    shutil.copytree(t, root / "t")
+    shutil.copytree(d, root / "d")
+    shutil.copyfile(small_export / "tokenizer.json", root / "t" / "tokenizer.json")
+    return root
+
+
+@pytest.mark.parametrize("doc", COMMAND_DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_block_commands_run(doc, small_export, small_pair, tmp_path, monkeypatch):
+    """A guide's commands run in order from one folder, as a reader types them: its models are the small
+    pair, the artifacts it names before exporting them a copy of the small export, exports replace
+    (--force), and each command is capped to a few tokens. `serve` runs up to binding its socket."""
+    from click.testing import CliRunner
+
+    from dflash_export.cli import serve as cmd_serve
+
+    served = []
+    monkeypatch.setattr(cmd_serve, "_serve_here", lambda options, host, port, timeout: served.append(options))
+    monkeypatch.setattr(cmd_serve, "demo_artifact", lambda pair=None: small_export)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.txt").write_text("def f(x):\n1,2,3\n")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "def f(x):"}\n{"prompt": "x = 1"}\n')
+    commands = [w for w in _block_commands(doc) if _cannot(w) is None]
+    for words in commands:
+        args = [str(small_pair / MODELS[w]) if w in MODELS else INPUTS.get(w, w).removeprefix("/tmp/") for w in words]
+        if args[0] != "export" and len(args) > 1 and not args[1].startswith("-") and not (tmp_path / args[1]).exists():
+            shutil.copytree(small_export, tmp_path / args[1])  # an artifact the guide made elsewhere (or later)
+        if args[0] == "check" and "--target" not in args:  # the copy's recorded sources are gone: name them
+            args += ["--target", str(small_pair / "t"), "--draft", str(small_pair / "d")]
+        r = CliRunner().invoke(cli, [*args, *CAPS.get(args[0], [])])
+        assert r.exit_code in (0,), f"{doc.name}: dflash-export {' '.join(words)}\n{r.output[-2000:]}"

@@ -137,6 +137,24 @@ def test_drafting_under_the_mask_accepts_more_and_changes_no_token(loop, monkeyp
     assert masked == unmasked and per_round > 2 * per_round_unmasked, (per_round, per_round_unmasked)
 
 
+def test_constrained_rows_in_a_batch_equal_their_own_runs(loop, art):
+    """Constrained and free rows in one batched loop: each row's tokens are its batch-1 output."""
+    backend, tok, grammars, eos = loop
+    schemas_ = [{"type": "array", "items": {"enum": ["ab", "xyz"]}, "maxItems": 4},
+                {"type": "object", "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 999}},
+                 "required": ["k"], "additionalProperties": False}, None]
+
+    def requests():
+        return [Request([9 + i, 4, 2], 60, stop_token_ids=eos, constraint=None if sc is None else grammars.constraint(
+            grammars.compile(grammar(Format("none"), False, None, False, sc)), eos)) for i, sc in enumerate(schemas_)]
+
+    alone = [generate_batch(backend, [q], draft=True)[0][0].tokens for q in requests()]
+    batched, _ = generate_batch(OrtBackend(art, threads=1, max_batch=3), requests(), draft=True)
+    assert [g.tokens for g in batched] == alone
+    for g, sc in zip(batched[:2], schemas_):  # the constrained rows were constrained in the batch
+        jsonschema.validate(json.loads(tok.decode(g.tokens[:-1] if g.stopped else g.tokens)), sc)
+
+
 def test_constrained_sampling_is_the_same_with_and_without_the_drafter(loop):
     """Sampled under the mask with the row's own uniforms (sample-and-compare): the drafter changes no token,
     and the seed does change them."""
