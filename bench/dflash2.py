@@ -38,7 +38,7 @@ def write_drafter(work: Path, layers: int) -> None:
     import torch
 
     from dflash_export.models import TargetConfig, draft_config_dict
-    from dflash_export.models.config import default_target_layer_ids
+    from dflash_export.models.draft_config import default_target_layer_ids
     from dflash_export.models.dflash2 import DFlash2Config, DFlash2Drafter
 
     tc = TargetConfig.load(work / "target")

@@ -34,7 +34,7 @@ SHAPE = dict(vocab=151936, hidden=1024, layers=28, heads=16, kv_heads=8, head_di
 
 def make_checkpoint(work: Path) -> None:
     """Qwen3-0.6B's config (tied, its eos/bos ids) with random weights, and a 1-layer drafter tapping 5 layers."""
-    from dflash_export.models.config import default_target_layer_ids
+    from dflash_export.models.draft_config import default_target_layer_ids
 
     s = SHAPE
     write_checkpoint(work, s["vocab"], s["hidden"], s["layers"], s["inter"], heads=s["heads"], kv_heads=s["kv_heads"], tie=True,
@@ -60,10 +60,10 @@ def open_backend(work: Path, name: str, threads: str, variant: str, drafter: boo
     from dflash_export.runtime import manifest as M
     from dflash_export.runtime.ort.backend import OrtBackend
     from dflash_export.runtime.ort.sessions import Sessions
-    from dflash_export.runtime.settings import resolve
+    from dflash_export.runtime.settings import RunOptions, resolve
 
     m = M.load_manifest(work / name)
-    kw = resolve(work / name, m, "ort:cpu", threads=None if threads == "cal" else int(threads)).ort_kwargs()
+    kw = resolve(work / name, m, RunOptions(threads=None if threads == "cal" else int(threads))).ort_kwargs()
     kw |= {"low_memory": {"low_memory": True}, "keep_mapped": {"release_mapped": False}}.get(variant, {})
     if variant == "fold":
         orig = Sessions._session
@@ -81,13 +81,14 @@ def do_calibrate(work: Path, name: str, prompts: int, new_tokens: int) -> dict:
 
     from dflash_export.runtime.calibrate import calibrate
     from dflash_export.runtime.calibrate import thread_candidates
+    from dflash_export.runtime.settings import RunOptions
 
     from dflash_export.runtime import manifest as M
 
     rng, vocab = np.random.default_rng(1), M.load_manifest(work / name).vocab_size
     ps = [rng.integers(0, vocab - 2, 32).tolist() for _ in range(prompts)]
     t0 = time.perf_counter()
-    out = calibrate(work / name, "cpu", "ort", thread_candidates(), False, ps, new_tokens, 1,
+    out = calibrate(work / name, RunOptions(spin=False), thread_candidates(), ps, new_tokens, 1,
                     log=lambda msg: print(msg, file=sys.stderr, flush=True))
     return {"calibrate_s": round(time.perf_counter() - t0), **{k: out[k] for k in ("threads", "graph_threads", "prefill_chunk")}}
 

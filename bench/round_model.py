@@ -96,7 +96,7 @@ def main() -> None:
     off = [tok.encode(json.loads(x)["prompt"]).ids for x in (ROOT / "demo" / "prompts-offdomain.jsonl").read_text().splitlines()
            if x.strip()][:8] if args.ratios else None
     try:
-        verify = settings_for(args.art, "ort", "cpu", verify="auto").verify
+        verify = settings_for(args.art).verify
     except Exception:  # noqa: BLE001: no calibration yet: the whole block
         verify = None
     labels = args.configs.split(",")

@@ -40,7 +40,7 @@ from dflash_export.runtime import manifest as M
 from dflash_export.runtime.calibrate import calibrate, round_costs
 from dflash_export.runtime.measure import measure_many, rate
 from dflash_export.runtime.ort.backend import OrtBackend
-from dflash_export.runtime.settings import device_key, resolve
+from dflash_export.runtime.settings import RunOptions, resolve
 
 
 def ggufs() -> tuple[Path, Path, Path]:
@@ -123,13 +123,13 @@ def main() -> None:
     for d in ours.values() if a.calibrate else ():
         os.sched_setaffinity(0, cores[: max(threads)])
         held_out = [tok.encode(t).ids for t in all_texts[a.prompts : a.prompts + 4]]  # not the measured prompts
-        calibrate(d, "cpu", "ort", threads, None, held_out, a.max_new_tokens, 1,
+        calibrate(d, RunOptions(), threads, held_out, a.max_new_tokens, 1,
                   log=lambda msg: print(f"calibrate {d.name}: {msg}", flush=True))
     for t in threads:
         os.sched_setaffinity(0, cores[:t])  # this process and every child: llama.cpp's, ORT's threads
         backends, verify = {}, {}
         for label, d in ours.items():
-            s = resolve(d, M.load_manifest(d), device_key("ort"), threads=t)
+            s = resolve(d, M.load_manifest(d), RunOptions(threads=t))
             for spin in (False, True) if t > 1 else (False,):
                 key = f"{label}{' spin' if spin else ''}"
                 backends[key] = OrtBackend(d, threads=t, spin=spin, max_chunk=s.prefill_chunk or 256)

@@ -45,6 +45,7 @@ from serve import Server  # noqa: E402  (bench/serve.py)
 
 from dflash_export.runtime.controller import controller_for, rounds_of  # noqa: E402
 from dflash_export.runtime.load import open_artifact  # noqa: E402
+from dflash_export.runtime.settings import RunOptions  # noqa: E402
 from dflash_export.runtime.loop import generate  # noqa: E402
 from dflash_export.runtime.measure import rate  # noqa: E402
 
@@ -59,7 +60,7 @@ def prompts(name: str, n: int) -> list[str]:
 def loop_pairs(art: Path, texts: list[str], new: int, a: str, b: str, pairs: int, verify: str = "auto") -> dict:
     """`pairs` runs of modes a and b over all prompts, interleaved prompt by prompt: per-pair ratio
     of decode tokens/s (each mode's controller lasts the pair, as a server's lasts its requests)."""
-    be, cfg = open_artifact(art, verify=verify)
+    be, cfg = open_artifact(art, RunOptions(verify=verify))
     tok = Tokenizer.from_file(str(art / "tokenizer.json"))
     ids = [tok.encode(t).ids for t in texts]
     k = be.manifest.block_size

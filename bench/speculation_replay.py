@@ -44,11 +44,11 @@ def record(art: Path, threads: int, new: int) -> dict:
     from dflash_export.runtime.calibrate import cost_model, host_ms, round_costs
     from dflash_export.runtime.load import open_backend, settings_for
     from dflash_export.runtime.loop import generate
-    from dflash_export.runtime.settings import VerifyPolicy
+    from dflash_export.runtime.settings import RunOptions, VerifyPolicy
 
     be = open_backend(art, "ort", "cpu", threads=threads)
     tok = Tokenizer.from_file(str(art / "tokenizer.json"))
-    verify = settings_for(art, "ort", "cpu", threads=threads, verify="auto").verify or VerifyPolicy(0.05, 3)
+    verify = settings_for(art, RunOptions(threads=threads)).verify or VerifyPolicy(0.05, 3)
     ids = {name: [tok.encode(json.loads(x)["prompt"]).ids[: be.max_len - new]
                   for x in (ROOT / "demo" / f).read_text().splitlines() if x.strip()] for name, f in SETS.items()}
     load = [os.getloadavg()[0]]

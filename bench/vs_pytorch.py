@@ -41,7 +41,7 @@ def main() -> None:
     from dflash_export.models.tiny import hf_model
 
     from dflash_export.models import Drafter, Target, speculative_generate
-    from dflash_export.models.config import DraftConfig
+    from dflash_export.models.draft_config import DraftConfig
     from dflash_export.runtime.loop import generate
     from dflash_export.runtime.ort.backend import OrtBackend
 
@@ -53,9 +53,9 @@ def main() -> None:
         tdir, ddir, out = bench_model(a.model)
     be = OrtBackend(out, threads=a.threads)
     m = be.manifest
-    from dflash_export.runtime.settings import resolve
+    from dflash_export.runtime.settings import RunOptions, resolve
 
-    policy = resolve(out, m, "ort:cpu", threads=a.threads, verify=a.verify).verify
+    policy = resolve(out, m, RunOptions(threads=a.threads, verify=a.verify)).verify
     dc = DraftConfig.load(ddir)
     target, drafter = Target.from_pretrained(tdir, dc.target_layer_ids), Drafter.from_pretrained(ddir)
     hf = hf_model(tdir)

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from .export import print_report
 from .run import BUILTIN_PROMPTS
-from .options import num_prompts_option, speculation_option, spin_option, threads_option, verify_option
+from .options import num_prompts_option, run_options
 from ..demo.artifact import demo_dir
 from ..runtime.controller import controller_for
 from ..runtime.calibrate import calibrate, thread_candidates
@@ -29,7 +29,7 @@ from ..runtime.lazy import lazy_import
 from ..runtime.load import open_backend, settings_for
 from ..runtime.loop import Generation, generate, stream
 from ..runtime.measure import measure_many, off_domain_report, rate, summarize
-from ..runtime.settings import VerifyPolicy, describe_policy, policy_json
+from ..runtime.settings import RunOptions, VerifyPolicy, describe_policy, policy_json
 
 export_artifact = lazy_import("dflash_export.export.artifact")  # torch, onnx: only when the demo runs
 export_check = lazy_import("dflash_export.export.check")
@@ -57,11 +57,8 @@ def demo_prompts(prompt: str | None, n: int, path: Path | None = None) -> list[s
 @click.option("--pair", type=click.Path(path_type=Path), default=None,
               help="folder with target/ and draft/ (default: the shipped pair)")
 @click.option("-v", "--verbose", is_flag=True, help="print the full parity table")
-@threads_option
-@spin_option
-@verify_option
-@speculation_option
-def demo(out, prompt, num_prompts, prompts_file, max_new_tokens, pair, verbose, threads, spin, verify, speculation):
+@run_options("threads", "spin", "verify", "speculation")  # ONNX Runtime on CPU
+def demo(out, prompt, num_prompts, prompts_file, max_new_tokens, pair, verbose, run: RunOptions):
     """The shipped pair end to end, offline: export -> parity check -> calibration (threads,
     adaptive verify: runtime.json) -> streamed speculative decoding on held-out prompts (ONNX
     Runtime, CPU) -> tau, tokens/s and speedup vs plain decoding.
@@ -98,18 +95,17 @@ def demo(out, prompt, num_prompts, prompts_file, max_new_tokens, pair, verbose, 
 
     console.rule("[bold]3. calibration (threads, adaptive verify -> runtime.json)")
     tok = Tokenizer.from_file(str(readable(art / "tokenizer.json")))
-    base = settings_for(art, "ort", "cpu", threads=threads, spin=spin, verify="full")
-    candidates = thread_candidates() if threads is None else [base.threads]
+    candidates = thread_candidates() if run.threads is None else [run.threads]
     t0 = clock()
-    if verify == "auto":  # calibrated on the built-in prompts, measured below on the held-out ones
-        calibrate(art, "cpu", "ort", candidates, spin, [tok.encode(p).ids for p in BUILTIN_PROMPTS],
+    if run.verify == "auto":  # calibrated on the built-in prompts, measured below on the held-out ones
+        calibrate(art, run, candidates, [tok.encode(p).ids for p in BUILTIN_PROMPTS],
                   max_new_tokens, 1, log=lambda msg: console.print(f"calibrate: {msg}", markup=False))
     t_cal = clock() - t0
-    cfg = settings_for(art, "ort", "cpu", threads=threads, spin=spin, verify=verify)
+    cfg = settings_for(art, run)
 
     console.rule(f"[bold]4. speculative decoding (ONNX Runtime, CPU, greedy, {cfg.threads} thread(s))")
     t0 = clock()
-    result = decode(console, art, texts, max_new_tokens, cfg, candidates, speculation)
+    result = decode(console, art, texts, max_new_tokens, cfg, candidates, run.speculation)
     t_gen = clock() - t0
     print_result(console, result, len(texts), max_new_tokens)
     console.print(f"export {t_export:.0f}s, parity check {t_check:.0f}s, calibration {t_cal:.0f}s, "

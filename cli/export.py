@@ -5,6 +5,7 @@ The export stages (torch, onnx) are named with lazy_import and imported when a c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -14,7 +15,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from .options import model_options, num_prompts_option
+from .options import field_options, model_options, num_prompts_option
+from ..export.options import ExportOptions, QuantRequest
 from ..runtime import outdir
 from ..runtime.errors import DFlashError
 from ..runtime.lazy import lazy_import
@@ -29,89 +31,12 @@ Q = lazy_import("dflash_export.export.quant_options")  # light (no torch, onnx):
 sources = lazy_import("dflash_export.export.sources")  # huggingface_hub ids resolved when a command runs
 
 
-def quant_options(f):
-    """The weight-only quantization options shared by `export` and `quantize`."""
-    for opt in reversed([
-        click.option("--quantize", type=click.Choice(list(Q.SCHEMES)), default=None,
-                     help="Weight-only quantization of the target's linear layers (ONNX Runtime MatMulNBits)."),
-        click.option("--quant-block-size", type=int, default=None,
-                     help="Weights per quantization block (along the input dimension); a power of two >= 16 "
-                          "[default: 128, halved until it divides the hidden size and a MoE target's expert width: 64 for gpt-oss]."),
-        click.option("--quant-asymmetric", is_flag=True, help="Asymmetric quantization (zero points); symmetric by default."),
-        click.option("--quantize-draft", is_flag=True, help="Also quantize the drafter's linear layers."),
-        click.option("--draft-only", is_flag=True,
-                     help="Quantize the drafter's graphs alone, their LM head included; the target stays as exported, "
-                          "so the output stays the float target's (acceptance may fall) [accuracy level default: 4]."),
-        click.option("--quantize-lm-head", is_flag=True,
-                     help="Also quantize the LM head (one copy shared by target and drafter)."),
-        click.option("--quantize-embedding", is_flag=True,
-                     help="Also quantize the embedding lookup (GatherBlockQuantized; tied embeddings: with --quantize-lm-head, "
-                          "one copy of the table serves both)."),
-        click.option("--quant-head-bits", type=click.Choice(["4", "8"]), default=None,
-                     help="Bits of the quantized LM head and embedding lookup: 8 beside int4 layers keeps the "
-                          "vocabulary table, most of int4's error on a small model, at int8 [default: --quantize's]."),
-        click.option("--quant-accuracy-level", type=click.Choice(["auto", "0", "1", "2", "3", "4"]), default=None,
-                     help="MatMulNBits accuracy_level: 0 = fp32 activations, 4 = int8 activations (faster on CPU, more "
-                          "error); auto measures both on the artifact (speed and logits vs float) [default: auto]."),
-    ]):
-        f = opt(f)
-    return f
-
-
-def quant_request(quantize, block_size, asymmetric, draft, draft_only, lm_head, embedding, head_bits, accuracy_level):
-    """The QuantOptions asked for, or None; the sub-options alone are a mistake."""
-    if quantize is not None:
-        level = None if accuracy_level in (None, "auto") else int(accuracy_level)
-        q = Q.QuantOptions(quantize, block_size, not asymmetric, draft, lm_head, level, embedding,
-                           head_bits=int(head_bits) if head_bits else None)
-        return Q.draft_only(q) if draft_only else q
-    if draft or lm_head or embedding or asymmetric or accuracy_level is not None or draft_only or head_bits:
-        raise DFlashError("--quantize-draft, --draft-only, --quantize-lm-head, --quantize-embedding, --quant-asymmetric, "
-                          "--quant-head-bits and --quant-accuracy-level need --quantize int4|int8")
-    return None
-
-
 @click.command()
 @model_options(required=True)
 @click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Directory to write.")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
-              help="Weights and compute dtype; logits stay float32.")
-@click.option("--block-size", type=int, help="Static block size K of draft_block.onnx [default: the drafter's].")
-@click.option("--max-context", type=int, default=2048, show_default=True,
-              help="Longest prompt + generation the runtime will allocate caches for.")
-@click.option("--mask-token-id", type=int, help="Override the drafter's dflash_config.mask_token_id.")
-@click.option("--opset", type=int, help="ONNX opset [default: the exporter's].")
-@quant_options
-@click.option("--draft-vocab", type=int, metavar="N",
-              help="Drafter head scores only N tokens (lossless: the target verifies every draft) [default: all].")
-@click.option("--draft-vocab-data", multiple=True, type=click.Path(path_type=Path), metavar="FILE",
-              help="Token counts for --draft-vocab: train-draft shards (shard-*.pt or their directory), "
-                   ".jsonl ('tokens' or 'text') or text files; repeatable [default: the lowest ids].")
-@click.option("--attention", type=click.Choice(["standard", "ort"]), default="standard", show_default=True,
-              help="standard: plain ai.onnx ops (every provider, TensorRT); ort: the target's attention as ONNX "
-                   "Runtime's com.microsoft GroupQueryAttention over a cache updated in place (step cost flat in "
-                   "context; ONNX Runtime CPU/CUDA only).")
-@click.option("--kv-cache", type=click.Choice(["int8"]), default=None,
-              help="With --attention ort: the target's K/V cache in int8 with static per-channel scales "
-                   "calibrated at export on text the target generates (a quarter of fp32's cache bytes: long-context "
-                   "decode reads less) [default: the model dtype].")
-@click.option("--kv-calibration", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE", default=None,
-              help="Prompts (one a line, tokenized with the target's tokenizer) the --kv-cache scales are calibrated on "
-                   "[default: a few seed prompts].")
-@click.option("--moe", type=click.Choice(["op", "standard"]), default=None,
-              help="Mixture-of-experts targets only: how target.onnx runs the experts. op: ONNX Runtime's "
-                   "com.microsoft::MoE, one node per layer that runs only the selected experts (CPU, fp32, "
-                   "onnxruntime >= 1.23.1). standard: plain ai.onnx ops that gather each token's k experts "
-                   "(TensorRT, other providers, older ONNX Runtime) [default: op for fp32 where the installed "
-                   "onnxruntime has it, else standard].")
-@click.option("--force", is_flag=True, help="Replace a non-empty --out directory (only once the export succeeded).")
-@click.option("--no-room-check", is_flag=True,
-              help="Export even when free memory or disk look too small for the model (the OS may kill it).")
-@click.option("--quiet", is_flag=True, help="No progress display.")
-def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, block_size, max_context, mask_token_id, opset,
-           attention, quantize, quant_block_size, quant_asymmetric, quantize_draft, draft_only, quantize_lm_head, quantize_embedding,
-           quant_head_bits, quant_accuracy_level, draft_vocab, draft_vocab_data, kv_cache, kv_calibration, moe, force,
-           no_room_check, quiet):
+@field_options(ExportOptions, into="options")
+@field_options(QuantRequest, into="quant")
+def export(target_dir, revision, draft_dir, draft_revision, out_dir, options: ExportOptions, quant: QuantRequest):
     """Trace a target and its DFlash drafter to ONNX: target.onnx, draft_context.onnx,
     draft_block.onnx, their external weights (weights several graphs hold stored once, in
     shared.data), the tokenizer files and manifest.json with the sha256 of every file and
@@ -134,29 +59,23 @@ def export(target_dir, revision, draft_dir, draft_revision, out_dir, dtype, bloc
       dflash-export export --target Qwen3-30B-A3B --draft d --out art --moe standard   # TensorRT
       dflash-export export --target t --draft d --out art --attention ort --kv-cache int8
     """
-    q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, draft_only, quantize_lm_head, quantize_embedding,
-                      quant_head_bits, quant_accuracy_level)
+    q = quant.options()
     if q is not None:  # these checks before anything loads (export_artifact repeats them)
-        Q.check_options(q, dtype)
-    Q.check_kv_cache(kv_cache, attention, kv_calibration)
-    outdir.check_out_dir(out_dir.absolute(), force)
+        Q.check_options(q, options.dtype)
+    Q.check_kv_cache(options.kv_cache, options.attention, options.kv_calibration)
+    outdir.check_out_dir(out_dir.absolute(), options.force)
     target_dir = sources.resolve(target_dir, revision, "target")
     draft_dir = sources.resolve(draft_dir, draft_revision, "drafter")
-    export_artifact.export_artifact(target_dir, draft_dir, out_dir, dtype=dtype, block_size=block_size, max_context=max_context,
-                    mask_token_id=mask_token_id, opset=opset, attention=attention, force=force, progress=not quiet,
-                    quantize=q,
-                    draft_vocab=draft_vocab, draft_vocab_data=draft_vocab_data, room_check=not no_room_check, moe=moe,
-                    kv_cache=kv_cache, kv_calibration=kv_calibration)
+    export_artifact.export_artifact(target_dir, draft_dir, out_dir, quantize=q, **dataclasses.asdict(options))
 
 
 @click.command()
 @click.argument("src", type=click.Path(path_type=Path))
 @click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Directory to write.")
-@quant_options
+@field_options(QuantRequest, into="quant")
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory (only once quantization succeeded).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantize_draft, draft_only, quantize_lm_head, quantize_embedding,
-             quant_head_bits, quant_accuracy_level, force, quiet):
+def quantize(src, out_dir, quant: QuantRequest, force, quiet):
     """Quantize the weights of an exported directory SRC (fp32 or fp16) into --out, without
     re-tracing: what `export --quantize` does after its float export (docs/quantization.md).
 
@@ -167,8 +86,7 @@ def quantize(src, out_dir, quantize, quant_block_size, quant_asymmetric, quantiz
       dflash-export quantize art --out art-d8 --quantize int8 --draft-only   # the target stays float
       dflash-export quantize art --out art-4h8 --quantize int4 --quantize-lm-head --quantize-embedding --quant-head-bits 8
     """
-    q = quant_request(quantize, quant_block_size, quant_asymmetric, quantize_draft, draft_only, quantize_lm_head, quantize_embedding,
-                      quant_head_bits, quant_accuracy_level)
+    q = quant.options()
     if q is None:
         raise DFlashError("quantize needs --quantize int4|int8")
     Q.check_options(q, load_manifest(src, verify=False).dtype)  # before anything loads (quantize_artifact repeats them)

@@ -1,6 +1,6 @@
 """Options several commands share, declared once: the models (--target, --draft and their
-revisions), the device (backend, provider, threads, spin, verify), sampling, prompts; and the
-options generated from a dataclass's fields (`train-draft`, `serve`)."""
+revisions), sampling, prompts; and the options generated from a record's fields (runtime/options.py):
+the run's (RunOptions: backend, provider, threads, spin, verify, speculation), `serve`'s and `train-draft`'s."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import click
 
 from ..runtime.errors import DFlashError
 from ..runtime.sampling import Sampling
+from ..runtime.settings import RunOptions
 
 
 def model_options(required: bool, target_help: str = "", draft_help: str = ""):
@@ -35,27 +36,6 @@ def model_options(required: bool, target_help: str = "", draft_help: str = ""):
     return decorate
 
 
-provider_option = click.option(
-    "--provider", default="cpu", show_default=True, help="ONNX Runtime execution provider: cpu | cuda | tensorrt."
-)
-threads_option = click.option(
-    "--threads", type=int, default=None,
-    help="ONNX Runtime intra-op threads of every graph (default: runtime.json's calibrated count, else 1 for "
-         "small models and one per CPU from hidden size 1024).")
-spin_option = click.option(
-    "--spin/--no-spin", default=None,
-    help="Let ORT's idle threads spin [default: as `bench --calibrate` measured (it tries both), else off: "
-         "spinning made calls ~2x slower on shared vCPUs].")
-verify_option = click.option(
-    "--verify", type=click.Choice(["auto", "full"]), default="auto", show_default=True,
-    help="auto: verify the drafter's confident prefix as runtime.json's calibrated policy says (the full block "
-         "when there is none); full: always the whole block.")
-speculation_option = click.option(
-    "--speculation", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
-    help="auto: draft while it pays (recent acceptance against runtime.json's calibrated costs), else plain steps "
-         "that probe now and then; always: draft every round; never: plain decoding of the target.")
-
-
 def resolve_speculation(no_draft: bool, speculation: str) -> str:
     """--no-draft is --speculation never: the mode both give, or the one-line error when they disagree."""
     if no_draft and speculation == "always":
@@ -63,17 +43,10 @@ def resolve_speculation(no_draft: bool, speculation: str) -> str:
     return "never" if no_draft else speculation
 
 
-backend_option = click.option(
-    "--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
-    help="ort: ONNX Runtime (see --provider); trt: the TensorRT engines of `dflash-export build`.",
-)
-
-
-def device_options(f):
-    """--provider --backend --threads --spin/--no-spin --verify."""
-    for option in (verify_option, spin_option, threads_option, backend_option, provider_option):
-        f = option(f)
-    return f
+def run_options(*names: str):
+    """The run's options (runtime/settings.py RunOptions: --backend --provider --threads --spin/--no-spin
+    --verify --speculation; `names`: only these); the command receives them as one record, `run`."""
+    return field_options(RunOptions, into="run", only=names or None)
 
 
 def sampling_options(f):
@@ -127,12 +100,30 @@ def num_prompts_option(default: int, help: str):
     return decorate
 
 
-def field_options(cls, into: str | None = None):
-    """One click option per field of dataclass `cls` that carries an option's metadata, in field order
-    (train/config.py TrainConfig, serve/options.py): named `--field-name` (or the metadata's `opt`), the
-    field's default unless the metadata gives the command's own, help, type and choices from the metadata.
-    The command receives them as keywords named after the fields, or with `into` as one `cls` record of that name."""
-    fields = [fld for fld in dataclasses.fields(cls) if fld.metadata.get("option")]
+class RenamedOption(click.Option):
+    """An option that still takes its old names (`old`: renamed, kept working) without showing them in --help."""
+
+    def __init__(self, decls, old: tuple[str, ...] = (), **kw):
+        super().__init__([*decls[:-1], *old, decls[-1]], **kw)
+        self.old = set(old)
+
+    def get_help_record(self, ctx):
+        shown = self.opts
+        self.opts = [o for o in shown if o not in self.old]
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = shown
+
+
+def field_options(cls, into: str | None = None, only: tuple[str, ...] | None = None):
+    """One click option per field of dataclass `cls` made with runtime/options.py `option` (`only`: these
+    fields alone), in field order: named `--field-name` (or the metadata's `opt`), the field's default
+    unless the metadata gives the command's own, help, type and choices from the metadata (`old`: former
+    names that still work, hidden from --help). The command receives them as keywords named after the fields, or with `into` as one `cls` record of that name."""
+    fields = [fld for fld in dataclasses.fields(cls) if fld.metadata.get("option") and (only is None or fld.name in only)]
+    own = cls.__dict__.get("__annotations__", {})
+    fields.sort(key=lambda fld: fld.name not in own)  # the record's own first, then those it inherits (--help's order)
 
     def decorate(command):
         f = command
@@ -143,8 +134,12 @@ def field_options(cls, into: str | None = None):
         for fld in reversed(fields):
             kw = dict(fld.metadata["option"])
             name = kw.pop("opt", "--" + fld.name.replace("_", "-"))
+            if "choices" in kw:
+                kw["type"] = click.Choice(kw.pop("choices"))
             if not kw.get("required") and not kw.get("multiple"):
                 kw.setdefault("default", fld.default)
+            if "old" in kw:
+                kw["cls"] = RenamedOption
             f = click.option(name, fld.name, **kw)(f)
         return f
 

@@ -6,6 +6,7 @@ so both commands work on a machine without torch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from importlib.util import find_spec
@@ -15,18 +16,18 @@ import click
 import numpy as np
 
 from .batch import check_batch_value, echo_bench_batch, generate_many
-from .options import device_options, sampling_options, resolve_speculation, speculation_option
+from .options import resolve_speculation, run_options, sampling_options
 from ..runtime.controller import auto_policy, controller_for, describe_auto, rounds_of
 from ..runtime.calibrate import calibrate, choose_count, describe_spin, prefill_ms, step_ms_by_context, thread_candidates, ttft_prompt
 from ..runtime.errors import DFlashError
 from ..runtime.files import prompt_lines
 from ..runtime.load import open_artifact, open_backend, settings_for
 from ..runtime.loop import Generation
-from ..runtime.loop import stream as run
+from ..runtime.loop import stream as stream_rounds
 from ..runtime.manifest import load_manifest
 from ..runtime.sampling import Sampling
 from ..runtime.measure import bench_batch, measure_many, off_domain_report, random_text_prompts, rate, summarize
-from ..runtime.settings import policy_json
+from ..runtime.settings import RunOptions, policy_json
 from ..serve.text import load_tokenizer
 
 BUILTIN_PROMPTS = [
@@ -58,12 +59,11 @@ def _parse_ids(text: str, what: str) -> list[int]:
 @sampling_options
 @click.option("--stop-ids", help="Comma-separated stop token ids (default: the manifest's eos_token_ids; '' for none).")
 @click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding of the target (= --speculation never).")
-@speculation_option
 @click.option("--stream", is_flag=True, help="Print tokens as each round is accepted.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with tokens and statistics.")
-@device_options
+@run_options()
 def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, sampling, stop_ids,
-             no_draft, speculation, stream, as_json, provider, backend, threads, spin, verify):
+             no_draft, stream, as_json, run: RunOptions):
     """Speculative decoding of a prompt (or of --prompts FILE, --batch at a time) with an exported directory OUT."""
     if sum(x is not None for x in (prompt, prompt_ids, prompts_file)) != 1:
         raise DFlashError("give exactly one of --prompt TEXT, --prompt-ids 1,2,3 or --prompts FILE")
@@ -72,11 +72,11 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, sampl
     if stream and (as_json or prompts_file is not None):
         raise DFlashError("--stream and --json (or --prompts) are exclusive: --stream prints one prompt as it comes")
     stop = None if stop_ids is None else tuple(_parse_ids(stop_ids, "--stop-ids"))
-    speculation = resolve_speculation(no_draft, speculation)
+    speculation = resolve_speculation(no_draft, run.speculation)
+    run = dataclasses.replace(run, speculation=speculation)
     no_draft = speculation == "never"
     if prompts_file is not None:
-        be, cfg = open_artifact(out, backend=backend, provider=provider, drafter=not no_draft, threads=threads,
-                                spin=spin, verify=verify, max_batch=batch)
+        be, cfg = open_artifact(out, run, drafter=not no_draft, max_batch=batch)
         tok = load_tokenizer(out)
         prompts, _ = _bench_prompts(prompts_file, tok, be.manifest.vocab_size)
         generate_many(be, tok, prompts, max_new_tokens, batch, not no_draft, cfg.verify, as_json,
@@ -84,8 +84,7 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, sampl
                       sampling=sampling, stop_token_ids=stop)
         return
     ids = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
-    backend, cfg = open_artifact(out, backend=backend, provider=provider, drafter=not no_draft, threads=threads, spin=spin,
-                                 verify=verify)
+    backend, cfg = open_artifact(out, run, drafter=not no_draft)
     tok = load_tokenizer(out)
     if ids is None:
         if tok is None:
@@ -94,7 +93,7 @@ def generate(out, prompt, prompt_ids, prompts_file, batch, max_new_tokens, sampl
 
     g = Generation()
     shown = ""
-    for new in run(backend, ids, max_new_tokens, sampling=sampling, stop_token_ids=stop, draft=not no_draft, verify=cfg.verify, out=g,
+    for new in stream_rounds(backend, ids, max_new_tokens, sampling=sampling, stop_token_ids=stop, draft=not no_draft, verify=cfg.verify, out=g,
                    control=controller_for(speculation, cfg.costs, backend.manifest.block_size)):
         if stream:
             if tok is not None:
@@ -216,10 +215,9 @@ def plot_bench(report: dict, path: Path) -> None:
 @click.option("--off-domain", "off_domain", default=4, show_default=True, type=int,
               help="Also measure on N off-domain prompts (128 random vocabulary tokens each, seed 0, decoded: "
                    "what synthetic load generators send); 0 skips.")
-@speculation_option
-@device_options
+@run_options()
 def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate, contexts, batch, temperature, off_domain,
-          speculation, provider, backend, threads, spin, verify):
+          run: RunOptions):
     """Speculative vs plain decoding of OUT on the same prompts: tau, tokens/s, speedup.
 
     Without --threads every candidate thread count runs too (interleaved), which gives
@@ -248,22 +246,23 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         check_batch_value(batch)
         if do_calibrate or plot is not None or ctx or temperature:
             raise DFlashError("--batch runs its own comparison; leave out --calibrate, --plot, --context, --temperature")
-        cfg = settings_for(out, backend, provider, threads=threads, spin=spin, verify=verify)
-        report = bench_batch(lambda b: open_artifact(out, backend=backend, provider=provider, threads=threads, spin=spin,
-                                                     verify=verify, max_batch=b)[0], prompts, n, batch, warmup, cfg.verify,
-                             control=controller_for(speculation, cfg.costs, m.block_size), draft=speculation != "never")
-        report.update(prompt_source=source, threads=cfg.threads, speculation=speculation)
+        cfg = settings_for(out, run)
+        report = bench_batch(lambda b: open_artifact(out, run, max_batch=b, settings=cfg)[0], prompts, n, batch, warmup,
+                             cfg.verify, control=controller_for(run.speculation, cfg.costs, m.block_size),
+                             draft=run.speculation != "never")
+        report.update(prompt_source=source, threads=cfg.threads, speculation=run.speculation)
         click.echo(json.dumps(report)) if as_json else echo_bench_batch(report)
         return
-    sweep = backend == "ort" and threads is None
-    base = settings_for(out, backend, provider, threads=threads, spin=spin, verify="full")
-    candidates = thread_candidates() if sweep else [base.threads]
+    sweep = run.backend == "ort" and run.threads is None
+    cfg = settings_for(out, run)
+    candidates = thread_candidates() if sweep else [cfg.threads]
     calibration = None
     if do_calibrate:
         log = (lambda msg: click.echo(f"calibrate: {msg}", err=True)) if not as_json else (lambda msg: None)
-        calibration = calibrate(out, provider, backend, candidates, spin, prompts, n, warmup, log)
-    cfg = settings_for(out, backend, provider, threads=threads, spin=spin, verify=verify)
-    backends, key = _backends_by_threads(out, backend, provider, cfg, candidates, sweep)
+        calibration = calibrate(out, run, candidates, prompts, n, warmup, log)
+        cfg = settings_for(out, run)  # with what the calibration wrote
+    backends, key = _backends_by_threads(out, run, cfg, candidates, sweep)
+    speculation = run.speculation
     control, draft = controller_for(speculation, cfg.costs, m.block_size), speculation != "never"
     runs = measure_many(backends, prompts, n, warmup, cfg.verify, temperature, control, draft)
     main = backends[key]
@@ -300,9 +299,10 @@ def bench(out, prompts_file, max_new_tokens, warmup, as_json, plot, do_calibrate
         click.echo(f"plot: {plot}")
 
 
-def _backends_by_threads(out, backend: str, provider: str, cfg, candidates: list[int], sweep: bool) -> tuple[dict, object]:
+def _backends_by_threads(out, run: RunOptions, cfg, candidates: list[int], sweep: bool) -> tuple[dict, object]:
     """({thread count: backend} to measure side by side, the key of the run's own): a sweep opens
     every candidate count; the run's backend uses the calibrated per-graph counts when they differ."""
+    backend, provider = run.backend, run.provider
     labels = sorted(set(candidates) | {cfg.threads}) if sweep else [cfg.threads]
 
     def open_(t):

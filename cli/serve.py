@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from .options import device_options, field_options, resolve_speculation, speculation_option
+from .options import field_options, resolve_speculation
 from ..runtime import contract as C, manifest as M
 from ..demo.artifact import demo_artifact
 from ..runtime.errors import DFlashError
@@ -26,7 +26,6 @@ from ..runtime.files import read_text
 from ..runtime.lazy import installed, lazy_import
 from ..runtime.load import settings_for
 from ..runtime.memory import check_cache_memory
-from ..runtime.settings import check_options
 from ..serve.options import RayOptions, ServeOptions
 
 DEFAULT_BATCH = 4  # rows per round when --max-batch is not given (docs/serve.md: measured)
@@ -149,10 +148,8 @@ def _template(path: Path | None) -> str | None:
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port (0-65535); 0 picks a free one (printed).")
 @field_options(ServeOptions)
 @click.option("--api-key-file", type=click.Path(path_type=Path), help="Read the API key from this file.")
-@speculation_option
 @click.option("--shutdown-timeout", default=10.0, show_default=True, type=float,
               help="Seconds in-flight requests may finish after Ctrl-C / SIGTERM before they are cancelled.")
-@device_options
 @field_options(RayOptions, into="ray")
 def serve(out, demo, host, port, api_key_file, shutdown_timeout, ray: RayOptions, **fields):
     """An OpenAI-compatible server over an exported directory OUT (or --demo):
@@ -160,13 +157,9 @@ def serve(out, demo, host, port, api_key_file, shutdown_timeout, ray: RayOptions
     _need_serve_extra()
     if (out is None) == (not demo):
         raise DFlashError("give an exported directory OUT or --demo (not both)")
-    options = ServeOptions(out, **fields)  # as given; the directory, batch and slots are resolved below
+    # as given, checked (before --demo's first export); the directory, batch and slots are resolved below
+    options = ServeOptions(out, **fields)
     options.api_key = _api_key(options.api_key, api_key_file)
-    for name, value, low in (("--max-batch", options.max_batch, 1), ("--slots", options.slots, 1),
-                             ("--max-queue", options.max_queue, 0), ("--max-tokens", options.default_max_tokens, 1)):
-        if value is not None and value < low:
-            raise DFlashError(f"{name} must be >= {low} (got {value})")
-    check_options(options.threads, options.verify)  # before --demo's first export, not after it
     options.speculation = resolve_speculation(options.no_draft, options.speculation)
     if (options.slots or 1) > 1 and options.backend != "ort":
         raise DFlashError(f"--slots {options.slots} needs --backend ort (its slots share one copy of the weights)")
@@ -180,8 +173,7 @@ def serve(out, demo, host, port, api_key_file, shutdown_timeout, ray: RayOptions
     # a wrong folder, --threads or runtime.json is one line now, not after binding
     manifest = M.load_manifest(directory, verify=False)
     M.check_readable(directory, manifest)
-    settings_for(directory, options.backend, options.provider, threads=options.threads, spin=options.spin,
-                 verify=options.verify)
+    settings = settings_for(directory, options)
     options.directory = Path(directory)
     options.model_name = options.model_name or ("dflash-demo" if demo else None)
     options.max_batch, options.slots = _batch_rows(directory, manifest, options.max_batch, options.slots,
@@ -192,6 +184,7 @@ def serve(out, demo, host, port, api_key_file, shutdown_timeout, ray: RayOptions
     if ray.use_ray:
         return serve_ray.run(options, host=host, port=port, address=ray.ray_address, proxy=ray.proxy,
                              shutdown_timeout=shutdown_timeout, **deploy)
+    options.settings = settings  # this process loads the engine: resolved once, here
     _serve_here(options, host, port, shutdown_timeout)
 
 

@@ -26,6 +26,7 @@ from . import sources as S
 from ..runtime.lazy import lazy_import
 from . import draft_vocab as DV, stream, trace as T
 from ..runtime.outdir import check_out_dir, clean_stale, commit, staged, write_manifest_checked
+from .options import MAX_CONTEXT
 from .progress import Phases, report
 from .quant_options import check_kv_cache
 from .quantize import check_options, default_block_size, quantize_artifact
@@ -250,7 +251,7 @@ def export_artifact(
     *,
     dtype: str = "fp32",
     block_size: int | None = None,
-    max_context: int = 2048,
+    max_context: int = MAX_CONTEXT,
     mask_token_id: int | None = None,
     opset: int | None = None,
     attention: str = "standard",

@@ -1,4 +1,6 @@
-"""Configs of the checkpoints people actually have: Hugging Face targets and z-lab drafters.
+"""Configs of the targets people actually have: Hugging Face checkpoints of every supported family
+(dense Llama / Qwen2 / Qwen3, the Qwen3.5 hybrids, mixture-of-experts, gpt-oss and Gemma 4).
+The drafters' configs are in models/draft_config.py, RoPE's in models/rope.py.
 
 Parsing is strict: anything we do not implement is refused with one line that names it,
 so nothing is ever loaded half-way.
@@ -6,17 +8,13 @@ so nothing is ever loaded half-way.
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..runtime.errors import DFlashError
 from ..runtime.files import read_json
-from ..runtime.lazy import lazy_import
 from . import speculators
-
-torch = lazy_import("torch")  # only for inv_freq: the configs themselves are read without torch
+from .rope import Rope, parse_rope
 
 TARGET_ARCHS = {
     # architecture -> (q/k/v bias default, per-head q/k RMSNorm)
@@ -47,109 +45,6 @@ DRAFT_ARCH = "DFlashDraftModel"
 DRAFT2_ARCH = "DFlash2DraftModel"  # models/dflash2.py
 
 
-@dataclass
-class Rope:
-    theta: float
-    kind: str = "default"  # default | linear | llama3 | yarn | proportional
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
-    beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated frequencies
-    beta_slow: float = 1.0
-    truncate: bool = True
-    attention_factor: float = 1.0  # yarn: cos and sin times this (so scores times its square), as transformers
-    partial: float = 1.0  # proportional: the fraction of head_dim that rotates (the rest has frequency 0)
-
-    def inv_freq(self, head_dim: int) -> list[float]:
-        """Per-pair rotation frequencies, scaled as transformers' rope init functions do."""
-        if self.kind == "proportional":  # Gemma 4's full layers: exponents over the whole head_dim
-            angles = int(self.partial * head_dim // 2)
-            inv = 1.0 / (self.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim))
-            return torch.cat([inv, torch.zeros(head_dim // 2 - angles)]) / self.factor
-        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        if self.kind == "linear":
-            inv = inv / self.factor
-        elif self.kind == "yarn":
-            inv = _yarn(self, head_dim)
-        elif self.kind == "llama3":
-            low_wavelen = self.original_max_position / self.low_freq_factor
-            high_wavelen = self.original_max_position / self.high_freq_factor
-            wavelen = 2 * math.pi / inv
-            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
-            smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
-                self.high_freq_factor - self.low_freq_factor
-            )
-            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-            medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-            inv = torch.where(medium, smoothed, scaled)
-        return inv
-
-
-def _yarn(r: Rope, dim: int):
-    """YaRN (arXiv 2309.00071): frequencies below the ramp interpolated by `factor`, above it
-    kept, a linear blend between; the ramp's ends from beta_fast / beta_slow rotations.
-    Written in transformers' operation order, so the frequencies agree to the bit."""
-    def at(rotations: float) -> float:
-        return dim * math.log(r.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(r.theta))
-
-    low, high = at(r.beta_fast), at(r.beta_slow)
-    if r.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    keep = 1 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos = r.theta ** (torch.arange(0, dim, 2).float() / dim)
-    return 1.0 / (r.factor * pos) * (1 - keep) + 1.0 / pos * keep
-
-
-ROPE_KINDS = ("default", "linear", "llama3", "yarn", "proportional")
-
-
-def parse_rope(cfg: dict, where: str) -> Rope:
-    """RoPE from `rope_theta` + `rope_scaling` (transformers 4) or `rope_parameters` (5)."""
-    params = cfg.get("rope_parameters") or {}
-    if isinstance(params, dict) and params and "rope_theta" not in params and all(isinstance(v, dict) for v in params.values()):
-        raise DFlashError(f"{where}: per-layer-type rope_parameters are not supported")
-    scaling = cfg.get("rope_scaling") or {}
-    if not isinstance(params, dict) or not isinstance(scaling, dict):
-        raise DFlashError(f"{where}: rope_parameters / rope_scaling must be JSON objects")
-    merged = {**scaling, **params}
-    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    kind = merged.get("rope_type", merged.get("type", "default")) or "default"
-    if kind not in ROPE_KINDS:
-        raise DFlashError(f"{where}: rope type {kind!r} is not supported (supported: {', '.join(ROPE_KINDS)})")
-    factor = float(merged.get("factor", 1.0) or 1.0)
-    original = int(merged.get("original_max_position_embeddings", 8192))
-    attention = 1.0
-    if kind == "yarn":
-        if merged.get("factor") is None:  # as transformers: the context extension the config states
-            factor = float(cfg.get("max_position_embeddings", original)) / original
-        attention = merged.get("attention_factor")
-        if attention is None:
-            mscale, mscale_all = merged.get("mscale"), merged.get("mscale_all_dim")
-            attention = _mscale(factor, mscale) / _mscale(factor, mscale_all) if mscale and mscale_all else _mscale(factor)
-    return Rope(
-        theta=float(theta),
-        kind=kind,
-        factor=factor,
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position=original,
-        beta_fast=float(merged.get("beta_fast") or 32.0),
-        beta_slow=float(merged.get("beta_slow") or 1.0),
-        truncate=bool(merged.get("truncate", True)),
-        attention_factor=float(attention),
-        partial=float(merged.get("partial_rotary_factor", 1.0)) if kind == "proportional" else 1.0,
-    )
-
-
-def _mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature, 0.1 * mscale * ln(scale) + 1 (1 when not extending)."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
 def read_config(directory: str | Path, what: str) -> dict:
     d = Path(directory)
     if not d.is_dir():
@@ -163,7 +58,7 @@ def read_config(directory: str | Path, what: str) -> dict:
     return cfg
 
 
-def _req(cfg: dict, key: str, where: str):
+def required(cfg: dict, key: str, where: str):
     if cfg.get(key) is None:
         raise DFlashError(f"{where}: config.json lacks {key!r}")
     return cfg[key]
@@ -311,26 +206,26 @@ class TargetConfig:
         if act != "silu":
             raise DFlashError(f"{where}: hidden_act {act!r} is not supported (only silu)")
         bias_default, qk_norm = TARGET_ARCHS[arch]
-        heads = int(_req(cfg, "num_attention_heads", where))
-        hidden = int(_req(cfg, "hidden_size", where))
+        heads = int(required(cfg, "num_attention_heads", where))
+        hidden = int(required(cfg, "hidden_size", where))
         if heads % int(cfg.get("num_key_value_heads") or heads):
             raise DFlashError(f"{where}: num_attention_heads must be divisible by num_key_value_heads")
         eos = cfg.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         attention_bias = bool(cfg.get("attention_bias", bias_default))
-        layers = int(_req(cfg, "num_hidden_layers", where))
+        layers = int(required(cfg, "num_hidden_layers", where))
         moe = _moe_fields(cfg, arch, layers, where) if arch in MOE_ARCHS else {}
         # a dense MLP's width: absent where every layer is sparse (Qwen3.5-MoE)
         dense_mlp = bool(not moe or len(moe["moe"].sparse_layers) < layers)
         return cls(
             architecture=arch,
-            vocab_size=int(_req(cfg, "vocab_size", where)),
+            vocab_size=int(required(cfg, "vocab_size", where)),
             hidden_size=hidden,
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(_req(cfg, "intermediate_size", where) if dense_mlp else cfg.get("intermediate_size") or 0),
+            intermediate_size=int(required(cfg, "intermediate_size", where) if dense_mlp else cfg.get("intermediate_size") or 0),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=parse_rope(cfg, where),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -352,7 +247,7 @@ class TargetConfig:
 
 def _hybrid_fields(cfg: dict, where: str) -> dict:
     """Qwen3.5 text config: layer pattern, GDN dims, partial rotary, output gate (as transformers reads them)."""
-    layers = int(_req(cfg, "num_hidden_layers", where))
+    layers = int(required(cfg, "num_hidden_layers", where))
     types = cfg.get("layer_types") or [
         "linear_attention" if (i + 1) % int(cfg.get("full_attention_interval", 4)) else "full_attention"
         for i in range(layers)
@@ -420,11 +315,11 @@ def _windowed(cfg: dict, arch: str, where: str) -> "TargetConfig":
     family = WINDOWED_ARCHS[arch]
     if family == "gemma4" and isinstance(cfg.get("text_config"), dict):  # released checkpoints: the multimodal wrapper
         cfg = {**cfg["text_config"], "architectures": [arch], **{k: cfg[k] for k in ("eos_token_id",) if k in cfg}}
-    layers = int(_req(cfg, "num_hidden_layers", where))
-    heads, hidden = int(_req(cfg, "num_attention_heads", where)), int(_req(cfg, "hidden_size", where))
+    layers = int(required(cfg, "num_hidden_layers", where))
+    heads, hidden = int(required(cfg, "num_attention_heads", where)), int(required(cfg, "hidden_size", where))
     kv = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
-    window = int(_req(cfg, "sliding_window", where))
+    window = int(required(cfg, "sliding_window", where))
     if family == "gpt_oss":
         types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
     else:
@@ -439,7 +334,7 @@ def _windowed(cfg: dict, arch: str, where: str) -> "TargetConfig":
     eos = cfg.get("eos_token_id")
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     common = dict(
-        architecture=arch, vocab_size=int(_req(cfg, "vocab_size", where)), hidden_size=hidden, num_layers=layers,
+        architecture=arch, vocab_size=int(required(cfg, "vocab_size", where)), hidden_size=hidden, num_layers=layers,
         num_heads=heads, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family == "gemma4")),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)), eos_token_ids=eos,
@@ -450,7 +345,7 @@ def _windowed(cfg: dict, arch: str, where: str) -> "TargetConfig":
         kinds = {t: AttentionKind(kv, head_dim, rope, window if t == "sliding_attention" else None) for t in dict.fromkeys(types)}
         bias = bool(cfg.get("attention_bias", True))
         w = Windowed(family, kinds, list(range(layers)), sinks=True, hidden_act=act)
-        inter, experts = int(_req(cfg, "intermediate_size", where)), int(_req(cfg, "num_local_experts", where))
+        inter, experts = int(required(cfg, "intermediate_size", where)), int(required(cfg, "num_local_experts", where))
         top_k = int(cfg.get("num_experts_per_tok", 4))
         if not 0 < top_k <= experts:
             raise DFlashError(f"{where}: num_experts_per_tok {top_k} must be between 1 and num_local_experts {experts}")
@@ -527,193 +422,14 @@ def _gemma4(cfg: dict, common: dict, types: list[str], kv: int, head_dim: int, w
     full_kind = kinds.get("full_attention") or kinds["sliding_attention"]
     moe = None
     if cfg.get("enable_moe_block"):  # 26B-A4B: experts beside the dense MLP in every layer
-        experts, top_k = int(_req(cfg, "num_experts", where)), int(_req(cfg, "top_k_experts", where))
+        experts, top_k = int(required(cfg, "num_experts", where)), int(required(cfg, "top_k_experts", where))
         if not 0 < top_k <= experts:
             raise DFlashError(f"{where}: top_k_experts {top_k} must be between 1 and num_experts {experts}")
         if act != "gelu_pytorch_tanh":
             raise DFlashError(f"{where}: Gemma 4 experts with hidden_activation {act!r} are not supported (gelu_pytorch_tanh)")
-        moe = MoeConfig(num_experts=experts, top_k=top_k, expert_size=int(_req(cfg, "moe_intermediate_size", where)),
+        moe = MoeConfig(num_experts=experts, top_k=top_k, expert_size=int(required(cfg, "moe_intermediate_size", where)),
                         norm_topk_prob=True, sparse_layers=list(range(layers)), activation="geglu")
     return TargetConfig(**common, moe=moe, num_kv_heads=full_kind.num_kv_heads, head_dim=full_kind.head_dim, rope=full_kind.rope,
-                        intermediate_size=int(_req(cfg, "intermediate_size", where)),
+                        intermediate_size=int(required(cfg, "intermediate_size", where)),
                         qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
                         qk_norm=True, windowed=w)
-
-
-def not_a_drafter(arch) -> str:
-    """Why a checkpoint of architecture `arch` is not a drafter, in words."""
-    if arch in TARGET_ARCHS or arch in MOE_ARCHS or str(arch).endswith("ForCausalLM"):
-        return (f"architecture {arch!r} is a language model (a target?), not a DFlash drafter "
-                f"({DRAFT_ARCH}, {DRAFT2_ARCH} or a speculators \"dflash\" checkpoint)")
-    return (f"architecture {arch!r} is not supported (supported: {DRAFT_ARCH}, {DRAFT2_ARCH}), nor is this a "
-            "speculators \"dflash\" checkpoint")
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """The z-lab rule: one layer -> the middle one; else spread evenly over [1, L-3]."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
-
-
-@dataclass
-class DraftConfig:
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope: Rope
-    target_layer_ids: list[int]
-    num_target_layers: int
-    block_size: int
-    mask_token_id: int | None
-    layer_types: list[str]
-    sliding_window: int | None
-    is_causal: bool | None  # None: sliding layers causal, full layers not (z-lab rule)
-    vocab_size: int | None = None
-    output_multiplier: float = 1.0  # draft logits times this, then
-    final_logit_softcapping: float | None = None  # cap * tanh(logits / cap) (None: off)
-    input_embedding_scale: float = 1.0  # the block's embedding (the target's table) times this
-    attention_bias: bool = False  # q/k/v/o projections with biases (gpt-oss drafters)
-    raw: dict = field(default_factory=dict, repr=False)  # the original config, saved back as is
-    format: str = "z-lab"  # or "speculators" (models/speculators.py): the checkpoint's layout
-    draft_vocab_size: int | None = None  # speculators: the N tokens its own head scores (d2t); None: all
-    verifier: str | None = None  # speculators: the target it was made for (speculators_config.verifier)
-
-    @classmethod
-    def from_dict(cls, cfg: dict, where: str = "drafter") -> "DraftConfig":
-        if speculators.is_speculators(cfg):
-            z, extra = speculators.config_dict(cfg, where)
-            out = cls.from_dict(z, where)
-            out.raw, out.format = cfg, "speculators"
-            out.draft_vocab_size, out.verifier = extra["draft_vocab_size"], extra["verifier"]
-            return out
-        archs = cfg.get("architectures") or [DRAFT_ARCH]
-        if archs[0] != DRAFT_ARCH:
-            raise DFlashError(f"{where}: {not_a_drafter(archs[0])}")
-        nested = cfg.get("dflash_config") or {}
-        unsupported = [k for k in ("selector_rank", "conv_kernel_size", "conv_group_size")
-                       if nested.get(k, cfg.get(k)) is not None]
-        if unsupported:
-            raise DFlashError(f"{where}: DFlash2 features are not supported: {', '.join(unsupported)} (under "
-                              f"{archs[0]}; a DFlash 2 drafter's architecture is {DRAFT2_ARCH})")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise DFlashError(f"{where}: hidden_act {act!r} is not supported (only silu)")
-        layers = int(_req(cfg, "num_hidden_layers", where))
-        heads = int(_req(cfg, "num_attention_heads", where))
-        hidden = int(_req(cfg, "hidden_size", where))
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        if layers < 1 or heads % kv_heads:
-            raise DFlashError(f"{where}: needs >= 1 layer and num_attention_heads divisible by num_key_value_heads")
-        num_target_layers = cfg.get("num_target_layers")
-        tap_ids = nested.get("target_layer_ids", cfg.get("target_layer_ids"))
-        if tap_ids is None:
-            if num_target_layers is None:
-                raise DFlashError(f"{where}: config has neither dflash_config.target_layer_ids nor num_target_layers")
-            tap_ids = default_target_layer_ids(int(num_target_layers), layers)
-        block = nested.get("block_size", cfg.get("block_size", 16))  # z-lab's default
-        if int(block) < 1:
-            raise DFlashError(f"{where}: block_size must be >= 1 (got {block})")
-        mask = nested.get("mask_token_id", cfg.get("mask_token_id"))
-        # the logit transforms and the block's embedding scale, as z-lab reads them (dflash_config
-        # first, then the top level); absent, 1 / 0 / None: no-ops, exactly the drafter without them
-        knob = {k: nested.get(k, cfg.get(k)) for k in ("output_multiplier", "final_logit_softcapping",
-                                                       "input_embedding_scale")}
-        try:
-            mult, scale = (float(1.0 if knob[k] is None else knob[k]) for k in ("output_multiplier", "input_embedding_scale"))
-            cap = float(knob["final_logit_softcapping"] or 0.0)
-        except (TypeError, ValueError):
-            raise DFlashError(f"{where}: output_multiplier, final_logit_softcapping and input_embedding_scale must be "
-                              f"numbers (got {knob})") from None
-        if cap < 0:
-            raise DFlashError(f"{where}: final_logit_softcapping must be >= 0 (got {cap}); 0 or absent disables it")
-        # as transformers' Qwen3Config (which z-lab's drafter uses): no window unless
-        # use_sliding_window; without layer_types, layers >= max_window_layers slide
-        window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
-        layer_types = cfg.get("layer_types") or [
-            "sliding_attention" if window and i >= cfg.get("max_window_layers", 28) else "full_attention"
-            for i in range(layers)
-        ]
-        if len(layer_types) != layers:
-            raise DFlashError(f"{where}: layer_types has {len(layer_types)} entries for {layers} layers")
-        bad = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-        if bad:
-            raise DFlashError(f"{where}: layer type(s) {bad} are not supported")
-        return cls(
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(_req(cfg, "intermediate_size", where)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=parse_rope(cfg, where),
-            target_layer_ids=[int(i) for i in tap_ids],
-            num_target_layers=int(num_target_layers) if num_target_layers is not None else -1,
-            block_size=int(block),
-            mask_token_id=None if mask is None else int(mask),
-            layer_types=list(layer_types),
-            sliding_window=int(window) if window else None,
-            is_causal=cfg.get("is_causal"),
-            vocab_size=cfg.get("vocab_size"),
-            output_multiplier=mult,
-            final_logit_softcapping=cap or None,
-            input_embedding_scale=scale,
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            raw=cfg,
-        )
-
-    @classmethod
-    def load(cls, directory: str | Path) -> "DraftConfig":
-        return cls.from_dict(read_config(directory, "drafter"), where=f"drafter {directory}")
-
-    family = "dflash"  # "dflash2": DFlash2Config (models/dflash2.py), drafts from the selector's walk
-
-    def layer_window(self, j: int) -> int | None:
-        return self.sliding_window if self.layer_types[j] == "sliding_attention" else None
-
-    def layer_causal(self, j: int) -> bool:
-        if self.is_causal is not None:
-            return bool(self.is_causal)
-        return self.layer_types[j] == "sliding_attention"
-
-    def check_fits(self, target: TargetConfig, where: str = "drafter") -> None:
-        """Refuse a drafter that cannot be attached to this target (`where` names it, revision included)."""
-        made_for = f" (made for {self.verifier})" if self.verifier else ""
-        if self.hidden_size != target.hidden_size:
-            raise DFlashError(
-                f"{where}: hidden_size {self.hidden_size} does not match the target's {target.hidden_size}; "
-                f"this drafter was trained for another target{made_for}"
-            )
-        if self.num_target_layers not in (-1, target.num_layers):
-            raise DFlashError(
-                f"{where}: num_target_layers {self.num_target_layers} does not match the target's "
-                f"{target.num_layers} layers; this drafter was trained for another target{made_for}"
-            )
-        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
-        if bad:
-            raise DFlashError(f"{where}: target_layer_ids {bad} are outside the target's {target.num_layers} layers"
-                              f"{made_for}")
-        if self.vocab_size not in (None, target.vocab_size):
-            raise DFlashError(
-                f"{where}: vocab_size {self.vocab_size} does not match the target's {target.vocab_size}{made_for}"
-            )
-        if self.block_size > target.max_position_embeddings:
-            raise DFlashError(f"{where}: block_size {self.block_size} exceeds the target's context "
-                              f"(max_position_embeddings {target.max_position_embeddings}){made_for}")
-
-    def resolve_mask_token_id(self, override: int | None = None) -> int:
-        if override is not None:
-            return int(override)
-        if self.mask_token_id is None:
-            raise DFlashError(
-                "the drafter config has no mask_token_id (dflash_config.mask_token_id is null or absent); "
-                "pass --mask-token-id ID (the id of the tokenizer's mask token)"
-            )
-        return self.mask_token_id
-

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from ..runtime.errors import DFlashError
-from .config import DRAFT2_ARCH, DRAFT_ARCH, DraftConfig, read_config
+from .config import DRAFT2_ARCH, DRAFT_ARCH, read_config
+from .draft_config import DraftConfig
 from .drafter import Drafter, KV
 
 _KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")

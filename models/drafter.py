@@ -29,7 +29,8 @@ from torch import nn
 from ..runtime.errors import DFlashError
 from . import speculators
 from .checkpoint import load_state_dict, save_state_dict, strict_load
-from .config import DRAFT_ARCH, DraftConfig, TargetConfig, default_target_layer_ids
+from .config import DRAFT_ARCH, TargetConfig
+from .draft_config import DraftConfig, default_target_layer_ids
 from .layers import MLP, RMSNorm, apply_rope, attend, rope_cos_sin
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]

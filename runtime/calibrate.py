@@ -39,7 +39,7 @@ from .errors import DFlashError
 from .loop import Request, generate, generate_batch
 from .load import open_backend
 from .measure import measure_many, rate
-from .settings import FULL, Settings, VerifyPolicy, device_key, policy_json, save_settings
+from .settings import FULL, RunOptions, Settings, VerifyPolicy, device_key, policy_json, save_settings
 
 THETAS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
 MIN_LENS = (1, 2, 3, 4, 6)
@@ -340,8 +340,8 @@ def chunk_candidates(backend: Backend, prompt_len: int) -> list[int]:
 # -- the driver: `bench --calibrate` and `demo` -------------------------------------------
 
 
-def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bool | None, prompts, max_new_tokens: int,
-              warmup: int, log=lambda msg: None) -> dict:
+def calibrate(out: Path, run: RunOptions, candidates: list, prompts, max_new_tokens: int, warmup: int,
+              log=lambda msg: None) -> dict:
     """Measure the thread counts, spinning, the prefill chunk and the verify policy; write them to runtime.json.
 
     Threads: the speculative loop (full block) at each candidate count, interleaved, gives
@@ -351,8 +351,10 @@ def calibrate(out: Path, provider: str, backend: str, candidates: list, spin: bo
     spinning without bound, in the same interleaved pass (`choose_spin`). Prefill chunk: the
     time to first token of a 512-token prompt per chunk. Policy: the full-block rounds at the best count (drafter confidences and
     acceptance lengths) replayed against this machine's verify cost per length, as
-    `round_costs` times it inside a round. Costs: `round_costs` at each batch size.
+    `round_costs` times it inside a round. Costs: `round_costs` at each batch size. `run`: the
+    command's options (backend, provider, spin: None tries both); its threads are `candidates`.
     """
+    backend, provider, spin = run.backend, run.provider, run.spin
     both = spin is None and backend == "ort" and provider == "cpu"
     labels = [(t, *m) for t in candidates for m in (SPIN_MODES if both and t > 1 else ((bool(spin), None),))]
 

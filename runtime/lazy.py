@@ -22,7 +22,7 @@ HEAVY = ("dflash_export.export", "dflash_export.models", "dflash_export.train.tr
          "dflash_export.serve.ray", "dflash_export.runtime.ort.backend", "dflash_export.runtime.ort.sessions",
          "dflash_export.runtime.trt.backend")
 # ... but for these, which the CLI reads before anything loads: they name their optional dependencies with lazy_import
-LIGHT = ("dflash_export.export.sources", "dflash_export.export.quant_options")
+LIGHT = ("dflash_export.export.sources", "dflash_export.export.quant_options", "dflash_export.export.options")
 
 
 class LazyModule(types.ModuleType):

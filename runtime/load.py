@@ -2,7 +2,7 @@
 
 `open_artifact` is the one way `generate`, `bench`, `demo`, `serve` and Ray open a directory:
 the backend (ONNX Runtime or TensorRT, imported only when asked for) with the run's settings,
---threads/--spin/--verify over runtime.json over the defaults (runtime/settings.py).
+the run's options (runtime/settings.py RunOptions) over runtime.json over the defaults.
 """
 
 from __future__ import annotations
@@ -13,27 +13,26 @@ from .backend import Backend
 from .errors import DFlashError
 from .lazy import lazy_import
 from .manifest import load_manifest
-from .settings import Settings, device_key, resolve
+from .settings import RunOptions, Settings, resolve
 
 
-def open_artifact(directory: str | Path, *, backend: str = "ort", provider: str = "cpu", drafter: bool = True,
-                  threads: int | None = None, spin: bool | None = None, verify: str = "auto",
-                  max_batch: int = 1) -> tuple[Backend, Settings]:
-    """(backend, settings) over `directory`; the settings carry the verify policy the loop takes.
+def open_artifact(directory: str | Path, run: RunOptions | None = None, *, drafter: bool = True, max_batch: int = 1,
+                  settings: Settings | None = None) -> tuple[Backend, Settings]:
+    """(backend, settings) over `directory` run as `run` says (None: the defaults); the settings
+    carry the verify policy the loop takes (`settings`: resolved already, by `settings_for`).
     `max_batch`: rows decoded together (ONNX Runtime's CPU provider, or TensorRT engines built
     with `--max-batch`; docs/batching.md)."""
-    if backend == "ort":
+    run = run or RunOptions()
+    if run.backend == "ort":
         ort_backend_class()  # the install hint comes before anything about the directory
-    cfg = settings_for(directory, backend, provider, threads=threads, spin=spin, verify=verify)
-    kwargs = {"drafter": drafter, "max_batch": max_batch} | (cfg.ort_kwargs() if backend == "ort" else {})
-    return open_backend(directory, backend, provider, **kwargs), cfg
+    cfg = settings or settings_for(directory, run)
+    kwargs = {"drafter": drafter, "max_batch": max_batch} | (cfg.ort_kwargs() if run.backend == "ort" else {})
+    return open_backend(directory, run.backend, run.provider, **kwargs), cfg
 
 
-def settings_for(directory: str | Path, backend: str = "ort", provider: str = "cpu", *, threads: int | None = None,
-                 spin: bool | None = None, verify: str = "auto") -> Settings:
+def settings_for(directory: str | Path, run: RunOptions | None = None) -> Settings:
     """The run's settings alone (the backend verifies the hashes when it loads)."""
-    m = load_manifest(directory, verify=False)
-    return resolve(directory, m, device_key(backend, provider), threads=threads, spin=spin, verify=verify)
+    return resolve(directory, load_manifest(directory, verify=False), run or RunOptions())
 
 
 def open_backend(directory, backend: str = "ort", provider: str = "cpu", **kwargs) -> Backend:

@@ -27,6 +27,7 @@ from .controller import Costs
 from .errors import DFlashError
 from .files import read_json
 from .manifest import Manifest
+from .options import option
 
 RUNTIME_FORMAT = "dflash-export-runtime"
 WIDE = 1024  # hidden size from which graphs are memory-bound enough to gain from more threads
@@ -156,27 +157,58 @@ def save_settings(root: str | Path, key: str, settings: Settings) -> Path:
     return path
 
 
-def check_options(threads: int | None, verify: str) -> None:
-    """The run options that need no artifact: a command checks them before any long work."""
-    if verify not in ("auto", "full"):
-        raise DFlashError(f"--verify must be full or auto (got {verify!r})")
-    if threads is not None and threads < 1:
-        raise DFlashError(f"--threads must be >= 1 (got {threads})")
+BACKENDS = ("ort", "trt")
+VERIFY = ("auto", "full")
+SPECULATION = ("auto", "always", "never")
 
 
-def resolve(root: str | Path, manifest: Manifest, key: str, *, threads: int | None = None, spin: bool | None = None,
-            verify: str = "auto") -> Settings:
-    """What one run uses: explicit options over the calibrated file over the defaults
+@dataclass(kw_only=True)
+class RunOptions:
+    """How a command runs an exported directory, as the user gave it: the options `generate`,
+    `bench`, `demo` and `serve` share, declared once (cli/options.py makes them options) and
+    checked once, when the record is made. `resolve` turns them into the run's Settings:
+    these over runtime.json's calibrated values over the defaults (None: not given)."""
+
+    backend: str = option("ort", "ort: ONNX Runtime (see --provider); trt: the TensorRT engines of `dflash-export build`.",
+                          choices=BACKENDS, show_default=True)
+    provider: str = option("cpu", "ONNX Runtime execution provider: cpu | cuda | tensorrt.", show_default=True)
+    threads: int | None = option(None, "ONNX Runtime intra-op threads of every graph (default: runtime.json's calibrated "
+                                       "count, else 1 for small models and one per CPU from hidden size 1024).", type=int)
+    spin: bool | None = option(None, "Let ORT's idle threads spin [default: as `bench --calibrate` measured (it tries "
+                                     "both), else off: spinning made calls ~2x slower on shared vCPUs].",
+                               opt="--spin/--no-spin")
+    verify: str = option("auto", "auto: verify the drafter's confident prefix as runtime.json's calibrated policy says "
+                                 "(the full block when there is none); full: always the whole block.",
+                         choices=VERIFY, show_default=True)
+    speculation: str = option("auto", "auto: draft while it pays (recent acceptance against runtime.json's calibrated "
+                                      "costs), else plain steps that probe now and then; always: draft every round; "
+                                      "never: plain decoding of the target.", choices=SPECULATION, show_default=True)
+
+    def __post_init__(self):
+        for name, value, allowed in (("--backend", self.backend, BACKENDS), ("--verify", self.verify, VERIFY),
+                                     ("--speculation", self.speculation, SPECULATION)):
+            if value not in allowed:
+                raise DFlashError(f"{name} must be one of {', '.join(allowed)} (got {value!r})")
+        if self.threads is not None and self.threads < 1:
+            raise DFlashError(f"--threads must be >= 1 (got {self.threads})")
+
+    @property
+    def device(self) -> str:
+        """runtime.json's key for this backend and provider."""
+        return device_key(self.backend, self.provider)
+
+
+def resolve(root: str | Path, manifest: Manifest, run: RunOptions) -> Settings:
+    """What one run uses: the given options over the calibrated file over the defaults
     (`threads` given: every graph runs with it, the calibrated per-graph counts are ignored)."""
-    check_options(threads, verify)
-    s = load_settings(root, key)
+    s = load_settings(root, run.device)
     return Settings(
-        threads=threads or s.threads or default_threads(manifest),
-        spin=s.spin if spin is None else spin,
+        threads=run.threads or s.threads or default_threads(manifest),
+        spin=s.spin if run.spin is None else run.spin,
         spin_us=s.spin_us,  # the calibrated bound, also under an explicit --spin
-        verify=s.verify if verify == "auto" else None,
+        verify=s.verify if run.verify == "auto" else None,
         measured=s.measured,
-        graph_threads={} if threads else s.graph_threads,
+        graph_threads={} if run.threads else s.graph_threads,
         prefill_chunk=s.prefill_chunk,
         costs=s.costs,
     )

@@ -163,18 +163,11 @@ def load_engine(options: ServeOptions) -> Engine:
     from it (weights shared), each its own loop. Threads (per
     graph), spinning, the prefill chunk and the verify policy resolve as in generate/bench
     (runtime/settings.py); `speculation` auto: the controller decides per round (runtime/controller.py)."""
-    o = options
-    if o.slots < 1:
-        raise DFlashError(f"--slots must be >= 1 (got {o.slots})")
-    if o.max_queue < 0:
-        raise DFlashError(f"--max-queue must be >= 0 (got {o.max_queue})")
-    if o.max_batch < 1:
-        raise DFlashError(f"--max-batch must be >= 1 (got {o.max_batch})")
+    o = options  # its bounds were checked when it was made (serve/options.py)
     if o.max_batch > 1 and o.slots > 1:
         raise DFlashError(f"give --max-batch {o.max_batch} or --slots {o.slots}, not both")
     text = text_module.Text(o.directory, o.chat_template)
-    first, cfg = open_artifact(o.directory, backend=o.backend, provider=o.provider, drafter=o.speculative,
-                               threads=o.threads, spin=o.spin, verify=o.verify, max_batch=o.max_batch)
+    first, cfg = open_artifact(o.directory, o, drafter=o.speculative, max_batch=o.max_batch, settings=o.settings)
     control = controller_for(o.speculation, cfg.costs, first.manifest.block_size) if o.speculative else None
     text.format = formats.detect(text.template_source, first.manifest.architecture, o.tool_format)
     if o.max_batch > 1:

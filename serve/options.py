@@ -4,30 +4,28 @@ the model, and `RayOptions`, the replicas of `serve --ray`.
 
 A field with an option's metadata is also an option of `dflash-export serve`: cli/serve.py
 generates the command from these fields (`--name-with-dashes`, help, type and default here),
-so an option is added, renamed or given a new default here and nowhere else. The device
-fields (backend .. verify) and `speculation` are the options every running command shares
-(cli/options.py); a field without metadata is set from code only. click-only: no torch, no ray.
+so an option is added, renamed or given a new default here and nowhere else. `ServeOptions`
+is a `RunOptions` (runtime/settings.py: backend, provider, threads, spin, verify, speculation,
+the options every running command shares), passed whole to `open_artifact`; a field without
+metadata is set from code only. Bounds are checked once, when the record is made.
+click-only: no torch, no ray.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
 from ..runtime.errors import DFlashError
+from ..runtime.options import option
+from ..runtime.settings import RunOptions, Settings
 from .formats import FORMATS
 
 
-def option(value=None, help: str | None = None, **click_kw):  # noqa: A002: click's own word
-    """A field (default `value`) that is also an option of `serve`; click_kw as click.option takes them,
-    `opt` its name, `default` only where the command's default is not the record's."""
-    return field(default=value, metadata={"option": dict(help=help, **click_kw)})
-
-
 @dataclass
-class ServeOptions:
+class ServeOptions(RunOptions):
     directory: Path
     max_batch: int = option(1, "Requests generating at once as rows of one batched loop: they join at a round boundary "
                                "and leave when done [default: 4 where the export and memory allow, else 1].",
@@ -49,13 +47,15 @@ class ServeOptions:
                             is_flag=True)  # the flag messages name
     access_log: bool = option(False, "No line per request on stderr.", opt="--no-access-log", is_flag=True,
                               flag_value=False, default=True)  # one line per request on stderr (the command's default)
-    backend: str = "ort"
-    provider: str = "cpu"
-    threads: int | None = None  # None: runtime.json's calibrated count, else the default (runtime/settings.py)
-    spin: bool | None = None
-    verify: str = "auto"
-    speculation: str = "auto"  # auto: the controller decides per round; always: draft every round; never: plain
     max_body_bytes: int = 4 << 20
+    settings: Settings | None = None  # resolved by the command already (one process); None: load_engine resolves
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name, value, low in (("--max-batch", self.max_batch, 1), ("--slots", self.slots, 1),
+                                 ("--max-queue", self.max_queue, 0), ("--max-tokens", self.default_max_tokens, 1)):
+            if value is not None and value < low:
+                raise DFlashError(f"{name} must be >= {low} (got {value})")
 
     @property
     def speculative(self) -> bool:

@@ -135,7 +135,7 @@ def _released_drafter(case: Case, target_dir: Path, directory: Path) -> int | No
     import torch
 
     from dflash_export.models import Drafter, TargetConfig
-    from dflash_export.models.config import DraftConfig
+    from dflash_export.models.draft_config import DraftConfig
 
     tc = TargetConfig.load(target_dir)
     cfg = shrink_released(json.loads((FIXTURES / case.released).read_text()), tc.num_layers, tc.hidden_size,

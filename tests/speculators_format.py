@@ -17,7 +17,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from dflash_export.models.config import DraftConfig
+from dflash_export.models.draft_config import DraftConfig
 
 NON_TRANSFORMER_KEYS = {"architectures", "auto_map", "block_size", "dflash_config", "num_target_layers"}
 

@@ -281,16 +281,36 @@ def test_python_examples_are_found():
     assert ROOT / "README.md" in PYTHON_DOCS and sum(len(_python_blocks(d)) for d in PYTHON_DOCS) >= 5
 
 
+SERVER = "127.0.0.1:8000"
+
+
+@pytest.fixture(scope="module")
+def agent_server(tmp_path_factory):
+    """`serve` of the tools test's pair under the demo's model name, on a free port; stopped by its pid."""
+    from test_serve import running
+    from test_serve_tools import art
+
+    d = art.__wrapped__(tmp_path_factory)
+    yield from running(d, tmp_path_factory.mktemp("log") / "serve.log", "--tool-format", "qwen3",
+                       "--model-name", "dflash-demo")
+
+
 @pytest.mark.parametrize("doc", PYTHON_DOCS, ids=lambda d: str(d.relative_to(ROOT)))
-def test_python_examples_run(doc, small_export, tmp_path, monkeypatch, capsys):
+def test_python_examples_run(doc, small_export, tmp_path, monkeypatch, capsys, request):
     """A guide's Python blocks run in order in one namespace, as a reader pastes them, from a folder
-    where the directory they name (`art`, `OUT`) is the small export; a name or keyword the code
-    does not have fails here."""
+    where the directory they name (`art`, `OUT`) is the small export, and the server they talk to a
+    real one (the agents' test pair as the demo: a template that renders tools); a name or keyword
+    the code does not have fails here."""
     for name in ("art", "OUT"):
         shutil.copytree(small_export, tmp_path / name)
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    for i, body in enumerate(_python_blocks(doc)):
+    blocks = _python_blocks(doc)
+    if any(SERVER in b for b in blocks):  # a client of `serve --demo --port 8000`: a real server on a free port
+        server = request.getfixturevalue("agent_server")
+        blocks = [b.replace(SERVER, f"127.0.0.1:{server.port}").replace("max_tokens=64", "max_tokens=120")
+                  for b in blocks]  # its tokenizer is character-level: a call takes ~80 tokens
+    for i, body in enumerate(blocks):
         exec(compile(body, f"{doc.name} python block {i + 1}", "exec"), namespace)  # noqa: S102 - the docs' own code
     capsys.readouterr()
 

@@ -18,7 +18,7 @@ from runtime_cases import CASES, artifact, cached, prompts
 
 from dflash_export.export import graphs as G
 from dflash_export.models import Drafter, Target
-from dflash_export.models.config import DraftConfig
+from dflash_export.models.draft_config import DraftConfig
 from dflash_export.runtime import contract as C
 from dflash_export.runtime.calibrate import cost_model, round_costs
 from dflash_export.runtime.controller import Controller, Costs, RowControl, default_costs

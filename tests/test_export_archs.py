@@ -17,7 +17,7 @@ from tiny_exports import exported_taps_error
 from runtime_cases import CASES, artifact
 
 from dflash_export.cli import cli
-from dflash_export.models.config import DraftConfig
+from dflash_export.models.draft_config import DraftConfig
 from dflash_export.runtime import contract as C, manifest as M
 
 PAIRS = {"qwen2": "qwen2", "qwen3": "qwen3-b16"}  # arch -> CASES name

@@ -152,6 +152,26 @@ def test_a_killed_export_is_cleaned_by_the_next_run(ckpts, monkeypatch):
     assert_nothing_written(ckpts, "killed")
 
 
+def test_export_options_are_the_records_fields():
+    """`export`'s options are ExportOptions' and QuantRequest's fields with their defaults, and export_artifact
+    takes every ExportOptions field as a keyword with the same default: each named and defaulted once."""
+    import dataclasses
+    import inspect
+
+    from dflash_export.export.artifact import export_artifact
+    from dflash_export.export.options import ExportOptions, QuantRequest
+
+    params = {p.name: p for p in cli.commands["export"].params}
+    keywords = inspect.signature(export_artifact).parameters
+    for cls in (ExportOptions, QuantRequest):
+        for f in dataclasses.fields(cls):
+            assert f.name in params, f"{cls.__name__}.{f.name} is no option of export"
+            assert params[f.name].multiple or params[f.name].default == f.default, f.name
+            if cls is ExportOptions:
+                assert keywords[f.name].default == f.default, f"export_artifact's {f.name} default differs"
+    assert {f.name for f in dataclasses.fields(QuantRequest)} <= {p.name for p in cli.commands["quantize"].params}
+
+
 def test_help_teaches():
     for cmd in ("export", "check"):
         r = CliRunner().invoke(cli, [cmd, "--help"])

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from dflash_export.models import (
     DraftConfig, Drafter, KVCache, Target, TargetConfig, default_target_layer_ids, speculative_generate,
 )
-from dflash_export.models.config import parse_rope
+from dflash_export.models.rope import parse_rope
 from dflash_export.runtime.errors import DFlashError
 from dflash_export.models.tiny import make_target
 from runtime_cases import FIXTURES, shrink_released

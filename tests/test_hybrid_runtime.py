@@ -15,7 +15,7 @@ from runtime_cases import Case, artifact, prompts
 
 from dflash_export.cli import cli
 from dflash_export.models import Drafter, Target, speculative_generate
-from dflash_export.models.config import DraftConfig
+from dflash_export.models.draft_config import DraftConfig
 from dflash_export.runtime import contract as C, manifest as M
 from dflash_export.runtime.hybrid import commit_state
 from dflash_export.runtime.loop import generate

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dflash_export.models import Target, new_drafter
-from dflash_export.models.config import DraftConfig
+from dflash_export.models.draft_config import DraftConfig
 from dflash_export.models.drafter import Drafter
 from dflash_export.runtime.sampling import Drafted, Sampling, inverse_cdf, probabilities, rejection, sample_drafts
 from dflash_export.models.tiny import make_target

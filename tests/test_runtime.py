@@ -16,7 +16,7 @@ import torch
 from runtime_cases import CASES, artifact, prompts
 
 from dflash_export.models import Drafter, Target, autoregressive_generate, speculative_generate
-from dflash_export.models.config import DraftConfig
+from dflash_export.models.draft_config import DraftConfig
 from dflash_export.runtime import contract as C
 from dflash_export.runtime.names import names_of
 from dflash_export.runtime.errors import DFlashError

@@ -194,6 +194,55 @@ def test_generate_bad_input_is_one_line(out, args, message):
     assert r.stderr.startswith("error: ") and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
+def test_the_run_options_are_one_record():
+    """generate, bench, serve and demo take the run's options from one record, RunOptions: the same
+    names, defaults and help in every command; bad values are refused when the record is made."""
+    import dataclasses
+
+    from dflash_export.runtime.errors import DFlashError
+    from dflash_export.runtime.settings import RunOptions
+
+    fields = dataclasses.fields(RunOptions)
+    for cmd in ("generate", "bench", "serve", "demo"):
+        params = {p.name: p for p in cli.commands[cmd].params}
+        for f in fields:
+            if cmd == "demo" and f.name in ("backend", "provider"):  # the demo runs ONNX Runtime on CPU
+                assert f.name not in params
+                continue
+            assert params[f.name].default == f.default and params[f.name].help == f.metadata["option"]["help"], (cmd, f.name)
+    for bad, message in (({"threads": 0}, "--threads must be >= 1"), ({"verify": "some"}, "--verify must be one of"),
+                         ({"backend": "tpu"}, "--backend must be one of"), ({"speculation": "x"}, "--speculation")):
+        with pytest.raises(DFlashError, match=message):
+            RunOptions(**bad)
+    r = run("generate", "nowhere", "--prompt-ids", "1", "--threads", "0")
+    assert r.exit_code == 2 and r.stderr == "error: --threads must be >= 1 (got 0)\n", r.stderr
+
+
+def test_one_name_one_meaning_across_commands():
+    """--threads (ONNX Runtime's), --batch (rows decoded together), --warmup (untimed runs) and --precision
+    (the engines') mean one thing in every command that shows them; train-draft's own are named for what
+    they are, and still take their former names, hidden from --help."""
+    import click
+
+    shown = {}
+    for name, cmd in cli.commands.items():
+        for p in cmd.params:
+            if isinstance(p, click.Option) and not p.hidden:
+                for o in getattr(p, "old", ()):
+                    assert o not in cmd.get_help(click.Context(cmd, info_name=name)), (name, o)
+                for o in set(p.opts) - set(getattr(p, "old", ())):
+                    shown.setdefault(o, set()).add(name)
+    assert shown["--threads"] == {"generate", "bench", "demo", "serve"} and shown["--batch"] == {"generate", "bench"}
+    assert shown["--warmup"] == {"bench"} and shown["--precision"] == {"build"}
+    train = cli.commands["train-draft"]
+    ctx = train.make_context("train-draft", ["--target", "t", "--out", "o", "--data", "d", "--threads", "3", "--batch", "5",
+                                             "--warmup", "0.1", "--precision", "fp32"])
+    assert (ctx.params["torch_threads"], ctx.params["train_batch"], ctx.params["lr_warmup"],
+            ctx.params["train_precision"]) == (3, 5, 0.1, "fp32")
+    ctx = train.make_context("train-draft", ["--target", "t", "--out", "o", "--data", "d", "--torch-threads", "2"])
+    assert (ctx.params["torch_threads"], ctx.params["train_batch"]) == (2, 8)
+
+
 def test_bad_artifacts_are_one_line(out, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)

@@ -16,7 +16,7 @@ from runtime_cases import CASES, artifact, prompts
 from dflash_export.models.tiny import hf_model
 
 from dflash_export.models import Drafter, Target, speculative_generate
-from dflash_export.models.config import DraftConfig
+from dflash_export.models.draft_config import DraftConfig
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
 

@@ -573,15 +573,15 @@ def test_serve_bad_arguments_are_one_line(art, args, message):
 
 
 def test_serve_options_are_the_records_fields():
-    """`serve`'s options are generated from ServeOptions and RayOptions: every field but the directory and
-    max_body_bytes is an option, with its field's default unless the field declares the command's own
-    (the shared device options and --speculation included: their defaults are the record's)."""
+    """`serve`'s options are generated from ServeOptions and RayOptions: every field but the directory,
+    max_body_bytes and the resolved settings is an option, with its field's default unless the field
+    declares the command's own (the run's options included: ServeOptions is a RunOptions)."""
     from dflash_export.serve.options import RayOptions
 
     params = {p.name: p for p in cli.commands["serve"].params}
     for cls in (ServeOptions, RayOptions):
         for f in dataclasses.fields(cls):
-            if f.name in ("directory", "max_body_bytes"):
+            if f.name in ("directory", "max_body_bytes", "settings"):
                 continue
             assert f.name in params, f"{cls.__name__}.{f.name} is no option of serve"
             own = (f.metadata.get("option") or {}).get("default", f.default)

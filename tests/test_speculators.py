@@ -18,7 +18,7 @@ from speculators_format import to_speculators
 
 from dflash_export.runtime.errors import DFlashError
 from dflash_export.models import Target, speculative_generate
-from dflash_export.models.config import DraftConfig
+from dflash_export.models.draft_config import DraftConfig
 from dflash_export.models.dflash2 import load_draft_config, load_drafter
 from dflash_export.models.tiny import make_drafter, make_target
 

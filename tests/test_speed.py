@@ -29,7 +29,7 @@ from dflash_export.runtime.calibrate import SPIN_MODES, SPIN_US, choose_count, c
 from dflash_export.runtime.errors import DFlashError
 from dflash_export.runtime.loop import generate
 from dflash_export.runtime.ort.backend import OrtBackend
-from dflash_export.runtime.settings import FULL, Settings, VerifyPolicy, load_settings, resolve, save_settings
+from dflash_export.runtime.settings import FULL, RunOptions, Settings, VerifyPolicy, load_settings, resolve, save_settings
 from dflash_export.runtime.sampling import Sampling
 
 
@@ -251,15 +251,15 @@ def test_runtime_json_is_allowed_and_not_hashed(art):
     m = M.load_manifest(art, verify=True)  # still verifies: the file is allowed, and never hashed
     assert C.RUNTIME not in m.files and C.RUNTIME not in M.hash_files(art)
     assert load_settings(art, key).verify == VerifyPolicy(0.3, 2) and load_settings(art, "trt").verify is None
-    assert resolve(art, m, key).verify == VerifyPolicy(0.3, 2)
-    assert resolve(art, m, key, verify="full").verify is None  # --verify full ignores the calibration
-    assert resolve(art, m, key, threads=3).threads == 3 and resolve(art, m, key).threads == 1
-    assert resolve(art, m, "ort:cuda").verify is None and resolve(art, m, key).spin is False
+    assert resolve(art, m, RunOptions()).verify == VerifyPolicy(0.3, 2)
+    assert resolve(art, m, RunOptions(verify="full")).verify is None  # --verify full ignores the calibration
+    assert resolve(art, m, RunOptions(threads=3)).threads == 3 and resolve(art, m, RunOptions()).threads == 1
+    assert resolve(art, m, RunOptions(provider="cuda")).verify is None and resolve(art, m, RunOptions()).spin is False
     # per-graph threads and the prefill chunk reach the sessions; --threads overrides every graph
     per = {C.TARGET: 2, C.DRAFT_CONTEXT: 1, C.DRAFT_BLOCK: 1}
     save_settings(art, key, Settings(threads=1, graph_threads=per, prefill_chunk=64))
-    cfg = resolve(art, m, key)
-    assert cfg.graph_threads == per and cfg.prefill_chunk == 64 and resolve(art, m, key, threads=3).graph_threads == {}
+    cfg = resolve(art, m, RunOptions())
+    assert cfg.graph_threads == per and cfg.prefill_chunk == 64 and resolve(art, m, RunOptions(threads=3)).graph_threads == {}
     be = OrtBackend(art, **cfg.ort_kwargs())
     assert {g: s.get_session_options().intra_op_num_threads for g, s in be.sessions.items()} == per
     assert be.max_chunk == 64
@@ -267,9 +267,9 @@ def test_runtime_json_is_allowed_and_not_hashed(art):
     assert g.tokens == generate(OrtBackend(art, threads=1), list(range(1, 100)), 4, draft=False).tokens
     # a calibrated bounded spin reaches the sessions, also under an explicit --spin; --no-spin turns it off
     save_settings(art, key, Settings(threads=2, spin=True, spin_us=50, graph_threads=per))
-    assert (resolve(art, m, key).spin_us, resolve(art, m, key, spin=True).spin) == (50, True)
+    assert (resolve(art, m, RunOptions()).spin_us, resolve(art, m, RunOptions(spin=True)).spin) == (50, True)
     for spin, bound in ((None, "50"), (False, None)):
-        o = OrtBackend(art, drafter=False, **resolve(art, m, key, spin=spin).ort_kwargs()).sessions[C.TARGET]
+        o = OrtBackend(art, drafter=False, **resolve(art, m, RunOptions(spin=spin)).ort_kwargs()).sessions[C.TARGET]
         try:
             got = o.get_session_options().get_session_config_entry("session.intra_op.spin_duration_us")
         except RuntimeError:  # not set
@@ -345,7 +345,7 @@ def test_serve_engine_uses_the_calibrated_settings(art, monkeypatch):
     from dflash_export.serve.engine import load_engine
     from dflash_export.serve.options import ServeOptions
 
-    monkeypatch.setattr("dflash_export.serve.text.Text", lambda *args: None)  # this artifact has no tokenizer
+    monkeypatch.setattr("dflash_export.serve.text.Text", lambda *args: SimpleNamespace(template_source=None))  # no tokenizer
 
     save_settings(art, "ort:cpu", Settings(threads=1, verify=VerifyPolicy(0.2, 2)))
     engine = load_engine(ServeOptions(art, model_name="m"))

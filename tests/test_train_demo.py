@@ -72,7 +72,7 @@ def test_demo_runs_on_tiny_pair(tmp_path):
 
 
 def test_num_prompts_and_the_deprecated_spelling(tmp_path):
-    """--num-prompts N counts; --prompts N still does, with a warning (one release); --prompts FILE is a file."""
+    """--num-prompts N counts; --prompts N still does, with a warning (one release); --prompts FILE is a file of prompts."""
     from dflash_export.cli.demo import demo_prompts
 
     for args in (["--prompts", "3"], ["--num-prompts", "3"]):
@@ -85,7 +85,7 @@ def test_num_prompts_and_the_deprecated_spelling(tmp_path):
     f.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n')
     assert demo_prompts(None, 2, f) == ["a", "b"] and demo_prompts("x", 2, f) == ["x"]
     r = CliRunner().invoke(cli, ["check", str(tmp_path / "nothing"), "--target", "t", "--draft", "d", "--prompts", str(f)])
-    assert r.exit_code == 2 and "give their number with --num-prompts N" in r.output, r.output
+    assert r.exit_code == 2 and "not a directory" in r.output and "--num-prompts" not in r.output, r.output  # a file, read as one
 
 
 def test_the_verify_policy_reads_as_words():

@@ -140,6 +140,29 @@ def test_a_killed_build_is_cleaned_by_the_next_run(exported, monkeypatch, tmp_pa
     assert not list(tmp_path.glob(".out.*")) and len(load_manifest(out, verify=True).engines["profiles"]) == 3
 
 
+def test_a_backend_that_fails_partway_frees_what_it_allocated(built, monkeypatch):
+    """TensorRTBackend.__init__ raising after some of its device buffers and its stream exist
+    (here: the 10th cudaMalloc fails) frees every one of them and destroys the stream."""
+    import sys
+
+    from dflash_export.runtime.trt.backend import TensorRTBackend
+
+    _, out, _ = built
+    cuda = sys.modules["cuda.bindings.runtime"]
+    live, calls, streams = set(trt_fake._mem), [], []
+    real_malloc, real_destroy = cuda.cudaMalloc, cuda.cudaStreamDestroy
+
+    def malloc(n):
+        calls.append(n)
+        return (2, 0) if len(calls) == 10 else real_malloc(n)  # 2: cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(cuda, "cudaMalloc", malloc)
+    monkeypatch.setattr(cuda, "cudaStreamDestroy", lambda s: (streams.append(s), real_destroy(s))[1])
+    with pytest.raises(DFlashError, match="CUDA error"):
+        TensorRTBackend(out)
+    assert len(calls) == 10 and set(trt_fake._mem) == live and len(streams) == 1
+
+
 def test_dry_run_needs_no_tensorrt(exported, monkeypatch):
     trt_fake.install(monkeypatch)
     r = CliRunner().invoke(cli, ["build", str(exported / "out"), "--dry-run", "--max-prompt", str(MP)])

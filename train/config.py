@@ -14,13 +14,9 @@ from pathlib import Path
 import click
 
 from ..runtime.errors import DFlashError
+from ..runtime.options import option
 
 PRECISIONS = click.Choice(["auto", "fp32", "bf16"])
-
-
-def option(default=None, help: str | None = None, **click_kw):  # noqa: A002: click's own word
-    """A field that is also an option of `train-draft` (click_kw: as click.option takes them)."""
-    return field(default=default, metadata={"option": dict(help=help, **click_kw)})
 
 
 def parse_layer_ids(text: str | None) -> list[int] | None:
@@ -58,17 +54,19 @@ class TrainConfig:
     intermediate_size: int | None = option(None, "drafter MLP width (default: the target's)", type=int)
     gamma: float = option(7.0, "loss weight decay: w_k = exp(-(k-1)/gamma)", show_default=True)
     lr: float = option(1e-3, show_default=True)
-    train_batch: int = option(8, "sequences per optimizer step", show_default=True)
+    train_batch: int = option(8, "sequences per optimizer step", show_default=True, old=("--batch",))
     anchors: int = option(48, "random anchors (blocks) per sequence", show_default=True)
     steps: int = option(0, "train for N steps ...")
     minutes: float = option(0.0, "... or for M minutes of training (in all, across --resume; generation and "
                                  "evaluation not counted)")
     max_total_minutes: float = option(0.0, "bound the whole command (generation + training + evaluation); 0: none")
     train_precision: str = option("auto", "training matmuls: fp32 or bf16 autocast; auto: the faster, measured once "
-                                          "per machine", type=PRECISIONS, show_default=True)
+                                          "per machine", type=PRECISIONS, show_default=True,
+                                  old=("--precision",))
     gen_precision: str = option("auto", "the target's continuation generation, chosen the same way (bf16 flips a "
                                         "few near-tie labels)", type=PRECISIONS, show_default=True)
-    lr_warmup: float = option(0.05, "LR warmup as a fraction of the budget (steps or minutes)", show_default=True)
+    lr_warmup: float = option(0.05, "LR warmup as a fraction of the budget (steps or minutes)", show_default=True,
+                              old=("--warmup",))
     sequences: int = option(2048, "continuations to generate (cached)", show_default=True)
     gen_minutes: float = option(0.0, "stop generating new continuations after M minutes (0: all --sequences)")
     gen_tokens: int = option(256, "new tokens per continuation", show_default=True)
@@ -86,7 +84,7 @@ class TrainConfig:
     init: Path | None = option(None, "start from this drafter's weights (same shape; a fresh optimizer and "
                                      "schedule): a warm restart of a finished run", type=click.Path(path_type=Path))
     seed: int = option(0, show_default=True)
-    torch_threads: int = option(0, "torch threads (default: all cores)")
+    torch_threads: int = option(0, "torch threads (default: all cores)", old=("--threads",))
     family: str = option("dflash", "drafter family to train (only dflash: DFlash 2 training is not supported)",
                          type=click.Choice(["dflash", "dflash2"]), show_default=True)
     feature_cache_gb: float = 8.0  # the target's taps cached on disk per run (train/cache.py)

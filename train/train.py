@@ -34,7 +34,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from ..runtime.errors import DFlashError
 from . import cache as C, data as D, speed as P
 from .config import TrainConfig
-from ..models.config import DraftConfig, TargetConfig
+from ..models.config import TargetConfig
+from ..models.draft_config import DraftConfig
 from ..models.drafter import Drafter, draft_config_dict, new_drafter
 from ..models.generate import speculative_generate
 from ..models.target import Target

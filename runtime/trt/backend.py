@@ -37,6 +37,7 @@ sampled rows copy the two to the host for the walk (`draft_walk_rows`).
 
 from __future__ import annotations
 
+import contextlib
 from functools import cached_property
 from pathlib import Path
 
@@ -74,6 +75,13 @@ class TensorRTBackend(Backend):
 
     def __init__(self, out_dir: str | Path, manifest: Manifest | None = None, *, drafter: bool = True,
                  device: int = 0, max_batch: int = 1):
+        self.stream, self._allocs, self.engines = None, [], None  # what close() frees, so far nothing
+        with contextlib.ExitStack() as undo:  # raising partway frees what was allocated until then
+            undo.callback(self.close)
+            self._open(out_dir, manifest, drafter, device, max_batch)
+            undo.pop_all()  # opened: close() frees it all from now on
+
+    def _open(self, out_dir, manifest: Manifest | None, drafter: bool, device: int, max_batch: int) -> None:
         trt, cudart = import_tensorrt()
         self.trt, self.cudart = trt, cudart
         self.out = Path(out_dir)
@@ -95,7 +103,6 @@ class TensorRTBackend(Backend):
         cuda_check(cudart.cudaSetDevice(device))
         self.stream = cuda_check(cudart.cudaStreamCreate())
         self.handle = int(self.stream)  # TensorRT takes the raw cudaStream_t as an int
-        self._allocs: list[int] = []
 
         self.has_drafter = drafter
         graphs = (TARGET, DRAFT_CONTEXT, DRAFT_BLOCK) if drafter else (TARGET,)
