@@ -30,9 +30,10 @@ def child(art: Path, threads: int, prompt_len: int, new_tokens: int) -> dict:
     from dflash_export.runtime.load import open_artifact
     from dflash_export.runtime.loop import generate
     from dflash_export.runtime.memory import run_memory
+    from dflash_export.runtime.settings import RunOptions
 
     t0 = time.perf_counter()
-    backend, cfg = open_artifact(art, threads=threads)
+    backend, cfg = open_artifact(art, RunOptions(threads=threads))
     row = {"threads": threads, "load_s": round(time.perf_counter() - t0, 1), "after_load_mb": mem()}
     m = backend.manifest
     prompt = np.random.default_rng(0).integers(0, m.vocab_size - 2, prompt_len).tolist()
