@@ -17,12 +17,18 @@ from . import demo, export, info, run, serve, train, trt
 
 
 class Group(click.Group):
-    """Turns every DFlashError into one line on stderr and exit status 2: never a traceback.
-    An InternalError is a bug: its line asks for a report and the traceback follows (exit 3)."""
+    """Turns every DFlashError, and click's usage errors (a bad choice, a missing option, an
+    unknown command), into one line on stderr and exit status 2: never a traceback, never
+    click's three-line usage block. An InternalError is a bug: its line asks for a report and
+    the traceback follows (exit 3)."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except click.UsageError as e:
+            where = (e.ctx or ctx).command_path
+            click.echo(f"error: {e.format_message().rstrip('.')}; see `{where} --help`", err=True)
+            ctx.exit(2)
         except DFlashError as e:
             click.echo(f"error: {e}", err=True)
             ctx.exit(2)

@@ -229,3 +229,13 @@ def test_cheap_refusals_come_before_anything_loads(ckpts):
         assert code == 2 and message in line, (args, line)
     assert got["heavy"] == [], f"imported before refusing: {got['heavy']}"
     assert [p.name for p in taken.iterdir()] == ["keep.txt"] and not (ckpts / "new").exists()
+
+
+@pytest.mark.parametrize("args", [["foo"], ["generate"], ["generate", "x", "--threads", "abc"],
+                                  ["export", "--quantize", "int3"], ["bench", "x", "--no-such-flag"]])
+def test_usage_errors_are_one_line(args):
+    """click's usage errors (unknown command or option, missing argument, a bad value) read as every
+    other error: one `error:` line naming the help to read, exit status 2."""
+    r = CliRunner().invoke(cli, args)
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "--help`" in lines[0], r.output

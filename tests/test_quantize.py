@@ -360,7 +360,7 @@ def one_line_error(r, *words):
 
 
 @pytest.mark.parametrize("args,words", [
-    (["--quantize", "int3"], ["int3", "int4 or int8"]),
+    (["--quantize", "int3"], ["int3", "'int4', 'int8'", "export --help"]),
     (["--quantize", "int4", "--dtype", "bf16"], ["bf16", "fp32 or fp16"]),
     (["--quantize", "int4", "--quant-block-size", "24"], ["24", "power of two"]),
     (["--quantize-draft"], ["need --quantize"]),
