@@ -16,7 +16,7 @@ import click
 
 from ..runtime import contract as C, manifest as M, settings as S
 from ..runtime.controller import Costs, auto_policy, default_costs, describe_auto
-from ..runtime.memory import human
+from ..runtime.memory import human, run_memory
 from ..runtime.errors import DFlashError
 
 
@@ -59,7 +59,18 @@ def describe(out: Path, verify: bool = True) -> dict:
         "moe": m.moe,
         "kv_cache": m.kv_cache,
         "quantization": m.quantization and {k: v for k, v in m.quantization.items() if k != "weights"},
+        "memory": memory_needed(out, m),
     }
+
+
+def memory_needed(out: Path, m) -> dict:
+    """About what a run holds (runtime/memory.py `run_memory`), with the drafter (speculative) and
+    without (plain), at the calibrated prefill chunk (or the default); a bad runtime.json: the default."""
+    try:
+        chunk = S.load_settings(out, S.device_key("ort", "cpu")).prefill_chunk or S.DEFAULT_CHUNK
+    except DFlashError:
+        chunk = S.DEFAULT_CHUNK
+    return {"speculative": run_memory(out, m, chunk=chunk), "plain": run_memory(out, m, drafter=False, chunk=chunk)}
 
 
 def attention_kinds(m) -> dict:
@@ -231,6 +242,11 @@ def print_info(d: dict, out: Path) -> None:
         click.echo(f"shared   {len(shared)} weight names stored once in {C.SHARED_DATA} ({human(sum(once.values()))})")
     click.echo("files    " + ", ".join(f"{k} {human(v)}" for k, v in d["files"].items()))
     click.echo(f"total    {human(d['total_bytes'])}")
+    r, p = d["memory"]["speculative"], d["memory"]["plain"]
+    click.echo(f"memory   a run needs about {human(r['total'])} ({human(p['total'])} without the drafter): weights "
+               f"{human(r['weights'])} once ONNX Runtime has packed them, KV cache {human(r['kv_cache'])} per sequence at max "
+               f"context {r['max_context']} (resident as a sequence fills it), working memory about {human(r['work'])} "
+               f"for prefill chunks of {r['chunk']}, runtime {human(r['runtime'])}")
     click.echo(f"hashes   {d['hashes']}")
     if d["engines"]:
         click.echo(f"engines  TensorRT build record present ({', '.join(sorted(d['engines']))})")

@@ -38,6 +38,7 @@ from ..runtime.hybrid import commit_state
 from ..runtime.lazy import lazy_import
 from ..runtime.load import open_backend
 from ..runtime.loop import generate
+from ..runtime.memory import available_memory
 from ..runtime.names import names_of
 from ..runtime.errors import DFlashError
 from ..runtime.settings import WIDE
@@ -215,8 +216,6 @@ def load_sources(root: Path, manifest: M.Manifest, target_dir, draft_dir, warnin
 def needs_by_layer(root: Path, m: M.Manifest, target_dir, draft_dir) -> bool:
     """Whether the whole PyTorch source (twice for a quantized artifact: the float one and the
     dequantized one) and the graphs would not fit in the memory available now."""
-    from ..runtime.memory import available_memory
-
     avail = available_memory()
     try:
         tsrc, dsrc = find_sources(m, target_dir, draft_dir)

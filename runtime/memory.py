@@ -91,6 +91,39 @@ def check_cache_memory(m, max_batch: int, max_len: int, drafter: bool = True, av
     return need
 
 
+PACKING = 1.06  # ONNX Runtime's packed weights vs their bytes on disk (MatMulNBits at accuracy level 4 adds a sum per block)
+WORK_PER_POSITION = 256  # bytes of working memory per prefill position and unit of hidden size (see run_memory)
+RUNTIME_BASE = 150 << 20  # Python, numpy, ONNX Runtime and the tokenizer, loaded, before any weight
+
+
+def run_memory(directory: str | Path, m, *, drafter: bool = True, chunk: int = 256, rows: int = 1) -> dict:
+    """About how many bytes a run of `directory` holds, by part (`info` prints it; docs/real-sizes.md
+    compares it with measured peaks). ONNX Runtime reads each weight from the graph's data file,
+    packs it into its own buffer and frees what it read, so the weights are held once; but a
+    weight several graphs share (shared.data: the LM head, the drafter's K/V projections) is
+    packed once per session that holds it, while the embedding table is read in place from the
+    mapped file (only the rows a prompt uses are resident). Working memory (ONNX Runtime's arena)
+    grows with the prefill chunk: measured about 0.9 MiB per position at hidden 4096
+    (WORK_PER_POSITION x hidden bytes per position). The KV cache is counted at max context: its
+    pages become resident as a sequence grows into them."""
+    directory = Path(directory)
+    graphs = [C.TARGET, C.DRAFT_CONTEXT, C.DRAFT_BLOCK] if drafter else [C.TARGET]
+    size = lambda rel: (directory / rel).stat().st_size if (directory / rel).is_file() else 0  # noqa: E731
+    own = sum(size(m.graphs[g].file) + size(Path(m.graphs[g].file).with_suffix(".data")) for g in graphs)
+    regions: dict[tuple, int] = {}
+    for name, t in m.shared.items():
+        holders = [g for g in t.graphs if g in graphs]
+        packed = 0 if name.startswith(C.SHARED_INITIALIZERS[0]) else len(holders)  # the lookup reads in place
+        key = (t.file, t.offset)
+        regions[key] = max(regions.get(key, 0), packed * t.length)  # a tied head: the table's bytes, packed per graph
+    shared = sum(regions.values())
+    weights = int((own + shared) * PACKING)
+    kv = rows * m.max_context * cache_bytes_per_position(m, drafter) + rows * ring_bytes(m)
+    work = chunk * WORK_PER_POSITION * m.hidden_size
+    return {"weights": weights, "kv_cache": kv, "work": work, "runtime": RUNTIME_BASE,
+            "total": weights + kv + work + RUNTIME_BASE, "chunk": chunk, "max_context": m.max_context}
+
+
 def human(n: float) -> str:
     """Bytes for people: "512 B", "1.5 MiB", "3.2 GiB" (info's file table, the exporter's sizes and peak RSS)."""
     for unit in ("B", "KiB", "MiB", "GiB"):

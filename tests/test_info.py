@@ -139,3 +139,23 @@ def test_info_names_a_mixture_of_experts_target_as_such(out):
     assert attention_kinds(m)["family"] == "mixture-of-experts"
     m.target_layer_types = [C.LINEAR] + [C.ATTENTION] * (m.target_layers - 1)
     assert attention_kinds(m)["family"] == "hybrid mixture-of-experts"
+
+
+def test_info_says_how_much_memory_a_run_needs(out):
+    """Weights once (each graph's own file and data), a shared weight once per graph that packs it,
+    the embedding table not at all (read in place), the KV cache at max context, all printed."""
+    from dflash_export.runtime import memory
+
+    m = M.load_manifest(out)
+    d = json.loads(CliRunner().invoke(cli, ["info", str(out), "--json", "--no-verify"]).output)["memory"]
+    spec, plain = d["speculative"], d["plain"]
+    size = lambda f: (out / f).stat().st_size if (out / f).is_file() else 0  # noqa: E731
+    own = size(m.graphs[C.TARGET].file) + size(m.graphs[C.TARGET].file.replace(".onnx", ".data"))
+    packed = {(t.file, t.offset): t.length for n, t in m.shared.items()
+              if C.TARGET in t.graphs and not n.startswith("embed_tokens")}
+    assert m.shared and plain["weights"] == int((own + sum(packed.values())) * memory.PACKING)
+    assert spec["weights"] > plain["weights"] and spec["kv_cache"] > plain["kv_cache"]
+    assert plain["kv_cache"] == m.max_context * memory.cache_bytes_per_position(m, drafter=False)
+    assert spec["total"] == spec["weights"] + spec["kv_cache"] + spec["work"] + spec["runtime"]
+    text = CliRunner().invoke(cli, ["info", str(out), "--no-verify"]).output
+    assert f"memory   a run needs about {memory.human(spec['total'])} ({memory.human(plain['total'])} without" in text

@@ -109,3 +109,20 @@ def test_moe_target_by_layer(tmp_path):
 def test_unsupported_target_says_so(tmp_path):
     t = make_target(tmp_path / "t", arch="gpt_oss", layers=2, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64)
     assert "read whole" in layerwise.supported(t)
+
+
+def test_the_checkpoint_is_read_by_plain_reads_bf16_widened_exactly(tmp_path, monkeypatch):
+    """No safetensors mmap (its pages would stay in the process's RSS while the file is open:
+    a check would hold the whole checkpoint); bf16, fp16 and scalars come back exactly."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    w, h, v = (torch.randn(5, 3, generator=g).to(torch.bfloat16), torch.randn(2, 4, generator=g).to(torch.float16),
+               torch.randn(4, generator=g))
+    save_file({"a.weight": w, "h.weight": h, "b": v, "s": torch.tensor(2.5)}, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(layerwise, "safetensors", None)  # opening or reading through safetensors fails here
+    src = layerwise.Source(tmp_path, "checkpoint")
+    names = ["a.weight", "h.weight", "b", "s"]
+    got = src.read(names, names, torch.float32)
+    assert torch.equal(got["a.weight"], w.float()) and torch.equal(got["h.weight"], h.float())
+    assert torch.equal(got["b"], v) and got["s"].shape == () and got["s"].item() == 2.5
