@@ -129,12 +129,16 @@ class Manifest:
         MoE op, and QMoE with fp32 activations (int4 experts below accuracy level 4), multiply each
         expert's weights by the tokens routed to it, so how many rows each GEMM gets changes with the
         call (QMoE with int8 activations gave a row the same bits either way); the delta rule computes a
-        step and a chunk in different orders. Where a target has one, speculative == plain holds
-        except at near-ties of the top two logits (docs/quantization.md)."""
+        step and a chunk in different orders; ONNX Runtime's GroupQueryAttention (the ort flavour) over
+        an fp32 cache computes one query row another way than several (measured at head_dim 16-128;
+        over the int8 cache it gave a row the same bits). Where a target has one, speculative == plain
+        holds except at near-ties of the top two logits (docs/quantization.md)."""
         q = self.quantization or {}
         int8_experts = bool(q.get("experts")) and (q.get("accuracy_level") == 4 or q.get("scheme") == "int8")
         moe_op = (self.moe or {}).get("path") == "op" and not int8_experts
+        gqa = self.attention == "ort" and (self.kv_cache or {}).get("dtype") != "int8"
         return [w for w, has in (("ONNX Runtime's MoE op experts (--moe op, fp32 activations)", moe_op),
+                                 ("GroupQueryAttention over an fp32 cache (--attention ort)", gqa),
                                  ("linear-attention layers", bool(self.linear_layers))) if has]
 
     def to_json(self) -> str:
