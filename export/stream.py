@@ -65,18 +65,7 @@ def _header(path: Path) -> tuple[int, dict]:
 
 def read_rows(e: Entry, first: int, count: int) -> np.ndarray:
     """`count` rows of the tensor's first axis from `first` on, as float32 (a plain file read)."""
-    row = int(np.prod(e.shape[1:], dtype=np.int64))
-    itemsize = np.dtype(_NP[e.dtype]).itemsize
-    try:
-        with open(e.path, "rb") as f:
-            f.seek(e.start + first * row * itemsize)
-            a = np.fromfile(f, _NP[e.dtype], count * row)
-    except OSError as err:
-        raise DFlashError(f"{e.path}: cannot read expert tensor {e.key} ({err})") from None
-    if a.size != count * row:
-        raise DFlashError(f"{e.path}: expert tensor {e.key} ends past the end of the file (truncated or changed "
-                          "while exporting)")
-    a = a.reshape(count, *e.shape[1:])
+    a = read_native(e, first, count)
     if e.dtype == "BF16":
         return (a.astype(np.uint32) << 16).view(np.float32)
     return a.astype(np.float32, copy=False)

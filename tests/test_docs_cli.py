@@ -262,18 +262,9 @@ PYTHON_DOCS = [d for d in DOCS if d.exists() and _python_blocks(d)]
 @pytest.fixture(scope="module")
 def small_export(tmp_path_factory):
     """A small cached export with a tokenizer (character-level), standing in for the guides' `art` / `OUT`."""
-    from runtime_cases import CASES, artifact
-    from test_runtime_cli import char_tokenizer
+    from test_files import tokenized_copy
 
-    from dflash_export.runtime import manifest as M
-
-    out = tmp_path_factory.mktemp("docs") / "art"
-    shutil.copytree(artifact(CASES["qwen2"])[2], out)
-    char_tokenizer(out / "tokenizer.json")
-    m = M.load_manifest(out, verify=False)
-    m.tokenizer = True
-    M.write_manifest(out, m)
-    return out
+    return tokenized_copy(tmp_path_factory.mktemp("docs") / "art")
 
 
 def test_python_examples_are_found():

@@ -79,16 +79,20 @@ def assert_one_line(r, *words):
         assert w in last, last
 
 
-@pytest.fixture(scope="module")
-def art(tmp_path_factory):
-    """A copy of a small cached export, with a tokenizer, that the tests break and repair."""
-    out = tmp_path_factory.mktemp("files") / "art"
+def tokenized_copy(out):
+    """A copy at `out` of a small cached export, with a character-level tokenizer."""
     shutil.copytree(artifact(CASES["qwen2"])[2], out)
     char_tokenizer(out / "tokenizer.json")
     m = M.load_manifest(out, verify=False)
     m.tokenizer = True
     M.write_manifest(out, m)
     return out
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    """A copy of a small cached export, with a tokenizer, that the tests break and repair."""
+    return tokenized_copy(tmp_path_factory.mktemp("files") / "art")
 
 
 def test_the_reader_names_each_cause(tmp_path):
