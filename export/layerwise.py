@@ -19,7 +19,6 @@ layer as they are read) and every drafter family; other targets (hybrid, windowe
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import re
 from collections.abc import Callable
@@ -35,7 +34,7 @@ from ..runtime.errors import DFlashError
 from ..runtime.lazy import lazy_import
 from .. import models as reference
 from ..models import dflash2
-from ..models.checkpoint import experts_on_meta, weight_files
+from ..models.checkpoint import experts_on_meta
 from ..models.config import TargetConfig
 from ..models.moe import fuse_experts
 from ..runtime import contract as C
@@ -70,12 +69,7 @@ class Source:
         """Where each tensor lies (the headers only). Read with plain file reads, not safetensors'
         mmap: mapped pages count in the process's RSS for as long as the file stays open (a 6-layer,
         hidden-4096 check peaked at 9.3 GB RSS that way, the whole checkpoint's pages)."""
-        self.handles: dict[str, stream.Entry] = {}
-        for path in weight_files(self.directory, self.what):
-            n, header = stream._header(path)
-            for key, t in header.items():
-                if key != "__metadata__":
-                    self.handles[key] = stream.Entry(path, key, t["dtype"], tuple(t["shape"]), 8 + n + t["data_offsets"][0])
+        self.handles: dict[str, stream.Entry] = stream.checkpoint_entries(self.directory, self.what)
 
     def keys_for(self, prefix: str, names: list[str]) -> list[str]:
         """The checkpoint keys the module `prefix` reads for its parameters `names`."""
@@ -104,8 +98,7 @@ def read_tensor(e: stream.Entry) -> torch.Tensor:
     its pages then dropped from the page cache (read once: a check would otherwise fill the
     memory limit with the checkpoint's pages)."""
     if e.dtype in stream._NP:
-        out = torch.from_numpy(stream.read_rows(e, 0, e.shape[0]) if e.shape else
-                               stream.read_rows(dataclasses.replace(e, shape=(1,)), 0, 1).reshape(()))
+        out = torch.from_numpy(stream.read_rows(e))
     else:
         with safetensors.safe_open(str(e.path), framework="pt") as f:
             out = f.get_tensor(e.key)
@@ -179,11 +172,8 @@ class Layerwise:
 
 def weight_bytes(directory, dtype: torch.dtype) -> int:
     """Bytes a checkpoint's tensors take in `dtype` (from the safetensors headers; nothing read)."""
-    n = 0
-    for path in weight_files(directory, "checkpoint"):
-        with safetensors.safe_open(str(path), framework="pt") as f:
-            n += sum(int(np.prod(f.get_slice(k).get_shape(), dtype=np.int64)) for k in f.keys())
-    return n * _itemsize(dtype)
+    entries = stream.checkpoint_entries(directory, "checkpoint").values()
+    return sum(int(np.prod(e.shape, dtype=np.int64)) for e in entries) * _itemsize(dtype)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

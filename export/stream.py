@@ -63,8 +63,9 @@ def _header(path: Path) -> tuple[int, dict]:
         raise DFlashError(f"{path}: unreadable safetensors header ({e})") from None
 
 
-def read_rows(e: Entry, first: int, count: int) -> np.ndarray:
-    """`count` rows of the tensor's first axis from `first` on, as float32 (a plain file read)."""
+def read_rows(e: Entry, first: int = 0, count: int | None = None) -> np.ndarray:
+    """`count` rows of the tensor's first axis from `first` on (None: the rest; a scalar whole), as
+    float32 (a plain file read)."""
     a = read_native(e, first, count)
     if e.dtype == "BF16":
         return (a.astype(np.uint32) << 16).view(np.float32)
